@@ -1,0 +1,304 @@
+"""Value types of the plugin contract: what a plugin can do, what a device is.
+
+This module is the one plugins import. Everything here is a frozen dataclass built from plain
+Python values, so capabilities can be read (and plans made) without importing any kernel library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+# Names used across the contract. Open strings are checked against these sets where they matter.
+DEVICE_TYPES = ("cuda", "rocm", "xpu", "npu", "cpu")
+COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+ATTENTION_KINDS = ("MHA", "GQA", "MQA", "MLA")
+PHASES = ("prefill", "decode")
+
+
+def _frozen_map(value: Mapping | None) -> Mapping:
+    return MappingProxyType(dict(value or {}))
+
+
+def _frozenset(value: Iterable | None) -> frozenset:
+    if value is None:
+        return frozenset()
+    if isinstance(value, str):
+        return frozenset([value])
+    return frozenset(value)
+
+
+class _Frozen:
+    """Mixin: turns set/dict fields given as lists or dicts into immutable values."""
+
+    _sets: tuple[str, ...] = ()
+    _maps: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in self._sets:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _frozenset(value))
+        for name in self._maps:
+            object.__setattr__(self, name, _frozen_map(getattr(self, name)))
+
+
+@dataclass(frozen=True)
+class PageSizes:
+    """Which KV page sizes a backend accepts: any, one of a set, or any multiple of a number."""
+
+    mode: str = "any"  # "any" | "set" | "multiple"
+    values: tuple[int, ...] = ()
+
+    @classmethod
+    def any(cls) -> PageSizes:
+        return cls("any", ())
+
+    @classmethod
+    def of(cls, *sizes: int) -> PageSizes:
+        return cls("set", tuple(sorted(sizes)))
+
+    @classmethod
+    def multiple_of(cls, n: int) -> PageSizes:
+        return cls("multiple", (n,))
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("any", "set", "multiple"):
+            raise ValueError(f"PageSizes.mode must be any, set or multiple, not {self.mode!r}")
+        if self.mode != "any" and not self.values:
+            raise ValueError(f"PageSizes({self.mode!r}) needs at least one value")
+
+    def accepts(self, size: int) -> bool:
+        if self.mode == "any":
+            return size >= 1
+        if self.mode == "set":
+            return size in self.values
+        return size >= 1 and size % self.values[0] == 0
+
+    def preferred(self) -> int:
+        """The page size the backend would adopt when the user leaves it open."""
+        if self.mode == "any":
+            return 1
+        return self.values[0]
+
+    def describe(self) -> str:
+        if self.mode == "any":
+            return "any"
+        if self.mode == "set":
+            return "|".join(str(v) for v in self.values)
+        return f"multiple of {self.values[0]}"
+
+
+@dataclass(frozen=True)
+class CapabilityRange:
+    """An inclusive range of compute capability for one device type, e.g. CUDA sm80..sm90.
+
+    For CUDA the number is major*10+minor (80 = sm80). For ROCm, archs names gfx targets.
+    """
+
+    min: int | None = None
+    max: int | None = None
+    archs: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.archs is not None:
+            object.__setattr__(self, "archs", _frozenset(self.archs))
+
+    def accepts(self, capability: int | None, arch: str | None) -> bool:
+        if self.archs is not None and (arch is None or arch not in self.archs):
+            return False
+        if capability is None:
+            return self.min is None and self.max is None
+        if self.min is not None and capability < self.min:
+            return False
+        return not (self.max is not None and capability > self.max)
+
+    def describe(self) -> str:
+        parts = []
+        if self.min is not None or self.max is not None:
+            lo = f"sm{self.min}" if self.min is not None else ""
+            hi = f"sm{self.max}" if self.max is not None else ""
+            parts.append(f"{lo}-{hi}" if lo != hi else lo)
+        if self.archs is not None:
+            parts.append("|".join(sorted(self.archs)))
+        return ",".join(parts) or "any"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a hardware target found (or what a simulated profile says).
+
+    `features` holds names such as bf16, fp16, fp8, int8_mma, amx_bf16, amx_int8, amx_tile,
+    avx512f, avx512_bf16, xmx, tensor_cores.
+    """
+
+    target: str  # name of the hardware plugin: cuda, rocm, xpu, npu, cpu, ...
+    device_type: str  # torch device type: "cuda" for CUDA and ROCm, "xpu", "npu", "cpu"
+    available: bool = True
+    reason: str = ""  # why not available
+    name: str = ""  # e.g. "NVIDIA H200"
+    vendor: str = ""
+    count: int = 0
+    arch: str | None = None  # e.g. "sm90", "gfx942", "sapphirerapids"
+    capability: int | None = None  # CUDA: major*10+minor
+    memory_bytes: int = 0  # per device
+    features: frozenset[str] = frozenset()
+    dist_backend: str = ""  # nccl, rccl, xccl, hccl, gloo
+    graph_capture: bool = False
+    simulated: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", _frozenset(self.features))
+        object.__setattr__(self, "extra", _frozen_map(self.extra))
+
+    def has(self, feature: str) -> bool:
+        return feature in self.features
+
+    def describe(self) -> str:
+        if not self.available:
+            return f"{self.target}: unavailable ({self.reason})"
+        mem = f"{self.memory_bytes / 2**30:.0f} GiB" if self.memory_bytes else "? GiB"
+        arch = f" {self.arch}" if self.arch else ""
+        sim = " [simulated]" if self.simulated else ""
+        return f"{self.target}: {self.count}x {self.name}{arch}, {mem}{sim}"
+
+
+@dataclass(frozen=True)
+class HardwareCaps(_Frozen):
+    """Static facts of a hardware target plugin, known without probing."""
+
+    device_type: str
+    vendor: str = ""
+    dist_backend: str = ""
+    description: str = ""
+    requires: tuple[str, ...] = ()  # python packages the probe needs (e.g. torch_npu)
+    priority: int = 0  # which available target wins when --device is left open
+
+    def summary(self) -> str:
+        return f"device_type={self.device_type} dist={self.dist_backend or '-'}"
+
+
+@dataclass(frozen=True)
+class AttentionCaps(_Frozen):
+    """What an attention backend supports. Every field is checked by the resolver."""
+
+    devices: frozenset[str] = frozenset()  # targets: cuda, rocm, xpu, npu, cpu
+    capability: Mapping[str, CapabilityRange] = field(default_factory=dict)  # per device
+    cpu_isa: frozenset[str] = frozenset()  # features the CPU must have, e.g. {"amx_bf16"}
+    dtypes: frozenset[str] = frozenset(COMPUTE_DTYPES)
+    kv_cache_dtypes: frozenset[str] = frozenset(("float32", "float16", "bfloat16"))
+    head_sizes: frozenset[int] | None = None  # None: any head size
+    page_sizes: PageSizes = PageSizes()
+    attention_kinds: frozenset[str] = frozenset(("MHA", "GQA", "MQA"))
+    sliding_window: bool = False
+    logit_softcap: bool = False
+    sinks: bool = False
+    phases: frozenset[str] = frozenset(PHASES)
+    cuda_graph: bool = False
+    deterministic: bool = False
+    requires: tuple[str, ...] = ()  # python packages imported by the factory
+    priority: Mapping[str, int] = field(default_factory=dict)  # per device target
+    description: str = ""
+
+    _sets = ("devices", "cpu_isa", "dtypes", "kv_cache_dtypes", "head_sizes", "attention_kinds",
+             "phases")
+    _maps = ("capability", "priority")
+
+    def summary(self) -> str:
+        caps = ",".join(f"{d}:{r.describe()}" for d, r in sorted(self.capability.items()))
+        heads = "any" if self.head_sizes is None else "|".join(map(str, sorted(self.head_sizes)))
+        flags = [n for n in ("sliding_window", "logit_softcap", "sinks", "cuda_graph",
+                             "deterministic") if getattr(self, n)]
+        return (f"devices={','.join(sorted(self.devices))}{' (' + caps + ')' if caps else ''} "
+                f"kinds={','.join(sorted(self.attention_kinds))} "
+                f"dtypes={','.join(sorted(self.dtypes))} kv={','.join(sorted(self.kv_cache_dtypes))} "
+                f"heads={heads} pages={self.page_sizes.describe()} "
+                f"phases={','.join(sorted(self.phases))} "
+                f"{' '.join(flags)}").strip()
+
+
+@dataclass(frozen=True)
+class MoECaps(_Frozen):
+    """What a MoE runner supports."""
+
+    devices: frozenset[str] = frozenset()
+    capability: Mapping[str, CapabilityRange] = field(default_factory=dict)
+    cpu_isa: frozenset[str] = frozenset()
+    dtypes: frozenset[str] = frozenset(COMPUTE_DTYPES)
+    quant_methods: frozenset[str] = frozenset(("unquantized",))
+    activations: frozenset[str] = frozenset(("silu",))
+    grouped_topk: bool = False
+    shared_experts: bool = False
+    max_experts: int | None = None
+    max_top_k: int | None = None
+    cuda_graph: bool = False
+    deterministic: bool = False
+    requires: tuple[str, ...] = ()
+    priority: Mapping[str, int] = field(default_factory=dict)
+    description: str = ""
+
+    _sets = ("devices", "cpu_isa", "dtypes", "quant_methods", "activations")
+    _maps = ("capability", "priority")
+
+    def summary(self) -> str:
+        flags = [n for n in ("grouped_topk", "shared_experts", "cuda_graph") if getattr(self, n)]
+        return (f"devices={','.join(sorted(self.devices))} dtypes={','.join(sorted(self.dtypes))} "
+                f"quant={','.join(sorted(self.quant_methods))} "
+                f"act={','.join(sorted(self.activations))} {' '.join(flags)}").strip()
+
+
+@dataclass(frozen=True)
+class QuantCaps(_Frozen):
+    """What a quantization method supports.
+
+    `config_names` are the quant_method strings of a HF quantization_config it can load
+    ("none" for unquantized checkpoints).
+    """
+
+    devices: frozenset[str] = frozenset()
+    capability: Mapping[str, CapabilityRange] = field(default_factory=dict)
+    cpu_isa: frozenset[str] = frozenset()
+    config_names: frozenset[str] = frozenset()
+    dtypes: frozenset[str] = frozenset(COMPUTE_DTYPES)  # activation / compute dtypes
+    weight_bits: frozenset[int] = frozenset()
+    moe: bool = False  # can quantize MoE expert weights
+    needs_features: frozenset[str] = frozenset()  # device features, e.g. {"fp8"}
+    requires: tuple[str, ...] = ()
+    priority: Mapping[str, int] = field(default_factory=dict)
+    description: str = ""
+
+    _sets = ("devices", "cpu_isa", "config_names", "dtypes", "weight_bits", "needs_features")
+    _maps = ("capability", "priority")
+
+    def summary(self) -> str:
+        return (f"devices={','.join(sorted(self.devices))} "
+                f"loads={','.join(sorted(self.config_names))} "
+                f"dtypes={','.join(sorted(self.dtypes))}{' moe' if self.moe else ''}")
+
+
+@dataclass(frozen=True)
+class ModelCaps(_Frozen):
+    """A model architecture implementation: the HF `architectures` names it serves."""
+
+    architectures: frozenset[str] = frozenset()
+    attention_kinds: frozenset[str] = frozenset(("MHA", "GQA", "MQA"))
+    description: str = ""
+
+    _sets = ("architectures", "attention_kinds")
+
+    def summary(self) -> str:
+        return f"architectures={','.join(sorted(self.architectures))}"
+
+
+KINDS = ("hardware", "attention", "moe", "quant", "models")
+CAPS_TYPES: dict[str, type] = {
+    "hardware": HardwareCaps,
+    "attention": AttentionCaps,
+    "moe": MoECaps,
+    "quant": QuantCaps,
+    "models": ModelCaps,
+}

@@ -1,0 +1,61 @@
+"""The plugin API: the hooks a `core.plugins` entry point may implement.
+
+A plugin module (or object) implements any of these with `@hookimpl` and may state the API
+versions it supports with a module attribute, a PEP 440 specifier against PLUGIN_API_VERSION:
+
+    CORE_PLUGIN_API = ">=1.0,<2"
+
+Every hook receives one keyword argument, `register`, a callback owned by the core:
+
+    register(name: str, caps: <Caps dataclass>, factory: Callable | "module:attr")
+
+`factory` is only imported/called when the backend is chosen, so declaring capabilities never
+imports a kernel library. The core validates every call, rejects duplicate names (naming both
+distributions) and records which distribution registered what.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "core"
+PLUGIN_API_VERSION = "1.0"
+ENTRY_POINT_GROUP = "core.plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def core_register_hardware(register):
+    """Register hardware targets: register(name, HardwareCaps, probe).
+
+    `probe()` returns a DeviceInfo saying honestly what is installed and present (available=False
+    with a reason when not); it must not raise for absent hardware.
+    """
+
+
+@hookspec
+def core_register_attention_backends(register):
+    """Register attention backends: register(name, AttentionCaps, factory).
+
+    `factory(**ctx)` returns an object implementing core.attention.AttentionBackend.
+    """
+
+
+@hookspec
+def core_register_moe_runners(register):
+    """Register MoE runners: register(name, MoECaps, factory); factory builds a runner with one
+    `forward`."""
+
+
+@hookspec
+def core_register_quant_methods(register):
+    """Register quantization methods: register(name, QuantCaps, factory); the method creates
+    weights, post-processes them after loading and applies them."""
+
+
+@hookspec
+def core_register_models(register):
+    """Register model architectures: register(name, ModelCaps, factory); factory(config) returns
+    a torch.nn.Module implementing the architectures named in ModelCaps."""

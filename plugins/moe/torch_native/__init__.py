@@ -1,0 +1,24 @@
+"""`torch_native` MoE runner: routing and expert MLPs in plain PyTorch, on any device."""
+
+from core.capabilities import MoECaps
+from core.hookspecs import hookimpl
+
+CORE_PLUGIN_API = ">=1.0,<2"
+
+CAPS = MoECaps(
+    devices={"cuda", "rocm", "xpu", "npu", "cpu"},
+    dtypes={"float32", "float16", "bfloat16"},
+    quant_methods={"unquantized"},
+    activations={"silu", "gelu"},
+    grouped_topk=True,
+    shared_experts=True,
+    cuda_graph=False,
+    deterministic=True,
+    priority={"cpu": 10, "cuda": 1, "rocm": 1, "xpu": 1, "npu": 1},
+    description="per-expert loop in PyTorch (reference runner)",
+)
+
+
+@hookimpl
+def core_register_moe_runners(register):
+    register("torch_native", CAPS, "plugins.moe.torch_native.runner:TorchNativeMoE")

@@ -1,0 +1,20 @@
+"""`unquantized`: plain dense weights in the compute dtype (the default linear method)."""
+
+from core.capabilities import QuantCaps
+from core.hookspecs import hookimpl
+
+CORE_PLUGIN_API = ">=1.0,<2"
+
+CAPS = QuantCaps(
+    devices={"cuda", "rocm", "xpu", "npu", "cpu"},
+    config_names={"none"},
+    dtypes={"float32", "float16", "bfloat16"},
+    moe=True,
+    priority={"cpu": 10, "cuda": 10, "rocm": 10, "xpu": 10, "npu": 10},
+    description="dense weights, F.linear",
+)
+
+
+@hookimpl
+def core_register_quant_methods(register):
+    register("unquantized", CAPS, "core.layers.linear:UnquantizedLinearMethod")
