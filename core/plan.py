@@ -1,0 +1,63 @@
+"""The resolver's output: a plan per slot, and the table of every candidate with its reasons."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from core.capabilities import DeviceInfo
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One registered backend considered for one slot."""
+
+    slot: str  # prefill_attention | decode_attention | moe_runner | quant_method | device
+    name: str
+    origin: str  # distribution and version that registered it
+    fits: bool
+    reasons: tuple[str, ...] = ()  # why it does not fit (empty when it fits)
+    priority: int = 0
+    chosen: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the engine will use. Every value the user left open and the plan chose is in `notes`."""
+
+    device: DeviceInfo
+    dtype: str  # compute dtype name
+    prefill_attention: str
+    decode_attention: str
+    moe_runner: str | None  # None for dense models
+    quant_method: str
+    kv_cache_dtype: str  # storage dtype name (never "auto")
+    page_size: int
+    cuda_graph: bool
+    model_impl: str | None  # registered models plugin serving the architecture, if any
+    notes: tuple[str, ...] = ()
+    candidates: tuple[Candidate, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["device"]["features"] = sorted(self.device.features)
+        d["device"]["extra"] = dict(self.device.extra)
+        return d
+
+
+class ResolveError(Exception):
+    """Nothing fits, or a user setting conflicts: carries every reason and what would fit."""
+
+    def __init__(self, message: str, reasons: list[str] | None = None,
+                 would_fit: list[str] | None = None, candidates: tuple[Candidate, ...] = ()):
+        super().__init__(message)
+        self.reasons = list(reasons or [])
+        self.would_fit = list(would_fit or [])
+        self.candidates = candidates
+
+    def __str__(self) -> str:
+        lines = [self.args[0]]
+        lines += [f"  - {r}" for r in self.reasons]
+        if self.would_fit:
+            lines.append(f"  backends that would fit: {', '.join(self.would_fit)}")
+        return "\n".join(lines)
