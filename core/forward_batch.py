@@ -45,7 +45,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
-    attn_meta: Any = None  # prepared once per step by the attention backend (opaque to others)
+    attn_backend: Any = None  # core.attention.AttentionBackend chosen for this step's phase
+    attn_meta: Any = None  # prepared once per step by that backend (opaque to others)
 
     @property
     def batch_size(self) -> int:

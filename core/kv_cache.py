@@ -1,0 +1,48 @@
+"""Per-layer K/V buffers of the paged KV cache (storage only; allocation is memory_pool's job)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V buffers for every layer, indexed by token slot.
+
+    Slot s lives in page s // page_size. Slot 0 is reserved as a padding sink: it is never handed
+    out, so padded writes (e.g. in captured graphs) land somewhere harmless.
+
+    Shapes: k_buffers[layer], v_buffers[layer]: [num_slots, num_kv_heads, head_dim] (v: v_head_dim)
+    """
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, page_size: int = 1,
+                 v_head_dim: int | None = None):
+        if num_slots < page_size * 2:
+            raise ValueError(f"KV pool of {num_slots} slots is too small for page size "
+                             f"{page_size}")
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.page_size = page_size
+        self.k_buffers = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype,
+                                      device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(num_slots, num_kv_heads, self.v_head_dim, dtype=dtype,
+                                      device=self.device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        v_head_dim: int | None = None) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return num_layers * num_kv_heads * (head_dim + (v_head_dim or head_dim)) * elem
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write new tokens' K/V. loc: [T] slots; k: [T, kv_heads, head_dim]; v likewise."""
+        self.k_buffers[layer_id][loc] = k.to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.dtype)
