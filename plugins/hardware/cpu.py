@@ -40,10 +40,10 @@ CPUINFO = "/proc/cpuinfo"
 MEMINFO = "/proc/meminfo"
 
 
-def read_cpuinfo(path: str = CPUINFO) -> dict[str, str] | None:
+def read_cpuinfo(path: str | None = None) -> dict[str, str] | None:
     """The fields of the first processor block of /proc/cpuinfo, or None if unreadable."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path or CPUINFO, encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError:
         return None
@@ -59,10 +59,10 @@ def read_cpuinfo(path: str = CPUINFO) -> dict[str, str] | None:
     return fields
 
 
-def read_meminfo(key: str, path: str = MEMINFO) -> int | None:
+def read_meminfo(key: str, path: str | None = None) -> int | None:
     """One /proc/meminfo value in bytes (MemTotal, MemAvailable), or None if unreadable."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path or MEMINFO, encoding="utf-8") as f:
             for line in f:
                 name, _, rest = line.partition(":")
                 if name == key:
