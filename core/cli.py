@@ -1,0 +1,266 @@
+"""The `core` command: list plugins, explain a plan, serve, generate.
+
+    core backends [--json]             every discovered plugin and whether it can run here
+    core resolve [--model-path P] ...  the plan for a model on a (real or simulated) device
+    core serve [--config FILE] ...     the HTTP server (core.server)
+    core generate PROMPT ...           offline generation (core.entrypoints)
+
+Exit codes: 0 ok, 1 nothing fits / a setting conflicts, 2 usage error, 3 a plugin failed to load
+under CORE_STRICT_PLUGINS=1. Errors are one clear line (plus the reasons), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from core.capabilities import KINDS
+from core.config import add_cli_args, from_namespace, load_yaml_config
+from core.hookspecs import PLUGIN_API_VERSION
+from core.plugins import PluginError, Registry, get_registry
+
+EXIT_OK, EXIT_NO_FIT, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
+
+
+class _UsageError(Exception):
+    """A bad flag value, path or profile: reported in one line, exit code 2."""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="core", description="A plugin-based kernel-backend framework for LLM serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("backends", help="list every discovered plugin and its status",
+                       description="List hardware targets, attention backends, MoE runners, "
+                                   "quant methods and models, with where they came from and "
+                                   "whether they can run here.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("resolve", help="explain the plan for a model on a device",
+                       description="Choose a backend for every slot and explain every choice "
+                                   "and rejection. Use --device-profile to plan for hardware "
+                                   "that is not here.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_cli_args(p, groups=("model", "kernels", "scheduling"))
+
+    p = sub.add_parser("serve", help="run the HTTP server",
+                       description="Serve a model over HTTP. Flags override --config.")
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag: value")
+    add_cli_args(p)
+
+    p = sub.add_parser("generate", help="generate text offline",
+                       description="Generate completions for the given prompts.")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text(s)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily")
+    add_cli_args(p, groups=("model", "kernels", "scheduling"))
+    return parser
+
+
+# ------------------------------------------------------------------------------------ backends
+
+def _backend_status(registry: Registry, kind: str, reg: Any) -> tuple[str, str]:
+    """(status, reason) of one registration: available, unavailable or failed."""
+    if kind == "hardware":
+        info = registry.probe(reg.name)
+        failed = any(f.stage == "probe" and f.origin == reg.origin for f in registry.failures)
+        if failed:
+            return "failed", info.reason
+        return ("available", "") if info.available else ("unavailable", info.reason)
+    from core.checks import missing_packages
+
+    missing = missing_packages(getattr(reg.caps, "requires", ()))
+    if missing:
+        return "unavailable", "; ".join(f"package {m} is not installed" for m in missing)
+    return "available", ""
+
+
+def _backends_rows(registry: Registry) -> list[dict[str, Any]]:
+    rows = []
+    for kind in KINDS:
+        for name, reg in sorted(registry.kind(kind).items()):
+            status, reason = _backend_status(registry, kind, reg)
+            row = {"kind": kind, "name": name, "plugin": reg.origin.plugin,
+                   "distribution": reg.origin.dist, "version": reg.origin.version,
+                   "status": status, "reason": reason, "summary": reg.caps.summary()}
+            if kind == "hardware" and status == "available":
+                row["device"] = registry.probe(name).describe()
+            rows.append(row)
+    return rows
+
+
+def _failure_rows(registry: Registry) -> list[dict[str, Any]]:
+    return [{"plugin": f.origin.plugin, "distribution": f.origin.dist,
+             "version": f.origin.version, "stage": f.stage, "error": f.error}
+            for f in registry.failures]
+
+
+def _cmd_backends(ns: argparse.Namespace) -> int:
+    registry = get_registry()
+    rows = _backends_rows(registry)
+    failures = _failure_rows(registry)  # after the probes, which may add failures
+    if ns.json:
+        print(json.dumps({"plugins": rows, "failures": failures,
+                          "api_version": PLUGIN_API_VERSION}, indent=2))
+        return EXIT_OK
+    print(f"core plugin API {PLUGIN_API_VERSION}")
+    for kind in KINDS:
+        entries = [r for r in rows if r["kind"] == kind]
+        print(f"\n{kind}:")
+        if not entries:
+            print("  (none registered)")
+        width = max((len(r["name"]) for r in entries), default=0)
+        for r in entries:
+            origin = f"{r['distribution']} {r['version']}".strip()
+            status = r["status"] + (f": {r['reason'] or r.get('device', '')}"
+                                    if r["reason"] or r.get("device") else "")
+            print(f"  {r['name']:<{width}}  {origin}  [{status}]")
+            print(f"  {'':<{width}}    {r['summary']}")
+    if failures:
+        print("\nfailed to load:")
+        for f in failures:
+            origin = f"{f['distribution']} {f['version']}".strip()
+            print(f"  {f['plugin']} ({origin}) at {f['stage']}: {f['error']}")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------- resolve
+
+def _server_args(ns: argparse.Namespace, base: dict[str, Any] | None = None):
+    try:
+        return from_namespace(ns, base)
+    except (ValueError, TypeError) as exc:
+        raise _UsageError(str(exc)) from exc
+
+
+def _model_spec(path: str | None):
+    from core.model_spec import load_model_spec
+
+    if path is None:
+        try:
+            from core.default_model import default_model_path
+
+            path = default_model_path()
+        except (ImportError, OSError, ValueError, RuntimeError) as exc:
+            raise _UsageError(f"no --model-path given and the default model is not available: "
+                              f"{exc}") from exc
+    try:
+        return load_model_spec(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise _UsageError(f"--model-path {path}: {exc}") from exc
+
+
+def _cmd_resolve(ns: argparse.Namespace) -> int:
+    from core.devices import select_device
+    from core.plan import ResolveError
+    from core.resolver import error_table, explain, resolve
+
+    args = _server_args(ns)
+    spec = _model_spec(args.model_path)
+    registry = get_registry()
+    try:
+        device = select_device(registry, device=args.device, profile=args.device_profile)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from exc
+    try:
+        plan = resolve(spec, device, args, registry)
+    except ResolveError as err:
+        if ns.json:
+            print(json.dumps({"error": err.args[0], "reasons": err.reasons,
+                              "would_fit": err.would_fit,
+                              "candidates": [dataclasses.asdict(c) for c in err.candidates]},
+                             indent=2))
+        else:
+            print(f"model: {spec.architecture} ({spec.source or args.model_path})")
+            print(f"device: {device.describe()}\n")
+            print(error_table(err))
+        return EXIT_NO_FIT
+    if ns.json:
+        print(json.dumps({"model": spec.architecture, "plan": plan.to_dict()}, indent=2,
+                         default=list))
+    else:
+        print(f"model: {spec.architecture} ({spec.source or args.model_path})")
+        for line in spec.unread:
+            print(f"  not read from the config: {line}")
+        print(explain(plan))
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------- serve and generate
+
+def _engine_entry(command: str, module: str, attr: str):
+    """The engine's entry point, imported only now; None when this version lacks it."""
+    if importlib.util.find_spec(module) is None:
+        print(f"core {command}: the engine is not available yet in this version",
+              file=sys.stderr)
+        return None
+    fn = getattr(importlib.import_module(module), attr, None)
+    if fn is None:
+        print(f"core {command}: the engine is not available yet in this version "
+              f"({module} has no {attr})", file=sys.stderr)
+    return fn
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    base = None
+    if ns.config:
+        try:
+            base = load_yaml_config(ns.config)
+        except OSError as exc:
+            raise _UsageError(f"--config {ns.config}: {exc.strerror or exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - YAML syntax errors come in several types
+            raise _UsageError(f"--config {ns.config}: {exc}") from exc
+    args = _server_args(ns, base)
+    serve_main = _engine_entry("serve", "core.server", "serve_main")
+    if serve_main is None:
+        return EXIT_USAGE
+    return int(serve_main(args) or 0)
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    if ns.max_new_tokens < 1:
+        raise _UsageError(f"--max-new-tokens must be >= 1, got {ns.max_new_tokens}")
+    if ns.temperature < 0:
+        raise _UsageError(f"--temperature must be >= 0, got {ns.temperature}")
+    args = _server_args(ns)
+    generate_main = _engine_entry("generate", "core.entrypoints", "generate_main")
+    if generate_main is None:
+        return EXIT_USAGE
+    return int(generate_main(args, ns) or 0)
+
+
+COMMANDS = {"backends": _cmd_backends, "resolve": _cmd_resolve, "serve": _cmd_serve,
+            "generate": _cmd_generate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `core` console script; returns the exit code."""
+    parser = _build_parser()
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed usage and the error
+        return int(exc.code or 0)
+    try:
+        return COMMANDS[ns.command](ns)
+    except BrokenPipeError:  # `core backends | head`: the reader left; not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silences the flush at exit
+        return EXIT_OK
+    except _UsageError as exc:
+        print(f"core {ns.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except PluginError as exc:
+        print(f"core {ns.command}: plugin failure (CORE_STRICT_PLUGINS is set): {exc}",
+              file=sys.stderr)
+        return EXIT_PLUGIN
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,431 @@
+"""The resolver: (model spec, device, user request, registry) -> Plan, with every choice explained.
+
+A pure function: it reads capability declarations and the given DeviceInfo, allocates nothing and
+probes nothing. For every slot it checks every registered candidate (core.checks), ranks those that
+fit by the user's choice, then the plugin's priority for the device target, then name, and records
+the whole table in the plan. Requirements that shape memory (page size, KV-cache dtype, graph
+capture) are settled here, before a KV pool exists: a value the user left open is adopted from
+what the chosen backends need and noted; a value the user set that a backend cannot honour is an
+error listing the reasons and what would fit. Nothing is swapped silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from core.capabilities import KV_CACHE_DTYPES, DeviceInfo, PageSizes
+from core.checks import check_attention, check_model, check_moe, check_quant
+from core.config import ServerArgs
+from core.model_spec import ModelSpec
+from core.plan import Candidate, Plan, ResolveError
+from core.plugins import Registry
+
+DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+               "float": "float32", "float32": "float32"}
+KV_ALIASES = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "fp4_e2m1": "fp4_e2m1",
+              "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "half": "float16",
+              "float16": "float16", "fp32": "float32", "float": "float32", "float32": "float32"}
+
+SLOT_LABELS = {
+    "quant_method": "quant method",
+    "prefill_attention": "prefill attention backend",
+    "decode_attention": "decode attention backend",
+    "moe_runner": "MoE runner",
+    "model": "model implementation",
+}
+KIND_LABELS = {"attention": "attention backends", "moe": "MoE runners",
+               "quant": "quant methods", "models": "model implementations"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class _Slot:
+    """One slot being resolved: its evaluated candidates and the user's pick, if any."""
+
+    def __init__(self, slot: str, kind: str, registry: Registry, target: str,
+                 check: Callable[[Any], list[str]], user: str | None, flag: str):
+        self.slot, self.kind, self.user, self.flag = slot, kind, user, flag
+        self.label = SLOT_LABELS[slot]
+        regs = registry.kind(kind)
+        self.names = sorted(regs)
+        self.candidates = [
+            Candidate(slot=slot, name=name, origin=regs[name].origin.describe(),
+                      fits=not (reasons := tuple(check(regs[name].caps))), reasons=reasons,
+                      priority=_priority(regs[name].caps, target))
+            for name in self.names]
+
+    def get(self, name: str) -> Candidate:
+        return next(c for c in self.candidates if c.name == name)
+
+    def ranked(self) -> list[Candidate]:
+        """Fitting candidates, best first: the user's choice, then priority, then name."""
+        fits = [c for c in self.candidates if c.fits]
+        return sorted(fits, key=lambda c: (c.name != self.user, -c.priority, c.name))
+
+    def would_fit(self) -> list[str]:
+        return [c.name for c in self.ranked()]
+
+    def options(self) -> list[Candidate]:
+        """What this slot may use: the user's pick alone, or every fitting candidate.
+
+        Raises ResolveError when the pick is unknown or does not fit, or when nothing fits.
+        """
+        if self.user is not None:
+            if self.user not in self.names:
+                raise ResolveError(
+                    f"unknown {self.label} {self.user!r} ({self.flag})",
+                    [f"registered {KIND_LABELS[self.kind]}: {', '.join(self.names) or 'none'}"],
+                    self.would_fit())
+            chosen = self.get(self.user)
+            if not chosen.fits:
+                raise ResolveError(f"{self.label} {self.user!r} ({self.flag}) does not fit",
+                                   list(chosen.reasons), self.would_fit())
+            return [chosen]
+        ranked = self.ranked()
+        if not ranked:
+            raise ResolveError(self.nothing_fits(), self.all_reasons())
+        return ranked
+
+    def nothing_fits(self) -> str:
+        return f"no {self.label} fits"
+
+    def all_reasons(self) -> list[str]:
+        if not self.candidates:
+            return [f"no {self.label} is registered"]
+        return [f"{c.name}: {r}" for c in self.candidates for r in c.reasons]
+
+
+def _priority(caps: Any, target: str) -> int:
+    return int(getattr(caps, "priority", {}).get(target, 0))
+
+
+def common_page_size(sizes: Sequence[PageSizes]) -> int | None:
+    """The smallest page size every one of `sizes` accepts (None when they share none)."""
+    multiples = [p.values[0] for p in sizes if p.mode == "multiple"]
+    tries = {1, *(v for p in sizes if p.mode == "set" for v in p.values)}
+    if multiples:
+        tries.add(math.lcm(*multiples))
+    for size in sorted(tries):
+        if all(p.accepts(size) for p in sizes):
+            return size
+    return None
+
+
+def _compute_dtype(spec: ModelSpec, device: DeviceInfo, args: ServerArgs,
+                   notes: list[str]) -> str:
+    asked = DTYPE_NAMES.get(args.dtype)
+    config = spec.dtype
+    if args.dtype != "auto" and asked is None:
+        raise ResolveError(f"unknown --dtype {args.dtype!r}",
+                           [f"accepted: auto, {', '.join(DTYPE_NAMES)}"])
+    if asked == "bfloat16" and not device.has("bf16"):
+        if device.device_type != "cpu":
+            raise ResolveError(f"--dtype bfloat16: {device.name or device.target} has no bf16 "
+                               f"support", [f"device features: {_features(device)}"])
+        notes.append("compute dtype bfloat16 on a CPU without native bf16 (avx512_bf16/amx_bf16):"
+                     " torch emulates it, slowly")
+    if asked is not None:
+        return asked
+    if device.device_type == "cpu":
+        notes.append(f"compute dtype float32: the CPU default for --dtype auto (config says "
+                     f"{config or 'nothing'}; pass --dtype bfloat16 to use bf16)")
+        return "float32"
+    if config == "bfloat16" and not device.has("bf16"):
+        notes.append(f"compute dtype float16: config says bfloat16 but {_where(device)} has "
+                     f"no bf16")
+        return "float16"
+    if config in (None, "float32"):
+        pick = "bfloat16" if device.has("bf16") else "float16"
+        notes.append(f"compute dtype {pick}: config says {config or 'nothing'}; half precision "
+                     f"is the --dtype auto default on {device.target}")
+        return pick
+    notes.append(f"compute dtype {config} (from the model config)")
+    return config
+
+
+def _features(device: DeviceInfo) -> str:
+    return ",".join(sorted(device.features)) or "none"
+
+
+def _kv_cache_dtype(args: ServerArgs, dtype: str, notes: list[str]) -> str:
+    raw = (args.kv_cache_dtype or "auto").strip().lower()
+    if raw == "auto":
+        notes.append(f"KV cache dtype {dtype}: the compute dtype (--kv-cache-dtype auto)")
+        return dtype
+    kv = KV_ALIASES.get(raw)
+    if kv is None or kv not in KV_CACHE_DTYPES:
+        raise ResolveError(f"unknown --kv-cache-dtype {args.kv_cache_dtype!r}",
+                           [f"accepted: auto, {', '.join(KV_ALIASES)}"])
+    return kv
+
+
+def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Registry,
+                dtype: str, slots: list[_Slot]) -> str:
+    """The quant method: the checkpoint decides what must be loaded; the user may pick how."""
+    ckpt = spec.quant_method or "none"
+    regs = registry.kind("quant")
+    user, pick = args.quantization, None
+    loaders = sorted(n for n, r in regs.items() if ckpt in r.caps.config_names)
+    if user is not None:
+        conflict = None
+        if user in regs:
+            pick = user
+            if ckpt != "none" and ckpt not in regs[user].caps.config_names:
+                conflict = f"{user} loads {', '.join(sorted(regs[user].caps.config_names))}"
+        elif user != ckpt:
+            if not any(user in r.caps.config_names for r in regs.values()):
+                raise ResolveError(
+                    f"unknown quant method {user!r} (--quantization)",
+                    [f"registered quant methods: {', '.join(sorted(regs)) or 'none'}"])
+            conflict = f"the checkpoint's weights are stored as {ckpt}"
+        if conflict:
+            what = ("it is not quantized" if ckpt == "none" else
+                    f"its quantization_config says quant_method={ckpt}")
+            raise ResolveError(f"--quantization {user} conflicts with the checkpoint: {what}",
+                               [conflict], loaders)
+    slot = _Slot("quant_method", "quant", registry, device.target,
+                 lambda caps: check_quant(caps, spec, device, dtype=dtype, requested=ckpt),
+                 pick, "--quantization")
+    slots.append(slot)
+    if pick is None and not slot.ranked():
+        if loaders:
+            msg = f"no quant method that loads {ckpt} checkpoints fits {_where(device)}"
+        else:
+            loads = sorted({c for r in regs.values() for c in r.caps.config_names})
+            msg = (f"no quant method loads {ckpt} checkpoints (registered methods load: "
+                   f"{', '.join(loads) or 'nothing'})")
+        raise ResolveError(msg, slot.all_reasons())
+    return slot.options()[0].name
+
+
+def _attention(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Registry,
+               dtype: str, kv: str | None, notes: list[str], slots: list[_Slot]
+               ) -> tuple[str, str, int]:
+    """Both attention phases and the page size they agree on."""
+    page = args.page_size
+    options, errors = [], []
+    for phase in ("prefill", "decode"):
+        own = getattr(args, f"{phase}_attention_backend")
+        user = own if own is not None else args.attention_backend
+        flag = f"--{phase}-attention-backend" if own is not None else "--attention-backend"
+
+        def check(caps: Any, phase: str = phase, page: int | None = page) -> list[str]:
+            return check_attention(caps, spec, device, phase=phase, dtype=dtype,
+                                   kv_cache_dtype=kv, page_size=page, cuda_graph=None)
+
+        slot = _Slot(f"{phase}_attention", "attention", registry, device.target, check, user,
+                     flag)
+        slots.append(slot)
+        try:
+            options.append(slot.options())
+        except ResolveError as exc:
+            if user is None:
+                exc = ResolveError(f"no {phase} attention backend fits {spec.architecture} on "
+                                   f"{_where(device)}", exc.reasons)
+            errors.append(exc)
+            continue
+        if page is not None and user is None:
+            # Say when the user's page size ruled out the backend that would otherwise win.
+            free = _Slot(slot.slot, "attention", registry, device.target,
+                         lambda caps, phase=phase: check(caps, phase, None), None, flag).ranked()
+            if free and free[0].name != options[-1][0].name:
+                why = "; ".join(r for r in slot.get(free[0].name).reasons if "page size" in r)
+                notes.append(f"{phase} attention {options[-1][0].name} chosen over "
+                             f"{free[0].name} because of --page-size {page} ({why})")
+    if errors:
+        raise _merge(errors)
+    if page is not None:
+        return options[0][0].name, options[1][0].name, page
+    caps = {n: r.caps for n, r in registry.kind("attention").items()}
+    # Page size left open: the best pair (by rank sum, decode first) that shares a page size.
+    pairs = sorted(((i, j) for i in range(len(options[0])) for j in range(len(options[1]))),
+                   key=lambda ij: (ij[0] + ij[1], ij[1]))
+    for i, j in pairs:
+        pre, dec = options[0][i].name, options[1][j].name
+        size = common_page_size([caps[pre].page_sizes, caps[dec].page_sizes])
+        if size is None:
+            continue
+        if (i, j) != (0, 0):
+            notes.append(f"attention {options[0][0].name} (prefill) and {options[1][0].name} "
+                         f"(decode) share no page size: using {pre} + {dec}")
+        need = sorted({n for n in (pre, dec) if not caps[n].page_sizes.accepts(1)})
+        if need:
+            notes.append(f"page size {size} adopted: required by {', '.join(need)}")
+        else:
+            notes.append("page size 1 adopted: every chosen attention backend accepts any size")
+        return pre, dec, size
+    pre, dec = options[0][0].name, options[1][0].name
+    raise ResolveError("the prefill and decode attention backends share no page size",
+                       [f"{n}: needs page size {caps[n].page_sizes.describe()}"
+                        for n in (pre, dec)])
+
+
+def _where(device: DeviceInfo) -> str:
+    return f"{device.target} {device.arch or ''}".strip()
+
+
+def _merge(errors: list[ResolveError], candidates: tuple[Candidate, ...] = ()
+           ) -> ResolveError:
+    """One error from several; a decode error that repeats the prefill one is said once."""
+    unique: list[ResolveError] = []
+    for e in errors:
+        twin = next((u for u in unique if u.reasons == e.reasons
+                     and u.args[0].replace("prefill", "decode") == e.args[0]), None)
+        if twin is None:
+            unique.append(e)
+        else:  # the same failure in both phases: name no phase
+            twin.args = (twin.args[0].replace("prefill ", "", 1),)
+    if len(unique) == 1:
+        e = unique[0]
+        return ResolveError(e.args[0], e.reasons, e.would_fit, candidates or e.candidates)
+    merged = ResolveError("; ".join(e.args[0] for e in unique),
+                          [r for e in unique for r in e.reasons],
+                          [w for e in unique for w in e.would_fit], candidates)
+    merged.errors = unique  # type: ignore[attr-defined]
+    return merged
+
+
+def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Registry) -> Plan:
+    """Choose a backend for every slot; raise ResolveError listing every reason when none fits."""
+    if not device.available:
+        raise ResolveError(f"device {device.target} is not available", [device.reason])
+    notes: list[str] = []
+    dtype = _compute_dtype(spec, device, args, notes)
+    kv = _kv_cache_dtype(args, dtype, notes)
+    errors: list[ResolveError] = []
+    slots: list[_Slot] = []
+
+    quant = None
+    try:
+        quant = _quant_slot(spec, device, args, registry, dtype, slots)
+    except ResolveError as exc:
+        errors.append(exc)
+
+    prefill = decode = None
+    page = args.page_size or 1
+    try:
+        prefill, decode, page = _attention(spec, device, args, registry, dtype, kv, notes, slots)
+    except ResolveError as exc:
+        errors.append(exc)
+
+    moe = None
+    if spec.is_moe:
+        user = None if args.moe_runner_backend in (None, "auto") else args.moe_runner_backend
+        mslot = _Slot("moe_runner", "moe", registry, device.target,
+                      lambda caps: check_moe(caps, spec, device, dtype=dtype, quant_method=quant),
+                      user, "--moe-runner-backend")
+        slots.append(mslot)
+        try:
+            moe = mslot.options()[0].name
+        except ResolveError as exc:
+            if user is None:
+                exc = ResolveError(f"no MoE runner fits {spec.architecture} "
+                                   f"({spec.moe.num_experts} experts, top-{spec.moe.top_k})"
+                                   f"{' with ' + quant if quant else ''} on {_where(device)}",
+                                   exc.reasons)
+            errors.append(exc)
+    elif args.moe_runner_backend not in (None, "auto"):
+        notes.append(f"--moe-runner-backend {args.moe_runner_backend} has no effect: "
+                     f"{spec.architecture} is a dense model")
+
+    mslot = _Slot("model", "models", registry, device.target, lambda caps: check_model(caps, spec),
+                  None, "")
+    slots.append(mslot)
+    model_impl = mslot.ranked()[0].name if mslot.ranked() else None
+    if model_impl is None:
+        notes.append(f"no model implementation registered for {spec.architecture}: the engine "
+                     f"cannot run it")
+
+    if errors:
+        raise _merge(errors, tuple(c for s in slots for c in s.candidates))
+    assert quant is not None and prefill is not None and decode is not None
+
+    cuda_graph = _graph_capture(device, args, registry, decode, moe, notes)
+    chosen = {"quant_method": quant, "prefill_attention": prefill, "decode_attention": decode,
+              "moe_runner": moe, "model": model_impl}
+    candidates = tuple(dataclasses.replace(c, chosen=chosen.get(c.slot) == c.name)
+                       for s in slots for c in s.candidates)
+    return Plan(device=device, dtype=dtype, prefill_attention=prefill, decode_attention=decode,
+                moe_runner=moe, quant_method=quant, kv_cache_dtype=kv, page_size=page,
+                cuda_graph=cuda_graph, model_impl=model_impl, notes=tuple(notes),
+                candidates=candidates)
+
+
+def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, decode: str,
+                   moe: str | None, notes: list[str]) -> bool:
+    """Graphs capture the decode step only, so the decode backend and MoE runner decide."""
+    if not device.graph_capture:
+        notes.append(f"graph capture off: {device.target} has no graph capture")
+        return False
+    if args.disable_cuda_graph:
+        notes.append("graph capture off: --disable-cuda-graph")
+        return False
+    blockers = []
+    if not registry.get("attention", decode).caps.cuda_graph:
+        blockers.append(f"decode attention {decode}")
+    if moe is not None and not registry.get("moe", moe).caps.cuda_graph:
+        blockers.append(f"MoE runner {moe}")
+    if blockers:
+        notes.append(f"graph capture off: {' and '.join(blockers)} cannot be captured in CUDA "
+                     f"graphs")
+        return False
+    notes.append("graph capture on: every decode-step backend supports it")
+    return True
+
+
+# ---------------------------------------------------------------------------------- explaining
+
+def _candidate_rows(candidates: Sequence[Candidate]) -> list[str]:
+    lines: list[str] = []
+    for slot in dict.fromkeys(c.slot for c in candidates):
+        lines.append(f"{SLOT_LABELS.get(slot, slot)}:")
+        rows = [c for c in candidates if c.slot == slot]
+        if slot == "model":
+            # Every architecture is a candidate: list only those that serve this model.
+            others = [c for c in rows if any(r.startswith("does not implement")
+                                             for r in c.reasons)]
+            rows = [c for c in rows if c not in others]
+            if others:
+                lines.append(f"    ({len(others)} other implementation(s) serve other "
+                             f"architectures: {', '.join(c.name for c in others)})")
+            if not rows:
+                continue
+        width = max(len(c.name) for c in rows)
+        for c in sorted(rows, key=lambda c: (not c.chosen, not c.fits, -c.priority, c.name)):
+            mark = "*" if c.chosen else " "
+            status = "chosen" if c.chosen else ("fits" if c.fits else "no")
+            head = f"  {mark} {c.name:<{width}}  {status:<6}  prio {c.priority:<4} {c.origin}"
+            lines.append(head.rstrip())
+            lines += [f"      - {r}" for r in c.reasons]
+    return lines
+
+
+def explain(plan: Plan) -> str:
+    """The plan, its notes, then every candidate of every slot with fits/chosen/reasons."""
+    rows = [("device", plan.device.describe()), ("compute dtype", plan.dtype),
+            ("quant method", plan.quant_method),
+            ("prefill attention", plan.prefill_attention),
+            ("decode attention", plan.decode_attention),
+            ("MoE runner", plan.moe_runner or "- (dense model)"),
+            ("KV cache dtype", plan.kv_cache_dtype), ("page size", str(plan.page_size)),
+            ("graph capture", "on" if plan.cuda_graph else "off"),
+            ("model impl", plan.model_impl or "- (none registered)")]
+    lines = ["Plan:"] + [f"  {k:<18} {v}" for k, v in rows]
+    if plan.notes:
+        lines += ["", "Notes:"] + [f"  - {n}" for n in plan.notes]
+    if plan.candidates:
+        lines += ["", "Candidates (* = chosen):"] + _candidate_rows(plan.candidates)
+    return "\n".join(lines)
+
+
+def error_table(err: ResolveError) -> str:
+    """The error, its reasons and what would fit, then the candidate table it carries."""
+    lines = [str(err)]
+    if err.candidates:
+        lines += ["", "Candidates:"] + _candidate_rows(err.candidates)
+    return "\n".join(lines)
