@@ -6,7 +6,12 @@ from core.hookspecs import hookimpl
 CORE_PLUGIN_API = ">=1.0,<2"
 
 # name -> (architectures served, "module:class"); filled in as architectures land.
-BUILTIN: dict[str, tuple[tuple[str, ...], str]] = {}
+BUILTIN: dict[str, tuple[tuple[str, ...], str]] = {
+    "llama": (("LlamaForCausalLM",), "core.models.llama:LlamaForCausalLM"),
+    "mistral": (("MistralForCausalLM",), "core.models.mistral:MistralForCausalLM"),
+    "qwen2": (("Qwen2ForCausalLM",), "core.models.qwen2:Qwen2ForCausalLM"),
+    "qwen3": (("Qwen3ForCausalLM",), "core.models.qwen3:Qwen3ForCausalLM"),
+}
 
 
 @hookimpl

@@ -1,0 +1,97 @@
+"""Linear layers whose weights are created and applied through a quant-method object.
+
+A quant method has three duties (gpt-fast style: the model stays pure, the method swaps weights):
+`create_weights(layer, ...)` registers parameters on the layer, `process_weights_after_loading`
+may repack them once the checkpoint is in, and `apply(layer, x)` computes the product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class UnquantizedLinearMethod:
+    """Dense weights in the compute dtype; `F.linear`. The `unquantized` quant plugin's factory."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None:
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype,
+                                                device=device), requires_grad=False)
+        layer.bias = (nn.Parameter(torch.empty(output_size, dtype=dtype, device=device),
+                                   requires_grad=False) if bias else None)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        return None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+    def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
+                           intermediate_size: int, dtype: torch.dtype,
+                           device: torch.device) -> None:
+        # w13: gate and up stacked on the output dim; w2: down.
+        layer.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
+                                                    hidden_size, dtype=dtype, device=device),
+                                        requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size,
+                                                   dtype=dtype, device=device),
+                                       requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), possibly several HF projections stacked along the output dim.
+
+    `output_sizes` lists the stacked shards (e.g. [q, k, v] or [gate, up]); `shard_names` names
+    them so that `weight_loader(param, tensor, shard)` can place an HF tensor at its offset.
+    """
+
+    def __init__(self, input_size: int, output_sizes: int | Sequence[int], bias: bool,
+                 ctx, shard_names: Sequence[str] | None = None):
+        super().__init__()
+        sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.input_size = input_size
+        self.output_sizes = sizes
+        self.output_size = sum(sizes)
+        self.shard_names = list(shard_names) if shard_names is not None else None
+        if self.shard_names is not None and len(self.shard_names) != len(sizes):
+            raise ValueError("shard_names and output_sizes differ in length")
+        self.quant_method = ctx.quant_method
+        self.quant_method.create_weights(self, input_size, self.output_size, bias, ctx.dtype,
+                                         ctx.device)
+
+    def shard_slice(self, shard: str | None) -> slice:
+        """Rows of the stacked output that one named shard occupies."""
+        if shard is None:
+            return slice(0, self.output_size)
+        if self.shard_names is None or shard not in self.shard_names:
+            raise KeyError(f"no shard {shard!r} in this linear ({self.shard_names})")
+        i = self.shard_names.index(shard)
+        start = sum(self.output_sizes[:i])
+        return slice(start, start + self.output_sizes[i])
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard: str | None = None) -> None:
+        """Copy an HF tensor into `param` (the whole of it, or one shard's rows)."""
+        rows = self.shard_slice(shard)
+        target = param.data[rows] if param.dim() >= 1 and shard is not None else param.data
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise ValueError(f"expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_sizes}"
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every layer's quant method finish its weights once the checkpoint is loaded."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)

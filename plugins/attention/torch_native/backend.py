@@ -1,0 +1,167 @@
+"""`torch_native`: attention over the paged KV cache in plain PyTorch (the reference backend).
+
+Per step, `prepare` turns the request-to-token table into one padded slot matrix shared by all
+layers (host-side lengths come from the batch's *_cpu lists, so nothing syncs with the device).
+Per layer, `forward` writes the new K/V at `out_cache_loc`, gathers each request's K/V by slot and
+runs attention:
+- decode: one batched SDPA over the padded [B, L] keys with a padding / window mask;
+- extend: a loop over requests, each query block [prefix, seq) against all its keys [0, seq).
+Soft-capped layers use an explicit fp32-softmax path, since SDPA cannot cap the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from core.attention import AttentionBackend, AttentionLayerParams, BackendContext
+from core.forward_batch import ForwardBatch
+
+
+@dataclass
+class TorchNativeMeta:
+    """Per-step metadata, computed once and shared by every layer of the step."""
+
+    decode: bool
+    slots: torch.Tensor  # [B, max_seq] int64 slot of each request's token j (0-padded)
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    starts: list[int]  # offset of each request's first new token in q / k / v
+    masks: dict = field(default_factory=dict)  # (kind, window, i) -> bool mask, built lazily
+
+
+class TorchNativeAttention(AttentionBackend):
+    """Pure-PyTorch paged attention: MHA/GQA/MQA, sliding window, logit soft-cap, any page."""
+
+    def __init__(self, ctx: BackendContext):
+        super().__init__(ctx)
+
+    def prepare(self, batch: ForwardBatch) -> TorchNativeMeta:
+        seq = list(batch.seq_lens_cpu)
+        if batch.is_decode:
+            prefix = [s - 1 for s in seq]
+            ext = [1] * len(seq)
+        else:
+            prefix = list(batch.prefix_lens_cpu)
+            ext = list(batch.extend_lens_cpu)
+        starts, t = [], 0
+        for n in ext:
+            starts.append(t)
+            t += n
+        max_len = max(seq) if seq else 0
+        # [B, max_len]: one row gather from the table, done once per step.
+        slots = batch.req_to_token[batch.req_pool_indices, :max_len].long()
+        return TorchNativeMeta(batch.is_decode, slots, seq, prefix, ext, starts)
+
+    def _meta(self, batch: ForwardBatch) -> TorchNativeMeta:
+        if not isinstance(batch.attn_meta, TorchNativeMeta):
+            batch.attn_meta = self.prepare(batch)
+        return batch.attn_meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerParams, batch: ForwardBatch) -> torch.Tensor:
+        T = q.shape[0]
+        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        Dv = layer.v_head_dim or D
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(T, Hkv, D), v.view(T, Hkv, Dv))
+        meta = self._meta(batch)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        if meta.decode:
+            out = self._decode(q.view(T, H, D), k_buf, v_buf, layer, meta)
+        else:
+            out = self._extend(q.view(T, H, D), k_buf, v_buf, layer, meta)
+        return out.reshape(T, H * Dv)
+
+    # decode: every request has one query at position seq_len - 1
+    def _decode(self, q, k_buf, v_buf, layer, meta):
+        B = len(meta.seq_lens)
+        if B == 1:
+            # Batch of one (latency path): no padding, the window is a slice.
+            n = meta.seq_lens[0]
+            lo = max(0, n - layer.sliding_window) if layer.sliding_window else 0
+            idx = meta.slots[0, lo:n]
+            k = k_buf[idx].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            v = v_buf[idx].to(q.dtype).transpose(0, 1).unsqueeze(0)
+            out = _attend(q.view(1, -1, 1, q.shape[-1]), k, v, None, False, layer)
+            return out.view(1, -1, out.shape[-1])
+        k = k_buf[meta.slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_buf[meta.slots].to(q.dtype).transpose(1, 2)
+        mask = self._decode_mask(meta, layer.sliding_window, q.device)
+        out = _attend(q.unsqueeze(2), k, v, mask, False, layer)  # [B, H, 1, Dv]
+        return out.squeeze(2)
+
+    def _decode_mask(self, meta, window, device):
+        key = ("decode", window)
+        if key not in meta.masks:
+            L = meta.slots.shape[1]
+            j = torch.arange(L, device=device)
+            seq = torch.tensor(meta.seq_lens, device=device).unsqueeze(1)
+            visible = j < seq  # [B, L]
+            if window:
+                visible &= j >= seq - window
+            meta.masks[key] = visible.view(len(meta.seq_lens), 1, 1, L)
+        return meta.masks[key]
+
+    # extend: request i's new queries sit at positions prefix_i .. seq_i - 1
+    def _extend(self, q, k_buf, v_buf, layer, meta):
+        outs = []
+        window = layer.sliding_window
+        for i, (n, start) in enumerate(zip(meta.extend_lens, meta.starts, strict=True)):
+            if n == 0:
+                continue
+            L, P = meta.seq_lens[i], meta.prefix_lens[i]
+            # Keys older than the first query's window are never visible: skip gathering them.
+            lo = max(0, P - window + 1) if window else 0
+            idx = meta.slots[i, lo:L]
+            k = k_buf[idx].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L-lo, D]
+            v = v_buf[idx].to(q.dtype).transpose(0, 1).unsqueeze(0)
+            qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if lo == 0 and P == 0 and (window is None or window >= L):
+                out = _attend(qi, k, v, None, True, layer)
+            else:
+                out = _attend(qi, k, v, self._extend_mask(meta, i, lo, window, q.device),
+                              False, layer)
+            outs.append(out[0].transpose(0, 1))  # [n, H, Dv]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _extend_mask(self, meta, i, lo, window, device):
+        key = ("extend", window, i)
+        if key not in meta.masks:
+            P, L = meta.prefix_lens[i], meta.seq_lens[i]
+            pos = torch.arange(P, L, device=device).unsqueeze(1)  # [n, 1] query positions
+            j = torch.arange(lo, L, device=device).unsqueeze(0)  # [1, L-lo] key positions
+            visible = j <= pos
+            if window:
+                visible &= j > pos - window
+            meta.masks[key] = visible
+        return meta.masks[key]
+
+
+def _attend(q, k, v, mask, causal, layer: AttentionLayerParams):
+    """q [B, H, n, D], k/v [B, Hkv, L, D] (a bool mask broadcastable to [B, H, n, L])."""
+    if layer.logit_softcap:
+        return _softcap_attention(q, k, v, mask, causal, layer)
+    gqa = layer.num_heads != layer.num_kv_heads
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          scale=layer.scaling, enable_gqa=gqa)
+
+
+def _softcap_attention(q, k, v, mask, causal, layer):
+    group = layer.num_heads // layer.num_kv_heads
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * layer.scaling  # [B, H, n, L]
+    cap = layer.logit_softcap
+    s = torch.tanh(s / cap) * cap
+    if causal:
+        n, L = s.shape[-2:]
+        mask = torch.ones(n, L, dtype=torch.bool, device=s.device).tril(L - n)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p, v)
