@@ -1,0 +1,253 @@
+"""GGUF metadata: the key/value header and tensor table of a .gguf file, read without its weights.
+
+The `gguf` package's GGUFReader parses every field, including tokenizer arrays of ~10^5 strings,
+which takes seconds; the model spec needs a few dozen scalars, so this reads the header itself
+from a memory map (only the header's pages are touched) and skips long string arrays.
+Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+GGUF_MAGIC = b"GGUF"
+# scalar value types: id -> struct format char
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+# longer arrays (vocabularies, merges, token scores) keep only their length
+_KEEP_STRINGS = 64
+_KEEP_NUMBERS = 4096
+
+# GGUF architecture name -> transformers model_type, where the two differ
+_ARCH_TO_MODEL_TYPE = {
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "deepseek2": "deepseek_v2",
+    "gpt-oss": "gpt_oss",
+    "command-r": "cohere",
+    "gemma3": "gemma3_text",
+    "minimax-m2": "minimax_m2",
+}
+# "{arch}.<suffix>" -> HF config key, for keys whose meaning is the same in every architecture
+_COMMON_KEYS = {
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_shared_count": "n_shared_experts",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+    "leading_dense_block_count": "first_k_dense_replace",
+    "attention.kv_lora_rank": "kv_lora_rank",
+    "attention.q_lora_rank": "q_lora_rank",
+}
+
+
+@dataclass(frozen=True)
+class GGUFMetadata:
+    """The header of one GGUF file: its key/values, long-array lengths, and tensor table."""
+
+    path: str
+    version: int
+    fields: dict[str, Any]
+    array_lengths: dict[str, int] = field(default_factory=dict)  # every array field, long or not
+    tensor_types: dict[str, int] = field(default_factory=dict)  # tensor name -> ggml type id
+
+    @property
+    def architecture(self) -> str:
+        return str(self.fields.get("general.architecture", ""))
+
+
+class _Cursor:
+    def __init__(self, buf: mmap.mmap, order: str, path: str):
+        self.buf, self.pos, self.order, self.path = buf, 0, order, path
+
+    def unpack(self, fmt: str) -> Any:
+        fmt = self.order + fmt
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise ValueError(f"{self.path}: GGUF header is truncated at byte {self.pos}")
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        raw = self.buf[self.pos : self.pos + n]
+        if len(raw) != n:
+            raise ValueError(f"{self.path}: GGUF header is truncated at byte {self.pos}")
+        self.pos += n
+        return raw.decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        n = self.unpack("Q")  # read before adding: unpack moves pos
+        self.pos += n
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        raise ValueError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
+
+
+def _read_array(cur: _Cursor) -> tuple[Any, int]:
+    """Returns (values or None when skipped, length)."""
+    etype, count = cur.unpack("I"), cur.unpack("Q")
+    if etype in _SCALARS:
+        fmt = cur.order + f"{count}{_SCALARS[etype]}"
+        size = struct.calcsize(fmt)
+        if count > _KEEP_NUMBERS:
+            cur.pos += size
+            return None, count
+        values = struct.unpack_from(fmt, cur.buf, cur.pos)
+        cur.pos += size
+        return list(values), count
+    if etype == _STRING:
+        if count > _KEEP_STRINGS:
+            for _ in range(count):
+                cur.skip_string()
+            return None, count
+        return [cur.string() for _ in range(count)], count
+    if etype == _ARRAY:  # nested arrays: none in practice; read and drop
+        for _ in range(count):
+            _read_array(cur)
+        return None, count
+    raise ValueError(f"{cur.path}: unknown GGUF array element type {etype} at byte {cur.pos}")
+
+
+def read_gguf_metadata(path: str) -> GGUFMetadata:
+    """Read the key/value header and tensor table of `path`; tensor data is never touched."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError as e:  # an empty file cannot be mapped
+            raise ValueError(f"{path}: not a GGUF file (empty)") from e
+    with buf:
+        if buf[:4] != GGUF_MAGIC:
+            raise ValueError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r}, expected b'GGUF')")
+        (version,) = struct.unpack_from("<I", buf, 4)
+        order = "<"
+        if version & 0xFFFF == 0:  # written on a big-endian host: the version reads byte-swapped
+            order, (version,) = ">", struct.unpack_from(">I", buf, 4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported (need 2 or later)")
+        cur = _Cursor(buf, order, path)
+        cur.pos = 8
+        n_tensors, n_kv = cur.unpack("Q"), cur.unpack("Q")
+        fields: dict[str, Any] = {}
+        lengths: dict[str, int] = {}
+        for _ in range(n_kv):
+            key, vtype = cur.string(), cur.unpack("I")
+            if vtype == _ARRAY:
+                values, lengths[key] = _read_array(cur)
+                if values is not None:
+                    fields[key] = values
+            else:
+                fields[key] = cur.value(vtype)
+        tensors: dict[str, int] = {}
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.unpack("I")
+            cur.pos += 8 * n_dims  # the dims
+            tensors[name] = cur.unpack("I")
+            cur.pos += 8  # data offset
+    return GGUFMetadata(path=path, version=version, fields=fields, array_lengths=lengths,
+                        tensor_types=tensors)
+
+
+def _type_name(enum_name: str, value: int) -> str:
+    """Name of a ggml enum value from the gguf package, or the number when it is unknown."""
+    try:
+        import gguf
+
+        return getattr(gguf, enum_name)(value).name
+    except (ImportError, ValueError):
+        return str(value)
+
+
+def gguf_to_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
+    """A HF-style config dict from GGUF metadata (keys named as in config.json).
+
+    `architectures` and `torch_dtype` are left out: a GGUF file names neither (the caller says so).
+    """
+    arch = meta.architecture
+    if not arch:
+        raise ValueError(f"{meta.path}: GGUF metadata has no general.architecture")
+    f = meta.fields
+    prefix = arch + "."
+    cfg: dict[str, Any] = {}
+    for suffix, hf_key in _COMMON_KEYS.items():
+        value = f.get(prefix + suffix)
+        if isinstance(value, list):  # per-layer values: only a uniform one maps to a HF scalar
+            if len(set(value)) != 1:
+                continue
+            value = value[0]
+        if value is not None:
+            cfg[hf_key] = value
+    model_type = _ARCH_TO_MODEL_TYPE.get(arch, arch)
+    experts = f.get(prefix + "expert_count")
+    if experts:
+        # llama.cpp writes Mixtral as a "llama" with experts
+        if model_type == "llama":
+            model_type = "mixtral"
+        key = {"qwen2_moe": "num_experts", "qwen3_moe": "num_experts",
+               "deepseek_v2": "n_routed_experts"}.get(model_type, "num_local_experts")
+        cfg[key] = experts
+    cfg["model_type"] = model_type
+    rope_dims = f.get(prefix + "rope.dimension_count")
+    key_len = f.get(prefix + "attention.key_length_mla", f.get(prefix + "attention.key_length"))
+    value_len = f.get(prefix + "attention.value_length_mla",
+                      f.get(prefix + "attention.value_length"))
+    if "kv_lora_rank" in cfg:
+        # MLA: the query/key head is a no-rope part plus a rope part
+        cfg.setdefault("q_lora_rank", None)
+        if rope_dims is not None:
+            cfg["qk_rope_head_dim"] = rope_dims
+            if key_len is not None:
+                cfg["qk_nope_head_dim"] = key_len - rope_dims
+        if value_len is not None:
+            cfg["v_head_dim"] = value_len
+    elif key_len is not None:
+        cfg["head_dim"] = key_len
+    swa = f.get(prefix + "attention.sliding_window_pattern")
+    if isinstance(swa, list) and swa and all(isinstance(v, bool) for v in swa):
+        # per-layer flags, true where the layer uses the sliding window
+        cfg["layer_types"] = ["sliding_attention" if v else "full_attention" for v in swa]
+    if "vocab_size" not in cfg and "tokenizer.ggml.tokens" in meta.array_lengths:
+        cfg["vocab_size"] = meta.array_lengths["tokenizer.ggml.tokens"]
+    scaling_type = f.get(prefix + "rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        scaling: dict[str, Any] = {"rope_type": scaling_type}
+        if (factor := f.get(prefix + "rope.scaling.factor")) is not None:
+            scaling["factor"] = factor
+        if (orig := f.get(prefix + "rope.scaling.original_context_length")) is not None:
+            scaling["original_max_position_embeddings"] = orig
+        cfg["rope_scaling"] = scaling
+    # no separate output matrix means the LM head reuses the embedding
+    cfg["tie_word_embeddings"] = "output.weight" not in meta.tensor_types
+    quant: dict[str, Any] = {"quant_method": "gguf"}
+    if (file_type := f.get("general.file_type")) is not None:
+        quant["file_type"] = _type_name("LlamaFileType", file_type)
+    counts = Counter(_type_name("GGMLQuantizationType", t) for t in meta.tensor_types.values())
+    quant["tensor_types"] = dict(sorted(counts.items()))
+    cfg["quantization_config"] = quant
+    return cfg
