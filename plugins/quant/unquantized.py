@@ -7,11 +7,12 @@ CORE_PLUGIN_API = ">=1.0,<2"
 
 CAPS = QuantCaps(
     devices={"cuda", "rocm", "xpu", "npu", "cpu"},
-    config_names={"none"},
+    # GGUF checkpoints are dequantized to the compute dtype by the loader, then served dense.
+    config_names={"none", "gguf"},
     dtypes={"float32", "float16", "bfloat16"},
     moe=True,
     priority={"cpu": 10, "cuda": 10, "rocm": 10, "xpu": 10, "npu": 10},
-    description="dense weights, F.linear",
+    description="dense weights, F.linear (GGUF is dequantized at load)",
 )
 
 
