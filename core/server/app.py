@@ -1,0 +1,203 @@
+"""The aiohttp application: state, middlewares, and the routes that are not generation.
+
+`create_app(engine, args)` is all a caller needs; `serve_main` (core.server.serve) adds the
+listening socket, the plan banner and SIGTERM draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+import core
+from core.config import ServerArgs
+from core.server import generation
+from core.server.auth import PUBLIC_ROUTES, make_auth_middleware
+from core.server.engine_api import EngineLike, GenRequest
+from core.server.errors import APIError, from_http_exception
+from core.server.openapi import openapi_spec
+from core.server.state import HEALTH_GENERATE_TIMEOUT_S, STATE, ServerState, state
+
+log = logging.getLogger("core.server")
+
+UNCOUNTED_ROUTES = frozenset({"/metrics"})  # scrapes would drown the request counts
+
+
+def _outcome(request: web.Request, status: int) -> str:
+    if "outcome" in request:
+        return request["outcome"]
+    if status < 400:
+        return "success"
+    if status in (429, 503):
+        return "rejected"
+    return "client_error" if status < 500 else "server_error"
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every failure leaves in OpenAI's error shape; a client error is never a 500."""
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "unmatched"
+    st = state(request)
+    try:
+        resp = await handler(request)
+    except APIError as e:
+        resp = e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = from_http_exception(e).response()
+    except asyncio.CancelledError:  # client disconnected (handler cancellation)
+        if endpoint not in UNCOUNTED_ROUTES:
+            st.metrics.count_request(endpoint, "aborted")
+        raise
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        resp = APIError(500, "internal server error; see the server log",
+                        code="internal_error").response()
+    if endpoint not in UNCOUNTED_ROUTES:
+        st.metrics.count_request(endpoint, _outcome(request, resp.status))
+    return resp
+
+
+# -- routes -------------------------------------------------------------------------------------
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await generation.handle(request, "completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await generation.handle(request, "chat")
+
+
+async def native_generate(request: web.Request) -> web.StreamResponse:
+    return await generation.handle(request, "generate")
+
+
+def _model_card(st: ServerState) -> dict[str, Any]:
+    info = st.engine.model_info()
+    return {"id": st.model_name, "object": "model", "created": int(st.started),
+            "owned_by": "core-serve", "root": info.get("model_path") or st.model_name,
+            "max_model_len": st.engine.context_length}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(state(request))]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    st = state(request)
+    name = request.match_info["model"]
+    if name not in st.served_names:
+        raise APIError(404, f"the model '{name}' does not exist", param="model",
+                       code="model_not_found")
+    return web.json_response(_model_card(st))
+
+
+async def health(request: web.Request) -> web.Response:
+    st = state(request)
+    if st.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if not await st.engine_alive():
+        return web.json_response({"status": "engine_unavailable"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """Health by generating one token end to end through the scheduler."""
+    st = state(request)
+    if st.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    gr = GenRequest(rid=f"health-{time.monotonic_ns()}", input_ids=(0,),
+                    sampling={"max_new_tokens": 1, "temperature": 0.0})
+
+    async def one() -> bool:
+        async for ev in st.engine.generate(gr):
+            if ev.get("finished"):
+                return not ev.get("error")
+        return False
+
+    try:
+        ok = await asyncio.wait_for(one(), HEALTH_GENERATE_TIMEOUT_S)
+    except Exception:
+        ok = False
+    finally:
+        st.engine.abort(gr.rid)
+    if not ok:
+        return web.json_response({"status": "engine_unavailable"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    st = state(request)
+    info = dict(st.engine.model_info())
+    info.update({"served_model_name": st.model_name, "is_generation": True,
+                 "context_length": st.engine.context_length,
+                 "vocab_size": st.engine.tokenizer.vocab_size})
+    return web.json_response(info)
+
+
+def redacted_args(args: ServerArgs) -> dict[str, Any]:
+    d = dataclasses.asdict(args)
+    if d.get("api_key"):
+        d["api_key"] = "<redacted>"
+    return d
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    st = state(request)
+    plan = st.engine.plan_dict()
+    candidates = list((plan or {}).get("candidates") or [])
+    body = {"version": core.__version__, "server_args": redacted_args(st.args),
+            "model": st.engine.model_info(), "served_model_name": st.model_name,
+            "plan": plan, "candidates": candidates, "plan_table": st.engine.describe_plan(),
+            "stats": await st.engine_stats(), "engine_alive": await st.engine_alive(),
+            "draining": st.draining, "inflight_requests": st.inflight,
+            "uptime_s": time.time() - st.started}
+    # default=str: plan values are plain data, but a plugin's DeviceInfo.extra may hold anything
+    return web.json_response(body, dumps=lambda o: json.dumps(o, default=str))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = state(request)
+    text = st.metrics.render(await st.engine_stats(), await st.engine_alive())
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_spec(core.__version__))
+
+
+def create_app(engine: EngineLike, args: ServerArgs, tokenizer_threads: int = 2
+               ) -> web.Application:
+    """The application for `engine`; run it with handler_cancellation=True so that a client
+    disconnecting cancels its handler (and so aborts its engine requests)."""
+    app = web.Application(client_max_size=args.max_request_bytes,
+                          middlewares=[error_middleware, make_auth_middleware(args.api_key)])
+    st = ServerState(engine, args, tokenizer_threads)
+    app[STATE] = st
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/generate", native_generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+
+    async def close_pool(_app: web.Application) -> None:
+        st.pool.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(close_pool)
+    assert PUBLIC_ROUTES <= {r.resource.canonical for r in app.router.routes()}
+    return app

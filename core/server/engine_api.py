@@ -1,0 +1,105 @@
+"""The server's view of an engine: a small protocol the HTTP layer is written against.
+
+The real engine client (core.engine) is wrapped by `core.server.adapter.EngineAdapter`; tests use
+`core.server.testing.FakeEngine`. Nothing here imports torch.
+
+Events. `EngineLike.generate(req)` yields plain dicts, one per step that produced output:
+
+    {"text": str,                # new text since the previous event (may be "")
+     "token_ids": list[int],     # new output token ids since the previous event
+     "logprobs": list[dict] | None,   # per new token, when req.logprobs is set:
+                                      #   {"token_id", "logprob", "top": [[id, logprob], ...]}
+     "finished": bool,
+     # present on the last event (finished=True):
+     "finish_reason": "stop" | "length" | "abort",
+     "matched_stop": int | str | None,
+     "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int}
+
+A request that fails inside the engine ends with an event carrying "error": str (and finished=True),
+or the iterator raises; either way only that request fails. Rejections that are the client's or
+the load's fault (queue full, prompt can never fit) raise `errors.APIError` before the first event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One sequence to generate: token ids in, sampling parameters in SGLang's names."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    # max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, frequency_penalty,
+    # presence_penalty, repetition_penalty, stop, stop_token_ids, ignore_eos, seed,
+    # skip_special_tokens -- only the keys the client gave, plus max_new_tokens (always set)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@runtime_checkable
+class TokenizerLike(Protocol):
+    """Text <-> token ids, and the chat template. Called from a worker thread, never the loop."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        """Render messages to the prompt text; raises ValueError for a conversation it refuses."""
+        ...
+
+
+@runtime_checkable
+class EngineLike(Protocol):
+    """What the HTTP layer needs from an engine. Every method is cheap or async: none of them may
+    run model code on the caller's thread (the server's event loop)."""
+
+    tokenizer: TokenizerLike
+    model_name: str  # default served model name
+    context_length: int  # most tokens (prompt + output) in one sequence
+
+    def plan_dict(self) -> dict[str, Any] | None:
+        """The resolved plan as `Plan.to_dict()` (candidates included), or None if unknown."""
+        ...
+
+    def describe_plan(self) -> str:
+        """The plan as the human-readable table `core.resolver.explain` prints ("" if none)."""
+        ...
+
+    def model_info(self) -> dict[str, Any]:
+        """Static facts: model_path, tokenizer_path, architecture, ... (JSON-able)."""
+        ...
+
+    def validate_sampling(self, sampling: dict[str, Any]) -> None:
+        """Raise ValueError naming the parameter if the engine would refuse these values."""
+        ...
+
+    def generate(self, req: GenRequest) -> AsyncIterator[dict[str, Any]]:
+        """Submit and stream events (see module docstring). Closing the iterator early aborts."""
+        ...
+
+    def abort(self, rid: str) -> None:
+        """Abort a request (no-op if unknown or finished); returns at once, frees its KV pages."""
+        ...
+
+    async def health(self) -> bool:
+        """True when the scheduler process is alive and answering."""
+        ...
+
+    async def stats(self) -> dict[str, Any]:
+        """Live figures: num_running_reqs, num_queued_reqs, kv_pages_used, kv_pages_total,
+        prefix_cache_hit_rate (0..1) -- any key may be missing."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stop the engine and every process it started."""
+        ...

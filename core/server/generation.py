@@ -1,0 +1,339 @@
+"""The generation routes: parse -> tokenize (worker thread) -> fan out to the engine -> answer.
+
+A request becomes len(prompts) x n engine requests. Their event streams are merged; whatever ends
+the HTTP request early (client gone, handler cancelled, an error) aborts every engine request that
+has not finished, so its KV pages are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from core.server import protocol, responses
+from core.server.engine_api import GenRequest
+from core.server.errors import APIError, invalid
+from core.server.protocol import ParsedRequest
+from core.server.state import ServerState, state
+
+log = logging.getLogger("core.server")
+
+# max_new_tokens when the client gives none: OpenAI's completions default is 16, chat runs to the
+# end of the context (stopped by EOS in practice), SGLang's /generate default is 128.
+DEFAULT_MAX_NEW = {"completions": 16, "chat": None, "generate": 128}
+PARSERS = {"completions": protocol.parse_completion, "chat": protocol.parse_chat,
+           "generate": protocol.parse_generate}
+ID_PREFIX = {"completions": "cmpl", "chat": "chatcmpl", "generate": "gen"}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+def _param(route: str, sglang_name: str) -> str:
+    if route == "generate":
+        return f"sampling_params.{sglang_name}"
+    return {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}.get(sglang_name,
+                                                                              sglang_name)
+
+
+def _prompt_param(route: str) -> str:
+    return {"completions": "prompt", "chat": "messages", "generate": "text"}[route]
+
+
+def _validate_sampling(st: ServerState, req: ParsedRequest) -> None:
+    probe = dict(req.sampling)
+    if req.max_new_tokens is not None:
+        probe["max_new_tokens"] = req.max_new_tokens
+    try:
+        st.engine.validate_sampling(probe)
+    except ValueError as e:
+        msg = str(e)
+        named = next((k for k in probe if k in msg), None)
+        raise invalid(_param(req.route, named) if named else None, msg) from None
+
+
+def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str | None]]:
+    """Runs in a worker thread: chat template and tokenizer never touch the event loop."""
+    tok = st.engine.tokenizer
+    out: list[tuple[list[int], str | None]] = []
+    for i, p in enumerate(req.prompts):
+        if p.ids is not None:
+            out.append((p.ids, tok.decode(p.ids) if req.echo else None))
+            continue
+        if p.messages is not None:
+            try:
+                text = tok.apply_chat_template(p.messages, chat_template=st.chat_template,
+                                               add_generation_prompt=req.add_generation_prompt)
+            except Exception as e:  # a template's raise_exception(...) or a type it refuses
+                raise invalid("messages", f"the chat template refused these messages: {e}",
+                              code="chat_template_error") from None
+        else:
+            text = p.text or ""
+        try:
+            out.append((list(tok.encode(text)), text))
+        except Exception as e:
+            where = _prompt_param(req.route) + (f"[{i}]" if len(req.prompts) > 1 else "")
+            raise invalid(where, f"{where} could not be tokenized: {e}") from None
+    return out
+
+
+def _fit(route: str, prompt_len: int, max_new: int | None, context: int, where: str) -> int:
+    if prompt_len == 0:
+        raise invalid(where, f"{where} is empty (0 tokens)")
+    if prompt_len >= context:
+        raise APIError(400, f"{where} has {prompt_len} tokens but this model's context length is "
+                       f"{context} tokens (at least one must be left for the output)",
+                       param=where, code="context_length_exceeded")
+    if max_new is not None:
+        if prompt_len + max_new > context:
+            name = _param(route, "max_new_tokens")
+            raise APIError(400, f"this model's context length is {context} tokens, but "
+                           f"{prompt_len + max_new} were requested ({prompt_len} in the prompt + "
+                           f"{max_new} {name}); shorten the prompt or lower {name}",
+                           param=name, code="context_length_exceeded")
+        return max_new
+    default = DEFAULT_MAX_NEW[route]
+    return context - prompt_len if default is None else min(default, context - prompt_len)
+
+
+class _Job:
+    """One HTTP generation request after tokenizing: its engine requests and their outputs."""
+
+    def __init__(self, st: ServerState, req: ParsedRequest, toks: list[tuple[list[int], str | None]]):
+        self.st, self.req = st, req
+        self.t0 = time.monotonic()
+        self.created = int(time.time())
+        self.base = req.rid or f"{ID_PREFIX[req.route]}-{uuid.uuid4().hex}"
+        self.model = st.model_name
+        self.prompt_lens = [len(ids) for ids, _ in toks]
+        ctx = st.engine.context_length
+        total = len(toks) * req.n
+        self.gen: list[GenRequest] = []
+        self.seqs: list[responses.SeqOut] = []
+        for pi, (ids, text) in enumerate(toks):
+            where = _prompt_param(req.route) + (f"[{pi}]" if len(toks) > 1 else "")
+            max_new = _fit(req.route, len(ids), req.max_new_tokens, ctx, where)
+            for j in range(req.n):
+                index = pi * req.n + j
+                sampling = dict(req.sampling, max_new_tokens=max_new)
+                if "seed" in sampling and j:  # n choices from one seed must still differ
+                    sampling["seed"] = (sampling["seed"] + j) % 2**63
+                rid = self.base if total == 1 else f"{self.base}-{index}"
+                self.gen.append(GenRequest(rid=rid, input_ids=tuple(ids), sampling=sampling,
+                                           logprobs=req.logprobs, top_logprobs=req.top_logprobs))
+                self.seqs.append(responses.SeqOut(index=index, prompt_index=pi, rid=rid,
+                                                  prompt_text=text))
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+
+    def decode1(self, tid: int) -> str:
+        return self.st.engine.tokenizer.decode([tid])
+
+    def observe(self, i: int, ev: dict[str, Any]) -> None:
+        """Metrics for one event of sequence i."""
+        m, now = self.st.metrics, time.monotonic()
+        k = len(ev.get("token_ids") or ())
+        if k:
+            if i not in self.first:
+                self.first[i] = now
+                m.ttft.observe(now - self.t0)
+            else:  # tokens arriving together share the gap since the previous event
+                gap = (now - self.last[i]) / k
+                for _ in range(k):
+                    m.itl.observe(gap)
+            self.last[i] = now
+        if ev.get("finished") and not ev.get("error"):
+            m.e2e.observe(now - self.t0)
+            s = self.seqs[i]
+            m.generation_tokens += s.completion_tokens
+            if s.index % self.req.n == 0:  # a prompt counts once, not once per choice
+                m.prompt_tokens += s.prompt_tokens
+                m.cached_tokens += s.cached_tokens
+
+    async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """Merged (sequence index, event) stream; leaving it early aborts the unfinished."""
+        q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        done: set[int] = set()
+        engine = self.st.engine
+
+        async def pump(i: int, gr: GenRequest) -> None:
+            try:
+                it = engine.generate(gr)
+                try:
+                    async for ev in it:
+                        q.put_nowait((i, ev))
+                        if ev.get("finished"):
+                            return
+                finally:
+                    aclose = getattr(it, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+                q.put_nowait((i, {"finished": True, "error": "the engine ended the stream "
+                                  "before the request finished"}))
+            except APIError as e:
+                q.put_nowait((i, e))
+            except Exception as e:  # one failing request fails alone
+                log.exception("request %s failed in the engine", gr.rid)
+                q.put_nowait((i, {"finished": True, "error": f"{type(e).__name__}: {e}"}))
+
+        tasks = [asyncio.create_task(pump(i, gr)) for i, gr in enumerate(self.gen)]
+        try:
+            while len(done) < len(self.gen):
+                i, ev = await q.get()
+                if isinstance(ev, APIError):
+                    raise ev
+                if ev.get("finished"):
+                    done.add(i)
+                self.seqs[i].add(ev)
+                self.observe(i, ev)
+                yield i, ev
+        finally:
+            for i, gr in enumerate(self.gen):
+                if i not in done:
+                    engine.abort(gr.rid)
+            for t in tasks:
+                t.cancel()
+
+    def usage(self) -> dict[str, Any]:
+        return responses.usage(self.seqs, self.prompt_lens, self.st.args.enable_cache_report)
+
+
+async def handle(request: web.Request, route: str) -> web.StreamResponse:
+    st = state(request)
+    st.refuse_if_draining()
+    body = await st.read_json(request)
+    eng = st.engine
+    req = PARSERS[route](body, eng.tokenizer.vocab_size, eng.context_length)
+    if route != "generate" and req.model is not None and req.model not in st.served_names:
+        raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
+                       f"{', '.join(sorted(st.served_names))}", param="model",
+                       code="model_not_found")
+    _validate_sampling(st, req)
+    with st.admitted(len(req.prompts) * req.n):
+        toks = await asyncio.get_running_loop().run_in_executor(st.pool, _tokenize, st, req)
+        job = _Job(st, req, toks)
+        if st.args.log_requests:
+            log.info("request %s %s prompt_tokens=%s n=%d stream=%s sampling=%s", job.base,
+                     route, job.prompt_lens, req.n, req.stream, job.gen[0].sampling)
+        if req.stream:
+            return await _stream(request, job)
+        return await _complete(job)
+
+
+async def _complete(job: _Job) -> web.Response:
+    req = job.req
+    async with contextlib.aclosing(job.events()) as evs:
+        async for i, _ev in evs:
+            if job.seqs[i].error:
+                raise APIError(500, f"generation failed: {job.seqs[i].error}",
+                               code="engine_error")
+    _log_done(job)
+    if req.route == "generate":
+        e2e = time.monotonic() - job.t0
+        objs = [responses.generate_object(s, req, e2e, job.decode1) for s in job.seqs]
+        body: Any = objs if (req.batch or req.n > 1) else objs[0]
+    elif req.route == "chat":
+        body = responses.chat_object(job.base, job.created, job.model, req, job.seqs,
+                                     job.decode1, job.usage())
+    else:
+        body = responses.completion_object(job.base, job.created, job.model, req, job.seqs,
+                                           job.decode1, job.usage())
+    return web.Response(body=responses.dumps(body), content_type="application/json")
+
+
+def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
+    """What to send for one event of sequence i."""
+    req, s = job.req, job.seqs[i]
+    text, fin = ev.get("text") or "", s.finish_reason if ev.get("finished") else None
+    entries = ev.get("logprobs") or []
+    if req.route == "generate":
+        if not (text or fin or entries):
+            return []
+        obj = responses.generate_object(s, req, time.monotonic() - job.t0 if fin else None,
+                                        job.decode1)
+        if len(job.seqs) > 1:
+            obj["index"] = s.index
+        return [obj]
+    if req.route == "chat":
+        out = []
+        if not s.started:
+            s.started = True
+            out.append(responses.chat_chunk(job.base, job.created, job.model, s.index,
+                                            {"role": "assistant", "content": ""}, None, None))
+        if text or entries or fin:
+            lp = responses.chat_logprobs(entries, job.decode1) if req.logprobs else None
+            out.append(responses.chat_chunk(job.base, job.created, job.model, s.index,
+                                            {"content": text} if text else {}, fin, lp))
+        return out
+    if not s.started and req.echo:
+        text = (s.prompt_text or "") + text
+    s.started = True
+    if not (text or entries or fin):
+        return []
+    lp = None
+    if req.logprobs:
+        offset = len(s.full_text) - len(ev.get("text") or "")
+        lp = responses.completion_logprobs(entries, job.decode1, offset)
+    return [responses.completion_chunk(job.base, job.created, job.model, s.index, text, fin,
+                                       lp)]
+
+
+async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
+    resp: web.StreamResponse | None = None
+
+    async def start() -> web.StreamResponse:
+        r = web.StreamResponse(headers=SSE_HEADERS)
+        await r.prepare(request)
+        return r
+
+    try:
+        try:
+            async with contextlib.aclosing(job.events()) as evs:
+                async for i, ev in evs:
+                    # headers go out with the first event, so that a rejection before it (queue
+                    # full, a request that can never fit) is still an HTTP status
+                    if resp is None:
+                        resp = await start()
+                    if job.seqs[i].error:
+                        request["outcome"] = "server_error"
+                        err = APIError(500, f"generation failed: {job.seqs[i].error}",
+                                       code="engine_error")
+                        await resp.write(responses.sse(err.body()))
+                        break
+                    for chunk in _chunks(job, i, ev):
+                        await resp.write(responses.sse(chunk))
+                else:
+                    if job.req.include_usage:
+                        obj = "chat.completion.chunk" if job.req.route == "chat" \
+                            else "text_completion"
+                        await resp.write(responses.sse(responses.usage_chunk(
+                            job.base, job.created, job.model, obj, job.usage())))
+                    _log_done(job)
+        except APIError as e:
+            if resp is None:
+                raise
+            request["outcome"] = "server_error" if e.status >= 500 else "client_error"
+            await resp.write(responses.sse(e.body()))
+        if resp is None:
+            resp = await start()
+        await resp.write(responses.SSE_DONE)
+        await resp.write_eof()
+    except ConnectionResetError:  # the client went away; events() already aborted the rest
+        request["outcome"] = "aborted"
+        if job.st.args.log_requests:
+            log.info("request %s: client disconnected, aborted", job.base)
+    return resp
+
+
+def _log_done(job: _Job) -> None:
+    if job.st.args.log_requests:
+        for s in job.seqs:
+            log.info("finish %s reason=%s prompt_tokens=%d completion_tokens=%d cached=%d "
+                     "e2e=%.3fs", s.rid, s.finish_reason, s.prompt_tokens, s.completion_tokens,
+                     s.cached_tokens, time.monotonic() - job.t0)

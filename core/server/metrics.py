@@ -1,0 +1,117 @@
+"""Prometheus text exposition (format 0.0.4) for the server, without a client library.
+
+Counters and histograms are kept here, in the HTTP process; gauges for the engine's live figures
+(running / queued requests, KV pages, prefix-cache hit rate) are read from `EngineLike.stats()`
+at scrape time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any
+
+PREFIX = "core_"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+OUTCOMES = ("success", "client_error", "rejected", "aborted", "server_error")
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(d: dict[str, str]) -> str:
+    if not d:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(d.items())) + "}"
+
+
+def _num(v: float) -> str:
+    if isinstance(v, float) and math.isnan(v):
+        return "NaN"
+    if v == math.inf:
+        return "+Inf"
+    return repr(float(v)) if isinstance(v, float) else str(v)
+
+
+class Histogram:
+    """Cumulative-bucket histogram (one label-less series)."""
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * (len(buckets) + 1)  # last: +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.sum += v
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cum = 0
+        for le, c in zip((*self.buckets, math.inf), self.counts, strict=True):
+            cum += c
+            lines.append(f'{self.name}_bucket{{le="{_num(float(le))}"}} {cum}')
+        lines += [f"{self.name}_sum {_num(self.sum)}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+class ServerMetrics:
+    """Everything /metrics shows that the HTTP process measures itself."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = {}  # (endpoint, outcome) -> count
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cached_tokens = 0
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
+                              "time from request arrival to its first output token", TTFT_BUCKETS)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "time between consecutive output tokens of a request", ITL_BUCKETS)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds",
+                             "time from request arrival to its last output token", E2E_BUCKETS)
+
+    def count_request(self, endpoint: str, outcome: str) -> None:
+        key = (endpoint, outcome)
+        self.requests[key] = self.requests.get(key, 0) + 1
+
+    def render(self, stats: dict[str, Any], engine_alive: bool) -> str:
+        out: list[str] = []
+
+        def metric(name: str, kind: str, help: str, samples: list[tuple[dict[str, str], float]]
+                   ) -> None:
+            full = PREFIX + name
+            out.extend([f"# HELP {full} {help}", f"# TYPE {full} {kind}"])
+            out.extend(f"{full}{_labels(lab)} {_num(v)}" for lab, v in samples)
+
+        samples = [({"endpoint": ep, "outcome": oc}, n)
+                   for (ep, oc), n in sorted(self.requests.items())]
+        metric("requests_total", "counter", "finished HTTP API requests by endpoint and outcome",
+               samples)
+        metric("prompt_tokens_total", "counter", "prompt tokens processed",
+               [({}, self.prompt_tokens)])
+        metric("generation_tokens_total", "counter", "output tokens generated",
+               [({}, self.generation_tokens)])
+        metric("cached_prompt_tokens_total", "counter", "prompt tokens served from the prefix "
+               "cache", [({}, self.cached_tokens)])
+        for h in (self.ttft, self.itl, self.e2e):
+            out.extend(h.render())
+        metric("engine_up", "gauge", "1 when the engine process answers", [({}, int(engine_alive))])
+        gauges = (("num_running_reqs", "requests being decoded"),
+                  ("num_queued_reqs", "requests waiting for admission"),
+                  ("kv_pages_used", "KV-cache pages held by requests and the prefix cache"),
+                  ("kv_pages_total", "KV-cache pages in the pool"),
+                  ("prefix_cache_hit_rate", "fraction of prompt tokens found in the prefix cache"))
+        for key, help in gauges:
+            v = stats.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                metric(key, "gauge", help, [({}, v)])
+        return "\n".join(out) + "\n"

@@ -1,0 +1,442 @@
+"""Request parsing: JSON bodies of the three generation routes into one `ParsedRequest`.
+
+Everything here is cheap and runs before tokenizing: types, finiteness, ranges and the caps on n,
+logprobs, stop strings and max_tokens. Every rejection is an `APIError` 400 naming the parameter.
+Sampling parameters are translated to SGLang's names (max_tokens -> max_new_tokens, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.server.errors import APIError, invalid
+
+MAX_N = 16  # choices per prompt
+MAX_SEQUENCES = 64  # prompts x n in one request
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's cap)
+MAX_STOP = 16  # stop strings
+MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 4096
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+# OpenAI's documented ranges (enforced on the OpenAI routes; /generate leaves them to the engine)
+OPENAI_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0),
+                 "frequency_penalty": (-2.0, 2.0), "presence_penalty": (-2.0, 2.0)}
+
+# SGLang sampling_params accepted by /generate
+NATIVE_SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
+                        "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                        "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "seed",
+                        "sampling_seed")
+
+
+@dataclass
+class Prompt:
+    """One prompt as given: exactly one of text, ids, messages is set."""
+
+    text: str | None = None
+    ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class ParsedRequest:
+    route: str  # completions | chat | generate
+    prompts: list[Prompt]
+    n: int = 1
+    stream: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)  # SGLang names; no max_new_tokens
+    max_new_tokens: int | None = None  # None: the route's default, fitted to the context
+    logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    include_usage: bool = False
+    model: str | None = None
+    batch: bool = False  # /generate with a list: answer a list
+    add_generation_prompt: bool = True
+    rid: str | None = None
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Bytes -> JSON object; malformed, non-UTF-8, too deep or non-object bodies are 400."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8: {e.reason} at byte {e.start}",
+                       code="invalid_json") from None
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e.msg} (line {e.lineno}, "
+                       f"column {e.colno})", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:  # 5000-digit integers, nesting beyond the stack
+        raise APIError(400, f"request body is not acceptable JSON: {type(e).__name__}: {e}"[:300],
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {_jtype(body)}",
+                       code="invalid_json")
+    return body
+
+
+def _jtype(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    return "object"
+
+
+# -- typed getters: each rejects bools posing as numbers, NaN/inf, and out-of-range values --------
+
+def get_int(d: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None,
+            param: str | None = None) -> int | None:
+    param = param or name
+    v = d.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer() and abs(v) < 2**53:
+        v = int(v)  # 16.0 is an integer to JSON's eye
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise invalid(param, f"{param} must be an integer, got {_jtype(v)} {_short(v)}",
+                      code="invalid_type")
+    if lo is not None and v < lo:
+        raise invalid(param, f"{param} must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise invalid(param, f"{param} must be <= {hi}, got {_short(v)}")
+    return v
+
+
+def get_float(d: dict[str, Any], name: str, lo: float | None = None, hi: float | None = None,
+              param: str | None = None) -> float | None:
+    param = param or name
+    v = d.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise invalid(param, f"{param} must be a number, got {_jtype(v)} {_short(v)}",
+                      code="invalid_type")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise invalid(param, f"{param} is too large: {_short(v)}") from None
+    if not math.isfinite(f):
+        raise invalid(param, f"{param} must be a finite number, got {f}")
+    if lo is not None and f < lo:
+        raise invalid(param, f"{param} must be >= {lo}, got {f}")
+    if hi is not None and f > hi:
+        raise invalid(param, f"{param} must be <= {hi}, got {f}")
+    return f
+
+
+def get_bool(d: dict[str, Any], name: str, param: str | None = None) -> bool | None:
+    param = param or name
+    v = d.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise invalid(param, f"{param} must be true or false, got {_jtype(v)} {_short(v)}",
+                      code="invalid_type")
+    return v
+
+
+def get_str(d: dict[str, Any], name: str, param: str | None = None) -> str | None:
+    param = param or name
+    v = d.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise invalid(param, f"{param} must be a string, got {_jtype(v)}", code="invalid_type")
+    return v
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _stop(d: dict[str, Any], name: str = "stop", param: str | None = None) -> list[str] | None:
+    param = param or name
+    v = d.get(name)
+    if v is None:
+        return None
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid(param, f"{param} must be a string or an array of strings",
+                      code="invalid_type")
+    if len(stops) > MAX_STOP:
+        raise invalid(param, f"{param} has {len(stops)} strings; at most {MAX_STOP} are allowed")
+    for s in stops:
+        if not s:
+            raise invalid(param, f"{param} strings must not be empty")
+        if len(s) > MAX_STOP_CHARS:
+            raise invalid(param, f"{param} strings must be at most {MAX_STOP_CHARS} characters, "
+                          f"got {len(s)}")
+    return stops or None
+
+
+def token_ids(v: Any, param: str, vocab_size: int, max_len: int | None = None) -> list[int]:
+    """A JSON array of token ids, each in [0, vocab_size)."""
+    if not isinstance(v, list):
+        raise invalid(param, f"{param} must be an array of token ids", code="invalid_type")
+    for i, t in enumerate(v):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise invalid(param, f"{param}[{i}] must be an integer token id, got {_jtype(t)}",
+                          code="invalid_type")
+        if not 0 <= t < vocab_size:
+            raise invalid(param, f"{param}[{i}] = {_short(t)} is not a token id (vocabulary "
+                          f"size {vocab_size})")
+    if max_len is not None and len(v) > max_len:
+        raise invalid(param, f"{param} has {len(v)} ids; at most {max_len} are allowed")
+    return list(v)
+
+
+def _reject_present(body: dict[str, Any], names: tuple[str, ...]) -> None:
+    """Fields we do not implement are refused, never silently ignored."""
+    for name in names:
+        v = body.get(name)
+        if v not in (None, False, [], {}, "none", "auto"):
+            raise invalid(name, f"{name} is not supported by this server", code="unsupported")
+
+
+# -- the OpenAI routes -------------------------------------------------------------------------
+
+def _openai_sampling(body: dict[str, Any], vocab_size: int, context_length: int,
+                     req: ParsedRequest) -> None:
+    """Fill req from the OpenAI fields common to completions and chat (+ vLLM/SGLang extras)."""
+    req.model = get_str(body, "model")
+    req.stream = bool(get_bool(body, "stream"))
+    req.n = get_int(body, "n", 1, MAX_N) or 1
+    best_of = get_int(body, "best_of", 1, MAX_N)
+    if best_of is not None and best_of != req.n:
+        raise invalid("best_of", "best_of different from n is not supported", code="unsupported")
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise invalid("stream_options", "stream_options must be an object",
+                          code="invalid_type")
+        if not req.stream:
+            raise invalid("stream_options", "stream_options is only allowed with stream=true")
+        req.include_usage = bool(get_bool(opts, "include_usage", "stream_options.include_usage"))
+    s: dict[str, Any] = {}
+    for name, (lo, hi) in OPENAI_RANGES.items():
+        v = get_float(body, name, lo, hi)
+        if v is not None:
+            s[name] = v
+    for name in ("min_p", "repetition_penalty"):
+        v = get_float(body, name)
+        if v is not None:
+            s[name] = v
+    top_k = get_int(body, "top_k", -1, vocab_size)
+    if top_k is not None:
+        s["top_k"] = top_k
+    seed = get_int(body, "seed", 0, 2**63 - 1)
+    if seed is not None:
+        s["seed"] = seed
+    for name in ("ignore_eos", "skip_special_tokens"):
+        v = get_bool(body, name)
+        if v is not None:
+            s[name] = v
+    stop = _stop(body)
+    if stop:
+        s["stop"] = stop
+    if body.get("stop_token_ids") is not None:
+        s["stop_token_ids"] = token_ids(body["stop_token_ids"], "stop_token_ids", vocab_size,
+                                        MAX_STOP_TOKEN_IDS)
+    max_tokens = get_int(body, "max_tokens", 1, context_length)
+    mct = get_int(body, "max_completion_tokens", 1, context_length)
+    if max_tokens is not None and mct is not None and max_tokens != mct:
+        raise invalid("max_completion_tokens", "max_tokens and max_completion_tokens differ")
+    req.max_new_tokens = mct if mct is not None else max_tokens
+    min_tokens = get_int(body, "min_tokens", 0, context_length)
+    if min_tokens:
+        if req.max_new_tokens is not None and min_tokens > req.max_new_tokens:
+            raise invalid("min_tokens", f"min_tokens ({min_tokens}) is larger than max_tokens "
+                          f"({req.max_new_tokens})")
+        s["min_new_tokens"] = min_tokens
+    if body.get("logit_bias"):
+        raise invalid("logit_bias", "logit_bias is not supported by this server",
+                      code="unsupported")
+    req.sampling = s
+
+
+def parse_completion(body: dict[str, Any], vocab_size: int, context_length: int
+                     ) -> ParsedRequest:
+    req = ParsedRequest(route="completions", prompts=[])
+    _reject_present(body, ("suffix",))
+    _openai_sampling(body, vocab_size, context_length, req)
+    if "prompt" not in body:
+        raise invalid("prompt", "prompt is required", code="missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, str):
+        req.prompts = [Prompt(text=p)]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        req.prompts = [Prompt(text=x) for x in p]
+    elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
+        req.prompts = [Prompt(ids=token_ids(x, f"prompt[{i}]", vocab_size))
+                       for i, x in enumerate(p)]
+    elif isinstance(p, list) and p and all(not isinstance(x, (str, list)) for x in p):
+        req.prompts = [Prompt(ids=token_ids(p, "prompt", vocab_size))]
+    elif isinstance(p, list) and not p:
+        raise invalid("prompt", "prompt must not be an empty array")
+    else:
+        raise invalid("prompt", "prompt must be a string, an array of strings, an array of token "
+                      "ids or an array of arrays of token ids", code="invalid_type")
+    lp = get_int(body, "logprobs", 0, MAX_LOGPROBS)
+    if lp is not None:
+        req.logprobs, req.top_logprobs = True, lp
+    req.echo = bool(get_bool(body, "echo"))
+    if req.echo and req.logprobs:
+        raise invalid("echo", "echo together with logprobs is not supported", code="unsupported")
+    _check_sequences(req)
+    return req
+
+
+def parse_chat(body: dict[str, Any], vocab_size: int, context_length: int) -> ParsedRequest:
+    req = ParsedRequest(route="chat", prompts=[])
+    _reject_present(body, ("tools", "functions", "function_call", "audio", "prediction"))
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise invalid("response_format", "only response_format {\"type\": \"text\"} is "
+                      "supported", code="unsupported")
+    _openai_sampling(body, vocab_size, context_length, req)
+    req.prompts = [Prompt(messages=_messages(body.get("messages")))]
+    lp = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not lp:
+        raise invalid("top_logprobs", "top_logprobs requires logprobs=true")
+    req.logprobs, req.top_logprobs = bool(lp), top or 0
+    agp = get_bool(body, "add_generation_prompt")
+    req.add_generation_prompt = True if agp is None else agp
+    _check_sequences(req)
+    return req
+
+
+def _messages(v: Any) -> list[dict[str, Any]]:
+    if v is None:
+        raise invalid("messages", "messages is required", code="missing_required_parameter")
+    if not isinstance(v, list):
+        raise invalid("messages", "messages must be an array", code="invalid_type")
+    if not v:
+        raise invalid("messages", "messages must not be empty")
+    if len(v) > MAX_MESSAGES:
+        raise invalid("messages", f"messages has {len(v)} entries; at most {MAX_MESSAGES}")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(where, f"{where} must be an object", code="invalid_type")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"{where}.role", f"{where}.role must be one of "
+                          f"{', '.join(CHAT_ROLES)}, got {_short(role)}")
+        if m.get("tool_calls"):
+            raise invalid(f"{where}.tool_calls", "tool calls are not supported",
+                          code="unsupported")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                pw = f"{where}.content[{j}]"
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise invalid(pw, f"{pw} must be a text part {{\"type\": \"text\", "
+                                  "\"text\": ...}; other content types are not supported")
+                if not isinstance(part.get("text"), str):
+                    raise invalid(f"{pw}.text", f"{pw}.text must be a string",
+                                  code="invalid_type")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise invalid(f"{where}.content", f"{where}.content must be a string or an array "
+                          f"of text parts, got {_jtype(content)}", code="invalid_type")
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": content}
+        name = get_str(m, "name", f"{where}.name")
+        if name is not None:
+            msg["name"] = name
+        out.append(msg)
+    return out
+
+
+# -- the native route --------------------------------------------------------------------------
+
+def parse_generate(body: dict[str, Any], vocab_size: int, context_length: int) -> ParsedRequest:
+    """SGLang's /generate: text or input_ids (one or a batch), sampling_params, stream."""
+    req = ParsedRequest(route="generate", prompts=[])
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise invalid("text", "give exactly one of text and input_ids",
+                      code="missing_required_parameter")
+    if text is not None:
+        if isinstance(text, str):
+            req.prompts = [Prompt(text=text)]
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            req.prompts, req.batch = [Prompt(text=t) for t in text], True
+        else:
+            raise invalid("text", "text must be a string or a non-empty array of strings",
+                          code="invalid_type")
+    elif isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+        req.prompts = [Prompt(ids=token_ids(x, f"input_ids[{i}]", vocab_size))
+                       for i, x in enumerate(ids)]
+        req.batch = True
+    else:
+        req.prompts = [Prompt(ids=token_ids(ids, "input_ids", vocab_size))]
+    req.stream = bool(get_bool(body, "stream"))
+    rid = body.get("rid")
+    if rid is not None and (req.batch or not isinstance(rid, str) or not 0 < len(rid) <= 128):
+        raise invalid("rid", "rid must be a string of 1..128 characters, for one prompt")
+    req.rid = rid
+    req.logprobs = bool(get_bool(body, "return_logprob"))
+    req.top_logprobs = get_int(body, "top_logprobs_num", 0, MAX_LOGPROBS) or 0
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise invalid("sampling_params", "sampling_params must be an object",
+                      code="invalid_type")
+    unknown = sorted(set(sp) - set(NATIVE_SAMPLING_KEYS))
+    if unknown:
+        raise invalid(f"sampling_params.{unknown[0]}", "unknown sampling parameter(s): "
+                      f"{', '.join(unknown)}", code="unsupported")
+    s: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty"):
+        v = get_float(sp, name, param=f"sampling_params.{name}")
+        if v is not None:
+            s[name] = v
+    for name, lo in (("top_k", -1), ("min_new_tokens", 0)):
+        v = get_int(sp, name, lo, max(vocab_size, context_length), f"sampling_params.{name}")
+        if v is not None:
+            s[name] = v
+    for name in ("seed", "sampling_seed"):
+        v = get_int(sp, name, 0, 2**63 - 1, f"sampling_params.{name}")
+        if v is not None:
+            s["seed"] = v
+    for name in ("ignore_eos", "skip_special_tokens"):
+        v = get_bool(sp, name, f"sampling_params.{name}")
+        if v is not None:
+            s[name] = v
+    stop = _stop(sp, "stop", "sampling_params.stop")
+    if stop:
+        s["stop"] = stop
+    if sp.get("stop_token_ids") is not None:
+        s["stop_token_ids"] = token_ids(sp["stop_token_ids"], "sampling_params.stop_token_ids",
+                                        vocab_size, MAX_STOP_TOKEN_IDS)
+    req.max_new_tokens = get_int(sp, "max_new_tokens", 1, context_length,
+                                 "sampling_params.max_new_tokens")
+    req.n = get_int(sp, "n", 1, MAX_N, "sampling_params.n") or 1
+    req.sampling = s
+    _check_sequences(req)
+    return req
+
+
+def _check_sequences(req: ParsedRequest) -> None:
+    total = len(req.prompts) * req.n
+    if total > MAX_SEQUENCES:
+        raise invalid("n", f"{len(req.prompts)} prompt(s) x n={req.n} = {total} sequences; at "
+                      f"most {MAX_SEQUENCES} per request")

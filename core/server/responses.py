@@ -1,0 +1,185 @@
+"""Response bodies: OpenAI completion / chat objects and chunks, SGLang /generate objects.
+
+`SeqOut` accumulates one generated sequence from engine events; the builders turn finished
+sequences (or one event's delta) into the JSON shapes clients expect.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.server.protocol import ParsedRequest
+
+Decode1 = Callable[[int], str]  # token id -> its text
+
+
+def dumps(obj: Any) -> bytes:
+    # UTF-8 out; a stray surrogate cannot reach here from input (rejected), 'replace' is a guard
+    return json.dumps(obj, ensure_ascii=False).encode("utf-8", "replace")
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else dumps(obj)) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class SeqOut:
+    """One output sequence (a prompt x one of its n choices) as it is being generated."""
+
+    index: int
+    prompt_index: int
+    rid: str
+    prompt_text: str | None = None  # for echo
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    started: bool = False  # a first chunk was sent (stream)
+
+    def add(self, ev: dict[str, Any]) -> None:
+        self.text.append(ev.get("text") or "")
+        self.token_ids.extend(ev.get("token_ids") or ())
+        if ev.get("logprobs"):
+            self.logprobs.extend(ev["logprobs"])
+        if ev.get("error"):
+            self.error = str(ev["error"])
+        if ev.get("finished"):
+            self.finished = True
+            self.finish_reason = ev.get("finish_reason") or ("error" if self.error else "stop")
+            self.matched_stop = ev.get("matched_stop")
+            self.prompt_tokens = int(ev.get("prompt_tokens") or 0)
+            self.completion_tokens = int(ev.get("completion_tokens") or len(self.token_ids))
+            self.cached_tokens = int(ev.get("cached_tokens") or 0)
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)
+
+
+def usage(seqs: Sequence[SeqOut], prompt_lens: Sequence[int], cache_report: bool,
+          cached_by_prompt: dict[int, int] | None = None) -> dict[str, Any]:
+    # prompt tokens count once per prompt, not once per choice (as OpenAI reports n > 1)
+    prompt = sum(prompt_lens)
+    completion = sum(s.completion_tokens for s in seqs)
+    u: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                         "total_tokens": prompt + completion}
+    if cache_report:
+        cached = cached_by_prompt or {}
+        for s in seqs:  # the best reuse among a prompt's choices
+            cached[s.prompt_index] = max(cached.get(s.prompt_index, 0), s.cached_tokens)
+        u["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+    return u
+
+
+def completion_logprobs(entries: list[dict[str, Any]], decode1: Decode1, offset: int
+                        ) -> dict[str, Any]:
+    tokens, lps, tops, offsets = [], [], [], []
+    for e in entries:
+        tok = decode1(e["token_id"])
+        tokens.append(tok)
+        lps.append(e["logprob"])
+        tops.append({decode1(t): lp for t, lp in e.get("top") or []} or None)
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[dict[str, Any]], decode1: Decode1) -> dict[str, Any]:
+    def one(tid: int, lp: float) -> dict[str, Any]:
+        tok = decode1(tid)
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace"))}
+
+    content = []
+    for e in entries:
+        item = one(e["token_id"], e["logprob"])
+        item["top_logprobs"] = [one(t, lp) for t, lp in e.get("top") or []]
+        content.append(item)
+    return {"content": content}
+
+
+def completion_object(rid: str, created: int, model: str, req: ParsedRequest,
+                      seqs: list[SeqOut], decode1: Decode1, use: dict[str, Any]
+                      ) -> dict[str, Any]:
+    choices = []
+    for s in seqs:
+        prefix = s.prompt_text if req.echo and s.prompt_text is not None else ""
+        choices.append({"index": s.index, "text": prefix + s.full_text,
+                        "logprobs": completion_logprobs(s.logprobs, decode1, len(prefix))
+                        if req.logprobs else None,
+                        "finish_reason": s.finish_reason})
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": use}
+
+
+def chat_object(rid: str, created: int, model: str, req: ParsedRequest, seqs: list[SeqOut],
+                decode1: Decode1, use: dict[str, Any]) -> dict[str, Any]:
+    choices = [{"index": s.index,
+                "message": {"role": "assistant", "content": s.full_text},
+                "logprobs": chat_logprobs(s.logprobs, decode1) if req.logprobs else None,
+                "finish_reason": s.finish_reason} for s in seqs]
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": use}
+
+
+def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, decode1: Decode1
+                  ) -> dict[str, Any]:
+    finish = None
+    if s.finished:
+        finish = {"type": s.finish_reason}
+        if s.matched_stop is not None:
+            finish["matched"] = s.matched_stop
+        if s.finish_reason == "length":
+            finish["length"] = s.completion_tokens
+    meta: dict[str, Any] = {"id": s.rid, "finish_reason": finish,
+                            "prompt_tokens": s.prompt_tokens,
+                            "completion_tokens": s.completion_tokens or len(s.token_ids),
+                            "cached_tokens": s.cached_tokens}
+    if e2e is not None:
+        meta["e2e_latency"] = e2e
+    if req.logprobs:
+        # SGLang's shape: [logprob, token_id, token_text] per token, top-k likewise per token
+        meta["output_token_logprobs"] = [[e["logprob"], e["token_id"], decode1(e["token_id"])]
+                                         for e in s.logprobs]
+        meta["output_top_logprobs"] = [[[lp, t, decode1(t)] for t, lp in e.get("top") or []]
+                                       for e in s.logprobs]
+    return meta
+
+
+def generate_object(s: SeqOut, req: ParsedRequest, e2e: float | None, decode1: Decode1
+                    ) -> dict[str, Any]:
+    return {"text": s.full_text, "output_ids": list(s.token_ids),
+            "meta_info": generate_meta(s, req, e2e, decode1)}
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
+                     finish_reason: str | None, logprobs: dict[str, Any] | None
+                     ) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any],
+               finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, Any]
+                ) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": use}

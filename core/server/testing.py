@@ -1,0 +1,174 @@
+"""A deterministic in-process engine for testing the server without a model (no torch).
+
+FakeEngine speaks `EngineLike`. Its tokenizer is byte-level (id = byte + 3; 0 pad, 1 bos, 2 eos).
+Its greedy "model" answers with the bytes of `reply` (default "hello world "), repeated, one
+token per step, so outputs are predictable. Knobs for fault tests:
+  - token_delay: seconds between tokens (asyncio.sleep: the loop stays free);
+  - a prompt containing "FAIL_EVENT" ends with an error event after its first token,
+    "FAIL_RAISE" raises inside the engine after its first token;
+  - max_active: more concurrent requests than this are rejected as "queue full" (503);
+  - alive / wedged: what health() says (wedged: it never answers).
+It keeps KV accounting like the real pool: pages_in_use() counts pages of live requests only, so
+a test can check that aborted and finished requests give their pages back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from core.server.engine_api import GenRequest
+from core.server.errors import overloaded
+
+PAD, BOS, EOS = 0, 1, 2
+OFFSET = 3
+
+
+class FakeTokenizer:
+    vocab_size = 256 + OFFSET
+
+    def encode(self, text: str) -> list[int]:
+        return [b + OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8", "replace")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        for i, m in enumerate(messages):
+            if m["role"] == "system" and i:
+                raise ValueError("a system message may only come first")
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class FakeEngine:
+    """See the module docstring."""
+
+    page_size = 4
+    total_pages = 4096
+
+    def __init__(self, context_length: int = 256, reply: str = "hello world ",
+                 token_delay: float = 0.0, max_active: int | None = None):
+        self.tokenizer = FakeTokenizer()
+        self.model_name = "fake-model"
+        self.context_length = context_length
+        self.reply = reply
+        self.token_delay = token_delay
+        self.max_active = max_active
+        self.alive = True
+        self.wedged = False
+        self.active: dict[str, int] = {}  # rid -> tokens held in KV
+        self.aborted: set[str] = set()
+        self.submitted: list[GenRequest] = []
+        self.finished = 0
+        self._seen: list[tuple[int, ...]] = []  # prompts served, for "cached" prefix tokens
+        self.shut_down = False
+
+    # -- EngineLike -----------------------------------------------------------------------------
+    def plan_dict(self) -> dict[str, Any]:
+        return {"device": {"name": "fake"}, "prefill_attention": "fake", "decode_attention":
+                "fake", "page_size": self.page_size,
+                "candidates": [{"slot": "decode_attention", "name": "fake", "fits": True,
+                                "chosen": True, "reasons": []}]}
+
+    def describe_plan(self) -> str:
+        return "Plan:\n  decode attention   fake"
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model_path": "fake://model", "tokenizer_path": "fake://model",
+                "architecture": "FakeForCausalLM"}
+
+    def validate_sampling(self, sampling: dict[str, Any]) -> None:
+        # a couple of the real engine's rules, so the server's ValueError path is exercised
+        if sampling.get("top_k") == 0:
+            raise ValueError("top_k must be -1 (off) or a positive integer, got 0")
+        if sampling.get("repetition_penalty", 1.0) <= 0:
+            raise ValueError("repetition_penalty must be in (0, 2]")
+
+    def pages_in_use(self) -> int:
+        return sum(math.ceil(n / self.page_size) for n in self.active.values())
+
+    def _cached(self, ids: tuple[int, ...]) -> int:
+        best = 0
+        for seen in self._seen:
+            n = 0
+            for a, b in zip(seen, ids, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return min(best, len(ids) - 1) // self.page_size * self.page_size
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[dict[str, Any]]:
+        if not self.alive:
+            raise RuntimeError("the engine process is gone")
+        if self.max_active is not None and len(self.active) >= self.max_active:
+            raise overloaded()
+        self.submitted.append(req)
+        rid, prompt = req.rid, req.input_ids
+        text = self.tokenizer.decode(prompt)
+        cached = self._cached(prompt)
+        self._seen.append(prompt)
+        self.active[rid] = len(prompt)
+        max_new = req.sampling["max_new_tokens"]
+        stops = req.sampling.get("stop") or []
+        out = ""
+        reply = self.reply.encode()
+        try:
+            for step in range(max_new):
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                else:
+                    await asyncio.sleep(0)
+                if rid in self.aborted:
+                    return
+                if step == 1 and "FAIL_RAISE" in text:
+                    raise RuntimeError("simulated kernel failure")
+                tid = reply[step % len(reply)] + OFFSET
+                piece = self.tokenizer.decode([tid])
+                self.active[rid] += 1
+                out += piece
+                ev: dict[str, Any] = {"text": piece, "token_ids": [tid], "finished": False}
+                if req.logprobs:
+                    alts = [[tid, -0.25], [EOS, -1.5], [OFFSET + 33, -2.5]][:req.top_logprobs]
+                    ev["logprobs"] = [{"token_id": tid, "logprob": -0.25, "top": alts}]
+                if step == 1 and "FAIL_EVENT" in text:
+                    ev.update(finished=True, error="simulated failure in the engine")
+                    yield ev
+                    return
+                matched = next((s for s in stops if s in out), None)
+                if matched is not None or step == max_new - 1:
+                    ev.update(finished=True, finish_reason="stop" if matched else "length",
+                              matched_stop=matched, prompt_tokens=len(prompt),
+                              completion_tokens=step + 1, cached_tokens=cached)
+                    if matched is not None:  # like the engine: the stop string is not output
+                        cut = out.index(matched)
+                        ev["text"] = piece[:max(0, len(piece) - (len(out) - cut))]
+                    self.finished += 1
+                    yield ev
+                    return
+                yield ev
+        finally:
+            self.active.pop(rid, None)
+
+    def abort(self, rid: str) -> None:
+        if rid in self.active:
+            self.aborted.add(rid)
+            self.active.pop(rid, None)
+
+    async def health(self) -> bool:
+        if self.wedged:
+            await asyncio.sleep(3600)
+        return self.alive
+
+    async def stats(self) -> dict[str, Any]:
+        return {"num_running_reqs": len(self.active), "num_queued_reqs": 0,
+                "kv_pages_used": self.pages_in_use(), "kv_pages_total": self.total_pages,
+                "prefix_cache_hit_rate": 0.5}
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
