@@ -12,11 +12,14 @@ class KVPool:
     out, so padded writes (e.g. in captured graphs) land somewhere harmless.
 
     Shapes: k_buffers[layer], v_buffers[layer]: [num_slots, num_kv_heads, head_dim] (v: v_head_dim)
+
+    FP8 caches (torch.float8_e4m3fn / float8_e5m2) hold values divided by a per-tensor scale:
+    real K = stored K * k_scale (likewise V). The scales are 1.0 for every other dtype.
     """
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, page_size: int = 1,
-                 v_head_dim: int | None = None):
+                 v_head_dim: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
         if num_slots < page_size * 2:
             raise ValueError(f"KV pool of {num_slots} slots is too small for page size "
                              f"{page_size}")
@@ -28,6 +31,11 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.page_size = page_size
+        if not (k_scale > 0 and v_scale > 0):
+            raise ValueError(f"KV cache scales must be positive, got k_scale={k_scale}, "
+                             f"v_scale={v_scale}")
+        self.k_scale = float(k_scale)
+        self.v_scale = float(v_scale)
         self.k_buffers = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype,
                                       device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(num_slots, num_kv_heads, self.v_head_dim, dtype=dtype,
@@ -44,5 +52,9 @@ class KVPool:
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V. loc: [T] slots; k: [T, kv_heads, head_dim]; v likewise."""
+        if self.k_scale != 1.0:
+            k = k / self.k_scale
+        if self.v_scale != 1.0:
+            v = v / self.v_scale
         self.k_buffers[layer_id][loc] = k.to(self.dtype)
         self.v_buffers[layer_id][loc] = v.to(self.dtype)
