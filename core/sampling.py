@@ -1,0 +1,249 @@
+"""Sampling parameters (validated, SGLang's names) and the batched sampler that runs on the device.
+
+Order of operations per step, per request: repetition / frequency / presence penalties,
+min_new_tokens (stop tokens masked), then greedy argmax when temperature == 0, else temperature,
+top-k, top-p, min-p and a draw. A request with a seed draws from its own torch.Generator, so the
+same seed gives the same tokens whatever else is in the batch. Logprobs are those of the model's
+distribution (log-softmax of the raw logits), like vLLM's default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Build from a request dict; unknown keys and bad values raise ValueError naming them."""
+        if d is None:
+            d = {}
+        if isinstance(d, SamplingParams):
+            d.validate()
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be a dict, not {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        values = {k: v for k, v in d.items() if v is not None or k == "seed"}
+        if isinstance(values.get("stop"), str):
+            values["stop"] = [values["stop"]]
+        p = cls(**values)
+        p.validate()
+        return p
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self) -> None:
+        def integer(name: str, lo: int, hi: float = math.inf) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if not lo <= v <= hi:
+                rng = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
+                raise ValueError(f"{name} must be {rng}, got {v}")
+
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a number, got {v!r}")
+            if math.isnan(v) or math.isinf(v):
+                raise ValueError(f"{name} must be finite, got {v}")
+            if v < lo or v > hi or (lo_open and v == lo):
+                raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], "
+                                 f"got {v}")
+
+        def boolean(name: str) -> None:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+        integer("max_new_tokens", 1)
+        integer("min_new_tokens", 0, self.max_new_tokens)
+        number("temperature", 0.0, 100.0)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (
+                self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        number("min_p", 0.0, 1.0)
+        number("repetition_penalty", 0.0, 2.0, lo_open=True)
+        number("frequency_penalty", -2.0, 2.0)
+        number("presence_penalty", -2.0, 2.0)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s
+                                                      for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, "
+                             f"got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, "
+                             f"got {self.stop_token_ids!r}")
+        boolean("ignore_eos")
+        if self.seed is not None:
+            integer("seed", 0, 2**63 - 1)
+        integer("n", 1, 128)
+        boolean("logprobs")
+        integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+        boolean("skip_special_tokens")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary of {vocab_size}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class SamplingState:
+    """One request's sampler state on the device, kept across steps (and across retraction)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], stop_ids: list[int],
+                 vocab_size: int, device: torch.device):
+        self.params = params
+        self.stop_ids = stop_ids  # masked while fewer than min_new_tokens were produced
+        self.num_out = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+        self.counts: torch.Tensor | None = None  # [V] output-token counts (freq/presence)
+        self.seen: torch.Tensor | None = None  # [V] prompt or output token (repetition)
+        if params.frequency_penalty or params.presence_penalty:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = [t for t in prompt_ids if t < vocab_size]
+            self.seen[torch.tensor(ids, dtype=torch.long, device=device)] = True
+
+    def observe(self, token: int) -> None:
+        self.num_out += 1
+        if self.counts is not None:
+            self.counts[token] += 1
+        if self.seen is not None:
+            self.seen[token] = True
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    # per request: (logprob of the chosen token, [(token, logprob), ...]) or None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    """Batched sampling over [B, V] fp32 logits with per-request states."""
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleOutput:
+        B, V = logits.shape
+        want_lp = [i for i, s in enumerate(states) if s.params.logprobs]
+        raw = logits[want_lp].clone() if want_lp else None
+        self._penalize(logits, states)
+        greedy = [s.params.greedy for s in states]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._draw(logits, states, greedy)
+        token_list = tokens.tolist()  # the step's one host sync
+        for s, t in zip(states, token_list, strict=True):
+            s.observe(t)
+        lps: list[Any] = [None] * B
+        if want_lp:
+            lps_rows = self._logprobs(raw, tokens[want_lp], [states[i] for i in want_lp])
+            for i, lp in zip(want_lp, lps_rows, strict=True):
+                lps[i] = lp
+        return SampleOutput(token_list, lps)
+
+    def _penalize(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+        for i, s in enumerate(states):
+            p = s.params
+            if s.seen is not None:
+                row = logits[i]
+                rp = p.repetition_penalty
+                # HF / SGLang semantics: shrink positive logits, push negative ones further down.
+                logits[i] = torch.where(s.seen, torch.where(row > 0, row / rp, row * rp), row)
+            if s.counts is not None:
+                logits[i] -= p.frequency_penalty * s.counts + p.presence_penalty * (s.counts > 0)
+            if s.num_out < p.min_new_tokens and s.stop_ids:
+                logits[i, s.stop_ids] = float("-inf")
+
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState],
+              greedy: list[bool]) -> torch.Tensor:
+        dev = logits.device
+        temps = torch.tensor([s.params.temperature if not g else 1.0
+                              for s, g in zip(states, greedy, strict=True)], device=dev)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)  # [B, V]
+        ks = [s.params.top_k for s in states]
+        ps = [s.params.top_p for s in states]
+        mps = [s.params.min_p for s in states]
+        if any(k > 0 for k in ks) or any(p < 1.0 for p in ps) or any(m > 0 for m in mps):
+            sorted_p, idx = probs.sort(dim=-1, descending=True)  # [B, V] each
+            rank = torch.arange(sorted_p.shape[1], device=dev)[None, :]
+            k = torch.tensor([k if k > 0 else sorted_p.shape[1] for k in ks], device=dev)
+            drop = rank >= k[:, None]
+            cum_before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
+            drop |= cum_before > torch.tensor(ps, device=dev)[:, None]
+            drop |= sorted_p < sorted_p[:, :1] * torch.tensor(mps, device=dev)[:, None]
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (no normalization needed).
+        noise = torch.empty_like(probs)
+        shared = [i for i, s in enumerate(states) if s.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
+                generator=self.generator)
+        for i, s in enumerate(states):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 draw would divide to inf / nan
+        drawn = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            g = torch.tensor(greedy, device=dev)
+            drawn = torch.where(g, logits.argmax(dim=-1), drawn)
+        return drawn
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor,
+                  states: list[SamplingState]) -> list[tuple[float, list[tuple[int, float]]]]:
+        lp = torch.log_softmax(raw, dim=-1)  # [b, V]
+        chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+        k = max(s.params.top_logprobs for s in states)
+        top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        out = []
+        for r, s in enumerate(states):
+            n = s.params.top_logprobs
+            out.append((chosen[r], list(zip(top_i[r][:n], top_v[r][:n], strict=True))))
+        return out
