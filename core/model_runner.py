@@ -1,0 +1,124 @@
+"""The model runner: turns a scheduler step into ForwardBatch tensors, runs the model, returns
+the logits the sampler needs.
+
+One attention backend per phase (the plan's prefill_attention / decode_attention; one instance
+when both name the same backend). Extend and decode run as separate forwards, so each backend only
+ever sees its own phase. Everything runs under torch.inference_mode; host-side lengths travel in
+the batch's *_cpu lists so backends never sync with the device to read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from core.attention import AttentionBackend, BackendContext
+from core.forward_batch import ForwardBatch, ForwardMode
+from core.kv_cache import KVPool
+from core.memory_pool import ReqToTokenPool
+
+
+def make_backends(registry: Any, prefill: str, decode: str, ctx: BackendContext
+                  ) -> tuple[AttentionBackend, AttentionBackend]:
+    """Instantiate the plan's attention backends (the factories import their kernels here)."""
+    made: dict[str, AttentionBackend] = {}
+    for name in (prefill, decode):
+        if name not in made:
+            reg = registry.get("attention", name)
+            if reg is None:
+                raise ValueError(f"attention backend {name!r} is not registered")
+            made[name] = reg.load()(ctx)
+    return made[prefill], made[decode]
+
+
+class ModelRunner:
+    """Runs extend (prefill, possibly over a cached prefix or in chunks) and decode forwards."""
+
+    def __init__(self, model: Any, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+                 prefill_backend: AttentionBackend, decode_backend: AttentionBackend,
+                 device: torch.device | str):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.prefill_backend = prefill_backend
+        self.decode_backend = decode_backend
+        self.device = torch.device(device)
+        self.forward_count = {"extend": 0, "decode": 0}
+
+    def _tensor(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
+    def _run(self, batch: ForwardBatch, backend: AttentionBackend,
+             logit_index: torch.Tensor | None) -> torch.Tensor:
+        batch.attn_backend = backend
+        batch.attn_meta = backend.prepare(batch)
+        with torch.inference_mode():
+            hidden = self.model.forward(batch.input_ids, batch.positions, batch)  # [T, H]
+            if logit_index is not None:
+                hidden = hidden.index_select(0, logit_index)  # [N, H]
+            return self.model.compute_logits(hidden)  # [N, vocab] fp32
+
+    def extend(self, rows: Sequence[int], prefix_lens: Sequence[int],
+               tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
+               logits_for: Sequence[int]) -> torch.Tensor | None:
+        """Compute K/V of `tokens[i]` (positions prefix_lens[i]...) for request row rows[i].
+
+        The rows' prefix slots must already be in the table; this writes the new ones.
+        Returns logits [len(logits_for), V] at the last new token of each request listed in
+        `logits_for` (indices into rows), or None when none is listed.
+        """
+        self.forward_count["extend"] += 1
+        ext = [len(t) for t in tokens]
+        seq = [p + n for p, n in zip(prefix_lens, ext, strict=True)]
+        flat_ids: list[int] = []
+        flat_pos: list[int] = []
+        flat_slots: list[int] = []
+        for row, p, toks, sl in zip(rows, prefix_lens, tokens, slots, strict=True):
+            self.req_to_token.write(row, p, sl)
+            flat_ids.extend(toks)
+            flat_pos.extend(range(p, p + len(toks)))
+            flat_slots.extend(sl)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=self._tensor(flat_ids, torch.long),
+            positions=self._tensor(flat_pos, torch.long),
+            seq_lens=self._tensor(seq, torch.int32),
+            prefix_lens=self._tensor(prefix_lens, torch.int32),
+            extend_lens=self._tensor(ext, torch.int32),
+            out_cache_loc=self._tensor(flat_slots, torch.long),
+            req_pool_indices=self._tensor(rows, torch.long),
+            req_to_token=self.req_to_token.req_to_token,
+            kv_pool=self.kv_pool,
+            seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=ext)
+        if not logits_for:
+            self._run(batch, self.prefill_backend, torch.empty(0, dtype=torch.long,
+                                                               device=self.device))
+            return None
+        ends, t = [], 0
+        for n in ext:
+            t += n
+            ends.append(t - 1)
+        index = self._tensor([ends[i] for i in logits_for], torch.long)
+        return self._run(batch, self.prefill_backend, index)
+
+    def decode(self, rows: Sequence[int], input_ids: Sequence[int], positions: Sequence[int],
+               slots: Sequence[int]) -> torch.Tensor:
+        """One new token per request at `positions[i]` (= tokens already cached) -> [B, V]."""
+        self.forward_count["decode"] += 1
+        seq = [p + 1 for p in positions]
+        # One host->device copy for the four per-request vectors.
+        packed = self._tensor([*input_ids, *positions, *slots, *rows], torch.long)
+        B = len(rows)
+        ids, pos, loc, row_t = packed[:B], packed[B:2 * B], packed[2 * B:3 * B], packed[3 * B:]
+        self.req_to_token.req_to_token[row_t, pos] = loc.to(torch.int32)
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=ids, positions=pos,
+            seq_lens=(pos + 1).to(torch.int32), prefix_lens=pos.to(torch.int32),
+            extend_lens=torch.ones(B, dtype=torch.int32, device=self.device),
+            out_cache_loc=loc, req_pool_indices=row_t,
+            req_to_token=self.req_to_token.req_to_token, kv_pool=self.kv_pool,
+            seq_lens_cpu=seq, prefix_lens_cpu=list(positions), extend_lens_cpu=[1] * B)
+        return self._run(batch, self.decode_backend, None)

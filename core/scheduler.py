@@ -1,0 +1,446 @@
+"""Continuous batching: a waiting queue, a running batch, chunked prefill, retraction.
+
+One `step()`: decode every running request (one forward), then admit waiting requests into an
+extend forward (prefill, possibly over a cached prefix, possibly one chunk of a long prompt).
+Admission keeps a reserve of KV for the running requests' future tokens (SGLang's new-token
+ratio, scaled by --schedule-conservativeness). If decode still runs out of pages, running requests
+are retracted: their KV goes to the prefix cache (or is freed), and they wait to be recomputed
+from prompt + generated tokens; their output so far is kept, so nothing is lost or changed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.memory_pool import OutOfPages, PageAllocator, ReqToTokenPool, token_slots
+from core.model_runner import ModelRunner
+from core.radix_cache import NoPrefixCache, RadixCache
+from core.sampling import Sampler, SamplingParams, SamplingState
+
+CLIP_MAX_NEW_TOKENS = 4096  # reserve at most this many future tokens per request
+LPM_MAX_QUEUE = 128  # beyond this many waiting requests, lpm falls back to fcfs (matching cost)
+
+
+class AdmissionError(ValueError):
+    """A request that can never run (too long for the context or the pool, queue full...)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, max_context: int, pool_tokens: int,
+               page_size: int) -> None:
+    """Raise AdmissionError if such a request could never run, with the numbers."""
+    if prompt_len < 1:
+        raise AdmissionError("the prompt is empty")
+    total = prompt_len + max_new_tokens
+    if total > max_context:
+        raise AdmissionError(
+            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} = {total} "
+            f"exceeds the context length {max_context}")
+    need = -(-total // page_size) * page_size
+    if need > pool_tokens:
+        raise AdmissionError(
+            f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} needs {need} KV "
+            f"tokens; the KV pool holds {pool_tokens} (raise --max-total-tokens or "
+            f"--mem-fraction-static)")
+
+
+@dataclass
+class SchedulerConfig:
+    page_size: int
+    max_context: int
+    max_running_requests: int
+    max_queued_requests: int | None = None
+    chunked_prefill_size: int | None = None  # None: no chunking
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    schedule_conservativeness: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Req:
+    """A request as the scheduler sees it (token ids only; text lives with the client)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    state: SamplingState
+    seq: int  # arrival order
+    priority: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    # KV memory
+    row: int = -1  # req_to_token row while admitted
+    pages: list[int] = field(default_factory=list)  # covers tokens [0, kv_len)
+    num_shared: int = 0  # leading pages owned by the prefix cache (locked through `node`)
+    node: Any = None
+    kv_len: int = 0  # tokens whose K/V is in the pool
+    fill_len: int = 0  # tokens to cache before the next sample (prompt + output at admission)
+    cached_tokens: int = -1  # prefix-cache hit of the first admission (reported)
+    finish: dict | None = None
+    # output not yet reported: new ids and their logprobs
+    pending_ids: list[int] = field(default_factory=list)
+    pending_lps: list[Any] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def remaining_new(self) -> int:
+        return self.params.max_new_tokens - len(self.output_ids)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch and the KV pages; drives the model runner."""
+
+    def __init__(self, runner: ModelRunner, allocator: PageAllocator,
+                 req_to_token: ReqToTokenPool, cache: RadixCache | NoPrefixCache,
+                 sampler: Sampler, cfg: SchedulerConfig, eos_token_ids: Iterable[int],
+                 vocab_size: int, decode_text: Callable[[list[int]], str] | None = None):
+        self.runner = runner
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.cache = cache
+        self.sampler = sampler
+        self.cfg = cfg
+        self.eos = set(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.decode_text = decode_text  # for stop strings; None disables them
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
+        self.by_id: dict[str, Req] = {}
+        self._seq = 0
+        self._rng = random.Random(cfg.seed)
+        self.init_ratio = min(0.7 * cfg.schedule_conservativeness, 1.0)
+        self.min_ratio = min(0.1 * cfg.schedule_conservativeness, 1.0)
+        self.ratio_decay = (self.init_ratio - self.min_ratio) / 600
+        self.new_token_ratio = self.init_ratio
+        self.counters = {"retractions": 0, "rejected": 0, "prefill_tokens": 0,
+                         "decode_tokens": 0, "cached_tokens": 0, "finished": 0, "aborted": 0,
+                         "steps": 0}
+        self._finished_out: list[Req] = []  # finished outside a step (aborts, rejections)
+
+    # -- admission -------------------------------------------------------------------------------
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.allocator.total_pages * self.cfg.page_size
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        check_fits(prompt_len, max_new_tokens, self.cfg.max_context, self.pool_tokens,
+                   self.cfg.page_size)
+
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams | dict | None,
+                    priority: int | None = None) -> None:
+        """Queue a request; raises AdmissionError (or ValueError for bad parameters)."""
+        try:
+            if rid in self.by_id:
+                raise AdmissionError(f"request id {rid!r} is already in use")
+            p = SamplingParams.from_dict(params) if not isinstance(params, SamplingParams) \
+                else params
+            p.validate()
+            p.check_vocab(self.vocab_size)
+            bad = [t for t in input_ids if not isinstance(t, int) or not
+                   0 <= t < self.vocab_size]
+            if bad:
+                raise AdmissionError(f"input_ids {bad[:5]} are outside the vocabulary of "
+                                     f"{self.vocab_size}")
+            self.check_fits(len(input_ids), p.max_new_tokens)
+            honour = self.cfg.enable_priority_scheduling or self.cfg.schedule_policy == "priority"
+            if priority is not None and not honour:
+                raise AdmissionError("request priority given but priority scheduling is off "
+                                     "(--enable-priority-scheduling)")
+            cap = self.cfg.max_queued_requests
+            if cap is not None and len(self.waiting) >= cap:
+                raise AdmissionError(f"the queue is full: {len(self.waiting)} requests waiting "
+                                     f"(--max-queued-requests {cap})", status=503)
+        except ValueError:
+            self.counters["rejected"] += 1
+            raise
+        stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos))
+        state = SamplingState(p, input_ids, stop_ids, self.vocab_size, self.runner.device)
+        req = Req(rid, list(input_ids), p, state, self._seq, priority or 0)
+        self._seq += 1
+        self.by_id[rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> bool:
+        req = self.by_id.get(rid)
+        if req is None or req.finish is not None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
+            if req is self.chunked:
+                self.chunked = None
+            elif req in self.running:
+                self.running.remove(req)
+            self._release(req)
+        req.finish = {"type": "abort", "message": "aborted by the client"}
+        self.counters["aborted"] += 1
+        self._done(req)
+        self._finished_out.append(req)
+        return True
+
+    # -- one step --------------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self._finished_out)
+
+    def step(self) -> list[Req]:
+        """Run one scheduling step; return the requests with new output (or just finished)."""
+        self.counters["steps"] += 1
+        touched: list[Req] = self._finished_out
+        self._finished_out = []
+        if self.running:
+            touched += self._decode_step()
+        touched += self._extend_step()
+        return touched
+
+    def _decode_step(self) -> list[Req]:
+        ps = self.cfg.page_size
+        need = sum(1 for r in self.running if r.kv_len % ps == 0)
+        while not self._ensure_pages(need):
+            victim = self._pick_victim()
+            if victim is None:  # cannot happen for admitted requests; never loop forever
+                raise OutOfPages("decode cannot get a KV page and has nothing to retract")
+            self._retract(victim)
+            need = sum(1 for r in self.running if r.kv_len % ps == 0)
+        if not self.running:
+            return []
+        batch = self.running
+        slots, positions, inputs = [], [], []
+        for r in batch:
+            if r.kv_len % ps == 0:
+                r.pages.extend(self.allocator.alloc(1))
+            slots.append(token_slots(r.pages, r.kv_len, r.kv_len + 1, ps)[0])
+            positions.append(r.kv_len)
+            inputs.append(r.output_ids[-1])
+        logits = self.runner.decode([r.row for r in batch], inputs, positions, slots)
+        for r in batch:
+            r.kv_len += 1
+        self.counters["decode_tokens"] += len(batch)
+        self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        self._sample(batch, logits)
+        self.running = [r for r in batch if r.finish is None]
+        return list(batch)
+
+    def _extend_step(self) -> list[Req]:
+        items = self._admit()
+        if not items:
+            return []
+        ps = self.cfg.page_size
+        rows, prefix, tokens, slots, ready = [], [], [], [], []
+        for i, (r, n) in enumerate(items):
+            all_ids = r.all_ids
+            rows.append(r.row)
+            prefix.append(r.kv_len)
+            tokens.append(all_ids[r.kv_len:r.kv_len + n])
+            slots.append(token_slots(r.pages, r.kv_len, r.kv_len + n, ps))
+            if r.kv_len + n == r.fill_len:
+                ready.append(i)
+        logits = self.runner.extend(rows, prefix, tokens, slots, ready)
+        for r, n in items:
+            r.kv_len += n
+        self.counters["prefill_tokens"] += sum(n for _, n in items)
+        done = [items[i][0] for i in ready]
+        if self.chunked is not None and self.chunked.kv_len == self.chunked.fill_len:
+            self.chunked = None
+        if done:
+            self._sample(done, logits)
+            self.running += [r for r in done if r.finish is None]
+        return done
+
+    # -- admission of waiting requests -----------------------------------------------------------
+
+    def _order_waiting(self) -> list[Req]:
+        policy = self.cfg.schedule_policy
+        q = list(self.waiting)
+        if policy == "lpm" and len(q) <= LPM_MAX_QUEUE:
+            hit = {r.rid: len(self.cache.match_prefix(r.all_ids[:-1])[0]) for r in q}
+            q.sort(key=lambda r: (-hit[r.rid], r.seq))
+        elif policy == "random":
+            self._rng.shuffle(q)
+        elif policy == "lof":
+            q.sort(key=lambda r: (-r.params.max_new_tokens, r.seq))
+        else:  # fcfs (and priority's tie-break)
+            q.sort(key=lambda r: r.seq)
+        if self.cfg.enable_priority_scheduling or policy == "priority":
+            q.sort(key=lambda r: -r.priority)  # stable: the policy orders equal priorities
+        return q
+
+    def _reserved_tokens(self) -> float:
+        held = self.running + ([self.chunked] if self.chunked else [])
+        return sum(min(r.remaining_new(), CLIP_MAX_NEW_TOKENS) for r in held) \
+            * self.new_token_ratio
+
+    def _admit(self) -> list[tuple[Req, int]]:
+        """Pick this step's extend batch: (request, number of new tokens to compute)."""
+        ps = self.cfg.page_size
+        chunk = self.cfg.chunked_prefill_size
+        rem_input = self.cfg.max_prefill_tokens
+        rem_chunk = chunk if chunk else float("inf")
+        items: list[tuple[Req, int]] = []
+        if self.chunked is not None:
+            r = self.chunked
+            n = min(r.fill_len - r.kv_len, rem_chunk)
+            if not self._grow(r, n):
+                return []  # decode holds the pool; the chunk waits (or gets retracted)
+            items.append((r, n))
+            rem_input -= n
+            rem_chunk -= n
+            if r.kv_len + n < r.fill_len:
+                return items
+        if not self.waiting:
+            return items
+        rem_total = (self.allocator.free_pages + self.cache.evictable_pages) * ps \
+            - self._reserved_tokens()
+        for req in self._order_waiting():
+            if len(self.running) + len(items) >= self.cfg.max_running_requests:
+                break
+            if self.req_to_token.free_rows == 0 or rem_input <= 0 or rem_chunk <= 0:
+                break
+            all_ids = req.all_ids
+            pages, node = self.cache.match_prefix(all_ids[:-1])
+            prefix_len = len(pages) * ps
+            extend = len(all_ids) - prefix_len
+            future = min(req.remaining_new(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+            if extend + future > rem_total and (items or self.running):
+                break  # keep order: later requests do not jump a request that does not fit
+            n = extend
+            if n > rem_chunk or (chunk and n > rem_input):
+                n = int(min(rem_chunk, rem_input))
+            elif n > rem_input and items:
+                break
+            # take it: lock its cached prefix and give it a row and pages
+            self.cache.lock(node)
+            req.row = self.req_to_token.alloc()
+            req.pages, req.num_shared, req.node = list(pages), len(pages), node
+            req.kv_len = prefix_len
+            req.fill_len = len(all_ids)
+            self.req_to_token.write(req.row, 0, token_slots(pages, 0, prefix_len, ps))
+            if not self._grow(req, n):
+                self._release(req)
+                break
+            if req.cached_tokens < 0:
+                req.cached_tokens = prefix_len
+                self.counters["cached_tokens"] += prefix_len
+            self.waiting.remove(req)
+            items.append((req, n))
+            rem_total -= extend + future
+            rem_input -= n
+            rem_chunk -= n
+            if n < extend:
+                self.chunked = req
+                break
+        return items
+
+    def _grow(self, req: Req, n: int) -> bool:
+        """Give `req` the pages for n more tokens (evicting cache if needed)."""
+        need = self.allocator.pages_for(req.kv_len, n)
+        if not self._ensure_pages(need):
+            return False
+        req.pages.extend(self.allocator.alloc(need))
+        return True
+
+    def _ensure_pages(self, need: int) -> bool:
+        short = need - self.allocator.free_pages
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.free_pages >= need
+
+    # -- retraction and release ------------------------------------------------------------------
+
+    def _pick_victim(self) -> Req | None:
+        if self.chunked is not None:
+            return self.chunked
+        if len(self.running) <= 1:
+            return None
+        # Like SGLang: retract the request with the fewest outputs (least work lost), and among
+        # those the longest prompt (most memory back).
+        return min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids), -r.seq))
+
+    def _retract(self, req: Req) -> None:
+        if req is self.chunked:
+            self.chunked = None
+        else:
+            self.running.remove(req)
+        self._release(req)
+        self.waiting.append(req)
+        self.counters["retractions"] += 1
+        # Admit more cautiously for a while: the reserve was too small.
+        self.new_token_ratio = min(max(self.new_token_ratio, self.init_ratio) * 1.5, 1.0)
+
+    def _release(self, req: Req) -> None:
+        """Hand a request's KV back (to the prefix cache, which frees what it does not keep)."""
+        if req.row < 0:
+            return
+        self.cache.cache_finished(req.all_ids[:req.kv_len], req.pages, req.num_shared,
+                                  req.node)
+        self.req_to_token.free(req.row)
+        req.row, req.pages, req.num_shared, req.node, req.kv_len = -1, [], 0, None, 0
+
+    def _done(self, req: Req) -> None:
+        self.by_id.pop(req.rid, None)
+
+    # -- sampling and stop conditions ------------------------------------------------------------
+
+    def _sample(self, reqs: list[Req], logits) -> None:
+        out = self.sampler.sample(logits, [r.state for r in reqs])
+        for r, tok, lp in zip(reqs, out.tokens, out.logprobs, strict=True):
+            r.output_ids.append(tok)
+            r.pending_ids.append(tok)
+            if r.params.logprobs:
+                r.pending_lps.append(lp)
+            r.finish = self._check_finish(r, tok)
+            if r.finish is not None:
+                self._release(r)
+                self.counters["finished"] += 1
+                self._done(r)
+
+    def _check_finish(self, r: Req, tok: int) -> dict | None:
+        p = r.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+            return {"type": "stop", "matched": tok}
+        if p.stop and self.decode_text is not None and len(r.output_ids) >= p.min_new_tokens:
+            longest = max(len(s) for s in p.stop)
+            # A stop string of L characters spans at most L tokens (plus a few partial bytes).
+            tail = self.decode_text(r.output_ids[-(longest + 4):])
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(r.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        return None
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def in_use_pages(self) -> list[int]:
+        held = self.running + ([self.chunked] if self.chunked else [])
+        return [p for r in held for p in r.pages[r.num_shared:]]
+
+    def check_accounting(self) -> None:
+        """Assert free + cached + in use == total pages, with no page owned twice."""
+        self.allocator.check_accounting(self.cache.cached_pages(), self.in_use_pages())
+        rows = len(self.running) + (1 if self.chunked else 0)
+        assert self.req_to_token.free_rows + rows == self.req_to_token.max_reqs, \
+            f"request rows leaked: {self.req_to_token.free_rows} free + {rows} held != " \
+            f"{self.req_to_token.max_reqs}"
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters,
+                "running": len(self.running) + (1 if self.chunked else 0),
+                "waiting": len(self.waiting),
+                "free_pages": self.allocator.free_pages,
+                "total_pages": self.allocator.total_pages,
+                "page_size": self.cfg.page_size,
+                "cached_pages": self.cache.evictable_pages + self.cache.protected_pages,
+                "new_token_ratio": round(self.new_token_ratio, 4)}
