@@ -1,0 +1,223 @@
+"""The engine worker: plan, load, size the KV pool, build the scheduler, then serve the pipe.
+
+`build_engine_core` is also used in-process (tests, benchmarks); `worker_main` is the entry of the
+spawned process and speaks only JSON messages (core.ipc).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from core.config import ServerArgs, make_server_args
+from core.ipc import Channel, ChannelClosed
+from core.plan import Plan
+
+DEFAULT_CHUNKED_PREFILL = {"cpu": 2048}  # other device types: 8192
+DEFAULT_MAX_RUNNING = {"cpu": 64}  # other device types: 256
+DEFAULT_MEM_FRACTION = {"cpu": 0.5}  # other device types: 0.85
+CPU_DEFAULT_KV_CAP = 32768  # tokens: host RAM is not the KV cache's to fill by default
+
+
+def make_plan(args: ServerArgs, registry: Any = None) -> tuple[ServerArgs, Plan, Any, Any]:
+    """(args with the model path filled in, plan, model spec, registry)."""
+    from core.devices import select_device
+    from core.model_spec import load_model_spec
+    from core.plugins import get_registry
+    from core.resolver import resolve
+
+    if args.model_path is None:
+        from core.default_model import default_model_path
+
+        args = args.replace(model_path=default_model_path())
+    registry = registry or get_registry()
+    spec = load_model_spec(args.model_path)
+    device = select_device(registry, args.device, args.device_profile)
+    return args, resolve(spec, device, args, registry), spec, registry
+
+
+@dataclass
+class EngineCore:
+    """Everything the worker loop drives, plus what the client needs to know about it."""
+
+    scheduler: Any  # core.scheduler.Scheduler
+    info: dict[str, Any]
+    loaded: Any  # core.loader.LoadedModel
+
+
+def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
+                      loaded: Any = None) -> EngineCore:
+    import torch
+
+    from core.attention import BackendContext
+    from core.devices import free_memory_bytes, torch_device
+    from core.kv_cache import KVPool
+    from core.loader import load_model
+    from core.memory_pool import PageAllocator, ReqToTokenPool, kv_pool_tokens
+    from core.model_runner import ModelRunner, make_backends
+    from core.radix_cache import make_prefix_cache
+    from core.sampling import Sampler
+    from core.scheduler import Scheduler, SchedulerConfig
+
+    if plan.device.simulated:
+        raise ValueError(f"cannot run on a simulated device ({plan.device.describe()}); "
+                         f"drop --device-profile to run here")
+    dev_type = plan.device.device_type
+    device = torch.device(torch_device(plan.device))
+    if loaded is None:
+        loaded = load_model(args, plan, registry)
+    cfg = loaded.hf_config
+    max_context = int(getattr(cfg, "max_position_embeddings", None) or spec.context_length)
+    kv_dtype = getattr(torch, plan.kv_cache_dtype)
+    page = plan.page_size
+    per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                       kv_dtype, spec.v_head_dim)
+    free = free_memory_bytes(plan.device) if args.max_total_tokens is None else 0
+    tokens, note = kv_pool_tokens(
+        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+        free_bytes=free, total_bytes=plan.device.memory_bytes or free,
+        bytes_per_token=per_token, page_size=page,
+        default_fraction=DEFAULT_MEM_FRACTION.get(dev_type, 0.85),
+        cap_tokens=CPU_DEFAULT_KV_CAP if dev_type == "cpu" else None)
+    # One extra page: page 0 is the padding sink, so `tokens` stay usable.
+    kv_pool = KVPool(tokens + page, spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype,
+                     device, page, spec.v_head_dim)
+    max_running = args.max_running_requests or DEFAULT_MAX_RUNNING.get(dev_type, 256)
+    req_to_token = ReqToTokenPool(max_running, max_context, device)
+    ctx = BackendContext(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                         head_dim=spec.head_dim, num_layers=spec.num_layers,
+                         dtype=loaded.dtype, kv_dtype=kv_dtype, device=device, page_size=page,
+                         max_context_len=max_context)
+    prefill, decode = make_backends(registry, plan.prefill_attention, plan.decode_attention, ctx)
+    runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device)
+    allocator = PageAllocator((tokens + page) // page, page)
+    cache = make_prefix_cache(allocator, page, args.disable_radix_cache,
+                              args.radix_eviction_policy)
+    chunk = args.chunked_prefill_size
+    if chunk is None:
+        chunk = DEFAULT_CHUNKED_PREFILL.get(dev_type, 8192)
+    sched_cfg = SchedulerConfig(
+        page_size=page, max_context=max_context, max_running_requests=max_running,
+        max_queued_requests=args.max_queued_requests,
+        chunked_prefill_size=None if chunk < 0 else chunk,
+        max_prefill_tokens=args.max_prefill_tokens, schedule_policy=args.schedule_policy,
+        enable_priority_scheduling=args.enable_priority_scheduling,
+        schedule_conservativeness=args.schedule_conservativeness, seed=args.seed)
+    tok = loaded.tokenizer
+    eos = set(tok.eos_token_ids) if tok is not None else set()
+    cfg_eos = getattr(cfg, "eos_token_id", None)
+    eos |= set(cfg_eos if isinstance(cfg_eos, (list, tuple)) else
+               [cfg_eos] if cfg_eos is not None else [])
+    vocab = int(cfg.vocab_size)
+    scheduler = Scheduler(runner, allocator, req_to_token, cache, Sampler(device, args.seed),
+                          sched_cfg, eos, vocab,
+                          decode_text=tok.decode if tok is not None else None)
+    info = {"max_context": max_context, "pool_tokens": allocator.total_pages * page,
+            "page_size": page, "max_running_requests": max_running, "vocab_size": vocab,
+            "eos_token_ids": sorted(eos), "chunked_prefill_size": sched_cfg.chunked_prefill_size,
+            "kv_bytes_per_token": per_token, "notes": [*loaded.notes, note],
+            "device": str(device), "pid": os.getpid()}
+    return EngineCore(scheduler, info, loaded)
+
+
+def _item(req: Any) -> dict[str, Any]:
+    out = {"rid": req.rid, "ids": req.pending_ids, "lps": req.pending_lps or None,
+           "finish": req.finish, "prompt_tokens": len(req.prompt_ids),
+           "completion_tokens": len(req.output_ids),
+           "cached_tokens": max(req.cached_tokens, 0)}
+    req.pending_ids, req.pending_lps = [], []
+    return out
+
+
+def _rpc(core: EngineCore, op: str) -> Any:
+    sched = core.scheduler
+    if op == "stats":
+        return {**sched.stats(), "forward_count": dict(sched.runner.forward_count)}
+    if op == "check_accounting":
+        sched.check_accounting()
+        return True
+    if op == "flush_cache":
+        if sched.running or sched.chunked or sched.waiting:
+            raise ValueError("cannot flush the prefix cache while requests are in flight")
+        sched.cache.evict(sched.allocator.total_pages)
+        return True
+    raise ValueError(f"unknown rpc {op!r}")
+
+
+def serve(core: EngineCore, chan: Channel) -> None:
+    """The worker loop: drain messages, run a step when there is work, send its outputs."""
+    from core.scheduler import AdmissionError
+
+    sched = core.scheduler
+    parent = os.getppid()
+    while True:
+        timeout = 0.0 if sched.has_work else 0.5
+        while chan.poll(timeout):
+            timeout = 0.0
+            msg = chan.recv()
+            kind = msg["type"]
+            if kind == "add":
+                try:
+                    sched.add_request(msg["rid"], msg["input_ids"], msg["params"],
+                                      msg.get("priority"))
+                except ValueError as exc:
+                    status = exc.status if isinstance(exc, AdmissionError) else 400
+                    chan.send({"type": "out", "items": [{
+                        "rid": msg["rid"], "ids": [], "lps": None,
+                        "finish": {"type": "abort", "message": str(exc), "status_code": status},
+                        "prompt_tokens": len(msg["input_ids"]), "completion_tokens": 0,
+                        "cached_tokens": 0}]})
+            elif kind == "abort":
+                sched.abort(msg["rid"])
+            elif kind == "rpc":
+                try:
+                    chan.send({"type": "reply", "id": msg["id"], "ok": True,
+                               "result": _rpc(core, msg["op"])})
+                except (ValueError, AssertionError) as exc:
+                    chan.send({"type": "reply", "id": msg["id"], "ok": False,
+                               "error": f"{type(exc).__name__}: {exc}"})
+            elif kind == "shutdown":
+                return
+        if sched.has_work:
+            touched = sched.step()
+            if touched:
+                chan.send({"type": "out", "items": [_item(r) for r in touched]})
+        elif os.getppid() != parent:  # orphaned: the client died without a shutdown
+            return
+
+
+def worker_main(conn: Any, args_json: str) -> None:
+    """Entry of the spawned worker process."""
+    chan = Channel(conn)
+    try:
+        args = make_server_args(**json.loads(args_json))
+        args, plan, spec, registry = make_plan(args)
+        core = build_engine_core(args, plan, spec, registry)
+    except Exception as exc:  # noqa: BLE001 - reported to the client, which raises it
+        try:
+            chan.send({"type": "fatal", "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()})
+        except ChannelClosed:
+            pass
+        return
+    chan.send({"type": "ready", "info": core.info})
+    try:
+        serve(core, chan)
+    except ChannelClosed:
+        return
+    except Exception as exc:  # noqa: BLE001 - a scheduler bug: tell the client, then exit
+        print(traceback.format_exc(), file=sys.stderr)
+        try:
+            chan.send({"type": "fatal", "error": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()})
+        except ChannelClosed:
+            pass
+
+
+def args_to_json(args: ServerArgs) -> str:
+    return json.dumps(dataclasses.asdict(args))
