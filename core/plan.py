@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from core.capabilities import DeviceInfo
@@ -39,9 +39,13 @@ class Plan:
     candidates: tuple[Candidate, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # Not asdict(self): it deep-copies DeviceInfo.extra, a mappingproxy, which cannot be.
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["device"] = {f.name: getattr(self.device, f.name) for f in fields(self.device)}
         d["device"]["features"] = sorted(self.device.features)
         d["device"]["extra"] = dict(self.device.extra)
+        d["notes"] = list(self.notes)
+        d["candidates"] = [asdict(c) for c in self.candidates]
         return d
 
 

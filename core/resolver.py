@@ -274,12 +274,14 @@ def _merge(errors: list[ResolveError], candidates: tuple[Candidate, ...] = ()
     """One error from several; a decode error that repeats the prefill one is said once."""
     unique: list[ResolveError] = []
     for e in errors:
-        twin = next((u for u in unique if u.reasons == e.reasons
-                     and u.args[0].replace("prefill", "decode") == e.args[0]), None)
+        twin = next((u for u in unique if u.args[0].replace("prefill", "decode") == e.args[0]),
+                    None)
         if twin is None:
             unique.append(e)
-        else:  # the same failure in both phases: name no phase
+        else:  # the same failure in both phases: name no phase, keep every distinct reason
             twin.args = (twin.args[0].replace("prefill ", "", 1),)
+            twin.reasons += [r for r in e.reasons if r not in twin.reasons]
+            twin.would_fit = [w for w in twin.would_fit if w in e.would_fit]
     if len(unique) == 1:
         e = unique[0]
         return ResolveError(e.args[0], e.reasons, e.would_fit, candidates or e.candidates)

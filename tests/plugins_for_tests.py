@@ -86,13 +86,14 @@ ATTENTION: dict[str, AttentionCaps] = {
         description="test double of flashinfer (package missing)"),
 }
 
+# MoECaps.quant_methods name registered quant methods, hence the doubles' names here.
 MOE: dict[str, MoECaps] = {
     "fused_moe_like": MoECaps(
-        devices={"cuda", "rocm"}, dtypes=HALF, quant_methods={"unquantized", "fp8"},
+        devices={"cuda", "rocm"}, dtypes=HALF, quant_methods={"unquantized", "fp8_like"},
         activations={"silu", "gelu"}, grouped_topk=True, shared_experts=True, cuda_graph=True,
         priority={"cuda": 50, "rocm": 50}, description="test double of triton fused MoE"),
     "mxfp4_moe_like": MoECaps(
-        devices={"cuda"}, capability=_cuda(90, None), dtypes=HALF, quant_methods={"mxfp4"},
+        devices={"cuda"}, capability=_cuda(90, None), dtypes=HALF, quant_methods={"mxfp4_like"},
         activations={"silu", "swiglu", "swigluoai"}, cuda_graph=True, priority={"cuda": 60},
         description="test double of flashinfer_mxfp4 / triton_kernel"),
 }
