@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -104,60 +105,135 @@ def _registry(*sites: Path, **extra: str) -> dict:
     return json.loads(proc.stdout)
 
 
-# --- discovery through build_registry ---------------------------------------------------------
+# --- discovery through build_registry -------------------------------------------------------
 
-def test_installed_example_is_discovered_with_its_distribution(example_site):
+def test_declaring_and_probing_import_nothing_heavy(example_site):
     reg = _registry(example_site)
-    sdpa = reg["entries"]["attention"]["example_sdpa"]
-    assert (sdpa["dist"], sdpa["version"], sdpa["plugin"]) == \
-        ("core-example-backend", "0.1.0", "example")
-    assert reg["entries"]["hardware"]["example_accel"]["dist"] == "core-example-backend"
-    # The built-in reference is still there beside it.
-    assert reg["entries"]["attention"]["torch_native"]["dist"] == "core-serve"
+    assert reg["entries"]["attention"]["example_sdpa"]["plugin"] == "example"
     assert reg["example_sdpa_caps"] == {"page_sizes": ["set", [16]], "head_sizes": [64, 128],
                                         "sliding_window": False, "logit_softcap": False}
-    assert not [f for f in reg["failures"] if f["dist"] == "core-example-backend"]
+    assert reg["example_accel"]["available"] is False
+    # The "module:attr" factory is resolved only when the backend is chosen.
     assert reg["backend_imported"] is False
-
-
-def test_example_accel_probe_follows_env_var(example_site):
-    off = _registry(example_site)["example_accel"]
-    assert off["available"] is False
-    assert "CORE_EXAMPLE_ACCEL=1" in off["reason"]
-    on = _registry(example_site, CORE_EXAMPLE_ACCEL="1")["example_accel"]
-    assert on == {"available": True, "reason": "", "device_type": "cpu",
-                  "name": "Example Accelerator"}
-
-
-def test_uninstalled_example_is_absent():
-    reg = _registry()
-    assert "example_sdpa" not in reg["entries"]["attention"]
-    assert "example_accel" not in reg["entries"]["hardware"]
-    assert "torch_native" in reg["entries"]["attention"]
 
 
 def test_deny_list_keeps_installed_example_out(example_site):
     reg = _registry(example_site, CORE_PLUGINS_DENY="core-example-backend")
     assert "example_sdpa" not in reg["entries"]["attention"]
+    assert "example_accel" not in reg["entries"]["hardware"]
     assert "torch_native" in reg["entries"]["attention"]
 
 
-def test_broken_plugin_is_isolated(broken_site, example_site):
-    reg = _registry(broken_site, example_site)
-    broken = [f for f in reg["failures"] if f["dist"] == "core-broken-plugin"]
+# --- the `core` CLI ---------------------------------------------------------------------------
+
+def _core(args: list[str], *sites: Path, **extra: str) -> subprocess.CompletedProcess:
+    """Run the `core` console script (or `python -m core.cli` where it is not installed)."""
+    script = Path(sys.executable).with_name("core")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "core.cli"]
+    return subprocess.run(cmd + args, capture_output=True, text=True, cwd=REPO,
+                          env=_env(*sites, **extra), timeout=120)
+
+
+def _backends(*sites: Path, **extra: str) -> dict:
+    proc = _core(["backends", "--json"], *sites, **extra)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    data["rows"] = {(r["kind"], r["name"]): r for r in data["plugins"]}
+    return data
+
+
+def _resolve(model: str, *sites: Path, extra_args: tuple[str, ...] = (),
+             **env: str) -> subprocess.CompletedProcess:
+    return _core(["resolve", "--model-path", str(CONFIGS / f"{model}.json"),
+                  "--device-profile", "xeon-amx", *extra_args], *sites, **env)
+
+
+def test_backends_lists_the_installed_example(example_site):
+    data = _backends(example_site)
+    sdpa = data["rows"][("attention", "example_sdpa")]
+    assert (sdpa["distribution"], sdpa["version"], sdpa["plugin"], sdpa["status"]) == \
+        ("core-example-backend", "0.1.0", "example", "available")
+    assert "heads=64|128" in sdpa["summary"] and "pages=16" in sdpa["summary"]
+    accel = data["rows"][("hardware", "example_accel")]
+    assert (accel["distribution"], accel["status"]) == ("core-example-backend", "unavailable")
+    assert "CORE_EXAMPLE_ACCEL=1" in accel["reason"]
+    # The built-in reference is still there beside it, and the example loaded cleanly.
+    assert data["rows"][("attention", "torch_native")]["distribution"] == "core-serve"
+    assert not [f for f in data["failures"] if f["distribution"] == "core-example-backend"]
+
+
+def test_example_accel_is_available_when_enabled(example_site):
+    accel = _backends(example_site, CORE_EXAMPLE_ACCEL="1")["rows"][("hardware", "example_accel")]
+    assert accel["status"] == "available"
+    # The probe's device description (name and all) is only there when it reports available.
+    assert "Example Accelerator" in json.dumps(accel)
+
+
+def test_forced_example_sdpa_is_chosen_and_adopts_page_size_16(example_site):
+    proc = _resolve("llama-3.1-8b", example_site,
+                    extra_args=("--attention-backend", "example_sdpa"))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert re.search(r"prefill attention\s+example_sdpa", out), out
+    assert re.search(r"decode attention\s+example_sdpa", out), out
+    assert re.search(r"page size\s+16\b", out), out
+    # The user left --page-size open: the plan says it adopted 16 and why.
+    assert re.search(r"page size 16 adopted.*example_sdpa", out), out
+    assert "core-example-backend 0.1.0" in out
+
+
+def test_example_sdpa_fits_but_is_not_preferred_on_cpu(example_site):
+    proc = _resolve("llama-3.1-8b", example_site)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"prefill attention\s+torch_native", proc.stdout), proc.stdout
+    assert re.search(r"example_sdpa\s+fits", proc.stdout), proc.stdout
+
+
+@pytest.mark.parametrize("model, reasons", [
+    ("gemma-2-9b", ("head dim 256 not supported", "no sliding-window support",
+                    "no logit soft-cap support")),
+    ("mistral-7b-v0.1", ("no sliding-window support",)),
+])
+def test_forced_example_sdpa_is_refused_with_reasons(example_site, model, reasons):
+    proc = _resolve(model, example_site,
+                    extra_args=("--attention-backend", "example_sdpa", "--json"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = json.loads(proc.stdout)
+    assert "example_sdpa" in err["error"]
+    for reason in reasons:
+        assert any(reason in r for r in err["reasons"]), (reason, err["reasons"])
+    assert "torch_native" in err["would_fit"]
+    assert "plan" not in err  # nothing silently swapped in
+
+
+def test_uninstalled_example_is_gone():
+    data = _backends()
+    assert not [r for r in data["plugins"] if r["distribution"] == "core-example-backend"]
+    assert ("attention", "torch_native") in data["rows"]
+    proc = _resolve("llama-3.1-8b", extra_args=("--attention-backend", "example_sdpa", "--json"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "unknown attention backend 'example_sdpa'" in json.loads(proc.stdout)["error"]
+
+
+def test_broken_plugin_is_listed_under_failures(broken_site, example_site):
+    data = _backends(broken_site, example_site)
+    broken = [f for f in data["failures"] if f["distribution"] == "core-broken-plugin"]
     assert len(broken) == 1
-    assert broken[0]["plugin"] == "broken"
-    assert broken[0]["stage"] == "import"
+    assert (broken[0]["plugin"], broken[0]["version"], broken[0]["stage"]) == \
+        ("broken", "0.0.1", "import")
     assert "deliberately broken" in broken[0]["error"]
     # Everything else still loads, the other third-party plugin included.
-    assert {"torch_native", "example_sdpa"} <= set(reg["entries"]["attention"])
+    assert ("attention", "torch_native") in data["rows"]
+    assert ("attention", "example_sdpa") in data["rows"]
 
 
 def test_broken_plugin_is_fatal_in_strict_mode(broken_site):
-    proc = _python(REGISTRY_DUMP, broken_site, CORE_STRICT_PLUGINS="1")
+    proc = _core(["backends", "--json"], broken_site, CORE_STRICT_PLUGINS="1")
     assert proc.returncode != 0
-    assert "PluginError" in proc.stderr
+    assert proc.stdout == ""
     assert "core-broken-plugin" in proc.stderr and "deliberately broken" in proc.stderr
+    assert "CORE_STRICT_PLUGINS" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 # --- numerics: example_sdpa against torch_native and a dense reference ------------------------
