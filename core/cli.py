@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -198,14 +197,16 @@ def _cmd_resolve(ns: argparse.Namespace) -> int:
 
 def _engine_entry(command: str, module: str, attr: str):
     """The engine's entry point, imported only now; None when this version lacks it."""
-    if importlib.util.find_spec(module) is None:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (exc.name == module or module.startswith(exc.name + ".")):
+            raise  # the module exists but one of its own imports is missing: a real error
+        mod = None
+    fn = getattr(mod, attr, None)
+    if fn is None:
         print(f"core {command}: the engine is not available yet in this version",
               file=sys.stderr)
-        return None
-    fn = getattr(importlib.import_module(module), attr, None)
-    if fn is None:
-        print(f"core {command}: the engine is not available yet in this version "
-              f"({module} has no {attr})", file=sys.stderr)
     return fn
 
 

@@ -1,0 +1,294 @@
+"""The `core` command, run in-process through core.cli.main (plus one real console-script run)."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from core import plugins
+from core.cli import main
+from core.hookspecs import PLUGIN_API_VERSION, hookimpl
+
+HARDWARE = {"cuda", "rocm", "xpu", "npu", "cpu"}
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def config(configs_dir: Path, name: str) -> str:
+    return str(configs_dir / f"{name}.json")
+
+
+class BrokenRegistration:
+    @hookimpl
+    def core_register_attention_backends(self, register):
+        raise RuntimeError("cannot find my kernels")
+
+
+@pytest.fixture
+def broken_plugin(clean_plugin_env, monkeypatch):
+    """A process-wide in-process plugin that fails to register; the cached registry is dropped
+    and restored afterwards by monkeypatch."""
+    monkeypatch.setattr(plugins, "_extra", [("broken_plugin", BrokenRegistration())])
+    monkeypatch.setattr(plugins, "_cached", None)
+
+
+# ------------------------------------------------------------------------------- backends
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available()) and torch.version.hip is None
+
+
+def test_backends_text_lists_every_kind(capsys, clean_plugin_env):
+    code, out, _ = run(capsys, "backends")
+    assert code == 0
+    assert f"core plugin API {PLUGIN_API_VERSION}" in out
+    for kind in ("hardware:", "attention:", "moe:", "quant:", "models:"):
+        assert kind in out
+    lines = out.splitlines()
+    cpu = next(line for line in lines if line.strip().startswith("cpu "))
+    assert "[available: cpu:" in cpu and "core-serve" in cpu
+    if not _cuda_available():
+        cuda = next(line for line in lines if line.strip().startswith("cuda "))
+        assert "[unavailable: " in cuda
+    assert any(line.strip().startswith("torch_native ") for line in lines)
+    assert "pages=any" in out  # the capability summary of torch_native attention
+
+
+def test_backends_json(capsys, clean_plugin_env):
+    code, out, _ = run(capsys, "backends", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["api_version"] == PLUGIN_API_VERSION
+    hardware = {p["name"]: p for p in data["plugins"] if p["kind"] == "hardware"}
+    assert HARDWARE <= set(hardware)
+    assert hardware["cpu"]["status"] == "available"
+    assert hardware["cpu"]["device"].startswith("cpu: ")
+    for name, row in hardware.items():
+        assert row["status"] in ("available", "unavailable", "failed")
+        if row["status"] != "available":
+            assert row["reason"], f"{name} is unavailable without a reason"
+        assert row["distribution"] and row["summary"].startswith("device_type=")
+    if not _cuda_available():
+        assert hardware["cuda"]["status"] == "unavailable"
+    attention = {p["name"]: p for p in data["plugins"] if p["kind"] == "attention"}
+    assert attention["torch_native"]["status"] == "available"
+    assert attention["torch_native"]["distribution"] == "core-serve"
+
+
+def test_backends_marks_a_backend_with_a_missing_package(capsys, global_test_plugins):
+    code, out, _ = run(capsys, "backends", "--json")
+    assert code == 0
+    rows = {(p["kind"], p["name"]): p for p in json.loads(out)["plugins"]}
+    missing = rows[("attention", "missing_pkg_like")]
+    assert missing["status"] == "unavailable"
+    assert missing["reason"] == "package core_test_missing_kernel_pkg is not installed"
+    assert missing["distribution"] == "<in-process>"
+    assert rows[("attention", "flashmla_like")]["status"] == "available"
+
+
+def test_backends_lists_load_failures(capsys, broken_plugin):
+    code, out, _ = run(capsys, "backends", "--json")
+    assert code == 0
+    [failure] = [f for f in json.loads(out)["failures"] if f["plugin"] == "broken_plugin"]
+    assert failure["stage"] == "register"
+    assert "cannot find my kernels" in failure["error"]
+    code, out, _ = run(capsys, "backends")
+    assert "failed to load:" in out
+    assert "broken_plugin (<in-process>) at register: RuntimeError: cannot find my kernels" in out
+
+
+def test_strict_plugins_failure_exits_3(capsys, broken_plugin, monkeypatch):
+    monkeypatch.setenv("CORE_STRICT_PLUGINS", "1")
+    code, out, err = run(capsys, "backends")
+    assert code == 3
+    assert "CORE_STRICT_PLUGINS" in err and "cannot find my kernels" in err
+    assert "Traceback" not in err
+
+
+def test_console_script_backends_json(clean_plugin_env):
+    script = Path(sys.executable).parent / "core"
+    exe = str(script) if script.exists() else shutil.which("core")
+    assert exe, "the `core` console script is not installed (pip install -e .)"
+    proc = subprocess.run([exe, "backends", "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    names = {(p["kind"], p["name"]) for p in data["plugins"]}
+    assert ("hardware", "cpu") in names and ("attention", "torch_native") in names
+
+
+# -------------------------------------------------------------------------------- resolve
+
+def test_resolve_fixture_on_profile(capsys, configs_dir, clean_plugin_env):
+    code, out, _ = run(capsys, "resolve", "--model-path", config(configs_dir, "llama-3.1-8b"),
+                       "--device-profile", "h100")
+    assert code == 0
+    assert "model: LlamaForCausalLM" in out
+    assert "NVIDIA H100" in out and "[simulated]" in out
+    assert "prefill attention  torch_native" in out
+    # torch_native cannot be captured: the plan says so instead of silently capturing.
+    assert "graph capture off: decode attention torch_native cannot be captured" in out
+
+
+def test_resolve_with_test_plugins_explains_adoption(capsys, configs_dir, global_test_plugins):
+    code, out, _ = run(capsys, "resolve", "--model-path", config(configs_dir, "deepseek-v2-lite"),
+                       "--device-profile", "h200")
+    assert code == 0
+    assert "decode attention   flashmla_like" in out
+    assert "page size 64 adopted: required by flashmla_like" in out
+    assert "MLA models need an MLA backend" in out  # the rejected candidates are explained
+
+
+def test_resolve_json_plan(capsys, configs_dir, global_test_plugins):
+    code, out, _ = run(capsys, "resolve", "--json", "--model-path",
+                       config(configs_dir, "gpt-oss-20b"), "--device-profile", "h200")
+    assert code == 0
+    data = json.loads(out)
+    plan = data["plan"]
+    assert data["model"] == "GptOssForCausalLM"
+    assert (plan["decode_attention"], plan["page_size"]) == ("sinks_like", 16)
+    assert plan["device"]["name"] == "NVIDIA H200"
+    assert any(c["name"] == "torch_native" and not c["fits"] for c in plan["candidates"])
+
+
+def test_resolve_forced_incompatible_exits_1_with_reasons(capsys, configs_dir,
+                                                         global_test_plugins):
+    code, out, _ = run(capsys, "resolve", "--model-path", config(configs_dir, "llama-3.1-8b"),
+                       "--device-profile", "h100", "--attention-backend", "fa3_like",
+                       "--kv-cache-dtype", "fp8_e5m2")
+    assert code == 1
+    assert "fp8_e5m2 KV cache not supported (supports bfloat16, float16, fp8_e4m3)" in out
+    assert "backends that would fit: triton_like" in out
+    code, out, _ = run(capsys, "resolve", "--json", "--model-path",
+                       config(configs_dir, "llama-3.1-8b"), "--device-profile", "x86-cpu",
+                       "--attention-backend", "amx_like")
+    assert code == 1
+    data = json.loads(out)
+    assert "needs CPU feature amx_bf16 (device has avx2,fp16)" in data["reasons"]
+    assert data["would_fit"] == ["torch_native"]
+
+
+def test_resolve_unknown_backend_lists_registered_names(capsys, configs_dir, clean_plugin_env):
+    code, out, _ = run(capsys, "resolve", "--model-path", config(configs_dir, "qwen3-8b"),
+                       "--attention-backend", "flashinfer")
+    assert code == 1
+    assert "unknown attention backend 'flashinfer' (--attention-backend)" in out
+    assert "registered attention backends: " in out and "torch_native" in out
+
+
+def test_resolve_mla_with_builtins_only_fails(capsys, configs_dir, clean_plugin_env):
+    code, out, _ = run(capsys, "resolve", "--model-path", config(configs_dir, "deepseek-v2-lite"),
+                       "--device-profile", "h200")
+    assert code == 1
+    assert "torch_native: MLA models need an MLA backend" in out
+
+
+def test_resolve_default_model(capsys, clean_plugin_env):
+    code, out, _ = run(capsys, "resolve")
+    assert code == 0, out
+    assert "model: LlamaForCausalLM" in out and "SmolLM2" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--model-path", "/nonexistent/model"), "--model-path /nonexistent/model"),
+    (("--device-profile", "no-such-gpu"), "unknown device profile 'no-such-gpu'"),
+    (("--page-size", "0"), "--page-size must be >= 1"),
+    (("--device", "tpu"), "unknown device 'tpu'"),
+])
+def test_resolve_usage_errors_exit_2_in_one_line(capsys, configs_dir, clean_plugin_env, argv,
+                                                 message):
+    if "--model-path" not in argv:
+        argv = ("--model-path", config(configs_dir, "llama-3.1-8b"), *argv)
+    code, out, err = run(capsys, "resolve", *argv)
+    assert code == 2
+    assert err.startswith("core resolve: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_unknown_flag_and_grouped_help(capsys):
+    code, _, err = run(capsys, "resolve", "--attention-backnd", "x")
+    assert code == 2 and "unrecognized arguments: --attention-backnd" in err
+    code, out, _ = run(capsys, "resolve", "--help")
+    assert code == 0
+    for title in ("model and tokenizer:", "kernels and devices:", "memory and scheduling:"):
+        assert title in out
+    assert "--attention-backend" in out and "--prefill-attention-backend" in out
+    assert "HTTP server:" not in out  # resolve takes no HTTP flags
+    code, out, _ = run(capsys, "serve", "--help")
+    assert code == 0 and "HTTP server:" in out and "--config" in out
+    code, _, _ = run(capsys)
+    assert code == 2  # a command is required
+
+
+# ---------------------------------------------------------------------- serve and generate
+
+def _fake_module(monkeypatch, name: str, **attrs) -> None:
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_serve_dispatches_with_yaml_overridden_by_flags(capsys, monkeypatch, tmp_path):
+    seen = {}
+
+    def serve_main(args):
+        seen["args"] = args
+        return 0
+
+    _fake_module(monkeypatch, "core.server", serve_main=serve_main)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("port: 31000\ndtype: float16\nmax-running-requests: 7\n")
+    code, _, _ = run(capsys, "serve", "--config", str(cfg), "--port", "32000")
+    assert code == 0
+    args = seen["args"]
+    assert (args.port, args.dtype, args.max_running_requests) == (32000, "float16", 7)
+
+
+def test_serve_bad_config_is_a_usage_error(capsys, tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("no_such_flag: 1\n")
+    code, _, err = run(capsys, "serve", "--config", str(cfg))
+    assert code == 2 and "unknown argument(s): no_such_flag" in err
+    code, _, err = run(capsys, "serve", "--config", str(tmp_path / "missing.yaml"))
+    assert code == 2 and "missing.yaml" in err
+
+
+def test_generate_dispatches_prompts_and_args(capsys, monkeypatch):
+    seen = {}
+
+    def generate_main(args, ns):
+        seen.update(args=args, ns=ns)
+        return 5
+
+    _fake_module(monkeypatch, "core.entrypoints", generate_main=generate_main)
+    code, _, _ = run(capsys, "generate", "hello", "world", "--max-new-tokens", "3",
+                     "--temperature", "0.5", "--dtype", "float32")
+    assert code == 5
+    assert seen["ns"].prompts == ["hello", "world"]
+    assert (seen["ns"].max_new_tokens, seen["ns"].temperature) == (3, 0.5)
+    assert seen["args"].dtype == "float32"
+    code, _, err = run(capsys, "generate", "x", "--max-new-tokens", "0")
+    assert code == 2 and "--max-new-tokens must be >= 1" in err
+
+
+def test_engine_missing_is_reported(capsys, monkeypatch):
+    # A module that is not importable reads as "not available yet", with exit code 2.
+    monkeypatch.setitem(sys.modules, "core.entrypoints", None)
+    code, _, err = run(capsys, "generate", "hello")
+    assert code == 2
+    assert "core generate: the engine is not available yet in this version" in err
