@@ -22,7 +22,7 @@ from core.server.auth import PUBLIC_ROUTES, make_auth_middleware
 from core.server.engine_api import EngineLike, GenRequest
 from core.server.errors import APIError, from_http_exception
 from core.server.openapi import openapi_spec
-from core.server.state import HEALTH_GENERATE_TIMEOUT_S, STATE, ServerState, state
+from core.server.state import HEALTH_GENERATE_TIMEOUT_S, OUTCOME, STATE, ServerState, state
 
 log = logging.getLogger("core.server")
 
@@ -30,8 +30,8 @@ UNCOUNTED_ROUTES = frozenset({"/metrics"})  # scrapes would drown the request co
 
 
 def _outcome(request: web.Request, status: int) -> str:
-    if "outcome" in request:
-        return request["outcome"]
+    if OUTCOME in request:
+        return request[OUTCOME]
     if status < 400:
         return "success"
     if status in (429, 503):

@@ -21,7 +21,7 @@ from core.server import protocol, responses
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError, invalid
 from core.server.protocol import ParsedRequest
-from core.server.state import ServerState, state
+from core.server.state import OUTCOME, ServerState, state
 
 log = logging.getLogger("core.server")
 
@@ -301,7 +301,7 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
                     if resp is None:
                         resp = await start()
                     if job.seqs[i].error:
-                        request["outcome"] = "server_error"
+                        request[OUTCOME] = "server_error"
                         err = APIError(500, f"generation failed: {job.seqs[i].error}",
                                        code="engine_error")
                         await resp.write(responses.sse(err.body()))
@@ -318,14 +318,14 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
         except APIError as e:
             if resp is None:
                 raise
-            request["outcome"] = "server_error" if e.status >= 500 else "client_error"
+            request[OUTCOME] = "server_error" if e.status >= 500 else "client_error"
             await resp.write(responses.sse(e.body()))
         if resp is None:
             resp = await start()
         await resp.write(responses.SSE_DONE)
         await resp.write_eof()
     except ConnectionResetError:  # the client went away; events() already aborted the rest
-        request["outcome"] = "aborted"
+        request[OUTCOME] = "aborted"
         if job.st.args.log_requests:
             log.info("request %s: client disconnected, aborted", job.base)
     return resp

@@ -157,6 +157,16 @@ def get_str(d: dict[str, Any], name: str, param: str | None = None) -> str | Non
     return v
 
 
+def check_text(s: str, param: str) -> str:
+    """Reject lone surrogates ("\\ud800" is legal JSON but not Unicode text)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise invalid(param, f"{param} is not valid Unicode text (lone surrogate at "
+                      f"character {e.start})") from None
+    return s
+
+
 def _short(v: Any) -> str:
     s = repr(v)
     return s if len(s) <= 40 else s[:37] + "..."
@@ -174,6 +184,7 @@ def _stop(d: dict[str, Any], name: str = "stop", param: str | None = None) -> li
     if len(stops) > MAX_STOP:
         raise invalid(param, f"{param} has {len(stops)} strings; at most {MAX_STOP} are allowed")
     for s in stops:
+        check_text(s, param)
         if not s:
             raise invalid(param, f"{param} strings must not be empty")
         if len(s) > MAX_STOP_CHARS:
@@ -196,6 +207,16 @@ def token_ids(v: Any, param: str, vocab_size: int, max_len: int | None = None) -
     if max_len is not None and len(v) > max_len:
         raise invalid(param, f"{param} has {len(v)} ids; at most {max_len} are allowed")
     return list(v)
+
+
+def max_tokens_arg(d: dict[str, Any], name: str, context_length: int,
+                   param: str | None = None) -> int | None:
+    param = param or name
+    v = get_int(d, name, 1, None, param)
+    if v is not None and v > context_length:
+        raise invalid(param, f"{param} ({v}) is larger than this model's context length "
+                      f"({context_length} tokens)", code="context_length_exceeded")
+    return v
 
 
 def _reject_present(body: dict[str, Any], names: tuple[str, ...]) -> None:
@@ -250,8 +271,8 @@ def _openai_sampling(body: dict[str, Any], vocab_size: int, context_length: int,
     if body.get("stop_token_ids") is not None:
         s["stop_token_ids"] = token_ids(body["stop_token_ids"], "stop_token_ids", vocab_size,
                                         MAX_STOP_TOKEN_IDS)
-    max_tokens = get_int(body, "max_tokens", 1, context_length)
-    mct = get_int(body, "max_completion_tokens", 1, context_length)
+    max_tokens = max_tokens_arg(body, "max_tokens", context_length)
+    mct = max_tokens_arg(body, "max_completion_tokens", context_length)
     if max_tokens is not None and mct is not None and max_tokens != mct:
         raise invalid("max_completion_tokens", "max_tokens and max_completion_tokens differ")
     req.max_new_tokens = mct if mct is not None else max_tokens
@@ -276,9 +297,9 @@ def parse_completion(body: dict[str, Any], vocab_size: int, context_length: int
         raise invalid("prompt", "prompt is required", code="missing_required_parameter")
     p = body["prompt"]
     if isinstance(p, str):
-        req.prompts = [Prompt(text=p)]
+        req.prompts = [Prompt(text=check_text(p, "prompt"))]
     elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        req.prompts = [Prompt(text=x) for x in p]
+        req.prompts = [Prompt(text=check_text(x, f"prompt[{i}]")) for i, x in enumerate(p)]
     elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
         req.prompts = [Prompt(ids=token_ids(x, f"prompt[{i}]", vocab_size))
                        for i, x in enumerate(p)]
@@ -357,7 +378,7 @@ def _messages(v: Any) -> list[dict[str, Any]]:
             raise invalid(f"{where}.content", f"{where}.content must be a string or an array "
                           f"of text parts, got {_jtype(content)}", code="invalid_type")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": content}
+                               "content": check_text(content, f"{where}.content")}
         name = get_str(m, "name", f"{where}.name")
         if name is not None:
             msg["name"] = name
@@ -376,9 +397,10 @@ def parse_generate(body: dict[str, Any], vocab_size: int, context_length: int) -
                       code="missing_required_parameter")
     if text is not None:
         if isinstance(text, str):
-            req.prompts = [Prompt(text=text)]
+            req.prompts = [Prompt(text=check_text(text, "text"))]
         elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            req.prompts, req.batch = [Prompt(text=t) for t in text], True
+            req.prompts = [Prompt(text=check_text(t, f"text[{i}]")) for i, t in enumerate(text)]
+            req.batch = True
         else:
             raise invalid("text", "text must be a string or a non-empty array of strings",
                           code="invalid_type")
@@ -427,8 +449,8 @@ def parse_generate(body: dict[str, Any], vocab_size: int, context_length: int) -
     if sp.get("stop_token_ids") is not None:
         s["stop_token_ids"] = token_ids(sp["stop_token_ids"], "sampling_params.stop_token_ids",
                                         vocab_size, MAX_STOP_TOKEN_IDS)
-    req.max_new_tokens = get_int(sp, "max_new_tokens", 1, context_length,
-                                 "sampling_params.max_new_tokens")
+    req.max_new_tokens = max_tokens_arg(sp, "max_new_tokens", context_length,
+                                        "sampling_params.max_new_tokens")
     req.n = get_int(sp, "n", 1, MAX_N, "sampling_params.n") or 1
     req.sampling = s
     _check_sequences(req)

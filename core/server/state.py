@@ -36,6 +36,7 @@ class ServerState:
         self.draining = False
         self.inflight = 0  # generation requests being served
         self.active_sequences = 0  # engine requests they make
+        self.health_timeout = HEALTH_TIMEOUT_S
         self.idle = asyncio.Event()
         self.idle.set()
         # the server's own bound on work it accepts; the engine enforces its queue limit too
@@ -77,13 +78,13 @@ class ServerState:
 
     async def engine_alive(self) -> bool:
         try:
-            return bool(await asyncio.wait_for(self.engine.health(), HEALTH_TIMEOUT_S))
+            return bool(await asyncio.wait_for(self.engine.health(), self.health_timeout))
         except Exception:
             return False
 
     async def engine_stats(self) -> dict[str, Any]:
         try:
-            return dict(await asyncio.wait_for(self.engine.stats(), HEALTH_TIMEOUT_S))
+            return dict(await asyncio.wait_for(self.engine.stats(), self.health_timeout))
         except Exception:
             return {}
 
@@ -101,3 +102,5 @@ def state(request: web.Request) -> ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+# per-request outcome override for the request counter (aiohttp >= 3.12 has typed request keys)
+OUTCOME: Any = web.RequestKey("outcome", str) if hasattr(web, "RequestKey") else "outcome"

@@ -115,24 +115,24 @@ class FakeEngine:
         self._seen.append(prompt)
         self.active[rid] = len(prompt)
         max_new = req.sampling["max_new_tokens"]
-        stops = req.sampling.get("stop") or []
-        out = ""
         reply = self.reply.encode()
+        tokens = [reply[i % len(reply)] + OFFSET for i in range(max_new)]
+        full = self.tokenizer.decode(tokens)
+        # like the engine: stop at the first stop string, which is not part of the output
+        hits = [(full.find(s), s) for s in req.sampling.get("stop") or [] if s in full]
+        cut, matched = min(hits) if hits else (len(full), None)
+        last = cut + len(matched) - 1 if matched else max_new - 1  # step that finishes
         try:
-            for step in range(max_new):
-                if self.token_delay:
-                    await asyncio.sleep(self.token_delay)
-                else:
-                    await asyncio.sleep(0)
+            for step in range(last + 1):
+                await asyncio.sleep(self.token_delay)
                 if rid in self.aborted:
                     return
                 if step == 1 and "FAIL_RAISE" in text:
                     raise RuntimeError("simulated kernel failure")
-                tid = reply[step % len(reply)] + OFFSET
-                piece = self.tokenizer.decode([tid])
+                tid = tokens[step]
                 self.active[rid] += 1
-                out += piece
-                ev: dict[str, Any] = {"text": piece, "token_ids": [tid], "finished": False}
+                ev: dict[str, Any] = {"text": full[step:step + 1] if step < cut else "",
+                                      "token_ids": [tid], "finished": False}
                 if req.logprobs:
                     alts = [[tid, -0.25], [EOS, -1.5], [OFFSET + 33, -2.5]][:req.top_logprobs]
                     ev["logprobs"] = [{"token_id": tid, "logprob": -0.25, "top": alts}]
@@ -140,17 +140,11 @@ class FakeEngine:
                     ev.update(finished=True, error="simulated failure in the engine")
                     yield ev
                     return
-                matched = next((s for s in stops if s in out), None)
-                if matched is not None or step == max_new - 1:
+                if step == last:
                     ev.update(finished=True, finish_reason="stop" if matched else "length",
                               matched_stop=matched, prompt_tokens=len(prompt),
                               completion_tokens=step + 1, cached_tokens=cached)
-                    if matched is not None:  # like the engine: the stop string is not output
-                        cut = out.index(matched)
-                        ev["text"] = piece[:max(0, len(piece) - (len(out) - cut))]
                     self.finished += 1
-                    yield ev
-                    return
                 yield ev
         finally:
             self.active.pop(rid, None)
@@ -172,3 +166,128 @@ class FakeEngine:
 
     async def shutdown(self) -> None:
         self.shut_down = True
+
+
+class ServerThread:
+    """Run an app on 127.0.0.1 (a free port) in a background thread with its own event loop.
+
+    As a context manager: `with ServerThread(app) as srv: ... srv.url ...`. `srv.call(fn)` runs
+    fn() on the server's loop and returns its result (to read engine state without races).
+    Handlers are cancelled when their client disconnects, as under `core serve`.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1"):
+        import threading
+
+        self.app, self.host = app, host
+        self.port = 0
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="core-test-server", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _run(self) -> None:
+        from aiohttp import web
+
+        asyncio.set_event_loop(self.loop)
+
+        async def start() -> web.AppRunner:
+            runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0)
+            await runner.setup()
+            site = web.TCPSite(runner, self.host, 0)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            return runner
+
+        try:
+            self.runner = self.loop.run_until_complete(start())
+        except BaseException as e:  # surfaced by __enter__
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.close()
+
+    def call(self, fn: Any, timeout: float = 10.0) -> Any:
+        import concurrent.futures
+
+        async def run() -> Any:
+            r = fn()
+            return await r if asyncio.iscoroutine(r) else r
+
+        fut: concurrent.futures.Future = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        return fut.result(timeout)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(15)
+
+
+def http_request(url: str, method: str, path: str, body: Any = None,
+                 headers: dict[str, Any] | None = None, timeout: float = 30.0
+                 ) -> tuple[int, dict[str, str], bytes]:
+    """One blocking HTTP request with full control of the bytes sent (http.client).
+
+    body: bytes as is, str as UTF-8, anything else as JSON. Header values may be bytes (sent raw).
+    Returns (status, headers with lower-case names, body bytes).
+    """
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        if body is not None and not isinstance(body, (bytes, str)):
+            body = json.dumps(body)
+        if isinstance(body, str):
+            body = body.encode("utf-8")
+        conn.putrequest(method, path)
+        hdrs = dict(headers or {})
+        if body is not None and "Transfer-Encoding" not in hdrs:
+            hdrs.setdefault("Content-Length", str(len(body)))
+        hdrs.setdefault("Content-Type", "application/json")
+        for k, v in hdrs.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        try:
+            if body is not None and hdrs.get("Transfer-Encoding") == "chunked":
+                step = 1 << 16
+                for i in range(0, len(body), step):
+                    part = body[i:i + step]
+                    conn.send(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                conn.send(b"0\r\n\r\n")
+            elif body is not None:
+                conn.send(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered early (413, 401) and closed; read that answer
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def sse_payloads(raw: bytes) -> list[Any]:
+    """The `data:` payloads of an SSE body: parsed JSON, or the string "[DONE]"."""
+    import json
+
+    out: list[Any] = []
+    for block in raw.decode("utf-8").split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
