@@ -39,7 +39,8 @@ def core_register_hardware(register):
 def core_register_attention_backends(register):
     """Register attention backends: register(name, AttentionCaps, factory).
 
-    `factory(**ctx)` returns an object implementing core.attention.AttentionBackend.
+    `factory(ctx: core.attention.BackendContext)` returns an object implementing
+    core.attention.AttentionBackend.
     """
 
 
