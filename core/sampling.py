@@ -167,6 +167,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleOutput:
         B, V = logits.shape
         want_lp = [i for i, s in enumerate(states) if s.params.logprobs]
