@@ -7,6 +7,7 @@ to HF's), dummy (seeded random weights of the right shapes from config.json alon
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
@@ -132,7 +133,7 @@ def load_config(source: WeightSource, trust_remote_code: bool = False) -> Any:
                          f"{f' ({source.gguf_file})' if source.gguf_file else ''}: {exc}") from exc
 
 
-def count_and_iter_weights(source: WeightSource, config: Any
+def count_and_iter_weights(source: WeightSource, config: Any, reader: Any = None
                            ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """(number of tensors, iterator of (HF name, tensor)) for the source's format."""
     if source.load_format == "safetensors":
@@ -163,8 +164,39 @@ def count_and_iter_weights(source: WeightSource, config: Any
     if source.load_format == "gguf":
         from core.models.gguf import gguf_weights
 
-        return gguf_weights(source.files[0], config)
+        return gguf_weights(source.files[0], config, reader)
     raise ValueError(f"no weights to read for load format {source.load_format!r}")
+
+
+@contextlib.contextmanager
+def shared_gguf_reader(path: str) -> Iterator[Any]:
+    """Parse a GGUF file once for config, tokenizer and weights; yields the shared reader.
+
+    transformers' AutoConfig and AutoTokenizer each build their own `gguf.GGUFReader`, whose
+    parse of a 49k-token vocabulary takes seconds; for the duration of the load, the package's
+    GGUFReader hands out one cached reader for this file (other files are untouched).
+    """
+    import gguf
+
+    original = gguf.GGUFReader
+    key = os.path.realpath(path)
+    cache: dict[str, Any] = {}
+
+    def reader(p: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs or os.path.realpath(str(p)) != key:
+            return original(p, *args, **kwargs)
+        if key not in cache:
+            try:
+                cache[key] = original(p)
+            except Exception as exc:  # a truncated or foreign file
+                raise ValueError(f"cannot read GGUF file {p}: {exc}") from exc
+        return cache[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield reader
+    finally:
+        gguf.GGUFReader = original
 
 
 def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
@@ -191,9 +223,19 @@ def _instantiate(registry: Any, kind: str, name: str) -> Any:
 
 def load_model(args: Any, plan: Any, registry: Any) -> LoadedModel:
     """Build plan.model_impl's class for args.model_path and fill it in the plan's dtype."""
-    notes: list[str] = []
     model_path = args.model_path or default_model_path()
     source = find_weights(model_path, args.load_format)
+    with contextlib.ExitStack() as stack:
+        reader = None
+        if source.gguf_file:
+            get_reader = stack.enter_context(shared_gguf_reader(source.files[0]))
+            reader = get_reader(source.files[0]) if source.load_format == "gguf" else None
+        return _load(args, plan, registry, model_path, source, reader)
+
+
+def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSource,
+          reader: Any) -> LoadedModel:
+    notes: list[str] = []
     if args.load_format == "auto":
         notes.append(f"load format: {source.load_format} (found in {source.directory})")
     if args.revision:
@@ -225,7 +267,7 @@ def load_model(args: Any, plan: Any, registry: Any) -> LoadedModel:
     else:
         from tqdm import tqdm
 
-        total, weights = count_and_iter_weights(source, config)
+        total, weights = count_and_iter_weights(source, config, reader)
         bar = tqdm(weights, total=total or None, desc="loading weights", unit="tensor",
                    file=sys.stderr, leave=False)
         model.load_weights(bar)

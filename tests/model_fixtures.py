@@ -198,3 +198,37 @@ class PagedHarness:
         if self.backend is not None:
             fb.attn_meta = self.backend.prepare(fb)
         return fb
+
+    def share_prefix(self, src_row: int, dst_row: int, n: int) -> None:
+        """Make request dst_row start with src_row's first n tokens (their pages shared, as the
+        radix cache does); n must be a whole number of pages."""
+        if n % self.page_size:
+            raise ValueError("shared prefixes must be page aligned")
+        self.req_to_token[dst_row, :n] = self.req_to_token[src_row, :n]
+        self.pages[dst_row] = list(self.pages[src_row][:n // self.page_size])
+        self.lens[dst_row] = n
+
+
+def cpu_plan(model_impl: str = "llama", dtype: str = "float32", page_size: int = 4):
+    """A resolver-free Plan for tests: torch_native everywhere on the CPU."""
+    from core.capabilities import DeviceInfo
+    from core.plan import Plan
+
+    return Plan(device=DeviceInfo(target="cpu", device_type="cpu"), dtype=dtype,
+                prefill_attention="torch_native", decode_attention="torch_native",
+                moe_runner=None, quant_method="unquantized", kv_cache_dtype=dtype,
+                page_size=page_size, cuda_graph=False, model_impl=model_impl)
+
+
+def torch_native_backend(config, dtype: torch.dtype = torch.float32, page_size: int = 4):
+    """The torch_native backend for a model config (as the engine would build it)."""
+    from core.attention import BackendContext
+    from plugins.attention.torch_native.backend import TorchNativeAttention
+
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    return TorchNativeAttention(BackendContext(
+        num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim, num_layers=config.num_hidden_layers, dtype=dtype, kv_dtype=dtype,
+        device=torch.device("cpu"), page_size=page_size,
+        max_context_len=config.max_position_embeddings))

@@ -1,0 +1,107 @@
+"""GGUF weights for the dense decoders here: dequantized tensors under HF parameter names.
+
+llama.cpp names (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) map to HF's; for
+the `llama` GGUF architecture, llama.cpp's converter permuted the rows of Q and K so that its
+interleaved rotary matches HF's half-split one, and that permutation is undone here (as
+transformers' own GGUF loader does).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors that carry nothing our layers use (rope frequencies are recomputed from the config).
+_SKIP = ("rope_freqs.weight",)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# GGUF architectures whose Q/K rows llama.cpp permuted at conversion
+_PERMUTED_ARCHS = ("llama",)
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF parameter name of a llama.cpp tensor name (unknown names are returned as is)."""
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part in _BLOCK:
+            return f"model.layers.{layer}.{_BLOCK[part]}.{kind}"
+        return gguf_name
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _TOP:
+        return f"{_TOP[base]}.{kind}"
+    return gguf_name
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: per head, rows (d/2, 2) interleaved -> (2, d/2)."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def field_value(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    if hasattr(field, "contents"):
+        return field.contents()
+    part = field.parts[field.data[0]]
+    return bytes(part).decode() if part.dtype == np.uint8 else part.tolist()[0]
+
+
+def gguf_weights(path: str, config: Any, reader: Any = None
+                 ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """(tensor count, iterator of (HF name, fp32 tensor)) for a GGUF file (or its reader)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    if reader is None:
+        try:
+            reader = GGUFReader(path)
+        except Exception as exc:  # a truncated or foreign file
+            raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
+    arch = field_value(reader, "general.architecture")
+    permute = arch in _PERMUTED_ARCHS
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    tensors = [t for t in reader.tensors if t.name not in _SKIP]
+
+    def it() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in tensors:
+            try:
+                arr = dequantize(t.data, t.tensor_type)
+            except NotImplementedError as exc:
+                raise ValueError(f"{path}: tensor {t.name} has GGML type "
+                                 f"{t.tensor_type.name}, which cannot be dequantized") from exc
+            # GGUF lists dims innermost-first; torch wants them outermost-first.
+            shape = tuple(int(d) for d in reversed(t.shape))
+            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+            if not arr.flags.writeable:
+                arr = arr.copy()
+            w = torch.from_numpy(arr)
+            name = hf_name(t.name)
+            if permute and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+                w = unpermute_rope_rows(w, n_heads)
+            elif permute and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+                w = unpermute_rope_rows(w, n_kv)
+            yield name, w
+
+    return len(tensors), it()
