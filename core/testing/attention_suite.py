@@ -1,0 +1,102 @@
+"""The attention-backend conformance tests.
+
+Collected by the conformance plugin (`pytest --conformance-backend NAME`, see core.testing), or by
+importing them into a test module:
+
+    from core.testing.attention_suite import *  # noqa: F401,F403
+
+Parametrization (by `pytest_generate_tests` below): every registered attention backend that can
+run on each suite device, or only the backends named with --conformance-backend; devices from
+--conformance-device, else cpu plus cuda when present. Cases on a device other than the CPU carry
+the `gpu` mark (select them with `-m gpu`). A Triton backend runs on CPU under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from core.capabilities import DeviceInfo
+from core.plugins import Registration, get_registry
+from core.testing.attention_cases import conformance_cases
+from core.testing.attention_check import (
+    REFERENCE,
+    check_case,
+    device_target,
+    excluded_dtypes,
+    unavailable_reasons,
+)
+from core.testing.paged_batch import AttentionCase
+
+__all__ = ["pytest_generate_tests", "test_attention_backend_conformance"]
+
+
+@dataclass(frozen=True)
+class ConformanceParam:
+    """One parametrized run: a backend, a device, a case."""
+
+    backend: Registration
+    device: str
+    case: AttentionCase
+    seed: int
+    reference: Registration | None
+
+
+def default_devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _device_info(registry, device: torch.device) -> DeviceInfo:
+    target = device_target(device)
+    if target in registry.kind("hardware"):
+        return registry.probe(target)
+    return DeviceInfo(target=target, device_type=device.type)
+
+
+def conformance_params(config: pytest.Config) -> list:
+    """pytest.param objects for every (backend, device, case) the options select."""
+    registry = get_registry()
+    backends = registry.kind("attention")
+    named = config.getoption("conformance_backend", default=None) or []
+    unknown = [n for n in named if n not in backends]
+    if unknown:
+        raise pytest.UsageError(f"attention backend(s) {', '.join(unknown)} not registered "
+                                f"(registered: {', '.join(sorted(backends)) or 'none'})")
+    devices = config.getoption("conformance_device", default=None) or default_devices()
+    full = bool(config.getoption("conformance_full", default=False))
+    seed = int(config.getoption("conformance_seed", default=0) or 0)
+    reference = backends.get(REFERENCE)
+    params = []
+    for device_name in devices:
+        device = torch.device(device_name)
+        info = _device_info(registry, device)
+        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
+        for name in named or sorted(backends):
+            reg = backends[name]
+            reasons = unavailable_reasons(reg, device, info)
+            if reasons:
+                if name in named:  # asked for by name: say why it does not run
+                    params.append(pytest.param(
+                        None, id=f"{name}-{device_name}",
+                        marks=[*marks, pytest.mark.skip(
+                            reason=f"{name} cannot run on {device_name}: {'; '.join(reasons)}")]))
+                continue
+            for case in conformance_cases(reg.caps, full, excluded_dtypes(reg, device)):
+                params.append(pytest.param(
+                    ConformanceParam(reg, device_name, case, seed, reference),
+                    id=f"{name}-{device_name}-{case.id}", marks=marks))
+    return params
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "attention_conformance" in metafunc.fixturenames:
+        metafunc.parametrize("attention_conformance", conformance_params(metafunc.config))
+
+
+def test_attention_backend_conformance(attention_conformance: ConformanceParam) -> None:
+    """The backend's output, KV write and untouched pool match the fp32 reference and
+    torch_native on this case (see core.testing.attention_check for every check)."""
+    p = attention_conformance
+    check_case(p.backend, p.case, torch.device(p.device), p.seed, p.reference)

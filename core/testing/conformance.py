@@ -1,0 +1,86 @@
+"""pytest plugin: run the attention-backend conformance suite against a named backend.
+
+Installed with core-serve as a `pytest11` entry point, so it is loaded in every pytest run of an
+environment that has core-serve; it does nothing unless asked (its options have their own prefix,
+so it cannot clash with another project's). A backend package checks its backend with
+
+    pytest --conformance-backend my_backend                 # cpu, plus cuda cases if present
+    pytest --conformance-backend my_backend -m gpu --conformance-full   # accelerator, full shapes
+
+or, where core-serve is importable but not installed as a distribution,
+
+    pytest -p core.testing.conformance --backend my_backend
+
+(`--backend` exists only when the plugin is requested with -p, for the same no-clash reason).
+The option adds the suite (core/testing/attention_suite.py) to whatever else pytest collects.
+Options: --conformance-backend NAME (repeatable), --conformance-device DEV (repeatable; default
+cpu plus cuda when present), --conformance-full, --conformance-seed N.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+PLUGIN = "core.testing.conformance"
+# Not imported here: this module loads in every pytest run of the environment and must stay
+# cheap (the suite imports torch).
+SUITE_MODULE = "core.testing.attention_suite"
+SUITE_PATH = Path(__file__).resolve().with_name("attention_suite.py")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("core-conformance", "core-serve attention backend conformance")
+    group.addoption("--conformance-backend", action="append", dest="conformance_backend",
+                    metavar="NAME", default=None,
+                    help="run the attention conformance suite on this registered backend "
+                         "(repeatable)")
+    group.addoption("--conformance-device", action="append", dest="conformance_device",
+                    metavar="DEVICE", default=None,
+                    help="torch device for the suite (repeatable; default cpu, plus cuda "
+                         "when available)")
+    group.addoption("--conformance-full", action="store_true", dest="conformance_full",
+                    help="full-size conformance shapes (meant for an accelerator)")
+    group.addoption("--conformance-seed", type=int, dest="conformance_seed", default=0,
+                    metavar="N", help="base seed of the conformance inputs (default 0)")
+
+
+def _requested_with_p(early_config: pytest.Config, args: list[str]) -> bool:
+    plugins = getattr(early_config.known_args_namespace, "plugins", None) or []
+    return PLUGIN in plugins or f"-p{PLUGIN}" in args
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser,
+                                  args: list[str]) -> None:
+    # `--backend` is a common name; claim it only when the plugin was asked for explicitly.
+    if _requested_with_p(early_config, args):
+        parser.addoption("--backend", action="append", dest="conformance_backend",
+                         metavar="NAME", default=None,
+                         help="same as --conformance-backend")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs an accelerator (run with -m gpu)")
+    if config.getoption("conformance_backend", default=None):
+        args = [str(Path(a.split("::")[0]).resolve()) for a in config.args]
+        if str(SUITE_PATH) not in args:
+            config.args.append(str(SUITE_PATH))
+            config._core_conformance_injected = True  # noqa: SLF001 - our own marker
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """When the suite was added by the option, drop copies of it that a test module imported
+    (the injected copy runs the same cases)."""
+    if not getattr(config, "_core_conformance_injected", False):
+        return
+    keep, drop = [], []
+    for item in items:
+        fn = getattr(item, "function", None)
+        module = getattr(getattr(item, "module", None), "__name__", "")
+        is_copy = getattr(fn, "__module__", "") == SUITE_MODULE and module != SUITE_MODULE
+        (drop if is_copy else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

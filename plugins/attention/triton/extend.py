@@ -1,0 +1,189 @@
+"""Prefill / extend attention over the paged KV cache: cached prefix plus causal new tokens.
+
+One program per (query head, block of BLOCK_M new tokens, request). The new tokens' K/V are
+already in the pool (the backend writes them first), so every key, prefix or new, is read through
+req_to_token: any page size works and FP8 caches are read the same way. Keys older than the
+block's first query are visible to every row (no causal mask: the fast loop); the last few
+blocks carry the causal mask. Heads are the fastest grid axis, so the query heads of one GQA group
+run side by side and share their K/V tiles in L2; the heaviest (last) query blocks start first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plugins.attention.triton.common import (
+    LOG2E,
+    ExtendConfig,
+    extend_configs,
+    interpreting,
+    softcap,
+)
+
+
+@triton.jit
+def _attend_blocks(acc, l_sum, m, q, K, V, table, kvh, q_pos, lo, hi, sm_scale, cap, window,
+                   stride_ks, stride_kh, stride_vs, stride_vh, offs_d, offs_dv, dmask, dvmask,
+                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+                   USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over keys [lo, hi); MASKED adds the bounds and causal masks."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            nmask = offs_n < hi
+            slots = tl.load(table + offs_n, mask=nmask, other=0).to(tl.int64)
+            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                        mask=nmask[:, None] & dmask[None, :], other=0.0)
+        else:
+            slots = tl.load(table + offs_n).to(tl.int64)
+            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                        mask=dmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * sm_scale
+        if USE_SOFTCAP:
+            s = softcap(s, cap)
+        s = s * LOG2E  # [BLOCK_M, BLOCK_N], log2 units
+        if MASKED:
+            visible = nmask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        elif USE_WINDOW:
+            s = tl.where(offs_n[None, :] > q_pos[:, None] - window, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row may see nothing yet (window): keep its max at 0 so that exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
+                        mask=nmask[:, None] & dvmask[None, :], other=0.0)
+        else:
+            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
+                        mask=dvmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=PRECISION)
+        m = m_new
+    return acc, l_sum, m
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Out, req_to_token, req_pool_indices, seq_lens, extend_lens, q_starts,
+    sm_scale, cap, window, out_scale, tune_bucket,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    h = tl.program_id(0)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest causal blocks first
+    b = tl.program_id(2)
+    ext_len = tl.load(extend_lens + b).to(tl.int32)
+    if mb * BLOCK_M >= ext_len:
+        return
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    prefix = seq_len - ext_len
+    q_start = tl.load(q_starts + b).to(tl.int64)
+    row = tl.load(req_pool_indices + b).to(tl.int64)
+    kvh = h // GROUP
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mmask = offs_m < ext_len
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dmask = offs_d < HEAD_DIM
+    dvmask = offs_dv < V_DIM
+    rows = q_start + offs_m
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_pos = prefix + offs_m
+
+    q_first = prefix + mb * BLOCK_M
+    hi = tl.minimum(q_first + BLOCK_M, seq_len)  # keys past the block's last query: invisible
+    lo = 0
+    if USE_WINDOW:
+        lo = (tl.maximum(q_first - window + 1, 0) // BLOCK_N) * BLOCK_N
+    mid = (q_first // BLOCK_N) * BLOCK_N  # keys below mid precede every query of the block
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    table = req_to_token + row * stride_r2t
+    acc, l_sum, m = _attend_blocks(
+        acc, l_sum, m, q, K, V, table, kvh, q_pos, lo, mid, sm_scale, cap, window,
+        stride_ks, stride_kh, stride_vs, stride_vh, offs_d, offs_dv, dmask, dvmask,
+        BLOCK_N=BLOCK_N, MASKED=False, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP,
+        PRECISION=PRECISION)
+    acc, l_sum, m = _attend_blocks(
+        acc, l_sum, m, q, K, V, table, kvh, q_pos, mid, hi, sm_scale, cap, window,
+        stride_ks, stride_kh, stride_vs, stride_vh, offs_d, offs_dv, dmask, dvmask,
+        BLOCK_N=BLOCK_N, MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP,
+        PRECISION=PRECISION)
+
+    out = acc * (out_scale / tl.where(l_sum > 0, l_sum, 1.0))[:, None]
+    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+             out.to(Out.dtype.element_ty), mask=mmask[:, None] & dvmask[None, :])
+
+
+_TUNED: dict[tuple[ExtendConfig, ...], triton.runtime.Autotuner] = {}
+
+
+def _tuned_kernel(configs: list[ExtendConfig]):
+    """The kernel behind an autotuner over `configs` (one per distinct list, built once)."""
+    key = tuple(configs)
+    if key not in _TUNED:
+        _TUNED[key] = triton.autotune(
+            configs=[triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n},
+                                   num_warps=c.num_warps, num_stages=c.num_stages)
+                     for c in configs],
+            # Dtypes join the key by themselves; tune_bucket separates short and long prefills.
+            key=["HEAD_DIM", "V_DIM", "GROUP", "USE_WINDOW", "USE_SOFTCAP", "tune_bucket"],
+        )(_extend_kernel)
+    return _TUNED[key]
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     seq_lens: torch.Tensor, extend_lens: torch.Tensor, q_starts: torch.Tensor,
+                     max_extend_len: int, *, scaling: float, k_scale: float = 1.0,
+                     v_scale: float = 1.0, sliding_window: int | None = None,
+                     logit_softcap: float | None = None,
+                     config: ExtendConfig | None = None) -> torch.Tensor:
+    """New tokens of every request against their cached prefix and themselves (causal).
+
+    q [T, H, D] (request i's tokens at rows q_starts[i] .. + extend_lens[i]); k_buf/v_buf
+    [slots, Hkv, D|Dv] with the new tokens already written; seq_lens = prefix + new per request.
+    `max_extend_len` (a host int) sizes the grid. Returns [T, H, Dv] in q's dtype. `config` pins
+    one tiling instead of autotuning (benchmarks of tilings use it).
+    """
+    T, H, D = q.shape
+    Hkv, Dv = k_buf.shape[1], v_buf.shape[2]
+    B = seq_lens.shape[0]
+    out = torch.empty(T, H, Dv, dtype=q.dtype, device=q.device)
+    if T == 0 or B == 0 or max_extend_len == 0:
+        return out
+    args = (q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, extend_lens, q_starts,
+            scaling * k_scale, logit_softcap or 1.0, sliding_window or 0, v_scale,
+            min(4096, max(128, triton.next_power_of_2(max_extend_len))),
+            q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+            v_buf.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1))
+    consts = dict(GROUP=H // Hkv, HEAD_DIM=D, V_DIM=Dv, BLOCK_D=triton.next_power_of_2(D),
+                  BLOCK_DV=triton.next_power_of_2(Dv), USE_WINDOW=sliding_window is not None,
+                  USE_SOFTCAP=logit_softcap is not None,
+                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    configs = [config] if config else extend_configs(D, Dv, q.dtype, q.device)
+    if len(configs) == 1 or interpreting():
+        c = configs[0]
+        grid = (H, triton.cdiv(max_extend_len, c.block_m), B)
+        _extend_kernel[grid](*args, **consts, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                             num_warps=c.num_warps, num_stages=c.num_stages)
+    else:
+        def grid(meta):
+            return (H, triton.cdiv(max_extend_len, meta["BLOCK_M"]), B)
+
+        _tuned_kernel(configs)[grid](*args, **consts)
+    return out
