@@ -55,6 +55,15 @@ def _device_info(registry, device: torch.device) -> DeviceInfo:
     return DeviceInfo(target=target, device_type=device.type)
 
 
+def _device_missing(device: torch.device) -> str:
+    """Why tensors cannot be made on `device` ("" when they can)."""
+    try:
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as exc:  # torch raises either for absent devices
+        return str(exc).splitlines()[0]
+    return ""
+
+
 def conformance_params(config: pytest.Config) -> list:
     """pytest.param objects for every (backend, device, case) the options select."""
     registry = get_registry()
@@ -71,8 +80,13 @@ def conformance_params(config: pytest.Config) -> list:
     params = []
     for device_name in devices:
         device = torch.device(device_name)
-        info = _device_info(registry, device)
         marks = [] if device.type == "cpu" else [pytest.mark.gpu]
+        missing = _device_missing(device)
+        if missing:
+            params.append(pytest.param(None, id=f"{device_name}-unavailable", marks=[
+                *marks, pytest.mark.skip(reason=f"device {device_name}: {missing}")]))
+            continue
+        info = _device_info(registry, device)
         for name in named or sorted(backends):
             reg = backends[name]
             reasons = unavailable_reasons(reg, device, info)
