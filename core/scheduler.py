@@ -443,4 +443,6 @@ class Scheduler:
                 "total_pages": self.allocator.total_pages,
                 "page_size": self.cfg.page_size,
                 "cached_pages": self.cache.evictable_pages + self.cache.protected_pages,
+                "evictable_pages": self.cache.evictable_pages,  # reusable: the server counts
+                # them as free in its kv_pages_used (as SGLang does)
                 "new_token_ratio": round(self.new_token_ratio, 4)}
