@@ -1,0 +1,190 @@
+"""The `triton` attention backend beyond the conformance suite: declarations, the split-KV
+heuristic, invariances of the kernels, bad input, and (on a GPU) CUDA-graph capture and every
+extend tiling the autotuner may pick.
+
+CPU runs use the Triton interpreter (set before the kernel modules are imported).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from core.attention import AttentionLayerParams  # noqa: E402
+from core.capabilities import DeviceInfo  # noqa: E402
+from core.checks import check_device  # noqa: E402
+from core.testing.attention_reference import reference_attention  # noqa: E402
+from core.testing.paged_batch import AttentionCase, build_inputs  # noqa: E402
+from plugins.attention.triton import CAPS  # noqa: E402
+
+pytest.importorskip("triton")
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+needs_gpu = pytest.mark.gpu
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3),
+            torch.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2)}[dtype]
+
+
+def test_declaring_triton_imports_no_kernel_library():
+    code = ("import sys, plugins.attention.triton as t; assert t.CAPS.requires == ('triton',); "
+            "print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"
+
+
+def test_caps_accept_ampere_and_hopper_reject_turing_and_cpu():
+    def info(cap):
+        return DeviceInfo(target="cuda", device_type="cuda", capability=cap, arch=f"sm{cap}")
+
+    assert check_device(CAPS, info(90)) == [] and check_device(CAPS, info(80)) == []
+    assert any("sm80+" in r for r in check_device(CAPS, info(75)))
+    assert any("device cpu not supported" in r
+               for r in check_device(CAPS, DeviceInfo(target="cpu", device_type="cpu")))
+    assert CAPS.cuda_graph and CAPS.sliding_window and CAPS.logit_softcap
+    assert {"fp8_e4m3", "fp8_e5m2"} <= CAPS.kv_cache_dtypes
+
+
+def test_split_count_depends_on_batch_shape_only_and_fills_the_gpu():
+    from plugins.attention.triton.common import DecodeConfig, num_kv_splits, sm_count
+
+    cfg = DecodeConfig()
+    dev = torch.device("cpu")
+    for batch in (1, 3, 32, 256, 4096):
+        s = num_kv_splits(batch, 8, 1, dev, cfg)
+        assert 1 <= s <= cfg.max_splits and s & (s - 1) == 0  # a power of two (tl.arange)
+        if s < cfg.max_splits:  # enough programs for `waves` per SM
+            assert batch * 8 * s >= sm_count(dev) * cfg.waves
+    assert num_kv_splits(1, 8, 1, dev, cfg) > num_kv_splits(256, 8, 1, dev, cfg)
+
+
+def _decode_case(seq_lens, **kw) -> AttentionCase:
+    base = dict(mode="decode", num_kv_heads=2, group=4, head_dim=64, page_size=16,
+                dtype="float16", kv_dtype="float16", seq_lens=tuple(seq_lens),
+                extend_lens=(1,) * len(seq_lens))
+    base.update(kw)
+    return AttentionCase(**base)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_decode_result_does_not_depend_on_the_split_count(window):
+    """Flash-decoding merges partial softmaxes: 1, 2 or 4 splits (some empty for the short
+    requests) must agree with each other and with the reference."""
+    from plugins.attention.triton.decode import decode_attention
+
+    inputs = build_inputs(_decode_case((1, 33, 150), sliding_window=window), DEVICE, 7)
+    layer, (q, k, v) = inputs.layers[0], inputs.qkv[0]
+    b, pool = inputs.batch, inputs.pool
+    pool.set_kv(layer.layer_id, b.out_cache_loc, k.view(3, 2, 64), v.view(3, 2, 64))
+    k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+    want = reference_attention(q, k_buf, v_buf, layer, b)
+    for splits in (1, 2, 4):
+        out = decode_attention(q.view(3, 8, 64), k_buf, v_buf, b.req_to_token,
+                               b.req_pool_indices, b.seq_lens, scaling=layer.scaling,
+                               sliding_window=window, num_splits=splits)
+        torch.testing.assert_close(out.view(3, -1).float(), want, **_tol(torch.float16))
+
+
+def test_backend_rejects_bad_settings():
+    from core.attention import BackendContext
+    from plugins.attention.triton.backend import TritonAttention
+
+    def ctx(**kw):
+        base = dict(num_heads=8, num_kv_heads=2, head_dim=64, num_layers=1,
+                    dtype=torch.float16, kv_dtype=torch.float16, device=DEVICE, page_size=1,
+                    max_context_len=64)
+        base.update(kw)
+        return BackendContext(**base)
+
+    with pytest.raises(ValueError, match="head sizes"):
+        TritonAttention(ctx(head_dim=48))
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        TritonAttention(ctx(dtype=torch.float64))
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        TritonAttention(ctx(num_heads=6, num_kv_heads=4))
+    inputs = build_inputs(_decode_case((5,)), DEVICE, 0)
+    backend = TritonAttention(inputs.ctx)
+    q, k, v = inputs.qkv[0]
+    bad = AttentionLayerParams(layer_id=1, num_heads=8, num_kv_heads=2, head_dim=64,
+                               scaling=0.125, sliding_window=0)
+    with pytest.raises(ValueError, match="sliding window must be >= 1"):
+        backend.forward(q, k, v, bad, inputs.batch)
+
+
+@needs_gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_decode_replays_in_a_cuda_graph_with_longer_contexts(dtype):
+    """cuda_graph=True: capture one decode step, then replay it after the requests have grown
+    (new seq_lens / table / slots written into the captured tensors)."""
+    from plugins.attention.triton.backend import TritonAttention
+
+    short = _decode_case((3, 40, 17, 64), dtype=dtype, kv_dtype=dtype, num_kv_heads=8,
+                         head_dim=128, page_size=16)
+    long = _decode_case((2000, 4100, 17, 900), dtype=dtype, kv_dtype=dtype, num_kv_heads=8,
+                        head_dim=128, page_size=16)
+    a, b = build_inputs(short, DEVICE, 1), build_inputs(long, DEVICE, 2)
+    # Captured tensors must stay put: give `a` a table and pool big enough for `b`.
+    a.batch.req_to_token = b.batch.req_to_token.clone()
+    a.batch.kv_pool = b.pool
+    a.batch.req_pool_indices.copy_(b.batch.req_pool_indices)
+    a.batch.out_cache_loc.copy_(b.batch.out_cache_loc)
+    backend = TritonAttention(b.ctx)
+    batch = a.batch
+    batch.attn_meta = backend.prepare(batch)
+    layer = b.layers[0]
+    q, k, v = (t.clone() for t in a.qkv[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
+        backend.forward(q, k, v, layer, batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, layer, batch)
+    for dst, src in zip((q, k, v), b.qkv[0], strict=True):
+        dst.copy_(src)
+    batch.seq_lens.copy_(b.batch.seq_lens)
+    graph.replay()
+    torch.cuda.synchronize()
+    k_buf, v_buf = b.pool.get_kv_buffer(layer.layer_id)
+    want = reference_attention(b.qkv[0][0], k_buf, v_buf, layer, b.batch)
+    torch.testing.assert_close(out.float(), want, **_tol(getattr(torch, dtype)))
+
+
+@needs_gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_every_extend_tiling_is_correct(dtype, head_dim):
+    """The autotuner may pick any candidate tiling: each one must be right on its own."""
+    from plugins.attention.triton.common import extend_configs
+    from plugins.attention.triton.extend import extend_attention
+
+    name = str(dtype).split(".")[-1]
+    case = AttentionCase("extend", 4, 4, head_dim, 16, name, name, (700, 300, 1200),
+                         (700, 45, 513), sliding_window=None)
+    inputs = build_inputs(case, DEVICE, 3)
+    layer, (q, k, v) = inputs.layers[0], inputs.qkv[0]
+    b, pool = inputs.batch, inputs.pool
+    T = q.shape[0]
+    pool.set_kv(layer.layer_id, b.out_cache_loc, k.view(T, 4, head_dim), v.view(T, 4, head_dim))
+    k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+    want = reference_attention(q, k_buf, v_buf, layer, b)
+    starts = (torch.cumsum(b.extend_lens, 0) - b.extend_lens).to(torch.int32)
+    for cfg in extend_configs(head_dim, head_dim, dtype, DEVICE):
+        out = extend_attention(q.view(T, 16, head_dim), k_buf, v_buf, b.req_to_token,
+                               b.req_pool_indices, b.seq_lens, b.extend_lens, starts,
+                               max(b.extend_lens_cpu), scaling=layer.scaling, config=cfg)
+        torch.testing.assert_close(out.view(T, -1).float(), want, **_tol(dtype),
+                                   msg=lambda m, c=cfg: f"tiling {c}: {m}")
