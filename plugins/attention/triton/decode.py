@@ -140,9 +140,10 @@ def _head_blocking(group: int) -> tuple[int, int]:
 
 
 def decode_splits(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                  v_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+                  v_dim: int, dtype: torch.dtype, device: torch.device,
+                  config: DecodeConfig | None = None) -> int:
     """KV splits the decode kernel uses for this batch shape (the backend's prepare calls it)."""
-    cfg = decode_config(head_dim, v_dim, dtype, device)
+    cfg = config or decode_config(head_dim, v_dim, dtype, device)
     _, head_blocks = _head_blocking(num_heads // num_kv_heads)
     return num_kv_splits(batch_size, num_kv_heads, head_blocks, device, cfg)
 
