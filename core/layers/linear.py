@@ -7,7 +7,8 @@ may repack them once the checkpoint is in, and `apply(layer, x)` computes the pr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,10 @@ class UnquantizedLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def bind(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`apply` with the layer's tensors bound (the decode hot path skips module lookups)."""
+        return partial(F.linear, weight=layer.weight, bias=layer.bias)
 
     def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
                            intermediate_size: int, dtype: torch.dtype,
@@ -85,13 +90,23 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
 
+    def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x -> y as a plain callable; quant methods may offer `bind(layer)` for a faster one."""
+        bind = getattr(self.quant_method, "bind", None)
+        return bind(self) if bind is not None else partial(self.quant_method.apply, self)
+
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}"
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Let every layer's quant method finish its weights once the checkpoint is loaded."""
+    """Let every layer's quant method finish its weights once the checkpoint is loaded, then
+    drop any hot-path bindings made before (they may point at replaced tensors)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+    for module in model.modules():
+        reset = getattr(module, "reset_bindings", None)
+        if reset is not None:
+            reset()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +28,13 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """norm(x) as a plain callable (hot path: no module call, no attribute lookups)."""
+        if self.weight.dtype == torch.float32:
+            return partial(F.rms_norm, normalized_shape=(self.hidden_size,), weight=self.weight,
+                           eps=self.eps)
+        return self._norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -64,16 +64,21 @@ class RotaryEmbedding(nn.Module):
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
         # The whole table when it is small (up to 4M entries), so that lookups never sync.
-        self._grow(min(max_position, max(4096, (1 << 22) // max(1, head_dim // 2))))
+        self._grow(min(max_position, max(4096, (1 << 22) // max(1, head_dim))))
 
     def _grow(self, n: int) -> None:
         t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)  # [n, D/2]; the product HF computes, in fp32
-        self._cos, self._sin = freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        self._cos = torch.cat((cos, cos), dim=-1)  # [n, D]
+        self._sin = torch.cat((-sin, sin), dim=-1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [T, 1, D/2] in `dtype` for positions [T] (computed once per forward)."""
+        """cos, sin: [T, 1, D] in `dtype` for positions [T] (computed once per forward).
+
+        Full width, with the sign of rotate_half folded into sin: cos = [c, c], sin = [-s, s].
+        """
         # Growing needs the largest position on the host: only checked while the table is
         # shorter than the model's context (long-context models), never otherwise.
         if positions.numel() and self._cos.shape[0] < self.max_position:
@@ -86,6 +91,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] (any strides) -> rotated copy; HF's x*cos + rotate_half(x)*sin."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x: [T, heads, D] (any strides) -> rotated copy; HF's x*cos + rotate_half(x)*sin.
+
+    With cos/sin from `cos_sin`, rotate_half(x)*sin is roll(x, D/2)*[-s, s]: three ops.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)

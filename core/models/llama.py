@@ -30,6 +30,8 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class DecoderAttention(nn.Module):
+    """Holds the attention weights; the computation is in DecoderLayer.forward."""
+
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int,
                  bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None):
         super().__init__()
@@ -41,7 +43,6 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
                                bias[0], ctx, shard_names=("q", "k", "v"))
         self.o_proj = Linear(self.q_size, config.hidden_size, bias[1], ctx)
-        self.qk_norm = qk_norm
         if qk_norm:
             eps = config.rms_norm_eps
             self.q_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device)
@@ -49,26 +50,10 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                    sliding_window=sliding_window)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                batch: ForwardBatch) -> torch.Tensor:
-        T = x.shape[0]
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
-        v = qkv[:, self.q_size + self.kv_size:]
-        if self.qk_norm:
-            q = self.q_norm(qkv[:, :self.q_size].reshape(T, H, D))
-            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].reshape(T, Hkv, D))
-            q = apply_rotary(q, cos, sin).view(T, H * D)
-            k = apply_rotary(k, cos, sin).view(T, Hkv * D)
-        else:
-            # q and k heads rotated in one pass: [T, H + Hkv, D]
-            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)
-            q = qk[:, :H].reshape(T, H * D)
-            k = qk[:, H:].reshape(T, Hkv * D)
-        return self.o_proj(self.attn(q, k, v, batch))
-
 
 class DecoderMLP(nn.Module):
+    """Holds the gated MLP's weights; the computation is in DecoderLayer.forward."""
+
     def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
@@ -78,11 +63,15 @@ class DecoderMLP(nn.Module):
         self.act = GatedAct(getattr(config, "hidden_act", "silu"))
         self.down_proj = Linear(inter, config.hidden_size, bias, ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention + gated MLP, with the residual add fused into the next norm.
+
+    The forward runs on `_hot`, a tuple of bound callables made once from the submodules (and
+    again after weights change): at batch 1 on a CPU, module calls and attribute lookups would
+    otherwise cost about as much as the small matmuls themselves.
+    """
+
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int,
                  attn_bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None):
         super().__init__()
@@ -92,16 +81,45 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(config, ctx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device)
+        self._hot: tuple | None = None
+
+    def reset_bindings(self) -> None:
+        self._hot = None
+
+    def _bind(self) -> tuple:
+        a, m = self.self_attn, self.mlp
+        qk_norm = hasattr(a, "q_norm")
+        self._hot = (
+            self.input_layernorm.bound(), a.qkv_proj.bound(), a.o_proj.bound(),
+            self.post_attention_layernorm.bound(), m.gate_up_proj.bound(),
+            m.down_proj.bound(), m.act.forward,
+            a.q_norm.bound() if qk_norm else None, a.k_norm.bound() if qk_norm else None,
+            a.attn.params, a.num_heads, a.num_kv_heads, a.head_dim)
+        return self._hot
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, cos, sin, batch)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        """h [T, hidden] (the previous layer's output), residual [T, hidden] or None at the
+        first layer -> (this layer's output, the residual stream before it)."""
+        (norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj, act, q_norm, k_norm,
+         params, H, Hkv, D) = self._hot or self._bind()
+        residual = h if residual is None else h + residual
+        qkv = qkv_proj(norm1(residual))  # [T, (H + 2 Hkv) * D]
+        T = qkv.shape[0]
+        q_size, qk_size = H * D, (H + Hkv) * D
+        v = qkv[:, qk_size:]
+        if q_norm is None:
+            # q and k heads rotated in one pass: [T, H + Hkv, D]
+            qk = apply_rotary(qkv[:, :qk_size].view(T, H + Hkv, D), cos, sin)
+            q = qk[:, :H].reshape(T, q_size)
+            k = qk[:, H:].reshape(T, qk_size - q_size)
+        else:  # Qwen3: RMSNorm over each head before rotary
+            q = apply_rotary(q_norm(qkv[:, :q_size].reshape(T, H, D)), cos, sin)
+            k = apply_rotary(k_norm(qkv[:, q_size:qk_size].reshape(T, Hkv, D)), cos, sin)
+            q, k = q.view(T, q_size), k.view(T, qk_size - q_size)
+        h = o_proj(batch.attn_backend.forward(q, k, v, params, batch))
+        residual = h + residual
+        return down_proj(act(gate_up_proj(norm2(residual)))), residual
 
 
 class DecoderModel(nn.Module):
@@ -124,7 +142,7 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # once for all layers
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, batch)
+            h, residual = layer.forward(h, residual, cos, sin, batch)
         h, _ = self.norm(h, residual)
         return h
 

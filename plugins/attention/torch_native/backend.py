@@ -84,12 +84,12 @@ class TorchNativeAttention(AttentionBackend):
             n = meta.seq_lens[0]
             lo = max(0, n - layer.sliding_window) if layer.sliding_window else 0
             idx = meta.slots[0, lo:n]
-            k = k_buf[idx].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            v = v_buf[idx].to(q.dtype).transpose(0, 1).unsqueeze(0)
+            k = _gather(k_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            v = _gather(v_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)
             out = _attend(q.view(1, -1, 1, q.shape[-1]), k, v, None, False, layer)
             return out.view(1, -1, out.shape[-1])
-        k = k_buf[meta.slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        v = v_buf[meta.slots].to(q.dtype).transpose(1, 2)
+        k = _gather(k_buf, meta.slots, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        v = _gather(v_buf, meta.slots, q.dtype).transpose(1, 2)
         mask = self._decode_mask(meta, layer.sliding_window, q.device)
         out = _attend(q.unsqueeze(2), k, v, mask, False, layer)  # [B, H, 1, Dv]
         return out.squeeze(2)
@@ -117,8 +117,8 @@ class TorchNativeAttention(AttentionBackend):
             # Keys older than the first query's window are never visible: skip gathering them.
             lo = max(0, P - window + 1) if window else 0
             idx = meta.slots[i, lo:L]
-            k = k_buf[idx].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L-lo, D]
-            v = v_buf[idx].to(q.dtype).transpose(0, 1).unsqueeze(0)
+            k = _gather(k_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L-lo, D]
+            v = _gather(v_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)
             qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if lo == 0 and P == 0 and (window is None or window >= L):
                 out = _attend(qi, k, v, None, True, layer)
@@ -139,6 +139,12 @@ class TorchNativeAttention(AttentionBackend):
                 visible &= j > pos - window
             meta.masks[key] = visible
         return meta.masks[key]
+
+
+def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """buf[slots] ([..., heads, dim]) in the compute dtype; index_select is the cheaper gather."""
+    out = buf.index_select(0, slots.reshape(-1)).view(*slots.shape, *buf.shape[1:])
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def _attend(q, k, v, mask, causal, layer: AttentionLayerParams):
