@@ -1,0 +1,249 @@
+"""The offline Engine end to end: SmolLM2 against HF transformers, sampling, the process model.
+
+The HF reference loads the same GGUF through transformers' own GGUF reader (what
+`from_pretrained(gguf_file=...)` does, minus accelerate's device placement, which is not a
+dependency here) and runs `generate(do_sample=False)` per prompt, once per session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import core
+from core.engine import EngineError
+from tests.model_fixtures import write_tiny_model
+
+MAX_NEW = 64
+QUESTIONS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "List three uses of a paperclip, one per line.",
+    "Explain in two sentences why the sky is blue.",
+    "Translate 'good morning, how are you today?' into Spanish and French.",
+    "You are helping a student. Summarize the water cycle: evaporation, condensation, "
+    "precipitation and collection, with one example of each stage from daily life.",
+    "Here is a list of fruits: apple, banana, cherry, date, elderberry, fig, grape, honeydew, "
+    "kiwi, lemon, mango, nectarine, orange, papaya. Which of them are citrus fruits, and which "
+    "grow on trees? Answer briefly.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    with core.Engine(dtype="float32", max_total_tokens=8192) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smol):
+    tok = smol.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]),
+                       add_special_tokens=False) for q in QUESTIONS]
+
+
+def _hf_gguf_model(path: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    directory, name = os.path.split(path)
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(smol, prompt_ids):
+    model = _hf_gguf_model(smol.args.model_path)
+    outs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW,
+                               do_sample=False)
+            outs.append(y[0, len(ids):].tolist())
+    assert sum(len(o) for o in outs) > 4 * MAX_NEW, "the prompts should give long answers"
+    return outs
+
+
+GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0}
+
+
+def test_greedy_matches_hf_transformers(smol, prompt_ids, hf_greedy):
+    outs = smol.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+    for i, (out, ref) in enumerate(zip(outs, hf_greedy, strict=True)):
+        assert out["output_ids"] == ref, f"prompt {i} differs from HF"
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(prompt_ids[i])
+        assert meta["completion_tokens"] == len(ref)
+        reason = meta["finish_reason"]
+        assert reason["type"] == ("length" if len(ref) == MAX_NEW else "stop")
+        assert out["text"] == smol.tokenizer.decode(out["output_ids"])
+    smol.check_accounting()
+
+
+def test_small_pool_pages_and_chunks_match_hf(prompt_ids, hf_greedy):
+    # 8 requests of 32-85 prompt tokens + 64 new in a 320-token pool: decode must retract.
+    with core.Engine(dtype="float32", max_total_tokens=320, page_size=16,
+                     chunked_prefill_size=16, schedule_conservativeness=0.05) as engine:
+        outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == hf_greedy
+        stats = engine.stats()
+        assert stats["retractions"] > 0 and stats["page_size"] == 16
+        engine.check_accounting()
+
+
+def test_prefix_cache_reports_cached_tokens(smol, prompt_ids, hf_greedy):
+    first = smol.generate(input_ids=prompt_ids[6], sampling_params=GREEDY)
+    again = smol.generate(input_ids=prompt_ids[6], sampling_params=GREEDY)
+    assert again["meta_info"]["cached_tokens"] >= len(prompt_ids[6]) - 1
+    assert first["output_ids"] == again["output_ids"] == hf_greedy[6]
+
+
+def test_streaming_concatenates_to_the_full_text(smol, prompt_ids):
+    full = smol.generate(input_ids=prompt_ids[2], sampling_params=GREEDY)
+    chunks = list(smol.generate(input_ids=prompt_ids[2], sampling_params=GREEDY, stream=True))
+    assert len(chunks) > 1
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert sum((c["token_ids"] for c in chunks), []) == full["output_ids"]
+    assert [c["finish_reason"] is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_stop_string_trims_the_text(smol, prompt_ids):
+    full = smol.generate(input_ids=prompt_ids[4], sampling_params=GREEDY)
+    words = full["text"].split()
+    assert len(words) > 6
+    stop = " " + words[5]
+    cut = full["text"].find(stop)
+    out = smol.generate(input_ids=prompt_ids[4], sampling_params={**GREEDY, "stop": [stop]})
+    assert out["text"] == full["text"][:cut]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["output_ids"] == full["output_ids"][:len(out["output_ids"])]
+    streamed = smol.generate(input_ids=prompt_ids[4], stream=True,
+                             sampling_params={**GREEDY, "stop": stop})
+    assert "".join(c["text"] for c in streamed) == full["text"][:cut]
+
+
+def test_seeds_n_and_logprobs(smol, prompt_ids):
+    sp = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 0.95, "seed": 7}
+    a = smol.generate(input_ids=prompt_ids[1], sampling_params=sp)
+    # same seed alone and inside a batch with other sampled requests: same tokens
+    batch = smol.generate(input_ids=[prompt_ids[1], prompt_ids[2], prompt_ids[1]],
+                          sampling_params=[sp, {**sp, "seed": None}, sp])
+    assert a["output_ids"] == batch[0]["output_ids"] == batch[2]["output_ids"]
+    others = [smol.generate(input_ids=prompt_ids[1], sampling_params={**sp, "seed": s})
+              for s in (8, 9, 10)]
+    assert any(o["output_ids"] != a["output_ids"] for o in others)
+    many = smol.generate(input_ids=prompt_ids[1], sampling_params={**sp, "n": 3})
+    assert len(many) == 3 and many[0]["output_ids"] == a["output_ids"]  # copy i: seed + i
+    assert many[1]["output_ids"] == others[0]["output_ids"]
+    lp = smol.generate(input_ids=prompt_ids[3], sampling_params={
+        "max_new_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3})
+    meta = lp["meta_info"]
+    assert len(meta["output_token_logprobs"]) == len(lp["output_ids"]) == 8
+    assert all(len(top) == 3 for top in meta["output_top_logprobs"])
+    for (chosen, tok), top, out_tok in zip(meta["output_token_logprobs"],
+                                           meta["output_top_logprobs"], lp["output_ids"],
+                                           strict=True):
+        assert tok == out_tok and top[0][1] == tok  # greedy: the chosen token is the top one
+        assert chosen == pytest.approx(top[0][0]) and chosen <= 0
+    smol.check_accounting()
+
+
+def test_bad_requests_are_rejected_with_the_reason(smol):
+    with pytest.raises(ValueError, match="top_p"):
+        smol.generate("hello", {"top_p": 0})
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        smol.generate("hello", {"frequency_penalty": float("nan")})
+    with pytest.raises(ValueError, match=r"exceeds the context length 8192"):
+        smol.generate("hello", {"max_new_tokens": 9000})
+    with pytest.raises(ValueError, match="exactly one of prompt and input_ids"):
+        smol.generate()
+    assert smol.health()
+
+
+# -- the process model, on a tiny random model ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(write_tiny_model("llama", tmp_path_factory.mktemp("tiny-engine") / "llama"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_close_leaves_no_process(tiny_path):
+    engine = core.Engine(tiny_path, max_total_tokens=512)
+    pid = engine.info["pid"]
+    assert _alive(pid) and engine.health()
+    assert engine.client.process in mp.active_children()
+    out = engine.generate("abc", {"max_new_tokens": 4, "temperature": 0})
+    assert len(out["output_ids"]) == 4
+    engine.close()
+    assert not engine.health()
+    assert engine.client.process not in mp.active_children()
+    assert not _alive(pid)
+    engine.close()  # idempotent
+    with pytest.raises(EngineError, match="not running"):
+        engine.generate("abc", {"max_new_tokens": 4})
+
+
+def test_worker_death_is_detected(tiny_path):
+    with core.Engine(tiny_path, max_total_tokens=512) as engine:
+        rid = engine.client.submit("abc", {"max_new_tokens": 200, "temperature": 0,
+                                           "ignore_eos": True})
+        os.kill(engine.info["pid"], signal.SIGKILL)
+        with pytest.raises(EngineError, match="exited|failed"):
+            for _ in engine.client.stream(rid, timeout=60):
+                pass
+        deadline = time.time() + 30
+        while engine.health() and time.time() < deadline:
+            time.sleep(0.1)
+        assert not engine.health()
+        with pytest.raises(EngineError):
+            engine.generate("abc", {"max_new_tokens": 2})
+    assert engine.client.process not in mp.active_children()
+    assert not _alive(engine.info["pid"])
+
+
+def test_abort_and_async_stream(tiny_path):
+    with core.Engine(tiny_path, max_total_tokens=512) as engine:
+        client = engine.client
+        rid = client.submit("hello", {"max_new_tokens": 200, "temperature": 0,
+                                      "ignore_eos": True})
+        chunks = []
+        for chunk in client.stream(rid, timeout=60):
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                client.abort(rid)
+        assert chunks[-1]["finish_reason"]["type"] == "abort"
+        assert len(chunks[-1]["meta_info"]) and sum(len(c["token_ids"]) for c in chunks) < 200
+
+        sync = engine.generate("hello", {"max_new_tokens": 12, "temperature": 0})
+
+        async def collect():
+            return [c async for c in client.stream_async("hello", {"max_new_tokens": 12,
+                                                                    "temperature": 0})]
+
+        achunks = asyncio.run(collect())
+        assert sum((c["token_ids"] for c in achunks), []) == sync["output_ids"]
+        assert "".join(c["text"] for c in achunks) == sync["text"]
+        engine.check_accounting()
+        assert engine.stats()["aborted"] == 1
