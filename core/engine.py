@@ -522,11 +522,9 @@ class Engine:
 
 def _load_tokenizer(args: ServerArgs) -> Any:
     """The same tokenizer the worker's loader uses."""
-    from core.loader import _load_tokenizer as load
-    from core.loader import find_weights
+    from core.loader import load_tokenizer
 
-    notes: list[str] = []
-    tok = load(args, find_weights(args.model_path, args.load_format), notes)
+    tok = load_tokenizer(args)
     if tok is None:
         raise ValueError(f"no tokenizer for {args.model_path}; pass --tokenizer-path")
     return tok
