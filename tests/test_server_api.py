@@ -373,6 +373,17 @@ def test_engine_failure_fails_alone():
         assert s.call(lambda: len(eng.active)) == 0
 
 
+def test_malformed_engine_event_ends_the_stream_cleanly():
+    with start() as s:
+        status, _, raw = post(s, "/v1/completions", {"prompt": "MALFORMED", "max_tokens": 5,
+                                                     "stream": True, "logprobs": 1})
+        events = sse_payloads(raw)
+        assert status == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "internal_error"
+        assert post(s, "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+        assert wait_until(lambda: s.call(lambda: len(engine_of(s).active)) == 0)
+
+
 def test_queue_full_is_503_with_retry_after():
     eng = FakeEngine(token_delay=0.05, max_active=1)
     with start(eng) as s:

@@ -7,6 +7,7 @@ listening socket, the plan banner and SIGTERM draining.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -118,9 +119,10 @@ async def health_generate(request: web.Request) -> web.Response:
                     sampling={"max_new_tokens": 1, "temperature": 0.0})
 
     async def one() -> bool:
-        async for ev in st.engine.generate(gr):
-            if ev.get("finished"):
-                return not ev.get("error")
+        async with contextlib.aclosing(st.engine.generate(gr)) as events:
+            async for ev in events:
+                if ev.get("finished"):
+                    return not ev.get("error")
         return False
 
     try:

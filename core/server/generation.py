@@ -48,13 +48,13 @@ def _prompt_param(route: str) -> str:
 
 def _validate_sampling(st: ServerState, req: ParsedRequest) -> None:
     probe = dict(req.sampling)
-    if req.max_new_tokens is not None:
-        probe["max_new_tokens"] = req.max_new_tokens
+    # the final max_new_tokens is known after tokenizing; until then the widest it can be
+    probe["max_new_tokens"] = req.max_new_tokens or st.engine.context_length
     try:
         st.engine.validate_sampling(probe)
     except ValueError as e:
         msg = str(e)
-        named = next((k for k in probe if k in msg), None)
+        named = min((k for k in probe if k in msg), key=msg.index, default=None)
         raise invalid(_param(req.route, named) if named else None, msg) from None
 
 
@@ -76,7 +76,9 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
         else:
             text = p.text or ""
         try:
-            out.append((list(tok.encode(text)), text))
+            # a rendered chat template already holds the special tokens (BOS...) it wants
+            ids = tok.encode(text, add_special_tokens=p.messages is None)
+            out.append((list(ids), text))
         except Exception as e:
             where = _prompt_param(req.route) + (f"[{i}]" if len(req.prompts) > 1 else "")
             raise invalid(where, f"{where} could not be tokenized: {e}") from None
@@ -320,6 +322,15 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
                 raise
             request[OUTCOME] = "server_error" if e.status >= 500 else "client_error"
             await resp.write(responses.sse(e.body()))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception:  # a bug after the headers went out: end the stream in the error shape
+            if resp is None:
+                raise
+            log.exception("stream %s failed", job.base)
+            request[OUTCOME] = "server_error"
+            await resp.write(responses.sse(APIError(500, "internal server error; see the "
+                                                    "server log", code="internal_error").body()))
         if resp is None:
             resp = await start()
         await resp.write(responses.SSE_DONE)

@@ -5,7 +5,8 @@ Its greedy "model" answers with the bytes of `reply` (default "hello world "), r
 token per step, so outputs are predictable. Knobs for fault tests:
   - token_delay: seconds between tokens (asyncio.sleep: the loop stays free);
   - a prompt containing "FAIL_EVENT" ends with an error event after its first token,
-    "FAIL_RAISE" raises inside the engine after its first token;
+    "FAIL_RAISE" raises inside the engine after its first token, "MALFORMED" sends a
+    malformed logprobs entry with its second token;
   - max_active: more concurrent requests than this are rejected as "queue full" (503);
   - alive / wedged: what health() says (wedged: it never answers).
 It keeps KV accounting like the real pool: pages_in_use() counts pages of live requests only, so
@@ -29,7 +30,7 @@ OFFSET = 3
 class FakeTokenizer:
     vocab_size = 256 + OFFSET
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + OFFSET for b in text.encode("utf-8")]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -136,6 +137,8 @@ class FakeEngine:
                 if req.logprobs:
                     alts = [[tid, -0.25], [EOS, -1.5], [OFFSET + 33, -2.5]][:req.top_logprobs]
                     ev["logprobs"] = [{"token_id": tid, "logprob": -0.25, "top": alts}]
+                if step == 1 and "MALFORMED" in text:  # a broken event: the server must cope
+                    ev["logprobs"] = [{"not": "a logprob entry"}]
                 if step == 1 and "FAIL_EVENT" in text:
                     ev.update(finished=True, error="simulated failure in the engine")
                     yield ev

