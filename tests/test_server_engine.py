@@ -69,19 +69,19 @@ def kv_used(srv) -> int:
 
 def test_completions_equal_offline_greedy(served):
     engine, srv = served
-    offline = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 12})
-    r = client(srv).completions.create(model="smollm2", prompt=PROMPTS, max_tokens=12,
+    offline = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 8})
+    r = client(srv).completions.create(model="smollm2", prompt=PROMPTS, max_tokens=8,
                                        temperature=0)
     texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
     assert texts == [o["text"] for o in offline]
     assert all(t.strip() for t in texts)
     assert r.usage.completion_tokens == sum(len(o["output_ids"]) for o in offline)
     chunks = list(client(srv).completions.create(model="smollm2", prompt=PROMPTS[1],
-                                                 max_tokens=12, temperature=0, stream=True))
+                                                 max_tokens=8, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == offline[1]["text"]
     # the native route, token for token
     status, _, raw = http_request(srv.url, "POST", "/generate", {
-        "text": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 12}},
+        "text": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": 8}},
         {"Authorization": f"Bearer {KEY}"}, timeout=300)
     assert status == 200 and json.loads(raw)["output_ids"] == offline[0]["output_ids"]
 
@@ -114,12 +114,27 @@ def test_chat_equals_offline_greedy(served):
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_info_routes_show_the_plan(served):
+    _, srv = served
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, _, raw = http_request(srv.url, "GET", "/get_server_info", None, auth, timeout=60)
+    info = json.loads(raw)
+    assert status == 200
+    assert info["plan"]["decode_attention"] == "torch_native"
+    assert any(c["chosen"] and c["slot"] == "decode_attention" for c in info["candidates"])
+    assert "Candidates" in info["plan_table"] and info["server_args"]["api_key"] == "<redacted>"
+    assert info["stats"]["kv_pages_total"] > 0 and info["engine_alive"] is True
+    status, _, raw = http_request(srv.url, "GET", "/get_model_info", None, auth, timeout=60)
+    assert status == 200 and json.loads(raw)["architecture"] == "LlamaForCausalLM"
+    assert http_request(srv.url, "GET", "/health_generate", None, {}, timeout=120)[0] == 200
+
+
 def test_64_concurrent_streams(served):
     _, srv = served
 
     def one(i: int) -> tuple[str, str | None]:
         chunks = list(client(srv).completions.create(
-            model="smollm2", prompt=f"Item {i}: the number", max_tokens=8, temperature=0,
+            model="smollm2", prompt=f"Item {i}: the number", max_tokens=4, temperature=0,
             stream=True))
         return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
 
@@ -237,7 +252,7 @@ def test_sigterm_drains_and_leaves_no_process():
 
         def stream(prompt: str) -> tuple[int, list]:
             status, _, raw = http_request(url, "POST", "/v1/completions", {
-                "prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
                 "stream": True},
                 timeout=300)
             return status, sse_payloads(raw)

@@ -107,9 +107,10 @@ def _fit(route: str, prompt_len: int, max_new: int | None, context: int, where: 
 class _Job:
     """One HTTP generation request after tokenizing: its engine requests and their outputs."""
 
-    def __init__(self, st: ServerState, req: ParsedRequest, toks: list[tuple[list[int], str | None]]):
+    def __init__(self, st: ServerState, req: ParsedRequest,
+                 toks: list[tuple[list[int], str | None]], arrived: float):
         self.st, self.req = st, req
-        self.t0 = time.monotonic()
+        self.t0 = arrived  # time.monotonic() when the request came in: TTFT counts from here
         self.created = int(time.time())
         self.base = req.rid or f"{ID_PREFIX[req.route]}-{uuid.uuid4().hex}"
         self.model = st.model_name
@@ -207,6 +208,7 @@ class _Job:
 
 
 async def handle(request: web.Request, route: str) -> web.StreamResponse:
+    arrived = time.monotonic()
     st = state(request)
     st.refuse_if_draining()
     body = await st.read_json(request)
@@ -219,7 +221,7 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
     _validate_sampling(st, req)
     with st.admitted(len(req.prompts) * req.n):
         toks = await asyncio.get_running_loop().run_in_executor(st.pool, _tokenize, st, req)
-        job = _Job(st, req, toks)
+        job = _Job(st, req, toks, arrived)
         if st.args.log_requests:
             log.info("request %s %s prompt_tokens=%s n=%d stream=%s sampling=%s", job.base,
                      route, job.prompt_lens, req.n, req.stream, job.gen[0].sampling)
