@@ -451,3 +451,12 @@ def test_64_concurrent_streams():
             assert "".join(e["choices"][0]["text"] for e in events[:-1]) == \
                 ("hello world " * 2)[:20]
         assert s.call(lambda: len(eng.active)) == 0
+
+
+def test_log_requests(caplog):
+    caplog.set_level("INFO", logger="core.server")
+    with start(log_requests=True) as s:
+        assert post(s, "/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
+    text = caplog.text
+    assert "completions prompt_tokens=[1]" in text
+    assert "reason=length prompt_tokens=1 completion_tokens=2" in text
