@@ -467,10 +467,10 @@ class Engine:
         q: queue.Queue = queue.Queue()
         rids, batched = self._submit_all(prompt, input_ids, sampling_params, priority, q.put)
         if stream:
-            return self._stream(q, len(rids))
+            return self._stream(q, rids)
         results: list[dict[str, Any]] = [
             {"text": "", "output_ids": [], "meta_info": {}} for _ in rids]
-        for chunk in self._stream(q, len(rids)):
+        for chunk in self._stream(q, rids):
             r = results[chunk["index"]]
             r["text"] += chunk["text"]
             r["output_ids"] += chunk["token_ids"]
@@ -484,15 +484,21 @@ class Engine:
                     [(lp, t) for t, lp in x["top_logprobs"]] for x in chunk["logprobs"])
         return results if batched else results[0]
 
-    def _stream(self, q: queue.Queue, count: int) -> Iterator[Chunk]:
-        left = count
-        while left:
-            chunk = q.get()
-            if "error" in chunk:
-                raise EngineError(chunk["error"])
-            if chunk["finish_reason"] is not None:
-                left -= 1
-            yield chunk
+    def _stream(self, q: queue.Queue, rids: list[str]) -> Iterator[Chunk]:
+        """Chunks of `rids` until all finish; a consumer that stops early aborts the rest."""
+        open_ = set(rids)
+        try:
+            while open_:
+                chunk = q.get()
+                if "error" in chunk:
+                    raise EngineError(chunk["error"])
+                if chunk["finish_reason"] is not None:
+                    open_.discard(chunk["rid"])
+                yield chunk
+        finally:
+            if open_ and self.client.health():
+                for rid in open_:
+                    self.client.abort(rid)
 
     # -- control ---------------------------------------------------------------------------------
 

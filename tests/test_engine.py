@@ -245,5 +245,11 @@ def test_abort_and_async_stream(tiny_path):
         achunks = asyncio.run(collect())
         assert sum((c["token_ids"] for c in achunks), []) == sync["output_ids"]
         assert "".join(c["text"] for c in achunks) == sync["text"]
+        # a stream dropped early aborts its request
+        gen = engine.generate("hello", {"max_new_tokens": 200, "temperature": 0,
+                                        "ignore_eos": True}, stream=True)
+        next(gen)
+        gen.close()
+        stats = engine.stats()  # answered after the abort: the pipe keeps order
+        assert stats["aborted"] == 2 and stats["running"] == 0
         engine.check_accounting()
-        assert engine.stats()["aborted"] == 1

@@ -1,0 +1,13 @@
+"""Benchmarks are collected from bench_*.py (run `pytest bench/`); they are never run as tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collect_file(file_path, parent):
+    # A file named on the command line is collected by pytest itself; a folder needs this.
+    if (file_path.suffix == ".py" and file_path.name.startswith("bench_")
+            and not parent.session.isinitpath(file_path)):
+        return pytest.Module.from_parent(parent, path=file_path)
+    return None
