@@ -44,7 +44,8 @@ TARGET_DECODE = (32, 4096)  # batch >= 32 and context >= 4k: triton >= 75% of co
 TARGET_EXTEND = (4096, 4096)  # prefix 4k + new 4k: triton >= 40% of the bf16 matmul rate
 # Triton tilings swept at the target shapes: decode (block_n, warps, stages, waves),
 # extend (block_m, block_n, warps, stages).
-DECODE_TILINGS = [(64, 4, 3, 4), (32, 4, 2, 4), (64, 4, 2, 4), (64, 4, 4, 4), (128, 4, 2, 4),
+# (Compiled for sm90, decode stages 2-4 all keep one K/V buffer in flight; 5 double-buffers.)
+DECODE_TILINGS = [(64, 4, 3, 4), (32, 4, 2, 4), (32, 4, 5, 4), (64, 4, 5, 4), (128, 4, 2, 4),
                   (64, 8, 3, 4), (64, 4, 3, 2), (64, 4, 3, 8)]
 EXTEND_TILINGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
                   (64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 4), (64, 128, 4, 3)]

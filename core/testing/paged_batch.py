@@ -133,7 +133,8 @@ def _pages(case: AttentionCase, gen: torch.Generator) -> tuple[int, list[list[in
 def build_inputs(case: AttentionCase, device: torch.device | str, seed: int) -> PagedInputs:
     """Expand `case` into a poisoned pool and a ForwardBatch on `device` (see module doc)."""
     device = torch.device(device)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # layout (small, host side)
+    data = torch.Generator(device=device).manual_seed(seed)  # tensor values, made on the device
     dtype, kv_dtype = TORCH_DTYPES[case.dtype], TORCH_DTYPES[case.kv_dtype]
     k_scale, v_scale = FP8_SCALES if case.kv_dtype in FP8 else (1.0, 1.0)
     H, Hkv, D, ps = case.num_heads, case.num_kv_heads, case.head_dim, case.page_size
@@ -152,19 +153,22 @@ def build_inputs(case: AttentionCase, device: torch.device | str, seed: int) -> 
         req_to_token[rows[i], :s] = slots.to(torch.int32)
         slots_of.append(slots)
     prefix = case.prefix_lens
-    out_loc = torch.cat([slots_of[i][prefix[i]:] for i in range(B)])
-    cached = torch.cat([slots_of[i][:prefix[i]] for i in range(B)])
+    out_loc = torch.cat([slots_of[i][prefix[i]:] for i in range(B)]).to(device)
+    cached = torch.cat([slots_of[i][:prefix[i]] for i in range(B)]).to(device)
     T = int(out_loc.numel())
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=data, device=device)
 
     pool = KVPool(num_slots, num_layers, Hkv, D, kv_dtype, device, ps, k_scale=k_scale,
                   v_scale=v_scale)
     before = []
     for layer_id in range(num_layers):
         for buf, scale in zip(pool.get_kv_buffer(layer_id), (k_scale, v_scale), strict=True):
-            real = torch.full((num_slots, Hkv, D), float("nan"))
-            real[0] = torch.randn(Hkv, D, generator=gen)
-            real[cached] = torch.randn(len(cached), Hkv, D, generator=gen)
-            buf.copy_(quantize(real, kv_dtype, scale).to(device))
+            real = torch.full((num_slots, Hkv, D), float("nan"), device=device)
+            real[0] = randn(Hkv, D)
+            real[cached] = randn(len(cached), Hkv, D)
+            buf.copy_(quantize(real, kv_dtype, scale))
         before.append(tuple(b.clone() for b in pool.get_kv_buffer(layer_id)))
 
     seq_t = torch.tensor(case.seq_lens, dtype=torch.int32)
@@ -178,7 +182,7 @@ def build_inputs(case: AttentionCase, device: torch.device | str, seed: int) -> 
         seq_lens=seq_t.to(device),
         prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=device),
         extend_lens=ext_t.to(device),
-        out_cache_loc=out_loc.to(device),
+        out_cache_loc=out_loc,
         req_pool_indices=rows.to(device),
         req_to_token=req_to_token.to(device),
         kv_pool=pool,
@@ -196,13 +200,13 @@ def build_inputs(case: AttentionCase, device: torch.device | str, seed: int) -> 
         layers.append(AttentionLayerParams(
             layer_id=layer_id, num_heads=H, num_kv_heads=Hkv, head_dim=D, scaling=D ** -0.5,
             sliding_window=case.sliding_window, logit_softcap=case.logit_softcap))
-        q = (torch.randn(T, H * D, generator=gen) * q_gain).to(dtype)
-        k = torch.randn(T, Hkv * D, generator=gen).to(dtype)
-        v = torch.randn(T, Hkv * D, generator=gen).to(dtype)
-        qkv.append((q.to(device), k.to(device), v.to(device)))
+        q = (randn(T, H * D) * q_gain).to(dtype)
+        k = randn(T, Hkv * D).to(dtype)
+        v = randn(T, Hkv * D).to(dtype)
+        qkv.append((q, k, v))
         for idx, (new, scale) in enumerate(((k, k_scale), (v, v_scale))):
             after = expected[layer_id][idx].clone()
-            after[out_loc.to(device)] = quantize(new.view(T, Hkv, D), kv_dtype, scale).to(device)
+            after[out_loc] = quantize(new.view(T, Hkv, D), kv_dtype, scale)
             expected[layer_id][idx] = after
     return PagedInputs(case, ctx, pool, batch, layers, qkv, before,
                        [tuple(e) for e in expected])

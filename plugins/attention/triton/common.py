@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # scores are exponentiated with exp2, so log2(e) is folded in
+# Scores are exponentiated with exp2, so log2(e) is folded in. (A jit function may read a global
+# only if it is a constexpr.)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 def interpreting() -> bool:
@@ -69,15 +71,25 @@ def decode_config(head_dim: int, v_dim: int, dtype: torch.dtype,
     return DecodeConfig(block_n=32 if big else 64, num_warps=4, num_stages=2 if big else 3)
 
 
+def autotune_enabled() -> bool:
+    """CORE_TRITON_AUTOTUNE=0 pins the first candidate tiling (quicker start, e.g. in tests)."""
+    return os.environ.get("CORE_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no",
+                                                                               "off")
+
+
 def extend_configs(head_dim: int, v_dim: int, dtype: torch.dtype,
                    device: torch.device) -> list[ExtendConfig]:
     """Candidate tilings, best guess first (the autotuner times them on the first call)."""
     if interpreting():
         return [ExtendConfig(block_m=32, block_n=32, num_warps=1, num_stages=1)]
     d = max(head_dim, v_dim)
-    if dtype == torch.float32 or d > 128:
-        return [ExtendConfig(64, 32, 4, 2), ExtendConfig(64, 64, 8, 2), ExtendConfig(32, 32, 4, 2)]
+    if torch.version.hip:  # 64 KB of LDS per CU: small tiles, no multi-buffering (untested)
+        return [ExtendConfig(64, 64, 4, 1), ExtendConfig(64, 32, 4, 1), ExtendConfig(32, 32, 4, 1)]
     hopper = cuda_capability(device) >= 90
+    if dtype == torch.float32 or d > 128:
+        # (64, 64) needs 213 KB of shared memory for fp32 at d=256: more than sm80 has.
+        wide = [ExtendConfig(64, 64, 8, 2)] if hopper else []
+        return [ExtendConfig(64, 32, 4, 2), *wide, ExtendConfig(32, 32, 4, 2)]
     if d <= 64:
         return [ExtendConfig(128, 64, 4, 3), ExtendConfig(128, 128, 8, 3),
                 ExtendConfig(64, 64, 4, 3), ExtendConfig(128, 64, 8, 4)]

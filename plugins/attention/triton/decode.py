@@ -172,7 +172,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     out = torch.empty(B, H, Dv, dtype=q.dtype, device=q.device)
     if B == 0:
         return out
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # fp32 asks for exact fp32 dots (not TF32); other dtypes take the default (None)
+    precision = "ieee" if q.dtype == torch.float32 else None
     _decode_stage1[(B, Hkv * head_blocks, splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse,
         scaling * k_scale, logit_softcap or 1.0, sliding_window or 0,

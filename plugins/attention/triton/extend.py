@@ -17,6 +17,7 @@ import triton.language as tl
 from plugins.attention.triton.common import (
     LOG2E,
     ExtendConfig,
+    autotune_enabled,
     extend_configs,
     interpreting,
     softcap,
@@ -174,9 +175,9 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     consts = dict(GROUP=H // Hkv, HEAD_DIM=D, V_DIM=Dv, BLOCK_D=triton.next_power_of_2(D),
                   BLOCK_DV=triton.next_power_of_2(Dv), USE_WINDOW=sliding_window is not None,
                   USE_SOFTCAP=logit_softcap is not None,
-                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                  PRECISION="ieee" if q.dtype == torch.float32 else None)
     configs = [config] if config else extend_configs(D, Dv, q.dtype, q.device)
-    if len(configs) == 1 or interpreting():
+    if len(configs) == 1 or interpreting() or not autotune_enabled():
         c = configs[0]
         grid = (H, triton.cdiv(max_extend_len, c.block_m), B)
         _extend_kernel[grid](*args, **consts, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
