@@ -15,12 +15,12 @@ FLOP/s / (2 x parameters) for prefill.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
 import pytest
 import torch
+from hf_reference import hf_gguf_model  # tests/hf_reference.py (bench/conftest.py)
 
 import core
 
@@ -28,20 +28,6 @@ NEW = 128
 CONCURRENT = 16
 PREFILL = 512
 TARGETS = {"decode_batch1": 1.5, "concurrent16": 2.0, "prefill512": 1.0}
-
-
-def _hf_gguf_model(path: str, dtype: torch.dtype):
-    # transformers' own GGUF reader (from_pretrained(gguf_file=) without accelerate's placement)
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    directory, name = os.path.split(path)
-    config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
-    model.tie_weights()
-    return model.eval()
 
 
 def _ceilings(model, dtype: torch.dtype) -> dict[str, float]:
@@ -81,7 +67,7 @@ def setup(request):
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     with core.Engine(dtype=dtype_name, max_total_tokens=16384) as engine:
-        hf = _hf_gguf_model(engine.args.model_path, dtype)
+        hf = hf_gguf_model(engine.args.model_path, dtype)
         pool = _token_pool(engine.tokenizer)
         yield {"dtype": dtype_name, "engine": engine, "hf": hf, "pool": pool,
                "ceilings": _ceilings(hf, dtype), "pad": engine.tokenizer.hf.pad_token_id or 0}

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# Shared helpers (the HF reference model) live with the tests.
+TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
 
 
 def pytest_collect_file(file_path, parent):

@@ -1,8 +1,7 @@
 """The offline Engine end to end: SmolLM2 against HF transformers, sampling, the process model.
 
-The HF reference loads the same GGUF through transformers' own GGUF reader (what
-`from_pretrained(gguf_file=...)` does, minus accelerate's device placement, which is not a
-dependency here) and runs `generate(do_sample=False)` per prompt, once per session.
+The HF reference (tests/hf_reference.py) runs `generate(do_sample=False)` per prompt on the same
+GGUF weights, once per module.
 """
 
 from __future__ import annotations
@@ -15,10 +14,11 @@ import time
 
 import pytest
 import torch
+from hf_reference import hf_gguf_model
+from model_fixtures import write_tiny_model
 
 import core
 from core.engine import EngineError
-from tests.model_fixtures import write_tiny_model
 
 MAX_NEW = 64
 QUESTIONS = [
@@ -49,24 +49,9 @@ def prompt_ids(smol):
                        add_special_tokens=False) for q in QUESTIONS]
 
 
-def _hf_gguf_model(path: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    directory, name = os.path.split(path)
-    config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(
-        {k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def hf_greedy(smol, prompt_ids):
-    model = _hf_gguf_model(smol.args.model_path)
+    model = hf_gguf_model(smol.args.model_path)
     outs = []
     with torch.inference_mode():
         for ids in prompt_ids:

@@ -7,12 +7,12 @@ accounting is checked after each one.
 from __future__ import annotations
 
 import pytest
+from model_fixtures import write_tiny_model
 
 from core.config import make_server_args
 from core.loader import load_model
 from core.scheduler import AdmissionError
 from core.worker import build_engine_core, make_plan
-from tests.model_fixtures import write_tiny_model
 
 MAX_NEW = 24
 PROMPT_LENS = (3, 40, 9, 17, 1, 33, 5, 26)
