@@ -113,7 +113,9 @@ class FlexAttention(AttentionBackend):
         qp[meta.token_req, meta.token_pos] = q.view(T, H, D)
         score_mod = None
         if layer.logit_softcap:
-            cap = layer.logit_softcap
+            # A tensor, not a float: torch.compile(dynamic=True) turns a captured float into an
+            # input that inductor's flex lowering rejects ("unbacked_bindings").
+            cap = torch.tensor(layer.logit_softcap, dtype=torch.float32, device=q.device)
 
             def score_mod(score, b, h, q_idx, kv_idx):
                 return torch.tanh(score / cap) * cap

@@ -13,8 +13,8 @@ CORE_PLUGIN_API = ">=1.0,<2"
 
 CAPS = AttentionCaps(
     devices={"cuda", "rocm"},
-    # tl.dot on bf16 needs Ampere. FP8 e4m3 is converted in hardware from sm89 only: the factory
-    # refuses an e4m3 cache on sm80-sm86 with that reason (e5m2 works on sm80).
+    # tl.dot on bf16 needs Ampere. FP8 is converted in hardware from sm89 only: the factory
+    # refuses an FP8 cache on sm80-sm86 with that reason.
     capability={"cuda": CapabilityRange(min=80)},
     dtypes={"float16", "bfloat16", "float32"},
     kv_cache_dtypes={"float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2"},
@@ -36,7 +36,7 @@ CAPS = AttentionCaps(
     requires=("triton",),
     priority={"cuda": 20, "rocm": 20},
     description="Triton paged attention: split-KV decode + prefix/causal extend, GQA/MQA, "
-                "sliding window, soft-cap, FP8 KV (e4m3 needs sm89+); ROCm declared but "
+                "sliding window, soft-cap, FP8 KV (sm89+); ROCm declared but "
                 "untested",
 )
 

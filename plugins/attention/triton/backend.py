@@ -47,10 +47,12 @@ class TritonAttention(AttentionBackend):
         if CAPS.head_sizes is not None and ctx.head_dim not in CAPS.head_sizes:
             raise ValueError(f"triton attention supports head sizes "
                              f"{sorted(CAPS.head_sizes)}, not {ctx.head_dim}")
-        if (ctx.kv_dtype == torch.float8_e4m3fn and ctx.device.type == "cuda"
-                and torch.version.hip is None and cuda_capability(ctx.device) < 89):
-            raise ValueError("triton attention reads an fp8_e4m3 KV cache on sm89+ only "
-                             f"(device is sm{cuda_capability(ctx.device)}); use fp8_e5m2")
+        if (ctx.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+                and ctx.device.type == "cuda" and torch.version.hip is None
+                and cuda_capability(ctx.device) < 89):
+            # Triton (3.6) converts FP8 with cvt.e4m3x2/e5m2x2, which ptxas accepts from sm89.
+            raise ValueError("triton attention reads an FP8 KV cache on sm89+ only (device is "
+                             f"sm{cuda_capability(ctx.device)})")
         if ctx.num_heads % ctx.num_kv_heads:
             raise ValueError(f"num_heads {ctx.num_heads} is not a multiple of num_kv_heads "
                              f"{ctx.num_kv_heads}")

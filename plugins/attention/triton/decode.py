@@ -72,10 +72,12 @@ def _decode_stage1(
         slots = tl.load(table + offs_n, mask=nmask, other=0).to(tl.int64)
         k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * sm_scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         if USE_SOFTCAP:
-            s = softcap(s, cap)
-        s = tl.where(nmask[None, :], s * LOG2E, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 units
+            s = softcap(s * sm_scale, cap) * LOG2E
+        else:
+            s = s * (sm_scale * LOG2E)
+        s = tl.where(nmask[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N], log2 units
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])

@@ -41,10 +41,11 @@ def _attend_blocks(acc, l_sum, m, q, K, V, table, kvh, q_pos, lo, hi, sm_scale, 
             slots = tl.load(table + offs_n).to(tl.int64)
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
                         mask=dmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * sm_scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
         if USE_SOFTCAP:
-            s = softcap(s, cap)
-        s = s * LOG2E  # [BLOCK_M, BLOCK_N], log2 units
+            s = softcap(s * sm_scale, cap) * LOG2E
+        else:
+            s = s * (sm_scale * LOG2E)  # one multiply per score; [BLOCK_M, BLOCK_N] log2 units
         if MASKED:
             visible = nmask[None, :] & (offs_n[None, :] <= q_pos[:, None])
             if USE_WINDOW:
