@@ -92,11 +92,10 @@ def conformance_cases(caps: AttentionCaps, full: bool = False,
         combos = list(itertools.product(groups, pages, dims if full else [None]))
         for i, (group, page, dim) in enumerate(combos):
             cases.append(case(group, dim or dims[i % len(dims)], page, dtypes[i % len(dtypes)]))
-        # Declared head sizes beyond 64/128, one case per dtype (GQA when declared).
+        # Declared head sizes beyond 64/128, dtypes rotating (GQA when declared).
         mid_group = 4 if 4 in groups else groups[0]
         for i, dim in enumerate(other_dims):
-            for dtype in (dtypes if full else [dtypes[i % len(dtypes)]]):
-                cases.append(case(mid_group, dim, pages[i % len(pages)], dtype))
+            cases.append(case(mid_group, dim, pages[i % len(pages)], dtypes[i % len(dtypes)]))
         page = pages[-1]
         dim = dims[-1]
         dtype = dtypes[0]
