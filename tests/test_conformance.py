@@ -2,9 +2,8 @@
 
 On a CPU machine: torch_native, flex_attention (FlexAttention's eager path runs on CPU) and triton
 under TRITON_INTERPRET=1 (Triton >= 3.9; fp16/fp32: the interpreter gets bf16 wrong), small
-shapes. On a GPU
-machine, `pytest -m gpu tests/test_conformance.py --conformance-full` runs the cuda cases at full
-size. The suite itself lives in core.testing (shipped for third-party backends).
+shapes. On a GPU machine, `pytest -m gpu tests/test_conformance.py --conformance-full` runs the
+cuda cases at full size. The suite itself lives in core.testing (shipped for third-party backends).
 """
 
 from __future__ import annotations
