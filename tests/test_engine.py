@@ -91,34 +91,35 @@ def test_small_pool_pages_and_chunks_match_hf(prompt_ids, hf_greedy):
 
 
 def test_prefix_cache_reports_cached_tokens(smol, prompt_ids, hf_greedy):
-    first = smol.generate(input_ids=prompt_ids[6], sampling_params=GREEDY)
-    again = smol.generate(input_ids=prompt_ids[6], sampling_params=GREEDY)
+    short = {"max_new_tokens": 8, "temperature": 0}
+    first = smol.generate(input_ids=prompt_ids[6], sampling_params=short)
+    again = smol.generate(input_ids=prompt_ids[6], sampling_params=short)
     assert again["meta_info"]["cached_tokens"] >= len(prompt_ids[6]) - 1
-    assert first["output_ids"] == again["output_ids"] == hf_greedy[6]
+    assert first["output_ids"] == again["output_ids"] == hf_greedy[6][:8]
 
 
-def test_streaming_concatenates_to_the_full_text(smol, prompt_ids):
-    full = smol.generate(input_ids=prompt_ids[2], sampling_params=GREEDY)
+def test_streaming_concatenates_to_the_full_text(smol, prompt_ids, hf_greedy):
     chunks = list(smol.generate(input_ids=prompt_ids[2], sampling_params=GREEDY, stream=True))
     assert len(chunks) > 1
-    assert "".join(c["text"] for c in chunks) == full["text"]
-    assert sum((c["token_ids"] for c in chunks), []) == full["output_ids"]
+    assert sum((c["token_ids"] for c in chunks), []) == hf_greedy[2]
+    assert "".join(c["text"] for c in chunks) == smol.tokenizer.decode(hf_greedy[2])
     assert [c["finish_reason"] is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
 
 
-def test_stop_string_trims_the_text(smol, prompt_ids):
-    full = smol.generate(input_ids=prompt_ids[4], sampling_params=GREEDY)
-    words = full["text"].split()
+def test_stop_string_trims_the_text(smol, prompt_ids, hf_greedy):
+    full_ids = hf_greedy[4]
+    full_text = smol.tokenizer.decode(full_ids)
+    words = full_text.split()
     assert len(words) > 6
     stop = " " + words[5]
-    cut = full["text"].find(stop)
+    cut = full_text.find(stop)
     out = smol.generate(input_ids=prompt_ids[4], sampling_params={**GREEDY, "stop": [stop]})
-    assert out["text"] == full["text"][:cut]
+    assert out["text"] == full_text[:cut]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert out["output_ids"] == full["output_ids"][:len(out["output_ids"])]
+    assert out["output_ids"] == full_ids[:len(out["output_ids"])]
     streamed = smol.generate(input_ids=prompt_ids[4], stream=True,
                              sampling_params={**GREEDY, "stop": stop})
-    assert "".join(c["text"] for c in streamed) == full["text"][:cut]
+    assert "".join(c["text"] for c in streamed) == full_text[:cut]
 
 
 def test_seeds_n_and_logprobs(smol, prompt_ids):
@@ -129,7 +130,7 @@ def test_seeds_n_and_logprobs(smol, prompt_ids):
                           sampling_params=[sp, {**sp, "seed": None}, sp])
     assert a["output_ids"] == batch[0]["output_ids"] == batch[2]["output_ids"]
     others = [smol.generate(input_ids=prompt_ids[1], sampling_params={**sp, "seed": s})
-              for s in (8, 9, 10)]
+              for s in (8, 9)]
     assert any(o["output_ids"] != a["output_ids"] for o in others)
     many = smol.generate(input_ids=prompt_ids[1], sampling_params={**sp, "n": 3})
     assert len(many) == 3 and many[0]["output_ids"] == a["output_ids"]  # copy i: seed + i
