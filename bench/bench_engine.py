@@ -15,6 +15,7 @@ FLOP/s / (2 x parameters) for prefill.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -108,6 +109,8 @@ def _record(benchmark, name: str, s: dict, engine_rate: float, hf_rate: float, u
         "scenario": name, "dtype": s["dtype"], f"engine_{unit}": round(engine_rate, 2),
         f"hf_{unit}": round(hf_rate, 2), "ratio_vs_hf": round(ratio, 3),
         "target_ratio": TARGETS[name], "target_met": ratio >= TARGETS[name],
+        # other processes on a small machine skew both sides: keep the load beside the numbers
+        "loadavg_1m": round(os.getloadavg()[0], 2),
         **{k: round(v, 2) for k, v in s["ceilings"].items()}})
     if ceiling is not None:
         benchmark.extra_info["engine_fraction_of_ceiling"] = round(engine_rate / ceiling, 3)
