@@ -1,0 +1,384 @@
+"""The engine's client side: owns the worker process and streams its outputs.
+
+`EngineClient` starts the worker (multiprocessing "spawn"; scheduler + model runner live there)
+and talks to it with JSON messages over a pipe (core.ipc; nothing is pickled). The client
+tokenizes prompts and detokenizes outputs, so text work stays off the scheduler's critical path:
+a background reader thread turns the worker's token ids into text deltas (holding back text that
+might be the start of a stop string) and hands each chunk to the request's sink, a queue for
+synchronous callers or an asyncio queue (through loop.call_soon_threadsafe) for the HTTP server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.config import ServerArgs
+from core.ipc import Channel, ChannelClosed
+from core.sampling import SamplingParams
+from core.scheduler import check_fits
+
+Chunk = dict[str, Any]
+log = logging.getLogger("core.client")
+
+
+class EngineError(RuntimeError):
+    """The engine worker failed to start or died."""
+
+
+def expand_n(params: SamplingParams) -> list[SamplingParams]:
+    """n > 1 becomes n requests of n = 1; with a seed, copy i draws with seed + i."""
+    if params.n == 1:
+        return [params]
+    out = []
+    for i in range(params.n):
+        d = params.to_dict()
+        d.update(n=1, seed=None if params.seed is None else params.seed + i)
+        out.append(SamplingParams(**d))
+    return out
+
+
+@dataclass
+class _ReqState:
+    rid: str
+    index: int
+    params: SamplingParams
+    sink: Callable[[Chunk], None]
+    detok: Any
+    raw_text: str = ""  # everything detokenized so far
+    emitted: int = 0  # characters of raw_text already sent
+    output_ids: list[int] = field(default_factory=list)
+
+
+class EngineClient:
+    """Starts the worker, submits requests, streams their outputs, shuts everything down."""
+
+    def __init__(self, args: ServerArgs, tokenizer: Any, start_timeout: float = 900.0):
+        from core.worker import args_to_json, worker_main
+
+        self.args = args
+        self.tokenizer = tokenizer
+        self._reqs: dict[str, _ReqState] = {}
+        self._sync_queues: dict[str, queue.Queue] = {}
+        self._replies: dict[int, tuple[threading.Event, list]] = {}
+        self._rpc_ids = itertools.count()
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._closed = False
+        self.dead_reason: str | None = None
+        ctx = mp.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=worker_main, args=(child_conn, args_to_json(args)),
+                                   name="core-engine-worker", daemon=True)
+        self.process.start()
+        child_conn.close()
+        self._chan = Channel(parent_conn)
+        try:
+            self.info = self._wait_ready(start_timeout)
+        except BaseException:
+            self._stop_process()
+            raise
+        self._reader = threading.Thread(target=self._read_loop, name="core-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+        ref = weakref.ref(self)
+        self._atexit = lambda: (c := ref()) is not None and c.close()
+        atexit.register(self._atexit)
+
+    # -- start and stop --------------------------------------------------------------------------
+
+    def _wait_ready(self, timeout: float) -> dict[str, Any]:
+        waited = 0.0
+        while waited < timeout:
+            try:
+                if self._chan.poll(0.5):
+                    msg = self._chan.recv()
+                    if msg["type"] == "ready":
+                        return msg["info"]
+                    if msg["type"] == "fatal":
+                        raise EngineError(f"engine failed to start: {msg['error']}")
+                    continue
+            except ChannelClosed:
+                pass
+            if not self.process.is_alive():
+                raise EngineError(
+                    f"engine worker exited during start-up (exit code {self.process.exitcode}); "
+                    f"a script that starts an engine must do so under "
+                    f"`if __name__ == '__main__':` (the worker is spawned, re-importing it)")
+            waited += 0.5
+        raise EngineError(f"engine did not start within {timeout:.0f} s")
+
+    def _stop_process(self) -> None:
+        try:
+            with self._send_lock:
+                self._chan.send({"type": "shutdown"})
+        except ChannelClosed:
+            pass
+        self.process.join(timeout=15)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+
+    def close(self) -> None:
+        """Stop the worker (gracefully, then by force) and the reader thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_process()
+        self._reader.join(timeout=10)
+        self._chan.close()
+        self._fail_all("engine closed")
+        atexit.unregister(self._atexit)
+
+    def health(self) -> bool:
+        """True while the worker process is alive and its pipe is open."""
+        return not self._closed and self.dead_reason is None and self.process.is_alive()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- submitting ------------------------------------------------------------------------------
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self._closed or self.dead_reason is not None:
+            raise EngineError(f"engine is not running: {self.dead_reason or 'closed'}")
+        try:
+            with self._send_lock:
+                self._chan.send(msg)
+        except ChannelClosed as exc:
+            raise EngineError(f"engine is not running: {exc}") from exc
+
+    def prepare(self, prompt: str | None, input_ids: list[int] | None,
+                params: SamplingParams | dict | None) -> tuple[list[int], SamplingParams]:
+        """Tokenize and validate (raises ValueError naming the problem)."""
+        p = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
+        p.validate()
+        if p.n != 1:
+            raise ValueError("submit takes n = 1; expand with core.engine.expand_n first")
+        if input_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            input_ids = self.tokenizer.encode(prompt)
+        elif not isinstance(input_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            raise ValueError("input_ids must be a list of integers")
+        info = self.info
+        vocab = info["vocab_size"]
+        bad = [t for t in input_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary of {vocab}")
+        p.check_vocab(vocab)
+        check_fits(len(input_ids), p.max_new_tokens, info["max_context"], info["pool_tokens"],
+                   info["page_size"])
+        return input_ids, p
+
+    def submit(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
+               *, input_ids: list[int] | None = None, rid: str | None = None,
+               priority: int | None = None, sink: Callable[[Chunk], None] | None = None,
+               index: int = 0) -> str:
+        """Queue one request (n = 1); returns its id. Without a sink, read it with stream(id)."""
+        ids, p = self.prepare(prompt, input_ids, params)
+        rid = rid or uuid.uuid4().hex
+        if sink is None:
+            q: queue.Queue = queue.Queue()
+            self._sync_queues[rid] = q
+            sink = q.put
+        detok = self.tokenizer.detokenizer(ids, p.skip_special_tokens)
+        with self._lock:
+            if rid in self._reqs:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._reqs[rid] = _ReqState(rid, index, p, sink, detok)
+        try:
+            self._send({"type": "add", "rid": rid, "input_ids": ids, "params": p.to_dict(),
+                        "priority": priority})
+        except EngineError:
+            with self._lock:
+                self._reqs.pop(rid, None)
+            self._sync_queues.pop(rid, None)
+            raise
+        return rid
+
+    def stream(self, rid: str, timeout: float | None = None) -> Iterator[Chunk]:
+        """Incremental outputs of a request submitted without a sink, until it finishes."""
+        q = self._sync_queues.pop(rid, None)
+        if q is None:
+            raise KeyError(f"no streamable request {rid!r} (unknown, or streamed already)")
+        while True:
+            chunk = q.get(timeout=timeout)
+            if "error" in chunk:
+                raise EngineError(chunk["error"])
+            yield chunk
+            if chunk["finish_reason"] is not None:
+                return
+
+    def abort(self, rid: str) -> None:
+        """Stop a request; its stream ends with finish_reason {"type": "abort"}."""
+        with self._lock:
+            known = rid in self._reqs
+        if known:
+            self._send({"type": "abort", "rid": rid})
+
+    # -- asyncio ---------------------------------------------------------------------------------
+
+    async def submit_async(self, prompt: str | None = None,
+                           params: SamplingParams | dict | None = None, **kw: Any
+                           ) -> tuple[str, asyncio.Queue]:
+        """Like submit, for an event loop: returns (id, asyncio.Queue of chunks)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        rid = self.submit(prompt, params, sink=lambda c: loop.call_soon_threadsafe(
+            q.put_nowait, c), **kw)
+        return rid, q
+
+    async def stream_async(self, prompt: str | None = None,
+                           params: SamplingParams | dict | None = None, **kw: Any
+                           ) -> AsyncIterator[Chunk]:
+        """Submit and yield chunks; aborts the request if the consumer stops early."""
+        rid, q = await self.submit_async(prompt, params, **kw)
+        finished = False
+        try:
+            while True:
+                chunk = await q.get()
+                if "error" in chunk:
+                    raise EngineError(chunk["error"])
+                finished = chunk["finish_reason"] is not None
+                yield chunk
+                if finished:
+                    return
+        finally:
+            if not finished and self.health():
+                self.abort(rid)
+
+    # -- control ---------------------------------------------------------------------------------
+
+    def rpc(self, op: str, timeout: float = 60.0) -> Any:
+        rid = next(self._rpc_ids)
+        done, box = threading.Event(), []
+        self._replies[rid] = (done, box)
+        self._send({"type": "rpc", "id": rid, "op": op})
+        if not done.wait(timeout):
+            self._replies.pop(rid, None)
+            raise EngineError(f"engine did not answer {op!r} within {timeout:.0f} s")
+        msg = box[0]
+        if not msg.get("ok"):
+            raise EngineError(msg.get("error", "engine failed"))
+        return msg["result"]
+
+    def stats(self) -> dict[str, Any]:
+        return self.rpc("stats")
+
+    def check_accounting(self) -> None:
+        """Ask the worker to assert its KV page accounting (raises EngineError if broken)."""
+        self.rpc("check_accounting")
+
+    def flush_cache(self) -> None:
+        self.rpc("flush_cache")
+
+    # -- the reader thread -----------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        reason = "engine worker exited"
+        try:
+            while True:
+                msg = self._chan.recv()
+                kind = msg["type"]
+                if kind == "out":
+                    for item in msg["items"]:
+                        self._on_item(item)
+                elif kind == "reply":
+                    waiter = self._replies.pop(msg["id"], None)
+                    if waiter is not None:
+                        waiter[1].append(msg)
+                        waiter[0].set()
+                elif kind == "fatal":
+                    reason = f"engine worker failed: {msg['error']}"
+        except ChannelClosed:
+            pass
+        except Exception as exc:  # noqa: BLE001 - a detokenizer bug must not hang callers
+            reason = f"engine client reader failed: {type(exc).__name__}: {exc}"
+        if not self._closed:
+            self.dead_reason = reason
+        self._fail_all(self.dead_reason or "engine closed")
+        for done, box in list(self._replies.values()):
+            box.append({"ok": False, "error": reason})
+            done.set()
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            states = list(self._reqs.values())
+            self._reqs.clear()
+        for st in states:
+            st.sink({"rid": st.rid, "index": st.index, "text": "", "token_ids": [],
+                     "finish_reason": {"type": "abort", "message": reason}, "error": reason,
+                     "meta_info": {}})
+
+    def _on_item(self, item: dict[str, Any]) -> None:
+        with self._lock:
+            st = self._reqs.get(item["rid"])
+        if st is None:  # finished here already (a stop string seen in the text)
+            return
+        ids = item["ids"]
+        finish = item["finish"]
+        st.output_ids += ids
+        if ids:
+            st.raw_text += st.detok.add(ids)
+        if finish is not None:
+            st.raw_text += st.detok.flush()
+        end = len(st.raw_text)
+        stops = st.params.stop
+        if stops:
+            longest = max(len(s) for s in stops)
+            hits = [(i, s) for s in stops
+                    if (i := st.raw_text.find(s, max(0, st.emitted - longest))) >= 0]
+            if hits:
+                end, matched = min(hits)
+                if finish is None or finish.get("type") != "stop":
+                    finish = {"type": "stop", "matched": matched}
+                    self._send_quietly({"type": "abort", "rid": st.rid})
+            elif finish is None:
+                # Hold back what could be the start of a stop string.
+                end = max(st.emitted, len(st.raw_text) - (longest - 1))
+        delta = st.raw_text[st.emitted:end]
+        st.emitted = end
+        chunk: Chunk = {
+            "rid": st.rid, "index": st.index, "text": delta, "token_ids": ids,
+            "finish_reason": finish,
+            "meta_info": {"id": st.rid, "prompt_tokens": item["prompt_tokens"],
+                          "completion_tokens": len(st.output_ids),
+                          "cached_tokens": item["cached_tokens"]}}
+        if st.params.logprobs:
+            chunk["logprobs"] = [
+                {"token_id": t, "logprob": lp[0], "top_logprobs": [tuple(x) for x in lp[1]]}
+                for t, lp in zip(ids, item["lps"] or [], strict=True)]
+        if finish is not None:
+            with self._lock:
+                self._reqs.pop(st.rid, None)
+        try:
+            st.sink(chunk)
+        except Exception:  # noqa: BLE001 - e.g. a closed event loop: that caller is gone
+            log.warning("dropping output of request %s: its consumer is gone", st.rid)
+
+    def _send_quietly(self, msg: dict[str, Any]) -> None:
+        try:
+            with self._send_lock:
+                self._chan.send(msg)
+        except ChannelClosed:
+            pass
+
+
