@@ -48,6 +48,12 @@ class AttentionBackend(ABC):
     tokens' K/V into the pool at `batch.out_cache_loc` and returns the attention output.
     """
 
+    # Optional CUDA-graph hooks (core.cuda_graph_runner). A backend that sets supports_graph
+    # promises that its decode forward, given the metadata of prepare_for_graph, reads every
+    # per-step value (seq_lens, table, slots) from the batch's device tensors and never syncs
+    # with the host, so a graph captured once per batch size replays for any context length.
+    supports_graph: bool = False
+
     def __init__(self, ctx: BackendContext):
         self.ctx = ctx
 
@@ -59,3 +65,15 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer: AttentionLayerParams, batch: ForwardBatch) -> torch.Tensor:
         """q: [T, num_heads*head_dim], k/v: [T, num_kv_heads*head_dim] -> [T, num_heads*v_dim]."""
+
+    def init_graph_state(self, max_bs: int, max_context: int) -> None:  # noqa: B027 - optional
+        """Allocate whatever static buffers decode graphs of up to `max_bs` rows need (called
+        once, before any capture)."""
+
+    def prepare_for_graph(self, batch: ForwardBatch, bs: int) -> Any:
+        """Metadata for a decode batch of `bs` rows whose tensors are the graph's static buffers.
+
+        Called once per captured batch size; every replay reuses the returned object, so it may
+        depend on `bs` but not on the values in the batch's tensors.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")

@@ -59,6 +59,8 @@ class Engine:
         self.tokenizer = _load_tokenizer(self.args)
         self.client = EngineClient(self.args, self.tokenizer)
         self.info = self.client.info
+        for note in self.info.get("notes", []):  # KV sizing, graph capture: found at startup
+            log.info("engine: %s", note)
 
     # -- generation ------------------------------------------------------------------------------
 

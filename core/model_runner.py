@@ -46,6 +46,9 @@ class ModelRunner:
         self.decode_backend = decode_backend
         self.device = torch.device(device)
         self.forward_count = {"extend": 0, "decode": 0}
+        # core.cuda_graph_runner.CudaGraphRunner when decode graphs were captured; batches it
+        # cannot take (larger than its largest bucket) run eagerly below.
+        self.graph_runner: Any = None
 
     def _tensor(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)
@@ -108,6 +111,8 @@ class ModelRunner:
                slots: Sequence[int]) -> torch.Tensor:
         """One new token per request at `positions[i]` (= tokens already cached) -> [B, V]."""
         self.forward_count["decode"] += 1
+        if self.graph_runner is not None and self.graph_runner.can_run(len(rows)):
+            return self.graph_runner.decode(rows, input_ids, positions, slots)
         seq = [p + 1 for p in positions]
         # One host->device copy for the four per-request vectors.
         packed = self._tensor([*input_ids, *positions, *slots, *rows], torch.long)

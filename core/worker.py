@@ -55,6 +55,8 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     import torch
 
     from core.attention import BackendContext
+    from core.cuda_graph_runner import capture_graphs, graph_memory_reserve
+    from core.cuda_graph_runner import decide as decide_graphs
     from core.devices import free_memory_bytes, torch_device
     from core.kv_cache import KVPool
     from core.loader import load_model
@@ -78,6 +80,18 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                        kv_dtype, spec.v_head_dim)
     free = free_memory_bytes(plan.device) if args.max_total_tokens is None else 0
+    max_running = args.max_running_requests or DEFAULT_MAX_RUNNING.get(dev_type, 256)
+    # Decode graphs: decided (with a note either way) and their memory reserved before the KV
+    # pool takes what is left.
+    graphs = decide_graphs(plan.cuda_graph, device.type,
+                           registry.get("attention", plan.decode_attention).load()
+                           if plan.cuda_graph else None,
+                           args.cuda_graph_max_bs, plan.device.memory_bytes or free, max_running)
+    if graphs.enabled and args.max_total_tokens is None:
+        reserve = graph_memory_reserve(graphs.max_bs, spec.vocab_size, spec.hidden_size,
+                                       getattr(cfg, "intermediate_size", None),
+                                       loaded.dtype.itemsize)
+        free = max(free - reserve, 0)
     tokens, note = kv_pool_tokens(
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         free_bytes=free, total_bytes=plan.device.memory_bytes or free,
@@ -87,7 +101,6 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     # One extra page: page 0 is the padding sink, so `tokens` stay usable.
     kv_pool = KVPool(tokens + page, spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype,
                      device, page, spec.v_head_dim)
-    max_running = args.max_running_requests or DEFAULT_MAX_RUNNING.get(dev_type, 256)
     req_to_token = ReqToTokenPool(max_running, max_context, device)
     ctx = BackendContext(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                          head_dim=spec.head_dim, num_layers=spec.num_layers,
@@ -95,6 +108,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
                          max_context_len=max_context)
     prefill, decode = make_backends(registry, plan.prefill_attention, plan.decode_attention, ctx)
     runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device)
+    graph_note = capture_graphs(runner, graphs, int(cfg.vocab_size))
     allocator = PageAllocator((tokens + page) // page, page)
     cache = make_prefix_cache(allocator, page, args.disable_radix_cache,
                               args.radix_eviction_policy)
@@ -120,7 +134,9 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     info = {"max_context": max_context, "pool_tokens": allocator.total_pages * page,
             "page_size": page, "max_running_requests": max_running, "vocab_size": vocab,
             "eos_token_ids": sorted(eos), "chunked_prefill_size": sched_cfg.chunked_prefill_size,
-            "kv_bytes_per_token": per_token, "notes": [*loaded.notes, note],
+            "kv_bytes_per_token": per_token, "notes": [*loaded.notes, note, graph_note],
+            "cuda_graph_batch_sizes": sorted(runner.graph_runner.graphs)
+            if runner.graph_runner is not None else [],
             "device": str(device), "pid": os.getpid()}
     return EngineCore(scheduler, info, loaded)
 

@@ -73,6 +73,12 @@ class RotaryEmbedding(nn.Module):
         self._cos = torch.cat((cos, cos), dim=-1)  # [n, D]
         self._sin = torch.cat((-sin, sin), dim=-1)
 
+    def cover_all_positions(self) -> None:
+        """Grow the table to the whole context now, so lookups never read positions on the host
+        (CUDA-graph capture calls this: a sync inside a capture is an error)."""
+        if self._cos.shape[0] < self.max_position:
+            self._grow(self.max_position)
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin: [T, 1, D] in `dtype` for positions [T] (computed once per forward).

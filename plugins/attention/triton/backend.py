@@ -68,6 +68,15 @@ class TritonAttention(AttentionBackend):
         q_starts = (torch.cumsum(ext, 0, dtype=torch.int32) - ext).to(torch.int32)
         return TritonMeta(False, 0, q_starts, max(batch.extend_lens_cpu, default=0))
 
+    # Decode grids depend on the batch size only and seq lens stay on the device (CAPS).
+    supports_graph = True
+
+    def prepare_for_graph(self, batch: ForwardBatch, bs: int) -> TritonMeta:
+        if not batch.is_decode or batch.batch_size != bs:
+            raise ValueError(f"triton captures decode batches only (got {batch.mode.value}, "
+                             f"{batch.batch_size} rows for a graph of {bs})")
+        return self.prepare(batch)
+
     def _meta(self, batch: ForwardBatch) -> TritonMeta:
         if not isinstance(batch.attn_meta, TritonMeta):
             batch.attn_meta = self.prepare(batch)
