@@ -101,7 +101,8 @@ def decide(plan_cuda_graph: bool, device_type: str, backend: Any, max_bs: int | 
         return GraphDecision(False, (), f"graph capture off: device type {device_type} has no "
                                         f"CUDA graphs")
     if not getattr(backend, "supports_graph", False):
-        name = type(backend).__name__
+        # The worker passes the class (decided before anything is built); tests may pass either.
+        name = backend.__name__ if isinstance(backend, type) else type(backend).__name__
         return GraphDecision(False, (), f"graph capture off: decode backend {name} has no graph "
                                         f"hooks (supports_graph); decode runs eagerly")
     if max_bs is None:

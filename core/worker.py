@@ -153,7 +153,9 @@ def _item(req: Any) -> dict[str, Any]:
 def _rpc(core: EngineCore, op: str) -> Any:
     sched = core.scheduler
     if op == "stats":
-        return {**sched.stats(), "forward_count": dict(sched.runner.forward_count)}
+        graphs = sched.runner.graph_runner
+        return {**sched.stats(), "forward_count": dict(sched.runner.forward_count),
+                "graph_replays": graphs.replays if graphs is not None else 0}
     if op == "check_accounting":
         sched.check_accounting()
         return True

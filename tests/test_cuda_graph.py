@@ -1,0 +1,305 @@
+"""Decode under CUDA graphs (issue 6): the capture bookkeeping and the eager fallback on any
+machine; real capture and replay on a GPU (`-m gpu`).
+
+On the CPU the replay is played by a stand-in that reruns the captured function on the same static
+buffers (what a CUDA graph replays), so padding, the slot-0 sink and the table writes are checked
+against the eager decode here; only the capture itself needs CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the triton backend is imported
+
+from core.attention import AttentionBackend  # noqa: E402
+from core.config import ServerArgs  # noqa: E402
+from core.cuda_graph_runner import (  # noqa: E402
+    CudaGraphRunner,
+    GraphDecision,
+    capture_graphs,
+    decide,
+    default_max_bs,
+    graph_batch_sizes,
+    graph_memory_reserve,
+    padded_inputs,
+    pick_bucket,
+)
+
+GB = 10**9
+
+
+class _Graphable:
+    supports_graph = True
+
+
+class _Plain:
+    supports_graph = False
+
+
+# -- bookkeeping -----------------------------------------------------------------------------------
+
+def test_buckets_are_powers_of_two_then_steps_of_eight_up_to_max_bs():
+    assert graph_batch_sizes(160)[:7] == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_batch_sizes(160)[-1] == 160 and len(graph_batch_sizes(160)) == 23
+    assert graph_batch_sizes(100)[-2:] == [96, 100]  # the user's max is always captured
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(1) == [1]
+    with pytest.raises(ValueError, match="cuda-graph-max-bs"):
+        graph_batch_sizes(0)
+
+
+def test_a_batch_pads_up_to_the_smallest_bucket_and_big_batches_have_none():
+    sizes = graph_batch_sizes(40)
+    assert [pick_bucket(b, sizes) for b in (1, 3, 5, 8, 9, 17, 40)] == [1, 4, 8, 8, 16, 24, 40]
+    assert pick_bucket(41, sizes) is None
+    with pytest.raises(ValueError, match="batch size"):
+        pick_bucket(0, sizes)
+
+
+def test_padding_rows_decode_token_zero_into_the_sink_slot_of_row_zero():
+    rows = padded_inputs([5, 7], [11, 12], [30, 2], [901, 77], 4)
+    assert rows == [[11, 12, 0, 0], [30, 2, 0, 0], [901, 77, 0, 0], [5, 7, 0, 0]]
+    with pytest.raises(ValueError, match="does not fit"):
+        padded_inputs([1, 2, 3], [0] * 3, [0] * 3, [1] * 3, 2)
+
+
+def test_default_max_bs_follows_device_memory():
+    assert default_max_bs(150_109_880_320) == 160  # H200
+    assert default_max_bs(80 * GB) == 160
+    assert default_max_bs(48 * GB) == 96
+    assert default_max_bs(24 * GB) == 48
+    assert default_max_bs(8 * GB) == 24
+    with pytest.raises(ValueError):
+        default_max_bs(-1)
+
+
+def test_graph_memory_reserve_grows_with_batch_and_vocab_and_stays_modest_for_8b():
+    llama8b = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, dtype_bytes=2)
+    r160 = graph_memory_reserve(160, **llama8b)
+    assert graph_memory_reserve(8, **llama8b) < r160 < 2 * 2**30
+    assert r160 < graph_memory_reserve(160, **{**llama8b, "vocab_size": 256000})
+
+
+def test_decide_honours_the_plan_device_backend_and_max_bs():
+    off = decide(False, "cuda", _Graphable, None, 141 * GB, 256)
+    assert not off.enabled and "graph capture off" in off.note
+    cpu = decide(True, "cpu", _Graphable, None, 141 * GB, 256)
+    assert not cpu.enabled and "cpu" in cpu.note
+    plain = decide(True, "cuda", _Plain, None, 141 * GB, 256)
+    assert not plain.enabled and "no graph hooks" in plain.note and "_Plain" in plain.note
+    on = decide(True, "cuda", _Graphable, None, 141 * GB, 256)
+    assert on.enabled and on.max_bs == 160 and on.sizes[0] == 1 and "160" in on.note
+    user = decide(True, "cuda", _Graphable, 12, 141 * GB, 256)
+    assert user.sizes == (1, 2, 4, 8, 12) and "--cuda-graph-max-bs" in user.note
+    capped = decide(True, "cuda", _Graphable, None, 141 * GB, 32)
+    assert capped.max_bs == 32 and "max_running_requests" in capped.note
+
+
+def test_disable_cuda_graph_reaches_the_engine_as_a_note(model_spec, test_registry):
+    from core.devices import PROFILES
+    from core.resolver import resolve
+
+    spec = model_spec("llama-3.1-8b")
+    on = resolve(spec, PROFILES["h200"], ServerArgs(), test_registry)
+    off = resolve(spec, PROFILES["h200"], ServerArgs(disable_cuda_graph=True), test_registry)
+    assert on.cuda_graph and not off.cuda_graph
+    assert "graph capture off: --disable-cuda-graph" in off.notes
+    assert not decide(off.cuda_graph, "cuda", _Graphable, None, 141 * GB, 256).enabled
+
+
+def test_backend_protocol_hooks_are_optional_and_triton_declares_them():
+    assert AttentionBackend.supports_graph is False
+    with pytest.raises(NotImplementedError, match="cannot be captured"):
+        AttentionBackend.prepare_for_graph(_Plain(), None, 1)
+    pytest.importorskip("triton")
+    from plugins.attention.torch_native.backend import TorchNativeAttention
+    from plugins.attention.triton.backend import TritonAttention
+
+    assert TritonAttention.supports_graph and not TorchNativeAttention.supports_graph
+
+
+def test_a_disabled_decision_captures_nothing_and_returns_its_note():
+    class Runner:
+        graph_runner = None
+
+    runner = Runner()
+    note = capture_graphs(runner, GraphDecision(False, (), "graph capture off: test"), 10)
+    assert note == "graph capture off: test" and runner.graph_runner is None
+
+
+# -- padded replay against eager decode (CPU stand-in for the graph) -------------------------------
+
+def _stand_in_capture(gr: CudaGraphRunner) -> None:
+    """What capture records, replayed by rerunning it on the same static buffers."""
+
+    class Replay:
+        def __init__(self, batch, bs):
+            self.batch, self.bs = batch, bs
+
+        def replay(self):
+            gr._forward(self.batch, self.bs)
+
+    gr.backend.init_graph_state(gr.max_bs, gr.req_to_token.max_context)
+    for bs in gr.sizes:
+        batch = gr._batch(bs)
+        batch.attn_meta = gr.backend.prepare_for_graph(batch, bs)
+        gr.graphs[bs] = Replay(batch, bs)
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tmp_path_factory):
+    pytest.importorskip("triton")
+    from model_fixtures import cpu_plan, torch_native_backend, write_tiny_llama
+
+    from core.attention import BackendContext
+    from core.config import make_server_args
+    from core.kv_cache import KVPool
+    from core.loader import load_model
+    from core.memory_pool import ReqToTokenPool
+    from core.model_runner import ModelRunner
+    from core.plugins import build_registry
+    from plugins.attention.triton.backend import TritonAttention
+
+    # head_dim 32 (triton's smallest), 2 layers, GQA 4:2
+    path = write_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden_size=128, head_dim=32)
+    loaded = load_model(make_server_args(model_path=str(path)), cpu_plan("llama", page_size=1),
+                        build_registry())
+    cfg = loaded.hf_config
+    ctx = BackendContext(num_heads=4, num_kv_heads=2, head_dim=32, num_layers=2,
+                         dtype=torch.float32, kv_dtype=torch.float32, device=torch.device("cpu"),
+                         page_size=1, max_context_len=cfg.max_position_embeddings)
+    pool = KVPool(512, 2, 2, 32, torch.float32, "cpu")
+    table = ReqToTokenPool(8, cfg.max_position_embeddings, "cpu")
+    runner = ModelRunner(loaded.model, pool, table, torch_native_backend(cfg, page_size=1),
+                         TritonAttention(ctx), "cpu")
+    return runner, int(cfg.vocab_size)
+
+
+def _prefill(runner, rows, lens, seed=0):
+    rng = random.Random(seed)
+    slots, base = {}, 1  # slot 0 is the sink
+    tokens = [[rng.randrange(0, 250) for _ in range(n)] for n in lens]
+    for r, n in zip(rows, lens, strict=True):
+        slots[r] = list(range(base, base + n + 4))  # room for 4 decoded tokens
+        base += n + 4
+    runner.extend(rows, [0] * len(rows), tokens, [slots[r][:n] for r, n in zip(rows, lens,
+                                                                                  strict=True)],
+                  [])
+    return slots
+
+
+def test_padded_replay_matches_eager_decode_and_big_batches_stay_eager(tiny_runner):
+    runner, vocab = tiny_runner
+    rows, lens = [0, 2, 3, 5, 6], [5, 9, 3, 12, 7]
+    slots = _prefill(runner, rows, lens)
+    pool, table = runner.kv_pool, runner.req_to_token.req_to_token
+    saved = ([k.clone() for k in pool.k_buffers], [v.clone() for v in pool.v_buffers],
+             table.clone())
+
+    def restore():
+        for dst, src in zip(pool.k_buffers + pool.v_buffers, saved[0] + saved[1], strict=True):
+            dst.copy_(src)
+        table.copy_(saved[2])
+
+    def step(n):  # decode the first n requests once (input token 1 each)
+        return runner.decode(rows[:n], [1] * n, lens[:n], [slots[r][lens[i]]
+                                                           for i, r in enumerate(rows[:n])])
+
+    eager3 = step(3).clone()
+    table_after = table.clone()
+    eager5 = step(5).clone()
+    restore()
+
+    gr = CudaGraphRunner(runner.model, runner.decode_backend, pool, runner.req_to_token,
+                         torch.device("cpu"), [1, 2, 4], vocab)
+    _stand_in_capture(gr)
+    runner.graph_runner = gr
+    try:
+        pool.k_buffers[0][0].zero_()
+        graph3 = step(3)  # bucket 4: one padded row
+        assert gr.replays == 1 and graph3.shape == (3, vocab)
+        torch.testing.assert_close(graph3, eager3, atol=1e-4, rtol=1e-4)
+        # real rows' new slots went into the table; the padded row wrote only into slot 0
+        assert torch.equal(table, table_after)
+        assert pool.k_buffers[0][0].abs().sum() > 0
+        restore()
+        big = step(5)  # above the largest bucket: eager, no replay
+        assert gr.replays == 1
+        torch.testing.assert_close(big, eager5)
+    finally:
+        runner.graph_runner = None
+        restore()
+
+
+# -- real capture on a GPU -------------------------------------------------------------------------
+
+LLAMA_SMALL = {  # Llama-3 layer shapes (8 heads of 128, GQA 4:1) with few layers: quick to load
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+    "intermediate_size": 4096, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 32000,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu",
+}
+
+
+@pytest.fixture(scope="module")
+def gpu_model_dir(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from model_fixtures import write_tokenizer
+
+    d = tmp_path_factory.mktemp("llama_small")
+    (d / "config.json").write_text(json.dumps(LLAMA_SMALL))
+    write_tokenizer(d)
+    return str(d)
+
+
+def _gpu_run(model_dir: str, dtype: str, **kw):
+    from core import Engine
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(300, 30000) for _ in range(n)]
+               for n in (7, 33, 130, 511, 64, 9, 200, 17, 90, 45)]
+    # Different lengths: the batch shrinks through buckets 8, 4, 2, 1; ten requests start
+    # above the largest bucket (8), so the first steps run eagerly.
+    news = [64, 40, 20, 64, 10, 33, 5, 50, 12, 3]
+    with Engine(model_dir, load_format="dummy", device="cuda", dtype=dtype,
+                max_total_tokens=16384, **kw) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=[
+            {"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in news])
+        stats = engine.stats()
+        info = engine.info
+    return [o["output_ids"] for o in outs], stats, info
+
+
+@pytest.mark.gpu
+def test_greedy_with_graphs_equals_without_on_cuda(gpu_model_dir):
+    with_graphs, stats, info = _gpu_run(gpu_model_dir, "float32", cuda_graph_max_bs=8)
+    assert info["cuda_graph_batch_sizes"] == [1, 2, 4, 8]
+    assert any(n.startswith("captured decode graphs") for n in info["notes"])
+    assert stats["graph_replays"] > 0
+    assert stats["graph_replays"] < stats["forward_count"]["decode"]  # the bs-10 steps: eager
+    without, stats_off, info_off = _gpu_run(gpu_model_dir, "float32", disable_cuda_graph=True)
+    assert info_off["cuda_graph_batch_sizes"] == [] and stats_off["graph_replays"] == 0
+    assert any("graph capture off" in n for n in info_off["notes"])
+    assert with_graphs == without
+
+
+@pytest.mark.gpu
+def test_bf16_graphs_mostly_agree_with_eager(gpu_model_dir):
+    """bf16: a different batch shape (padding) can flip a near-tie late in a sequence."""
+    with_graphs, stats, _ = _gpu_run(gpu_model_dir, "bfloat16")
+    without, _, _ = _gpu_run(gpu_model_dir, "bfloat16", disable_cuda_graph=True)
+    assert stats["graph_replays"] > 0
+    assert all(a[:3] == b[:3] for a, b in zip(with_graphs, without, strict=True))
+    same = sum(x == y for a, b in zip(with_graphs, without, strict=True)
+               for x, y in zip(a, b, strict=True))
+    assert same >= 0.8 * sum(len(a) for a in with_graphs)
