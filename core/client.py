@@ -167,8 +167,7 @@ class EngineClient:
     def prepare(self, prompt: str | None, input_ids: list[int] | None,
                 params: SamplingParams | dict | None) -> tuple[list[int], SamplingParams]:
         """Tokenize and validate (raises ValueError naming the problem)."""
-        p = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
-        p.validate()
+        p = SamplingParams.from_dict(params)
         if p.n != 1:
             raise ValueError("submit takes n = 1; expand with core.engine.expand_n first")
         if input_ids is None:

@@ -39,8 +39,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        """Build from a request dict; unknown keys and bad values raise ValueError naming them."""
+    def from_dict(cls, d: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+        """Build from a request dict (or check an instance); unknown keys and bad values raise
+        ValueError naming them."""
         if d is None:
             d = {}
         if isinstance(d, SamplingParams):

@@ -143,9 +143,7 @@ class Scheduler:
         try:
             if rid in self.by_id:
                 raise AdmissionError(f"request id {rid!r} is already in use")
-            p = SamplingParams.from_dict(params) if not isinstance(params, SamplingParams) \
-                else params
-            p.validate()
+            p = SamplingParams.from_dict(params)
             p.check_vocab(self.vocab_size)
             bad = [t for t in input_ids if not isinstance(t, int) or not
                    0 <= t < self.vocab_size]
