@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -211,6 +212,8 @@ def serve(core: EngineCore, chan: Channel) -> None:
 
 def worker_main(conn: Any, args_json: str) -> None:
     """Entry of the spawned worker process."""
+    # Ctrl-C reaches the whole process group: the client decides when the worker stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     chan = Channel(conn)
     try:
         args = make_server_args(**json.loads(args_json))
