@@ -76,7 +76,12 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
         loaded = load_model(args, plan, registry)
     cfg = loaded.hf_config
     max_context = int(getattr(cfg, "max_position_embeddings", None) or spec.context_length)
-    kv_dtype = getattr(torch, plan.kv_cache_dtype)
+    # the plan names KV dtypes as the contract does; fp8 names map to torch's float8 types
+    kv_name = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}.get(
+        plan.kv_cache_dtype, plan.kv_cache_dtype)
+    kv_dtype = getattr(torch, kv_name, None)
+    if kv_dtype is None:
+        raise ValueError(f"KV-cache dtype {plan.kv_cache_dtype!r} is not supported by this engine")
     page = plan.page_size
     per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                        kv_dtype, spec.v_head_dim)
