@@ -2,7 +2,9 @@
 
 Imported only when the backend is chosen (it imports triton). Per step, `prepare` builds the
 little the kernels need beyond the batch itself: the KV split count for decode (from the batch
-size alone) and, for extend, the query offsets of each request and the longest extension. Per
+size, the SM count and the longest context of the step, read from the host lists; under CUDA
+graphs from the longest context a graph may see, fixed per captured batch size) and, for extend,
+the query offsets of each request and the longest extension. Per
 layer, `forward` writes the new K/V into the pool, then runs the decode or extend kernel.
 """
 
@@ -57,25 +59,38 @@ class TritonAttention(AttentionBackend):
             raise ValueError(f"num_heads {ctx.num_heads} is not a multiple of num_kv_heads "
                              f"{ctx.num_kv_heads}")
 
+    def _decode_meta(self, batch_size: int, context: int | None,
+                     device: torch.device) -> TritonMeta:
+        c = self.ctx
+        splits = decode_splits(batch_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim,
+                               c.dtype, device, context=context)
+        return TritonMeta(True, splits, None, 0)
+
     def prepare(self, batch: ForwardBatch) -> TritonMeta:
         if batch.is_decode:
-            c = self.ctx
-            splits = decode_splits(batch.batch_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                                   c.head_dim, c.dtype, batch.seq_lens.device)
-            return TritonMeta(True, splits, None, 0)
+            return self._decode_meta(batch.batch_size, max(batch.seq_lens_cpu, default=1),
+                                     batch.seq_lens.device)
         ext = batch.extend_lens
         # Exclusive prefix sum on the device: no copy of the host lists, no sync.
         q_starts = (torch.cumsum(ext, 0, dtype=torch.int32) - ext).to(torch.int32)
         return TritonMeta(False, 0, q_starts, max(batch.extend_lens_cpu, default=0))
 
-    # Decode grids depend on the batch size only and seq lens stay on the device (CAPS).
+    # Decode grids depend on the batch size and the split count only, and seq lens stay on
+    # the device (CAPS).
     supports_graph = True
+    _graph_context: int | None = None
+
+    def init_graph_state(self, max_bs: int, max_context: int) -> None:
+        # A graph replays for any context up to max_context: its split count is chosen for that
+        # longest one (shorter requests use fewer of the splits at run time).
+        self._graph_context = max_context
 
     def prepare_for_graph(self, batch: ForwardBatch, bs: int) -> TritonMeta:
         if not batch.is_decode or batch.batch_size != bs:
             raise ValueError(f"triton captures decode batches only (got {batch.mode.value}, "
                              f"{batch.batch_size} rows for a graph of {bs})")
-        return self.prepare(batch)
+        context = self._graph_context or self.ctx.max_context_len or None
+        return self._decode_meta(bs, context, batch.seq_lens.device)
 
     def _meta(self, batch: ForwardBatch) -> TritonMeta:
         if not isinstance(batch.attn_meta, TritonMeta):

@@ -1,6 +1,7 @@
 """Shared pieces of the Triton attention kernels: launch configs, device facts, jit helpers.
 
-Imported only by the backend factory (it imports triton).
+Imported only by the backend factory (it imports triton). The numbers behind the configs live in
+tuning.py (data only); this module turns them into configs for a device, dtype and head dim.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.attention.triton import tuning
+
 # Scores are exponentiated with exp2, so log2(e) is folded in. (A jit function may read a global
 # only if it is a constexpr.)
 LOG2E = tl.constexpr(1.4426950408889634)
+LOG2E_F = 1.4426950408889634  # the same, for host code
 
 
 def interpreting() -> bool:
@@ -42,14 +46,14 @@ def cuda_capability(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tiling of the split-KV decode kernel (stage 1)."""
+    """Tiling of the split-KV decode kernel (stage 1) and its split policy."""
 
     block_n: int = 64  # KV tokens per loop iteration
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
+    waves: int = 4  # aim for at least this many programs per SM
     min_split_tokens: int = 256  # a split never covers fewer tokens (short contexts split less)
     max_splits: int = 64  # grid size along the split axis (a power of two)
-    waves: int = 4  # aim for at least this many programs per SM
 
 
 @dataclass(frozen=True)
@@ -62,13 +66,26 @@ class ExtendConfig:
     num_stages: int = 3
 
 
+def arch_key(device: torch.device) -> str:
+    """The tuning tables' arch key for `device`."""
+    if torch.version.hip:
+        return "rocm"
+    return "sm90" if cuda_capability(device) >= 90 else "sm80"
+
+
+def width_key(head_dim: int, v_dim: int, dtype: torch.dtype) -> str:
+    """The tuning tables' width key: register/shared-memory footprint class of one tile."""
+    d = max(head_dim, v_dim)
+    if dtype == torch.float32 or d > 128:
+        return "wide"
+    return "d64" if d <= 64 else "d128"
+
+
 def decode_config(head_dim: int, v_dim: int, dtype: torch.dtype,
                   device: torch.device) -> DecodeConfig:
     if interpreting():
-        return DecodeConfig(block_n=32, num_warps=1, num_stages=1, min_split_tokens=32,
-                            max_splits=4, waves=1)
-    big = max(head_dim, v_dim) > 128 or dtype == torch.float32
-    return DecodeConfig(block_n=32 if big else 64, num_warps=4, num_stages=2 if big else 3)
+        return DecodeConfig(*tuning.INTERPRET_DECODE, max_splits=4)
+    return DecodeConfig(*tuning.DECODE[arch_key(device), width_key(head_dim, v_dim, dtype)])
 
 
 def autotune_enabled() -> bool:
@@ -81,35 +98,43 @@ def extend_configs(head_dim: int, v_dim: int, dtype: torch.dtype,
                    device: torch.device) -> list[ExtendConfig]:
     """Candidate tilings, best guess first (the autotuner times them on the first call)."""
     if interpreting():
-        return [ExtendConfig(block_m=32, block_n=32, num_warps=1, num_stages=1)]
-    d = max(head_dim, v_dim)
-    if torch.version.hip:  # 64 KB of LDS per CU: small tiles, no multi-buffering (untested)
-        return [ExtendConfig(64, 64, 4, 1), ExtendConfig(64, 32, 4, 1), ExtendConfig(32, 32, 4, 1)]
-    hopper = cuda_capability(device) >= 90
-    if dtype == torch.float32 or d > 128:
-        # (64, 64) needs 213 KB of shared memory for fp32 at d=256: more than sm80 has.
-        wide = [ExtendConfig(64, 64, 8, 2)] if hopper else []
-        return [ExtendConfig(64, 32, 4, 2), *wide, ExtendConfig(32, 32, 4, 2)]
-    if d <= 64:
-        return [ExtendConfig(128, 64, 4, 3), ExtendConfig(128, 128, 8, 3),
-                ExtendConfig(64, 64, 4, 3), ExtendConfig(128, 64, 8, 4)]
-    cfgs = [ExtendConfig(128, 64, 8, 3), ExtendConfig(128, 128, 8, 3),
-            ExtendConfig(128, 64, 4, 3), ExtendConfig(64, 64, 4, 3), ExtendConfig(128, 32, 4, 4)]
-    if not hopper:  # sm80/sm86 have less shared memory: the 128x128 tile is a poor first guess
-        cfgs = [ExtendConfig(128, 64, 4, 3), ExtendConfig(64, 64, 4, 3), ExtendConfig(128, 32, 4, 3)]
-    return cfgs
+        return [ExtendConfig(*tuning.INTERPRET_EXTEND)]
+    return [ExtendConfig(*t)
+            for t in tuning.EXTEND[arch_key(device), width_key(head_dim, v_dim, dtype)]]
+
+
+def small_extend_config(configs: list[ExtendConfig], programs_per_block_row: int,
+                        max_extend_len: int, device: torch.device) -> ExtendConfig | None:
+    """A smaller-block_m tiling when the first candidate leaves SMs idle, else None.
+
+    programs_per_block_row = query heads x requests (one program each per block of new tokens).
+    A short extension over a long prefix (e.g. 128 new tokens, one request) gets one block per
+    head with block_m 128: halving block_m doubles the programs at the same K/V traffic per row.
+    """
+    first = configs[0]
+    if first.block_m <= 64:
+        return None
+    blocks = triton.cdiv(max_extend_len, first.block_m)
+    if programs_per_block_row * blocks >= sm_count(device):
+        return None
+    return ExtendConfig(64, first.block_n, 4, first.num_stages)
 
 
 def num_kv_splits(batch_size: int, kv_heads: int, head_blocks: int, device: torch.device,
-                  cfg: DecodeConfig) -> int:
-    """Splits along the KV axis so that the grid fills every SM `cfg.waves` times over.
+                  cfg: DecodeConfig, context: int | None = None) -> int:
+    """Splits along the KV axis so that the grid fills every SM `cfg.waves` times over, with
+    no split shorter than `cfg.min_split_tokens` of `context` (the longest context the step, or
+    the captured graph, may see; None = no bound).
 
-    It depends on the batch shape only (never on sequence lengths), so a decode step captured in a
-    CUDA graph keeps a valid grid for any context length; each program derives its own KV range
-    from the device-side seq_lens, and splits left empty by a short context exit at once.
+    The result is a launch-time constant: each program derives its own KV range from the
+    device-side seq_lens, and a request shorter than splits x min_split_tokens uses fewer splits
+    (the rest exit at once). So a CUDA graph captured with the split count of its largest context
+    stays valid for every shorter one.
     """
     programs = max(1, batch_size * kv_heads * head_blocks)
     want = triton.cdiv(sm_count(device) * cfg.waves, programs)
+    if context is not None:
+        want = min(want, triton.cdiv(max(context, 1), cfg.min_split_tokens))
     return max(1, min(cfg.max_splits, triton.next_power_of_2(want)))
 
 

@@ -1,11 +1,18 @@
 """Prefill / extend attention over the paged KV cache: cached prefix plus causal new tokens.
 
-One program per (query head, block of BLOCK_M new tokens, request). The new tokens' K/V are
-already in the pool (the backend writes them first), so every key, prefix or new, is read through
-req_to_token: any page size works and FP8 caches are read the same way. Keys older than the
-block's first query are visible to every row (no causal mask: the fast loop); the last few
-blocks carry the causal mask. Heads are the fastest grid axis, so the query heads of one GQA group
-run side by side and share their K/V tiles in L2; the heaviest (last) query blocks start first.
+One program per (query head, block of BLOCK_M new tokens, request), FlashAttention-2 style. The
+new tokens' K/V are already in the pool (the backend writes them first), so every key, prefix or
+new, is read through req_to_token: any page size works and FP8 caches are read the same way.
+
+The key range of a block is walked in two loops. Keys older than the block's first query (the
+whole cached prefix and the earlier new tokens) are visible to every row: that loop has no mask
+and no bounds checks (a sliding window adds its lower edge only). The diagonal, from the last
+BLOCK_N boundary at or below the first query up to the last query, carries the causal mask; keys
+past the last query are never loaded, so no fully masked block is visited. Scores are scaled by
+sm_scale * log2(e) inside exp2's argument (one FMA per score), and P @ V accumulates in place.
+
+Heads are the fastest grid axis, so the query heads of one GQA group run side by side and share
+their K/V tiles in L2; the heaviest (last) query blocks start first.
 """
 
 from __future__ import annotations
@@ -16,36 +23,43 @@ import triton.language as tl
 
 from plugins.attention.triton.common import (
     LOG2E,
+    LOG2E_F,
     ExtendConfig,
     autotune_enabled,
     extend_configs,
     interpreting,
+    small_extend_config,
     softcap,
 )
 
 
 @triton.jit
-def _attend_blocks(acc, l_sum, m, q, K, V, table, kvh, q_pos, lo, hi, sm_scale, cap, window,
-                   stride_ks, stride_kh, stride_vs, stride_vh, offs_d, offs_dv, dmask, dvmask,
+def _attend_blocks(acc, l_sum, m, q, k_base, v_base, table, q_pos, lo, hi, sm_scale, qk_scale,
+                   cap, window, stride_ks, stride_vs, offs_d, offs_dv, dmask, dvmask,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-                   USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over keys [lo, hi); MASKED adds the bounds and causal masks."""
+                   USE_SOFTCAP: tl.constexpr, FULL_TILES: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Online softmax over keys [lo, hi); MASKED adds the bounds and causal masks. FULL_TILES:
+    no mask at all on the K/V loads (unmasked keys, head dims a power of two)."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if MASKED:
             nmask = offs_n < hi
             slots = tl.load(table + offs_n, mask=nmask, other=0).to(tl.int64)
-            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                        mask=nmask[:, None] & dmask[None, :], other=0.0)
+            kmask = nmask[:, None] & dmask[None, :]
+            vmask = nmask[:, None] & dvmask[None, :]
         else:
             slots = tl.load(table + offs_n).to(tl.int64)
-            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
-                        mask=dmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)
-        if USE_SOFTCAP:
-            s = softcap(s * sm_scale, cap) * LOG2E
+            kmask = dmask[None, :]
+            vmask = dvmask[None, :]
+        k_ptrs = k_base + slots[:, None] * stride_ks + offs_d[None, :]
+        if FULL_TILES:
+            k = tl.load(k_ptrs)  # [BLOCK_N, BLOCK_D]
         else:
-            s = s * (sm_scale * LOG2E)  # one multiply per score; [BLOCK_M, BLOCK_N] log2 units
+            k = tl.load(k_ptrs, mask=kmask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        if USE_SOFTCAP:
+            s = softcap(s * sm_scale, cap) * LOG2E  # log2 units from here on
         if MASKED:
             visible = nmask[None, :] & (offs_n[None, :] <= q_pos[:, None])
             if USE_WINDOW:
@@ -53,20 +67,29 @@ def _attend_blocks(acc, l_sum, m, q, K, V, table, kvh, q_pos, lo, hi, sm_scale, 
             s = tl.where(visible, s, float("-inf"))
         elif USE_WINDOW:
             s = tl.where(offs_n[None, :] > q_pos[:, None] - window, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A row may see nothing yet (window): keep its max at 0 so that exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
-                        mask=nmask[:, None] & dvmask[None, :], other=0.0)
+        if USE_SOFTCAP:
+            m_new = tl.maximum(m, tl.max(s, 1))
         else:
-            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_dv[None, :],
-                        mask=dvmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=PRECISION)
+            m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+        if USE_WINDOW:
+            # A row may see nothing yet: keep its max at 0 so that exp2 gives 0, not NaN.
+            # (Without a window every row sees the first key of the range it starts with.)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        if USE_SOFTCAP:
+            p = tl.exp2(s - m_use[:, None])
+        else:
+            p = tl.exp2(s * qk_scale - m_use[:, None])  # one FMA per score
+        alpha = tl.exp2(m - m_use)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        v_ptrs = v_base + slots[:, None] * stride_vs + offs_dv[None, :]
+        if FULL_TILES:
+            v = tl.load(v_ptrs)  # [BLOCK_N, BLOCK_DV]
+        else:
+            v = tl.load(v_ptrs, mask=vmask, other=0.0)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None],
+                     input_precision=PRECISION)
         m = m_new
     return acc, l_sum, m
 
@@ -74,12 +97,13 @@ def _attend_blocks(acc, l_sum, m, q, K, V, table, kvh, q_pos, lo, hi, sm_scale, 
 @triton.jit
 def _extend_kernel(
     Q, K, V, Out, req_to_token, req_pool_indices, seq_lens, extend_lens, q_starts,
-    sm_scale, cap, window, out_scale, tune_bucket,
+    sm_scale, qk_scale, cap, window, out_scale, tune_bucket,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest causal blocks first
@@ -110,21 +134,26 @@ def _extend_kernel(
     if USE_WINDOW:
         lo = (tl.maximum(q_first - window + 1, 0) // BLOCK_N) * BLOCK_N
     mid = (q_first // BLOCK_N) * BLOCK_N  # keys below mid precede every query of the block
+    mid = tl.maximum(mid, lo)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     table = req_to_token + row * stride_r2t
+    k_base = K + kvh * stride_kh
+    v_base = V + kvh * stride_vh
+    # Phase 1: keys every row of the block sees (cached prefix, earlier new tokens): no mask.
     acc, l_sum, m = _attend_blocks(
-        acc, l_sum, m, q, K, V, table, kvh, q_pos, lo, mid, sm_scale, cap, window,
-        stride_ks, stride_kh, stride_vs, stride_vh, offs_d, offs_dv, dmask, dvmask,
+        acc, l_sum, m, q, k_base, v_base, table, q_pos, lo, mid, sm_scale, qk_scale, cap,
+        window, stride_ks, stride_vs, offs_d, offs_dv, dmask, dvmask,
         BLOCK_N=BLOCK_N, MASKED=False, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP,
-        PRECISION=PRECISION)
+        FULL_TILES=EVEN_D, PRECISION=PRECISION)
+    # Phase 2: the diagonal blocks, causal mask.
     acc, l_sum, m = _attend_blocks(
-        acc, l_sum, m, q, K, V, table, kvh, q_pos, mid, hi, sm_scale, cap, window,
-        stride_ks, stride_kh, stride_vs, stride_vh, offs_d, offs_dv, dmask, dvmask,
+        acc, l_sum, m, q, k_base, v_base, table, q_pos, mid, hi, sm_scale, qk_scale, cap,
+        window, stride_ks, stride_vs, offs_d, offs_dv, dmask, dvmask,
         BLOCK_N=BLOCK_N, MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP,
-        PRECISION=PRECISION)
+        FULL_TILES=False, PRECISION=PRECISION)
 
     out = acc * (out_scale / tl.where(l_sum > 0, l_sum, 1.0))[:, None]
     tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
@@ -142,7 +171,8 @@ def _tuned_kernel(configs: list[ExtendConfig]):
             configs=[triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n},
                                    num_warps=c.num_warps, num_stages=c.num_stages)
                      for c in configs],
-            # Dtypes join the key by themselves; tune_bucket separates short and long prefills.
+            # Dtypes join the key by themselves; tune_bucket (0/1) keeps a short warm-up
+            # prefill from choosing the tiling of long ones. No sequence length is a key.
             key=["HEAD_DIM", "V_DIM", "GROUP", "USE_WINDOW", "USE_SOFTCAP", "tune_bucket"],
         )(_extend_kernel)
     return _TUNED[key]
@@ -160,7 +190,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     q [T, H, D] (request i's tokens at rows q_starts[i] .. + extend_lens[i]); k_buf/v_buf
     [slots, Hkv, D|Dv] with the new tokens already written; seq_lens = prefix + new per request.
     `max_extend_len` (a host int) sizes the grid. Returns [T, H, Dv] in q's dtype. `config` pins
-    one tiling instead of autotuning (benchmarks of tilings use it).
+    one tiling instead of the tuning table (benchmarks of tilings use it).
     """
     T, H, D = q.shape
     Hkv, Dv = k_buf.shape[1], v_buf.shape[2]
@@ -168,16 +198,22 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     out = torch.empty(T, H, Dv, dtype=q.dtype, device=q.device)
     if T == 0 or B == 0 or max_extend_len == 0:
         return out
+    sm_scale = scaling * k_scale
     args = (q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, extend_lens, q_starts,
-            scaling * k_scale, logit_softcap or 1.0, sliding_window or 0, v_scale,
-            min(4096, max(128, triton.next_power_of_2(max_extend_len))),
+            sm_scale, sm_scale * LOG2E_F, logit_softcap or 1.0, sliding_window or 0, v_scale,
+            int(max_extend_len >= 1024),
             q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
             v_buf.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1))
     consts = dict(GROUP=H // Hkv, HEAD_DIM=D, V_DIM=Dv, BLOCK_D=triton.next_power_of_2(D),
                   BLOCK_DV=triton.next_power_of_2(Dv), USE_WINDOW=sliding_window is not None,
                   USE_SOFTCAP=logit_softcap is not None,
+                  EVEN_D=triton.next_power_of_2(D) == D and triton.next_power_of_2(Dv) == Dv,
                   PRECISION="ieee" if q.dtype == torch.float32 else None)
     configs = [config] if config else extend_configs(D, Dv, q.dtype, q.device)
+    if config is None and not interpreting():
+        small = small_extend_config(configs, H * B, max_extend_len, q.device)
+        if small is not None:
+            configs = [small]
     if len(configs) == 1 or interpreting() or not autotune_enabled():
         c = configs[0]
         grid = (H, triton.cdiv(max_extend_len, c.block_m), B)

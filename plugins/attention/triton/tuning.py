@@ -1,0 +1,50 @@
+"""Launch parameters of the Triton attention kernels, as data: the one place to retune them.
+
+bench/sweep_triton.py times candidate tilings on a GPU and prints replacement entries for these
+tables. Keys are (arch, width):
+
+- arch: "sm90" (Hopper and newer CUDA), "sm80" (Ampere / Ada), "rocm";
+- width: "d64" (16-bit compute, head dim <= 64), "d128" (16-bit, head dim <= 128),
+  "wide" (fp32 compute, or head dim > 128: larger register and shared-memory tiles).
+
+Decode entries: (block_n, num_warps, num_stages, waves, min_split_tokens). The split count is
+chosen so that B x KV heads x splits programs fill every SM `waves` times over, each split covering
+at least min_split_tokens of the longest context (common.num_kv_splits).
+
+Extend entries: candidate tilings (block_m, block_n, num_warps, num_stages), best first. With
+autotuning on (CORE_TRITON_AUTOTUNE, default on) the autotuner times them on the first call of a
+shape class; off, the first one runs. A problem too small to give every SM a program falls back
+to the first candidate with a smaller block_m (common.extend_configs).
+"""
+
+from __future__ import annotations
+
+DECODE: dict[tuple[str, str], tuple[int, int, int, int, int]] = {
+    ("sm90", "d64"): (64, 4, 2, 4, 256),
+    ("sm90", "d128"): (64, 4, 2, 4, 256),
+    ("sm90", "wide"): (32, 4, 2, 4, 256),
+    ("sm80", "d64"): (64, 4, 2, 4, 256),
+    ("sm80", "d128"): (64, 4, 2, 4, 256),
+    ("sm80", "wide"): (32, 4, 2, 4, 256),
+    ("rocm", "d64"): (64, 4, 1, 4, 256),
+    ("rocm", "d128"): (32, 4, 1, 4, 256),
+    ("rocm", "wide"): (32, 4, 1, 4, 256),
+}
+
+EXTEND: dict[tuple[str, str], tuple[tuple[int, int, int, int], ...]] = {
+    ("sm90", "d64"): ((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)),
+    ("sm90", "d128"): ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (256, 64, 16, 2)),
+    # (64, 64) needs 213 KB of shared memory for fp32 at d=256: Hopper only.
+    ("sm90", "wide"): ((64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)),
+    ("sm80", "d64"): ((128, 64, 4, 3), (64, 64, 4, 3)),
+    ("sm80", "d128"): ((128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)),
+    ("sm80", "wide"): ((64, 32, 4, 2), (32, 32, 4, 2)),
+    # 64 KB of LDS per CU: small tiles, no multi-buffering (untested).
+    ("rocm", "d64"): ((64, 64, 4, 1), (64, 32, 4, 1)),
+    ("rocm", "d128"): ((64, 64, 4, 1), (64, 32, 4, 1), (32, 32, 4, 1)),
+    ("rocm", "wide"): ((32, 32, 4, 1),),
+}
+
+# Under TRITON_INTERPRET=1 (CPU): tiny tiles keep the interpreter quick.
+INTERPRET_DECODE = (32, 1, 1, 1, 32)
+INTERPRET_EXTEND = (32, 32, 1, 1)
