@@ -21,6 +21,7 @@ from core.layers import (
     VocabEmbedding,
     apply_rotary,
     rope_parameters,
+    triton_ops,
 )
 from core.models.weights import load_named_weights
 
@@ -89,26 +90,35 @@ class DecoderLayer(nn.Module):
     def _bind(self) -> tuple:
         a, m = self.self_attn, self.mlp
         qk_norm = hasattr(a, "q_norm")
+        D = a.head_dim
+        # Fused rotary (one kernel writing q and k contiguous) where the norms run fused too.
+        fused_rope = (not qk_norm and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0
+                      and triton_ops.usable_for(self.input_layernorm.weight))
         self._hot = (
-            self.input_layernorm.bound(), a.qkv_proj.bound(), a.o_proj.bound(),
-            self.post_attention_layernorm.bound(), m.gate_up_proj.bound(),
-            m.down_proj.bound(), m.act.forward,
+            self.input_layernorm.bound(), self.input_layernorm.bound_add(), a.qkv_proj.bound(),
+            a.o_proj.bound(), self.post_attention_layernorm.bound_add(),
+            m.gate_up_proj.bound(), m.down_proj.bound(), m.act.forward,
             a.q_norm.bound() if qk_norm else None, a.k_norm.bound() if qk_norm else None,
-            a.attn.params, a.num_heads, a.num_kv_heads, a.head_dim)
+            fused_rope, a.attn.params, a.num_heads, a.num_kv_heads, D)
         return self._hot
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] (the previous layer's output), residual [T, hidden] or None at the
         first layer -> (this layer's output, the residual stream before it)."""
-        (norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj, act, q_norm, k_norm,
-         params, H, Hkv, D) = self._hot or self._bind()
-        residual = h if residual is None else h + residual
-        qkv = qkv_proj(norm1(residual))  # [T, (H + 2 Hkv) * D]
+        (norm1, add_norm1, qkv_proj, o_proj, add_norm2, gate_up_proj, down_proj, act, q_norm,
+         k_norm, fused_rope, params, H, Hkv, D) = self._hot or self._bind()
+        if residual is None:
+            residual, x = h, norm1(h)
+        else:
+            x, residual = add_norm1(h, residual)  # norm(h + residual), h + residual
+        qkv = qkv_proj(x)  # [T, (H + 2 Hkv) * D]
         T = qkv.shape[0]
         q_size, qk_size = H * D, (H + Hkv) * D
         v = qkv[:, qk_size:]
-        if q_norm is None:
+        if fused_rope:
+            q, k = triton_ops.rotary_qk(qkv, cos, sin, H, Hkv, D)
+        elif q_norm is None:
             # q and k heads rotated in one pass: [T, H + Hkv, D]
             qk = apply_rotary(qkv[:, :qk_size].view(T, H + Hkv, D), cos, sin)
             q = qk[:, :H].reshape(T, q_size)
@@ -118,8 +128,8 @@ class DecoderLayer(nn.Module):
             k = apply_rotary(k_norm(qkv[:, q_size:qk_size].reshape(T, Hkv, D)), cos, sin)
             q, k = q.view(T, q_size), k.view(T, qk_size - q_size)
         h = o_proj(batch.attn_backend.forward(q, k, v, params, batch))
-        residual = h + residual
-        return down_proj(act(gate_up_proj(norm2(residual)))), residual
+        x, residual = add_norm2(h, residual)
+        return down_proj(act(gate_up_proj(x))), residual
 
 
 class DecoderModel(nn.Module):

@@ -1,0 +1,109 @@
+"""Where a batch-1 decode step's time goes on the GPU (a diagnostic, not a benchmark).
+
+    python bench/profile_decode.py --out profile.json     # Llama-3.1-8B shapes, bf16, dummy
+
+Builds the engine core in this process (no worker, no pipe) and reports, for batch sizes given:
+- the CUDA-graph replay alone (GPU time by CUDA events, no host work between replays);
+- one scheduler step end to end (host wall time: inputs, replay, sampling, the host sync,
+  bookkeeping), so step - replay = host overhead the GPU waits for;
+- the weights-only roofline from the copy bandwidth measured now;
+- the top kernels of a few decode steps by GPU time (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serving import LLAMA_31_8B, copy_bandwidth, make_model_dir, weight_bytes  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("skipped: needs CUDA")
+        return 0
+    from core.config import make_server_args
+    from core.worker import build_engine_core, make_plan
+
+    cfg = LLAMA_31_8B
+    bw = copy_bandwidth("cuda")
+    wbytes = weight_bytes(cfg, 2)
+    model_dir = make_model_dir(cfg)
+    args = make_server_args(model_path=model_dir, load_format="dummy", dtype="bfloat16",
+                            device="cuda", max_total_tokens=65536, cuda_graph_max_bs=32)
+    args, plan, spec, registry = make_plan(args)
+    core = build_engine_core(args, plan, spec, registry)
+    sched = core.scheduler
+    runner = sched.runner
+    gr = runner.graph_runner
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "copy_bw_GBps": bw / 1e9, "weight_bytes": wbytes,
+                    "roofline_ms_per_step_b1": wbytes / bw * 1e3,
+                    "graph_sizes": sorted(gr.graphs) if gr else [], "batches": {}}
+    n = 0
+    for bs in [int(x) for x in a.batch_sizes.split(",")]:
+        for i in range(bs):
+            sched.add_request(f"r{n}", list(range(1000, 1128)),
+                              {"temperature": 0, "max_new_tokens": a.steps * 3,
+                               "ignore_eos": True})
+            n += 1
+        while len(sched.running) < bs:  # prefill everything
+            sched.step()
+        torch.cuda.synchronize()
+        step_ms = []
+        for _ in range(a.steps):
+            t = time.perf_counter()
+            sched.step()
+            step_ms.append((time.perf_counter() - t) * 1e3)
+        entry: dict = {"step_ms_median": statistics.median(step_ms)}
+        if gr is not None and gr.can_run(bs):
+            from core.cuda_graph_runner import pick_bucket
+
+            g = gr.graphs[pick_bucket(bs, gr.sizes)]
+            times = []
+            for _ in range(a.steps):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+            entry["replay_ms_median"] = statistics.median(times)
+            entry["replay_fraction_of_roofline"] = report["roofline_ms_per_step_b1"] / \
+                entry["replay_ms_median"]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(8):
+                sched.step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        entry["profile_top"] = table
+        print(f"== batch {bs}: {json.dumps({k: v for k, v in entry.items() if k != 'profile_top'})}")
+        print(table)
+        host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+        print(host)
+        entry["profile_host"] = host
+        report["batches"][bs] = entry
+        for r in list(sched.running):
+            sched.abort(r.rid)
+        sched.step()
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps({k: v for k, v in report.items() if k != "batches"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

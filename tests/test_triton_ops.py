@@ -1,0 +1,115 @@
+"""The fused GPU element-wise kernels (core.layers.triton_ops) against the PyTorch layers they
+replace. On the CPU they run under the Triton interpreter (fp32 / fp16 only: bf16 arithmetic is
+not exact there); on a GPU (`-m gpu`) also in bf16."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from core.layers import triton_ops  # noqa: E402
+from core.layers.activation import GatedAct  # noqa: E402
+from core.layers.norm import RMSNorm  # noqa: E402
+from core.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def _norm(n: int, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(n, 1e-5, dtype, DEVICE)
+    norm.weight.data.uniform_(0.5, 1.5)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [96, 576, 4096])
+def test_rms_norm_matches_the_layer(dtype, n):
+    torch.manual_seed(0)
+    norm = _norm(n, dtype)
+    x = torch.randn(7, n, dtype=dtype, device=DEVICE) * 3
+    _close(triton_ops.rms_norm(x, norm.weight, norm.eps), norm._norm(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_returns_the_norm_and_the_sum(dtype):
+    torch.manual_seed(1)
+    norm = _norm(200, dtype)
+    x = torch.randn(5, 200, dtype=dtype, device=DEVICE)
+    r = torch.randn(5, 200, dtype=dtype, device=DEVICE)
+    out, total = triton_ops.add_rms_norm(x, r, norm.weight, norm.eps)
+    assert torch.equal(total, x + r)  # the sum is rounded exactly like torch's add
+    _close(out, norm._norm(x + r), dtype)
+    # rows are independent: a row's result does not depend on its neighbours
+    out1, _ = triton_ops.add_rms_norm(x[2:3], r[2:3], norm.weight, norm.eps)
+    assert torch.equal(out1[0], out[2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 1000, 2304])
+def test_silu_and_mul_matches_gated_act(dtype, inter):
+    torch.manual_seed(2)
+    x = torch.randn(3, 2 * inter, dtype=dtype, device=DEVICE) * 4
+    gate, up = x.chunk(2, dim=-1)
+    _close(triton_ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2), (6, 6), (32, 8)])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rotary_qk_matches_apply_rotary(dtype, heads, head_dim):
+    torch.manual_seed(3)
+    hq, hk = heads
+    T = 5
+    rope = RotaryEmbedding(head_dim, {"rope_theta": 10000.0, "rope_type": "default"}, 4096,
+                           DEVICE)
+    positions = torch.tensor([0, 1, 17, 300, 4095], device=DEVICE)
+    cos, sin = rope.cos_sin(positions, dtype)
+    qkv = torch.randn(T, (hq + 2 * hk) * head_dim, dtype=dtype, device=DEVICE)
+    q, k = triton_ops.rotary_qk(qkv, cos, sin, hq, hk, head_dim)
+    ref = apply_rotary(qkv[:, :(hq + hk) * head_dim].view(T, hq + hk, head_dim), cos, sin)
+    assert q.is_contiguous() and k.is_contiguous()
+    _close(q.view(T, hq, head_dim), ref[:, :hq], dtype)
+    _close(k.view(T, hk, head_dim), ref[:, hq:], dtype)
+
+
+def test_empty_batches_launch_nothing():
+    norm = _norm(64, torch.float32)
+    x = torch.empty(0, 64, device=DEVICE)
+    assert triton_ops.rms_norm(x, norm.weight, 1e-5).shape == (0, 64)
+    assert triton_ops.add_rms_norm(x, x, norm.weight, 1e-5)[0].shape == (0, 64)
+    assert triton_ops.silu_and_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
+
+
+def test_the_layers_use_pytorch_on_the_cpu_and_can_be_turned_off(monkeypatch):
+    assert not triton_ops.available("cpu")  # the interpreter is for tests, never the engine
+    triton_ops.available.cache_clear()
+    monkeypatch.setenv("CORE_DISABLE_FUSED_OPS", "1")
+    try:
+        assert not triton_ops.available("cuda")
+    finally:
+        triton_ops.available.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_the_layers_take_the_fused_path_on_the_gpu():
+    norm = _norm(256, torch.bfloat16)
+    assert norm.bound().func is triton_ops.rms_norm
+    act = GatedAct("silu")
+    x = torch.randn(4, 512, dtype=torch.bfloat16, device=DEVICE)
+    gate, up = x.chunk(2, dim=-1)
+    _close(act(x), torch.nn.functional.silu(gate) * up, torch.bfloat16)
