@@ -28,31 +28,33 @@ from plugins.attention.triton.common import (
 
 
 @triton.jit
-def _split_range(seq_len, split, num_splits, window, MIN_SPLIT: tl.constexpr,
-                 BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+def _split_range(seq_len, split, num_splits, window, min_split, BLOCK_N: tl.constexpr,
+                 USE_WINDOW: tl.constexpr):
     """[lo, hi) of split `split`, and how many splits this request really uses."""
     start = 0
     if USE_WINDOW:  # the query sits at seq_len - 1 and sees `window` tokens, itself included
         start = tl.maximum(seq_len - window, 0)
     span = seq_len - start
-    # Short contexts use fewer splits (at least MIN_SPLIT tokens each); the rest stay empty.
-    used = tl.maximum(tl.minimum(num_splits, tl.cdiv(span, MIN_SPLIT)), 1)
+    # Short contexts use fewer splits (at least min_split tokens each); the rest stay empty.
+    used = tl.maximum(tl.minimum(num_splits, tl.cdiv(span, min_split)), 1)
     split_len = tl.cdiv(tl.cdiv(span, used), BLOCK_N) * BLOCK_N
     lo = start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     return lo, hi, used
 
 
-@triton.jit
+# Split counts and lengths are runtime values (not specialised): retuning them, or a graph bucket
+# with one split, compiles nothing new.
+@triton.jit(do_not_specialize=["num_splits", "min_split"])
 def _decode_stage1(
     Q, K, V, req_to_token, req_pool_indices, seq_lens, part_o, part_lse,
-    sm_scale, qk_scale, cap, window, num_splits,
+    sm_scale, qk_scale, cap, window, num_splits, min_split,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
@@ -60,7 +62,8 @@ def _decode_stage1(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    lo, hi, _ = _split_range(seq_len, split, num_splits, window, MIN_SPLIT, BLOCK_N, USE_WINDOW)
+    lo, hi, _ = _split_range(seq_len, split, num_splits, window, min_split, BLOCK_N,
+                             USE_WINDOW)
 
     g = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # index inside the GQA group
     heads = kvh * GROUP + g
@@ -113,13 +116,12 @@ def _decode_stage1(
     tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "min_split"])
 def _decode_stage2(
-    part_o, part_lse, Out, seq_lens, out_scale, window, num_splits,
+    part_o, part_lse, Out, seq_lens, out_scale, window, num_splits, min_split,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, V_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
@@ -132,7 +134,7 @@ def _decode_stage2(
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     # Only the splits stage 1 filled for this request are read (a short request in a graph
     # captured for long contexts uses few of them).
-    _, _, used = _split_range(seq_len, 0, num_splits, window, MIN_SPLIT, BLOCK_N, USE_WINDOW)
+    _, _, used = _split_range(seq_len, 0, num_splits, window, min_split, BLOCK_N, USE_WINDOW)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     w_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -205,23 +207,22 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     _decode_stage1[(B, Hkv * head_blocks, splits)](
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse,
         sm_scale, sm_scale * LOG2E_F, logit_softcap or 1.0, window, splits,
+        cfg.min_split_tokens,
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1), req_to_token.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
         part_lse.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=D, V_DIM=Dv, BLOCK_H=block_h,
         BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=block_dv, BLOCK_N=cfg.block_n,
-        MIN_SPLIT=cfg.min_split_tokens, USE_WINDOW=use_window,
-        USE_SOFTCAP=logit_softcap is not None, PRECISION=precision,
+        USE_WINDOW=use_window, USE_SOFTCAP=logit_softcap is not None, PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     # real V = stored V * v_scale, and the merged softmax weights sum to one: scale the output.
     _decode_stage2[(B, Hkv * head_blocks)](
-        part_o, part_lse, out, seq_lens, v_scale, window, splits,
+        part_o, part_lse, out, seq_lens, v_scale, window, splits, cfg.min_split_tokens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
         part_lse.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, V_DIM=Dv, BLOCK_H=block_h, BLOCK_DV=block_dv,
-        BLOCK_N=cfg.block_n, MIN_SPLIT=cfg.min_split_tokens, USE_WINDOW=use_window,
-        num_warps=4,
+        BLOCK_N=cfg.block_n, USE_WINDOW=use_window, num_warps=4,
     )
     return out

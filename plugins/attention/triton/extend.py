@@ -94,7 +94,8 @@ def _attend_blocks(acc, l_sum, m, q, k_base, v_base, table, q_pos, lo, hi, sm_sc
     return acc, l_sum, m
 
 
-@triton.jit
+# tune_bucket is an autotuning key only: not specialised (0 and 1 would compile twice).
+@triton.jit(do_not_specialize=["tune_bucket"])
 def _extend_kernel(
     Q, K, V, Out, req_to_token, req_pool_indices, seq_lens, extend_lens, q_starts,
     sm_scale, qk_scale, cap, window, out_scale, tune_bucket,
