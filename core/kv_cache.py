@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from core.layers import triton_ops
+
 
 class KVPool:
     """K and V buffers for every layer, indexed by token slot.
@@ -52,6 +54,11 @@ class KVPool:
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V. loc: [T] slots; k: [T, kv_heads, head_dim]; v likewise."""
+        kb, vb = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if (self.k_scale == 1.0 and self.v_scale == 1.0
+                and triton_ops.can_store_kv(k, v, kb, vb)):
+            triton_ops.store_kv(k, v, loc, kb, vb)  # one kernel for both (GPU)
+            return
         if self.k_scale != 1.0:
             k = k / self.k_scale
         if self.v_scale != 1.0:

@@ -113,3 +113,21 @@ def test_the_layers_take_the_fused_path_on_the_gpu():
     x = torch.randn(4, 512, dtype=torch.bfloat16, device=DEVICE)
     gate, up = x.chunk(2, dim=-1)
     _close(act(x), torch.nn.functional.silu(gate) * up, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_exactly_the_slots(dtype):
+    torch.manual_seed(4)
+    T, Hkv, D, size = 6, 2, 32, 40
+    qkv = torch.randn(T, (4 + 2 * Hkv) * D, dtype=dtype, device=DEVICE)
+    k = torch.randn(T, Hkv, D, dtype=dtype, device=DEVICE)
+    v = qkv[:, (4 + Hkv) * D:].view(T, Hkv, D)  # a strided view, as the model passes it
+    k_buf = torch.full((size, Hkv, D), 7.0, dtype=dtype, device=DEVICE)
+    v_buf = torch.full((size, Hkv, D), 7.0, dtype=dtype, device=DEVICE)
+    loc = torch.tensor([3, 39, 0, 12, 13, 5], device=DEVICE)
+    assert triton_ops.can_store_kv(k, v, k_buf, v_buf) == ON_GPU  # the engine: GPUs only
+    triton_ops.store_kv(k, v, loc, k_buf, v_buf)
+    assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
+    untouched = torch.ones(size, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert (k_buf[untouched.to(DEVICE)] == 7).all() and (v_buf[untouched.to(DEVICE)] == 7).all()

@@ -89,6 +89,19 @@ def _kernels() -> Any:
         tl.store(k_ptr + k_off + d, o1, mask=kmask)
         tl.store(k_ptr + k_off + HALF + d, o2, mask=kmask)
 
+    @triton.jit
+    def store_kv_kernel(k_ptr, v_ptr, loc_ptr, kbuf_ptr, vbuf_ptr, stride_k, stride_v, N,
+                        BLOCK: tl.constexpr):
+        # one token per program: its K row and V row ([kv_heads * head_dim] each) into its slot
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(loc_ptr + t).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < N
+        kx = tl.load(k_ptr + t * stride_k + cols, mask=m)
+        vx = tl.load(v_ptr + t * stride_v + cols, mask=m)
+        tl.store(kbuf_ptr + slot * N + cols, kx.to(kbuf_ptr.dtype.element_ty), mask=m)
+        tl.store(vbuf_ptr + slot * N + cols, vx.to(vbuf_ptr.dtype.element_ty), mask=m)
+
     class K:
         pass
 
@@ -97,6 +110,7 @@ def _kernels() -> Any:
     k.rms_norm = rms_norm_kernel
     k.silu_mul = silu_mul_kernel
     k.rotary = rotary_kernel
+    k.store_kv = store_kv_kernel
     return k
 
 
@@ -176,6 +190,33 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: in
                        num_q, heads, HEADS=k.triton.next_power_of_2(heads), HALF=head_dim // 2,
                        num_warps=4)
     return q, k_out
+
+
+_STORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def can_store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
+                 v_buf: torch.Tensor) -> bool:
+    """store_kv handles this: rows of [heads, dim] contiguous within a token, buffers contiguous
+    with the same row shape, no fp8 (those keep the PyTorch path and its scaling)."""
+    return (usable_for(k) and k.dim() == 3 and v.dim() == 3 and k.shape == v.shape
+            and k_buf.dtype in _STORE_DTYPES and k_buf.dtype == v_buf.dtype
+            and k_buf.shape[1:] == k.shape[1:] and v_buf.shape[1:] == v.shape[1:]
+            and k_buf.is_contiguous() and v_buf.is_contiguous()
+            and k.stride(2) == 1 and v.stride(2) == 1
+            and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2])
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.Tensor,
+             v_buf: torch.Tensor) -> None:
+    """k_buf[loc] = k; v_buf[loc] = v (cast to the buffers' dtype) in one kernel."""
+    T = k.shape[0]
+    if T:
+        kern = _kernels()
+        n = k.shape[1] * k.shape[2]
+        block = kern.triton.next_power_of_2(n)
+        kern.store_kv[(T,)](k, v, loc, k_buf, v_buf, k.stride(0), v.stride(0), n, BLOCK=block,
+                            num_warps=4)
 
 
 def usable_for(t: torch.Tensor) -> bool:
