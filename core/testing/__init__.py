@@ -7,7 +7,14 @@ checks it against the contract and the `torch_native` reference with one option:
     pytest --conformance-backend my_backend --conformance-device cuda -m gpu --conformance-full
 
 The plugin (`core.testing.conformance`) is installed as a `pytest11` entry point and stays inert
-without that option. Where core-serve is importable but not installed, load it by hand:
+without that option. A package can make it its default, so that a plain `pytest` runs the suite
+(naming the backend again on the command line is harmless):
+
+    [tool.pytest.ini_options]
+    addopts = "--conformance-backend my_backend"
+
+Only what the backend declares is run; each thing it does not declare (a page size, a dtype, a
+feature) is one skipped test with the reason (`pytest -rs` lists them). Where core-serve is importable but not installed, load it by hand:
 
     pytest -p core.testing.conformance --backend my_backend
 

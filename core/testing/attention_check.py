@@ -64,9 +64,16 @@ def unavailable_reasons(reg: Registration, device: torch.device,
     return reasons
 
 
+def excluded_dtype_reasons(reg: Registration, device: torch.device) -> dict[str, str]:
+    """Declared compute dtypes the suite leaves out on `device`, with why."""
+    if triton_interpreter(reg, device):
+        return {"bfloat16": "not run under the Triton interpreter (it computes bf16 dots and "
+                            "arithmetic wrongly); a GPU check"}
+    return {}
+
+
 def excluded_dtypes(reg: Registration, device: torch.device) -> tuple[str, ...]:
-    # The Triton interpreter computes bf16 dots and arithmetic wrongly: bf16 is a GPU check.
-    return ("bfloat16",) if triton_interpreter(reg, device) else ()
+    return tuple(excluded_dtype_reasons(reg, device))
 
 
 def _poison_allocator(nbytes: int, device: torch.device) -> None:

@@ -9,6 +9,9 @@ Parametrization (by `pytest_generate_tests` below): every registered attention b
 run on each suite device, or only the backends named with --conformance-backend; devices from
 --conformance-device, else cpu plus cuda when present. Cases on a device other than the CPU carry
 the `gpu` mark (select them with `-m gpu`). A Triton backend runs on CPU under TRITON_INTERPRET=1.
+Cases are cut to the backend's declared capabilities; for a backend named with
+--conformance-backend, what it does not declare (page sizes, dtypes, features) is listed as one
+skipped test per item, `...-not-covered-<what>`, with the reason (`pytest -rs` prints them).
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ import torch
 
 from core.capabilities import DeviceInfo
 from core.plugins import Registration, get_registry
-from core.testing.attention_cases import conformance_cases
+from core.testing.attention_cases import conformance_cases, not_covered
 from core.testing.attention_check import (
     REFERENCE,
     check_case,
     device_target,
-    excluded_dtypes,
+    excluded_dtype_reasons,
     unavailable_reasons,
 )
 from core.testing.paged_batch import AttentionCase
@@ -68,7 +71,8 @@ def conformance_params(config: pytest.Config) -> list:
     """pytest.param objects for every (backend, device, case) the options select."""
     registry = get_registry()
     backends = registry.kind("attention")
-    named = config.getoption("conformance_backend", default=None) or []
+    # Named twice (an addopts default plus the command line) is still one run.
+    named = list(dict.fromkeys(config.getoption("conformance_backend", default=None) or []))
     unknown = [n for n in named if n not in backends]
     if unknown:
         raise pytest.UsageError(f"attention backend(s) {', '.join(unknown)} not registered "
@@ -97,10 +101,16 @@ def conformance_params(config: pytest.Config) -> list:
                         marks=[*marks, pytest.mark.skip(
                             reason=f"{name} cannot run on {device_name}: {'; '.join(reasons)}")]))
                 continue
-            for case in conformance_cases(reg.caps, full, excluded_dtypes(reg, device)):
+            excluded = excluded_dtype_reasons(reg, device)
+            for case in conformance_cases(reg.caps, full, tuple(excluded)):
                 params.append(pytest.param(
                     ConformanceParam(reg, device_name, case, seed, reference),
                     id=f"{name}-{device_name}-{case.id}", marks=marks))
+            if name in named:  # asked for by name: say what is not tested, and why
+                for key, reason in not_covered(reg.caps, excluded):
+                    params.append(pytest.param(
+                        None, id=f"{name}-{device_name}-not-covered-{key}",
+                        marks=[*marks, pytest.mark.skip(reason=f"{name}: {reason}")]))
     return params
 
 

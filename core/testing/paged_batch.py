@@ -38,6 +38,13 @@ FP8 = ("fp8_e4m3", "fp8_e5m2")
 FP8_SCALES = (0.37, 1.7)
 
 
+def attention_kind(num_kv_heads: int, group: int) -> str:
+    """The attention kind a model of this shape has, as core.model_spec names it."""
+    if num_kv_heads == 1:
+        return "MQA"
+    return "MHA" if group == 1 else "GQA"
+
+
 @dataclass(frozen=True)
 class AttentionCase:
     """One conformance case. In decode, every request has one new token (extend_lens all 1)."""
@@ -73,6 +80,10 @@ class AttentionCase:
     @property
     def num_heads(self) -> int:
         return self.num_kv_heads * self.group
+
+    @property
+    def kind(self) -> str:
+        return attention_kind(self.num_kv_heads, self.group)
 
     @property
     def prefix_lens(self) -> tuple[int, ...]:
