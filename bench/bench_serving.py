@@ -2,35 +2,59 @@
 
     python bench/bench_serving.py --out serving.json                  # GPU: Llama-3.1-8B shapes
     python bench/bench_serving.py --scenario cpu                      # tiny model, < 1 minute
+    python bench/bench_serving.py --modes online,shared-prefix ...    # a subset of the modes
 
-Scenarios (random-token prompts, fixed input/output lengths, ignore_eos, greedy):
-- batch 1: TTFT and decode tokens/s of one request, with CUDA graphs and with
-  --disable-cuda-graph (GPU), against the weights-only roofline = copy bandwidth measured in this
-  run / bytes of weights (every decode step reads every weight once);
-- offline throughput: N requests submitted at once through core.Engine; request throughput,
-  output tokens/s, TTFT / TPOT median and p99;
-- the peer: HF transformers on a model of the same config with its own random weights (the engine
-  uses --load-format dummy; values differ, shapes and dtype are the same): `generate` at batch 1,
-  and `generate_batch` (continuous batching) on the first --hf-num-prompts prompts, falling back
-  to padded `generate` when generate_batch is missing or fails (the report says which ran).
-The GPU scenario prints "skipped" and exits 0 on a machine without CUDA. Results are printed as
-JSON (and written to --out).
+Random-token prompts, fixed input/output lengths, ignore_eos, greedy. The model is a config with
+--load-format dummy and a word-level tokenizer covering the whole vocabulary (every id decodes to
+text, as with a real tokenizer, so every generated token is streamed). Modes (--modes):
+- batch1: TTFT and decode tokens/s of one request, with CUDA graphs and with --disable-cuda-graph
+  (GPU), against the weights-only roofline = copy bandwidth measured in this run / bytes of weights
+  (every decode step reads every weight once);
+- offline: --num-prompts requests submitted at once through core.Engine; request throughput,
+  input / output tokens/s, TTFT / TPOT / end-to-end latency (mean, median, p99);
+- online: `core serve` in a subprocess on the same model; --online-num-prompts requests at
+  --request-rate (Poisson arrivals; inf = all at once) under --max-concurrency, streamed (SSE)
+  through /v1/completions with token-id prompts; SGLang bench_serving's metrics (completed /
+  failed, duration, request and token throughputs, TTFT / TPOT / ITL / E2E mean, median, p99);
+- shared-prefix: --shared-prefix-num-requests prompts = one shared prefix + distinct suffixes,
+  through core.Engine with the radix cache on and with disable_radix_cache=True; each run first
+  sends two warm-up requests with the prefix (other suffixes) one after the other, then submits the
+  measured batch at once, so with the cache on every measured request can hit the prefix. The radix
+  run reuses the batch1/offline engine (prefix cache flushed first) when there is one.
+- the peer (with batch1 / offline): HF transformers on a model of the same config with its own
+  random weights (values differ, shapes and dtype are the same): `generate` at batch 1, and
+  `generate_batch` (continuous batching) on --hf-num-prompts prompts, falling back to padded
+  `generate` when generate_batch is missing or fails (the report says which ran).
+The GPU scenario prints "skipped" and exits 0 on a machine without CUDA. Results are one JSON,
+printed and written to --out (after every stage), then a summary table.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
+import shlex
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
-TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+for _p in (str(BENCH_DIR), str(REPO)):  # bench this checkout, whatever else is installed
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from serving_online import bench_online, latency_stats  # noqa: E402
+from serving_report import jsonable, ratio, summarize, summary_table  # noqa: E402
+
+MODES = ("batch1", "offline", "online", "shared-prefix")
 
 LLAMA_31_8B = {  # public config shapes of meta-llama/Llama-3.1-8B
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -46,6 +70,17 @@ TINY = {**LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
         "max_position_embeddings": 4096, "rope_scaling": None, "bos_token_id": 1,
         "eos_token_id": 2}
+
+# (gpu, cpu) defaults of the flags left unset
+DEFAULTS = {
+    "dtype": ("bfloat16", "float32"), "num_prompts": (1000, 8), "input_len": (1024, 64),
+    "output_len": (256, 16), "batch1_output_len": (256, 32), "hf_num_prompts": (32, 4),
+    "hf_batch1_output_len": (64, 32), "hf_offline": ("generate_batch", "generate"),
+    "online_num_prompts": (200, 8), "request_rate": (8.0, 8.0), "max_concurrency": (64, 4),
+    "shared_prefix_len": (2048, 256), "shared_prefix_num_requests": (64, 16),
+    "shared_prefix_suffix_len": (32, 16), "shared_prefix_output_len": (32, 8),
+    "max_total_tokens": (None, 8192),
+}
 
 
 def weight_bytes(cfg: dict[str, Any], dtype_bytes: int) -> int:
@@ -80,89 +115,165 @@ def copy_bandwidth(device: str) -> float:
     return bw
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with one plain token per id ("t0" ... ), no special tokens.
+
+    Every id decodes to text, so a streamed token is never held back or dropped as it would be
+    with a tokenizer smaller than the model's vocabulary; EOS comes from config.json.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))
 
 
-def make_model_dir(cfg: dict[str, Any]) -> str:
-    sys.path.insert(0, str(TESTS_DIR))
-    from model_fixtures import write_tokenizer  # a byte-level tokenizer: ids in, ids out
-
-    d = Path(tempfile.mkdtemp(prefix="bench_serving_"))
+def make_model_dir(cfg: dict[str, Any], d: Path) -> str:
+    d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
-    write_tokenizer(d)
+    write_tokenizer(d, cfg["vocab_size"])
     return str(d)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    lo = min(1000, vocab // 4)
-    return [[rng.randrange(lo, vocab - 1) for _ in range(length)] for _ in range(n)]
+    ids = range(min(1000, vocab // 4), vocab - 1)
+    return [rng.choices(ids, k=length) for _ in range(n)]
 
 
-def run_stream(engine: Any, batch: list[list[int]], out_len: int) -> dict[str, Any]:
-    """Submit all at once, stream; per-request TTFT and TPOT, totals."""
+def shared_prefix_prompts(a: argparse.Namespace, warmup: int = 2
+                          ) -> tuple[list[list[int]], list[list[int]]]:
+    """(warm-up, measured) prompts: one prefix + suffixes whose first tokens all differ."""
+    vocab = a.cfg["vocab_size"]
+    n = a.shared_prefix_num_requests + warmup
+    rng = random.Random(11)
+    ids = range(min(1000, vocab // 4), vocab - 1)
+    prefix = rng.choices(ids, k=a.shared_prefix_len)
+    firsts = rng.sample(ids, n) if n <= len(ids) else rng.choices(ids, k=n)
+    out = [prefix + [f] + rng.choices(ids, k=a.shared_prefix_suffix_len - 1) for f in firsts]
+    return out[:warmup], out[warmup:]
+
+
+def run_stream(engine: Any, batch: list[list[int]], out_len: int, per_request: bool = False
+               ) -> dict[str, Any]:
+    """Submit all at once and stream; throughputs, latency percentiles, cached prompt tokens.
+
+    Keeps O(1) state per request (first / last token time, counts), whatever the batch size.
+    """
     sp = {"temperature": 0, "max_new_tokens": out_len, "ignore_eos": True}
+    n = len(batch)
+    first: list[float | None] = [None] * n
+    last = [0.0] * n
+    count = [0] * n
+    cached = [0] * n
     t0 = time.perf_counter()
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    count: dict[int, int] = {}
     for chunk in engine.generate(input_ids=batch, sampling_params=sp, stream=True):
         now = time.perf_counter()
         i = chunk["index"]
         if chunk["token_ids"]:
-            first.setdefault(i, now)
+            if first[i] is None:
+                first[i] = now
             last[i] = now
-            count[i] = count.get(i, 0) + len(chunk["token_ids"])
+            count[i] += len(chunk["token_ids"])
+        if chunk["finish_reason"] is not None:
+            cached[i] = int((chunk.get("meta_info") or {}).get("cached_tokens") or 0)
     wall = time.perf_counter() - t0
-    ttft = [first[i] - t0 for i in first]
-    tpot = [(last[i] - first[i]) / (count[i] - 1) for i in first if count[i] > 1]
-    out_tokens = sum(count.values())
-    return {"requests": len(batch), "output_tokens": out_tokens, "wall_s": wall,
-            "request_throughput": len(batch) / wall, "output_tok_s": out_tokens / wall,
-            "ttft_median_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
-            "tpot_median_s": pct(tpot, 0.5), "tpot_p99_s": pct(tpot, 0.99),
-            "decode_tok_s_per_request": 1 / pct(tpot, 0.5) if tpot else None}
+    done = [i for i in range(n) if first[i] is not None]
+    tin = sum(len(p) for p in batch)
+    tout = sum(count)
+    res = {"requests": n, "input_tokens": tin, "output_tokens": tout, "wall_s": wall,
+           "request_throughput": n / wall, "input_tok_s": tin / wall, "output_tok_s": tout / wall,
+           "total_tok_s": (tin + tout) / wall, "output_tokens_min": min(count, default=0),
+           "output_tokens_max": max(count, default=0), "cached_tokens_total": sum(cached),
+           **latency_stats("ttft", [first[i] - t0 for i in done]),
+           **latency_stats("tpot", [(last[i] - first[i]) / (count[i] - 1)
+                                    for i in done if count[i] > 1]),
+           **latency_stats("e2e", [last[i] - t0 for i in done])}
+    med = res["tpot_median_ms"]
+    res["decode_tok_s_per_request"] = 1e3 / med if med else None
+    if per_request:
+        res["per_request"] = [{"output_tokens": count[i], "cached_tokens": cached[i],
+                               "ttft_ms": None if first[i] is None else (first[i] - t0) * 1e3,
+                               "e2e_ms": (last[i] - t0) * 1e3} for i in range(n)]
+    return res
 
 
-def bench_engine(model_dir: str, a: argparse.Namespace, graphs: bool, offline: bool
-                 ) -> dict[str, Any]:
-    from core import Engine
-
-    kw: dict[str, Any] = {"load_format": "dummy", "device": a.device, "dtype": a.dtype}
-    if not graphs:
-        kw["disable_cuda_graph"] = True
+def engine_kwargs(a: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = {"load_format": "dummy", "device": a.device, "dtype": a.dtype, **extra}
     if a.max_total_tokens:
         kw["max_total_tokens"] = a.max_total_tokens
+    return kw
+
+
+def measure_batch1(engine: Any, a: argparse.Namespace) -> dict[str, Any]:
     vocab = a.cfg["vocab_size"]
+    # warm-up: compiles / autotunes the prompt length used below
+    run_stream(engine, prompts(2, a.batch1_input_len, vocab, 1), 4)
+    run_stream(engine, prompts(1, a.batch1_input_len, vocab, 2), a.batch1_output_len)
+    b1 = run_stream(engine, prompts(1, a.batch1_input_len, vocab, 3), a.batch1_output_len)
+    return {"ttft_ms": b1["ttft_median_ms"], "decode_tok_s": b1["decode_tok_s_per_request"],
+            "output_tokens": b1["output_tokens"]}
+
+
+def measure_offline(engine: Any, a: argparse.Namespace) -> dict[str, Any]:
+    vocab = a.cfg["vocab_size"]
+    run_stream(engine, prompts(4, a.input_len, vocab, 4), 4)  # warm-up at this prompt length
+    batch = prompts(a.num_prompts, a.input_len, vocab, 5)
+    return {"input_len": a.input_len, "output_len": a.output_len,
+            **run_stream(engine, batch, a.output_len, a.per_request)}
+
+
+def measure_shared_prefix(engine: Any, a: argparse.Namespace) -> dict[str, Any]:
+    warm, timed = shared_prefix_prompts(a)
+    out = a.shared_prefix_output_len
+    warm_res = [run_stream(engine, [w], out) for w in warm]  # one after the other
+    s0 = engine.stats()
+    res = run_stream(engine, timed, out, a.per_request)
+    s1 = engine.stats()
+    res["warmup_cached_tokens"] = [w["cached_tokens_total"] for w in warm_res]
+    res["warmup_ttft_ms"] = [w["ttft_median_ms"] for w in warm_res]
+    # the scheduler's own counters over the measured batch
+    res["engine_prefill_tokens"] = s1["prefill_tokens"] - s0["prefill_tokens"]
+    res["engine_cached_tokens"] = s1["cached_tokens"] - s0["cached_tokens"]
+    return res
+
+
+def bench_engine(model_dir: str, a: argparse.Namespace, *, graphs: bool = True,
+                 radix: bool = True, batch1: bool = False, offline: bool = False,
+                 shared_prefix: bool = False) -> dict[str, Any]:
+    from core import Engine
+
+    extra: dict[str, Any] = {}
+    if not graphs:
+        extra["disable_cuda_graph"] = True
+    if not radix:
+        extra["disable_radix_cache"] = True
     t = time.perf_counter()
-    with Engine(model_dir, **kw) as engine:
+    with Engine(model_dir, **engine_kwargs(a, **extra)) as engine:
         res: dict[str, Any] = {"startup_s": time.perf_counter() - t,
                                "cuda_graph_batch_sizes": engine.info.get(
                                    "cuda_graph_batch_sizes", []),
                                "notes": engine.info.get("notes", []),
+                               "max_running_requests": engine.info.get("max_running_requests"),
+                               "pool_tokens": engine.info.get("pool_tokens"),
                                "decode_attention": engine.plan.decode_attention}
-        # warm-up: compiles / autotunes the prompt lengths used below
-        run_stream(engine, prompts(2, a.batch1_input_len, vocab, 1), 4)
-        run_stream(engine, prompts(1, a.batch1_input_len, vocab, 2), a.batch1_output_len)
-        b1 = run_stream(engine, prompts(1, a.batch1_input_len, vocab, 3), a.batch1_output_len)
-        res["batch1"] = {"ttft_s": b1["ttft_median_s"],
-                         "decode_tok_s": b1["decode_tok_s_per_request"],
-                         "output_tokens": b1["output_tokens"]}
+        if batch1:
+            res["batch1"] = measure_batch1(engine, a)
         if offline:
-            run_stream(engine, prompts(4, a.input_len, vocab, 4), 4)
-            res["offline"] = run_stream(engine, prompts(a.num_prompts, a.input_len, vocab, 5),
-                                        a.output_len)
+            res["offline"] = measure_offline(engine, a)
+        if shared_prefix:
+            if batch1 or offline:
+                engine.flush_cache()  # start the radix run from an empty prefix cache
+            res["shared_prefix"] = measure_shared_prefix(engine, a)
         stats = engine.stats()
         res["graph_replays"] = stats.get("graph_replays")
         res["decode_forwards"] = stats["forward_count"]["decode"]
+        res["retractions"] = stats.get("retractions")
     return res
 
 
-def bench_hf(a: argparse.Namespace) -> dict[str, Any]:
+def bench_hf(a: argparse.Namespace, batch1: bool, offline: bool) -> dict[str, Any]:
     import transformers
 
     dtype = getattr(torch, a.dtype)
@@ -191,13 +302,15 @@ def bench_hf(a: argparse.Namespace) -> dict[str, Any]:
 
     one = torch.tensor(prompts(1, a.batch1_input_len, vocab, 3), device=a.device)
     gen(one, 4)  # warm-up
-    ttft = gen(one, 1)
-    n = a.hf_batch1_output_len
-    total = gen(one, n)
-    res["batch1"] = {"ttft_s": ttft, "decode_tok_s": (n - 1) / (total - ttft),
-                     "output_tokens": n}
-    batch = prompts(a.hf_num_prompts, a.input_len, vocab, 5)
-    res["offline"] = hf_offline(model, batch, a, gen)
+    if batch1:
+        ttft = gen(one, 1)
+        n = a.hf_batch1_output_len
+        total = gen(one, n)
+        res["batch1"] = {"ttft_ms": ttft * 1e3, "decode_tok_s": (n - 1) / (total - ttft),
+                         "output_tokens": n}
+    if offline:
+        batch = prompts(a.hf_num_prompts, a.input_len, vocab, 5)
+        res["offline"] = hf_offline(model, batch, a, gen)
     return res
 
 
@@ -208,10 +321,10 @@ def hf_offline(model: Any, batch: list[list[int]], a: argparse.Namespace, gen: A
     try:
         if a.hf_offline != "generate_batch":
             raise RuntimeError("not asked for (--hf-offline generate)")
-        gc = transformers.GenerationConfig(max_new_tokens=a.output_len, do_sample=False,
-                                           eos_token_id=None, pad_token_id=0)
+        gc_ = transformers.GenerationConfig(max_new_tokens=a.output_len, do_sample=False,
+                                            eos_token_id=None, pad_token_id=0)
         t0 = time.perf_counter()
-        outs = model.generate_batch(inputs=batch, generation_config=gc)
+        outs = model.generate_batch(inputs=batch, generation_config=gc_)
         wall = time.perf_counter() - t0
         tokens = sum(len(getattr(o, "generated_tokens", ()) or ()) for o in outs.values())
         if tokens == 0:
@@ -227,15 +340,46 @@ def hf_offline(model: Any, batch: list[list[int]], a: argparse.Namespace, gen: A
                 "output_tok_s": tokens / wall}
 
 
-def ratio(x: float | None, y: float | None) -> float | None:
-    return round(x / y, 3) if x and y else None
+def shared_prefix_report(a: argparse.Namespace, on: dict[str, Any], off: dict[str, Any]
+                         ) -> dict[str, Any]:
+    """The radix-on run (from the main engine) beside the radix-off run (its own engine)."""
+    off_run = off.get("shared_prefix", off)  # an {"error": ...} when that engine failed
+    on_tp, off_tp = on.get("request_throughput"), off_run.get("request_throughput")
+    return {
+        "workload": {"num_requests": a.shared_prefix_num_requests,
+                     "prefix_len": a.shared_prefix_len, "suffix_len": a.shared_prefix_suffix_len,
+                     "output_len": a.shared_prefix_output_len,
+                     "warmup": "2 requests with the prefix and other suffixes, one after the "
+                               "other, before the measured batch (submitted at once), in both "
+                               "runs",
+                     "radix_on_engine": "the batch1/offline engine, prefix cache flushed"
+                     if {"batch1", "offline"} & set(a.modes) else "its own engine"},
+        "radix_on": on, "radix_off": off_run, "radix_off_startup_s": off.get("startup_s"),
+        "ratio": ratio(on_tp, off_tp)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_online(model_dir: str, a: argparse.Namespace, log: Path) -> dict[str, Any]:
+    flags = ["--model-path", model_dir, "--load-format", "dummy", "--device", a.device,
+             "--dtype", a.dtype]
+    if a.max_total_tokens:
+        flags += ["--max-total-tokens", str(a.max_total_tokens)]
+    flags += shlex.split(a.server_extra_args or "")
+    vocab = a.cfg["vocab_size"]
+    batch = prompts(a.online_num_prompts, a.online_input_len, vocab, 21)
+    warm = prompts(a.online_warmup, a.online_input_len, vocab, 22)
+    res = bench_online(flags, batch, a.online_output_len, a.request_rate, a.max_concurrency,
+                       warm, log, a.server_startup_timeout, a.per_request)
+    res["server_flags"] = ["<model dir>" if f == model_dir else f for f in flags]
+    return res
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scenario", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated subset of {', '.join(MODES)}")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=None, help="offline requests")
     p.add_argument("--input-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--batch1-input-len", type=int, default=128)
@@ -247,72 +391,127 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-offline", choices=("generate_batch", "generate"), default=None,
                    help="the peer's offline method (default: generate_batch on GPU)")
     p.add_argument("--skip-eager", action="store_true", help="no --disable-cuda-graph run")
+    g = p.add_argument_group("online (a core serve subprocess)")
+    g.add_argument("--online-num-prompts", type=int, default=None)
+    g.add_argument("--online-input-len", type=int, default=None, help="default: --input-len")
+    g.add_argument("--online-output-len", type=int, default=None, help="default: --output-len")
+    g.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s, Poisson arrivals; inf sends all at once")
+    g.add_argument("--max-concurrency", type=int, default=None, help="0: no cap")
+    g.add_argument("--online-warmup", type=int, default=2, help="warm-up requests (not timed)")
+    g.add_argument("--server-extra-args", default="", help="more `core serve` flags, quoted")
+    g.add_argument("--server-startup-timeout", type=float, default=900.0)
+    g = p.add_argument_group("shared-prefix (radix cache on vs off)")
+    g.add_argument("--shared-prefix-len", type=int, default=None)
+    g.add_argument("--shared-prefix-num-requests", type=int, default=None)
+    g.add_argument("--shared-prefix-suffix-len", type=int, default=None)
+    g.add_argument("--shared-prefix-output-len", type=int, default=None)
+    p.add_argument("--per-request", action="store_true",
+                   help="add per-request records to the online, offline and shared-prefix results")
     p.add_argument("--out", default=None, help="write the JSON report here")
     a = p.parse_args(argv)
+    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in a.modes if m not in MODES]
+    if bad or not a.modes:
+        p.error(f"--modes: unknown {', '.join(bad) or '(none given)'}; choose from "
+                f"{', '.join(MODES)}")
+    gpu = a.scenario == "gpu"
+    for k, (g_val, c_val) in DEFAULTS.items():
+        if getattr(a, k) is None:
+            setattr(a, k, g_val if gpu else c_val)
+    if a.online_input_len is None:
+        a.online_input_len = a.input_len
+    if a.online_output_len is None:
+        a.online_output_len = a.output_len
+    if a.max_concurrency == 0:
+        a.max_concurrency = None
+    if a.shared_prefix_suffix_len < 1:
+        p.error("--shared-prefix-suffix-len must be >= 1")
+    if not gpu:
+        a.skip_eager = True  # no graphs on a CPU: the eager run would be the same run
+    a.device = "cuda" if gpu else "cpu"
+    a.cfg = LLAMA_31_8B if gpu else TINY
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     gpu = a.scenario == "gpu"
     if gpu and not torch.cuda.is_available():
         print("skipped: the gpu scenario needs CUDA (try --scenario cpu)")
         return 0
-    a.device = "cuda" if gpu else "cpu"
-    a.cfg = LLAMA_31_8B if gpu else TINY
-    defaults = dict(dtype="bfloat16" if gpu else "float32", num_prompts=128 if gpu else 8,
-                    input_len=1024 if gpu else 64, output_len=256 if gpu else 16,
-                    batch1_output_len=256 if gpu else 32, hf_num_prompts=16 if gpu else 4,
-                    hf_batch1_output_len=64 if gpu else 32,
-                    hf_offline="generate_batch" if gpu else "generate")
-    if not gpu:
-        a.skip_eager = True  # no graphs on a CPU: the eager run would be the same run
-    for k, v in defaults.items():
-        if getattr(a, k) is None:
-            setattr(a, k, v)
-    if not gpu and a.max_total_tokens is None:
-        a.max_total_tokens = 8192
-    model_dir = make_model_dir(a.cfg)
-    elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
-    wbytes = weight_bytes(a.cfg, elem)
-    bw = copy_bandwidth(a.device)
+    modes = set(a.modes)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
-        "args": {k: v for k, v in vars(a).items() if k != "cfg"},
-        "weight_bytes": wbytes, "copy_bw_GBps": bw / 1e9, "roofline_decode_tok_s": bw / wbytes}
+        "args": {k: v for k, v in vars(a).items() if k != "cfg"}}
+    stages: dict[str, float] = {}
+    report["stage_wall_s"] = stages
+    failed: list[str] = []
 
     def save() -> None:  # after every stage, so a run cut short keeps what it measured
         if a.out:
-            Path(a.out).write_text(json.dumps(report, indent=2, default=str))
+            Path(a.out).write_text(json.dumps(jsonable(report), indent=2, default=str))
 
+    def stage(name: str, fn: Any, *args: Any, **kw: Any) -> dict[str, Any]:
+        """Run one stage; a failure is reported (and fails the exit code), the rest still run."""
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        except Exception as exc:  # noqa: BLE001 - one broken mode must not lose the others
+            traceback.print_exc()
+            failed.append(name)
+            return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        finally:
+            stages[name] = round(time.perf_counter() - t, 1)
+            gc.collect()
+            if gpu:
+                torch.cuda.empty_cache()  # an engine sizes its KV cache from free memory
+
+    if "batch1" in modes:
+        elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
+        wbytes = weight_bytes(a.cfg, elem)
+        bw = copy_bandwidth(a.device)
+        report.update({"weight_bytes": wbytes, "copy_bw_GBps": bw / 1e9,
+                       "roofline_decode_tok_s": bw / wbytes})
     save()
-    report["engine_graphs"] = bench_engine(model_dir, a, graphs=True, offline=True)
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
+        model_dir = make_model_dir(a.cfg, Path(tmp) / "model")
+        # Order: what matters most first, so a run cut short keeps it.
+        if modes & {"batch1", "offline", "shared-prefix"}:
+            report["engine_graphs"] = stage(
+                "engine", bench_engine, model_dir, a, batch1="batch1" in modes,
+                offline="offline" in modes, shared_prefix="shared-prefix" in modes)
+            save()
+        if "shared-prefix" in modes:
+            off = stage("engine_no_radix", bench_engine, model_dir, a, radix=False,
+                        shared_prefix=True)
+            report["shared_prefix"] = shared_prefix_report(
+                a, report["engine_graphs"].pop("shared_prefix", report["engine_graphs"]), off)
+            save()
+        if "online" in modes:
+            log = Path(a.out).with_suffix(".server.log") if a.out else Path(tmp) / "server.log"
+            report["online"] = stage("online", run_online, model_dir, a, log)
+            save()
+        if modes & {"batch1", "offline"} and not a.skip_hf:
+            # before the eager run: the peer matters more if time runs out
+            report["hf"] = stage("hf", bench_hf, a, "batch1" in modes, "offline" in modes)
+            save()
+        if "batch1" in modes and not a.skip_eager:
+            report["engine_eager"] = stage("engine_eager", bench_engine, model_dir, a,
+                                           graphs=False, batch1=True)
+            save()
+    stages["total"] = round(time.perf_counter() - t_start, 1)
+    report["failed_stages"] = failed
+    report["summary"] = summarize(report)
     save()
-    if not a.skip_hf:  # before the eager run: the peer matters more if time runs out
-        report["hf"] = bench_hf(a)
-        if gpu:
-            torch.cuda.empty_cache()
-        save()
-    if not a.skip_eager:
-        report["engine_eager"] = bench_engine(model_dir, a, graphs=False, offline=False)
-        save()
-    eg = report["engine_graphs"]
-    roof = report["roofline_decode_tok_s"]
-    summary = {
-        "batch1_decode_tok_s_graphs": eg["batch1"]["decode_tok_s"],
-        "batch1_vs_roofline": ratio(eg["batch1"]["decode_tok_s"], roof),
-        "offline_output_tok_s": eg["offline"]["output_tok_s"],
-    }
-    if "engine_eager" in report:
-        ee = report["engine_eager"]["batch1"]["decode_tok_s"]
-        summary["batch1_decode_tok_s_eager"] = ee
-        summary["batch1_graphs_vs_eager"] = ratio(eg["batch1"]["decode_tok_s"], ee)
-    if "hf" in report:
-        hf = report["hf"]
-        summary["batch1_vs_hf"] = ratio(eg["batch1"]["decode_tok_s"], hf["batch1"]["decode_tok_s"])
-        summary["offline_vs_hf"] = ratio(eg["offline"]["output_tok_s"],
-                                         hf["offline"]["output_tok_s"])
-        summary["hf_offline_method"] = hf["offline"]["method"]
-    report["summary"] = summary
-    save()
-    print(json.dumps(report, indent=2, default=str))
-    return 0
+    print(json.dumps(jsonable(report), indent=2, default=str))
+    print()
+    print(summary_table(report))
+    if failed:
+        print(f"\nfailed stages: {', '.join(failed)} (see their 'error' in the JSON)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,135 @@
+"""The report side of bench_serving.py: headline numbers, the summary table, strict JSON."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def jsonable(obj: Any) -> Any:
+    """inf / nan as strings: strict JSON has no such numbers (--request-rate inf)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+def ratio(x: float | None, y: float | None) -> float | None:
+    return round(x / y, 3) if x and y else None
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers and ratios of a report (stages that failed are left out)."""
+    s: dict[str, Any] = {}
+    eg, hf = report.get("engine_graphs") or {}, report.get("hf") or {}
+    if "batch1" in eg:
+        b1 = eg["batch1"]["decode_tok_s"]
+        s["batch1_decode_tok_s_graphs"] = b1
+        s["batch1_vs_roofline"] = ratio(b1, report.get("roofline_decode_tok_s"))
+        ee = (report.get("engine_eager") or {}).get("batch1", {}).get("decode_tok_s")
+        if ee:
+            s["batch1_decode_tok_s_eager"] = ee
+            s["batch1_graphs_vs_eager"] = ratio(b1, ee)
+        if "batch1" in hf:
+            s["hf_batch1_decode_tok_s"] = hf["batch1"]["decode_tok_s"]
+            s["batch1_vs_hf"] = ratio(b1, hf["batch1"]["decode_tok_s"])
+    if "offline" in eg:
+        s["offline_output_tok_s"] = eg["offline"]["output_tok_s"]
+        if "offline" in hf:
+            s["hf_offline_output_tok_s"] = hf["offline"]["output_tok_s"]
+            s["offline_vs_hf"] = ratio(eg["offline"]["output_tok_s"],
+                                       hf["offline"]["output_tok_s"])
+            s["hf_offline_method"] = hf["offline"]["method"]
+            s["hf_offline_label"] = hf["offline"]["method"].split(" (")[0]
+    on = report.get("online") or {}
+    if "completed" in on:
+        s.update({f"online_{k}": on[k] for k in (
+            "completed", "failed", "request_throughput", "output_tok_s", "ttft_median_ms",
+            "ttft_p99_ms", "tpot_median_ms", "itl_median_ms", "itl_p99_ms")})
+    sp = report.get("shared_prefix") or {}
+    if sp:
+        s["shared_prefix_radix_vs_no_radix"] = sp.get("ratio")
+        s["shared_prefix_cached_tokens"] = (sp.get("radix_on") or {}).get("cached_tokens_total")
+    return s
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _num(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def _three(d: dict[str, Any], k: str) -> str:
+    return " / ".join(_ms(d.get(f"{k}_{q}_ms")) for q in ("mean", "median", "p99"))
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    """A short human-readable table of the headline numbers (one row per measure)."""
+    rows: list[tuple[str, str, str]] = []
+    eg, hf, s = report.get("engine_graphs") or {}, report.get("hf") or {}, report["summary"]
+    for name, part in (("engine", eg), ("hf", hf), ("online", report.get("online") or {}),
+                       ("eager", report.get("engine_eager") or {})):
+        if "error" in part:
+            rows.append((name, "FAILED", part["error"].splitlines()[0][:120]))
+    if "batch1" in eg:
+        b = eg["batch1"]
+        note = f"{_num(s.get('batch1_vs_roofline'), 2)} of roofline " \
+               f"{_num(report.get('roofline_decode_tok_s'))}"
+        if "batch1_vs_hf" in s:
+            note += f"; {_num(s['batch1_vs_hf'], 2)}x HF ({_num(s['hf_batch1_decode_tok_s'])})"
+        rows.append(("batch1", "decode tok/s", f"{_num(b['decode_tok_s'])}  ({note})"))
+        if "batch1_decode_tok_s_eager" in s:
+            rows.append(("batch1", "decode tok/s eager",
+                         f"{_num(s['batch1_decode_tok_s_eager'])}  (graphs "
+                         f"{_num(s['batch1_graphs_vs_eager'], 2)}x eager)"))
+        rows.append(("batch1", "TTFT ms", _ms(b["ttft_ms"])))
+    if "offline" in eg:
+        o = eg["offline"]
+        note = ""
+        if "offline_vs_hf" in s:
+            note = f"  ({_num(s['offline_vs_hf'], 1)}x HF {s['hf_offline_label']}: " \
+                   f"{_num(s['hf_offline_output_tok_s'])} on {hf['offline']['requests']} req)"
+        rows.append(("offline", f"{o['requests']} req {o['input_len']}/{o['output_len']} "
+                     f"out tok/s", f"{_num(o['output_tok_s'])}{note}"))
+        rows.append(("offline", "req/s | in tok/s | wall s",
+                     f"{_num(o['request_throughput'], 2)} | {_num(o['input_tok_s'])} | "
+                     f"{_num(o['wall_s'])}"))
+        rows.append(("offline", "TTFT ms mean/p50/p99", _three(o, "ttft")))
+        rows.append(("offline", "TPOT ms mean/p50/p99", _three(o, "tpot")))
+    on = report.get("online") or {}
+    if "completed" in on:
+        rows.append(("online", f"{on['num_prompts']} req {on['input_len']}/{on['output_len']} "
+                     f"@ {on['request_rate']}/s, conc {on['max_concurrency']}",
+                     f"completed {on['completed']}, failed {on['failed']}, "
+                     f"{_num(on['duration_s'])} s"))
+        rows.append(("online", "req/s | in tok/s | out tok/s",
+                     f"{_num(on['request_throughput'], 2)} | {_num(on['input_tok_s'])} | "
+                     f"{_num(on['output_tok_s'])}"))
+        for k in ("ttft", "tpot", "itl", "e2e"):
+            rows.append(("online", f"{k.upper()} ms mean/p50/p99", _three(on, k)))
+    sp = report.get("shared_prefix") or {}
+    if sp:
+        w = sp["workload"]
+        shape = f"{w['num_requests']} req, {w['prefix_len']}+{w['suffix_len']} in, " \
+                f"{w['output_len']} out"
+        for key in ("radix_on", "radix_off"):
+            r = sp.get(key) or {}
+            if "error" in r:
+                rows.append(("shared-prefix", f"{key} FAILED", r["error"].splitlines()[0][:120]))
+            elif r:
+                rows.append(("shared-prefix", f"{key} req/s",
+                             f"{_num(r['request_throughput'], 2)}  ({shape}; cached "
+                             f"{r['cached_tokens_total']} tokens, wall {_num(r['wall_s'], 2)} s)"))
+        rows.append(("shared-prefix", "radix on / off",
+                     f"{_num(sp.get('ratio'), 2)}x  (issue target >= 3x on the H200)"))
+    w0 = max((len(r[0]) for r in rows), default=0)
+    w1 = max((len(r[1]) for r in rows), default=0)
+    stages = ", ".join(f"{k} {v:g}" for k, v in (report.get("stage_wall_s") or {}).items())
+    head = f"summary ({report['device']}, {report['args']['scenario']} scenario; " \
+           f"wall s: {stages})"
+    return "\n".join([head, *(f"{m:<{w0}}  {k:<{w1}}  {v}" for m, k, v in rows)])
