@@ -95,6 +95,97 @@ def test_decode_result_does_not_depend_on_the_split_count(window):
         torch.testing.assert_close(out.view(3, -1).float(), want, **_tol(torch.float16))
 
 
+def _written(case: AttentionCase, seed: int):
+    """Inputs of `case` with the step's K/V already in the pool, and the fp32 reference."""
+    inputs = build_inputs(case, DEVICE, seed)
+    layer, (q, k, v) = inputs.layers[0], inputs.qkv[0]
+    b, pool = inputs.batch, inputs.pool
+    T, Hkv, D = q.shape[0], case.num_kv_heads, case.head_dim
+    pool.set_kv(layer.layer_id, b.out_cache_loc, k.view(T, Hkv, D), v.view(T, Hkv, D))
+    k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+    return inputs, k_buf, v_buf, reference_attention(q, k_buf, v_buf, layer, b)
+
+
+# Prefixes and new-token runs that start, end and cross 16/32-token block edges (and 0 prefix).
+_EDGE_SEQS = (32, 47, 33, 64, 97, 17)
+_EDGE_NEWS = (32, 16, 1, 33, 48, 17)
+
+
+@pytest.mark.parametrize(("group", "head_dim", "dtype", "window", "cap"), [
+    (1, 64, "float16", None, None), (4, 128, "float32", None, None),
+    (8, 64, "float16", 21, None), (4, 256, "float16", None, 6.0), (4, 80, "float32", 40, 9.0)])
+@pytest.mark.parametrize("tile", [(32, 32), (16, 32), (32, 16)], ids=lambda t: "m{}n{}".format(*t))
+def test_extend_tilings_at_block_edges(group, head_dim, dtype, window, cap, tile):
+    """The unmasked prefix loop / causal diagonal split at every kind of block edge: prefixes
+    and extensions that are and are not multiples of BLOCK_M / BLOCK_N, block_m smaller and
+    larger than block_n, GQA 1/4/8, head dims 64..256 (80: padded, masked head dim), with a
+    window and a soft-cap."""
+    from plugins.attention.triton.common import ExtendConfig
+    from plugins.attention.triton.extend import extend_attention
+
+    case = AttentionCase("extend", 1, group, head_dim, 16, dtype, dtype, _EDGE_SEQS, _EDGE_NEWS,
+                         sliding_window=window, logit_softcap=cap)
+    inputs, k_buf, v_buf, want = _written(case, 11)
+    b, layer, q = inputs.batch, inputs.layers[0], inputs.qkv[0][0]
+    T = q.shape[0]
+    starts = (torch.cumsum(b.extend_lens, 0) - b.extend_lens).to(torch.int32)
+    out = extend_attention(q.view(T, group, head_dim), k_buf, v_buf, b.req_to_token,
+                           b.req_pool_indices, b.seq_lens, b.extend_lens, starts,
+                           max(b.extend_lens_cpu), scaling=layer.scaling, sliding_window=window,
+                           logit_softcap=cap, config=ExtendConfig(*tile, 1, 1))
+    torch.testing.assert_close(out.view(T, -1).float(), want, **_tol(getattr(torch, dtype)))
+
+
+@pytest.mark.parametrize(("group", "window", "cap"), [(1, None, None), (4, 50, None),
+                                                      (8, None, 7.0)])
+@pytest.mark.parametrize("block_n", [16, 32, 64])
+def test_decode_groups_and_split_lengths(group, window, cap, block_n):
+    """GQA 1/4/8 share one K/V load per program; split lengths round to block_n; requests of
+    length 1, exactly a block, and just past a split all merge right, for 1..8 splits and a
+    minimum split length that leaves some splits of the short requests empty."""
+    from plugins.attention.triton.common import DecodeConfig
+    from plugins.attention.triton.decode import decode_attention
+
+    seqs = (1, block_n, 2 * block_n + 1, 200)
+    case = _decode_case(seqs, num_kv_heads=2, group=group, head_dim=64,
+                        sliding_window=window, logit_softcap=cap)
+    inputs, k_buf, v_buf, want = _written(case, 5)
+    b, layer, q = inputs.batch, inputs.layers[0], inputs.qkv[0][0]
+    for splits in (1, 3, 8):
+        cfg = DecodeConfig(block_n=block_n, num_warps=1, num_stages=1, min_split_tokens=40)
+        out = decode_attention(q.view(len(seqs), 2 * group, 64), k_buf, v_buf, b.req_to_token,
+                               b.req_pool_indices, b.seq_lens, scaling=layer.scaling,
+                               sliding_window=window, logit_softcap=cap, num_splits=splits,
+                               config=cfg)
+        torch.testing.assert_close(out.view(len(seqs), -1).float(), want,
+                                   **_tol(torch.float16), msg=lambda m, s=splits: f"{s}: {m}")
+
+
+def test_split_count_follows_context_and_graph_buckets_are_fixed():
+    """Eager decode splits by the step's longest context (short ones split less); a graph's
+    split count comes from the longest context it may replay (init_graph_state), not from the
+    capture batch's values."""
+    from plugins.attention.triton.backend import TritonAttention
+    from plugins.attention.triton.common import DecodeConfig, num_kv_splits
+
+    dev = torch.device("cpu")
+    cfg = DecodeConfig(min_split_tokens=256)
+    assert num_kv_splits(1, 8, 1, dev, cfg, context=512) == 2
+    assert num_kv_splits(1, 8, 1, dev, cfg, context=100) == 1
+    assert num_kv_splits(1, 8, 1, dev, cfg, context=1 << 20) == num_kv_splits(1, 8, 1, dev, cfg)
+    assert num_kv_splits(4096, 8, 1, dev, cfg, context=1 << 20) == 1
+    inputs = build_inputs(_decode_case((5, 3000)), DEVICE, 0)
+    backend = TritonAttention(inputs.ctx)
+    short = backend.prepare(inputs.batch).num_splits
+    backend.init_graph_state(8, 1 << 16)
+    batch = inputs.batch
+    batch.seq_lens_cpu = [1] * batch.batch_size  # what a graph runner's capture batch carries
+    graph = backend.prepare_for_graph(batch, batch.batch_size).num_splits
+    assert graph >= short >= 1
+    batch.seq_lens_cpu = [4000] * batch.batch_size
+    assert backend.prepare_for_graph(batch, batch.batch_size).num_splits == graph
+
+
 def test_backend_rejects_bad_settings():
     from core.attention import BackendContext
     from plugins.attention.triton.backend import TritonAttention
