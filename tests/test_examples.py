@@ -4,6 +4,10 @@ Each example distribution is pip-installed once into a temporary directory (neve
 environment) and core-serve runs in subprocesses with that directory on PYTHONPATH, where
 importlib.metadata finds its dist-info and so its `core.plugins` entry point. Without the
 PYTHONPATH the package is, as far as core-serve can tell, uninstalled.
+
+The conformance tests run pytest itself in a package's folder, as its author would: on the example
+(`example_sdpa` passes) and on tests/fixtures/core-wrong-backend (a deliberately wrong backend
+fails).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-CONFIGS = REPO / "tests" / "fixtures" / "configs"
+FIXTURES = REPO / "tests" / "fixtures"
+CONFIGS = FIXTURES / "configs"
 
 # Env vars that change what loads; the tests set them explicitly when they mean to.
 CONTROL_VARS = ("CORE_STRICT_PLUGINS", "CORE_PLUGINS_ALLOW", "CORE_PLUGINS_DENY",
@@ -37,13 +42,16 @@ def _local_setuptools_builds_wheels() -> bool:
         return False
 
 
-def _install(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    """pip-install examples/<name> into a fresh directory and return that directory."""
+def _install(tmp_path_factory: pytest.TempPathFactory, name: str,
+             parent: Path = EXAMPLES) -> Path:
+    """pip-install <parent>/<name> into a fresh directory and return that directory (its
+    sibling `src` is the copy it was built from)."""
     root = tmp_path_factory.mktemp(name)
     # Build from a copy so that setuptools' build/ and egg-info never land in the source tree.
     src = root / "src"
-    shutil.copytree(EXAMPLES / name, src,
-                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    shutil.copytree(parent / name, src,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__",
+                                                  ".pytest_cache"))
     site = root / "site"
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
            "--no-deps", "--target", str(site), str(src)]
@@ -63,6 +71,11 @@ def example_site(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def broken_site(tmp_path_factory) -> Path:
     return _install(tmp_path_factory, "core-broken-plugin")
+
+
+@pytest.fixture(scope="module")
+def wrong_site(tmp_path_factory) -> Path:
+    return _install(tmp_path_factory, "core-wrong-backend", parent=FIXTURES)
 
 
 def _env(*sites: Path, **extra: str) -> dict[str, str]:
@@ -372,3 +385,76 @@ def test_example_sdpa_matches_torch_native(numerics):
     assert numerics["torch_native_error"] is None, numerics["torch_native_error"]
     assert max(numerics["vs_torch_native"]) < 1e-5, numerics["vs_torch_native"]
     assert numerics["same_kv_as_torch_native"] is True
+
+
+# --- the conformance suite, run by a backend package ------------------------------------------
+
+def _pytest_in(site: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict[str, int]]:
+    """`python -m pytest ARGS` in the package's folder (the copy it was installed from), as its
+    author runs it; returns the process and the summary's counts ({"passed": 12, ...})."""
+    env = _env(site, REPO)  # REPO: core importable outside the checkout, however it is installed
+    for name in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        env.pop(name, None)  # the package's own pytest configuration, nothing from ours
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider",
+                           *args], capture_output=True, text=True, cwd=site.parent / "src",
+                          env=env, timeout=300)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)",
+                                                     summary)}
+    return proc, counts
+
+
+def _conformance_results(proc: subprocess.CompletedProcess, backend: str) -> dict[str, str]:
+    """Conformance case id -> PASSED/FAILED/SKIPPED, from the verbose output."""
+    pattern = rf"test_attention_backend_conformance\[({backend}-[^\]]+)\] (PASSED|FAILED|SKIPPED)"
+    return dict(re.findall(pattern, proc.stdout))
+
+
+def test_example_package_runs_the_conformance_suite(example_site):
+    """The example's author runs `pytest --conformance-backend example_sdpa` in its folder: the
+    suite runs every case example_sdpa declares (page size 16 only) and lists the rest as
+    skipped with the reason; its own tests in tests/ run beside it."""
+    proc, counts = _pytest_in(example_site, "--conformance-backend", "example_sdpa")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert counts.get("passed", 0) > 0 and counts.get("failed", 0) == 0, out
+    assert "errors" not in counts and "error" not in counts, out
+    results = _conformance_results(proc, "example_sdpa")
+    ran = [case for case, status in results.items() if status == "PASSED"]
+    assert ran and all("-p16-" in case for case in ran), results
+    assert {mode for case in ran for mode in ("decode", "extend") if f"-{mode}-" in case} == \
+        {"decode", "extend"}, ran
+    assert {dtype for case in ran for dtype in ("float32", "float16", "bfloat16")
+            if dtype in case} == {"float32", "float16", "bfloat16"}, ran
+    assert "tests/test_backend.py::test_undeclared_head_size_is_refused PASSED" in out
+    # What it does not declare is skipped, with the reason; nothing else is.
+    assert {case for case, status in results.items() if status == "SKIPPED"} == {
+        f"example_sdpa-cpu-not-covered-{key}"
+        for key in ("page1", "page64", "window", "softcap", "kv-fp8_e4m3", "kv-fp8_e5m2")}
+    assert "page size 1 not declared (declares 16)" in out
+    assert "sliding window not declared" in out
+
+
+def test_example_package_runs_the_suite_by_plain_pytest(example_site):
+    """Its pyproject names the backend, so a plain `pytest` there runs the same suite."""
+    proc, counts = _pytest_in(example_site)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = _conformance_results(proc, "example_sdpa")
+    assert counts.get("failed", 0) == 0 and \
+        sum(status == "PASSED" for status in results.values()) > 0, proc.stdout
+
+
+def test_conformance_suite_fails_a_wrong_backend(wrong_site):
+    """A package whose backend has an off-by-one causal mask fails the suite: every extend case
+    fails on its output, decode cases (which the bug cannot reach) pass."""
+    proc, counts = _pytest_in(wrong_site, "--conformance-backend", "wrong_mask")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert counts.get("failed", 0) > 0 and counts.get("passed", 0) > 0, out
+    results = _conformance_results(proc, "wrong_mask")
+    failed = {case for case, status in results.items() if status == "FAILED"}
+    passed = {case for case, status in results.items() if status == "PASSED"}
+    assert failed and all("-extend-" in case for case in failed), results
+    assert passed and all("-decode-" in case for case in passed), results
+    assert len(failed) == counts["failed"]
+    assert re.search(r"wrong_mask layer \d extend output differs from the fp32 reference", out)
