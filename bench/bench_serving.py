@@ -1,7 +1,7 @@
 """End-to-end serving benchmark: the engine against HF transformers on the same shapes, one run.
 
     python bench/bench_serving.py --out serving.json                  # GPU: Llama-3.1-8B shapes
-    python bench/bench_serving.py --scenario cpu                      # tiny model, < 1 minute
+    python bench/bench_serving.py --scenario cpu                      # tiny model, ~1 minute
     python bench/bench_serving.py --modes online,shared-prefix ...    # a subset of the modes
 
 Random-token prompts, fixed input/output lengths, ignore_eos, greedy. The model is a config with
@@ -36,6 +36,7 @@ import gc
 import json
 import random
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -440,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     if gpu and not torch.cuda.is_available():
         print("skipped: the gpu scenario needs CUDA (try --scenario cpu)")
         return 0
+    # `timeout` and schedulers stop us with SIGTERM: unwind, so the server and engines stop too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     modes = set(a.modes)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -223,7 +223,8 @@ async def run_load(base_url: str, api_key: str | None, prompts: list[list[int]],
             t += rng.expovariate(request_rate)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=60)
+    # headers come with the first token, so a queued request is silent for a while; not forever
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tasks = []
         start = time.perf_counter()
