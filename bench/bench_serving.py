@@ -130,7 +130,9 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(str(path))
 
 
-def make_model_dir(cfg: dict[str, Any], d: Path) -> str:
+def make_model_dir(cfg: dict[str, Any], d: Path | None = None) -> str:
+    """config.json + tokenizer in d (default: a new temporary directory, left for the caller)."""
+    d = Path(tempfile.mkdtemp(prefix="bench_serving_")) if d is None else d
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
     write_tokenizer(d, cfg["vocab_size"])
