@@ -64,6 +64,12 @@ def _num(x: float | None, nd: int = 1) -> str:
     return "-" if x is None else f"{x:,.{nd}f}"
 
 
+def _error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()] or [""]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return text[:200]
+
+
 def _three(d: dict[str, Any], k: str) -> str:
     return " / ".join(_ms(d.get(f"{k}_{q}_ms")) for q in ("mean", "median", "p99"))
 
@@ -75,7 +81,7 @@ def summary_table(report: dict[str, Any]) -> str:
     for name, part in (("engine", eg), ("hf", hf), ("online", report.get("online") or {}),
                        ("eager", report.get("engine_eager") or {})):
         if "error" in part:
-            rows.append((name, "FAILED", part["error"].splitlines()[0][:120]))
+            rows.append((name, "FAILED", _error_line(part["error"])))
     if "batch1" in eg:
         b = eg["batch1"]
         note = f"{_num(s.get('batch1_vs_roofline'), 2)} of roofline " \
@@ -120,7 +126,7 @@ def summary_table(report: dict[str, Any]) -> str:
         for key in ("radix_on", "radix_off"):
             r = sp.get(key) or {}
             if "error" in r:
-                rows.append(("shared-prefix", f"{key} FAILED", r["error"].splitlines()[0][:120]))
+                rows.append(("shared-prefix", f"{key} FAILED", _error_line(r["error"])))
             elif r:
                 rows.append(("shared-prefix", f"{key} req/s",
                              f"{_num(r['request_throughput'], 2)}  ({shape}; cached "
