@@ -64,6 +64,8 @@ class ServerArgs:
     radix_eviction_policy: str = _f("lru", "scheduling", "prefix-cache eviction",
                                     choices=EVICTION_POLICIES)
     disable_radix_cache: bool = _f(False, "scheduling", "turn off prefix sharing")
+    disable_overlap_schedule: bool = _f(False, "scheduling", "finish each decode step before "
+                                        "launching the next (overlap is on for GPUs only)")
     # kernels
     device: str | None = _f(None, "kernels", "hardware target (cuda, rocm, xpu, npu, cpu, or a "
                             "plugin's)")

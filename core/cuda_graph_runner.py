@@ -184,8 +184,8 @@ class CudaGraphRunner:
                 self.batches[bs] = batch
         torch.cuda.synchronize(self.device)
 
-    def decode(self, rows: Sequence[int], input_ids: Sequence[int], positions: Sequence[int],
-               slots: Sequence[int]) -> torch.Tensor:
+    def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
+               positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
         """Same contract as ModelRunner.decode -> logits [B, V] (a view, valid until the next
         decode)."""
         B = len(rows)
@@ -193,9 +193,15 @@ class CudaGraphRunner:
         if bs is None:
             raise ValueError(f"batch of {B} is larger than the largest captured graph "
                              f"({self.max_bs}); run it eagerly")
-        host = torch.tensor(padded_inputs(rows, input_ids, positions, slots, bs),
-                            dtype=torch.long)  # [4, bs]
+        on_device = isinstance(input_ids, torch.Tensor)  # overlap: last step's tokens
+        host = torch.tensor(padded_inputs(rows, [0] * B if on_device else input_ids, positions,
+                                          slots, bs), dtype=torch.long)  # [4, bs]
+        # pinned, so the copy does not wait for the GPU (see ModelRunner._tensor)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
         self.packed[:, :bs].copy_(host, non_blocking=True)
+        if on_device:
+            self.packed[0, :B].copy_(input_ids)
         real = self.packed[:, :B]
         # The real rows' new slots into the table, outside the graph: a padded row must never
         # write into row 0's entries.

@@ -52,7 +52,13 @@ class ModelRunner:
 
     def _tensor(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype)
-        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+        if self.device.type == "cpu":
+            return t
+        # Pinned: a copy from pageable memory waits for the stream first (CUDA's rule), which
+        # would stall the host until the previous step ends and defeat the overlap scheduler.
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     def _run(self, batch: ForwardBatch, backend: AttentionBackend,
              logit_index: torch.Tensor | None) -> torch.Tensor:
@@ -107,17 +113,24 @@ class ModelRunner:
         index = self._tensor([ends[i] for i in logits_for], torch.long)
         return self._run(batch, self.prefill_backend, index)
 
-    def decode(self, rows: Sequence[int], input_ids: Sequence[int], positions: Sequence[int],
-               slots: Sequence[int]) -> torch.Tensor:
-        """One new token per request at `positions[i]` (= tokens already cached) -> [B, V]."""
+    def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
+               positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+        """One new token per request at `positions[i]` (= tokens already cached) -> [B, V].
+
+        `input_ids` may be a device tensor (the previous step's sampled tokens, not yet seen by
+        the host: the overlap scheduler)."""
         self.forward_count["decode"] += 1
         if self.graph_runner is not None and self.graph_runner.can_run(len(rows)):
             return self.graph_runner.decode(rows, input_ids, positions, slots)
         seq = [p + 1 for p in positions]
-        # One host->device copy for the four per-request vectors.
-        packed = self._tensor([*input_ids, *positions, *slots, *rows], torch.long)
         B = len(rows)
+        on_device = isinstance(input_ids, torch.Tensor)
+        # One host->device copy for the four per-request vectors.
+        packed = self._tensor([*([0] * B if on_device else input_ids), *positions, *slots,
+                               *rows], torch.long)
         ids, pos, loc, row_t = packed[:B], packed[B:2 * B], packed[2 * B:3 * B], packed[3 * B:]
+        if on_device:
+            ids = input_ids.to(device=self.device, dtype=torch.long)
         self.req_to_token.req_to_token[row_t, pos] = loc.to(torch.int32)
         batch = ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=ids, positions=pos,

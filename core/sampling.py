@@ -173,12 +173,7 @@ class Sampler:
         B, V = logits.shape
         want_lp = [i for i, s in enumerate(states) if s.params.logprobs]
         raw = logits[want_lp].clone() if want_lp else None
-        self._penalize(logits, states)
-        greedy = [s.params.greedy for s in states]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._draw(logits, states, greedy)
+        tokens = self.launch(logits, states)
         token_list = tokens.tolist()  # the step's one host sync
         for s, t in zip(states, token_list, strict=True):
             s.observe(t)
@@ -188,6 +183,26 @@ class Sampler:
             for i, lp in zip(want_lp, lps_rows, strict=True):
                 lps[i] = lp
         return SampleOutput(token_list, lps)
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """The chosen tokens [B] as a device tensor, without waiting for them (no host sync).
+        Penalty states are not updated: callers that defer the host copy (the overlap
+        scheduler) use it only for `deferrable` states and call `observe` once tokens land."""
+        self._penalize(logits, states)
+        greedy = [s.params.greedy for s in states]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        return self._draw(logits, states, greedy)
+
+    @staticmethod
+    def deferrable(state: SamplingState, produced: int) -> bool:
+        """Can this request's next token be drawn before its previous one reached the host?
+        Yes unless something in the draw depends on the previous token: penalties (their
+        counts), min_new_tokens still masking stop tokens, or logprobs (kept simple: sync)."""
+        p = state.params
+        return (state.counts is None and state.seen is None and not p.logprobs
+                and produced >= p.min_new_tokens)
 
     def _penalize(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
         for i, s in enumerate(states):

@@ -62,6 +62,7 @@ class SchedulerConfig:
     enable_priority_scheduling: bool = False
     schedule_conservativeness: float = 1.0
     seed: int = 0
+    overlap: bool = False  # launch decode step N+1 before the host sees step N's tokens
 
 
 @dataclass
@@ -96,6 +97,16 @@ class Req:
         return self.params.max_new_tokens - len(self.output_ids)
 
 
+@dataclass
+class InflightDecode:
+    """A decode step launched on the device whose sampled tokens the host has not read yet."""
+
+    batch: list[Req]
+    tokens: Any  # torch.Tensor [B] on the device (the next step's input ids)
+    host: Any  # torch.Tensor [B] on the host, filled by a non-blocking copy
+    event: Any  # torch.cuda.Event recorded after the copy, or None (copy was synchronous)
+
+
 class Scheduler:
     """Owns the waiting queue, the running batch and the KV pages; drives the model runner."""
 
@@ -124,8 +135,9 @@ class Scheduler:
         self.new_token_ratio = self.init_ratio
         self.counters = {"retractions": 0, "rejected": 0, "prefill_tokens": 0,
                          "decode_tokens": 0, "cached_tokens": 0, "finished": 0, "aborted": 0,
-                         "steps": 0}
+                         "steps": 0, "overlapped_steps": 0}
         self._finished_out: list[Req] = []  # finished outside a step (aborts, rejections)
+        self.inflight: InflightDecode | None = None  # overlap: the step whose tokens are out
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -191,17 +203,100 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._finished_out)
+        return bool(self.waiting or self.running or self.chunked or self._finished_out
+                    or self.inflight is not None)
 
     def step(self) -> list[Req]:
-        """Run one scheduling step; return the requests with new output (or just finished)."""
+        """Run one scheduling step; return the requests with new output (or just finished).
+
+        With `overlap`, a decode-only step launches its forward and sampling and returns before
+        the sampled tokens reach the host; the next step launches the following decode on those
+        device tokens first, then lands the previous step's tokens (stop checks, outputs) while
+        the device works. A request found finished on landing has had one extra token computed
+        and dropped. Anything else (new requests, chunked prefill, retraction, penalties,
+        logprobs) lands the in-flight step first and runs as without overlap.
+        """
         self.counters["steps"] += 1
         touched: list[Req] = self._finished_out
         self._finished_out = []
+        if self.inflight is not None:
+            if self._can_chain():
+                return touched + self._chain_decode()
+            touched += self._land()
         if self.running:
             touched += self._decode_step()
         touched += self._extend_step()
         return touched
+
+    # -- overlap ---------------------------------------------------------------------------------
+
+    def _deferrable(self) -> bool:
+        """The running batch may decode without the host seeing its last tokens first."""
+        return (self.cfg.overlap and not self.waiting and self.chunked is None
+                and bool(self.running)
+                and all(self.sampler.deferrable(r.state, len(r.output_ids))
+                        for r in self.running))
+
+    def _can_chain(self) -> bool:
+        inf = self.inflight
+        if not self._deferrable() or len(self.running) != len(inf.batch) or any(
+                a is not b for a, b in zip(self.running, inf.batch, strict=True)):
+            return False
+        ps = self.cfg.page_size
+        return self._ensure_pages(sum(1 for r in self.running if r.kv_len % ps == 0))
+
+    def _launch_decode(self, input_ids: Any) -> None:
+        """Pages, forward and sampling of one decode step for self.running, left in flight."""
+        import torch
+
+        ps = self.cfg.page_size
+        batch = self.running
+        slots, positions = [], []
+        for r in batch:
+            if r.kv_len % ps == 0:
+                r.pages.extend(self.allocator.alloc(1))
+            slots.append(token_slots(r.pages, r.kv_len, r.kv_len + 1, ps)[0])
+            positions.append(r.kv_len)
+        logits = self.runner.decode([r.row for r in batch], input_ids, positions, slots)
+        for r in batch:
+            r.kv_len += 1
+        self.counters["decode_tokens"] += len(batch)
+        self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        tokens = self.sampler.launch(logits, [r.state for r in batch])
+        event = None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = tokens
+        self.inflight = InflightDecode(list(batch), tokens, host, event)
+
+    def _chain_decode(self) -> list[Req]:
+        prev = self.inflight
+        self.counters["overlapped_steps"] += 1
+        self._launch_decode(prev.tokens)  # replaces self.inflight
+        self.inflight, launched = prev, self.inflight
+        touched = self._land()
+        self.inflight = launched
+        return touched
+
+    def _land(self) -> list[Req]:
+        """Read the in-flight step's tokens and apply them (requests already finished or
+        aborted since its launch drop theirs)."""
+        inf, self.inflight = self.inflight, None
+        if inf.event is not None:
+            inf.event.synchronize()
+        live = [(r, t) for r, t in zip(inf.batch, inf.host.tolist(), strict=True)
+                if r.finish is None]
+        for r, t in live:
+            r.state.observe(t)
+            self._accept(r, t, None)
+        self.running = [r for r in self.running if r.finish is None]
+        return [r for r, _ in live]
+
+    # -- plain steps -----------------------------------------------------------------------------
 
     def _decode_step(self) -> list[Req]:
         ps = self.cfg.page_size
@@ -213,6 +308,9 @@ class Scheduler:
             self._retract(victim)
             need = sum(1 for r in self.running if r.kv_len % ps == 0)
         if not self.running:
+            return []
+        if self._deferrable():
+            self._launch_decode([r.output_ids[-1] for r in self.running])
             return []
         batch = self.running
         slots, positions, inputs = [], [], []
@@ -394,15 +492,19 @@ class Scheduler:
     def _sample(self, reqs: list[Req], logits) -> None:
         out = self.sampler.sample(logits, [r.state for r in reqs])
         for r, tok, lp in zip(reqs, out.tokens, out.logprobs, strict=True):
-            r.output_ids.append(tok)
-            r.pending_ids.append(tok)
-            if r.params.logprobs:
-                r.pending_lps.append(lp)
-            r.finish = self._check_finish(r, tok)
-            if r.finish is not None:
-                self._release(r)
-                self.counters["finished"] += 1
-                self._done(r)
+            self._accept(r, tok, lp)
+
+    def _accept(self, r: Req, tok: int, lp: Any) -> None:
+        """A sampled token joins r's output; finish (and hand back its KV) if it stops."""
+        r.output_ids.append(tok)
+        r.pending_ids.append(tok)
+        if r.params.logprobs:
+            r.pending_lps.append(lp)
+        r.finish = self._check_finish(r, tok)
+        if r.finish is not None:
+            self._release(r)
+            self.counters["finished"] += 1
+            self._done(r)
 
     def _check_finish(self, r: Req, tok: int) -> dict | None:
         p = r.params

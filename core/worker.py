@@ -127,7 +127,14 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
         chunked_prefill_size=None if chunk < 0 else chunk,
         max_prefill_tokens=args.max_prefill_tokens, schedule_policy=args.schedule_policy,
         enable_priority_scheduling=args.enable_priority_scheduling,
-        schedule_conservativeness=args.schedule_conservativeness, seed=args.seed)
+        schedule_conservativeness=args.schedule_conservativeness, seed=args.seed,
+        overlap=not args.disable_overlap_schedule and dev_type != "cpu")
+    overlap_note = ("overlap schedule on: decode step N+1 is launched before the host reads "
+                    "step N's tokens" if sched_cfg.overlap else
+                    "overlap schedule off: " + ("--disable-overlap-schedule"
+                                                if args.disable_overlap_schedule else
+                                                "a CPU computes while the host schedules, "
+                                                "nothing to overlap"))
     tok = loaded.tokenizer
     eos = set(tok.eos_token_ids) if tok is not None else set()
     cfg_eos = getattr(cfg, "eos_token_id", None)
@@ -140,7 +147,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     info = {"max_context": max_context, "pool_tokens": allocator.total_pages * page,
             "page_size": page, "max_running_requests": max_running, "vocab_size": vocab,
             "eos_token_ids": sorted(eos), "chunked_prefill_size": sched_cfg.chunked_prefill_size,
-            "kv_bytes_per_token": per_token, "notes": [*loaded.notes, note, graph_note],
+            "kv_bytes_per_token": per_token, "notes": [*loaded.notes, note, graph_note, overlap_note],
             "cuda_graph_batch_sizes": sorted(runner.graph_runner.graphs)
             if runner.graph_runner is not None else [],
             "device": str(device), "pid": os.getpid()}
@@ -166,7 +173,7 @@ def _rpc(core: EngineCore, op: str) -> Any:
         sched.check_accounting()
         return True
     if op == "flush_cache":
-        if sched.running or sched.chunked or sched.waiting:
+        if sched.running or sched.chunked or sched.waiting or sched.inflight is not None:
             raise ValueError("cannot flush the prefix cache while requests are in flight")
         sched.cache.evict(sched.allocator.total_pages)
         return True

@@ -241,3 +241,59 @@ def test_stop_strings_on_detokenized_text(tiny, alone):
     assert got[1] == {"type": "stop", "matched": stop}
     assert stop in tok.decode(got[0]) and got[0] == ids[:len(got[0])]
     assert len(got[0]) <= i + 2
+
+
+# -- the overlap schedule (on for GPUs; forced here on the CPU, where the logic is the same) ------
+
+def overlap_core(tiny, **kw):
+    core = make_core(tiny, **kw)
+    core.scheduler.cfg.overlap = True
+    return core
+
+
+@pytest.mark.parametrize("name", ["default", "page16", "max-running-2", "no-radix"])
+def test_overlap_schedule_keeps_outputs_exact(tiny, alone, name):
+    sched = overlap_core(tiny, **SCENARIOS[name]).scheduler
+    for stagger in (0, 3):
+        got = drive(sched, [(f"{rid}-{stagger}", ids, p) for rid, ids, p in _requests()],
+                    stagger)
+        sched.check_accounting()
+        for rid, (ids, _) in alone.items():
+            assert got[f"{rid}-{stagger}"] == (ids, {"type": "length", "length": MAX_NEW}), rid
+    assert sched.counters["overlapped_steps"] > MAX_NEW  # it really chained decode steps
+    assert sched.inflight is None and not sched.has_work
+
+
+def test_overlap_schedule_stops_aborts_and_seeds(tiny, alone):
+    sched = overlap_core(tiny).scheduler
+    ref = alone["r2"][0]
+    p = _prompts()[2]
+    # a stop token found one step late still ends the output at the stop token
+    got = drive(sched, [("s", p, greedy(stop_token_ids=[ref[5]]))])["s"]
+    assert got == (ref[:ref.index(ref[5]) + 1], {"type": "stop", "matched": ref[5]})
+    # min_new_tokens masking (not deferrable while it masks) then overlap
+    got = drive(sched, [("m", p, greedy(stop_token_ids=[ref[0]], min_new_tokens=3))])["m"]
+    assert ref[0] not in got[0][:3]
+    # seeded sampling: the same tokens with and without overlap
+    params = {"max_new_tokens": 20, "temperature": 0.8, "top_p": 0.9, "seed": 11,
+              "ignore_eos": True}
+    plain = make_core(tiny).scheduler
+    want = drive(plain, [("x", p, params), ("y", _prompts()[4], params)])
+    assert drive(sched, [("x", p, params), ("y", _prompts()[4], params)]) == want
+    # penalties and logprobs are not deferrable: they run synchronously, with the same result
+    pen = {**greedy(), "repetition_penalty": 1.3, "logprobs": True}
+    assert drive(sched, [("r", p, pen)])["r"] == drive(plain, [("r", p, pen)])["r"]
+    # abort while a step is in flight
+    sched.add_request("a", _prompts()[1], greedy(max_new=50))
+    sched.add_request("b", _prompts()[3], greedy(max_new=50))
+    for _ in range(6):
+        sched.step()
+    assert sched.inflight is not None
+    assert sched.abort("a")
+    done = {}
+    while sched.has_work:
+        for r in sched.step():
+            if r.finish:
+                done[r.rid] = (r.finish["type"], len(r.output_ids))
+    assert done == {"a": ("abort", done["a"][1]), "b": ("length", 50)}
+    sched.check_accounting()
