@@ -26,12 +26,14 @@ CAPS = AttentionCaps(
     logit_softcap=True,
     sinks=False,
     phases={"prefill", "decode"},
-    # Decode has static shapes: the grid depends on the batch size only, seq lens stay on the
+    # Decode has static shapes: the grid depends on the batch size and a split count fixed per
+    # captured batch size (from the longest context a graph may see); seq lens stay on the
     # device, nothing syncs with the host. (Extend sizes its grid from host lengths; it is
     # never captured.)
     cuda_graph=True,
     # Run-to-run deterministic in one process (no atomics), but the extend tiling is autotuned
-    # per process and the decode split count follows the batch size: not batch-invariant.
+    # per process and the decode split count follows the batch shape and longest context: not
+    # batch-invariant.
     deterministic=False,
     requires=("triton",),
     priority={"cuda": 20, "rocm": 20},
