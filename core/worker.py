@@ -19,10 +19,34 @@ from core.config import ServerArgs, make_server_args
 from core.ipc import Channel, ChannelClosed
 from core.plan import Plan
 
-DEFAULT_CHUNKED_PREFILL = {"cpu": 2048}  # other device types: 8192
 DEFAULT_MAX_RUNNING = {"cpu": 64}  # other device types: 256
-DEFAULT_MEM_FRACTION = {"cpu": 0.5}  # other device types: 0.85
 CPU_DEFAULT_KV_CAP = 32768  # tokens: host RAM is not the KV cache's to fill by default
+GiB = 2**30
+# (device memory at least, prefill chunk in tokens): a bigger device affords bigger chunks
+CHUNK_BY_MEMORY = ((90 * GiB, 16384), (40 * GiB, 8192), (20 * GiB, 4096), (0, 2048))
+BASE_RESERVE = 1 * GiB  # runtime context, library workspaces, allocator slack
+
+
+def memory_defaults(device_type: str, total_bytes: int, spec: Any, dtype_bytes: int,
+                    intermediate_size: int | None = None) -> tuple[int, float, str]:
+    """(chunked prefill size, mem_fraction_static, note) when the user set neither, from the
+    device's total memory as its hardware plugin reports it.
+
+    The chunk grows with memory; the static fraction leaves room for what is not static: the
+    activations of one prefill chunk (the widest live tensors per token, twice over for the
+    allocator) plus BASE_RESERVE. CUDA graphs' memory is reserved separately. A CPU keeps a
+    small chunk and half of RAM (it is not the KV cache's to fill)."""
+    if device_type == "cpu":
+        return 2048, 0.5, "CPU defaults: chunked prefill 2048, mem fraction 0.5"
+    chunk = next(c for floor, c in CHUNK_BY_MEMORY if total_bytes >= floor)
+    inter = intermediate_size or 4 * spec.hidden_size
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    per_token = (3 * inter + qkv + 4 * spec.hidden_size) * dtype_bytes
+    reserve = BASE_RESERVE + 2 * chunk * per_token
+    fraction = round(min(0.9, max(0.5, 1 - reserve / max(total_bytes, 1))), 3)
+    return chunk, fraction, (
+        f"from {total_bytes / GiB:.0f} GiB of device memory: chunked prefill {chunk} tokens, "
+        f"mem fraction {fraction} (keeps {reserve / GiB:.1f} GiB for activations)")
 
 
 def make_plan(args: ServerArgs, registry: Any = None) -> tuple[ServerArgs, Plan, Any, Any]:
@@ -98,11 +122,14 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
                                        getattr(cfg, "intermediate_size", None),
                                        loaded.dtype.itemsize)
         free = max(free - reserve, 0)
+    mem_total = plan.device.memory_bytes or free
+    chunk_default, fraction_default, defaults_note = memory_defaults(
+        dev_type, mem_total, spec, loaded.dtype.itemsize, getattr(cfg, "intermediate_size", None))
     tokens, note = kv_pool_tokens(
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         free_bytes=free, total_bytes=plan.device.memory_bytes or free,
         bytes_per_token=per_token, page_size=page,
-        default_fraction=DEFAULT_MEM_FRACTION.get(dev_type, 0.85),
+        default_fraction=fraction_default,
         cap_tokens=CPU_DEFAULT_KV_CAP if dev_type == "cpu" else None)
     # One extra page: page 0 is the padding sink, so `tokens` stay usable.
     kv_pool = KVPool(tokens + page, spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype,
@@ -120,7 +147,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
                               args.radix_eviction_policy)
     chunk = args.chunked_prefill_size
     if chunk is None:
-        chunk = DEFAULT_CHUNKED_PREFILL.get(dev_type, 8192)
+        chunk = chunk_default
     sched_cfg = SchedulerConfig(
         page_size=page, max_context=max_context, max_running_requests=max_running,
         max_queued_requests=args.max_queued_requests,
@@ -147,7 +174,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     info = {"max_context": max_context, "pool_tokens": allocator.total_pages * page,
             "page_size": page, "max_running_requests": max_running, "vocab_size": vocab,
             "eos_token_ids": sorted(eos), "chunked_prefill_size": sched_cfg.chunked_prefill_size,
-            "kv_bytes_per_token": per_token, "notes": [*loaded.notes, note, graph_note, overlap_note],
+            "kv_bytes_per_token": per_token, "notes": [*loaded.notes, defaults_note, note, graph_note, overlap_note],
             "cuda_graph_batch_sizes": sorted(runner.graph_runner.graphs)
             if runner.graph_runner is not None else [],
             "device": str(device), "pid": os.getpid()}

@@ -1,0 +1,36 @@
+"""Defaults derived from the device's memory (issue 6): prefill chunk and the static fraction."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.worker import GiB, memory_defaults
+
+
+@pytest.fixture
+def llama8b(model_spec):
+    return model_spec("llama-3.1-8b")
+
+
+def test_bigger_devices_get_bigger_chunks_and_keep_enough_free(llama8b):
+    rows = [(gib, *memory_defaults("cuda", gib * GiB, llama8b, 2, 14336)[:2])
+            for gib in (16, 24, 48, 80, 141)]
+    chunks = [c for _, c, _ in rows]
+    assert chunks == sorted(chunks) and chunks[0] == 2048 and chunks[-1] == 16384
+    for gib, chunk, fraction in rows:
+        assert 0.5 <= fraction <= 0.9
+        left = gib * GiB * (1 - fraction)
+        # what is left outside the static part holds one chunk's widest activations (bf16)
+        assert left >= chunk * (3 * 14336 + 6144 + 4 * 4096) * 2, (gib, chunk, fraction)
+    # an H200 keeps ~10% for activations, not the 15% a one-size default would
+    assert rows[-1][2] == 0.9
+
+
+def test_the_note_says_where_the_numbers_came_from(llama8b):
+    chunk, fraction, note = memory_defaults("cuda", 80 * GiB, llama8b, 2, 14336)
+    assert f"chunked prefill {chunk}" in note and f"mem fraction {fraction}" in note
+    assert "80 GiB" in note
+
+
+def test_cpu_keeps_its_own_defaults(llama8b):
+    assert memory_defaults("cpu", 512 * GiB, llama8b, 4)[:2] == (2048, 0.5)
