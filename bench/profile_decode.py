@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                     "graph_sizes": sorted(gr.graphs) if gr else [], "batches": {}}
     n = 0
     for bs in [int(x) for x in a.batch_sizes.split(",")]:
-        for i in range(bs):
+        for _ in range(bs):
             sched.add_request(f"r{n}", list(range(1000, 1128)),
                               {"temperature": 0, "max_new_tokens": a.steps * 3,
                                "ignore_eos": True})
@@ -62,12 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         while len(sched.running) < bs:  # prefill everything
             sched.step()
         torch.cuda.synchronize()
-        step_ms = []
-        for _ in range(a.steps):
-            t = time.perf_counter()
-            sched.step()
-            step_ms.append((time.perf_counter() - t) * 1e3)
-        entry: dict = {"step_ms_median": statistics.median(step_ms)}
+        entry: dict = {}
+        for overlap in (False, True):  # the scheduler's overlap off, then on (the GPU default)
+            sched.cfg.overlap = overlap
+            step_ms = []
+            for _ in range(a.steps):
+                t = time.perf_counter()
+                sched.step()
+                step_ms.append((time.perf_counter() - t) * 1e3)
+            entry[f"step_ms_median_overlap_{'on' if overlap else 'off'}"] = \
+                statistics.median(step_ms)
+        entry["overlapped_steps"] = sched.counters["overlapped_steps"]
         if gr is not None and gr.can_run(bs):
             from core.cuda_graph_runner import pick_bucket
 
