@@ -21,7 +21,8 @@ from __future__ import annotations
 
 DECODE: dict[tuple[str, str], tuple[int, int, int, int, int]] = {
     ("sm90", "d64"): (64, 4, 2, 4, 256),
-    ("sm90", "d128"): (64, 4, 2, 4, 256),
+    # H200 sweep 2026-11-29 (bench/sweep_triton.py): least loss over every decode shape
+    ("sm90", "d128"): (64, 4, 3, 2, 128),
     ("sm90", "wide"): (32, 4, 2, 4, 256),
     ("sm80", "d64"): (64, 4, 2, 4, 256),
     ("sm80", "d128"): (64, 4, 2, 4, 256),
@@ -33,7 +34,10 @@ DECODE: dict[tuple[str, str], tuple[int, int, int, int, int]] = {
 
 EXTEND: dict[tuple[str, str], tuple[tuple[int, int, int, int], ...]] = {
     ("sm90", "d64"): ((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)),
-    ("sm90", "d128"): ((128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (256, 64, 16, 2)),
+    # H200 sweep 2026-11-29: 256-row tiles led every long extension; the 3-stage and 128-wide
+    # variants of it are candidates the autotuner may prefer (not in that sweep).
+    ("sm90", "d128"): ((256, 64, 16, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+                       (256, 64, 16, 3), (256, 128, 16, 2)),
     # (64, 64) needs 213 KB of shared memory for fp32 at d=256: Hopper only.
     ("sm90", "wide"): ((64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)),
     ("sm80", "d64"): ((128, 64, 4, 3), (64, 64, 4, 3)),
