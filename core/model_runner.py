@@ -17,6 +17,7 @@ import torch
 from core.attention import AttentionBackend, BackendContext
 from core.forward_batch import ForwardBatch, ForwardMode
 from core.kv_cache import KVPool
+from core.layers.linear import pack_for_cpu
 from core.memory_pool import ReqToTokenPool
 
 
@@ -45,6 +46,9 @@ class ModelRunner:
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            # Loading is over: weights move to the layout the CPU kernels stream fastest.
+            pack_for_cpu(model)
         self.forward_count = {"extend": 0, "decode": 0}
         # core.cuda_graph_runner.CudaGraphRunner when decode graphs were captured; batches it
         # cannot take (larger than its largest bucket) run eagerly below.

@@ -7,6 +7,8 @@ requests in one step; and a prefill over a cached (shared) prefix.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from model_fixtures import (
@@ -19,6 +21,8 @@ from model_fixtures import (
 )
 
 from core.config import make_server_args
+from core.layers import Linear
+from core.layers.linear import pack_for_cpu
 from core.loader import load_model
 from core.plugins import build_registry
 
@@ -108,6 +112,30 @@ def test_extend_over_a_cached_prefix(pair):
     batch = h.batch([1], [b[len(shared):]])
     assert batch.prefix_lens_cpu == [len(shared)]
     assert_close(step(model, batch), hf_logits(hf, b)[len(shared):])
+
+
+def test_weights_packed_for_cpu(pair):
+    # What the model runner does on a CPU: linear weights (and the LM head) in oneDNN's layout.
+    model, hf, config = pair
+    packed = copy.deepcopy(model)
+    pack_for_cpu(packed)
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.is_mkldnn for m in linears)
+    assert packed.lm_head._packed is not None
+    assert not packed.model.embed_tokens.weight.is_mkldnn  # rows are still looked up
+    pack_for_cpu(packed)  # idempotent
+    a, b = tokens(19, seed=2), tokens(14, seed=3)
+    ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
+    h = harness(config)
+    out = step(packed, h.batch([0, 1], [a[:7], b[:11]]))
+    assert_close(out[:7], ref_a[:7])
+    assert_close(out[7:], ref_b[:11])
+    for i in range(3):
+        out = step(packed, h.batch([0, 1], [[a[7 + i]], [b[11 + i]]], decode=True))
+        assert_close(out[0], ref_a[7 + i])
+        assert_close(out[1], ref_b[11 + i])
+    for t in range(10, 19):
+        assert_close(step(packed, h.batch([0], [[a[t]]], decode=True))[0], ref_a[t])
 
 
 def test_mistral_window_matters(tmp_path):

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.layers.linear import onednn_linear, onednn_pack
+
 
 class VocabEmbedding(nn.Module):
     """ids [T] -> [T, hidden]."""
@@ -36,9 +38,22 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype,
                                                    device=device), requires_grad=False)
         self.final_logit_softcap = final_logit_softcap
+        self._packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Compute the product from a oneDNN-packed weight (2-3x faster than F.linear at decode
+        shapes on a CPU). Tied: a packed copy, since the embedding still looks up rows of the
+        plain weight (vocab x hidden more elements of memory); untied: the weight is swapped."""
+        packed = onednn_pack(self.weight)
+        if packed is not None and not self.tied:
+            self.weight = nn.Parameter(packed, requires_grad=False)
+        self._packed = packed if packed is not None else self._packed
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        if self._packed is not None:
+            logits = onednn_linear(hidden, self._packed).float()
+        else:
+            logits = F.linear(hidden, self.weight).float()
         if self.final_logit_softcap:
             cap = self.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap

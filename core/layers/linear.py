@@ -3,6 +3,12 @@
 A quant method has three duties (gpt-fast style: the model stays pure, the method swaps weights):
 `create_weights(layer, ...)` registers parameters on the layer, `process_weights_after_loading`
 may repack them once the checkpoint is in, and `apply(layer, x)` computes the product.
+
+On a CPU the model runner also calls `pack_for_cpu(model)`: dense fp32 / bf16 weights move to
+oneDNN's blocked layout (see `onednn_pack`), which streams 1.4-1.9x faster than `F.linear` at
+the decode shapes (M = 1..16) and 1.1-1.4x at prefill (M = 512) on an AVX-512 CPU. Loading leaves
+weights in the checkpoint's layout, so everything that reads them after loading (tests, tools)
+sees plain tensors; only the runner's copy of the model is packed.
 """
 
 from __future__ import annotations
@@ -15,8 +21,31 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [out, in] -> oneDNN's blocked copy of it (an opaque `torch._mkldnn` tensor of the
+    same shape and dtype, for `onednn_linear`), or None where that does not apply: not on a CPU,
+    not fp32 / bf16, or no oneDNN (bf16: no AVX-512 bf16 support) in this torch build."""
+    if weight.device.type != "cpu" or weight.is_mkldnn or weight.dim() != 2:
+        return None
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    # No batch-size hint: one blocked layout serves every M (measured as fast as M-specific ones).
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T (+ bias) with W packed by `onednn_pack` -> [..., out] in x's dtype."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class UnquantizedLinearMethod:
-    """Dense weights in the compute dtype; `F.linear`. The `unquantized` quant plugin's factory."""
+    """Dense weights in the compute dtype; `F.linear`, or oneDNN over packed weights once
+    `pack_for_cpu` ran. The `unquantized` quant plugin's factory."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
                        dtype: torch.dtype, device: torch.device) -> None:
@@ -28,11 +57,22 @@ class UnquantizedLinearMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         return None
 
+    def pack_for_cpu(self, layer: nn.Module) -> None:
+        """Replace a CPU weight by its oneDNN-packed form (same shape and dtype; the plain one is
+        dropped, so memory does not double). A no-op elsewhere and when already packed."""
+        packed = onednn_pack(layer.weight)
+        if packed is not None:
+            layer.weight = nn.Parameter(packed, requires_grad=False)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.weight.is_mkldnn:
+            return onednn_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def bind(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         """`apply` with the layer's tensors bound (the decode hot path skips module lookups)."""
+        if layer.weight.is_mkldnn:
+            return partial(onednn_linear, packed=layer.weight, bias=layer.bias)
         return partial(F.linear, weight=layer.weight, bias=layer.bias)
 
     def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
@@ -99,14 +139,31 @@ class Linear(nn.Module):
         return f"in={self.input_size}, out={self.output_sizes}"
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
-    """Let every layer's quant method finish its weights once the checkpoint is loaded, then
-    drop any hot-path bindings made before (they may point at replaced tensors)."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
+def _reset_bindings(model: nn.Module) -> None:
+    """Drop hot-path bindings made before (they may point at replaced tensors)."""
     for module in model.modules():
         reset = getattr(module, "reset_bindings", None)
         if reset is not None:
             reset()
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let every layer's quant method finish its weights once the checkpoint is loaded."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+    _reset_bindings(model)
+
+
+def pack_for_cpu(model: nn.Module) -> None:
+    """Move the weights of a loaded model on a CPU to the layout its kernels stream fastest
+    (quant methods and modules offering `pack_for_cpu`); weights elsewhere are left alone.
+    Call it once loading is over: packed weights can no longer be loaded into."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "pack_for_cpu"):
+            method.pack_for_cpu(module)
+        elif method is None and hasattr(module, "pack_for_cpu"):
+            module.pack_for_cpu()
+    _reset_bindings(model)
