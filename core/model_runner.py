@@ -117,6 +117,29 @@ class ModelRunner:
         index = self._tensor([ends[i] for i in logits_for], torch.long)
         return self._run(batch, self.prefill_backend, index)
 
+    def warmup(self, shapes: Sequence[tuple[int, int]]) -> int:
+        """Run throw-away extend forwards of (requests, tokens each) so that kernels compile at
+        startup, not in the first user request that needs them (Triton compiles one variant per
+        tiling and per specialization of its integer arguments). Every token's K/V goes to slot 0,
+        the pool's padding sink, through request rows 0..requests-1 (all their table entries
+        point at the sink; a row's entries are rewritten when a request takes it). Returns the
+        number of forwards run; the forward counters are left as they were."""
+        before = dict(self.forward_count)
+        rows_free = self.req_to_token.max_reqs
+        done = 0
+        for n_req, n_tok in shapes:
+            n_req = min(n_req, rows_free)
+            n_tok = min(n_tok, self.req_to_token.max_context)
+            if n_req < 1 or n_tok < 1:
+                continue
+            self.extend(list(range(n_req)), [0] * n_req, [[1] * n_tok] * n_req,
+                        [[0] * n_tok] * n_req, [])
+            done += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_count = before
+        return done
+
     def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
                positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
         """One new token per request at `positions[i]` (= tokens already cached) -> [B, V].

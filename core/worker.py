@@ -142,6 +142,10 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     prefill, decode = make_backends(registry, plan.prefill_attention, plan.decode_attention, ctx)
     runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device)
     graph_note = capture_graphs(runner, graphs, int(cfg.vocab_size))
+    if dev_type != "cpu":
+        # Compile the prefill kernels' common variants now (short and long extensions, one
+        # request and a batch): seconds at startup instead of in the first requests.
+        runner.warmup([(1, 16), (1, 1100), (64, 16), (8, 300)])
     allocator = PageAllocator((tokens + page) // page, page)
     cache = make_prefix_cache(allocator, page, args.disable_radix_cache,
                               args.radix_eviction_policy)

@@ -297,3 +297,14 @@ def test_overlap_schedule_stops_aborts_and_seeds(tiny, alone):
                 done[r.rid] = (r.finish["type"], len(r.output_ids))
     assert done == {"a": ("abort", done["a"][1]), "b": ("length", 50)}
     sched.check_accounting()
+
+
+def test_startup_warmup_forwards_leave_no_trace(tiny, alone):
+    core = make_core(tiny)
+    runner = core.scheduler.runner
+    assert runner.warmup([(1, 5), (3, 40), (0, 4)]) == 2  # a shape of 0 requests is skipped
+    assert runner.forward_count == {"extend": 0, "decode": 0}
+    got = drive(core.scheduler, _requests())
+    core.scheduler.check_accounting()
+    assert {rid: ids for rid, (ids, _) in got.items()} == \
+        {rid: ids for rid, (ids, _) in alone.items()}

@@ -31,9 +31,9 @@ CAPS = AttentionCaps(
     # device, nothing syncs with the host. (Extend sizes its grid from host lengths; it is
     # never captured.)
     cuda_graph=True,
-    # Run-to-run deterministic in one process (no atomics), but the extend tiling is autotuned
-    # per process and the decode split count follows the batch shape and longest context: not
-    # batch-invariant.
+    # Run-to-run deterministic in one process (no atomics), but the extend tiling may be
+    # autotuned per process (CORE_TRITON_AUTOTUNE=1) and the decode split count follows the batch
+    # shape and longest context: not batch-invariant.
     deterministic=False,
     requires=("triton",),
     priority={"cuda": 20, "rocm": 20},

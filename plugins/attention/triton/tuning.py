@@ -12,8 +12,8 @@ chosen so that B x KV heads x splits programs fill every SM `waves` times over, 
 at least min_split_tokens of the longest context (common.num_kv_splits).
 
 Extend entries: candidate tilings (block_m, block_n, num_warps, num_stages), best first. With
-autotuning on (CORE_TRITON_AUTOTUNE, default on) the autotuner times them on the first call of a
-shape class; off, the first one runs. A problem too small to give every SM a program falls back
+autotuning on (CORE_TRITON_AUTOTUNE=1; default off) the autotuner times them on the first call of
+a shape class; off, the first one runs. A problem too small to give every SM a program falls back
 to the first candidate with a smaller block_m (common.extend_configs).
 """
 
