@@ -79,6 +79,11 @@ class TorchNativeAttention(AttentionBackend):
     # decode: every request has one query at position seq_len - 1
     def _decode(self, q, k_buf, v_buf, layer, meta):
         B = len(meta.seq_lens)
+        Hkv = layer.num_kv_heads
+        # The G = H / Hkv query heads sharing a KV head become G queries of that head
+        # ([B, Hkv, G, D]): K/V are read once per KV head, and SDPA needs no GQA expansion
+        # (CPU bf16: 5x faster than one query per head with enable_gqa).
+        qg = q.view(B, Hkv, -1, q.shape[-1])
         if B == 1:
             # Batch of one (latency path): no padding, the window is a slice.
             n = meta.seq_lens[0]
@@ -86,13 +91,13 @@ class TorchNativeAttention(AttentionBackend):
             idx = meta.slots[0, lo:n]
             k = _gather(k_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             v = _gather(v_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)
-            out = _attend(q.view(1, -1, 1, q.shape[-1]), k, v, None, False, layer)
-            return out.view(1, -1, out.shape[-1])
+            out = _attend(qg, k, v, None, False, layer, grouped=True)  # [1, Hkv, G, Dv]
+            return out.reshape(1, -1, out.shape[-1])
         k = _gather(k_buf, meta.slots, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
         v = _gather(v_buf, meta.slots, q.dtype).transpose(1, 2)
-        mask = self._decode_mask(meta, layer.sliding_window, q.device)
-        out = _attend(q.unsqueeze(2), k, v, mask, False, layer)  # [B, H, 1, Dv]
-        return out.squeeze(2)
+        mask = self._decode_mask(meta, layer.sliding_window, q.device)  # [B, 1, 1, L]
+        out = _attend(qg, k, v, mask, False, layer, grouped=True)  # [B, Hkv, G, Dv]
+        return out.reshape(B, -1, out.shape[-1])
 
     def _decode_mask(self, meta, window, device):
         key = ("decode", window)
@@ -147,17 +152,19 @@ def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch
     return out if out.dtype == dtype else out.to(dtype)
 
 
-def _attend(q, k, v, mask, causal, layer: AttentionLayerParams):
-    """q [B, H, n, D], k/v [B, Hkv, L, D] (a bool mask broadcastable to [B, H, n, L])."""
+def _attend(q, k, v, mask, causal, layer: AttentionLayerParams, grouped: bool = False):
+    """q [B, H, n, D], k/v [B, Hkv, L, D] (a bool mask broadcastable to [B, H, n, L]).
+
+    grouped: q is [B, Hkv, n, D] already, each KV head's query heads folded into n (decode)."""
+    gqa = not grouped and layer.num_heads != layer.num_kv_heads
     if layer.logit_softcap:
-        return _softcap_attention(q, k, v, mask, causal, layer)
-    gqa = layer.num_heads != layer.num_kv_heads
+        return _softcap_attention(q, k, v, mask, causal, layer, gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           scale=layer.scaling, enable_gqa=gqa)
 
 
-def _softcap_attention(q, k, v, mask, causal, layer):
-    group = layer.num_heads // layer.num_kv_heads
+def _softcap_attention(q, k, v, mask, causal, layer, gqa):
+    group = layer.num_heads // layer.num_kv_heads if gqa else 1
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
