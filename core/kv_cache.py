@@ -17,6 +17,10 @@ class KVPool:
 
     FP8 caches (torch.float8_e4m3fn / float8_e5m2) hold values divided by a per-tensor scale:
     real K = stored K * k_scale (likewise V). The scales are 1.0 for every other dtype.
+
+    Every write goes through `set_kv`, which counts them per layer in `writes[layer]`: a reader
+    that keeps a copy of some slots (torch_native's dense decode cache) knows from an unchanged
+    count that nobody else wrote that layer since.
     """
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -42,6 +46,7 @@ class KVPool:
                                       device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(num_slots, num_kv_heads, self.v_head_dim, dtype=dtype,
                                       device=self.device) for _ in range(num_layers)]
+        self.writes = [0] * num_layers
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -54,6 +59,7 @@ class KVPool:
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V. loc: [T] slots; k: [T, kv_heads, head_dim]; v likewise."""
+        self.writes[layer_id] += 1
         kb, vb = self.k_buffers[layer_id], self.v_buffers[layer_id]
         if (self.k_scale == 1.0 and self.v_scale == 1.0
                 and triton_ops.can_store_kv(k, v, kb, vb)):

@@ -137,3 +137,56 @@ def test_half_precision_close_to_fp32():
     assert out.dtype == torch.bfloat16
     want = reference(q.view(10, 4, D), k.view(10, 2, D), v.view(10, 2, D), 0, D ** -0.5)
     torch.testing.assert_close(out.double(), want.reshape(10, 4 * D), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 2, None), (4, 1, 3), (2, 2, None)])
+def test_decode_steps_through_the_dense_copy(heads, kv_heads, window):
+    # CPU decode carries a dense copy of the batch's K/V across steps (dense_decode.py): it must
+    # follow requests leaving, another request's extend, and any other write into the pool.
+    g = torch.Generator().manual_seed(1)
+    layers = [AttentionLayerParams(i, heads, kv_heads, D, D ** -0.5, sliding_window=window)
+              for i in range(2)]
+    backend = TorchNativeAttention(BackendContext(heads, kv_heads, D, 2, torch.float32,
+                                                  torch.float32, torch.device("cpu"), 1, 256))
+    h = PagedHarness(2, kv_heads, D, 1, num_pages=1024, backend=backend, seed=1)
+    K = {}  # (row, layer) -> [L, Hkv, D] everything written so far, likewise V
+    V = {}
+
+    def step(rows, n_new, decode, expect_continued=None):
+        batch = h.batch(rows, [[0] * n for n in n_new], decode=decode)
+        if expect_continued is not None:
+            assert batch.attn_meta.dense_continued == expect_continued
+        T = sum(n_new)
+        for layer in layers:
+            q = torch.randn(T, heads, D, generator=g)
+            k, v = (torch.randn(T, kv_heads, D, generator=g) for _ in range(2))
+            out = backend.forward(q.view(T, -1), k.view(T, -1), v.view(T, -1), layer, batch)
+            t, want = 0, []
+            for r, n in zip(rows, n_new, strict=True):
+                key = (r, layer.layer_id)
+                K[key] = torch.cat([K.get(key, k[:0]), k[t:t + n]])
+                V[key] = torch.cat([V.get(key, v[:0]), v[t:t + n]])
+                want.append(reference(q[t:t + n], K[key], V[key], len(K[key]) - n,
+                                      D ** -0.5, window))
+                t += n
+            torch.testing.assert_close(out.double(), torch.cat(want).reshape(T, -1),
+                                       rtol=1e-5, atol=1e-5)
+
+    step([0, 1, 2], [5, 9, 3], decode=False)
+    step([0, 1, 2], [1, 1, 1], decode=True, expect_continued=False)  # first decode: built
+    for _ in range(3):
+        step([0, 1, 2], [1, 1, 1], decode=True, expect_continued=True)
+    step([0, 2], [1, 1], decode=True, expect_continued=False)  # row 1 left: rebuilt
+    step([0, 2], [1, 1], decode=True, expect_continued=True)
+    step([3], [4], decode=False)  # another request's extend writes the pool
+    step([0, 2], [1, 1], decode=True, expect_continued=True)  # rows continue, layers rebuilt
+    step([0, 2], [1, 1], decode=True, expect_continued=True)
+    # Any other write into slots the copy holds (here: row 0's first tokens) is seen.
+    slots = h.req_to_token[0, :3].long()
+    for layer in layers:
+        k, v = (torch.randn(3, kv_heads, D, generator=g) for _ in range(2))
+        h.pool.set_kv(layer.layer_id, slots, k, v)
+        K[(0, layer.layer_id)][:3], V[(0, layer.layer_id)][:3] = k, v
+    step([0, 2], [1, 1], decode=True, expect_continued=True)
+    step([2], [1], decode=True, expect_continued=False)  # batch of one
+    step([2], [1], decode=True, expect_continued=True)

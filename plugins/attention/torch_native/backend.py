@@ -7,6 +7,8 @@ runs attention:
 - decode: one batched SDPA over the padded [B, L] keys with a padding / window mask;
 - extend: a loop over requests, each query block [prefix, seq) against all its keys [0, seq).
 Soft-capped layers use an explicit fp32-softmax path, since SDPA cannot cap the logits.
+On a CPU, decode reads K/V from a dense copy carried across steps (dense_decode.py) instead of
+gathering the padded batch out of the pool at every layer of every step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from core.attention import AttentionBackend, AttentionLayerParams, BackendContext
 from core.forward_batch import ForwardBatch
+from plugins.attention.torch_native.dense_decode import DenseDecodeCache
 
 
 @dataclass
@@ -31,6 +34,8 @@ class TorchNativeMeta:
     extend_lens: list[int]
     starts: list[int]  # offset of each request's first new token in q / k / v
     masks: dict = field(default_factory=dict)  # (kind, window, i) -> bool mask, built lazily
+    dense_step: int = 0  # decode: the dense cache's step id, 0 when it does not serve this step
+    dense_continued: bool = False  # decode: the dense cache may append to its last step
 
 
 class TorchNativeAttention(AttentionBackend):
@@ -38,6 +43,9 @@ class TorchNativeAttention(AttentionBackend):
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
+        # CPU only: elsewhere the gather is cheap next to the bandwidth, and checking that the
+        # copy is still valid would read device tensors on the host.
+        self._dense = DenseDecodeCache() if torch.device(ctx.device).type == "cpu" else None
 
     def prepare(self, batch: ForwardBatch) -> TorchNativeMeta:
         seq = list(batch.seq_lens_cpu)
@@ -54,7 +62,13 @@ class TorchNativeAttention(AttentionBackend):
         max_len = max(seq) if seq else 0
         # [B, max_len]: one row gather from the table, done once per step.
         slots = batch.req_to_token[batch.req_pool_indices, :max_len].long()
-        return TorchNativeMeta(batch.is_decode, slots, seq, prefix, ext, starts)
+        meta = TorchNativeMeta(batch.is_decode, slots, seq, prefix, ext, starts)
+        if (batch.is_decode and self._dense is not None and seq
+                and getattr(batch.kv_pool, "writes", None) is not None):
+            step, usable, continued = self._dense.begin_step(
+                batch.kv_pool, batch.req_pool_indices, slots, seq)
+            meta.dense_step, meta.dense_continued = (step if usable else 0), continued
+        return meta
 
     def _meta(self, batch: ForwardBatch) -> TorchNativeMeta:
         if not isinstance(batch.attn_meta, TorchNativeMeta):
@@ -67,17 +81,26 @@ class TorchNativeAttention(AttentionBackend):
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         Dv = layer.v_head_dim or D
         pool = batch.kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(T, Hkv, D), v.view(T, Hkv, Dv))
         meta = self._meta(batch)
+        writes_before = pool.writes[layer.layer_id] if meta.dense_step else 0
+        k, v = k.view(T, Hkv, D), v.view(T, Hkv, Dv)
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         if meta.decode:
-            out = self._decode(q.view(T, H, D), k_buf, v_buf, layer, meta)
+            dense = None
+            if meta.dense_step:  # [B, Hkv, L, D] each, from the copy carried across steps
+                loc = batch.out_cache_loc  # the new tokens read back as the pool holds them
+                dense = self._dense.layer_kv(
+                    layer.layer_id, pool, k_buf, v_buf, k_buf.index_select(0, loc),
+                    v_buf.index_select(0, loc), meta.dense_step, meta.dense_continued,
+                    writes_before, q.dtype)
+            out = self._decode(q.view(T, H, D), k_buf, v_buf, layer, meta, dense)
         else:
             out = self._extend(q.view(T, H, D), k_buf, v_buf, layer, meta)
         return out.reshape(T, H * Dv)
 
     # decode: every request has one query at position seq_len - 1
-    def _decode(self, q, k_buf, v_buf, layer, meta):
+    def _decode(self, q, k_buf, v_buf, layer, meta, dense=None):
         B = len(meta.seq_lens)
         Hkv = layer.num_kv_heads
         # The G = H / Hkv query heads sharing a KV head become G queries of that head
@@ -88,13 +111,19 @@ class TorchNativeAttention(AttentionBackend):
             # Batch of one (latency path): no padding, the window is a slice.
             n = meta.seq_lens[0]
             lo = max(0, n - layer.sliding_window) if layer.sliding_window else 0
-            idx = meta.slots[0, lo:n]
-            k = _gather(k_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            v = _gather(v_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)
+            if dense is not None:
+                k, v = dense[0][:, :, lo:n], dense[1][:, :, lo:n]
+            else:
+                idx = meta.slots[0, lo:n]
+                k = _gather(k_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+                v = _gather(v_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)
             out = _attend(qg, k, v, None, False, layer, grouped=True)  # [1, Hkv, G, Dv]
             return out.reshape(1, -1, out.shape[-1])
-        k = _gather(k_buf, meta.slots, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        v = _gather(v_buf, meta.slots, q.dtype).transpose(1, 2)
+        if dense is not None:
+            k, v = dense
+        else:
+            k = _gather(k_buf, meta.slots, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+            v = _gather(v_buf, meta.slots, q.dtype).transpose(1, 2)
         mask = self._decode_mask(meta, layer.sliding_window, q.device)  # [B, 1, 1, L]
         out = _attend(qg, k, v, mask, False, layer, grouped=True)  # [B, Hkv, G, Dv]
         return out.reshape(B, -1, out.shape[-1])
