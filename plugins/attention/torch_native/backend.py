@@ -124,11 +124,21 @@ class TorchNativeAttention(AttentionBackend):
         else:
             k = _gather(k_buf, meta.slots, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
             v = _gather(v_buf, meta.slots, q.dtype).transpose(1, 2)
-        mask = self._decode_mask(meta, layer.sliding_window, q.device)  # [B, 1, 1, L]
+        # [B, 1, 1, L]; additive (0 / -inf in q's dtype) for SDPA, whose CPU kernel runs 10-15%
+        # faster with it than with a bool mask; the soft-cap path fills by a bool mask
+        mask = self._decode_mask(meta, layer.sliding_window, q.device,
+                                 None if layer.logit_softcap else q.dtype)
         out = _attend(qg, k, v, mask, False, layer, grouped=True)  # [B, Hkv, G, Dv]
         return out.reshape(B, -1, out.shape[-1])
 
-    def _decode_mask(self, meta, window, device):
+    def _decode_mask(self, meta, window, device, additive=None):
+        if additive is not None:
+            key = ("decode", window, additive)
+            if key not in meta.masks:
+                visible = self._decode_mask(meta, window, device)
+                meta.masks[key] = torch.zeros(visible.shape, dtype=additive, device=device
+                                              ).masked_fill_(~visible, float("-inf"))
+            return meta.masks[key]
         key = ("decode", window)
         if key not in meta.masks:
             L = meta.slots.shape[1]
