@@ -242,26 +242,14 @@ class Scheduler:
         if not self._deferrable() or len(self.running) != len(inf.batch) or any(
                 a is not b for a, b in zip(self.running, inf.batch, strict=True)):
             return False
-        ps = self.cfg.page_size
-        return self._ensure_pages(sum(1 for r in self.running if r.kv_len % ps == 0))
+        return self._ensure_pages(self._decode_pages_needed())
 
     def _launch_decode(self, input_ids: Any) -> None:
         """Pages, forward and sampling of one decode step for self.running, left in flight."""
         import torch
 
-        ps = self.cfg.page_size
         batch = self.running
-        slots, positions = [], []
-        for r in batch:
-            if r.kv_len % ps == 0:
-                r.pages.extend(self.allocator.alloc(1))
-            slots.append(token_slots(r.pages, r.kv_len, r.kv_len + 1, ps)[0])
-            positions.append(r.kv_len)
-        logits = self.runner.decode([r.row for r in batch], input_ids, positions, slots)
-        for r in batch:
-            r.kv_len += 1
-        self.counters["decode_tokens"] += len(batch)
-        self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        logits = self._forward_decode(input_ids)
         tokens = self.sampler.launch(logits, [r.state for r in batch])
         event = None
         if tokens.is_cuda:
@@ -298,33 +286,42 @@ class Scheduler:
 
     # -- plain steps -----------------------------------------------------------------------------
 
-    def _decode_step(self) -> list[Req]:
+    def _decode_pages_needed(self) -> int:
+        """New pages the running batch needs for one more token each."""
         ps = self.cfg.page_size
-        need = sum(1 for r in self.running if r.kv_len % ps == 0)
-        while not self._ensure_pages(need):
+        return sum(1 for r in self.running if r.kv_len % ps == 0)
+
+    def _forward_decode(self, input_ids: Any) -> Any:
+        """One decode forward of self.running (pages already ensured) -> logits [B, V].
+        input_ids: host ints, or the previous step's device tokens (overlap)."""
+        ps = self.cfg.page_size
+        batch = self.running
+        slots, positions = [], []
+        for r in batch:
+            if r.kv_len % ps == 0:
+                r.pages.extend(self.allocator.alloc(1))
+            slots.append(token_slots(r.pages, r.kv_len, r.kv_len + 1, ps)[0])
+            positions.append(r.kv_len)
+        logits = self.runner.decode([r.row for r in batch], input_ids, positions, slots)
+        for r in batch:
+            r.kv_len += 1
+        self.counters["decode_tokens"] += len(batch)
+        self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        return logits
+
+    def _decode_step(self) -> list[Req]:
+        while not self._ensure_pages(self._decode_pages_needed()):
             victim = self._pick_victim()
             if victim is None:  # cannot happen for admitted requests; never loop forever
                 raise OutOfPages("decode cannot get a KV page and has nothing to retract")
             self._retract(victim)
-            need = sum(1 for r in self.running if r.kv_len % ps == 0)
         if not self.running:
             return []
         if self._deferrable():
             self._launch_decode([r.output_ids[-1] for r in self.running])
             return []
         batch = self.running
-        slots, positions, inputs = [], [], []
-        for r in batch:
-            if r.kv_len % ps == 0:
-                r.pages.extend(self.allocator.alloc(1))
-            slots.append(token_slots(r.pages, r.kv_len, r.kv_len + 1, ps)[0])
-            positions.append(r.kv_len)
-            inputs.append(r.output_ids[-1])
-        logits = self.runner.decode([r.row for r in batch], inputs, positions, slots)
-        for r in batch:
-            r.kv_len += 1
-        self.counters["decode_tokens"] += len(batch)
-        self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        logits = self._forward_decode([r.output_ids[-1] for r in batch])
         self._sample(batch, logits)
         self.running = [r for r in batch if r.finish is None]
         return list(batch)

@@ -127,7 +127,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
         dev_type, mem_total, spec, loaded.dtype.itemsize, getattr(cfg, "intermediate_size", None))
     tokens, note = kv_pool_tokens(
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-        free_bytes=free, total_bytes=plan.device.memory_bytes or free,
+        free_bytes=free, total_bytes=mem_total,
         bytes_per_token=per_token, page_size=page,
         default_fraction=fraction_default,
         cap_tokens=CPU_DEFAULT_KV_CAP if dev_type == "cpu" else None)
