@@ -55,22 +55,14 @@ for _p in (str(BENCH_DIR), str(REPO)):  # bench this checkout, whatever else is 
 from serving_online import bench_online, latency_stats  # noqa: E402
 from serving_report import jsonable, ratio, summarize, summary_table  # noqa: E402
 
+from core.testing.model_configs import LLAMA_31_8B, llama_config  # noqa: E402
+
 MODES = ("batch1", "offline", "online", "shared-prefix")
 
-LLAMA_31_8B = {  # public config shapes of meta-llama/Llama-3.1-8B
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
-    "eos_token_id": 128001, "hidden_act": "silu",
-}
-TINY = {**LLAMA_31_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
-        "max_position_embeddings": 4096, "rope_scaling": None, "bos_token_id": 1,
-        "eos_token_id": 2}
+TINY = llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096,
+                    max_position_embeddings=4096, rope_scaling=None, bos_token_id=1,
+                    eos_token_id=2)
 
 # (gpu, cpu) defaults of the flags left unset
 DEFAULTS = {

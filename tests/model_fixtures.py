@@ -7,6 +7,7 @@ returns the directory. Use `write_tiny_model(arch, path)` or the per-architectur
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -93,6 +94,16 @@ def write_tokenizer(path: str | os.PathLike) -> None:
                                    additional_special_tokens=list(SPECIALS[1:3]))
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
+
+
+def write_config_model(path: str | os.PathLike, config: dict) -> str:
+    """A dummy-weight model directory: `config` as config.json plus the byte-level tokenizer
+    (outputs are compared as token ids)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    write_tokenizer(path)
+    return str(path)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -8,7 +8,6 @@ against the eager decode here; only the capture itself needs CUDA.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
@@ -31,6 +30,7 @@ from core.cuda_graph_runner import (  # noqa: E402
     padded_inputs,
     pick_bucket,
 )
+from core.testing.model_configs import llama_config  # noqa: E402
 
 GB = 10**9
 
@@ -240,26 +240,19 @@ def test_padded_replay_matches_eager_decode_and_big_batches_stay_eager(tiny_runn
 
 # -- real capture on a GPU -------------------------------------------------------------------------
 
-LLAMA_SMALL = {  # Llama-3 layer shapes (8 heads of 128, GQA 4:1) with few layers: quick to load
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
-    "intermediate_size": 4096, "num_hidden_layers": 4, "num_attention_heads": 8,
-    "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 32000,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
-    "eos_token_id": 2, "hidden_act": "silu",
-}
+LLAMA_SMALL = llama_config(  # Llama-3 layer shapes (8 heads of 128, GQA 4:1), few layers: quick
+    hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=2, vocab_size=32000, max_position_embeddings=8192, rope_scaling=None,
+    bos_token_id=1, eos_token_id=2)
 
 
 @pytest.fixture(scope="module")
 def gpu_model_dir(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from model_fixtures import write_tokenizer
+    from model_fixtures import write_config_model
 
-    d = tmp_path_factory.mktemp("llama_small")
-    (d / "config.json").write_text(json.dumps(LLAMA_SMALL))
-    write_tokenizer(d)
-    return str(d)
+    return write_config_model(tmp_path_factory.mktemp("llama_small"), LLAMA_SMALL)
 
 
 def _gpu_run(model_dir: str, dtype: str, **kw):

@@ -6,10 +6,11 @@ Run with `pytest -m gpu tests/test_engine_gpu.py` on a machine with an NVIDIA GP
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
+
+from core.testing.model_configs import llama_config
 
 torch = pytest.importorskip("torch")
 
@@ -17,28 +18,19 @@ pytestmark = pytest.mark.gpu
 
 # Llama-3.2-1B's layer shapes (public config), random weights from the dummy load format; the
 # head is untied so that greedy output varies from step to step.
-LLAMA_1B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
-    "eos_token_id": 128001, "hidden_act": "silu",
-}
+LLAMA_1B = llama_config(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+    rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                  "original_max_position_embeddings": 8192, "rope_type": "llama3"})
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from model_fixtures import write_tokenizer
+    from model_fixtures import write_config_model
 
-    d = tmp_path_factory.mktemp("llama1b")
-    (d / "config.json").write_text(json.dumps(LLAMA_1B))
-    write_tokenizer(d)  # a byte-level tokenizer: outputs are compared as token ids
-    return str(d)
+    return write_config_model(tmp_path_factory.mktemp("llama1b"), LLAMA_1B)
 
 
 def _prompts() -> list[list[int]]:
