@@ -18,7 +18,14 @@ from core.config import ServerArgs
 from core.server.app import create_app
 from core.server.auth import PUBLIC_ROUTES
 from core.server.state import STATE
-from core.server.testing import FakeEngine, ServerThread, http_request, sse_payloads
+from core.server.testing import (
+    FakeEngine,
+    ServerThread,
+    http_request,
+    read_first_chunk,
+    send_stream_request,
+    sse_payloads,
+)
 
 KEY = "sk-api"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -309,17 +316,8 @@ def test_no_key_configured_means_open():
 
 def _open_stream(srv, body, path="/v1/completions") -> socket.socket:
     """Send a streaming request on a raw socket and read until the first data chunk."""
-    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-    payload = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-                 .encode() + payload)
-    buf = b""
-    while b"data: " not in buf:
-        chunk = sock.recv(65536)
-        assert chunk, buf
-        buf += chunk
-    assert buf.startswith(b"HTTP/1.1 200")
+    sock = send_stream_request(srv.port, body, KEY, path)
+    read_first_chunk(sock)
     return sock
 
 

@@ -21,7 +21,13 @@ import openai
 import pytest
 
 from core.config import ServerArgs
-from core.server.testing import ServerThread, http_request, sse_payloads
+from core.server.testing import (
+    ServerThread,
+    http_request,
+    read_first_chunk,
+    send_stream_request,
+    sse_payloads,
+)
 
 pytest.importorskip("transformers")
 try:
@@ -149,21 +155,12 @@ def test_cut_streams_free_their_kv(served):
     idle = kv_used(srv)
     socks = []
     # 32 x (prompt + 100) tokens fit the KV pool at once: all of them start at once
-    body = json.dumps({"prompt": "Write a very long story about a dragon.", "max_tokens": 100,
-                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    body = {"prompt": "Write a very long story about a dragon.", "max_tokens": 100,
+            "temperature": 0, "ignore_eos": True, "stream": True}
     for _ in range(32):
-        s = socket.create_connection(("127.0.0.1", srv.port), timeout=300)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
-                  KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: " +
-                  str(len(body)).encode() + b"\r\n\r\n" + body)
-        socks.append(s)
+        socks.append(send_stream_request(srv.port, body, KEY, timeout=300))
     for s in socks:  # cut each after its first chunk
-        buf = b""
-        while b"data: " not in buf:
-            part = s.recv(65536)
-            assert part, buf
-            buf += part
-        assert buf.startswith(b"HTTP/1.1 200")
+        read_first_chunk(s)
     assert kv_used(srv) > idle
     for s in socks:
         s.close()

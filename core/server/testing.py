@@ -283,6 +283,33 @@ def http_request(url: str, method: str, path: str, body: Any = None,
         conn.close()
 
 
+def send_stream_request(port: int, body: Any, key: str | None = None,
+                        path: str = "/v1/completions", timeout: float = 10.0) -> Any:
+    """POST `body` (JSON) on a raw socket to 127.0.0.1:port and return the socket unread, so a
+    test can read a little of a stream and then cut it (`read_first_chunk`, then close)."""
+    import json
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    payload = json.dumps(body).encode()
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}"
+                 f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+                 .encode() + payload)
+    return sock
+
+
+def read_first_chunk(sock: Any) -> bytes:
+    """Read a streaming response until its first SSE data line; assert it is a 200."""
+    buf = b""
+    while b"data: " not in buf:
+        part = sock.recv(65536)
+        assert part, buf
+        buf += part
+    assert buf.startswith(b"HTTP/1.1 200"), buf[:200]
+    return buf
+
+
 def sse_payloads(raw: bytes) -> list[Any]:
     """The `data:` payloads of an SSE body: parsed JSON, or the string "[DONE]"."""
     import json
