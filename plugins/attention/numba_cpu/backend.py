@@ -1,0 +1,66 @@
+"""`numba_cpu`: torch_native's prefill, a Numba kernel for decode (CPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.attention import AttentionLayerParams, BackendContext
+from core.forward_batch import ForwardBatch
+from plugins.attention.numba_cpu.kernels import decode_attention
+from plugins.attention.torch_native.backend import TorchNativeAttention, TorchNativeMeta
+
+
+@dataclass
+class NumbaMeta(TorchNativeMeta):
+    """torch_native's step metadata plus, for decode, the kernel's host arrays."""
+
+    seq_lens_np: np.ndarray | None = None  # [B] int64
+    slots_np: np.ndarray | None = None  # [B, max_seq] int64
+
+
+def _as_numpy(buf: torch.Tensor) -> np.ndarray:
+    """A pool buffer as the kernel reads it: fp32 as is, bf16 as its uint16 bit patterns."""
+    if buf.dtype == torch.bfloat16:
+        buf = buf.view(torch.uint16)
+    return buf.numpy()
+
+
+class NumbaCpuAttention(TorchNativeAttention):
+    """Decode reads the paged pool in place (no gather, no dense copy); extend is inherited."""
+
+    def __init__(self, ctx: BackendContext):
+        super().__init__(ctx)
+        if torch.device(ctx.device).type != "cpu":
+            raise ValueError(f"numba_cpu runs on the CPU only, not on {ctx.device}")
+        if ctx.kv_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"numba_cpu reads float32 or bfloat16 KV caches, not {ctx.kv_dtype}")
+        self._dense = None  # torch_native's dense decode copy: this decode needs none
+
+    def prepare(self, batch: ForwardBatch) -> NumbaMeta:
+        meta = NumbaMeta(**vars(super().prepare(batch)))
+        if meta.decode:
+            meta.seq_lens_np = np.asarray(meta.seq_lens, dtype=np.int64)
+            meta.slots_np = meta.slots.contiguous().numpy()
+        return meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerParams, batch: ForwardBatch) -> torch.Tensor:
+        meta = self._meta(batch)
+        if not meta.decode:
+            return super().forward(q, k, v, layer, batch)
+        B = q.shape[0]
+        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        Dv = layer.v_head_dim or D
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(B, Hkv, D), v.view(B, Hkv, Dv))
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        qf = q.view(B, H, D).to(torch.float32).contiguous()
+        out = torch.empty(B, H, Dv, dtype=torch.float32)
+        decode_attention(qf.numpy(), _as_numpy(k_buf), _as_numpy(v_buf), meta.slots_np,
+                         meta.seq_lens_np, np.float32(layer.scaling),
+                         np.int64(layer.sliding_window or 0),
+                         np.float32(layer.logit_softcap or 0.0), out.numpy())
+        return out.to(q.dtype).reshape(B, H * Dv)
