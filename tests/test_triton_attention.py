@@ -114,12 +114,14 @@ _EDGE_NEWS = (32, 16, 1, 33, 48, 17)
 @pytest.mark.parametrize(("group", "head_dim", "dtype", "window", "cap"), [
     (1, 64, "float16", None, None), (4, 128, "float32", None, None),
     (8, 64, "float16", 21, None), (4, 256, "float16", None, 6.0), (4, 80, "float32", 40, 9.0)])
-@pytest.mark.parametrize("tile", [(32, 32), (16, 32), (32, 16)], ids=lambda t: "m{}n{}".format(*t))
+@pytest.mark.parametrize("tile", [(32, 32), (16, 32), (32, 16), (32, 32, True), (32, 16, True)],
+                         ids=lambda t: "m{}n{}".format(*t) + ("-packed" if len(t) > 2 else ""))
 def test_extend_tilings_at_block_edges(group, head_dim, dtype, window, cap, tile):
     """The unmasked prefix loop / causal diagonal split at every kind of block edge: prefixes
     and extensions that are and are not multiples of BLOCK_M / BLOCK_N, block_m smaller and
     larger than block_n, GQA 1/4/8, head dims 64..256 (80: padded, masked head dim), with a
-    window and a soft-cap."""
+    window and a soft-cap; packed tilings put a GQA group's heads in one program (4 or 8 heads
+    x 8 or 4 positions per 32 rows; group 1 runs unpacked)."""
     from plugins.attention.triton.common import ExtendConfig
     from plugins.attention.triton.extend import extend_attention
 
@@ -132,7 +134,8 @@ def test_extend_tilings_at_block_edges(group, head_dim, dtype, window, cap, tile
     out = extend_attention(q.view(T, group, head_dim), k_buf, v_buf, b.req_to_token,
                            b.req_pool_indices, b.seq_lens, b.extend_lens, starts,
                            max(b.extend_lens_cpu), scaling=layer.scaling, sliding_window=window,
-                           logit_softcap=cap, config=ExtendConfig(*tile, 1, 1))
+                           logit_softcap=cap,
+                           config=ExtendConfig(*tile[:2], 1, 1, pack_gqa=len(tile) > 2))
     torch.testing.assert_close(out.view(T, -1).float(), want, **_tol(getattr(torch, dtype)))
 
 

@@ -64,6 +64,14 @@ class ExtendConfig:
     block_n: int = 64  # KV tokens per loop iteration
     num_warps: int = 8
     num_stages: int = 3
+    # block_m rows = block_m / group positions x the query heads of one KV head, so each K/V
+    # tile is loaded once per group (used when the group is a power of two dividing block_m)
+    pack_gqa: bool = False
+
+    def packs(self, group: int) -> bool:
+        """Whether this tiling packs a GQA group of `group` query heads per program."""
+        return (self.pack_gqa and group > 1 and group & (group - 1) == 0
+                and self.block_m % group == 0)
 
 
 def arch_key(device: torch.device) -> str:

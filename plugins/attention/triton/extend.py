@@ -12,7 +12,9 @@ past the last query are never loaded, so no fully masked block is visited. Score
 sm_scale * log2(e) inside exp2's argument (one FMA per score), and P @ V accumulates in place.
 
 Heads are the fastest grid axis, so the query heads of one GQA group run side by side and share
-their K/V tiles in L2; the heaviest (last) query blocks start first.
+their K/V tiles in L2; the heaviest (last) query blocks start first. A tiling may instead pack a
+GQA group into one program (ExtendConfig.pack_gqa): its rows are BLOCK_M / GROUP positions times
+the group's heads, and each K/V tile is loaded once for all of them.
 """
 
 from __future__ import annotations
@@ -104,33 +106,41 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PACK_GQA: tl.constexpr,
 ):
-    h = tl.program_id(0)
+    # PACK_GQA: the program's BLOCK_M rows are POS positions x the GROUP query heads of one KV
+    # head (row r: position r // GROUP, head r % GROUP), so each K/V tile serves the whole group.
+    POS: tl.constexpr = BLOCK_M // GROUP if PACK_GQA else BLOCK_M
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # heaviest causal blocks first
     b = tl.program_id(2)
     ext_len = tl.load(extend_lens + b).to(tl.int32)
-    if mb * BLOCK_M >= ext_len:
+    if mb * POS >= ext_len:
         return
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     prefix = seq_len - ext_len
     q_start = tl.load(q_starts + b).to(tl.int64)
     row = tl.load(req_pool_indices + b).to(tl.int64)
-    kvh = h // GROUP
-
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        kvh = tl.program_id(0)
+        heads = kvh * GROUP + offs_r % GROUP  # [BLOCK_M]
+        offs_m = mb * POS + offs_r // GROUP
+    else:
+        kvh = tl.program_id(0) // GROUP
+        heads = tl.program_id(0) + offs_r * 0
+        offs_m = mb * POS + offs_r
     mmask = offs_m < ext_len
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     dmask = offs_d < HEAD_DIM
     dvmask = offs_dv < V_DIM
     rows = q_start + offs_m
-    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+    q = tl.load(Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     q_pos = prefix + offs_m
 
-    q_first = prefix + mb * BLOCK_M
-    hi = tl.minimum(q_first + BLOCK_M, seq_len)  # keys past the block's last query: invisible
+    q_first = prefix + mb * POS
+    hi = tl.minimum(q_first + POS, seq_len)  # keys past the block's last query: invisible
     lo = 0
     if USE_WINDOW:
         lo = (tl.maximum(q_first - window + 1, 0) // BLOCK_N) * BLOCK_N
@@ -157,19 +167,20 @@ def _extend_kernel(
         FULL_TILES=False, PRECISION=PRECISION)
 
     out = acc * (out_scale / tl.where(l_sum > 0, l_sum, 1.0))[:, None]
-    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+    tl.store(Out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=mmask[:, None] & dvmask[None, :])
 
 
 _TUNED: dict[tuple[ExtendConfig, ...], triton.runtime.Autotuner] = {}
 
 
-def _tuned_kernel(configs: list[ExtendConfig]):
-    """The kernel behind an autotuner over `configs` (one per distinct list, built once)."""
-    key = tuple(configs)
+def _tuned_kernel(configs: list[ExtendConfig], group: int):
+    """The kernel behind an autotuner over `configs` (one per distinct list and GQA group)."""
+    key = (tuple(configs), group)
     if key not in _TUNED:
         _TUNED[key] = triton.autotune(
-            configs=[triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n},
+            configs=[triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
+                                    "PACK_GQA": c.packs(group)},
                                    num_warps=c.num_warps, num_stages=c.num_stages)
                      for c in configs],
             # Dtypes join the key by themselves; tune_bucket (0/1) keeps a short warm-up
@@ -205,7 +216,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
             int(max_extend_len >= 1024),
             q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
             v_buf.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1))
-    consts = dict(GROUP=H // Hkv, HEAD_DIM=D, V_DIM=Dv, BLOCK_D=triton.next_power_of_2(D),
+    group = H // Hkv
+    consts = dict(GROUP=group, HEAD_DIM=D, V_DIM=Dv, BLOCK_D=triton.next_power_of_2(D),
                   BLOCK_DV=triton.next_power_of_2(Dv), USE_WINDOW=sliding_window is not None,
                   USE_SOFTCAP=logit_softcap is not None,
                   EVEN_D=triton.next_power_of_2(D) == D and triton.next_power_of_2(Dv) == Dv,
@@ -217,12 +229,16 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
             configs = [small]
     if len(configs) == 1 or interpreting() or not autotune_enabled():
         c = configs[0]
-        grid = (H, triton.cdiv(max_extend_len, c.block_m), B)
+        pack = c.packs(group)
+        grid = (Hkv if pack else H, triton.cdiv(max_extend_len, c.block_m // (group if pack else 1)),
+                B)
         _extend_kernel[grid](*args, **consts, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                             num_warps=c.num_warps, num_stages=c.num_stages)
+                             PACK_GQA=pack, num_warps=c.num_warps, num_stages=c.num_stages)
     else:
         def grid(meta):
-            return (H, triton.cdiv(max_extend_len, meta["BLOCK_M"]), B)
+            pack = meta["PACK_GQA"]
+            return (Hkv if pack else H,
+                    triton.cdiv(max_extend_len, meta["BLOCK_M"] // (group if pack else 1)), B)
 
-        _tuned_kernel(configs)[grid](*args, **consts)
+        _tuned_kernel(configs, group)[grid](*args, **consts)
     return out
