@@ -18,9 +18,9 @@ long rows at once).
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange
 from numba.core import cgutils, types
-from llvmlite import ir
 from numba.extending import intrinsic, overload
 
 
