@@ -110,25 +110,36 @@ def extend_configs(head_dim: int, v_dim: int, dtype: torch.dtype,
     """Candidate tilings, best guess first (the autotuner times them on the first call)."""
     if interpreting():
         return [ExtendConfig(*tuning.INTERPRET_EXTEND)]
-    return [ExtendConfig(*t)
-            for t in tuning.EXTEND[arch_key(device), width_key(head_dim, v_dim, dtype)]]
+    return [ExtendConfig(*t) for t in tuning.EXTEND[extend_table_key(head_dim, v_dim, dtype, device)]]
+
+
+def extend_table_key(head_dim: int, v_dim: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[str, str]:
+    """The (arch, width) key of the extend tuning tables for this problem."""
+    return arch_key(device), width_key(head_dim, v_dim, dtype)
 
 
 def small_extend_config(configs: list[ExtendConfig], programs_per_block_row: int,
-                        max_extend_len: int, device: torch.device) -> ExtendConfig | None:
+                        max_extend_len: int, device: torch.device,
+                        table_key: tuple[str, str] | None = None) -> ExtendConfig | None:
     """A smaller-block_m tiling when the first candidate leaves SMs idle, else None.
 
     programs_per_block_row = query heads x requests (one program each per block of new tokens).
     A short extension over a long prefix (e.g. 128 new tokens, one request) gets one block per
     head with block_m 128: halving block_m doubles the programs at the same K/V traffic per row.
+    The tiling is tuning.EXTEND_SMALL[table_key] when the table has one, else block_m 64 with
+    the first candidate's block_n.
     """
     first = configs[0]
     if first.block_m <= 64:
         return None
+    # (a packed tiling has group x fewer programs per block row and group x more blocks: about
+    # the same count)
     blocks = triton.cdiv(max_extend_len, first.block_m)
     if programs_per_block_row * blocks >= sm_count(device):
         return None
-    return ExtendConfig(64, first.block_n, 4, first.num_stages)
+    tile = tuning.EXTEND_SMALL.get(table_key) if table_key else None
+    return ExtendConfig(*tile) if tile else ExtendConfig(64, first.block_n, 4, first.num_stages)
 
 
 def num_kv_splits(batch_size: int, kv_heads: int, head_blocks: int, device: torch.device,

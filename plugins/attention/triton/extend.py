@@ -29,6 +29,7 @@ from plugins.attention.triton.common import (
     ExtendConfig,
     autotune_enabled,
     extend_configs,
+    extend_table_key,
     interpreting,
     small_extend_config,
     softcap,
@@ -224,7 +225,8 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                   PRECISION="ieee" if q.dtype == torch.float32 else None)
     configs = [config] if config else extend_configs(D, Dv, q.dtype, q.device)
     if config is None and not interpreting():
-        small = small_extend_config(configs, H * B, max_extend_len, q.device)
+        small = small_extend_config(configs, H * B, max_extend_len, q.device,
+                                    extend_table_key(D, Dv, q.dtype, q.device))
         if small is not None:
             configs = [small]
     if len(configs) == 1 or interpreting() or not autotune_enabled():

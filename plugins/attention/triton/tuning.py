@@ -11,7 +11,8 @@ Decode entries: (block_n, num_warps, num_stages, waves, min_split_tokens). The s
 chosen so that B x KV heads x splits programs fill every SM `waves` times over, each split covering
 at least min_split_tokens of the longest context (common.num_kv_splits).
 
-Extend entries: candidate tilings (block_m, block_n, num_warps, num_stages), best first. With
+Extend entries: candidate tilings (block_m, block_n, num_warps, num_stages[, pack_gqa]), best
+first; pack_gqa puts the query heads of one KV head in a program's rows (ExtendConfig). With
 autotuning on (CORE_TRITON_AUTOTUNE=1; default off) the autotuner times them on the first call of
 a shape class; off, the first one runs. A problem too small to give every SM a program falls back
 to the first candidate with a smaller block_m (common.extend_configs).
@@ -34,10 +35,10 @@ DECODE: dict[tuple[str, str], tuple[int, int, int, int, int]] = {
 
 EXTEND: dict[tuple[str, str], tuple[tuple[int, int, int, int], ...]] = {
     ("sm90", "d64"): ((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)),
-    # H200 sweep 2026-11-29: 256-row tiles led every long extension; the 3-stage and 128-wide
-    # variants of it are candidates the autotuner may prefer (not in that sweep).
-    ("sm90", "d128"): ((256, 64, 16, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-                       (256, 64, 16, 3), (256, 128, 16, 2)),
+    # H200 sweep 2026-11-30 (bench/sweep_triton.py, ranked over the new=4096 shapes): GQA-packed
+    # 256-row tiles first (64 positions x 4 heads), then the unpacked 256-row tile.
+    ("sm90", "d128"): ((256, 64, 16, 3, True), (256, 64, 16, 2, True), (256, 64, 16, 2),
+                       (128, 64, 4, 3, True), (128, 64, 4, 3), (128, 128, 8, 3)),
     # (64, 64) needs 213 KB of shared memory for fp32 at d=256: Hopper only.
     ("sm90", "wide"): ((64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)),
     ("sm80", "d64"): ((128, 64, 4, 3), (64, 64, 4, 3)),
@@ -47,6 +48,13 @@ EXTEND: dict[tuple[str, str], tuple[tuple[int, int, int, int], ...]] = {
     ("rocm", "d64"): ((64, 64, 4, 1), (64, 32, 4, 1)),
     ("rocm", "d128"): ((64, 64, 4, 1), (64, 32, 4, 1), (32, 32, 4, 1)),
     ("rocm", "wide"): ((32, 32, 4, 1),),
+}
+
+# Short extensions that leave SMs idle with the first EXTEND tiling (common.small_extend_config);
+# keys missing here use block_m 64 with the first tiling's block_n.
+EXTEND_SMALL: dict[tuple[str, str], tuple[int, int, int, int]] = {
+    # H200 sweep 2026-11-30: best at prefix 0/4096/8192 + 128 new (0.081 vs 0.135 ms at 4096)
+    ("sm90", "d128"): (64, 128, 4, 2),
 }
 
 # Under TRITON_INTERPRET=1 (CPU): tiny tiles keep the interpreter quick.
