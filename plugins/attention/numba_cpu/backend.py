@@ -38,6 +38,17 @@ class NumbaCpuAttention(TorchNativeAttention):
         if ctx.kv_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"numba_cpu reads float32 or bfloat16 KV caches, not {ctx.kv_dtype}")
         self._dense = None  # torch_native's dense decode copy: this decode needs none
+        self._compile(ctx)
+
+    @staticmethod
+    def _compile(ctx: BackendContext) -> None:
+        """Compile (or load from numba's cache) the kernel for this pool's dtype now, at engine
+        start, instead of stalling the first decode step by seconds."""
+        H, Hkv, D = ctx.num_heads, ctx.num_kv_heads, ctx.head_dim
+        buf = torch.zeros(2, Hkv, D, dtype=ctx.kv_dtype)
+        decode_attention(np.zeros((1, H, D), np.float32), _as_numpy(buf), _as_numpy(buf),
+                         np.zeros((1, 1), np.int64), np.ones(1, np.int64), np.float32(1.0),
+                         np.int64(0), np.float32(0.0), np.empty((1, H, D), np.float32))
 
     def prepare(self, batch: ForwardBatch) -> NumbaMeta:
         meta = NumbaMeta(**vars(super().prepare(batch)))
