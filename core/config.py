@@ -57,6 +57,9 @@ class ServerArgs:
     schedule_policy: str = _f("fcfs", "scheduling", "waiting-queue order",
                               choices=SCHEDULE_POLICIES)
     enable_priority_scheduling: bool = _f(False, "scheduling", "honour request priority")
+    priority_scheduling_preemption_threshold: int = _f(
+        10, "scheduling", "with priority scheduling, a waiting request that cannot be admitted "
+        "preempts running requests whose priority is lower by at least this much")
     schedule_conservativeness: float = _f(1.0, "scheduling", "higher reserves more KV for "
                                           "decode")
     page_size: int | None = _f(None, "scheduling", "KV page size (default: what the backend "

@@ -6,6 +6,9 @@ Admission keeps a reserve of KV for the running requests' future tokens (SGLang'
 ratio, scaled by --schedule-conservativeness). If decode still runs out of pages, running requests
 are retracted: their KV goes to the prefix cache (or is freed), and they wait to be recomputed
 from prompt + generated tokens; their output so far is kept, so nothing is lost or changed.
+With priority scheduling, a waiting request that cannot be admitted preempts running requests
+whose priority is lower than its own by at least --priority-scheduling-preemption-threshold
+(retracted the same way, lowest priority first).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class SchedulerConfig:
     max_prefill_tokens: int = 16384
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
+    # a waiting request preempts running ones whose priority is lower by at least this much
+    priority_preemption_threshold: int = 10
     schedule_conservativeness: float = 1.0
     seed: int = 0
     overlap: bool = False  # launch decode step N+1 before the host sees step N's tokens
@@ -135,7 +140,7 @@ class Scheduler:
         self.new_token_ratio = self.init_ratio
         self.counters = {"retractions": 0, "rejected": 0, "prefill_tokens": 0,
                          "decode_tokens": 0, "cached_tokens": 0, "finished": 0, "aborted": 0,
-                         "steps": 0, "overlapped_steps": 0}
+                         "steps": 0, "overlapped_steps": 0, "preemptions": 0}
         self._finished_out: list[Req] = []  # finished outside a step (aborts, rejections)
         self.inflight: InflightDecode | None = None  # overlap: the step whose tokens are out
 
@@ -163,8 +168,7 @@ class Scheduler:
                 raise AdmissionError(f"input_ids {bad[:5]} are outside the vocabulary of "
                                      f"{self.vocab_size}")
             self.check_fits(len(input_ids), p.max_new_tokens)
-            honour = self.cfg.enable_priority_scheduling or self.cfg.schedule_policy == "priority"
-            if priority is not None and not honour:
+            if priority is not None and not self._honours_priority:
                 raise AdmissionError("request priority given but priority scheduling is off "
                                      "(--enable-priority-scheduling)")
             cap = self.cfg.max_queued_requests
@@ -327,6 +331,7 @@ class Scheduler:
         return list(batch)
 
     def _extend_step(self) -> list[Req]:
+        self._preempt_for_priority()
         items = self._admit()
         if not items:
             return []
@@ -366,9 +371,42 @@ class Scheduler:
             q.sort(key=lambda r: (-r.params.max_new_tokens, r.seq))
         else:  # fcfs (and priority's tie-break)
             q.sort(key=lambda r: r.seq)
-        if self.cfg.enable_priority_scheduling or policy == "priority":
+        if self._honours_priority:
             q.sort(key=lambda r: -r.priority)  # stable: the policy orders equal priorities
         return q
+
+    @property
+    def _honours_priority(self) -> bool:
+        return self.cfg.enable_priority_scheduling or self.cfg.schedule_policy == "priority"
+
+    def _blocked(self, req: Req) -> bool:
+        """Whether `req` could not be admitted now for want of a running slot or of KV (the
+        checks of _admit for a request at the head of the queue)."""
+        if (len(self.running) >= self.cfg.max_running_requests
+                or self.req_to_token.free_rows == 0):
+            return True
+        ps = self.cfg.page_size
+        all_ids = req.all_ids
+        extend = len(all_ids) - len(self.cache.match_prefix(all_ids[:-1])[0]) * ps
+        future = min(req.remaining_new(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+        room = (self.allocator.free_pages + self.cache.evictable_pages) * ps \
+            - self._reserved_tokens()
+        return extend + future > room
+
+    def _preempt_for_priority(self) -> None:
+        """Retract running requests for the most urgent waiting one while it is blocked and
+        some running request's priority is lower than its own by the threshold."""
+        if not self._honours_priority or not self.waiting or self.chunked is not None:
+            return
+        top = min(self.waiting, key=lambda r: (-r.priority, r.seq))
+        floor = top.priority - self.cfg.priority_preemption_threshold
+        while self._blocked(top):
+            victims = [r for r in self.running if r.priority <= floor]
+            if not victims:
+                return
+            # lowest priority first; among equals, the one with least work done
+            victim = min(victims, key=lambda r: (r.priority, len(r.output_ids), -r.seq))
+            self._retract(victim, preempted=True)
 
     def _reserved_tokens(self) -> float:
         held = self.running + ([self.chunked] if self.chunked else [])
@@ -461,13 +499,16 @@ class Scheduler:
         # those the longest prompt (most memory back).
         return min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids), -r.seq))
 
-    def _retract(self, req: Req) -> None:
+    def _retract(self, req: Req, preempted: bool = False) -> None:
         if req is self.chunked:
             self.chunked = None
         else:
             self.running.remove(req)
         self._release(req)
         self.waiting.append(req)
+        if preempted:  # not a shortage of KV: admission keeps its pace
+            self.counters["preemptions"] += 1
+            return
         self.counters["retractions"] += 1
         # Admit more cautiously for a while: the reserve was too small.
         self.new_token_ratio = min(max(self.new_token_ratio, self.init_ratio) * 1.5, 1.0)

@@ -158,6 +158,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
         chunked_prefill_size=None if chunk < 0 else chunk,
         max_prefill_tokens=args.max_prefill_tokens, schedule_policy=args.schedule_policy,
         enable_priority_scheduling=args.enable_priority_scheduling,
+        priority_preemption_threshold=args.priority_scheduling_preemption_threshold,
         schedule_conservativeness=args.schedule_conservativeness, seed=args.seed,
         overlap=not args.disable_overlap_schedule and dev_type != "cpu")
     overlap_note = ("overlap schedule on: decode step N+1 is launched before the host reads "

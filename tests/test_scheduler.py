@@ -188,6 +188,46 @@ def test_priority_scheduling(tiny):
         off.add_request("p", [5, 6], greedy(), priority=3)
 
 
+def test_priority_preempts_running_requests(tiny, alone):
+    """A high-priority arrival that finds the running batch full retracts the lowest-priority
+    running request (at least the threshold below it); outputs stay those of a lone run."""
+    prompts = _prompts()
+    params = greedy(max_new=MAX_NEW)
+    sched = make_core(tiny, enable_priority_scheduling=True, max_running_requests=2).scheduler
+    sched.add_request("low", prompts[1], params, priority=0)
+    sched.add_request("mid", prompts[3], params, priority=5)
+    results = {}
+    for _ in range(4):
+        for r in sched.step():
+            assert r.finish is None
+    assert {r.rid for r in sched.running} == {"low", "mid"}
+    sched.add_request("high", prompts[2], params, priority=15)
+    sched.step()
+    # only "low" is 10 below "high": it makes room, "mid" keeps running
+    assert {r.rid for r in sched.running} == {"mid", "high"}
+    assert sched.counters["preemptions"] == 1 and sched.counters["retractions"] == 0
+    while sched.has_work:
+        for r in sched.step():
+            if r.finish is not None:
+                results[r.rid] = list(r.output_ids)
+    assert results == {"low": alone["r1"][0], "mid": alone["r3"][0], "high": alone["r2"][0]}
+    sched.check_accounting()
+
+
+def test_priority_below_threshold_waits(tiny):
+    sched = make_core(tiny, enable_priority_scheduling=True, max_running_requests=1,
+                      priority_scheduling_preemption_threshold=10).scheduler
+    sched.add_request("low", _prompts()[1], greedy(max_new=8), priority=0)
+    sched.step()
+    sched.add_request("higher", _prompts()[2], greedy(max_new=8), priority=9)
+    order = []
+    while sched.has_work:
+        order += [r.rid for r in sched.step() if r.finish]
+    assert order == ["low", "higher"]
+    assert sched.counters["preemptions"] == 0
+    sched.check_accounting()
+
+
 def test_abort_frees_everything(tiny):
     sched = make_core(tiny).scheduler
     sched.add_request("a", _prompts()[1], greedy(max_new=50))
