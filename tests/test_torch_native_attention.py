@@ -33,13 +33,13 @@ def reference(q, k, v, prefix, scale, window=None, softcap=None):
 
 
 def run_case(heads, kv_heads, page_size, prefix_lens, extend_lens, decode=False, window=None,
-             softcap=None, seed=0):
+             softcap=None, seed=0, max_context=256):
     g = torch.Generator().manual_seed(seed)
     backend = TorchNativeAttention(BackendContext(heads, kv_heads, D, 1, torch.float32,
                                                   torch.float32, torch.device("cpu"),
-                                                  page_size, 256))
+                                                  page_size, max_context))
     h = PagedHarness(1, kv_heads, D, page_size, num_pages=512 // page_size, backend=backend,
-                     seed=seed)
+                     seed=seed, max_context=max_context)
     B = len(prefix_lens)
     full = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
     K = [torch.randn(L, kv_heads, D, generator=g) for L in full]
@@ -82,6 +82,15 @@ def test_ragged_extend_with_prefix(heads, kv_heads, page_size):
 def test_ragged_decode(heads, kv_heads, page_size):
     run_case(heads, kv_heads, page_size, prefix_lens=[3, 20, 11], extend_lens=[1, 1, 1],
              decode=True)
+
+
+def test_long_causal_prefill_in_query_blocks():
+    """A prompt of >= 2 x CAUSAL_BLOCK tokens (no prefix) is attended one query block at a time
+    on a CPU; the last block is partial, and a short prompt in the same batch is not blocked."""
+    from plugins.attention.torch_native.backend import CAUSAL_BLOCK
+
+    run_case(8, 2, 1, prefix_lens=[0, 0], extend_lens=[2 * CAUSAL_BLOCK + 45, 7],
+             max_context=512)
 
 
 def test_decode_batch_of_one():

@@ -3,8 +3,8 @@
 One task per request: for each of its tokens, the slot's K row (all KV heads, contiguous in the
 pool) is read once and scored against every query head; a softmax per head follows; then each V
 row is read once and accumulated into every query head of its group. Reading the pool directly (no
-padded gather, no dense copy) touches only the batch's real tokens, in slot order, and a
-request's rows are mostly consecutive slots, which the hardware prefetcher streams.
+padded gather, no dense copy) touches only the batch's real tokens; each row is prefetched in
+software a few tokens ahead (PREFETCH_AHEAD), since a request's slots are not one stream.
 
 bf16 caches are passed as their uint16 bit patterns and widened to fp32 as they are read (a shift
 and a register bitcast: bf16 is the top half of an fp32). Scores, softmax and the
@@ -12,7 +12,7 @@ accumulation are fp32 whatever the storage.
 
 Requests are split over the threads in batch order (numba's static schedule). Handing them out
 longest first was slower on the 2-core machine this was written on (both threads then stream
-long rows at once).
+long rows at once). A batch of one request runs on one thread.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ layers (host-side lengths come from the batch's *_cpu lists, so nothing syncs wi
 Per layer, `forward` writes the new K/V at `out_cache_loc`, gathers each request's K/V by slot and
 runs attention:
 - decode: one batched SDPA over the padded [B, L] keys with a padding / window mask;
-- extend: a loop over requests, each query block [prefix, seq) against all its keys [0, seq).
+- extend: a loop over requests, each query block [prefix, seq) against all its keys [0, seq)
+  (on a CPU a long prompt without prefix goes in causal query blocks: _causal_in_blocks).
 Soft-capped layers use an explicit fp32-softmax path, since SDPA cannot cap the logits.
 On a CPU, decode reads K/V from a dense copy carried across steps (dense_decode.py) instead of
 gathering the padded batch out of the pool at every layer of every step.
@@ -45,7 +46,8 @@ class TorchNativeAttention(AttentionBackend):
         super().__init__(ctx)
         # CPU only: elsewhere the gather is cheap next to the bandwidth, and checking that the
         # copy is still valid would read device tensors on the host.
-        self._dense = DenseDecodeCache() if torch.device(ctx.device).type == "cpu" else None
+        self._cpu = torch.device(ctx.device).type == "cpu"
+        self._dense = DenseDecodeCache() if self._cpu else None
 
     def prepare(self, batch: ForwardBatch) -> TorchNativeMeta:
         seq = list(batch.seq_lens_cpu)
@@ -165,7 +167,10 @@ class TorchNativeAttention(AttentionBackend):
             v = _gather(v_buf, idx, q.dtype).transpose(0, 1).unsqueeze(0)
             qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if lo == 0 and P == 0 and (window is None or window >= L):
-                out = _attend(qi, k, v, None, True, layer)
+                if self._cpu and n >= 2 * CAUSAL_BLOCK:
+                    out = _causal_in_blocks(qi, k, v, layer)
+                else:
+                    out = _attend(qi, k, v, None, True, layer)
             else:
                 out = _attend(qi, k, v, self._extend_mask(meta, i, lo, window, q.device),
                               False, layer)
@@ -183,6 +188,24 @@ class TorchNativeAttention(AttentionBackend):
                 visible &= j > pos - window
             meta.masks[key] = visible
         return meta.masks[key]
+
+
+# Query rows per block of a long causal prefill on a CPU (see _causal_in_blocks).
+CAUSAL_BLOCK = 128
+
+
+def _causal_in_blocks(q, k, v, layer: AttentionLayerParams, block: int = CAUSAL_BLOCK):
+    """Causal attention of n queries over their own n keys, one block of queries at a time:
+    block [s, e) attends keys [0, e) with the causal mask, so no block computes scores past its
+    own last query (the CPU kernel, given is_causal over the whole square, was ~15% slower for
+    512 bf16 tokens)."""
+    n = q.shape[2]
+    outs = [_attend(q[:, :, :block], k[:, :, :block], v[:, :, :block], None, True, layer)]
+    for s in range(block, n, block):
+        e = min(s + block, n)
+        visible = torch.ones(e - s, e, dtype=torch.bool, device=q.device).tril(s)
+        outs.append(_attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], visible, False, layer))
+    return torch.cat(outs, dim=2)
 
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -110,7 +110,8 @@ def extend_configs(head_dim: int, v_dim: int, dtype: torch.dtype,
     """Candidate tilings, best guess first (the autotuner times them on the first call)."""
     if interpreting():
         return [ExtendConfig(*tuning.INTERPRET_EXTEND)]
-    return [ExtendConfig(*t) for t in tuning.EXTEND[extend_table_key(head_dim, v_dim, dtype, device)]]
+    return [ExtendConfig(*t)
+            for t in tuning.EXTEND[extend_table_key(head_dim, v_dim, dtype, device)]]
 
 
 def extend_table_key(head_dim: int, v_dim: int, dtype: torch.dtype,

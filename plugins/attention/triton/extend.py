@@ -172,7 +172,7 @@ def _extend_kernel(
              out.to(Out.dtype.element_ty), mask=mmask[:, None] & dvmask[None, :])
 
 
-_TUNED: dict[tuple[ExtendConfig, ...], triton.runtime.Autotuner] = {}
+_TUNED: dict[tuple[tuple[ExtendConfig, ...], int], triton.runtime.Autotuner] = {}
 
 
 def _tuned_kernel(configs: list[ExtendConfig], group: int):
