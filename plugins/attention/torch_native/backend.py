@@ -197,8 +197,8 @@ CAUSAL_BLOCK = 128
 def _causal_in_blocks(q, k, v, layer: AttentionLayerParams, block: int = CAUSAL_BLOCK):
     """Causal attention of n queries over their own n keys, one block of queries at a time:
     block [s, e) attends keys [0, e) with the causal mask, so no block computes scores past its
-    own last query (the CPU kernel, given is_causal over the whole square, was ~15% slower for
-    512 bf16 tokens)."""
+    own last query (torch's CPU kernel given is_causal over the whole square took 150 ms of
+    attention per bf16 512-token forward of SmolLM2 here, blocks 104 ms)."""
     n = q.shape[2]
     outs = [_attend(q[:, :, :block], k[:, :, :block], v[:, :, :block], None, True, layer)]
     for s in range(block, n, block):

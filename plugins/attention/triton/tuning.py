@@ -33,7 +33,8 @@ DECODE: dict[tuple[str, str], tuple[int, int, int, int, int]] = {
     ("rocm", "wide"): (32, 4, 1, 4, 256),
 }
 
-EXTEND: dict[tuple[str, str], tuple[tuple[int, int, int, int], ...]] = {
+# (block_m, block_n, num_warps, num_stages) with an optional pack_gqa flag
+EXTEND: dict[tuple[str, str], tuple[tuple[int | bool, ...], ...]] = {
     ("sm90", "d64"): ((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)),
     # H200 sweep 2026-11-30 (bench/sweep_triton.py, ranked over the new=4096 shapes): GQA-packed
     # 256-row tiles first (64 positions x 4 heads), then the unpacked 256-row tile.
