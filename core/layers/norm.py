@@ -27,8 +27,9 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             # One fused op; same math as below when nothing needs casting.
             return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
-        # HF's order: normalise in fp32, cast back, then scale (one fused op for the fp32 part)
-        return self.weight * F.rms_norm(x.float(), (self.hidden_size,), None, self.eps).to(x.dtype)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
 
     def _fused(self) -> bool:
         return triton_ops.usable_for(self.weight)
