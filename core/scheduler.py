@@ -389,9 +389,7 @@ class Scheduler:
         all_ids = req.all_ids
         extend = len(all_ids) - len(self.cache.match_prefix(all_ids[:-1])[0]) * ps
         future = min(req.remaining_new(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
-        room = (self.allocator.free_pages + self.cache.evictable_pages) * ps \
-            - self._reserved_tokens()
-        return extend + future > room
+        return extend + future > self._room_tokens()
 
     def _preempt_for_priority(self) -> None:
         """Retract running requests for the most urgent waiting one while it is blocked and
@@ -407,6 +405,12 @@ class Scheduler:
             # lowest priority first; among equals, the one with least work done
             victim = min(victims, key=lambda r: (r.priority, len(r.output_ids), -r.seq))
             self._retract(victim, preempted=True)
+
+    def _room_tokens(self) -> float:
+        """KV tokens admission may hand out now: free and evictable pages minus the reserve
+        for the running requests' future tokens."""
+        return (self.allocator.free_pages + self.cache.evictable_pages) * self.cfg.page_size \
+            - self._reserved_tokens()
 
     def _reserved_tokens(self) -> float:
         held = self.running + ([self.chunked] if self.chunked else [])
@@ -432,8 +436,7 @@ class Scheduler:
                 return items
         if not self.waiting:
             return items
-        rem_total = (self.allocator.free_pages + self.cache.evictable_pages) * ps \
-            - self._reserved_tokens()
+        rem_total = self._room_tokens()
         for req in self._order_waiting():
             if len(self.running) + len(items) >= self.cfg.max_running_requests:
                 break
