@@ -34,9 +34,13 @@ class TorchNativeMeta:
     prefix_lens: list[int]
     extend_lens: list[int]
     starts: list[int]  # offset of each request's first new token in q / k / v
-    masks: dict = field(default_factory=dict)  # (kind, window, i) -> bool mask, built lazily
+    masks: dict = field(default_factory=dict)  # (kind, ...) -> bool mask, built lazily
     dense_step: int = 0  # decode: the dense cache's step id, 0 when it does not serve this step
     dense_continued: bool = False  # decode: the dense cache may append to its last step
+
+
+# Query rows per block of a long causal prefill on a CPU (see _causal_in_blocks).
+CAUSAL_BLOCK = 128
 
 
 class TorchNativeAttention(AttentionBackend):
@@ -168,7 +172,7 @@ class TorchNativeAttention(AttentionBackend):
             qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if lo == 0 and P == 0 and (window is None or window >= L):
                 if self._cpu and n >= 2 * CAUSAL_BLOCK:
-                    out = _causal_in_blocks(qi, k, v, layer)
+                    out = self._causal_in_blocks(qi, k, v, layer, meta)
                 else:
                     out = _attend(qi, k, v, None, True, layer)
             else:
@@ -176,6 +180,24 @@ class TorchNativeAttention(AttentionBackend):
                               False, layer)
             outs.append(out[0].transpose(0, 1))  # [n, H, Dv]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _causal_in_blocks(self, q, k, v, layer, meta, block: int = CAUSAL_BLOCK):
+        """Causal attention of n queries over their own n keys, one block of queries at a time:
+        block [s, e) attends keys [0, e) with the causal mask, so no block computes scores past
+        its own last query (torch's CPU kernel given is_causal over the whole square took 150 ms
+        of attention per bf16 512-token forward of SmolLM2 here, blocks 104 ms). The block
+        masks are built once per step and shared by the layers (meta.masks)."""
+        n = q.shape[2]
+        outs = [_attend(q[:, :, :block], k[:, :, :block], v[:, :, :block], None, True, layer)]
+        for s in range(block, n, block):
+            e = min(s + block, n)
+            key = ("causal_block", s, e)
+            if key not in meta.masks:
+                meta.masks[key] = torch.ones(e - s, e, dtype=torch.bool,
+                                             device=q.device).tril(s)
+            outs.append(_attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], meta.masks[key], False,
+                                layer))
+        return torch.cat(outs, dim=2)
 
     def _extend_mask(self, meta, i, lo, window, device):
         key = ("extend", window, i)
@@ -188,24 +210,6 @@ class TorchNativeAttention(AttentionBackend):
                 visible &= j > pos - window
             meta.masks[key] = visible
         return meta.masks[key]
-
-
-# Query rows per block of a long causal prefill on a CPU (see _causal_in_blocks).
-CAUSAL_BLOCK = 128
-
-
-def _causal_in_blocks(q, k, v, layer: AttentionLayerParams, block: int = CAUSAL_BLOCK):
-    """Causal attention of n queries over their own n keys, one block of queries at a time:
-    block [s, e) attends keys [0, e) with the causal mask, so no block computes scores past its
-    own last query (torch's CPU kernel given is_causal over the whole square took 150 ms of
-    attention per bf16 512-token forward of SmolLM2 here, blocks 104 ms)."""
-    n = q.shape[2]
-    outs = [_attend(q[:, :, :block], k[:, :, :block], v[:, :, :block], None, True, layer)]
-    for s in range(block, n, block):
-        e = min(s + block, n)
-        visible = torch.ones(e - s, e, dtype=torch.bool, device=q.device).tril(s)
-        outs.append(_attend(q[:, :, s:e], k[:, :, :e], v[:, :, :e], visible, False, layer))
-    return torch.cat(outs, dim=2)
 
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
