@@ -43,12 +43,12 @@ REFERENCE = "torch_native"
 TARGET_DECODE = (32, 4096)  # batch >= 32 and context >= 4k: triton >= 75% of copy bandwidth
 TARGET_EXTEND = (4096, 4096)  # prefix 4k + new 4k: triton >= 40% of the bf16 matmul rate
 # Triton tilings swept at the target shapes: decode (block_n, warps, stages, waves),
-# extend (block_m, block_n, warps, stages).
+# extend (block_m, block_n, warps, stages[, pack_gqa[, maxnreg]]).
 # (Compiled for sm90, decode stages 2-4 all keep one K/V buffer in flight; 5 double-buffers.)
 DECODE_TILINGS = [(64, 4, 3, 4), (32, 4, 2, 4), (32, 4, 5, 4), (64, 4, 5, 4), (128, 4, 2, 4),
                   (64, 8, 3, 4), (64, 4, 3, 2), (64, 4, 3, 8)]
-EXTEND_TILINGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
-                  (64, 64, 4, 3), (128, 32, 4, 4), (128, 64, 8, 4), (64, 128, 4, 3)]
+EXTEND_TILINGS = [(128, 64, 8, 3, True, 128), (256, 64, 16, 3, True), (128, 64, 8, 3),
+                  (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3, False, 128)]
 
 
 def _cuda_backends() -> list[str]:
@@ -256,7 +256,13 @@ def test_triton_decode_tiling(benchmark, gpu, ceilings, clock, batch_size, conte
                                      ratio_to_copy=rate / ceilings.copy_bytes_per_s))
 
 
-@pytest.mark.parametrize("tiling", EXTEND_TILINGS, ids=lambda t: "m{}-n{}-w{}-s{}".format(*t))
+def _extend_tiling_id(t: tuple) -> str:
+    packed = "-packed" if len(t) > 4 and t[4] else ""
+    regs = f"-r{t[5]}" if len(t) > 5 and t[5] else ""
+    return "m{}-n{}-w{}-s{}".format(*t) + packed + regs
+
+
+@pytest.mark.parametrize("tiling", EXTEND_TILINGS, ids=_extend_tiling_id)
 def test_triton_extend_tiling(benchmark, gpu, ceilings, clock, tiling):
     _triton_or_skip()
     from plugins.attention.triton.common import ExtendConfig

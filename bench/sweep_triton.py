@@ -42,7 +42,7 @@ EXTEND_SHAPES = [(p, n) for p in (0, 4096, 8192) for n in (128, 4096)]
 # (block_n, num_warps, num_stages)
 DECODE_TILES = [(64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
                 (128, 8, 3), (64, 4, 1), (128, 4, 1)]
-# (block_m, block_n, num_warps, num_stages[, pack_gqa]); packed: block_m rows = block_m / 4
+# (block_m, block_n, num_warps, num_stages[, pack_gqa[, maxnreg]]); packed: block_m rows = block_m / 4
 # positions x the 4 query heads of a KV head (GQA 32/8)
 EXTEND_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
                 (256, 64, 16, 2), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2),
@@ -50,7 +50,12 @@ EXTEND_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 128, 8
                 (256, 128, 16, 2, True), (128, 64, 8, 3, True), (128, 128, 8, 2, True),
                 (128, 64, 4, 3, True), (64, 128, 4, 2, True),
                 (256, 64, 16, 4, True), (256, 32, 16, 3, True), (256, 32, 16, 4, True),
-                (256, 64, 8, 3, True), (256, 128, 16, 3, True)]
+                (256, 64, 8, 3, True), (256, 128, 16, 3, True),
+                # maxnreg 128 (8 warps) / 168 (4 warps): two or three programs per SM
+                (128, 64, 8, 3, True, 128), (128, 64, 8, 2, True, 128), (128, 64, 8, 4, True, 128),
+                (128, 32, 8, 3, True, 128), (128, 32, 8, 4, True, 128), (128, 64, 8, 3, False, 128),
+                (128, 64, 8, 2, False, 128), (64, 64, 4, 3, True, 168), (64, 64, 4, 3, True, 128),
+                (64, 128, 4, 2, True, 168), (64, 32, 4, 3, True, 128)]
 QUICK_DECODE_TILES = DECODE_TILES[:4]
 QUICK_EXTEND_TILES = EXTEND_TILES[:5]
 SPLITS = (1, 2, 4, 8, 16, 32, 64)

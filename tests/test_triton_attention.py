@@ -189,6 +189,31 @@ def test_split_count_follows_context_and_graph_buckets_are_fixed():
     assert backend.prepare_for_graph(batch, batch.batch_size).num_splits == graph
 
 
+def test_extend_tables_build_configs_and_register_caps_reach_the_launch():
+    """Every extend table entry is a well-formed ExtendConfig; a maxnreg cap is passed to the
+    launch (and to the autotuner's triton.Config) only when the entry sets one."""
+    from plugins.attention.triton import tuning
+    from plugins.attention.triton.common import ExtendConfig
+    from plugins.attention.triton.extend import _tuned_kernel
+
+    capped = 0
+    for key, entries in tuning.EXTEND.items():
+        for entry in entries:
+            cfg = ExtendConfig(*entry)
+            opts = cfg.launch_options()
+            assert opts["num_warps"] == entry[2] and opts["num_stages"] == entry[3], key
+            if len(entry) > 5:
+                capped += 1
+                # a cap must leave at least one program of this size on an SM (64K registers)
+                assert opts["maxnreg"] == entry[5] and entry[5] * 32 * entry[2] <= 65536, key
+            else:
+                assert "maxnreg" not in opts, key
+    assert capped >= 1
+    assert "maxnreg" not in ExtendConfig().launch_options()
+    tuner = _tuned_kernel([ExtendConfig(128, 64, 8, 3, True, 128), ExtendConfig()], 4)
+    assert [c.maxnreg for c in tuner.configs] == [128, None]
+
+
 def test_backend_rejects_bad_settings():
     from core.attention import BackendContext
     from plugins.attention.triton.backend import TritonAttention

@@ -67,6 +67,17 @@ class ExtendConfig:
     # block_m rows = block_m / group positions x the query heads of one KV head, so each K/V
     # tile is loaded once per group (used when the group is a power of two dividing block_m)
     pack_gqa: bool = False
+    # register cap per thread (ptxas maxnreg), None = the compiler's choice. At 128 an 8-warp
+    # program leaves room for a second one on the SM (64K registers): the two run out of step,
+    # so one's softmax overlaps the other's matrix multiplies.
+    maxnreg: int | None = None
+
+    def launch_options(self) -> dict:
+        """num_warps / num_stages (and maxnreg when set) for a kernel launch or triton.Config."""
+        opts = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
     def packs(self, group: int) -> bool:
         """Whether this tiling packs a GQA group of `group` query heads per program."""

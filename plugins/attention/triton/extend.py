@@ -182,7 +182,7 @@ def _tuned_kernel(configs: list[ExtendConfig], group: int):
         _TUNED[key] = triton.autotune(
             configs=[triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
                                     "PACK_GQA": c.packs(group)},
-                                   num_warps=c.num_warps, num_stages=c.num_stages)
+                                   **c.launch_options())
                      for c in configs],
             # Dtypes join the key by themselves; tune_bucket (0/1) keeps a short warm-up
             # prefill from choosing the tiling of long ones. No sequence length is a key.
@@ -235,7 +235,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         grid = (Hkv if pack else H, triton.cdiv(max_extend_len, c.block_m // (group if pack else 1)),
                 B)
         _extend_kernel[grid](*args, **consts, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                             PACK_GQA=pack, num_warps=c.num_warps, num_stages=c.num_stages)
+                             PACK_GQA=pack, **c.launch_options())
     else:
         def grid(meta):
             pack = meta["PACK_GQA"]

@@ -11,8 +11,9 @@ Decode entries: (block_n, num_warps, num_stages, waves, min_split_tokens). The s
 chosen so that B x KV heads x splits programs fill every SM `waves` times over, each split covering
 at least min_split_tokens of the longest context (common.num_kv_splits).
 
-Extend entries: candidate tilings (block_m, block_n, num_warps, num_stages[, pack_gqa]), best
-first; pack_gqa puts the query heads of one KV head in a program's rows (ExtendConfig). With
+Extend entries: candidate tilings (block_m, block_n, num_warps, num_stages[, pack_gqa[, maxnreg]]),
+best first; pack_gqa puts the query heads of one KV head in a program's rows, maxnreg caps the
+registers per thread (ExtendConfig). With
 autotuning on (CORE_TRITON_AUTOTUNE=1; default off) the autotuner times them on the first call of
 a shape class; off, the first one runs. A problem too small to give every SM a program falls back
 to the first candidate with a smaller block_m (common.extend_configs).
@@ -33,13 +34,15 @@ DECODE: dict[tuple[str, str], tuple[int, int, int, int, int]] = {
     ("rocm", "wide"): (32, 4, 1, 4, 256),
 }
 
-# (block_m, block_n, num_warps, num_stages) with an optional pack_gqa flag
+# (block_m, block_n, num_warps, num_stages) with optional pack_gqa flag and maxnreg cap
 EXTEND: dict[tuple[str, str], tuple[tuple[int | bool, ...], ...]] = {
     ("sm90", "d64"): ((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)),
-    # H200 sweep 2026-11-30 (bench/sweep_triton.py, ranked over the new=4096 shapes): GQA-packed
-    # 256-row tiles first (64 positions x 4 heads), then the unpacked 256-row tile.
-    ("sm90", "d128"): ((256, 64, 16, 3, True), (256, 64, 16, 2, True), (256, 64, 16, 2),
-                       (128, 64, 4, 3, True), (128, 64, 4, 3), (128, 128, 8, 3)),
+    # H200 2026-11-30 (bench/exp_extend.py, then bench/sweep_triton.py): GQA-packed 128-row
+    # tiles capped at 128 registers, two programs per SM (prefix 4k + new 4k: 0.85 ms vs 1.00
+    # for the 256-row tile the sweep preferred before); then the 256-row tiles.
+    ("sm90", "d128"): ((128, 64, 8, 3, True, 128), (256, 64, 16, 3, True),
+                       (256, 64, 16, 2, True), (256, 64, 16, 2), (128, 64, 4, 3, True),
+                       (128, 64, 4, 3), (128, 128, 8, 3)),
     # (64, 64) needs 213 KB of shared memory for fp32 at d=256: Hopper only.
     ("sm90", "wide"): ((64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2)),
     ("sm80", "d64"): ((128, 64, 4, 3), (64, 64, 4, 3)),
