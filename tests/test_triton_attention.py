@@ -139,6 +139,41 @@ def test_extend_tilings_at_block_edges(group, head_dim, dtype, window, cap, tile
     torch.testing.assert_close(out.view(T, -1).float(), want, **_tol(getattr(torch, dtype)))
 
 
+def test_extend_offset_width_follows_the_largest_offset():
+    """32-bit offset math only while every element offset (views: sum((size - 1) * stride))
+    stays below 2^31; meta tensors, so nothing is allocated."""
+    from plugins.attention.triton.extend import needs_int64_offsets
+
+    meta = torch.device("meta")
+    assert not needs_int64_offsets(torch.empty(2**31, device=meta))  # last offset 2^31 - 1
+    assert needs_int64_offsets(torch.empty(2**31 + 1, device=meta))
+    assert needs_int64_offsets(torch.empty(8, 8, device=meta).as_strided((2, 2), (2**31, 1)))
+    assert not needs_int64_offsets(torch.empty(2**20, 8, 128, device=meta),
+                                   torch.empty(0, device=meta))
+
+
+@pytest.mark.parametrize("idx64", [False, True])
+def test_extend_with_either_offset_width(monkeypatch, idx64):
+    """The 64-bit offset path (taken for pools of 2^31+ elements) computes the same attention
+    as the 32-bit one: forced both ways on a small case with a window and a soft-cap."""
+    from plugins.attention.triton import extend
+    from plugins.attention.triton.common import ExtendConfig
+
+    monkeypatch.setattr(extend, "needs_int64_offsets", lambda *t: idx64)
+    case = AttentionCase("extend", 1, 4, 64, 16, "float16", "float16", _EDGE_SEQS, _EDGE_NEWS,
+                         sliding_window=40, logit_softcap=8.0)
+    inputs, k_buf, v_buf, want = _written(case, 5)
+    b, layer, q = inputs.batch, inputs.layers[0], inputs.qkv[0][0]
+    T = q.shape[0]
+    starts = (torch.cumsum(b.extend_lens, 0) - b.extend_lens).to(torch.int32)
+    out = extend.extend_attention(q.view(T, 4, 64), k_buf, v_buf, b.req_to_token,
+                                  b.req_pool_indices, b.seq_lens, b.extend_lens, starts,
+                                  max(b.extend_lens_cpu), scaling=layer.scaling,
+                                  sliding_window=40, logit_softcap=8.0,
+                                  config=ExtendConfig(32, 16, 1, 1, pack_gqa=True))
+    torch.testing.assert_close(out.view(T, -1).float(), want, **_tol(torch.float16))
+
+
 @pytest.mark.parametrize(("group", "window", "cap"), [(1, None, None), (4, 50, None),
                                                       (8, None, 7.0)])
 @pytest.mark.parametrize("block_n", [16, 32, 64])
@@ -307,3 +342,33 @@ def test_every_extend_tiling_is_correct(dtype, head_dim):
                                max(b.extend_lens_cpu), scaling=layer.scaling, config=cfg)
         torch.testing.assert_close(out.view(T, -1).float(), want, **_tol(dtype),
                                    msg=lambda m, c=cfg: f"tiling {c}: {m}")
+
+
+@needs_gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_extend_reads_past_two_to_the_31_elements():
+    """A pool of more than 2^31 elements per buffer (2^24 + 64 slots x 1 KV head x 128) with the
+    request's keys in its last slots: the kernel must take the 64-bit offset path and read
+    them right (32-bit offsets would wrap to the wrong rows)."""
+    from plugins.attention.triton.extend import extend_attention, needs_int64_offsets
+
+    torch.manual_seed(0)
+    dev, dt, D, H = torch.device("cuda"), torch.bfloat16, 128, 4
+    slots_total = 2**24 + 64
+    k_buf = torch.empty(slots_total, 1, D, dtype=dt, device=dev)
+    v_buf = torch.empty_like(k_buf)
+    assert needs_int64_offsets(k_buf)
+    prefix, new = 200, 100
+    L = prefix + new
+    slots = torch.arange(slots_total - L, slots_total, device=dev)
+    k_buf[slots] = torch.randn(L, 1, D, dtype=dt, device=dev)
+    v_buf[slots] = torch.randn(L, 1, D, dtype=dt, device=dev)
+    q = torch.randn(new, H, D, dtype=dt, device=dev)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
+    out = extend_attention(q, k_buf, v_buf, slots.to(torch.int32)[None], i32(0), i32(L),
+                           i32(new), i32(0), new, scaling=D ** -0.5)
+    k, v = k_buf[slots, 0].float(), v_buf[slots, 0].float()
+    scores = (q.float().transpose(0, 1) @ k.T) * D ** -0.5  # [H, new, L]
+    visible = torch.arange(L, device=dev)[None, :] <= torch.arange(prefix, L, device=dev)[:, None]
+    want = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
+    torch.testing.assert_close(out.float(), want.transpose(0, 1), **_tol(dt))
