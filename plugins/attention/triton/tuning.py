@@ -37,10 +37,12 @@ DECODE: dict[tuple[str, str], tuple[int, int, int, int, int]] = {
 # (block_m, block_n, num_warps, num_stages) with optional pack_gqa flag and maxnreg cap
 EXTEND: dict[tuple[str, str], tuple[tuple[int | bool, ...], ...]] = {
     ("sm90", "d64"): ((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)),
-    # H200 2026-11-30 (bench/exp_extend.py, then bench/sweep_triton.py): GQA-packed 128-row
-    # tiles capped at 128 registers, two programs per SM (prefix 4k + new 4k: 0.85 ms vs 1.00
-    # for the 256-row tile the sweep preferred before); then the 256-row tiles.
-    ("sm90", "d128"): ((128, 64, 8, 3, True, 128), (256, 64, 16, 3, True),
+    # H200 sweep 2026-11-30 (bench/sweep_triton.py, after the kernel's 32-bit offsets): 128-row
+    # tiles capped at 128 registers, two programs per SM, unpacked and GQA-packed within 1-3%
+    # of each other (prefix 4k + new 4k: 0.814 / 0.840 ms; the 256-row tile that led before:
+    # 1.015 ms in the same sweep); then the 256-row tiles.
+    ("sm90", "d128"): ((128, 64, 8, 3, False, 128), (128, 64, 8, 3, True, 128),
+                       (256, 64, 16, 3, True),
                        (256, 64, 16, 2, True), (256, 64, 16, 2), (128, 64, 4, 3, True),
                        (128, 64, 4, 3), (128, 128, 8, 3)),
     # (64, 64) needs 213 KB of shared memory for fp32 at d=256: Hopper only.
