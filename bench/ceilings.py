@@ -4,22 +4,29 @@
 - matmul rate: an 8192^3 GEMM in the given dtype (bf16 by default), 2*n^3 FLOP.
 
 Timing follows triton.testing.do_bench: every timed call is preceded by a 512 MiB write that
-evicts L2 (and keeps the GPU busy while the call is launched), and is measured with CUDA events.
+evicts L2, and is measured with CUDA events. Between the flush and the start event the GPU also
+spins for ~1 ms (torch.cuda._sleep), so the host has queued the whole call before the GPU
+reaches it: what is timed is GPU execution, not host launch gaps inside a multi-kernel call
+(on a slow host a backend's Python between its kernels otherwise shows up as idle GPU time).
+CORE_BENCH_HOST_SLACK=0 leaves the spin out (launch gaps then count, as before 2026-11-30).
 `EventClock` turns those event times into a pytest-benchmark timer, so the statistics
 pytest-benchmark records (and writes to --benchmark-json) are GPU times, not host wall time.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-# > L2 of every current GPU (H100/H200: 50 MiB, MI300X: 256 MiB); at ~4 TB/s it also keeps the
-# GPU busy ~0.1 ms while the host launches the timed call, so launch latency is not timed.
+# > L2 of every current GPU (H100/H200: 50 MiB, MI300X: 256 MiB).
 _FLUSH_BYTES = 512 * 2**20
+# GPU cycles of spinning queued before each timed call: ~1 ms at H200 clocks (1.98 GHz), longer
+# than the host needs to queue any call benchmarked here.
+_HOST_SLACK_CYCLES = 2_000_000
 
 
 class EventClock:
@@ -32,6 +39,8 @@ class EventClock:
         self.total = 0.0
         self.samples: list[float] = []
         self._flush = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device=device)
+        self._slack = (device.type == "cuda" and hasattr(torch.cuda, "_sleep")
+                       and os.environ.get("CORE_BENCH_HOST_SLACK", "1") != "0")
 
     def __call__(self) -> float:
         return self.total
@@ -39,6 +48,8 @@ class EventClock:
     def run(self, fn: Callable[[], object]) -> None:
         """Flush L2, time one call of `fn` with CUDA events, add it to the clock."""
         self._flush.zero_()
+        if self._slack:
+            torch.cuda._sleep(_HOST_SLACK_CYCLES)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
