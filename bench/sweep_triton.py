@@ -42,8 +42,8 @@ EXTEND_SHAPES = [(p, n) for p in (0, 4096, 8192) for n in (128, 4096)]
 # (block_n, num_warps, num_stages)
 DECODE_TILES = [(64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
                 (128, 8, 3), (64, 4, 1), (128, 4, 1)]
-# (block_m, block_n, num_warps, num_stages[, pack_gqa[, maxnreg]]); packed: block_m rows = block_m / 4
-# positions x the 4 query heads of a KV head (GQA 32/8)
+# (block_m, block_n, num_warps, num_stages[, pack_gqa[, maxnreg]]); packed: block_m rows =
+# block_m / 4 positions x the 4 query heads of a KV head (GQA 32/8)
 EXTEND_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2),
                 (256, 64, 16, 2), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2),
                 (128, 32, 8, 4), (256, 64, 16, 2, True), (256, 64, 16, 3, True),

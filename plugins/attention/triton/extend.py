@@ -43,8 +43,8 @@ def _attend_blocks(acc, l_sum, m, q, k_base, v_base, table, q_pos, lo, hi, sm_sc
                    USE_SOFTCAP: tl.constexpr, FULL_TILES: tl.constexpr,
                    PRECISION: tl.constexpr, IDX64: tl.constexpr):
     """Online softmax over keys [lo, hi); MASKED adds the bounds and causal masks. FULL_TILES:
-    no mask at all on the K/V loads (unmasked keys, head dims a power of two). IDX64: slot
-    offsets in 64 bits (a K/V buffer of 2^31 elements or more); else 32-bit offset math."""
+    no mask at all on the K/V loads (unmasked keys, head dims a power of two). IDX64: offset
+    math in 64 bits (some tensor has element offsets of 2^31 or more); else in 32 bits."""
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if MASKED:
