@@ -14,8 +14,9 @@ at least min_split_tokens of the longest context (common.num_kv_splits).
 Extend entries: candidate tilings (block_m, block_n, num_warps, num_stages[, pack_gqa[, maxnreg]]),
 best first; pack_gqa puts the query heads of one KV head in a program's rows, maxnreg caps the
 registers per thread (ExtendConfig). With autotuning on (CORE_TRITON_AUTOTUNE=1; default off)
-the autotuner times them on the first call of a shape class; off, the first one runs. A problem too small to give every SM a program falls back
-to the first candidate with a smaller block_m (common.extend_configs).
+the autotuner times them on the first call of a shape class; off, the first one runs. A
+problem too small to give every SM a program falls back to the first candidate with a smaller
+block_m (common.extend_configs).
 """
 
 from __future__ import annotations
