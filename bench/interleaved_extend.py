@@ -2,9 +2,9 @@
 
     python bench/interleaved_extend.py [--rounds 5] [--out interleaved_extend.json]
 
-The lent H200's speed moves between runs and machines (torch_native's own prefix 4k + new 4k
-time has read 1.69-1.94 ms on different days), so a ratio of two numbers from different runs
-says little. Here both backends run the same step (bench_attention.py's inputs: Llama-3-8B
+Times from different runs and lent machines have differed (torch_native's own prefix 4k + new
+4k read 1.69-1.94 ms on 2026-11-30, before ceilings.py queued a GPU spin ahead of each timed
+call: mostly host launch gaps), so a ratio of two numbers from different runs says little. Here both backends run the same step (bench_attention.py's inputs: Llama-3-8B
 attention geometry, bf16, pages of 16 scattered over the pool) in alternating rounds, each
 round a median of 10 L2-flushed, CUDA-event-timed calls of `forward` (KV write + attention, as
 bench_attention.py times it); reported are the median round and the range, and the matmul
