@@ -388,8 +388,7 @@ class Scheduler:
         ps = self.cfg.page_size
         all_ids = req.all_ids
         extend = len(all_ids) - len(self.cache.match_prefix(all_ids[:-1])[0]) * ps
-        future = min(req.remaining_new(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
-        return extend + future > self._room_tokens()
+        return extend + self._future_tokens(req) > self._room_tokens()
 
     def _preempt_for_priority(self) -> None:
         """Retract running requests for the most urgent waiting one while it is blocked and
@@ -411,6 +410,11 @@ class Scheduler:
         for the running requests' future tokens."""
         return (self.allocator.free_pages + self.cache.evictable_pages) * self.cfg.page_size \
             - self._reserved_tokens()
+
+    def _future_tokens(self, req: Req) -> float:
+        """KV tokens admission sets aside for `req`'s future output (clipped, scaled by the
+        current new-token ratio)."""
+        return min(req.remaining_new(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
 
     def _reserved_tokens(self) -> float:
         held = self.running + ([self.chunked] if self.chunked else [])
@@ -446,7 +450,7 @@ class Scheduler:
             pages, node = self.cache.match_prefix(all_ids[:-1])
             prefix_len = len(pages) * ps
             extend = len(all_ids) - prefix_len
-            future = min(req.remaining_new(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+            future = self._future_tokens(req)
             if extend + future > rem_total and (items or self.running):
                 break  # keep order: later requests do not jump a request that does not fit
             n = extend
