@@ -108,7 +108,7 @@ class SamplingParams:
                              f"got {self.stop_token_ids!r}")
         boolean("ignore_eos")
         if self.seed is not None:
-            integer("seed", 0, 2**63 - 1)
+            integer("seed", -(2**63), 2**63 - 1)  # any signed 64-bit integer
         integer("n", 1, 128)
         boolean("logprobs")
         integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -135,7 +135,8 @@ class SamplingState:
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed)
+            # a negative seed names the generator state of its two's-complement bit pattern
+            self.generator.manual_seed(params.seed % 2**64)
         self.counts: torch.Tensor | None = None  # [V] output-token counts (freq/presence)
         self.seen: torch.Tensor | None = None  # [V] prompt or output token (repetition)
         if params.frequency_penalty or params.presence_penalty:

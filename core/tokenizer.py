@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 
 
 class Tokenizer:
@@ -20,6 +23,9 @@ class Tokenizer:
         self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
         self.vocab_size: int = len(hf_tokenizer)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self._bytes: dict[int, bytes] = {}
+        self._byte_level: bool | None = None
+        self._unicode_to_byte: dict[str, int] = {}
 
     @classmethod
     def from_path(cls, path: str, gguf_file: str | None = None,
@@ -50,6 +56,37 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes this one token stands for, read from the vocabulary (not from decoding it
+        alone, which turns part of a multi-byte character into U+FFFD): byte-level BPE pieces
+        through the GPT-2 byte alphabet, SentencePiece `<0xNN>` pieces as that byte, `▁` as a
+        space, added / special tokens as their text."""
+        cached = self._bytes.get(token_id)
+        if cached is not None:
+            return cached
+        hf = self.hf
+        piece = hf.convert_ids_to_tokens(int(token_id))
+        added = getattr(hf, "added_tokens_decoder", None) or {}
+        if piece is None:
+            out = b""
+        elif int(token_id) in added:
+            out = piece.encode("utf-8")
+        elif self._is_byte_level() and all(c in self._unicode_to_byte for c in piece):
+            out = bytes(self._unicode_to_byte[c] for c in piece)
+        elif m := _BYTE_TOKEN.fullmatch(piece):
+            out = bytes([int(m.group(1), 16)])
+        else:
+            out = piece.replace("\u2581", " ").encode("utf-8")
+        self._bytes[token_id] = out
+        return out
+
+    def _is_byte_level(self) -> bool:
+        if self._byte_level is None:
+            self._byte_level = _has_byte_level_decoder(self.hf)
+            if self._byte_level:
+                self._unicode_to_byte = {c: b for b, c in _gpt2_byte_alphabet().items()}
+        return self._byte_level
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
@@ -109,6 +146,37 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+def _has_byte_level_decoder(hf: Any) -> bool:
+    """Whether a fast tokenizer decodes with `ByteLevel` (alone or inside a Sequence)."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return False
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+    def walk(d: Any) -> bool:
+        return isinstance(d, dict) and (d.get("type") == "ByteLevel"
+                                        or any(walk(x) for x in d.get("decoders") or ()))
+
+    return walk(spec)
+
+
+def _gpt2_byte_alphabet() -> dict[int, str]:
+    """byte -> the printable character byte-level BPE writes it as: printable Latin-1 bytes
+    stand for themselves, the other 68 are shifted past U+00FF in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
 
 
 def _eos_from_json(path: str) -> set[int]:

@@ -16,7 +16,8 @@ CPU = torch.device("cpu")
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.inf), ("top_k", 0), ("top_k", 2.5),
     ("min_p", -0.1), ("min_p", 2.0), ("repetition_penalty", 0.0),
     ("frequency_penalty", 3.0), ("presence_penalty", -2.5), ("max_new_tokens", 0),
-    ("max_new_tokens", True), ("max_new_tokens", "10"), ("n", 0), ("seed", -1),
+    ("max_new_tokens", True), ("max_new_tokens", "10"), ("n", 0), ("seed", -(2**63) - 1),
+    ("seed", 2**63),
     ("top_logprobs", 50), ("logprobs", 1), ("ignore_eos", "yes"), ("stop", [""]),
     ("stop", [3]), ("stop_token_ids", [-1]), ("stop_token_ids", "2"),
     ("skip_special_tokens", None),
@@ -89,6 +90,20 @@ def test_same_seed_same_tokens_whatever_the_batch():
     st = _states([other_seed])[0]
     toks = [s.sample(_logits(1, seed=100 + i), [st]).tokens[0] for i in range(20)]
     assert toks != alone
+
+
+def test_negative_seeds_are_seeds():
+    """OpenAI takes any integer as a seed (vLLM the signed 64-bit range): a negative seed is
+    valid, repeatable, and a different stream from its absolute value."""
+    def draw(seed):
+        st = _states([SamplingParams(temperature=1.0, seed=seed)])[0]
+        s = Sampler(CPU)
+        return [s.sample(_logits(1, seed=100 + i), [st]).tokens[0] for i in range(20)]
+
+    for seed in (-1, -(2**63), 2**63 - 1):
+        SamplingParams(temperature=1.0, seed=seed).validate()
+    assert draw(-7) == draw(-7)
+    assert draw(-7) != draw(7)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():

@@ -1,8 +1,12 @@
 """`EngineLike` over the real engine (core.engine): its client process, tokenizer and plan.
 
 Pipe sends (submit, abort) run on one worker thread, in order, so a full pipe never blocks the
-event loop; outputs come back through the client's reader thread into an asyncio queue. Stats
-and health ask the scheduler process with a timeout, so a wedged engine reads as unhealthy.
+event loop; outputs come back through the client's reader thread into an asyncio queue.
+
+Liveness (`health`) is the worker process being alive with a fresh heartbeat, which the worker
+sends from its own thread every second: a long scheduler step (a big prefill on a CPU) does not
+make a healthy engine read as dead. `stats` asks the scheduler (answered between steps) and falls
+back to the figures of the last heartbeat when a step is running.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from core.config import ServerArgs
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError, invalid
 
+HEARTBEAT_STALE_S = 10.0  # no heartbeat for this long (sent every second): the worker is wedged
+STATS_RPC_TIMEOUT_S = 1.0  # longer than this, a step is running: use the heartbeat's figures
+
 
 class TokenizerAdapter:
     """core.tokenizer.Tokenizer under the server's TokenizerLike protocol."""
@@ -30,6 +37,9 @@ class TokenizerAdapter:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.tok.token_bytes(token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             chat_template: str | None = None,
@@ -191,17 +201,30 @@ class EngineAdapter:
         fut = self._rpc.submit(self.client.rpc, op, timeout)
         return await asyncio.wrap_future(fut)
 
+    def failure(self) -> str | None:
+        """Why the engine is gone for good (its worker died), or None while it runs."""
+        if self._closed:
+            return None  # stopped on purpose
+        if self.client.dead_reason is not None:
+            return self.client.dead_reason
+        if not self.client.process.is_alive():
+            return f"engine worker exited (exit code {self.client.process.exitcode})"
+        return None
+
     async def health(self) -> bool:
-        if self._closed or not self.client.health():
-            return False
-        try:
-            await self._ask("stats")  # answered between steps: a wedged scheduler times out
-        except Exception:
-            return False
-        return True
+        # no round trip through the scheduler: a step may run for many seconds
+        return (not self._closed and self.client.health()
+                and self.client.heartbeat_age() < HEARTBEAT_STALE_S)
 
     async def stats(self) -> dict[str, Any]:
-        s = await self._ask("stats")
+        try:
+            s = await self._ask("stats", STATS_RPC_TIMEOUT_S)
+        except RuntimeError:  # core.engine.EngineError: no answer in time, or gone
+            # a step is running (or the engine is gone): the figures from between the last steps
+            s = (self.client.heartbeat or {}).get("stats")
+            if not s:
+                raise
+            s = {**s, "stale": True}
         total, free = s.get("total_pages", 0), s.get("free_pages", 0)
         # pages held by requests; reusable prefix-cache pages count as free (as SGLang counts)
         evictable = s.get("evictable_pages", s.get("cached_pages", 0))

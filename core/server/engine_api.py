@@ -51,6 +51,11 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (logprobs' `bytes`; part of a character may be all a
+        token holds, so this is not `decode([token_id])`)."""
+        ...
+
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             chat_template: str | None = None,
                             add_generation_prompt: bool = True) -> str:

@@ -126,7 +126,8 @@ class _Job:
                 index = pi * req.n + j
                 sampling = dict(req.sampling, max_new_tokens=max_new)
                 if "seed" in sampling and j:  # n choices from one seed must still differ
-                    sampling["seed"] = (sampling["seed"] + j) % 2**63
+                    # stays a signed 64-bit integer: wraps from 2^63 - 1 to -2^63
+                    sampling["seed"] = (sampling["seed"] + j + 2**63) % 2**64 - 2**63
                 rid = self.base if total == 1 else f"{self.base}-{index}"
                 self.gen.append(GenRequest(rid=rid, input_ids=tuple(ids), sampling=sampling,
                                            logprobs=req.logprobs, top_logprobs=req.top_logprobs))
@@ -135,8 +136,8 @@ class _Job:
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
 
-    def decode1(self, tid: int) -> str:
-        return self.st.engine.tokenizer.decode([tid])
+    def piece(self, tid: int) -> bytes:
+        return self.st.engine.tokenizer.token_bytes(tid)
 
     def observe(self, i: int, ev: dict[str, Any]) -> None:
         """Metrics for one event of sequence i."""
@@ -240,14 +241,14 @@ async def _complete(job: _Job) -> web.Response:
     _log_done(job)
     if req.route == "generate":
         e2e = time.monotonic() - job.t0
-        objs = [responses.generate_object(s, req, e2e, job.decode1) for s in job.seqs]
+        objs = [responses.generate_object(s, req, e2e, job.piece) for s in job.seqs]
         body: Any = objs if (req.batch or req.n > 1) else objs[0]
     elif req.route == "chat":
         body = responses.chat_object(job.base, job.created, job.model, req, job.seqs,
-                                     job.decode1, job.usage())
+                                     job.piece, job.usage())
     else:
         body = responses.completion_object(job.base, job.created, job.model, req, job.seqs,
-                                           job.decode1, job.usage())
+                                           job.piece, job.usage())
     return web.Response(body=responses.dumps(body), content_type="application/json")
 
 
@@ -260,7 +261,7 @@ def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
         if not (text or fin or entries):
             return []
         obj = responses.generate_object(s, req, time.monotonic() - job.t0 if fin else None,
-                                        job.decode1)
+                                        job.piece)
         if len(job.seqs) > 1:
             obj["index"] = s.index
         return [obj]
@@ -271,7 +272,7 @@ def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
             out.append(responses.chat_chunk(job.base, job.created, job.model, s.index,
                                             {"role": "assistant", "content": ""}, None, None))
         if text or entries or fin:
-            lp = responses.chat_logprobs(entries, job.decode1) if req.logprobs else None
+            lp = responses.chat_logprobs(entries, job.piece) if req.logprobs else None
             out.append(responses.chat_chunk(job.base, job.created, job.model, s.index,
                                             {"content": text} if text else {}, fin, lp))
         return out
@@ -283,7 +284,7 @@ def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
     lp = None
     if req.logprobs:
         offset = len(s.full_text) - len(ev.get("text") or "")
-        lp = responses.completion_logprobs(entries, job.decode1, offset)
+        lp = responses.completion_logprobs(entries, job.piece, offset)
     return [responses.completion_chunk(job.base, job.created, job.model, s.index, text, fin,
                                        lp)]
 

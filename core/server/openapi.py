@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.server.protocol import MAX_LOGPROBS, MAX_N, MAX_STOP
+from core.server.protocol import (
+    HARMLESS_FIELDS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP,
+    OFF_ALSO,
+    OFF_STRINGS,
+    REFUSED_FIELDS,
+    SCHEMA_FIELDS,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -28,17 +39,47 @@ _SAMPLING = {
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": _NUM, "stop": _STOP, "stop_token_ids": _IDS, "ignore_eos": _BOOL,
-    "seed": {"type": "integer", "minimum": 0}, "skip_special_tokens": _BOOL,
+    "seed": {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX},
+    "skip_special_tokens": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+    "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_N,
+                "description": "only equal to n"},
+    "logit_bias": {"type": "object", "maxProperties": 0, "description": "not supported: "
+                   "only an empty object"},
+    **{name: {**_STR, "description": "informational; accepted and not acted on"}
+       for name in HARMLESS_FIELDS},
 }
+# A field peers define that this server does not implement: only values asking for nothing.
+_OFF_DOC = ("not supported: accepted only with a value that asks for nothing (null, false, "
+            "empty, or the values listed); anything else is a 400 (code unsupported)")
+
+
+def _off(name: str) -> dict[str, Any]:
+    ok: list[dict[str, Any]] = [{"type": "null"}, {"const": False},
+                                {"type": "array", "maxItems": 0}]
+    if name not in SCHEMA_FIELDS:
+        ok.append({"type": "object", "maxProperties": 0})
+    if name in OFF_STRINGS:
+        ok.append({"enum": list(OFF_STRINGS[name])})
+    ok += [{"const": v} for v in OFF_ALSO.get(name, ())]
+    return {"anyOf": ok, "description": _OFF_DOC}
+
+
+def _refused(route: str) -> dict[str, Any]:
+    return {name: _off(name) for name in sorted(REFUSED_FIELDS[route])}
+
+
+_FIELD_POLICY = ("Unknown fields are refused with 400 (code unknown_parameter), whatever their "
+                 "value; fields marked not supported are taken only with their off value.")
 
 _SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "properties": {"message": _STR, "type": _STR,
                                          "param": {"type": ["string", "null"]},
                                          "code": {"type": ["string", "null"]}}}}},
-    "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
-        **_SAMPLING,
+    "CompletionRequest": {"type": "object", "required": ["prompt"], "additionalProperties": False,
+                          "description": _FIELD_POLICY, "properties": {
+        **_SAMPLING, **_refused("completions"),
         "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR}, _IDS,
                              {"type": "array", "items": _IDS}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
@@ -48,19 +89,26 @@ _SCHEMAS: dict[str, Any] = {
         "content": {"oneOf": [_STR, {"type": "array", "items": {
             "type": "object", "properties": {"type": {"const": "text"}, "text": _STR}}}]},
         "name": _STR}},
-    "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
-        **_SAMPLING, "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
+    "ChatCompletionRequest": {"type": "object", "required": ["messages"],
+                              "additionalProperties": False, "description": _FIELD_POLICY,
+                              "properties": {
+        **_SAMPLING, **_refused("chat"), "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
         "max_completion_tokens": {"type": "integer", "minimum": 1}, "logprobs": _BOOL,
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
         "add_generation_prompt": _BOOL}},
-    "GenerateRequest": {"type": "object", "properties": {
+    "GenerateRequest": {"type": "object", "additionalProperties": False,
+                        "description": _FIELD_POLICY, "properties": {
+        **_refused("generate"),
         "text": {"oneOf": [_STR, {"type": "array", "items": _STR}]},
         "input_ids": {"oneOf": [_IDS, {"type": "array", "items": _IDS}]},
         "sampling_params": {"type": "object", "properties": {
             "max_new_tokens": _INT, "min_new_tokens": _INT, "temperature": _NUM, "top_p": _NUM,
             "top_k": _INT, "min_p": _NUM, "frequency_penalty": _NUM, "presence_penalty": _NUM,
             "repetition_penalty": _NUM, "stop": _STOP, "stop_token_ids": _IDS,
-            "ignore_eos": _BOOL, "skip_special_tokens": _BOOL, "n": _INT, "seed": _INT}},
+            "ignore_eos": _BOOL, "skip_special_tokens": _BOOL, "n": _INT,
+            "seed": {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX},
+            "sampling_seed": {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}},
+            "additionalProperties": False},
         "stream": _BOOL, "return_logprob": _BOOL, "top_logprobs_num": _INT, "rid": _STR}},
 }
 

@@ -21,6 +21,7 @@ MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 4096
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # any signed 64-bit integer (vLLM's range)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # OpenAI's documented ranges (enforced on the OpenAI routes; /generate leaves them to the engine)
@@ -219,12 +220,86 @@ def max_tokens_arg(d: dict[str, Any], name: str, context_length: int,
     return v
 
 
-def _reject_present(body: dict[str, Any], names: tuple[str, ...]) -> None:
-    """Fields we do not implement are refused, never silently ignored."""
-    for name in names:
-        v = body.get(name)
-        if v not in (None, False, [], {}, "none", "auto"):
+# -- the field policy: every route knows every field it takes -------------------------------------
+#
+# A field a route does not list is refused with 400 `unknown_parameter`, whatever its value (a
+# misspelt or newer field must never be silently dropped). A field listed in REFUSED_FIELDS is
+# one peers or OpenAI define that this server does not implement: it is accepted only with a
+# value that asks for nothing (null, false, an empty array or object, and the per-field values
+# of OFF_STRINGS / OFF_ALSO such as tool_choice "none") and refused with 400 `unsupported`
+# otherwise. HARMLESS_FIELDS carry information the
+# server does not need to act on (OpenAI's end-user id) and are accepted as they are.
+
+_COMMON_FIELDS = frozenset({
+    "model", "stream", "stream_options", "n", "best_of", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "skip_special_tokens", "max_tokens", "min_tokens",
+    "logit_bias", "logprobs"})
+HARMLESS_FIELDS = frozenset({"user"})
+# Structured output, beam search, prompt logprobs and the rest that peers' servers take.
+_PEER_EXTRAS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+                "response_format", "regex", "ebnf", "json_schema", "prompt_logprobs",
+                "use_beam_search", "length_penalty", "stop_regex", "cache_salt",
+                "include_stop_str_in_output", "spaces_between_special_tokens",
+                "truncate_prompt_tokens", "allowed_token_ids", "bad_words", "lora_request",
+                "return_tokens_as_token_ids", "return_token_ids", "priority", "logits_processors",
+                "min_tokens_stop", "add_special_tokens", "request_id", "kv_transfer_params",
+                "vllm_xargs", "custom_logit_processor", "return_hidden_states", "lora_path",
+                "separate_reasoning", "stream_reasoning", "chat_template_kwargs",
+                "chat_template", "documents", "mm_processor_kwargs", "media_io_kwargs")
+REFUSED_FIELDS = {
+    "completions": frozenset(("suffix",) + _PEER_EXTRAS),
+    "chat": frozenset(("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+                       "audio", "prediction", "modalities", "store", "metadata",
+                       "web_search_options", "reasoning_effort", "service_tier", "echo",
+                       "continue_final_message") + _PEER_EXTRAS),
+    "generate": frozenset(("logprob_start_len", "return_text_in_logprobs", "image_data",
+                           "audio_data", "modalities", "lora_path", "custom_logit_processor",
+                           "return_hidden_states", "session_params", "bootstrap_host",
+                           "data_parallel_rank", "stream_interval")),
+}
+ROUTE_FIELDS = {
+    "completions": _COMMON_FIELDS | HARMLESS_FIELDS | {"prompt", "echo"},
+    "chat": _COMMON_FIELDS | HARMLESS_FIELDS | {"messages", "top_logprobs",
+                                                "max_completion_tokens",
+                                                "add_generation_prompt"},
+    "generate": frozenset({"text", "input_ids", "sampling_params", "stream", "rid",
+                           "return_logprob", "top_logprobs_num"}),
+}
+
+
+# Off values beyond null / false / [] / {}: per field, since "none" is a regex and {} a schema.
+SCHEMA_FIELDS = frozenset({"guided_json", "json_schema"})  # {}: any JSON, a constraint
+OFF_STRINGS = {"tool_choice": ("none", "auto"), "service_tier": ("auto", "default"),
+               "guided_decoding_backend": ("auto",)}
+OFF_ALSO = {"response_format": ({"type": "text"},), "modalities": (["text"],)}
+
+
+def _is_off(name: str, v: Any) -> bool:
+    """Whether a refused field's value asks for nothing (so taking it changes nothing)."""
+    if v is None or v is False:
+        return True
+    if isinstance(v, (list, dict)) and not v:
+        return name not in SCHEMA_FIELDS
+    if isinstance(v, str):
+        return v in OFF_STRINGS.get(name, ())
+    return isinstance(v, (list, dict)) and v in OFF_ALSO.get(name, ())
+
+
+def check_fields(body: dict[str, Any], route: str) -> None:
+    """Refuse unknown fields and refused fields with a value that would have an effect."""
+    known, refused = ROUTE_FIELDS[route], REFUSED_FIELDS[route]
+    for name in body:
+        if name in known:
+            continue
+        if name in refused:
+            if _is_off(name, body[name]):
+                continue
             raise invalid(name, f"{name} is not supported by this server", code="unsupported")
+        raise invalid(name, f"unknown parameter {_short(name)}: this route takes "
+                      f"{', '.join(sorted(known))} (unknown fields are refused, never ignored)",
+                      code="unknown_parameter")
 
 
 # -- the OpenAI routes -------------------------------------------------------------------------
@@ -258,7 +333,7 @@ def _openai_sampling(body: dict[str, Any], vocab_size: int, context_length: int,
     top_k = get_int(body, "top_k", -1, vocab_size)
     if top_k is not None:
         s["top_k"] = top_k
-    seed = get_int(body, "seed", 0, 2**63 - 1)
+    seed = get_int(body, "seed", SEED_MIN, SEED_MAX)
     if seed is not None:
         s["seed"] = seed
     for name in ("ignore_eos", "skip_special_tokens"):
@@ -291,7 +366,7 @@ def _openai_sampling(body: dict[str, Any], vocab_size: int, context_length: int,
 def parse_completion(body: dict[str, Any], vocab_size: int, context_length: int
                      ) -> ParsedRequest:
     req = ParsedRequest(route="completions", prompts=[])
-    _reject_present(body, ("suffix",))
+    check_fields(body, "completions")
     _openai_sampling(body, vocab_size, context_length, req)
     if "prompt" not in body:
         raise invalid("prompt", "prompt is required", code="missing_required_parameter")
@@ -322,11 +397,7 @@ def parse_completion(body: dict[str, Any], vocab_size: int, context_length: int
 
 def parse_chat(body: dict[str, Any], vocab_size: int, context_length: int) -> ParsedRequest:
     req = ParsedRequest(route="chat", prompts=[])
-    _reject_present(body, ("tools", "functions", "function_call", "audio", "prediction"))
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise invalid("response_format", "only response_format {\"type\": \"text\"} is "
-                      "supported", code="unsupported")
+    check_fields(body, "chat")
     _openai_sampling(body, vocab_size, context_length, req)
     req.prompts = [Prompt(messages=_messages(body.get("messages")))]
     lp = get_bool(body, "logprobs")
@@ -391,6 +462,7 @@ def _messages(v: Any) -> list[dict[str, Any]]:
 def parse_generate(body: dict[str, Any], vocab_size: int, context_length: int) -> ParsedRequest:
     """SGLang's /generate: text or input_ids (one or a batch), sampling_params, stream."""
     req = ParsedRequest(route="generate", prompts=[])
+    check_fields(body, "generate")
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise invalid("text", "give exactly one of text and input_ids",
@@ -436,7 +508,7 @@ def parse_generate(body: dict[str, Any], vocab_size: int, context_length: int) -
         if v is not None:
             s[name] = v
     for name in ("seed", "sampling_seed"):
-        v = get_int(sp, name, 0, 2**63 - 1, f"sampling_params.{name}")
+        v = get_int(sp, name, SEED_MIN, SEED_MAX, f"sampling_params.{name}")
         if v is not None:
             s["seed"] = v
     for name in ("ignore_eos", "skip_special_tokens"):

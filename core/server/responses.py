@@ -13,7 +13,17 @@ from typing import Any
 
 from core.server.protocol import ParsedRequest
 
-Decode1 = Callable[[int], str]  # token id -> its text
+Piece = Callable[[int], bytes]  # token id -> the bytes it stands for (TokenizerLike.token_bytes)
+
+
+def token_text(piece: bytes) -> str:
+    """A token's bytes as logprobs show it: its text where the bytes are whole UTF-8, else
+    OpenAI's `bytes:` spelling with what is not a whole character escaped (`bytes: \\xf0\\x9f`
+    is a space and the start of an emoji). Never U+FFFD: a client joins `bytes`, not this."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + piece.decode("utf-8", "backslashreplace")
 
 
 def dumps(obj: Any) -> bytes:
@@ -83,24 +93,32 @@ def usage(seqs: Sequence[SeqOut], prompt_lens: Sequence[int], cache_report: bool
     return u
 
 
-def completion_logprobs(entries: list[dict[str, Any]], decode1: Decode1, offset: int
+def completion_logprobs(entries: list[dict[str, Any]], piece: Piece, offset: int
                         ) -> dict[str, Any]:
+    """OpenAI's legacy shape. `top_logprobs` holds the top alternatives and, as OpenAI's does,
+    the sampled token too (so logprobs=0 gives {sampled: logprob}); `text_offset` counts the
+    characters before each token (the tokens of a character split over several all sit at
+    that character's offset)."""
     tokens, lps, tops, offsets = [], [], [], []
+    done = b""
     for e in entries:
-        tok = decode1(e["token_id"])
+        raw = piece(e["token_id"])
+        tok = token_text(raw)
         tokens.append(tok)
         lps.append(e["logprob"])
-        tops.append({decode1(t): lp for t, lp in e.get("top") or []} or None)
-        offsets.append(offset)
-        offset += len(tok)
+        top = {token_text(piece(t)): lp for t, lp in e.get("top") or []}
+        top.setdefault(tok, e["logprob"])
+        tops.append(top)
+        offsets.append(offset + len(done.decode("utf-8", "ignore")))
+        done += raw
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[dict[str, Any]], decode1: Decode1) -> dict[str, Any]:
+def chat_logprobs(entries: list[dict[str, Any]], piece: Piece) -> dict[str, Any]:
     def one(tid: int, lp: float) -> dict[str, Any]:
-        tok = decode1(tid)
-        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace"))}
+        raw = piece(tid)
+        return {"token": token_text(raw), "logprob": lp, "bytes": list(raw)}
 
     content = []
     for e in entries:
@@ -111,13 +129,13 @@ def chat_logprobs(entries: list[dict[str, Any]], decode1: Decode1) -> dict[str, 
 
 
 def completion_object(rid: str, created: int, model: str, req: ParsedRequest,
-                      seqs: list[SeqOut], decode1: Decode1, use: dict[str, Any]
+                      seqs: list[SeqOut], piece: Piece, use: dict[str, Any]
                       ) -> dict[str, Any]:
     choices = []
     for s in seqs:
         prefix = s.prompt_text if req.echo and s.prompt_text is not None else ""
         choices.append({"index": s.index, "text": prefix + s.full_text,
-                        "logprobs": completion_logprobs(s.logprobs, decode1, len(prefix))
+                        "logprobs": completion_logprobs(s.logprobs, piece, len(prefix))
                         if req.logprobs else None,
                         "finish_reason": s.finish_reason})
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -125,16 +143,16 @@ def completion_object(rid: str, created: int, model: str, req: ParsedRequest,
 
 
 def chat_object(rid: str, created: int, model: str, req: ParsedRequest, seqs: list[SeqOut],
-                decode1: Decode1, use: dict[str, Any]) -> dict[str, Any]:
+                piece: Piece, use: dict[str, Any]) -> dict[str, Any]:
     choices = [{"index": s.index,
                 "message": {"role": "assistant", "content": s.full_text},
-                "logprobs": chat_logprobs(s.logprobs, decode1) if req.logprobs else None,
+                "logprobs": chat_logprobs(s.logprobs, piece) if req.logprobs else None,
                 "finish_reason": s.finish_reason} for s in seqs]
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": use}
 
 
-def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, decode1: Decode1
+def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
                   ) -> dict[str, Any]:
     finish = None
     if s.finished:
@@ -151,17 +169,18 @@ def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, decode1: Dec
         meta["e2e_latency"] = e2e
     if req.logprobs:
         # SGLang's shape: [logprob, token_id, token_text] per token, top-k likewise per token
-        meta["output_token_logprobs"] = [[e["logprob"], e["token_id"], decode1(e["token_id"])]
+        meta["output_token_logprobs"] = [[e["logprob"], e["token_id"],
+                                          token_text(piece(e["token_id"]))]
                                          for e in s.logprobs]
-        meta["output_top_logprobs"] = [[[lp, t, decode1(t)] for t, lp in e.get("top") or []]
-                                       for e in s.logprobs]
+        meta["output_top_logprobs"] = [[[lp, t, token_text(piece(t))]
+                                        for t, lp in e.get("top") or []] for e in s.logprobs]
     return meta
 
 
-def generate_object(s: SeqOut, req: ParsedRequest, e2e: float | None, decode1: Decode1
+def generate_object(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
                     ) -> dict[str, Any]:
     return {"text": s.full_text, "output_ids": list(s.token_ids),
-            "meta_info": generate_meta(s, req, e2e, decode1)}
+            "meta_info": generate_meta(s, req, e2e, piece)}
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,

@@ -36,6 +36,9 @@ class FakeTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode("utf-8", "replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id - OFFSET]) if token_id >= OFFSET else b""
+
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             chat_template: str | None = None,
                             add_generation_prompt: bool = True) -> str:
