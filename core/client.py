@@ -57,6 +57,7 @@ class _ReqState:
     detok: Any
     raw_text: str = ""  # everything detokenized so far
     emitted: int = 0  # characters of raw_text already sent
+    stop_floor: int = 0  # stop strings ending at or before this character do not count
     output_ids: list[int] = field(default_factory=list)
 
 
@@ -343,8 +344,13 @@ class EngineClient:
         stops = st.params.stop
         if stops:
             longest = max(len(s) for s in stops)
-            hits = [(i, s) for s in stops
-                    if (i := st.raw_text.find(s, max(0, st.emitted - longest))) >= 0]
+            hits = []
+            if len(st.output_ids) < st.params.min_new_tokens:
+                # min_new_tokens: what completes a stop string before then is plain text
+                st.stop_floor = len(st.raw_text)
+            else:
+                hits = [(i, s) for s in stops if (i := st.raw_text.find(
+                    s, max(0, st.emitted - longest, st.stop_floor - len(s) + 1))) >= 0]
             if hits:
                 end, matched = min(hits)
                 if finish is None or finish.get("type") != "stop":

@@ -558,9 +558,14 @@ class Scheduler:
         if p.stop and self.decode_text is not None and len(r.output_ids) >= p.min_new_tokens:
             longest = max(len(s) for s in p.stop)
             # A stop string of L characters spans at most L tokens (plus a few partial bytes).
-            tail = self.decode_text(r.output_ids[-(longest + 4):])
+            window = r.output_ids[-(longest + 4):]
+            tail = self.decode_text(window)
+            # While the window still holds tokens from before min_new_tokens, a stop string
+            # counts only if this token completed it (earlier occurrences are plain text).
+            early = len(r.output_ids) - len(window) < p.min_new_tokens
+            prev = self.decode_text(window[:-1]) if early else ""
             for s in p.stop:
-                if s in tail:
+                if s in tail and (not early or tail.count(s) > prev.count(s)):
                     return {"type": "stop", "matched": s}
         if len(r.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}

@@ -142,6 +142,26 @@ def test_hot_sampling_logprobs_name_the_sampled_token(served):
     assert all(len(t) == 1 for t in zero.choices[0].logprobs.top_logprobs)
 
 
+def test_min_tokens_outlasts_an_early_stop_string(served):
+    """A stop string completed before min_tokens is plain text (it stopped the request before,
+    in the client's stop check), on both the plain and the streamed path."""
+    _, srv = served
+    c = client(srv)
+    kw = dict(model="smollm2", prompt="The capital of France is", temperature=0,
+              max_tokens=16)
+    free = c.completions.create(**kw).choices[0]
+    stop = free.text.strip()[0]  # occurs in the first token or two
+    early = c.completions.create(**kw, stop=[stop])
+    assert early.usage.completion_tokens <= 2 and early.choices[0].finish_reason == "stop"
+    r = c.completions.create(**kw, stop=[stop], extra_body={"min_tokens": 8})
+    text = r.choices[0].text
+    assert r.usage.completion_tokens >= 8
+    assert free.text.startswith(text) and len(text) > free.text.index(stop)
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        **kw, stop=[stop], extra_body={"min_tokens": 8}, stream=True) if ch.choices)
+    assert streamed == text
+
+
 def test_info_routes_show_the_plan(served):
     _, srv = served
     auth = {"Authorization": f"Bearer {KEY}"}
