@@ -17,6 +17,7 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -77,6 +78,9 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self._closed = False
         self.dead_reason: str | None = None
+        # the worker's heartbeat (core.worker._Heartbeat): when it last came, and what it said
+        self.last_heartbeat = time.monotonic()
+        self.heartbeat: dict[str, Any] = {}
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=worker_main, args=(child_conn, args_to_json(args)),
@@ -89,6 +93,7 @@ class EngineClient:
         except BaseException:
             self._stop_process()
             raise
+        self.last_heartbeat = time.monotonic()
         self._reader = threading.Thread(target=self._read_loop, name="core-engine-reader",
                                         daemon=True)
         self._reader.start()
@@ -147,6 +152,11 @@ class EngineClient:
     def health(self) -> bool:
         """True while the worker process is alive and its pipe is open."""
         return not self._closed and self.dead_reason is None and self.process.is_alive()
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the worker's last heartbeat (sent every second from a thread of the
+        worker, whether or not a scheduler step is running)."""
+        return time.monotonic() - self.last_heartbeat
 
     def __enter__(self) -> EngineClient:
         return self
@@ -306,6 +316,9 @@ class EngineClient:
                     if waiter is not None:
                         waiter[1].append(msg)
                         waiter[0].set()
+                elif kind == "heartbeat":
+                    self.heartbeat = msg
+                    self.last_heartbeat = time.monotonic()
                 elif kind == "fatal":
                     reason = f"engine worker failed: {msg['error']}"
         except ChannelClosed:

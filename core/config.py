@@ -37,7 +37,9 @@ class ServerArgs:
     # http
     host: str = _f("127.0.0.1", "http", "address to listen on")
     port: int = _f(30000, "http", "port to listen on")
-    api_key: str | None = _f(None, "http", "require this bearer key on API routes")
+    api_key: str | None = _f(None, "http", "require this bearer key on API routes (visible in "
+                             "the process list: prefer --api-key-file or CORE_API_KEY)")
+    api_key_file: str | None = _f(None, "http", "read the bearer key from this file (one line)")
     served_model_name: str | None = _f(None, "http", "model name reported by the API")
     chat_template: str | None = _f(None, "http", "Jinja chat template file or string")
     max_request_bytes: int = _f(1 << 20, "http", "largest accepted request body")
@@ -168,5 +170,11 @@ def validate(args: ServerArgs) -> None:
                          f"{args.mem_fraction_static}")
     if args.chunked_prefill_size is not None and args.chunked_prefill_size == 0:
         raise ValueError("--chunked-prefill-size must be positive or -1 (disabled)")
+    if args.api_key is not None and not args.api_key.strip():
+        # an empty key must not read as "authentication off"
+        raise ValueError("--api-key is empty; give a key, or leave the flag out to serve "
+                         "without authentication")
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")

@@ -14,6 +14,7 @@ worker -> client
   {"type": "out", "items": [{"rid", "ids", "lps", "finish", "prompt_tokens",
                              "completion_tokens", "cached_tokens"}]}   once per step
   {"type": "reply", "id", "ok", "result" | "error"}
+  {"type": "heartbeat", "stats", "step_s"}     every second, from a thread of the worker
 """
 
 from __future__ import annotations

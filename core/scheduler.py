@@ -172,8 +172,12 @@ class Scheduler:
                 raise AdmissionError("request priority given but priority scheduling is off "
                                      "(--enable-priority-scheduling)")
             cap = self.cfg.max_queued_requests
-            if cap is not None and len(self.waiting) >= cap:
-                raise AdmissionError(f"the queue is full: {len(self.waiting)} requests waiting "
+            # waiting requests that free running slots will take at the next step are about to
+            # run, not queued: a burst of max_running + max_queued is accepted whole
+            slots = self.cfg.max_running_requests - len(self.running) - (self.chunked is not None)
+            queued = len(self.waiting) - max(slots, 0)
+            if cap is not None and queued >= cap:
+                raise AdmissionError(f"the queue is full: {queued} requests waiting "
                                      f"(--max-queued-requests {cap})", status=503)
         except ValueError:
             self.counters["rejected"] += 1

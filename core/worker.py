@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,8 @@ GiB = 2**30
 # (device memory at least, prefill chunk in tokens): a bigger device affords bigger chunks
 CHUNK_BY_MEMORY = ((90 * GiB, 16384), (40 * GiB, 8192), (20 * GiB, 4096), (0, 2048))
 BASE_RESERVE = 1 * GiB  # runtime context, library workspaces, allocator slack
+HEARTBEAT_S = 1.0  # the worker's liveness beat, sent from its own thread (steps may be long)
+SNAPSHOT_S = 0.25  # how often, at most, the loop refreshes the stats the heartbeat carries
 
 
 def memory_defaults(device_type: str, total_bytes: int, spec: Any, dtype_bytes: int,
@@ -212,46 +216,96 @@ def _rpc(core: EngineCore, op: str) -> Any:
     raise ValueError(f"unknown rpc {op!r}")
 
 
-def serve(core: EngineCore, chan: Channel) -> None:
+class _Heartbeat:
+    """Sends {"type": "heartbeat"} every HEARTBEAT_S from a daemon thread, so the client can tell
+    a busy worker (one long prefill step) from a dead or wedged one without waiting for a step to
+    end. It carries the latest stats the loop published between steps and how long the current
+    step has been running."""
+
+    def __init__(self, send: Any, interval: float = HEARTBEAT_S):
+        self.send, self.interval = send, interval
+        self.stats: dict[str, Any] | None = None  # replaced whole by the loop, never mutated
+        self.step_started: float | None = None  # time.monotonic() of the running step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="core-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():  # not mid-send when the caller sends its last message
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            started = self.step_started
+            try:
+                self.send({"type": "heartbeat", "stats": self.stats,
+                           "step_s": 0.0 if started is None else time.monotonic() - started})
+            except ChannelClosed:
+                return
+
+
+def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S) -> None:
     """The worker loop: drain messages, run a step when there is work, send its outputs."""
     from core.scheduler import AdmissionError
 
     sched = core.scheduler
     parent = os.getppid()
-    while True:
-        timeout = 0.0 if sched.has_work else 0.5
-        while chan.poll(timeout):
-            timeout = 0.0
-            msg = chan.recv()
-            kind = msg["type"]
-            if kind == "add":
-                try:
-                    sched.add_request(msg["rid"], msg["input_ids"], msg["params"],
-                                      msg.get("priority"))
-                except ValueError as exc:
-                    status = exc.status if isinstance(exc, AdmissionError) else 400
-                    chan.send({"type": "out", "items": [{
-                        "rid": msg["rid"], "ids": [], "lps": None,
-                        "finish": {"type": "abort", "message": str(exc), "status_code": status},
-                        "prompt_tokens": len(msg["input_ids"]), "completion_tokens": 0,
-                        "cached_tokens": 0}]})
-            elif kind == "abort":
-                sched.abort(msg["rid"])
-            elif kind == "rpc":
-                try:
-                    chan.send({"type": "reply", "id": msg["id"], "ok": True,
-                               "result": _rpc(core, msg["op"])})
-                except (ValueError, AssertionError) as exc:
-                    chan.send({"type": "reply", "id": msg["id"], "ok": False,
-                               "error": f"{type(exc).__name__}: {exc}"})
-            elif kind == "shutdown":
+    lock = threading.Lock()  # the heartbeat thread sends on the same pipe
+
+    def send(msg: dict[str, Any]) -> None:
+        with lock:
+            chan.send(msg)
+
+    beat = _Heartbeat(send, heartbeat_s)
+    beat.stats = _rpc(core, "stats")
+    published = time.monotonic()
+    beat.start()
+    try:
+        while True:
+            timeout = 0.0 if sched.has_work else 0.5
+            while chan.poll(timeout):
+                timeout = 0.0
+                msg = chan.recv()
+                kind = msg["type"]
+                if kind == "add":
+                    try:
+                        sched.add_request(msg["rid"], msg["input_ids"], msg["params"],
+                                          msg.get("priority"))
+                    except ValueError as exc:
+                        status = exc.status if isinstance(exc, AdmissionError) else 400
+                        send({"type": "out", "items": [{
+                            "rid": msg["rid"], "ids": [], "lps": None,
+                            "finish": {"type": "abort", "message": str(exc),
+                                       "status_code": status},
+                            "prompt_tokens": len(msg["input_ids"]), "completion_tokens": 0,
+                            "cached_tokens": 0}]})
+                elif kind == "abort":
+                    sched.abort(msg["rid"])
+                elif kind == "rpc":
+                    try:
+                        send({"type": "reply", "id": msg["id"], "ok": True,
+                              "result": _rpc(core, msg["op"])})
+                    except (ValueError, AssertionError) as exc:
+                        send({"type": "reply", "id": msg["id"], "ok": False,
+                              "error": f"{type(exc).__name__}: {exc}"})
+                elif kind == "shutdown":
+                    return
+            if sched.has_work:
+                beat.step_started = time.monotonic()
+                touched = sched.step()
+                beat.step_started = None
+                if touched:
+                    send({"type": "out", "items": [_item(r) for r in touched]})
+            elif os.getppid() != parent:  # orphaned: the client died without a shutdown
                 return
-        if sched.has_work:
-            touched = sched.step()
-            if touched:
-                chan.send({"type": "out", "items": [_item(r) for r in touched]})
-        elif os.getppid() != parent:  # orphaned: the client died without a shutdown
-            return
+            now = time.monotonic()
+            if now - published >= SNAPSHOT_S:
+                beat.stats, published = _rpc(core, "stats"), now
+    finally:
+        beat.stop()
 
 
 def worker_main(conn: Any, args_json: str) -> None:

@@ -165,11 +165,14 @@ def test_requests_that_never_fit_are_rejected_with_numbers(tiny):
 
 
 def test_queue_limit_rejects_clearly(tiny):
-    sched = make_core(tiny, max_queued_requests=2).scheduler
+    # a burst of max_running + max_queued is accepted whole: the first max_running of it are
+    # about to run (free slots), not queued (issue 16, item 5)
+    sched = make_core(tiny, max_running_requests=1, max_queued_requests=2).scheduler
     sched.add_request("a", [5, 6], greedy())
     sched.add_request("b", [5, 7], greedy())
+    sched.add_request("c", [5, 9], greedy())
     with pytest.raises(AdmissionError, match=r"queue is full.*max-queued-requests 2") as err:
-        sched.add_request("c", [5, 8], greedy())
+        sched.add_request("d", [5, 8], greedy())
     assert err.value.status == 503
     drive(sched, [])
     sched.check_accounting()

@@ -40,6 +40,10 @@ class ScriptedClient:
         self.submitted: list[tuple] = []
         self.aborted: list[str] = []
         self.release = threading.Event()  # chunks after the first wait for this
+        self.dead_reason = None
+        self.heartbeat = {}
+        self.beat_age = 0.0
+        self.process = SimpleNamespace(is_alive=lambda: self.alive, exitcode=None)
 
     def submit(self, prompt, params, *, input_ids, rid, sink, **kw):
         if self.submit_error is not None:
@@ -60,6 +64,9 @@ class ScriptedClient:
 
     def health(self):
         return self.alive
+
+    def heartbeat_age(self):
+        return self.beat_age
 
     def rpc(self, op, timeout):
         if not self.alive:

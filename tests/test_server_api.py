@@ -337,6 +337,7 @@ def test_client_disconnect_aborts_and_frees_kv():
         sock = socket.create_connection(("127.0.0.1", s.port), timeout=10)
         payload = json.dumps({"prompt": "q", "max_tokens": 200}).encode()
         sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+                     f"\r\nContent-Type: application/json"
                      f"\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
         assert wait_until(lambda: s.call(lambda: len(eng.active)) == 1)
         sock.close()
@@ -414,10 +415,10 @@ def test_health_reflects_the_engine():
     with start(eng) as s:
         s.app[STATE].health_timeout = 0.2
         assert get(s, "/health", headers={})[0] == 200
-        assert get(s, "/health_generate", headers={})[0] == 200
+        assert get(s, "/health_generate")[0] == 200  # needs the key (issue 16, item 6)
         eng.alive = False
         assert get(s, "/health", headers={})[0] == 503
-        assert get(s, "/health_generate", headers={})[0] == 503
+        assert get(s, "/health_generate")[0] == 503
         assert "core_engine_up 0" in get(s, "/metrics", headers={})[2].decode()
         eng.alive, eng.wedged = True, True
         assert get(s, "/health", headers={})[0] == 503  # wedged: no answer within the timeout

@@ -13,7 +13,7 @@ import pytest
 
 from core.config import ServerArgs
 from core.server.serve import run_server
-from core.server.testing import FakeEngine
+from core.server.testing import FakeEngine, sse_payloads
 
 
 def free_port() -> int:
@@ -84,12 +84,39 @@ def test_drain_timeout_aborts_what_is_left():
                 "prompt": "a", "max_tokens": 5000, "stream": True})
             await _first_chunk(resp)
             os.kill(os.getpid(), signal.SIGTERM)
-            with pytest.raises(aiohttp.ClientError):
-                await resp.read()  # cut: the stream never reaches [DONE]
+            # cut, but not a bare close: an error event, then [DONE] (issue 16, item 9)
+            events = sse_payloads(await resp.read())
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == "shutting_down"
+            assert "--drain-timeout" in events[-2]["error"]["message"]
         return await asyncio.wait_for(task, 30)
 
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) == 0
     assert len(eng.aborted) == 1 and eng.finished == 0 and not eng.active and eng.shut_down
+
+
+def test_drain_timeout_cuts_a_non_streaming_request_with_503():
+    eng = FakeEngine(token_delay=0.02, context_length=10_000)
+    port = free_port()
+    args = ServerArgs(port=port, drain_timeout=0.3)
+    url = f"http://127.0.0.1:{port}"
+
+    async def scenario() -> int:
+        task = asyncio.create_task(run_server(eng, args))
+        await _wait_listening(port, task)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as sess:
+            pending = asyncio.ensure_future(sess.post(url + "/v1/completions", json={
+                "prompt": "a", "max_tokens": 5000}))
+            while not eng.active:
+                await asyncio.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            resp = await pending
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "shutting_down"
+        return await asyncio.wait_for(task, 30)
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == 0
+    assert len(eng.aborted) == 1 and not eng.active
 
 
 def test_port_in_use_is_a_clear_error(capsys):

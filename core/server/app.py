@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import time
+import uuid
 from typing import Any
 
 from aiohttp import web
@@ -19,15 +20,23 @@ from aiohttp import web
 import core
 from core.config import ServerArgs
 from core.server import generation
-from core.server.auth import PUBLIC_ROUTES, make_auth_middleware
+from core.server.auth import PUBLIC_ROUTES, make_auth_middleware, resolve_api_key
 from core.server.engine_api import EngineLike, GenRequest
 from core.server.errors import APIError, from_http_exception
 from core.server.openapi import openapi_spec
-from core.server.state import HEALTH_GENERATE_TIMEOUT_S, OUTCOME, STATE, ServerState, state
+from core.server.state import (
+    HEALTH_GENERATE_CACHE_S,
+    HEALTH_GENERATE_TIMEOUT_S,
+    OUTCOME,
+    STATE,
+    ServerState,
+    state,
+)
 
 log = logging.getLogger("core.server")
 
 UNCOUNTED_ROUTES = frozenset({"/metrics"})  # scrapes would drown the request counts
+SERVER_NAME = "core-serve"  # the Server header: no versions
 
 
 def _outcome(request: web.Request, status: int) -> str:
@@ -102,6 +111,8 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Liveness: 200 while the engine process is alive (a busy engine is alive: this never waits
+    for a scheduler step); 503 when it is gone or the server is draining."""
     st = state(request)
     if st.draining:
         return web.json_response({"status": "draining"}, status=503)
@@ -110,13 +121,26 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def health_generate(request: web.Request) -> web.Response:
-    """Health by generating one token end to end through the scheduler."""
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: live, not draining, and room for one more request under the admission limit
+    (--max-running-requests + --max-queued-requests); 503 "busy" while full."""
     st = state(request)
+    body: dict[str, Any] = {"status": "ok", "sequences": st.active_sequences,
+                            "max_sequences": st.max_sequences}
     if st.draining:
-        return web.json_response({"status": "draining"}, status=503)
-    gr = GenRequest(rid=f"health-{time.monotonic_ns()}", input_ids=(0,),
-                    sampling={"max_new_tokens": 1, "temperature": 0.0})
+        return web.json_response({**body, "status": "draining"}, status=503)
+    if not await st.engine_alive():
+        return web.json_response({**body, "status": "engine_unavailable"}, status=503)
+    if st.max_sequences is not None and st.active_sequences >= st.max_sequences:
+        return web.json_response({**body, "status": "busy"}, status=503,
+                                 headers={"Retry-After": "1"})
+    return web.json_response(body)
+
+
+async def _probe(st: ServerState) -> tuple[int, dict[str, Any]]:
+    """One token end to end through the scheduler; (status, body) for /health_generate."""
+    rid = f"health-{uuid.uuid4().hex}"
+    gr = GenRequest(rid=rid, input_ids=(0,), sampling={"max_new_tokens": 1, "temperature": 0.0})
 
     async def one() -> bool:
         async with contextlib.aclosing(st.engine.generate(gr)) as events:
@@ -125,15 +149,42 @@ async def health_generate(request: web.Request) -> web.Response:
                     return not ev.get("error")
         return False
 
+    result: tuple[int, dict[str, Any]] = (503, {"status": "engine_unavailable"})
     try:
-        ok = await asyncio.wait_for(one(), HEALTH_GENERATE_TIMEOUT_S)
+        with st.reserved([rid]):
+            if await asyncio.wait_for(one(), HEALTH_GENERATE_TIMEOUT_S):
+                result = (200, {"status": "ok"})
+    except APIError as e:
+        if e.status in (429, 503) and e.code == "queue_full":  # alive, but its queue is full
+            result = (503, {"status": "busy"})
     except Exception:
-        ok = False
+        pass
     finally:
-        st.engine.abort(gr.rid)
-    if not ok:
+        st.engine.abort(rid)
+    st.probe_result = (time.monotonic(), *result)
+    return result
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """Health by generating one token end to end through the scheduler.
+
+    Bounded so that it cannot be used to load the engine: at most one probe runs at a time
+    (concurrent callers share its answer) and an answer is reused for HEALTH_GENERATE_CACHE_S.
+    It needs the API key when one is set."""
+    st = state(request)
+    if st.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if not await st.engine_alive():  # not live: no probe, and no cached "ok" either
         return web.json_response({"status": "engine_unavailable"}, status=503)
-    return web.json_response({"status": "ok"})
+    last = st.probe_result
+    if last is not None and time.monotonic() - last[0] < HEALTH_GENERATE_CACHE_S:
+        status, body = last[1], last[2]
+    else:
+        if st.probe is None or st.probe.done():
+            st.probe = asyncio.ensure_future(_probe(st))
+        status, body = await asyncio.shield(st.probe)  # a caller leaving does not cancel it
+    headers = {"Retry-After": "1"} if body.get("status") == "busy" else None
+    return web.json_response(body, status=status, headers=headers)
 
 
 async def get_model_info(request: web.Request) -> web.Response:
@@ -145,9 +196,9 @@ async def get_model_info(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
-def redacted_args(args: ServerArgs) -> dict[str, Any]:
+def redacted_args(args: ServerArgs, key_set: bool = False) -> dict[str, Any]:
     d = dataclasses.asdict(args)
-    if d.get("api_key"):
+    if d.get("api_key") or key_set:
         d["api_key"] = "<redacted>"
     return d
 
@@ -156,7 +207,7 @@ async def get_server_info(request: web.Request) -> web.Response:
     st = state(request)
     plan = st.engine.plan_dict()
     candidates = list((plan or {}).get("candidates") or [])
-    body = {"version": core.__version__, "server_args": redacted_args(st.args),
+    body = {"version": core.__version__, "server_args": redacted_args(st.args, st.api_key is not None),
             "model": st.engine.model_info(), "served_model_name": st.model_name,
             "plan": plan, "candidates": candidates, "plan_table": st.engine.describe_plan(),
             "stats": await st.engine_stats(), "engine_alive": await st.engine_alive(),
@@ -177,20 +228,29 @@ async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_spec(core.__version__))
 
 
+async def _server_header(_request: web.Request, resp: web.StreamResponse) -> None:
+    resp.headers["Server"] = SERVER_NAME
+
+
 def create_app(engine: EngineLike, args: ServerArgs, tokenizer_threads: int = 2
                ) -> web.Application:
     """The application for `engine`; run it with handler_cancellation=True so that a client
-    disconnecting cancels its handler (and so aborts its engine requests)."""
+    disconnecting cancels its handler (and so aborts its engine requests). Raises ValueError
+    for an API key that cannot be used (empty, unreadable file)."""
+    api_key = resolve_api_key(args.api_key, args.api_key_file)
     app = web.Application(client_max_size=args.max_request_bytes,
-                          middlewares=[error_middleware, make_auth_middleware(args.api_key)])
+                          middlewares=[error_middleware, make_auth_middleware(api_key)])
     st = ServerState(engine, args, tokenizer_threads)
+    st.api_key = api_key
     app[STATE] = st
+    app.on_response_prepare.append(_server_header)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/generate", native_generate)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)
@@ -198,6 +258,8 @@ def create_app(engine: EngineLike, args: ServerArgs, tokenizer_threads: int = 2
     app.router.add_get("/openapi.json", openapi)
 
     async def close_pool(_app: web.Application) -> None:
+        if st.probe is not None:
+            st.probe.cancel()
         st.pool.shutdown(wait=False, cancel_futures=True)
 
     app.on_cleanup.append(close_pool)

@@ -97,7 +97,13 @@ class EngineLike(Protocol):
         ...
 
     async def health(self) -> bool:
-        """True when the scheduler process is alive and answering."""
+        """Liveness: True while the engine process is alive and beating, busy or not. It must not
+        wait for a scheduler step to end (one step may take many seconds)."""
+        ...
+
+    def failure(self) -> str | None:
+        """Why the engine is gone for good (its process died), or None while it runs. The
+        server exits non-zero when this turns non-None, so that a supervisor restarts it."""
         ...
 
     async def stats(self) -> dict[str, Any]:

@@ -14,7 +14,9 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
@@ -26,7 +28,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, type: str | None = None,
-                 retry_after: int | None = None):
+                 retry_after: int | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -35,13 +37,14 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500
                                        else "internal_server_error")
         self.retry_after = retry_after
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
     def response(self) -> web.Response:
-        headers = {}
+        headers = dict(self.headers)
         if self.retry_after is not None:
             headers["Retry-After"] = str(self.retry_after)
         return web.Response(status=self.status, text=json.dumps(self.body()),
@@ -64,7 +67,11 @@ def from_http_exception(exc: web.HTTPException) -> APIError:
     if status == 404:
         return APIError(404, "no such route", code="route_not_found")
     if status == 405:
-        return APIError(405, "method not allowed on this route", code="method_not_allowed")
+        allowed = sorted(getattr(exc, "allowed_methods", ()) or ())
+        return APIError(405, "method not allowed on this route"
+                        + (f"; allowed: {', '.join(allowed)}" if allowed else ""),
+                        code="method_not_allowed",
+                        headers={"Allow": ", ".join(allowed)} if allowed else None)
     if status == 413:
         return APIError(413, "request body is too large", code="request_too_large")
     return APIError(status, exc.reason or "request failed", code=None)

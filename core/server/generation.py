@@ -135,6 +135,18 @@ class _Job:
                                                   prompt_text=text))
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
+        self._q: asyncio.Queue[tuple[int, Any]] | None = None
+        self.cut_error: APIError | None = None
+
+    def rids(self) -> set[str]:
+        """The rids this request holds while in flight: its base and its engine requests'."""
+        return {self.base, *(g.rid for g in self.gen)}
+
+    def cut(self, error: APIError) -> None:
+        """End this request now with `error` (its unfinished engine requests are aborted)."""
+        self.cut_error = error
+        if self._q is not None:
+            self._q.put_nowait((-1, error))
 
     def piece(self, tid: int) -> bytes:
         return self.st.engine.tokenizer.token_bytes(tid)
@@ -163,6 +175,9 @@ class _Job:
     async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         """Merged (sequence index, event) stream; leaving it early aborts the unfinished."""
         q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._q = q
+        if self.cut_error is not None:
+            raise self.cut_error
         done: set[int] = set()
         engine = self.st.engine
 
@@ -183,7 +198,7 @@ class _Job:
             except APIError as e:
                 q.put_nowait((i, e))
             except Exception as e:  # one failing request fails alone
-                log.exception("request %s failed in the engine", gr.rid)
+                log.exception("request %r failed in the engine", gr.rid)
                 q.put_nowait((i, {"finished": True, "error": f"{type(e).__name__}: {e}"}))
 
         tasks = [asyncio.create_task(pump(i, gr)) for i, gr in enumerate(self.gen)]
@@ -191,6 +206,8 @@ class _Job:
             while len(done) < len(self.gen):
                 i, ev = await q.get()
                 if isinstance(ev, APIError):
+                    if i >= 0:  # refused by the engine: nothing of it to abort
+                        done.add(i)
                     raise ev
                 if ev.get("finished"):
                     done.add(i)
@@ -215,6 +232,7 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
     body = await st.read_json(request)
     eng = st.engine
     req = PARSERS[route](body, eng.tokenizer.vocab_size, eng.context_length)
+    st.check_client_rid(req.rid)
     if route != "generate" and req.model is not None and req.model not in st.served_names:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                        f"{', '.join(sorted(st.served_names))}", param="model",
@@ -223,12 +241,13 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
     with st.admitted(len(req.prompts) * req.n):
         toks = await asyncio.get_running_loop().run_in_executor(st.pool, _tokenize, st, req)
         job = _Job(st, req, toks, arrived)
-        if st.args.log_requests:
-            log.info("request %s %s prompt_tokens=%s n=%d stream=%s sampling=%s", job.base,
-                     route, job.prompt_lens, req.n, req.stream, job.gen[0].sampling)
-        if req.stream:
-            return await _stream(request, job)
-        return await _complete(job)
+        with st.reserved(job.rids(), job):  # 400 if a client rid is in use; nothing is touched
+            if st.args.log_requests:  # %r: a rid or stop string cannot forge log lines
+                log.info("request %r %s prompt_tokens=%s n=%d stream=%s sampling=%r", job.base,
+                         route, job.prompt_lens, req.n, req.stream, job.gen[0].sampling)
+            if req.stream:
+                return await _stream(request, job)
+            return await _complete(job)
 
 
 async def _complete(job: _Job) -> web.Response:
@@ -330,7 +349,7 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
         except Exception:  # a bug after the headers went out: end the stream in the error shape
             if resp is None:
                 raise
-            log.exception("stream %s failed", job.base)
+            log.exception("stream %r failed", job.base)
             request[OUTCOME] = "server_error"
             await resp.write(responses.sse(APIError(500, "internal server error; see the "
                                                     "server log", code="internal_error").body()))
@@ -341,13 +360,13 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
     except ConnectionResetError:  # the client went away; events() already aborted the rest
         request[OUTCOME] = "aborted"
         if job.st.args.log_requests:
-            log.info("request %s: client disconnected, aborted", job.base)
+            log.info("request %r: client disconnected, aborted", job.base)
     return resp
 
 
 def _log_done(job: _Job) -> None:
     if job.st.args.log_requests:
         for s in job.seqs:
-            log.info("finish %s reason=%s prompt_tokens=%d completion_tokens=%d cached=%d "
+            log.info("finish %r reason=%s prompt_tokens=%d completion_tokens=%d cached=%d "
                      "e2e=%.3fs", s.rid, s.finish_reason, s.prompt_tokens, s.completion_tokens,
                      s.cached_tokens, time.monotonic() - job.t0)

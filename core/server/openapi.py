@@ -159,9 +159,17 @@ def openapi_spec(version: str) -> dict[str, Any]:
                                "GenerateRequest"),
             "/v1/models": _get("the served model (OpenAI list)"),
             "/v1/models/{model}": _get("one model"),
-            "/health": _get("200 when the engine answers, 503 otherwise", public=True),
-            "/health_generate": _get("200 when one token can be generated end to end",
-                                     public=True),
+            "/health": _get("liveness: 200 while the engine process is alive and beating, "
+                            "busy or not (never waits for a scheduler step); 503 when it is "
+                            "gone or the server is draining", public=True),
+            "/ready": _get("readiness: 200 when live, not draining and below the admission "
+                           "limit (--max-running-requests + --max-queued-requests); 503 with "
+                           "status busy / draining / engine_unavailable otherwise",
+                           public=True),
+            "/health_generate": _get("one token end to end through the scheduler: 200 ok, "
+                                     "503 busy (the engine queue is full) or "
+                                     "engine_unavailable; at most one probe runs at a time and "
+                                     "its answer is reused for 2 s; needs the API key"),
             "/get_model_info": _get("model path, architecture, context length"),
             "/get_server_info": _get("server arguments, resolved plan, candidate table, live "
                                      "figures"),

@@ -1,12 +1,19 @@
-"""What the handlers share: engine, args, metrics, admission and drain bookkeeping."""
+"""What the handlers share: engine, args, metrics, admission and drain bookkeeping.
+
+Request ids. Every engine request has a rid that is unique among the requests in flight: the
+server picks one (`gen-<uuid>`, children `<rid>-<i>` for n > 1 or a batch) unless a /generate
+client gives a `rid`, which is then checked (RID_PATTERN) and refused with 400 when it or any of
+its children's rids is in use; a refused request never touches the one in flight.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,12 +21,16 @@ from aiohttp import web
 
 from core.config import ServerArgs
 from core.server.engine_api import EngineLike
-from core.server.errors import APIError, overloaded
+from core.server.errors import APIError, invalid, overloaded
 from core.server.metrics import ServerMetrics
 from core.server.protocol import parse_json_body
 
 HEALTH_TIMEOUT_S = 5.0  # an engine that does not answer a ping within this is wedged
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+HEALTH_GENERATE_CACHE_S = 2.0  # /health_generate answers from its last probe for this long
+BODY_TIMEOUT_S = 30.0  # the whole request body must arrive within this (slow senders hold sockets)
+RID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+JSON_TYPES = ("application/json",)
 
 class ServerState:
     """What the handlers share: engine, args, metrics, admission and drain bookkeeping."""
@@ -37,10 +48,19 @@ class ServerState:
         self.inflight = 0  # generation requests being served
         self.active_sequences = 0  # engine requests they make
         self.health_timeout = HEALTH_TIMEOUT_S
+        self.body_timeout = BODY_TIMEOUT_S
+        self.api_key: str | None = None  # the key enforced (create_app resolves it)
         self.idle = asyncio.Event()
         self.idle.set()
-        # the server's own bound on work it accepts; the engine enforces its queue limit too
-        mr, mq = args.max_running_requests, args.max_queued_requests
+        self.rids: set[str] = set()  # every engine rid (and client base rid) in flight
+        self.jobs: set[Any] = set()  # generation jobs in flight (generation._Job), for cut_all
+        self.probe: asyncio.Task | None = None  # /health_generate's one engine request
+        self.probe_result: tuple[float, int, dict[str, Any]] | None = None  # (when, status, body)
+        # the server's own bound on work it accepts; the engine enforces its queue limit too.
+        # Without --max-running-requests the engine's own default counts.
+        mq = args.max_queued_requests
+        mr = args.max_running_requests or _engine_max_running(engine)
+        self.max_running, self.max_queued = mr, mq
         self.max_sequences = mr + mq if mr is not None and mq is not None else None
 
     def refuse_if_draining(self) -> None:
@@ -50,6 +70,13 @@ class ServerState:
 
     @contextlib.contextmanager
     def admitted(self, k: int) -> Iterator[None]:
+        if self.max_sequences is not None and k > self.max_sequences:
+            # retrying cannot help: 400, not 503
+            raise APIError(400, f"this request needs {k} sequences (prompts x n) but the server "
+                           f"holds at most {self.max_sequences} at once ({self.max_running} "
+                           f"running + {self.max_queued} queued: --max-running-requests, "
+                           f"--max-queued-requests); lower n or send fewer prompts",
+                           param="n", code="too_many_sequences")
         if self.max_sequences is not None and self.active_sequences + k > self.max_sequences:
             raise overloaded(f"the server is at capacity ({self.active_sequences} sequences "
                              f"running or queued, limit {self.max_sequences}); retry later")
@@ -64,16 +91,62 @@ class ServerState:
             if self.inflight == 0:
                 self.idle.set()
 
+    def check_client_rid(self, rid: str | None) -> None:
+        """A client-chosen rid must be short and plain (it reaches logs and the engine)."""
+        if rid is not None and not RID_PATTERN.fullmatch(rid):
+            raise invalid("rid", "rid must be 1..128 characters from A-Z a-z 0-9 . _ : -",
+                          code="invalid_rid")
+
+    @contextlib.contextmanager
+    def reserved(self, rids: Iterable[str], job: Any = None) -> Iterator[None]:
+        """Hold `rids` for one request (and list `job` for cut_all); 400 if one is in use."""
+        want = set(rids)
+        taken = want & self.rids
+        if taken:
+            raise invalid("rid", f"request id {min(taken)!r} is in use by a request in flight; "
+                          f"choose another rid, or send none and let the server choose",
+                          code="duplicate_rid")
+        self.rids |= want
+        if job is not None:
+            self.jobs.add(job)
+        try:
+            yield
+        finally:
+            self.rids -= want
+            self.jobs.discard(job)
+
+    def cut_all(self, error: APIError) -> int:
+        """End every request in flight with `error` (drain timeout, engine death); how many."""
+        jobs = list(self.jobs)
+        for job in jobs:
+            job.cut(error)
+        return len(jobs)
+
     async def read_json(self, request: web.Request) -> dict[str, Any]:
+        # JSON only: a browser's cross-origin "simple" POST (text/plain, form types, or no
+        # type at all) is refused before anything runs
+        ctype = request.content_type
+        if not (ctype in JSON_TYPES or (ctype.startswith("application/")
+                                        and ctype.endswith("+json"))):
+            given = request.headers.get("Content-Type")
+            raise APIError(415, "the request body must be JSON sent with 'Content-Type: "
+                           f"application/json' (got {given!r})" if given else
+                           "the request has no Content-Type; send 'Content-Type: "
+                           "application/json'", code="unsupported_media_type")
         limit = self.args.max_request_bytes
         if request.content_length is not None and request.content_length > limit:
             raise APIError(413, f"request body is {request.content_length} bytes; the limit is "
                            f"{limit} (--max-request-bytes)", code="request_too_large")
         try:
-            raw = await request.read()  # client_max_size bounds chunked bodies too
+            # client_max_size bounds chunked bodies too; the timeout bounds slow senders
+            raw = await asyncio.wait_for(request.read(), self.body_timeout)
         except web.HTTPRequestEntityTooLarge:
             raise APIError(413, f"request body is over the limit of {limit} bytes "
                            "(--max-request-bytes)", code="request_too_large") from None
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within "
+                           f"{self.body_timeout:g} s", code="request_timeout",
+                           headers={"Connection": "close"}) from None
         return parse_json_body(raw)
 
     async def engine_alive(self) -> bool:
@@ -87,6 +160,14 @@ class ServerState:
             return dict(await asyncio.wait_for(self.engine.stats(), self.health_timeout))
         except Exception:
             return {}
+
+
+def _engine_max_running(engine: EngineLike) -> int | None:
+    try:
+        v = engine.model_info().get("max_running_requests")
+    except Exception:
+        return None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def _load_template(value: str | None) -> str | None:

@@ -8,7 +8,9 @@ token per step, so outputs are predictable. Knobs for fault tests:
     "FAIL_RAISE" raises inside the engine after its first token, "MALFORMED" sends a
     malformed logprobs entry with its second token;
   - max_active: more concurrent requests than this are rejected as "queue full" (503);
-  - alive / wedged: what health() says (wedged: it never answers).
+  - alive / wedged: what health() says (wedged: it never answers);
+  - failed: set to a reason to play a dead engine process (failure() returns it);
+  - a rid already in flight is refused with 400, as the real engine client refuses it.
 It keeps KV accounting like the real pool: pages_in_use() counts pages of live requests only, so
 a test can check that aborted and finished requests give their pages back.
 """
@@ -21,7 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from core.server.engine_api import GenRequest
-from core.server.errors import overloaded
+from core.server.errors import invalid, overloaded
 
 PAD, BOS, EOS = 0, 1, 2
 OFFSET = 3
@@ -65,6 +67,7 @@ class FakeEngine:
         self.max_active = max_active
         self.alive = True
         self.wedged = False
+        self.failed: str | None = None
         self.active: dict[str, int] = {}  # rid -> tokens held in KV
         self.aborted: set[str] = set()
         self.submitted: list[GenRequest] = []
@@ -112,6 +115,8 @@ class FakeEngine:
             raise RuntimeError("the engine process is gone")
         if self.max_active is not None and len(self.active) >= self.max_active:
             raise overloaded()
+        if req.rid in self.active:
+            raise invalid(None, f"request id {req.rid!r} is already in use")
         self.submitted.append(req)
         rid, prompt = req.rid, req.input_ids
         text = self.tokenizer.decode(prompt)
@@ -163,7 +168,10 @@ class FakeEngine:
     async def health(self) -> bool:
         if self.wedged:
             await asyncio.sleep(3600)
-        return self.alive
+        return self.alive and self.failed is None
+
+    def failure(self) -> str | None:
+        return self.failed
 
     async def stats(self) -> dict[str, Any]:
         return {"num_running_reqs": len(self.active), "num_queued_reqs": 0,
@@ -182,10 +190,11 @@ class ServerThread:
     Handlers are cancelled when their client disconnects, as under `core serve`.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1"):
+    def __init__(self, app: Any, host: str = "127.0.0.1", **runner_kw: Any):
         import threading
 
         self.app, self.host = app, host
+        self.runner_kw = runner_kw  # for core.server.serve.make_runner (header_timeout, ...)
         self.port = 0
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -201,8 +210,10 @@ class ServerThread:
 
         asyncio.set_event_loop(self.loop)
 
+        from core.server.serve import make_runner
+
         async def start() -> web.AppRunner:
-            runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=1.0)
+            runner = make_runner(self.app, **{"shutdown_timeout": 1.0, **self.runner_kw})
             await runner.setup()
             site = web.TCPSite(runner, self.host, 0)
             await site.start()
