@@ -42,6 +42,10 @@ class ServerArgs:
     api_key_file: str | None = _f(None, "http", "read the bearer key from this file (one line)")
     served_model_name: str | None = _f(None, "http", "model name reported by the API")
     chat_template: str | None = _f(None, "http", "Jinja chat template file or string")
+    allow_special_tokens_in_messages: bool = _f(
+        False, "http", "let chat message text spell the tokenizer's special tokens (e.g. "
+        "<|im_start|>), which the template would turn into real control tokens; refused "
+        "with a 400 otherwise")
     max_request_bytes: int = _f(1 << 20, "http", "largest accepted request body")
     log_requests: bool = _f(False, "http", "log every request")
     enable_cache_report: bool = _f(False, "http", "report cached prompt tokens in usage")

@@ -23,6 +23,11 @@ class Tokenizer:
         self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
         self.vocab_size: int = len(hf_tokenizer)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        # control tokens' texts (special added tokens, e.g. <|im_start|>), longest first
+        added = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
+        texts = {t.content for t in added.values() if getattr(t, "special", False)}
+        texts |= set(getattr(hf_tokenizer, "all_special_tokens", None) or ())
+        self.special_tokens: tuple[str, ...] = tuple(sorted(texts, key=lambda t: (-len(t), t)))
         self._bytes: dict[int, bytes] = {}
         self._byte_level: bool | None = None
         self._unicode_to_byte: dict[str, int] = {}

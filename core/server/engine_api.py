@@ -51,6 +51,9 @@ class TokenizerLike(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    # texts of the special (control) tokens, e.g. "<|im_start|>": chat content must not spell them
+    special_tokens: Sequence[str]
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (logprobs' `bytes`; part of a character may be all a
         token holds, so this is not `decode([token_id])`)."""

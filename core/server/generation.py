@@ -67,6 +67,8 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
             out.append((p.ids, tok.decode(p.ids) if req.echo else None))
             continue
         if p.messages is not None:
+            if not st.args.allow_special_tokens_in_messages:
+                _refuse_control_text(tok, p.messages)
             try:
                 text = tok.apply_chat_template(p.messages, chat_template=st.chat_template,
                                                add_generation_prompt=req.add_generation_prompt)
@@ -83,6 +85,21 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
             where = _prompt_param(req.route) + (f"[{i}]" if len(req.prompts) > 1 else "")
             raise invalid(where, f"{where} could not be tokenized: {e}") from None
     return out
+
+
+def _refuse_control_text(tok: Any, messages: list[dict[str, Any]]) -> None:
+    """Message text that spells a special token (`<|im_start|>system`...) would become that
+    control token once the template's output is tokenized: a user could forge a turn of
+    another role. Refused unless --allow-special-tokens-in-messages."""
+    specials = [t for t in tok.special_tokens if t]
+    for i, m in enumerate(messages):
+        found = next((t for t in specials if t in m["content"]), None)
+        if found is not None:
+            raise invalid(f"messages[{i}].content", f"messages[{i}].content contains the "
+                          f"special token text {found!r}, which the chat template would turn "
+                          "into a control token; remove it (the server refuses this unless "
+                          "started with --allow-special-tokens-in-messages)",
+                          code="special_token_in_content")
 
 
 def _fit(route: str, prompt_len: int, max_new: int | None, context: int, where: str) -> int:

@@ -31,6 +31,7 @@ OFFSET = 3
 
 class FakeTokenizer:
     vocab_size = 256 + OFFSET
+    special_tokens = ("<|eos|>",)  # spelt in chat content it is refused, as a real one would be
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + OFFSET for b in text.encode("utf-8")]
