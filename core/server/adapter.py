@@ -31,7 +31,10 @@ class TokenizerAdapter:
     def __init__(self, tok: Any, vocab_size: int):
         self.tok = tok
         self.vocab_size = vocab_size  # the model's (ids the engine accepts)
-        self.special_tokens = tok.special_tokens
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return self.tok.special_tokens
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens)

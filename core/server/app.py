@@ -225,7 +225,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_spec(core.__version__))
+    eng = state(request).engine
+    return web.json_response(openapi_spec(core.__version__, eng.context_length,
+                                          eng.tokenizer.vocab_size))
 
 
 async def _server_header(_request: web.Request, resp: web.StreamResponse) -> None:

@@ -1,14 +1,27 @@
-"""The OpenAPI 3.1 description of the server's routes, served at GET /openapi.json."""
+"""The OpenAPI 3.1 description of the server's routes, served at GET /openapi.json.
+
+The request schemas say what the parsers in `core.server.protocol` take, with the served model's
+limits (context length, vocabulary) where the server knows them: a body the schema accepts is one
+the server accepts, except for the rules JSON Schema cannot say (prompt tokens + max_tokens
+within the context, min_tokens <= max_tokens, best_of == n, prompts x n <= 64, the chat template's
+own refusals), which the descriptions name. `tests/test_openapi.py` holds the two to each other.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from core.server.protocol import (
+    CHAT_ROLES,
     HARMLESS_FIELDS,
     MAX_LOGPROBS,
+    MAX_MESSAGES,
     MAX_N,
     MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MESSAGE_REFUSED_FIELDS,
+    NATIVE_SAMPLING_KEYS,
     OFF_ALSO,
     OFF_STRINGS,
     REFUSED_FIELDS,
@@ -23,35 +36,19 @@ def _ref(name: str) -> dict[str, str]:
 
 
 _NUM = {"type": "number"}
-_INT = {"type": "integer"}
 _BOOL = {"type": "boolean"}
 _STR = {"type": "string"}
-_STOP = {"oneOf": [_STR, {"type": "array", "items": _STR, "maxItems": MAX_STOP}]}
-_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_SEED = {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}
+_STOP_STR = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+_STOP = {"oneOf": [_STOP_STR, {"type": "array", "items": _STOP_STR, "maxItems": MAX_STOP}]}
+_TEXT = {"type": "string", "minLength": 1}  # an empty prompt is refused (0 tokens)
 
-_SAMPLING = {
-    "model": _STR, "stream": _BOOL, "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
-    "max_tokens": {"type": "integer", "minimum": 1}, "min_tokens": {"type": "integer",
-                                                                    "minimum": 0},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": -1}, "min_p": _NUM,
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": _NUM, "stop": _STOP, "stop_token_ids": _IDS, "ignore_eos": _BOOL,
-    "seed": {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX},
-    "skip_special_tokens": _BOOL,
-    "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
-    "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_N,
-                "description": "only equal to n"},
-    "logit_bias": {"type": "object", "maxProperties": 0, "description": "not supported: "
-                   "only an empty object"},
-    **{name: {**_STR, "description": "informational; accepted and not acted on"}
-       for name in HARMLESS_FIELDS},
-}
 # A field peers define that this server does not implement: only values asking for nothing.
 _OFF_DOC = ("not supported: accepted only with a value that asks for nothing (null, false, "
             "empty, or the values listed); anything else is a 400 (code unsupported)")
+_FIELD_POLICY = ("Unknown fields are refused with 400 (code unknown_parameter), whatever their "
+                 "value; fields marked not supported are taken only with a value that asks for "
+                 "nothing (code unsupported otherwise).")
 
 
 def _off(name: str) -> dict[str, Any]:
@@ -65,89 +62,169 @@ def _off(name: str) -> dict[str, Any]:
     return {"anyOf": ok, "description": _OFF_DOC}
 
 
-def _refused(route: str) -> dict[str, Any]:
-    return {name: _off(name) for name in sorted(REFUSED_FIELDS[route])}
+def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
+    tok_id: dict[str, Any] = {"type": "integer", "minimum": 0}
+    if vocab:
+        tok_id["maximum"] = vocab - 1
+    ids = {"type": "array", "items": tok_id, "minItems": 1}
+    max_tokens: dict[str, Any] = {"type": "integer", "minimum": 1}
+    count: dict[str, Any] = {"type": "integer", "minimum": 0}
+    if context:
+        max_tokens["maximum"] = count["maximum"] = context
+        max_tokens["description"] = (f"prompt tokens + this must fit the context ({context} "
+                                     "tokens)")
+    top_k: dict[str, Any] = {"type": "integer", "minimum": -1, "not": {"const": 0},
+                             "description": "-1: off"}
+    if vocab:
+        top_k["maximum"] = vocab
+    common = {
+        "model": _STR, "stream": _BOOL, "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+        "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_N,
+                    "description": "only equal to n"},
+        "max_tokens": max_tokens, "min_tokens": {**count, "description": "at most max_tokens"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "top_k": top_k,
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
+        "stop": _STOP, "stop_token_ids": {**ids, "minItems": 0, "maxItems": MAX_STOP_TOKEN_IDS},
+        "ignore_eos": _BOOL, "seed": _SEED, "skip_special_tokens": _BOOL,
+        "stream_options": {"type": "object", "additionalProperties": False,
+                           "properties": {"include_usage": _BOOL}},
+        "logit_bias": {"type": "object", "maxProperties": 0,
+                       "description": "not supported: only an empty object"},
+        **{name: {**_STR, "description": "informational; accepted and not acted on"}
+           for name in HARMLESS_FIELDS},
+    }
+    # stream_options only with stream=true
+    only_streamed = {"stream_options": {"required": ["stream"],
+                                        "properties": {"stream": {"const": True}}}}
+
+    def request(route: str, required: list[str], own: dict[str, Any], **extra: Any
+                ) -> dict[str, Any]:
+        props = {**{n: _off(n) for n in sorted(REFUSED_FIELDS[route])}, **own}
+        return {"type": "object", "required": required, "additionalProperties": False,
+                "description": _FIELD_POLICY, "properties": props, **extra}
+
+    text_part = {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"const": "text"}, "text": _STR}}
+    message = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
+               "properties": {
+                   "role": {"enum": list(CHAT_ROLES)},
+                   "content": {"oneOf": [_STR, {"type": "array", "items": text_part}],
+                               "description": "text that spells one of the tokenizer's "
+                                              "special tokens is refused unless the server "
+                                              "runs with --allow-special-tokens-in-messages"},
+                   "name": _STR, **{n: _off(n) for n in sorted(MESSAGE_REFUSED_FIELDS)}}}
+    sampling = {
+        "max_new_tokens": max_tokens, "min_new_tokens": count,
+        **{k: common[k] for k in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+                                  "presence_penalty", "repetition_penalty", "stop",
+                                  "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                                  "seed")},
+        "n": common["n"], "sampling_seed": _SEED,
+    }
+    assert set(sampling) == set(NATIVE_SAMPLING_KEYS), "the native sampling keys drifted"
+    return {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "properties": {"message": _STR, "type": _STR,
+                                             "param": {"type": ["string", "null"]},
+                                             "code": {"type": ["string", "null"]}}}}},
+        "CompletionRequest": request("completions", ["prompt"], {
+            **common,
+            "prompt": {"oneOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1},
+                                 ids, {"type": "array", "items": ids, "minItems": 1}]},
+            "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+            "echo": {**_BOOL, "description": "not together with logprobs"}},
+            dependentSchemas=only_streamed,
+            # echo together with logprobs is refused
+            allOf=[{"if": {"required": ["echo", "logprobs"],
+                           "properties": {"echo": {"const": True}}},
+                    "then": {"properties": {"logprobs": {"type": "null"}}}}]),
+        "ChatMessage": message,
+        "ChatCompletionRequest": request("chat", ["messages"], {
+            **common,
+            "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+                         "items": _ref("ChatMessage")},
+            "max_completion_tokens": {**max_tokens, "description": "the same as max_tokens "
+                                      "(when both are given they must be equal)"},
+            "logprobs": _BOOL,
+            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+            "add_generation_prompt": _BOOL},
+            dependentSchemas={**only_streamed, "top_logprobs": {
+                "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}),
+        "GenerateRequest": request("generate", [], {
+            "text": {"oneOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1}]},
+            "input_ids": {"oneOf": [ids, {"type": "array", "items": ids, "minItems": 1}]},
+            "sampling_params": {"type": "object", "additionalProperties": False,
+                                "properties": sampling},
+            "stream": _BOOL, "return_logprob": _BOOL,
+            "top_logprobs_num": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+            "rid": {"type": "string", "minLength": 1, "maxLength": 128,
+                    "description": "for one prompt only; must not be in use"}},
+            oneOf=[{"required": ["text"], "not": {"required": ["input_ids"]}},
+                   {"required": ["input_ids"], "not": {"required": ["text"]}}]),
+    }
 
 
-_FIELD_POLICY = ("Unknown fields are refused with 400 (code unknown_parameter), whatever their "
-                 "value; fields marked not supported are taken only with their off value.")
+def _error(why: str) -> dict[str, Any]:
+    return {"description": why, "content": {"application/json": {"schema": _ref("Error")}}}
 
-_SCHEMAS: dict[str, Any] = {
-    "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "properties": {"message": _STR, "type": _STR,
-                                         "param": {"type": ["string", "null"]},
-                                         "code": {"type": ["string", "null"]}}}}},
-    "CompletionRequest": {"type": "object", "required": ["prompt"], "additionalProperties": False,
-                          "description": _FIELD_POLICY, "properties": {
-        **_SAMPLING, **_refused("completions"),
-        "prompt": {"oneOf": [_STR, {"type": "array", "items": _STR}, _IDS,
-                             {"type": "array", "items": _IDS}]},
-        "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-        "echo": _BOOL}},
-    "ChatMessage": {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant"]},
-        "content": {"oneOf": [_STR, {"type": "array", "items": {
-            "type": "object", "properties": {"type": {"const": "text"}, "text": _STR}}}]},
-        "name": _STR}},
-    "ChatCompletionRequest": {"type": "object", "required": ["messages"],
-                              "additionalProperties": False, "description": _FIELD_POLICY,
-                              "properties": {
-        **_SAMPLING, **_refused("chat"), "messages": {"type": "array", "minItems": 1, "items": _ref("ChatMessage")},
-        "max_completion_tokens": {"type": "integer", "minimum": 1}, "logprobs": _BOOL,
-        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-        "add_generation_prompt": _BOOL}},
-    "GenerateRequest": {"type": "object", "additionalProperties": False,
-                        "description": _FIELD_POLICY, "properties": {
-        **_refused("generate"),
-        "text": {"oneOf": [_STR, {"type": "array", "items": _STR}]},
-        "input_ids": {"oneOf": [_IDS, {"type": "array", "items": _IDS}]},
-        "sampling_params": {"type": "object", "properties": {
-            "max_new_tokens": _INT, "min_new_tokens": _INT, "temperature": _NUM, "top_p": _NUM,
-            "top_k": _INT, "min_p": _NUM, "frequency_penalty": _NUM, "presence_penalty": _NUM,
-            "repetition_penalty": _NUM, "stop": _STOP, "stop_token_ids": _IDS,
-            "ignore_eos": _BOOL, "skip_special_tokens": _BOOL, "n": _INT,
-            "seed": {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX},
-            "sampling_seed": {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}},
-            "additionalProperties": False},
-        "stream": _BOOL, "return_logprob": _BOOL, "top_logprobs_num": _INT, "rid": _STR}},
+
+_UNAUTHORIZED = _error("missing or wrong API key (when the server runs with one); carries "
+                       "WWW-Authenticate: Bearer")
+_POST_ERRORS = {
+    "400": _error("invalid or unknown parameter, prompt too long for the context, bad JSON"),
+    "401": _UNAUTHORIZED, "404": _error("unknown model"),
+    "413": _error("request body over --max-request-bytes"),
+    "415": _error("the body is not sent as application/json"),
+    "503": _error("queue full, shutting down or engine unavailable (with Retry-After)"),
 }
 
-_ERRORS = {str(code): {"description": why, "content": {"application/json": {
-    "schema": _ref("Error")}}}
-    for code, why in ((400, "invalid parameter, prompt too long for the context, bad JSON"),
-                      (401, "missing or wrong API key"), (404, "unknown model"),
-                      (413, "request body over --max-request-bytes"),
-                      (503, "queue full, shutting down or engine unavailable "
-                            "(with Retry-After)"))}
+
+def _post(summary: str, schema: str) -> dict[str, Any]:
+    ok: dict[str, Any] = {
+        "application/json": {"schema": {"type": "object"}},
+        # OpenAPI's media type object has no description; the summary says what streams
+        "text/event-stream": {"schema": _STR}}
+    return {"post": {
+        "summary": summary + "; with stream=true, server-sent events (each `data: <json>`) "
+                             "ending with `data: [DONE]`",
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": _ref(schema)}}},
+        "responses": {"200": {"description": "the result", "content": ok}, **_POST_ERRORS}}}
 
 
-def _post(summary: str, schema: str, streams: bool = True) -> dict[str, Any]:
-    ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
-    if streams:
-        ok["text/event-stream"] = {"schema": _STR, "description": "server-sent events, each "
-                                   "`data: <json>`, ending with `data: [DONE]`"}
-    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-        "application/json": {"schema": _ref(schema)}}},
-        "responses": {"200": {"description": "the result", "content": ok}, **_ERRORS}}}
-
-
-def _get(summary: str, public: bool = False, content: str = "application/json"
-         ) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": {"200": {
-        "description": "ok", "content": {content: {"schema": {"type": "object"}
-                                                   if content == "application/json"
-                                                   else _STR}}}}}
+def _get(summary: str, public: bool = False, content: str = "application/json",
+         unavailable: bool = False, not_found: str | None = None) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object"} if content == "application/json" else _STR
+    responses: dict[str, Any] = {"200": {"description": "ok", "content": {
+        content: {"schema": schema}}}}
+    if not public:
+        responses["401"] = _UNAUTHORIZED
+    if not_found:
+        responses["404"] = _error(not_found)
+    if unavailable:
+        responses["503"] = _error("not live / not ready (the body says which)")
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
     if public:
         op["security"] = []
     return {"get": op}
 
 
-def openapi_spec(version: str) -> dict[str, Any]:
+def openapi_spec(version: str, context_length: int | None = None,
+                 vocab_size: int | None = None) -> dict[str, Any]:
+    """The document; with the served model's context length and vocabulary size, the limits
+    that depend on them are in the schemas too."""
+    model_param = {"name": "model", "in": "path", "required": True, "schema": _STR,
+                   "description": "the served model's name"}
     return {
         "openapi": "3.1.0",
         "info": {"title": "core-serve", "version": version,
-                 "description": "OpenAI-compatible and SGLang-native LLM serving API"},
-        "components": {"schemas": _SCHEMAS, "securitySchemes": {
+                 "description": "OpenAI-compatible and SGLang-native LLM serving API. "
+                                + _FIELD_POLICY},
+        "components": {"schemas": _schemas(context_length, vocab_size), "securitySchemes": {
             "bearer": {"type": "http", "scheme": "bearer",
                        "description": "required when the server runs with --api-key"}}},
         "security": [{"bearer": []}],
@@ -158,18 +235,20 @@ def openapi_spec(version: str) -> dict[str, Any]:
             "/generate": _post("native generation (SGLang): text or input_ids",
                                "GenerateRequest"),
             "/v1/models": _get("the served model (OpenAI list)"),
-            "/v1/models/{model}": _get("one model"),
+            "/v1/models/{model}": {"parameters": [model_param], **_get(
+                "one model", not_found="no model of that name is served")},
             "/health": _get("liveness: 200 while the engine process is alive and beating, "
                             "busy or not (never waits for a scheduler step); 503 when it is "
-                            "gone or the server is draining", public=True),
+                            "gone or the server is draining", public=True, unavailable=True),
             "/ready": _get("readiness: 200 when live, not draining and below the admission "
                            "limit (--max-running-requests + --max-queued-requests); 503 with "
                            "status busy / draining / engine_unavailable otherwise",
-                           public=True),
+                           public=True, unavailable=True),
             "/health_generate": _get("one token end to end through the scheduler: 200 ok, "
                                      "503 busy (the engine queue is full) or "
                                      "engine_unavailable; at most one probe runs at a time and "
-                                     "its answer is reused for 2 s; needs the API key"),
+                                     "its answer is reused for 2 s; needs the API key",
+                                     unavailable=True),
             "/get_model_info": _get("model path, architecture, context length"),
             "/get_server_info": _get("server arguments, resolved plan, candidate table, live "
                                      "figures"),

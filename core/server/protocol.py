@@ -259,6 +259,10 @@ REFUSED_FIELDS = {
                            "return_hidden_states", "session_params", "bootstrap_host",
                            "data_parallel_rank", "stream_interval")),
 }
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+# what SDKs write back when a reply object is replayed as a message (null / empty there)
+MESSAGE_REFUSED_FIELDS = frozenset({"tool_calls", "tool_call_id", "function_call", "audio",
+                                    "refusal", "annotations", "reasoning_content"})
 ROUTE_FIELDS = {
     "completions": _COMMON_FIELDS | HARMLESS_FIELDS | {"prompt", "echo"},
     "chat": _COMMON_FIELDS | HARMLESS_FIELDS | {"messages", "top_logprobs",
@@ -320,6 +324,11 @@ def _openai_sampling(body: dict[str, Any], vocab_size: int, context_length: int,
                           code="invalid_type")
         if not req.stream:
             raise invalid("stream_options", "stream_options is only allowed with stream=true")
+        for key in opts:
+            if key != "include_usage":
+                raise invalid(f"stream_options.{key}", f"unknown parameter stream_options."
+                              f"{_short(key)}: stream_options takes include_usage",
+                              code="unknown_parameter")
         req.include_usage = bool(get_bool(opts, "include_usage", "stream_options.include_usage"))
     s: dict[str, Any] = {}
     for name, (lo, hi) in OPENAI_RANGES.items():
@@ -429,9 +438,17 @@ def _messages(v: Any) -> list[dict[str, Any]]:
         if role not in CHAT_ROLES:
             raise invalid(f"{where}.role", f"{where}.role must be one of "
                           f"{', '.join(CHAT_ROLES)}, got {_short(role)}")
-        if m.get("tool_calls"):
-            raise invalid(f"{where}.tool_calls", "tool calls are not supported",
-                          code="unsupported")
+        for key, v in m.items():
+            if key in MESSAGE_FIELDS:
+                continue
+            if key in MESSAGE_REFUSED_FIELDS:
+                if not _is_off(key, v):
+                    raise invalid(f"{where}.{key}", f"{where}.{key} is not supported by this "
+                                  "server", code="unsupported")
+                continue
+            raise invalid(f"{where}.{key}", f"unknown parameter {where}.{_short(key)}: a "
+                          f"message takes {', '.join(sorted(MESSAGE_FIELDS))}",
+                          code="unknown_parameter")
         content = m.get("content")
         if isinstance(content, list):
             parts = []
