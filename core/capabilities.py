@@ -223,7 +223,13 @@ class AttentionCaps(_Frozen):
 
 @dataclass(frozen=True)
 class MoECaps(_Frozen):
-    """What a MoE runner supports."""
+    """What a MoE runner supports (the protocol is core.moe). Every field is checked by the
+    resolver against the model's MoESpec.
+
+    quant_methods: names of the quant methods whose expert-weight form it runs (MoEWeights.form).
+    scoring_funcs: router scoring it implements (softmax, sigmoid). max_experts / max_top_k:
+    limits of its kernels (None: none). cuda_graph: a decode-sized forward may be captured.
+    """
 
     devices: frozenset[str] = frozenset()
     capability: Mapping[str, CapabilityRange] = field(default_factory=dict)
@@ -231,6 +237,7 @@ class MoECaps(_Frozen):
     dtypes: frozenset[str] = frozenset(COMPUTE_DTYPES)
     quant_methods: frozenset[str] = frozenset(("unquantized",))
     activations: frozenset[str] = frozenset(("silu",))
+    scoring_funcs: frozenset[str] = frozenset(("softmax",))
     grouped_topk: bool = False
     shared_experts: bool = False
     max_experts: int | None = None
@@ -241,14 +248,18 @@ class MoECaps(_Frozen):
     priority: Mapping[str, int] = field(default_factory=dict)
     description: str = ""
 
-    _sets = ("devices", "cpu_isa", "dtypes", "quant_methods", "activations")
+    _sets = ("devices", "cpu_isa", "dtypes", "quant_methods", "activations", "scoring_funcs")
     _maps = ("capability", "priority")
 
     def summary(self) -> str:
         flags = [n for n in ("grouped_topk", "shared_experts", "cuda_graph") if getattr(self, n)]
+        limits = [f"{n}={getattr(self, n)}" for n in ("max_experts", "max_top_k")
+                  if getattr(self, n) is not None]
         return (f"devices={','.join(sorted(self.devices))} dtypes={','.join(sorted(self.dtypes))} "
                 f"quant={','.join(sorted(self.quant_methods))} "
-                f"act={','.join(sorted(self.activations))} {' '.join(flags)}").strip()
+                f"act={','.join(sorted(self.activations))} "
+                f"scoring={','.join(sorted(self.scoring_funcs))} "
+                f"{' '.join(limits + flags)}").strip()
 
 
 @dataclass(frozen=True)

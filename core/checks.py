@@ -164,6 +164,9 @@ def check_moe(caps: MoECaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str 
     if moe.activation not in caps.activations:
         reasons.append(f"activation {moe.activation} not supported "
                        f"(supports {_join(caps.activations)})")
+    if moe.scoring_func not in caps.scoring_funcs:
+        reasons.append(f"{moe.scoring_func} router scoring not supported "
+                       f"(supports {_join(caps.scoring_funcs)})")
     if moe.grouped_topk and not caps.grouped_topk:
         reasons.append(f"no grouped top-k routing (model {spec.architecture} routes within "
                        f"expert groups)")

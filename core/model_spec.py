@@ -21,6 +21,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class MoESpec:
+    """The experts of a MoE model: what a MoE runner must be able to run.
+
+    renormalize: the k selected weights are divided by their sum (norm_topk_prob; Mixtral and
+    GPT-OSS always). scoring_func: softmax over the experts, or a sigmoid each (DeepSeek-V3).
+    shared_expert_gate: Qwen2-MoE's per-token sigmoid gate on its shared expert.
+    moe_layers: the layers that hold experts (the others are dense MLPs: decoder_sparse_step,
+    mlp_only_layers, first_k_dense_replace); empty when the layer count is unknown.
+    """
+
     num_experts: int
     top_k: int
     num_shared_experts: int = 0
@@ -29,6 +38,12 @@ class MoESpec:
     num_groups: int | None = None
     topk_groups: int | None = None
     activation: str = "silu"
+    renormalize: bool = True
+    scoring_func: str = "softmax"
+    shared_expert_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    routed_scaling_factor: float = 1.0
+    moe_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -201,7 +216,18 @@ def _sliding_windows(f: _Fields, num_layers: int, known: bool, notes: list[str],
     return (window,) * num_layers  # Mistral / Mixtral / Qwen3-MoE: every layer
 
 
-def _moe(f: _Fields, notes: list[str]) -> MoESpec | None:
+def moe_layer_ids(num_layers: int, sparse_step: int | None = None,
+                  mlp_only_layers: Any = None, first_k_dense: int | None = None
+                  ) -> tuple[int, ...]:
+    """The layers holding experts: every `sparse_step`-th (Qwen2-MoE counts from 1), minus
+    `mlp_only_layers`, minus the first `first_k_dense` (DeepSeek)."""
+    step = sparse_step or 1
+    dense = set(mlp_only_layers or ())
+    return tuple(i for i in range(num_layers)
+                 if (i + 1) % step == 0 and i not in dense and i >= (first_k_dense or 0))
+
+
+def _moe(f: _Fields, notes: list[str], num_layers: int = 0) -> MoESpec | None:
     _, experts = f.first(_EXPERTS)
     if not isinstance(experts, int) or experts <= 1:
         return None
@@ -210,8 +236,14 @@ def _moe(f: _Fields, notes: list[str]) -> MoESpec | None:
         notes.append("num_experts_per_tok missing: MoE top-k assumed 1")
         top_k = 1
     shared = f.get("n_shared_experts") or 0
-    if not shared and (f.get("shared_expert_intermediate_size") or 0) > 0:
+    shared_size = f.get("shared_expert_intermediate_size") or None
+    if not shared and (shared_size or 0) > 0:
         shared = 1  # Qwen2-MoE: one shared expert, sized by shared_expert_intermediate_size
+    inter = f.get("moe_intermediate_size") or f.get("intermediate_size")
+    if shared and shared_size is None and inter:
+        shared_size = int(shared) * int(inter)  # DeepSeek: n_shared experts as one wide MLP
+    norm = f.get("norm_topk_prob")
+    scoring = str(f.get("scoring_func") or "softmax")
     groups, topk_groups = f.get("n_group"), f.get("topk_group")
     grouped = ((groups or 1) > 1 or (topk_groups or 1) > 1
                or f.get("topk_method") == "group_limited_greedy")
@@ -222,11 +254,19 @@ def _moe(f: _Fields, notes: list[str]) -> MoESpec | None:
         num_experts=experts,
         top_k=int(top_k),
         num_shared_experts=int(shared),
-        intermediate_size=f.get("moe_intermediate_size") or f.get("intermediate_size"),
+        intermediate_size=inter,
         grouped_topk=bool(grouped),
         num_groups=groups,
         topk_groups=topk_groups,
         activation=str(activation),
+        # no norm_topk_prob field: Mixtral-style routing, which renormalizes
+        renormalize=True if norm is None else bool(norm),
+        scoring_func=scoring,
+        shared_expert_intermediate_size=int(shared_size) if shared_size else None,
+        shared_expert_gate=bool(f.get("shared_expert_intermediate_size")),
+        routed_scaling_factor=float(f.get("routed_scaling_factor") or 1.0),
+        moe_layers=moe_layer_ids(num_layers, f.get("decoder_sparse_step"),
+                                 f.get("mlp_only_layers"), f.get("first_k_dense_replace")),
     )
 
 
@@ -346,7 +386,7 @@ def spec_from_config(config: dict[str, Any] | PretrainedConfig, source: str = ""
         notes.append("attention sinks unknown for this architecture: assumed none")
     windows = _sliding_windows(f, num_layers, known, notes, where)
     quantization, quant_method = _quantization(f, raw, notes)
-    moe = _moe(f, notes)
+    moe = _moe(f, notes, num_layers)
     return ModelSpec(
         architecture=architecture,
         model_type=model_type,

@@ -21,6 +21,7 @@ from core.layers import (
     rope_parameters,
 )
 from core.layers.rotary import inv_frequencies
+from core.moe import MoELayerParams, MoEWeights
 from plugins.moe.torch_native.runner import TorchNativeMoE, select_experts
 
 
@@ -166,7 +167,8 @@ def test_torch_native_moe_matches_dense(top_k, renormalize):
     logits = torch.randn(T, E, generator=g) * 2
     w13 = torch.randn(E, 2 * inter, H, generator=g) / 4
     w2 = torch.randn(E, H, inter, generator=g) / 4
-    out = TorchNativeMoE().forward(hidden, logits, w13, w2, top_k, renormalize)
+    layer = MoELayerParams(0, E, top_k, H, inter, renormalize=renormalize)
+    out = TorchNativeMoE().forward(hidden, logits, MoEWeights(w13, w2), layer)
     assert out.shape == (T, H) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), dense_moe(hidden, logits, w13, w2, top_k,
                                                        renormalize), rtol=1e-5, atol=1e-5)
@@ -176,7 +178,8 @@ def test_moe_gelu_activation():
     g = torch.Generator().manual_seed(9)
     hidden, logits = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
     w13, w2 = torch.randn(4, 12, 8, generator=g), torch.randn(4, 8, 6, generator=g)
-    out = TorchNativeMoE().forward(hidden, logits, w13, w2, 2, True, activation="gelu")
+    layer = MoELayerParams(0, 4, 2, 8, 6, activation="gelu")
+    out = TorchNativeMoE().forward(hidden, logits, MoEWeights(w13, w2), layer)
     torch.testing.assert_close(out.double(), dense_moe(hidden, logits, w13, w2, 2, True,
                                                        act=F.gelu), rtol=1e-5, atol=1e-5)
 

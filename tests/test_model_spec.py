@@ -51,12 +51,13 @@ EXPECTED = {
     "mixtral-8x7b.json": dict(
         architecture="MixtralForCausalLM", num_kv_heads=8, attention_kind="GQA",
         moe=MoESpec(num_experts=8, top_k=2, num_shared_experts=0, intermediate_size=14336,
-                    activation="silu")),
+                    activation="silu", moe_layers=tuple(range(32)))),
     "qwen3-30b-a3b.json": dict(
         architecture="Qwen3MoeForCausalLM", num_layers=48, hidden_size=2048, num_heads=32,
         num_kv_heads=4, head_dim=128, v_head_dim=128, attention_kind="GQA",
         context_length=40960,
-        moe=MoESpec(num_experts=128, top_k=8, num_shared_experts=0, intermediate_size=768)),
+        moe=MoESpec(num_experts=128, top_k=8, num_shared_experts=0, intermediate_size=768,
+                    moe_layers=tuple(range(48)))),
     "deepseek-v2-lite.json": dict(
         architecture="DeepseekV2ForCausalLM", model_type="deepseek_v2", num_layers=27,
         num_heads=16, attention_kind="MLA", head_dim=192, v_head_dim=128,
@@ -64,7 +65,8 @@ EXPECTED = {
         mla={"kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
              "qk_rope_head_dim": 64, "v_head_dim": 128},
         moe=MoESpec(num_experts=64, top_k=6, num_shared_experts=2, intermediate_size=1408,
-                    grouped_topk=False, num_groups=1, topk_groups=1)),
+                    grouped_topk=False, num_groups=1, topk_groups=1, renormalize=False,
+                    shared_expert_intermediate_size=2816, moe_layers=tuple(range(1, 27)))),
     "gemma-2-9b.json": dict(
         architecture="Gemma2ForCausalLM", num_layers=42, num_heads=16, num_kv_heads=8,
         head_dim=256, attention_kind="GQA", logit_softcap=50.0, final_logit_softcap=30.0,
@@ -75,7 +77,7 @@ EXPECTED = {
         num_kv_heads=8, head_dim=64, attention_kind="GQA", attention_sinks=True,
         context_length=131072, quant_method="mxfp4", dtype=None,
         moe=MoESpec(num_experts=32, top_k=4, num_shared_experts=0, intermediate_size=2880,
-                    activation="swigluoai")),
+                    activation="swigluoai", moe_layers=tuple(range(24)))),
 }
 
 

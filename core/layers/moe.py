@@ -1,4 +1,5 @@
-"""A mixture-of-experts layer: router in PyTorch, experts delegated to the chosen MoE runner."""
+"""A mixture-of-experts layer: router in PyTorch, experts delegated to the chosen MoE runner
+(the protocol is core.moe)."""
 
 from __future__ import annotations
 
@@ -8,54 +9,101 @@ import torch
 from torch import nn
 
 from core.layers.linear import Linear, UnquantizedLinearMethod
+from core.moe import MoELayerParams, MoEWeights
 
 # HF expert projection names -> our stacked tensors (w13 = [gate | up], w2 = down).
 _SHARDS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
            "down_proj": ("w2", None), "w2": ("w2", None)}
+# Fused checkpoints (transformers >= 5 in memory, some exports): all experts in one tensor.
+FUSED = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 
 
 class MoE(nn.Module):
     """hidden [T, H] -> [T, H]: router logits [T, E], then `ctx.moe_runner.forward(...)`.
 
-    Weights: w13_weight [E, 2I, H], w2_weight [E, H, I] (created by the quant method).
+    Weights: w13_weight [E, 2I, H], w2_weight [E, H, I] (created by the quant method); the
+    router is `gate` (dense whatever the experts' quantization).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  ctx, renormalize: bool = True, activation: str = "silu",
-                 grouped_topk: tuple[int, int] | None = None, router_bias: bool = False):
+                 grouped_topk: tuple[int, int] | None = None, router_bias: bool = False,
+                 scoring_func: str = "softmax", routed_scaling_factor: float = 1.0,
+                 layer_id: int = 0):
         super().__init__()
         if ctx.moe_runner is None:
             raise ValueError("this model has MoE layers but no MoE runner was chosen")
+        self.params = MoELayerParams(
+            layer_id=layer_id, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
+            intermediate_size=intermediate_size, renormalize=renormalize,
+            scoring_func=scoring_func, grouped_topk=grouped_topk,
+            routed_scaling_factor=routed_scaling_factor, activation=activation)
         self.num_experts = num_experts
         self.top_k = top_k
         self.intermediate_size = intermediate_size
-        self.renormalize = renormalize
-        self.activation = activation
-        self.grouped_topk = grouped_topk
         self.runner = ctx.moe_runner
-        # The router stays dense whatever the experts' quantization.
         self.gate = Linear(hidden_size, num_experts, router_bias,
                            replace(ctx, quant_method=UnquantizedLinearMethod()))
-        self.quant_method = ctx.quant_method
-        self.quant_method.create_moe_weights(self, num_experts, hidden_size, intermediate_size,
-                                             ctx.dtype, ctx.device)
+        # Not named `quant_method`: the linear-layer passes (process / pack_for_cpu) would treat
+        # this module as a Linear. The quant method's MoE duties are create_moe_weights and,
+        # optionally, moe_weights(layer) -> MoEWeights.
+        self.expert_quant_method = ctx.quant_method
+        self.expert_quant_method.create_moe_weights(self, num_experts, hidden_size,
+                                                    intermediate_size, ctx.dtype, ctx.device)
+        self._weights: MoEWeights | None = None
+
+    # ---- loading (core.models.weights calls weight_loader / param_shards) ----
+
+    def param_shards(self, param: str) -> list[str] | None:
+        """The pieces a checkpoint fills of one of our parameters, for the loader's accounting:
+        one per expert and projection ("3.gate", "3.up" of w13_weight; "3.down" of w2_weight)."""
+        if param == "w13_weight":
+            return [f"{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up")]
+        if param == "w2_weight":
+            return [f"{e}.down" for e in range(self.num_experts)]
+        return None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard: str | None = None) -> None:
+        """Copy one expert's projection (shard "3.gate" / "3.up" / "3.down") or, with no
+        shard, a fused tensor holding every expert ([E, 2I, H] gate|up, or [E, H, I] down)."""
+        if shard is None:
+            target = param.data
+        else:
+            expert, proj = shard.split(".")
+            target = param.data[int(expert)]
+            if proj in ("gate", "up"):
+                i = self.intermediate_size
+                half = 0 if proj == "gate" else 1
+                target = target[half * i:(half + 1) * i]
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise ValueError(f"expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
+        target.copy_(loaded)
 
     def expert_weight_loader(self, loaded: torch.Tensor, expert_id: int, proj: str) -> None:
         """Place one HF expert projection (gate_proj/up_proj/down_proj or w1/w3/w2)."""
         if proj not in _SHARDS:
             raise KeyError(f"unknown expert projection {proj!r}")
         name, half = _SHARDS[proj]
-        target = getattr(self, f"{name}_weight").data[expert_id]
-        if half is not None:
-            i = self.intermediate_size
-            target = target[half * i:(half + 1) * i]
-        if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"expert {expert_id} {proj}: expected shape {tuple(target.shape)}, "
-                             f"got {tuple(loaded.shape)}")
-        target.copy_(loaded)
+        part = "down" if name == "w2" else ("gate", "up")[half]
+        try:
+            self.weight_loader(getattr(self, f"{name}_weight"), loaded, f"{expert_id}.{part}")
+        except ValueError as exc:
+            raise ValueError(f"expert {expert_id} {proj}: {exc}") from exc
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        router_logits = self.gate(hidden)
-        return self.runner.forward(hidden, router_logits, self.w13_weight, self.w2_weight,
-                                   self.top_k, self.renormalize, activation=self.activation,
-                                   grouped_topk=self.grouped_topk)
+    def reset_bindings(self) -> None:
+        self._weights = None  # the quant method may have replaced the tensors
+
+    # ---- compute ----
+
+    def weights(self) -> MoEWeights:
+        if self._weights is None:
+            describe = getattr(self.expert_quant_method, "moe_weights", None)
+            self._weights = (describe(self) if describe is not None
+                             else MoEWeights(self.w13_weight, self.w2_weight))
+        return self._weights
+
+    def forward(self, hidden: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, H] (+ the shared experts' output [T, H]) -> [T, H]."""
+        router_logits = self.gate(hidden)  # [T, E]
+        return self.runner.forward(hidden, router_logits, self.weights(), self.params, shared)

@@ -11,6 +11,9 @@ BUILTIN: dict[str, tuple[tuple[str, ...], str]] = {
     "mistral": (("MistralForCausalLM",), "core.models.mistral:MistralForCausalLM"),
     "qwen2": (("Qwen2ForCausalLM",), "core.models.qwen2:Qwen2ForCausalLM"),
     "qwen3": (("Qwen3ForCausalLM",), "core.models.qwen3:Qwen3ForCausalLM"),
+    "mixtral": (("MixtralForCausalLM",), "core.models.mixtral:MixtralForCausalLM"),
+    "qwen2_moe": (("Qwen2MoeForCausalLM",), "core.models.qwen2_moe:Qwen2MoeForCausalLM"),
+    "qwen3_moe": (("Qwen3MoeForCausalLM",), "core.models.qwen3_moe:Qwen3MoeForCausalLM"),
 }
 
 

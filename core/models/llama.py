@@ -64,6 +64,10 @@ class DecoderMLP(nn.Module):
         self.act = GatedAct(getattr(config, "hidden_act", "silu"))
         self.down_proj = Linear(inter, config.hidden_size, bias, ctx)
 
+    def bound_parts(self) -> tuple:
+        """(gate_up, down, act) callables for DecoderLayer's hot path: down(act(gate_up(x)))."""
+        return self.gate_up_proj.bound(), self.down_proj.bound(), self.act.forward
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention + gated MLP, with the residual add fused into the next norm.
@@ -74,12 +78,14 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int,
-                 attn_bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None):
+                 attn_bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None,
+                 mlp: nn.Module | None = None):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = DecoderAttention(config, ctx, layer_id, attn_bias, qk_norm,
                                           sliding_window)
-        self.mlp = DecoderMLP(config, ctx)
+        # Any module with bound_parts() (a MoE block, for one) may replace the dense MLP.
+        self.mlp = mlp if mlp is not None else DecoderMLP(config, ctx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device)
         self._hot: tuple | None = None
@@ -96,8 +102,7 @@ class DecoderLayer(nn.Module):
                       and triton_ops.usable_for(self.input_layernorm.weight))
         self._hot = (
             self.input_layernorm.bound(), self.input_layernorm.bound_add(), a.qkv_proj.bound(),
-            a.o_proj.bound(), self.post_attention_layernorm.bound_add(),
-            m.gate_up_proj.bound(), m.down_proj.bound(), m.act.forward,
+            a.o_proj.bound(), self.post_attention_layernorm.bound_add(), *m.bound_parts(),
             a.q_norm.bound() if qk_norm else None, a.k_norm.bound() if qk_norm else None,
             fused_rope, a.attn.params, a.num_heads, a.num_kv_heads, D)
         return self._hot
@@ -139,7 +144,7 @@ class DecoderModel(nn.Module):
                                            ctx.device)
         self.layers = nn.ModuleList(
             DecoderLayer(config, ctx, i, owner.attention_bias(config), owner.qk_norm,
-                         owner.sliding_window(config, i))
+                         owner.sliding_window(config, i), owner.make_mlp(config, ctx, i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device)
         self.rotary = RotaryEmbedding(head_dim_of(config), rope_parameters(config),
@@ -174,6 +179,11 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def sliding_window(config: PretrainedConfig, layer_id: int) -> int | None:
         return None  # HF Llama attends to the whole context
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, ctx: ModelContext, layer_id: int) -> nn.Module | None:
+        """The layer's MLP; None: the dense gated MLP (MoE models return their expert block)."""
+        return None
 
     def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__()

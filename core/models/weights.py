@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -20,11 +20,16 @@ def _listing(names: list[str], limit: int = 12) -> str:
 
 def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                        stacked: tuple[tuple[str, str, str], ...] = (),
-                       skip_lm_head: bool = False) -> None:
+                       skip_lm_head: bool = False,
+                       rename: Callable[[str], tuple[str, str | None] | None] | None = None
+                       ) -> None:
     """Copy HF-named tensors into `model`; every parameter (and every stacked shard) must be set.
 
     stacked: (hf_name, our_name, shard): `...q_proj.weight` goes to shard "q" of
     `...qkv_proj.weight` through the owning layer's `weight_loader`.
+    rename: hf_name -> (our parameter name, shard), or None to use the table: for names a
+    table cannot express (per-expert tensors, shard "3.gate"). An owner with `param_shards(leaf)`
+    lists the shards it expects per parameter; one tensor loaded with no shard fills them all.
     Raises ValueError naming the missing, unexpected and wrong-shape tensors together.
     """
     params = dict(model.named_parameters())
@@ -35,9 +40,16 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
             if full in params:
                 owners[full] = module
     expected: set[tuple[str, str | None]] = set()
+    def shards_of(name: str) -> list[str] | None:
+        owner, leaf = owners.get(name), name.rsplit(".", 1)[-1]
+        if hasattr(owner, "param_shards"):
+            return owner.param_shards(leaf)
+        shards = getattr(owner, "shard_names", None)
+        return shards if leaf in ("weight", "bias") else None
+
     for name in params:
-        shards = getattr(owners.get(name), "shard_names", None)
-        if shards and name.rsplit(".", 1)[-1] in ("weight", "bias"):
+        shards = shards_of(name)
+        if shards:
             expected.update((name, s) for s in shards)
         else:
             expected.add((name, None))
@@ -51,10 +63,14 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         if skip_lm_head and hf_name.startswith("lm_head."):
             continue  # tied to the embedding
         target, shard = hf_name, None
-        for hf_part, our_part, shard_name in stacked:
-            if f".{hf_part}." in hf_name:
-                target, shard = hf_name.replace(f".{hf_part}.", f".{our_part}."), shard_name
-                break
+        renamed = rename(hf_name) if rename is not None else None
+        if renamed is not None:
+            target, shard = renamed
+        else:
+            for hf_part, our_part, shard_name in stacked:
+                if f".{hf_part}." in hf_name:
+                    target, shard = hf_name.replace(f".{hf_part}.", f".{our_part}."), shard_name
+                    break
         if target not in params:
             unexpected.append(hf_name)
             continue
@@ -72,6 +88,9 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
             bad_shape.append(f"{hf_name} ({exc})")
             continue
         loaded.add((target, shard))
+        if shard is None and hasattr(owner, "param_shards"):
+            loaded.update((target, s) for s in owner.param_shards(target.rsplit(".", 1)[-1])
+                          or ())
 
     missing = sorted(f"{n}" if s is None else f"{n}[{s}]" for n, s in expected - loaded)
     # Report stacked shards under their HF names, which is what the user's checkpoint lacks.

@@ -10,6 +10,7 @@ CAPS = MoECaps(
     dtypes={"float32", "float16", "bfloat16"},
     quant_methods={"unquantized"},
     activations={"silu", "gelu"},
+    scoring_funcs={"softmax", "sigmoid"},
     grouped_topk=True,
     shared_experts=True,
     cuda_graph=False,

@@ -5,52 +5,39 @@ from __future__ import annotations
 import torch
 
 from core.layers.activation import get_act_fn
+from core.moe import MoELayerParams, MoERunner, MoEWeights, route, select_experts
+
+__all__ = ["TorchNativeMoE", "select_experts"]
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                   grouped_topk: tuple[int, int] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax routing: (weights [T, k] fp32, expert ids [T, k] int64).
+class TorchNativeMoE(MoERunner):
+    """The reference MoE runner: correct on any device, one small GEMM pair per active expert.
 
-    grouped_topk = (num_groups, topk_groups): DeepSeek-V2-style group-limited routing; experts
-    are split into equal groups, each group scored by its best expert, and only the best
-    `topk_groups` groups stay eligible.
+    Accumulates in fp32. Not graph safe: the set of active experts is read on the host.
     """
-    scores = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
-    if grouped_topk is not None:
-        num_groups, topk_groups = grouped_topk
-        T, E = scores.shape
-        if E % num_groups:
-            raise ValueError(f"{E} experts do not split into {num_groups} groups")
-        group_scores = scores.view(T, num_groups, E // num_groups).amax(dim=-1)  # [T, G]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
-        expert_keep = keep.repeat_interleave(E // num_groups, dim=1)  # [T, E]
-        scores = scores.masked_fill(~expert_keep, 0.0)
-    weights, ids = scores.topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-class TorchNativeMoE:
-    """The reference MoE runner: correct on any device, one small GEMM pair per active expert."""
 
     def __init__(self, *args, **kwargs):
         pass
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor, top_k: int, renormalize: bool, activation: str = "silu",
-                grouped_topk: tuple[int, int] | None = None) -> torch.Tensor:
-        """hidden [T, H], router_logits [T, E], w13 [E, 2I, H] (gate | up), w2 [E, H, I]."""
-        act = get_act_fn(activation)
-        weights, ids = select_experts(router_logits, top_k, renormalize, grouped_topk)
-        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, weights: MoEWeights,
+                layer: MoELayerParams, shared: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        if weights.form != "unquantized":
+            raise ValueError(f"torch_native runs unquantized experts, not {weights.form}")
+        act = get_act_fn(layer.activation)
+        w13, w2 = weights.w13, weights.w2
+        route_w, ids = route(router_logits, layer)
+        acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         # One host sync for the set of active experts, then no more.
         for e in ids.unique().tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             x = hidden[tok]  # [n, H]
             gate, up = (x @ w13[e].t()).chunk(2, dim=-1)  # [n, I] each
             y = (act(gate) * up) @ w2[e].t()  # [n, H]
-            out.index_add_(0, tok, y.float() * weights[tok, slot].unsqueeze(1))
-        return out.to(hidden.dtype)
+            acc.index_add_(0, tok, y.float() * route_w[tok, slot].unsqueeze(1))
+        if shared is not None:
+            acc += shared.float()
+        if out is None:
+            return acc.to(hidden.dtype)
+        out.copy_(acc)
+        return out

@@ -1,0 +1,22 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen2-MoE's expert blocks without a shared
+expert, RMSNorm over each q and k head before rotary, the window (if any) on every layer."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from core.models.llama import LlamaForCausalLM
+from core.models.mistral import MistralForCausalLM
+from core.models.qwen2_moe import Qwen2MoeForCausalLM
+
+
+class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
+    qk_norm = True
+    attention_bias = staticmethod(LlamaForCausalLM.attention_bias)
+    # transformers' Qwen3-MoE applies config.sliding_window (None unless use_sliding_window)
+    # to every layer, as Mistral does.
+    sliding_window = staticmethod(MistralForCausalLM.sliding_window)
+
+    @staticmethod
+    def shared_intermediate_size(config: PretrainedConfig) -> int | None:
+        return None
