@@ -1,4 +1,5 @@
-"""pytest plugin: run the attention-backend conformance suite against a named backend.
+"""pytest plugin: run the attention-backend or MoE-runner conformance suite against a named
+backend.
 
 Installed with core-serve as a `pytest11` entry point, so it is loaded in every pytest run of an
 environment that has core-serve; it does nothing unless asked (its options have their own prefix,
@@ -13,8 +14,11 @@ or, where core-serve is importable but not installed as a distribution,
 
 (`--backend` exists only when the plugin is requested with -p, for the same no-clash reason).
 The option adds the suite (core/testing/attention_suite.py) to whatever else pytest collects.
-Options: --conformance-backend NAME (repeatable), --conformance-device DEV (repeatable; default
-cpu plus cuda when present), --conformance-full, --conformance-seed N.
+A MoE runner is checked the same way, with `--conformance-moe NAME`, which adds
+core/testing/moe_suite.py (a Triton runner on a CPU: set TRITON_INTERPRET=1).
+Options: --conformance-backend NAME (repeatable), --conformance-moe NAME (repeatable),
+--conformance-device DEV (repeatable; default cpu plus cuda when present), --conformance-full,
+--conformance-seed N.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ PLUGIN = "core.testing.conformance"
 # cheap (the suite imports torch).
 SUITE_MODULE = "core.testing.attention_suite"
 SUITE_PATH = Path(__file__).resolve().with_name("attention_suite.py")
+MOE_SUITE_MODULE = "core.testing.moe_suite"
+MOE_SUITE_PATH = Path(__file__).resolve().with_name("moe_suite.py")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -35,6 +41,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--conformance-backend", action="append", dest="conformance_backend",
                     metavar="NAME", default=None,
                     help="run the attention conformance suite on this registered backend "
+                         "(repeatable)")
+    group.addoption("--conformance-moe", action="append", dest="conformance_moe",
+                    metavar="NAME", default=None,
+                    help="run the MoE-runner conformance suite on this registered runner "
                          "(repeatable)")
     group.addoption("--conformance-device", action="append", dest="conformance_device",
                     metavar="DEVICE", default=None,
@@ -63,10 +73,11 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs an accelerator (run with -m gpu)")
-    if config.getoption("conformance_backend", default=None):
-        args = [str(Path(a.split("::")[0]).resolve()) for a in config.args]
-        if str(SUITE_PATH) not in args:
-            config.args.append(str(SUITE_PATH))
+    args = [str(Path(a.split("::")[0]).resolve()) for a in config.args]
+    for option, path in (("conformance_backend", SUITE_PATH),
+                         ("conformance_moe", MOE_SUITE_PATH)):
+        if config.getoption(option, default=None) and str(path) not in args:
+            config.args.append(str(path))
             config._core_conformance_injected = True  # noqa: SLF001 - our own marker
 
 
@@ -79,7 +90,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         fn = getattr(item, "function", None)
         module = getattr(getattr(item, "module", None), "__name__", "")
-        is_copy = getattr(fn, "__module__", "") == SUITE_MODULE and module != SUITE_MODULE
+        origin = getattr(fn, "__module__", "")
+        is_copy = origin in (SUITE_MODULE, MOE_SUITE_MODULE) and module != origin
         (drop if is_copy else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

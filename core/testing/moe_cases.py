@@ -1,0 +1,148 @@
+"""Which MoE conformance cases a runner gets: the matrix, cut to what its capabilities declare.
+
+Axes: token counts (1..64 small, 1..4096 full), experts 8 / 60 / 64 / 128, top-k 1 / 2 / 4 / 8,
+routing (random; every token on one expert; all tokens on a few experts, so most experts get
+none), renormalize on / off, softmax and sigmoid scoring, grouped top-k, a shared-expert output
+to add, the SiLU (and, where declared, GELU) activation, and each declared compute dtype. Widths
+that are not multiples of the usual tiles (hidden 40, intermediate 48) exercise the masks.
+
+Small cases (the default) keep CPU runs, the Triton interpreter included, to seconds per
+runner; full cases (`--conformance-full`, meant for an accelerator) use model-like widths
+(Qwen3-30B-A3B's 2048 x 768 for 128 experts) and the whole token range.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+from dataclasses import dataclass, replace
+
+from core.capabilities import MoECaps
+
+DTYPES = ("float16", "bfloat16", "float32")
+ROUTINGS = ("random", "one_expert", "few_experts")
+
+
+@dataclass(frozen=True)
+class MoECase:
+    """One MoE step: T tokens of width H routed to k of E experts of width I."""
+
+    tokens: int
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    dtype: str = "float32"
+    routing: str = "random"
+    renormalize: bool = True
+    scoring: str = "softmax"
+    groups: tuple[int, int] | None = None  # grouped top-k: (num_groups, topk_groups)
+    shared: bool = False
+    activation: str = "silu"
+
+    @property
+    def id(self) -> str:
+        parts = [f"t{self.tokens}", f"e{self.experts}", f"k{self.top_k}",
+                 f"h{self.hidden}x{self.inter}", self.dtype, self.routing, self.scoring,
+                 "renorm" if self.renormalize else "raw"]
+        if self.groups:
+            parts.append(f"g{self.groups[0]}of{self.groups[1]}")
+        if self.shared:
+            parts.append("shared")
+        if self.activation != "silu":
+            parts.append(self.activation)
+        return "-".join(parts)
+
+    def seed(self, base: int = 0) -> int:
+        return (base * 1_000_003 + zlib.crc32(self.id.encode())) % 2**31
+
+
+# (tokens, experts, top_k, hidden, inter, routing, renormalize, scoring, groups, shared)
+_SMALL = (
+    (1, 8, 1, 64, 48, "random", False, "softmax", None, False),
+    (5, 8, 2, 64, 48, "random", True, "softmax", None, False),
+    (17, 60, 4, 40, 32, "random", False, "softmax", None, True),  # Qwen2-MoE-like, shared
+    (16, 64, 8, 64, 32, "random", True, "softmax", (8, 4), False),
+    (3, 128, 8, 32, 32, "random", True, "sigmoid", None, False),  # decode: most experts idle
+    (40, 8, 2, 32, 48, "one_expert", True, "softmax", None, False),
+    (24, 64, 4, 32, 32, "few_experts", False, "sigmoid", (8, 2), True),
+    (64, 128, 1, 32, 32, "random", False, "softmax", None, False),
+)
+_FULL_TOKENS = (1, 2, 3, 16, 64, 127, 512, 1000, 4096)
+# (experts, top_k, hidden, inter, scoring, groups, shared, renormalize)
+_FULL_SHAPES = (
+    (8, 2, 1024, 2048, "softmax", None, False, True),  # Mixtral-like (narrowed)
+    (60, 4, 1024, 1408, "softmax", None, True, False),  # Qwen2-MoE-like
+    (64, 8, 1024, 1408, "sigmoid", (8, 4), True, True),  # DeepSeek-like
+    (128, 8, 2048, 768, "softmax", None, False, True),  # Qwen3-30B-A3B
+    (128, 1, 1024, 512, "softmax", None, False, False),
+)
+
+
+def runner_dtypes(caps: MoECaps, exclude: tuple[str, ...] = ()) -> list[str]:
+    return [d for d in DTYPES if d in caps.dtypes and d not in exclude]
+
+
+def _fits(case: MoECase, caps: MoECaps) -> bool:
+    return ((case.scoring in caps.scoring_funcs)
+            and (case.groups is None or caps.grouped_topk)
+            and (not case.shared or caps.shared_experts)
+            and (caps.max_experts is None or case.experts <= caps.max_experts)
+            and (caps.max_top_k is None or case.top_k <= caps.max_top_k)
+            and case.activation in caps.activations)
+
+
+def all_cases(full: bool = False) -> list[MoECase]:
+    """The whole matrix in float32 (dtypes are applied per runner)."""
+    if not full:
+        cases = [MoECase(t, e, k, h, i, routing=r, renormalize=n, scoring=s, groups=g, shared=sh)
+                 for t, e, k, h, i, r, n, s, g, sh in _SMALL]
+        cases.append(replace(cases[1], activation="gelu"))
+        return cases
+    cases = []
+    for (e, k, h, i, s, g, sh, n), t in itertools.product(_FULL_SHAPES, _FULL_TOKENS):
+        cases.append(MoECase(t, e, k, h, i, renormalize=n, scoring=s, groups=g, shared=sh))
+    for t, routing in itertools.product((1, 64, 4096), ("one_expert", "few_experts")):
+        cases.append(MoECase(t, 128, 8, 2048, 768, routing=routing))
+    return cases
+
+
+def conformance_cases(caps: MoECaps, full: bool = False, exclude: tuple[str, ...] = ()
+                      ) -> list[MoECase]:
+    """The cases this runner declares it can run: small ones in every dtype; full ones with
+    the dtypes rotated through the token counts (fp32 is the slow reference-grade path)."""
+    dtypes = runner_dtypes(caps, exclude)
+    if not dtypes:
+        return []
+    cases = [c for c in all_cases(full) if _fits(c, caps)]
+    if not full:
+        return [replace(c, dtype=d) for c in cases for d in dtypes]
+    return [replace(c, dtype=dtypes[i % len(dtypes)]) for i, c in enumerate(cases)]
+
+
+def not_covered(caps: MoECaps, excluded: dict[str, str] | None = None
+                ) -> list[tuple[str, str]]:
+    """(key, reason) for each part of the matrix this runner's caps leave out."""
+    out = [(f"dtype-{d}", f"compute dtype {d} not declared") for d in DTYPES
+           if d not in caps.dtypes]
+    out += [(f"dtype-{d}", why) for d, why in (excluded or {}).items() if d in caps.dtypes]
+    if "sigmoid" not in caps.scoring_funcs:
+        out.append(("scoring-sigmoid", "sigmoid router scoring not declared"))
+    if not caps.grouped_topk:
+        out.append(("grouped-topk", "grouped top-k routing not declared"))
+    if not caps.shared_experts:
+        out.append(("shared-experts", "shared experts not declared"))
+    if caps.max_experts is not None:
+        out.append(("experts", f"cases with more than {caps.max_experts} experts "
+                               f"(max_experts)"))
+    if caps.max_top_k is not None:
+        out.append(("top-k", f"cases with top-k above {caps.max_top_k} (max_top_k)"))
+    if "gelu" not in caps.activations:
+        out.append(("activation-gelu", "gelu activation not declared"))
+    other = sorted(set(caps.quant_methods) - {"unquantized"})
+    if other:
+        out.append(("quant", f"quantized expert weights ({', '.join(other)}): the suite checks "
+                             f"unquantized weights only"))
+    if not caps.cuda_graph:
+        out.append(("cuda-graph", "CUDA-graph capture not declared"))
+    return out

@@ -1,0 +1,190 @@
+"""Build one MoE conformance case, run a runner on it, check everything it did.
+
+Inputs: hidden ~ N(0, 1), expert weights scaled so outputs are O(1), and router logits spread on
+a grid of 0.1 (a random order of experts per token), so that no two experts tie in any compute
+dtype and every correct runner picks the same experts. Routings: "random"; "one_expert" (every
+token's best expert is the last one); "few_experts" (every token picks among the same k + 1).
+
+Checks, in order (the first failure raises AssertionError saying what went wrong):
+1. the result is `out` (when given), has shape [T, H] and hidden's dtype, and every element is
+   finite (`out` is pre-filled with NaN: an element never written shows);
+2. the inputs (hidden, router logits, shared output) are unchanged;
+3. it matches the fp32 reference (routing by core.moe.select_experts on the same logits, a
+   loop over the experts in fp32 from the same rounded weights), at the dtype's tolerance;
+4. called without `out` (cases of up to 8 tokens), it returns a new tensor, equally close.
+On a CUDA device, for a runner that declares cuda_graph, `check_graph_case` also captures a
+decode-sized call in a CUDA graph and replays it on new inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from core.moe import MoELayerParams, MoEWeights, select_experts
+from core.plugins import Registration
+from core.testing.moe_cases import MoECase
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
+                "bfloat16": torch.bfloat16}
+# (atol, rtol), atol relative to the reference's largest magnitude
+TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (5e-3, 5e-3), "bfloat16": (4e-2, 4e-2)}
+_ACTS = {"silu": F.silu, "gelu": F.gelu}
+
+
+@dataclass
+class MoEInputs:
+    case: MoECase
+    hidden: torch.Tensor  # [T, H] compute dtype
+    logits: torch.Tensor  # [T, E] compute dtype
+    weights: MoEWeights
+    layer: MoELayerParams
+    shared: torch.Tensor | None  # [T, H] compute dtype
+
+
+def routing_logits(case: MoECase, gen: torch.Generator) -> torch.Tensor:
+    """[T, E] fp32 logits, distinct per token by at least 0.1 (no ties after rounding)."""
+    T, E, k = case.tokens, case.experts, case.top_k
+    levels = torch.stack([torch.randperm(E, generator=gen) for _ in range(T)]).float()
+    if case.routing == "one_expert":  # expert E-1 first for every token
+        levels[levels == E - 1] = -1.0
+        levels.scatter_(1, torch.full((T, 1), E - 1), float(E))
+    elif case.routing == "few_experts":  # the same k + 1 experts lead for every token
+        chosen = torch.randperm(E, generator=gen)[:k + 1]
+        lead = torch.stack([torch.randperm(k + 1, generator=gen) for _ in range(T)]).float()
+        levels = levels.masked_fill(torch.isin(torch.arange(E), chosen), -E)
+        levels[:, chosen] = E + lead
+    elif case.routing != "random":
+        raise ValueError(f"unknown routing {case.routing!r}")
+    # ranks -> a grid of 0.1 centred on 0
+    ranks = levels.argsort(dim=1).argsort(dim=1).float()
+    return (ranks - E / 2) * 0.1
+
+
+def build_inputs(case: MoECase, device: torch.device, seed: int) -> MoEInputs:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = TORCH_DTYPES[case.dtype]
+    T, E, H, inter = case.tokens, case.experts, case.hidden, case.inter
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+    hidden = rand(T, H)
+    w13 = rand(E, 2 * inter, H, scale=H ** -0.5).contiguous()
+    w2 = rand(E, H, inter, scale=inter ** -0.5).contiguous()
+    logits = routing_logits(case, gen).to(dtype).to(device)
+    shared = rand(T, H, scale=0.5) if case.shared else None
+    layer = MoELayerParams(layer_id=0, num_experts=E, top_k=case.top_k, hidden_size=H,
+                           intermediate_size=inter, renormalize=case.renormalize,
+                           scoring_func=case.scoring, grouped_topk=case.groups,
+                           activation=case.activation)
+    return MoEInputs(case, hidden, logits, MoEWeights(w13, w2), layer, shared)
+
+
+def reference_moe(inputs: MoEInputs) -> torch.Tensor:
+    """The fp32 ground truth [T, H]: the same routing, every active expert in fp32."""
+    layer, w = inputs.layer, inputs.weights
+    act = _ACTS[layer.activation]
+    route_w, ids = select_experts(inputs.logits, layer.top_k, layer.renormalize,
+                                  layer.grouped_topk, layer.scoring_func)
+    x = inputs.hidden.float()
+    out = torch.zeros_like(x)
+    inter = layer.intermediate_size
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        h = x[tok] @ w.w13[e].float().t()  # [n, 2I]
+        y = (act(h[:, :inter]) * h[:, inter:]) @ w.w2[e].float().t()  # [n, H]
+        out.index_add_(0, tok, y * route_w[tok, slot, None])
+    if inputs.shared is not None:
+        out += inputs.shared.float()
+    return out
+
+
+def _check_close(got: torch.Tensor, want: torch.Tensor, case: MoECase, what: str) -> None:
+    atol, rtol = TOLERANCES[case.dtype]
+    scale = max(want.abs().max().item(), 1e-6)
+    torch.testing.assert_close(
+        got.float(), want, atol=atol * scale, rtol=rtol,
+        msg=lambda m: f"{what} ({case.dtype}, atol={atol:g} x {scale:.3g}, rtol={rtol:g})\n{m}")
+
+
+def check_result(name: str, case: MoECase, result: torch.Tensor, out: torch.Tensor | None,
+                 inputs: MoEInputs) -> None:
+    T, H = case.tokens, case.hidden
+    if out is not None and result.data_ptr() != out.data_ptr():
+        raise AssertionError(f"{name}: given `out`, it must write into it and return it")
+    if tuple(result.shape) != (T, H) or result.dtype != inputs.hidden.dtype:
+        raise AssertionError(f"{name}: result is {tuple(result.shape)} {result.dtype}, the "
+                             f"contract says ({T}, {H}) {inputs.hidden.dtype}")
+    if not torch.isfinite(result).all():
+        rows = (~torch.isfinite(result)).any(-1).nonzero().flatten()[:8].tolist()
+        raise AssertionError(f"{name}: non-finite output at tokens {rows} (the poisoned `out` "
+                             f"was not fully written)")
+
+
+def check_case(reg: Registration, case: MoECase, device: torch.device, seed: int = 0) -> None:
+    """Run `case` on the runner `reg` and check it; AssertionError says what is wrong."""
+    device = torch.device(device)
+    inputs = build_inputs(case, device, case.seed(seed))
+    runner = reg.load()()
+    before = [t.clone() for t in (inputs.hidden, inputs.logits, inputs.shared) if t is not None]
+    out = torch.full((case.tokens, case.hidden), float("nan"), dtype=inputs.hidden.dtype,
+                     device=device)
+    result = runner.forward(inputs.hidden, inputs.logits, inputs.weights, inputs.layer,
+                            inputs.shared, out=out)
+    check_result(reg.name, case, result, out, inputs)
+    after = [t for t in (inputs.hidden, inputs.logits, inputs.shared) if t is not None]
+    for b, a, what in zip(before, after, ("hidden", "router logits", "shared output"),
+                          strict=False):
+        if not torch.equal(b, a):
+            raise AssertionError(f"{reg.name}: modified its input ({what})")
+    want = reference_moe(inputs)
+    _check_close(result, want, case, f"{reg.name} output differs from the fp32 reference")
+    if case.tokens > 8:  # the no-`out` path once per shape family is enough (and cheap)
+        return
+    fresh = runner.forward(inputs.hidden, inputs.logits, inputs.weights, inputs.layer,
+                           inputs.shared)
+    check_result(reg.name + " (no out)", case, fresh, None, inputs)
+    _check_close(fresh, want, case, f"{reg.name} output without `out` differs from the fp32 "
+                                    f"reference")
+
+
+def check_graph_case(reg: Registration, case: MoECase, device: torch.device,
+                     seed: int = 0) -> None:
+    """Capture one call in a CUDA graph, replay it on a second case's inputs, check both."""
+    device = torch.device(device)
+    runner = reg.load()()
+    first = build_inputs(case, device, case.seed(seed))
+    second = build_inputs(case, device, case.seed(seed + 1))
+    out = torch.full((case.tokens, case.hidden), float("nan"), dtype=first.hidden.dtype,
+                     device=device)
+    static = MoEInputs(case, first.hidden.clone(), first.logits.clone(), first.weights,
+                       first.layer, None if first.shared is None else first.shared.clone())
+
+    def call() -> torch.Tensor:
+        return runner.forward(static.hidden, static.logits, static.weights, static.layer,
+                              static.shared, out=out)
+
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        call()  # warm up (compiles kernels) outside the capture
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for inputs in (first, second):
+        static.hidden.copy_(inputs.hidden)
+        static.logits.copy_(inputs.logits)
+        if static.shared is not None:
+            static.shared.copy_(inputs.shared)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        check_result(reg.name + " (graph replay)", case, out, out, inputs)
+        # the second inputs share the first's weights
+        ref = reference_moe(MoEInputs(case, inputs.hidden, inputs.logits, first.weights,
+                                      first.layer, inputs.shared))
+        _check_close(out, ref, case, f"{reg.name} graph replay differs from the fp32 reference")

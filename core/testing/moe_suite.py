@@ -1,0 +1,114 @@
+"""The MoE-runner conformance tests.
+
+Collected by the conformance plugin (`pytest --conformance-moe NAME`, see core.testing), or by
+importing them into a test module:
+
+    from core.testing.moe_suite import *  # noqa: F401,F403
+
+Parametrization: every registered MoE runner that can run on each suite device, or only those
+named with --conformance-moe; devices from --conformance-device, else cpu plus cuda when present
+(non-CPU cases carry the `gpu` mark). A Triton runner runs on CPU under TRITON_INTERPRET=1 (not
+in bf16). Cases are cut to the runner's declared capabilities (core.testing.moe_cases); for a
+runner named with --conformance-moe, what it does not declare is listed as one skipped test per
+item, `...-not-covered-<what>`, with the reason (`pytest -rs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from core.plugins import Registration, get_registry
+from core.testing.attention_check import excluded_dtype_reasons, unavailable_reasons
+from core.testing.attention_suite import _device_info, _device_missing, default_devices
+from core.testing.moe_cases import MoECase, conformance_cases, not_covered
+from core.testing.moe_check import check_case, check_graph_case
+
+__all__ = ["pytest_generate_tests", "test_moe_runner_conformance",
+           "test_moe_runner_graph_capture"]
+
+_GRAPH_TOKENS = (1, 8)  # decode batch sizes captured by the graph check
+
+
+@dataclass(frozen=True)
+class MoEConformanceParam:
+    runner: Registration
+    device: str
+    case: MoECase
+    seed: int
+
+
+def moe_conformance_params(config: pytest.Config, graph: bool = False) -> list:
+    """pytest.param objects for every (runner, device, case) the options select; with
+    `graph`, the CUDA-graph cases instead."""
+    registry = get_registry()
+    runners = registry.kind("moe")
+    named = list(dict.fromkeys(config.getoption("conformance_moe", default=None) or []))
+    unknown = [n for n in named if n not in runners]
+    if unknown:
+        raise pytest.UsageError(f"MoE runner(s) {', '.join(unknown)} not registered "
+                                f"(registered: {', '.join(sorted(runners)) or 'none'})")
+    devices = config.getoption("conformance_device", default=None) or default_devices()
+    full = bool(config.getoption("conformance_full", default=False))
+    seed = int(config.getoption("conformance_seed", default=0) or 0)
+    params = []
+    for device_name in devices:
+        device = torch.device(device_name)
+        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
+        missing = _device_missing(device)
+        if missing:
+            params.append(pytest.param(None, id=f"{device_name}-unavailable", marks=[
+                *marks, pytest.mark.skip(reason=f"device {device_name}: {missing}")]))
+            continue
+        info = _device_info(registry, device)
+        for name in named or sorted(runners):
+            reg = runners[name]
+            reasons = unavailable_reasons(reg, device, info)
+            if reasons:
+                if name in named:
+                    params.append(pytest.param(None, id=f"{name}-{device_name}", marks=[
+                        *marks, pytest.mark.skip(
+                            reason=f"{name} cannot run on {device_name}: {'; '.join(reasons)}")]))
+                continue
+            excluded = excluded_dtype_reasons(reg, device)
+            cases = conformance_cases(reg.caps, full, tuple(excluded))
+            if graph:
+                if not reg.caps.cuda_graph or device.type != "cuda":
+                    continue
+                cases = [c for c in cases if c.tokens in _GRAPH_TOKENS]
+            for case in cases:
+                params.append(pytest.param(MoEConformanceParam(reg, device_name, case, seed),
+                                           id=f"{name}-{device_name}-{case.id}", marks=marks))
+            if name in named and not graph:
+                for key, reason in not_covered(reg.caps, excluded):
+                    params.append(pytest.param(
+                        None, id=f"{name}-{device_name}-not-covered-{key}",
+                        marks=[*marks, pytest.mark.skip(reason=f"{name}: {reason}")]))
+    if graph and not params:
+        params.append(pytest.param(None, id="no-graph-cases", marks=pytest.mark.skip(
+            reason="no selected MoE runner declares cuda_graph on a selected CUDA device")))
+    return params
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "moe_conformance" in metafunc.fixturenames:
+        metafunc.parametrize("moe_conformance", moe_conformance_params(metafunc.config))
+    if "moe_graph_conformance" in metafunc.fixturenames:
+        metafunc.parametrize("moe_graph_conformance",
+                             moe_conformance_params(metafunc.config, graph=True))
+
+
+def test_moe_runner_conformance(moe_conformance: MoEConformanceParam) -> None:
+    """The runner's output (into a poisoned `out`, and without one) matches the fp32
+    reference; its inputs are left as they were (see core.testing.moe_check)."""
+    p = moe_conformance
+    check_case(p.runner, p.case, torch.device(p.device), p.seed)
+
+
+def test_moe_runner_graph_capture(moe_graph_conformance: MoEConformanceParam) -> None:
+    """A runner declaring cuda_graph: a decode-sized call captured once replays correctly on
+    new hidden states, logits and shared outputs."""
+    p = moe_graph_conformance
+    check_graph_case(p.runner, p.case, torch.device(p.device), p.seed)

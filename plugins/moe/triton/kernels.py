@@ -1,0 +1,99 @@
+"""The Triton kernels of the fused MoE runner (imported only when the runner is built).
+
+Rows: one per (token, slot) assignment, id a = token * top_k + slot, N = T * top_k of them. The
+runner sorts the ids by expert and pads each expert's group to a multiple of BLOCK_M with the
+id N (`sorted_ids`); `block_expert[b]` is the expert of row block b and `total` (a device
+scalar) the padded row count: blocks at or past it exit at once, so the grid can be sized for
+the worst case without a host sync.
+
+- gate_up_kernel: inter[a, :] = silu(x[a // k] @ Wg[e].T) * (x[a // k] @ Wu[e].T), both halves of
+  w13 in one program (two accumulators over the same A tile);
+- down_kernel: partial[a, :] = w_route[a] * (inter[a] @ W2[e].T).
+The k partial rows of a token are summed by the runner in a fixed order (no atomics).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
+                   num_rows, hidden, inter, top_k,
+                   stride_xm, stride_we, stride_wn, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = tl.load(sorted_ids_ptr + offs_m)
+    valid = row < num_rows
+    token = (row // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    # B tiles [BLOCK_K, BLOCK_N]: w13[e, n, k] read transposed; up rows start `inter` below
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn \
+        + offs_k[:, None]
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_mask = offs_k < hidden - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        g = tl.load(g_ptrs, mask=b_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=b_mask, other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    y = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(gate) * up, in fp32
+    o_ptrs = out_ptr + row[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def down_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
+                num_rows, hidden, inter,
+                stride_am, stride_we, stride_wn, stride_om,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = tl.load(sorted_ids_ptr + offs_m)
+    valid = row < num_rows
+    row64 = row.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + row64[:, None] * stride_am + offs_k[None, :]
+    # B tile [BLOCK_K, BLOCK_N]: w2[e, n, k] (n over hidden, k over inter) read transposed
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn \
+        + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_mask = offs_k < inter - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    route = tl.load(route_ptr + row, mask=valid, other=0.0)
+    acc = acc * route[:, None]
+    o_ptrs = out_ptr + row64[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def grid(num_blocks: int, n: int, block_n: int) -> tuple[int, int]:
+    return (num_blocks, triton.cdiv(n, block_n))

@@ -1,0 +1,109 @@
+"""`triton` MoE runner: routing (core.moe), a sort of the (token, slot) rows by expert, then
+the two grouped-GEMM kernels of `kernels.py` and a fixed-order sum of each token's k rows."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from core.moe import MoELayerParams, MoERunner, MoEWeights, route
+from plugins.moe.triton import kernels, tuning
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the N = T * k rows (row a = token * k + slot) by expert, each expert's group padded
+    to a multiple of block_m with the id N. Sizes depend only on N, E and block_m, and nothing
+    is read back to the host (graph safe).
+
+    ids [T, k] -> (sorted_ids [P] int32, block_expert [P / block_m] int32, total [1] int64),
+    P = the worst-case padded length, total = the padded length of this routing.
+    """
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    start = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_expert = flat[order]
+    rank = torch.arange(n, device=device) - start[sorted_expert]
+    # at most min(N, E) experts have rows, each padding fewer than block_m
+    worst = n + min(n, num_experts) * (block_m - 1)
+    worst = (worst + block_m - 1) // block_m * block_m
+    sorted_ids = torch.full((worst,), n, dtype=torch.int32, device=device)
+    sorted_ids[padded_start[sorted_expert] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, worst, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = block_expert.clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, block_expert, padded_end[-1:]
+
+
+@functools.lru_cache(maxsize=16)
+def _arch(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "interpreter"
+    if torch.version.hip:
+        return "rocm"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm90" if major >= 9 else "sm80"
+
+
+class TritonMoE(MoERunner):
+    """Fused MoE in two Triton kernels (see kernels.py); routing weights fp32."""
+
+    def __init__(self, *args, **kwargs):
+        if os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available():
+            raise RuntimeError("the triton MoE runner needs a GPU (or TRITON_INTERPRET=1 for "
+                               "tests)")
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, weights: MoEWeights,
+                layer: MoELayerParams, shared: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        if weights.form != "unquantized":
+            raise ValueError(f"the triton MoE runner runs unquantized experts, not "
+                             f"{weights.form}")
+        if layer.activation != "silu":
+            raise ValueError(f"the triton MoE runner fuses silu only, not {layer.activation}")
+        w13, w2 = weights.w13, weights.w2
+        T, H = hidden.shape
+        E, two_i, _ = w13.shape
+        inter = two_i // 2
+        k = layer.top_k
+        n = T * k
+        route_w, ids = route(router_logits, layer)  # [T, k] fp32, [T, k] int64
+        block_m, block_n, block_k, warps, stages = tuning.pick(_arch(hidden.device), n / E)
+        sorted_ids, block_expert, total = align_by_expert(ids, E, block_m)
+        # The grid covers the worst case (graph safe); under the interpreter (CPU tensors, tests
+        # only) a host read of the real count spares it the idle programs.
+        blocks = (sorted_ids.numel() if hidden.device.type != "cpu" else int(total)) // block_m
+        precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+        x = hidden.contiguous()
+        launch = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                  "PRECISION": precision, "num_warps": warps, "num_stages": stages}
+
+        inter_rows = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)
+        kernels.gate_up_kernel[kernels.grid(blocks, inter, block_n)](
+            x, w13, inter_rows, sorted_ids, block_expert, total, n, H, inter, k,
+            x.stride(0), w13.stride(0), w13.stride(1), inter_rows.stride(0), **launch)
+        partial = torch.empty(n, H, dtype=hidden.dtype, device=hidden.device)
+        kernels.down_kernel[kernels.grid(blocks, H, block_n)](
+            inter_rows, w2, partial, route_w.reshape(-1), sorted_ids, block_expert, total, n,
+            H, inter, inter_rows.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
+            **launch)
+
+        if out is None:
+            out = torch.empty_like(hidden)
+        rows = partial.view(T, k, H)
+        if k == 1:
+            out.copy_(rows[:, 0])
+        else:
+            torch.sum(rows, dim=1, out=out)
+        if shared is not None:
+            out.add_(shared)
+        return out
