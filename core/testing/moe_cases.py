@@ -62,11 +62,11 @@ _SMALL = (
     (1, 8, 1, 64, 48, "random", False, "softmax", None, False),
     (5, 8, 2, 64, 48, "random", True, "softmax", None, False),
     (17, 60, 4, 40, 32, "random", False, "softmax", None, True),  # Qwen2-MoE-like, shared
-    (16, 64, 8, 64, 32, "random", True, "softmax", (8, 4), False),
+    (6, 64, 8, 64, 32, "random", True, "softmax", (8, 4), False),
     (3, 128, 8, 32, 32, "random", True, "sigmoid", None, False),  # decode: most experts idle
-    (40, 8, 2, 32, 48, "one_expert", True, "softmax", None, False),
+    (64, 8, 2, 32, 48, "one_expert", True, "softmax", None, False),
     (24, 64, 4, 32, 32, "few_experts", False, "sigmoid", (8, 2), True),
-    (64, 128, 1, 32, 32, "random", False, "softmax", None, False),
+    (24, 128, 1, 32, 32, "random", False, "softmax", None, False),
 )
 _FULL_TOKENS = (1, 2, 3, 16, 64, 127, 512, 1000, 4096)
 # (experts, top_k, hidden, inter, scoring, groups, shared, renormalize)

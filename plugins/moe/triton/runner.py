@@ -9,7 +9,7 @@ import os
 import torch
 
 from core.moe import MoELayerParams, MoERunner, MoEWeights, route
-from plugins.moe.triton import kernels, tuning
+from plugins.moe.triton import kernels, routing, tuning
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
@@ -76,9 +76,16 @@ class TritonMoE(MoERunner):
         inter = two_i // 2
         k = layer.top_k
         n = T * k
-        route_w, ids = route(router_logits, layer)  # [T, k] fp32, [T, k] int64
+        if layer.grouped_topk is None and E <= routing.MAX_TOPK_EXPERTS:
+            route_w, ids = routing.fused_topk(router_logits, k, layer.renormalize,
+                                              layer.scoring_func, layer.routed_scaling_factor)
+        else:
+            route_w, ids = route(router_logits, layer)  # [T, k] fp32, [T, k] int64
         block_m, block_n, block_k, warps, stages = tuning.pick(_arch(hidden.device), n / E)
-        sorted_ids, block_expert, total = align_by_expert(ids, E, block_m)
+        if n <= routing.MAX_ALIGN_ROWS and E <= routing.MAX_ALIGN_EXPERTS:
+            sorted_ids, block_expert, total = routing.fused_align(ids, E, block_m)
+        else:
+            sorted_ids, block_expert, total = align_by_expert(ids.long(), E, block_m)
         # The grid covers the worst case (graph safe); under the interpreter (CPU tensors, tests
         # only) a host read of the real count spares it the idle programs.
         blocks = (sorted_ids.numel() if hidden.device.type != "cpu" else int(total)) // block_m

@@ -1,0 +1,121 @@
+"""Routing and expert alignment in one Triton launch each (the decode path's launch count).
+
+In PyTorch, top-k routing and the sort by expert take some twenty small kernels per MoE layer;
+at batch 1 their launches cost more than the expert GEMMs. Here:
+
+- topk_kernel, one program per token: scores (softmax or sigmoid, fp32) over the E experts, k
+  rounds of argmax (the best expert first, ties to the lower id as torch.topk does on distinct
+  values), optional renormalization and scaling -> ids [T, k] int32, weights [T, k] fp32;
+- align_kernel, one program for the whole step (N = T * k rows, small N only): per-expert
+  counts, padded offsets, each row's stable rank among its expert's rows, then sorted_ids,
+  block_expert and total exactly as `runner.align_by_expert` writes them.
+Grouped top-k stays on the PyTorch path (core.moe.select_experts).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# align_kernel holds [N, N] and [N, E] comparison tiles in one program: small steps only.
+MAX_ALIGN_ROWS = 128
+MAX_ALIGN_EXPERTS = 256
+MAX_TOPK_EXPERTS = 4096  # one program holds a token's E scores
+
+
+@triton.jit
+def topk_kernel(logits_ptr, ids_ptr, weights_ptr, num_experts, stride_l, scale,
+                TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                SIGMOID: tl.constexpr, RENORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < num_experts
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=mask, other=-float("inf")).to(tl.float32)
+    if SIGMOID:
+        scores = tl.where(mask, tl.sigmoid(x), -float("inf"))
+    else:
+        e = tl.exp(x - tl.max(x, axis=0))
+        scores = tl.where(mask, e / tl.sum(e, axis=0), -float("inf"))
+    ks = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(scores, axis=0)
+        # the lowest id among the maxima
+        idx = tl.min(tl.where(scores == best, offs, BLOCK_E), axis=0)
+        chosen = tl.where(ks == j, idx, chosen)
+        weights = tl.where(ks == j, best, weights)
+        scores = tl.where(offs == idx, -float("inf"), scores)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=0)
+    weights = weights * scale
+    k_ok = ks < TOP_K
+    tl.store(ids_ptr + t * TOP_K + ks, chosen, mask=k_ok)
+    tl.store(weights_ptr + t * TOP_K + ks, weights, mask=k_ok)
+
+
+@triton.jit
+def align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, num_rows, num_experts,
+                 worst, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr):
+    rows = tl.arange(0, BLOCK_N)
+    row_ok = rows < num_rows
+    ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1)
+    experts = tl.arange(0, BLOCK_E)
+    hit = (ids[:, None] == experts[None, :]) & row_ok[:, None]  # [N, E]
+    counts = tl.sum(hit.to(tl.int32), axis=0)  # [E]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    # rank of row i among the earlier rows of its expert (stable, as the argsort path)
+    cols = tl.arange(0, BLOCK_N)
+    same = (ids[:, None] == ids[None, :]) & (cols[None, :] < rows[:, None])
+    rank = tl.sum(same.to(tl.int32), axis=1)  # [N]
+    start = tl.sum(tl.where(hit, padded_start[None, :], 0), axis=1)  # [N]
+    # every slot the padding, then each row at its place (one program: a barrier orders them)
+    for w0 in range(0, worst, BLOCK_W):
+        offs_w = w0 + tl.arange(0, BLOCK_W)
+        tl.store(sorted_ids_ptr + offs_w, tl.full((BLOCK_W,), 0, tl.int32) + num_rows,
+                 mask=offs_w < worst)
+    tl.debug_barrier()
+    tl.store(sorted_ids_ptr + start + rank, rows.to(tl.int32), mask=row_ok)
+    blocks = tl.arange(0, BLOCK_B)
+    block_start = blocks * BLOCK_M
+    e_ok = experts < num_experts
+    # the expert of block b: how many experts' padded groups end at or before its first row
+    expert_of = tl.sum(((padded_end[None, :] <= block_start[:, None]) & e_ok[None, :])
+                       .to(tl.int32), axis=1)
+    expert_of = tl.minimum(expert_of, num_experts - 1)
+    tl.store(block_expert_ptr + blocks, expert_of, mask=block_start < worst)
+    tl.store(total_ptr, tl.sum(padded, axis=0).to(tl.int64))
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str,
+               scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, ids [T, k] int32) in one launch; see core.moe.select_experts."""
+    T, E = router_logits.shape
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    topk_kernel[(T,)](logits, ids, weights, E, logits.stride(0), float(scale), TOP_K=top_k,
+                      BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+                      SIGMOID=scoring_func == "sigmoid", RENORM=renormalize)
+    return weights, ids
+
+
+def fused_align(ids: torch.Tensor, num_experts: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`runner.align_by_expert` in one launch, for N <= MAX_ALIGN_ROWS rows."""
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    worst = n + min(n, num_experts) * (block_m - 1)
+    worst = (worst + block_m - 1) // block_m * block_m
+    sorted_ids = torch.empty(worst, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(worst // block_m, dtype=torch.int32, device=flat.device)
+    total = torch.empty(1, dtype=torch.int64, device=flat.device)
+    align_kernel[(1,)](flat, sorted_ids, block_expert, total, n, num_experts, worst,
+                       BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)),
+                       BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+                       BLOCK_W=256, BLOCK_B=max(16, triton.next_power_of_2(worst // block_m)))
+    return sorted_ids, block_expert, total
