@@ -31,7 +31,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import torch
 
@@ -79,7 +78,8 @@ class MoEWeights:
     extra: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "extra", MappingProxyType(dict(self.extra)))
+        # a copy, read-only by contract (a mappingproxy would make models unpicklable)
+        object.__setattr__(self, "extra", dict(self.extra))
 
 
 class MoERunner(ABC):

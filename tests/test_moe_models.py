@@ -250,3 +250,21 @@ def test_moe_layer_ids():
     assert moe_layer_ids(6, 2) == (1, 3, 5)  # Qwen2-MoE counts layers from 1
     assert moe_layer_ids(4, 1, [0, 3]) == (1, 2)
     assert moe_layer_ids(5, None, None, first_k_dense=2) == (2, 3, 4)  # DeepSeek
+
+
+def test_weights_packed_for_cpu(pair):
+    """What the model runner does on a CPU (oneDNN-packed linears, the router and the shared
+    expert included; stacked experts left for the runner) gives the same logits."""
+    import copy
+
+    from core.layers.linear import pack_for_cpu
+
+    model, hf, config = pair
+    packed = copy.deepcopy(model)
+    pack_for_cpu(packed)
+    ids = tokens(9, seed=5)
+    ref = hf_logits(hf, ids)
+    h = harness(config)
+    assert_close(step(packed, h.batch([0], [ids[:6]])), ref[:6])
+    for t in range(6, 9):
+        assert_close(step(packed, h.batch([0], [[ids[t]]], decode=True))[0], ref[t])

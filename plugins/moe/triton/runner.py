@@ -89,7 +89,8 @@ class TritonMoE(MoERunner):
         # The grid covers the worst case (graph safe); under the interpreter (CPU tensors, tests
         # only) a host read of the real count spares it the idle programs.
         blocks = (sorted_ids.numel() if hidden.device.type != "cpu" else int(total)) // block_m
-        precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+        # fp32: IEEE dots (TF32 would miss the fp32 tolerance); half types: the target's default
+        precision = "ieee" if hidden.dtype == torch.float32 else None
         x = hidden.contiguous()
         launch = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                   "PRECISION": precision, "num_warps": warps, "num_stages": stages}
