@@ -57,10 +57,13 @@ def _arch(device: torch.device) -> str:
 class TritonMoE(MoERunner):
     """Fused MoE in two Triton kernels (see kernels.py); routing weights fp32."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, tiling: tuning.Tiling | None = None):
+        """tiling: force one (block_m, block_n, block_k, warps, stages) for every call (the
+        sweep in bench/ does); None: the tuning table's pick per call."""
         if os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available():
             raise RuntimeError("the triton MoE runner needs a GPU (or TRITON_INTERPRET=1 for "
                                "tests)")
+        self.tiling = tiling
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, weights: MoEWeights,
                 layer: MoELayerParams, shared: torch.Tensor | None = None,
@@ -81,7 +84,8 @@ class TritonMoE(MoERunner):
                                               layer.scoring_func, layer.routed_scaling_factor)
         else:
             route_w, ids = route(router_logits, layer)  # [T, k] fp32, [T, k] int64
-        block_m, block_n, block_k, warps, stages = tuning.pick(_arch(hidden.device), n / E)
+        block_m, block_n, block_k, warps, stages = (
+            self.tiling or tuning.pick(_arch(hidden.device), n / E))
         if n <= routing.MAX_ALIGN_ROWS and E <= routing.MAX_ALIGN_EXPERTS:
             sorted_ids, block_expert, total = routing.fused_align(ids, E, block_m)
         else:
