@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from core.moe import MoELayerParams, MoEWeights, select_experts
 from core.plugins import Registration
+from core.testing.attention_check import _poison_allocator
 from core.testing.moe_cases import MoECase
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
@@ -144,6 +145,7 @@ def check_case(reg: Registration, case: MoECase, device: torch.device, seed: int
     _check_close(result, want, case, f"{reg.name} output differs from the fp32 reference")
     if case.tokens > 8:  # the no-`out` path once per shape family is enough (and cheap)
         return
+    _poison_allocator(case.tokens * case.hidden * 4 * 4, device)
     fresh = runner.forward(inputs.hidden, inputs.logits, inputs.weights, inputs.layer,
                            inputs.shared)
     check_result(reg.name + " (no out)", case, fresh, None, inputs)
