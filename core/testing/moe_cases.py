@@ -64,7 +64,7 @@ _SMALL = (
     (17, 60, 4, 40, 32, "random", False, "softmax", None, True),  # Qwen2-MoE-like, shared
     (6, 64, 8, 64, 32, "random", True, "softmax", (8, 4), False),
     (3, 128, 8, 32, 32, "random", True, "sigmoid", None, False),  # decode: most experts idle
-    (64, 8, 2, 32, 48, "one_expert", True, "softmax", None, False),
+    (64, 8, 4, 32, 48, "one_expert", True, "softmax", None, False),  # 256 rows: PyTorch sort
     (24, 64, 4, 32, 32, "few_experts", False, "sigmoid", (8, 2), True),
     (24, 128, 1, 32, 32, "random", False, "softmax", None, False),
 )
