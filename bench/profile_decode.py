@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 statistics.median(step_ms)
         entry["overlapped_steps"] = sched.counters["overlapped_steps"]
         if gr is not None and gr.can_run(bs):
-            from core.cuda_graph_runner import pick_bucket
+            from core.graphs import pick_bucket
 
             g = gr.graphs[pick_bucket(bs, gr.sizes)]
             times = []

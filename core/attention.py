@@ -48,11 +48,11 @@ class AttentionBackend(ABC):
     tokens' K/V into the pool at `batch.out_cache_loc` and returns the attention output.
     """
 
-    # Optional CUDA-graph hooks (core.cuda_graph_runner). A backend that sets supports_graph
-    # promises that its decode forward, given the metadata of prepare_for_graph, reads every
-    # per-step value (seq_lens, table, slots) from the batch's device tensors and never syncs
-    # with the host, so a graph captured once per batch size replays for any context length.
-    supports_graph: bool = False
+    # Optional graph hooks (core.graphs). A backend whose caps declare cuda_graph=True promises
+    # that its decode forward, given the metadata of prepare_for_graph, reads every per-step value
+    # (seq_lens, table, slots) from the batch's device tensors and never syncs with the host, so a
+    # graph captured once per batch size replays for any context length. Graph safety is declared
+    # there only (AttentionCaps.cuda_graph), not on the class.
 
     def __init__(self, ctx: BackendContext):
         self.ctx = ctx

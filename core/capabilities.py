@@ -203,10 +203,13 @@ class AttentionCaps(_Frozen):
     requires: tuple[str, ...] = ()  # python packages imported by the factory
     priority: Mapping[str, int] = field(default_factory=dict)  # per device target
     description: str = ""
+    # Conditional needs: device features a KV-cache dtype needs beyond the backend's own range,
+    # e.g. {"fp8_e4m3": {"fp8"}} for kernels that convert FP8 in hardware (sm89+ on CUDA).
+    kv_cache_dtype_features: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     _sets = ("devices", "cpu_isa", "dtypes", "kv_cache_dtypes", "head_sizes", "attention_kinds",
              "phases")
-    _maps = ("capability", "priority")
+    _maps = ("capability", "priority", "kv_cache_dtype_features")
 
     def summary(self) -> str:
         caps = ",".join(f"{d}:{r.describe()}" for d, r in sorted(self.capability.items()))
@@ -305,11 +308,38 @@ class ModelCaps(_Frozen):
         return f"architectures={','.join(sorted(self.architectures))}"
 
 
-KINDS = ("hardware", "attention", "moe", "quant", "models")
+@dataclass(frozen=True)
+class LayerOpsCaps(_Frozen):
+    """What a layer-ops plugin (core.layer_ops) provides: fused element-wise kernels.
+
+    ops: which of core.layer_ops.OPS it implements (the reference runs the others).
+    cuda_graph: its ops never sync with the host, so decode graphs may capture them.
+    """
+
+    devices: frozenset[str] = frozenset()
+    capability: Mapping[str, CapabilityRange] = field(default_factory=dict)
+    cpu_isa: frozenset[str] = frozenset()
+    dtypes: frozenset[str] = frozenset(COMPUTE_DTYPES)
+    ops: frozenset[str] = frozenset()
+    cuda_graph: bool = False
+    requires: tuple[str, ...] = ()
+    priority: Mapping[str, int] = field(default_factory=dict)
+    description: str = ""
+
+    _sets = ("devices", "cpu_isa", "dtypes", "ops")
+    _maps = ("capability", "priority")
+
+    def summary(self) -> str:
+        return (f"devices={','.join(sorted(self.devices))} dtypes={','.join(sorted(self.dtypes))} "
+                f"ops={','.join(sorted(self.ops))}{' cuda_graph' if self.cuda_graph else ''}")
+
+
+KINDS = ("hardware", "attention", "moe", "quant", "models", "layer_ops")
 CAPS_TYPES: dict[str, type] = {
     "hardware": HardwareCaps,
     "attention": AttentionCaps,
     "moe": MoECaps,
     "quant": QuantCaps,
     "models": ModelCaps,
+    "layer_ops": LayerOpsCaps,
 }

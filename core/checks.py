@@ -19,11 +19,16 @@ from core.capabilities import (
     AttentionCaps,
     CapabilityRange,
     DeviceInfo,
+    LayerOpsCaps,
     ModelCaps,
     MoECaps,
     QuantCaps,
 )
 from core.model_spec import ModelSpec
+
+# In `devices`: every target, for plain-PyTorch code that runs on whatever torch device the
+# target's Platform gives (a vendor's own target included).
+ANY_DEVICE = "*"
 
 # How a device target's capability numbers are spelled in a reason.
 _CAPABILITY_WORD = {"cuda": "CUDA", "rocm": "ROCm", "xpu": "XPU", "npu": "NPU"}
@@ -71,7 +76,7 @@ def _capability_reason(target: str, rng: CapabilityRange, device: DeviceInfo) ->
 def check_device(caps: Any, device: DeviceInfo) -> list[str]:
     """Reasons shared by every backend kind: target, capability range, CPU ISA, packages."""
     reasons: list[str] = []
-    if device.target not in caps.devices:
+    if ANY_DEVICE not in caps.devices and device.target not in caps.devices:
         reasons.append(f"device {device.target} not supported (supports {_join(caps.devices)})")
     else:
         rng = caps.capability.get(device.target)
@@ -133,6 +138,13 @@ def check_attention(caps: AttentionCaps, spec: ModelSpec, device: DeviceInfo, *,
     if kv_cache_dtype is not None and kv_cache_dtype not in caps.kv_cache_dtypes:
         reasons.append(f"{kv_cache_dtype} KV cache not supported "
                        f"(supports {_join(caps.kv_cache_dtypes)})")
+    elif kv_cache_dtype is not None:
+        lacking = sorted(f for f in caps.kv_cache_dtype_features.get(kv_cache_dtype, ())
+                         if not device.has(f))
+        for feature in lacking:
+            reasons.append(f"{kv_cache_dtype} KV cache needs device feature {feature} (device "
+                           f"{device.arch or device.target} has "
+                           f"{','.join(sorted(device.features)) or 'none'})")
     if page_size is not None and not caps.page_sizes.accepts(page_size):
         reasons.append(f"page size {page_size} not accepted "
                        f"(needs {caps.page_sizes.describe()})")
@@ -197,6 +209,16 @@ def check_quant(caps: QuantCaps, spec: ModelSpec, device: DeviceInfo, *, dtype: 
     reasons += _dtype_reason(dtype, caps.dtypes)
     if spec.is_moe and not caps.moe:
         reasons.append("cannot quantize MoE expert weights")
+    return reasons
+
+
+def check_layer_ops(caps: LayerOpsCaps, device: DeviceInfo, *, dtype: str | None,
+                    cuda_graph: bool | None = None) -> list[str]:
+    """Reasons a layer-ops plugin cannot run the layers' element-wise ops here."""
+    reasons = check_device(caps, device)
+    reasons += _dtype_reason(dtype, caps.dtypes)
+    if cuda_graph and not caps.cuda_graph:
+        reasons.append("cannot be captured in CUDA graphs")
     return reasons
 
 

@@ -190,6 +190,10 @@ def _cmd_resolve(ns: argparse.Namespace) -> int:
         for line in spec.unread:
             print(f"  not read from the config: {line}")
         print(explain(plan))
+    if plan.model_impl is None:
+        # the plan is printed (it says which kernels would run), but nothing could serve it
+        print(f"error: no model implementation serves {spec.architecture}", file=sys.stderr)
+        return EXIT_NO_FIT
     return EXIT_OK
 
 

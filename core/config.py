@@ -31,7 +31,8 @@ class ServerArgs:
     load_format: str = _f("auto", "model", "weight format", choices=LOAD_FORMATS)
     dtype: str = _f("auto", "model", "compute dtype", choices=DTYPES)
     context_length: int | None = _f(None, "model", "override the model's context length")
-    revision: str | None = _f(None, "model", "model revision (ignored offline, noted)")
+    revision: str | None = _f(None, "model", "model revision (refused: models load from a local "
+                              "path)")
     trust_remote_code: bool = _f(False, "model", "allow custom model code from the hub")
     seed: int = _f(0, "model", "seed for dummy weights and sampling")
     # http
@@ -84,11 +85,14 @@ class ServerArgs:
     prefill_attention_backend: str | None = _f(None, "kernels", "attention backend for prefill")
     decode_attention_backend: str | None = _f(None, "kernels", "attention backend for decode")
     moe_runner_backend: str = _f("auto", "kernels", "MoE runner")
+    layer_ops: str | None = _f(None, "kernels", "fused element-wise layer ops (torch, triton, or a "
+                               "plugin's; CORE_DISABLE_FUSED_OPS=1 means torch)")
     quantization: str | None = _f(None, "kernels", "quantization method")
     kv_cache_dtype: str = _f("auto", "kernels", "KV-cache storage dtype")
     disable_cuda_graph: bool = _f(False, "kernels", "never capture CUDA graphs")
     cuda_graph_max_bs: int | None = _f(None, "kernels", "largest captured decode batch")
-    tp_size: int = _f(1, "kernels", "tensor-parallel size")
+    tp_size: int = _f(1, "kernels", "tensor-parallel size (only 1 until tensor parallelism "
+                      "lands; other values are refused)")
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
@@ -182,3 +186,10 @@ def validate(args: ServerArgs) -> None:
         raise ValueError("give --api-key or --api-key-file, not both")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    # Accepted by SGLang, not (yet) implemented here: refused, never silently ignored.
+    if args.tp_size != 1:
+        raise ValueError(f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; "
+                         "an engine runs on one device (--tp-size 1)")
+    if args.revision is not None:
+        raise ValueError(f"--revision {args.revision}: models load from a local path here, so "
+                         "there is no revision to choose; drop the flag")

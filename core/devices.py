@@ -255,7 +255,7 @@ def _meminfo_bytes(key: str, path: str = "/proc/meminfo") -> int | None:
     return None
 
 
-def _host_free_bytes() -> int:
+def host_free_bytes() -> int:
     avail = _meminfo_bytes("MemAvailable")
     if avail is None:
         raise ValueError("cannot read MemAvailable from /proc/meminfo to size host memory")
@@ -266,22 +266,19 @@ def _host_free_bytes() -> int:
 def free_memory_bytes(info: DeviceInfo, index: int = 0) -> int:
     """Free memory on device `index` now (what a KV pool may be sized from).
 
-    A simulated device reports its whole memory. Real devices are asked through torch's generic
-    per-device-type API (`torch.<type>.mem_get_info`), the host through /proc/meminfo.
-    """
+    A simulated device reports its whole memory, the host is read from /proc/meminfo (and its
+    cgroup), other devices are asked through torch's generic per-device-type API
+    (`torch.<type>.mem_get_info`). The engine asks its Platform instead (core.platform), which
+    also knows extensions that must be imported first (torch_npu)."""
     if not info.available:
         raise ValueError(f"device {info.target} is not available: {info.reason}")
     _check_index(info, index)
     if info.simulated:
         return info.memory_bytes
     if info.device_type == "cpu":
-        return _host_free_bytes()
+        return host_free_bytes()
     import torch
 
-    if info.device_type == "npu":
-        import importlib
-
-        importlib.import_module("torch_npu")  # attaches torch.npu
     module = getattr(torch, info.device_type, None)
     mem_get_info = getattr(module, "mem_get_info", None)
     if mem_get_info is None:

@@ -1,16 +1,17 @@
-"""Decode under CUDA graphs: one captured forward (model + logits) per batch-size bucket.
+"""Decode graphs, device-neutral part: one captured forward (model + logits) per batch-size bucket.
 
 Bookkeeping (pure, testable anywhere): which batch sizes are captured (`graph_batch_sizes`), the
-default largest one from the device's memory (`default_max_bs`), the bucket a batch pads up to
-(`pick_bucket`), the memory reserved for graphs before the KV pool is sized
-(`graph_memory_reserve`), and whether capture happens at all (`decide`, which always returns a
-note saying why or why not: nothing is turned off silently).
+bucket a batch pads up to (`pick_bucket`), the memory reserved for graphs before the KV pool is
+sized (`graph_memory_reserve`), and whether capture happens at all (`decide`, which always returns
+a note saying why or why not: nothing is turned off silently).
 
-Capture (`CudaGraphRunner`, CUDA only): static input buffers of the largest bucket; a bucket of
-size bs runs the model on views [:bs] of them. A smaller batch is padded: padded rows decode token
-0 at position 0 (seq_len 1) of request row 0, writing their K/V into slot 0, which the KV pool
-reserves as a padding sink. Reading row 0's first slot is harmless (every table entry is a valid
-slot) and the padded rows' logits are dropped. Batches above the largest bucket run eagerly.
+Replay (`GraphRunner`): static input buffers of the largest bucket; a bucket of size bs runs the
+model on views [:bs] of them. A smaller batch is padded: padded rows decode token 0 at position 0
+(seq_len 1) of request row 0, writing their K/V into slot 0, which the KV pool reserves as a
+padding sink. Reading row 0's first slot is harmless (every table entry is a valid slot) and the
+padded rows' logits are dropped. Batches above the largest bucket run eagerly. Capturing is the
+device's: a Platform's graph runner subclasses GraphRunner and implements `capture`
+(plugins/hardware/cuda_graphs.py for CUDA and ROCm).
 """
 
 from __future__ import annotations
@@ -25,25 +26,11 @@ import torch
 
 from core.forward_batch import ForwardBatch, ForwardMode
 
-log = logging.getLogger("core.cuda_graph_runner")
+log = logging.getLogger("core.graphs")
 
-GB = 10**9
-# (total device memory at least, largest captured batch): more memory, more concurrent decodes
-# worth capturing. 80 GB covers H100/A100-80G and above; the rest scale down with the KV room.
-MAX_BS_BY_MEMORY = ((80 * GB, 160), (40 * GB, 96), (20 * GB, 48), (0, 24))
-# Reserved for graphs beyond per-row activations: cuBLAS workspaces, graph bookkeeping, the rotary
-# table grown to the whole context (graphs cannot grow it mid-replay).
+# Reserved for graphs beyond per-row activations: library workspaces, graph bookkeeping, the
+# rotary table grown to the whole context (graphs cannot grow it mid-replay).
 GRAPH_FIXED_RESERVE = 384 * 2**20
-
-
-def default_max_bs(total_memory_bytes: int) -> int:
-    """--cuda-graph-max-bs when the user gave none, from the device's total memory."""
-    if total_memory_bytes < 0:
-        raise ValueError(f"total memory must be >= 0 bytes, got {total_memory_bytes}")
-    for floor, bs in MAX_BS_BY_MEMORY:
-        if total_memory_bytes >= floor:
-            return bs
-    return MAX_BS_BY_MEMORY[-1][1]
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -91,23 +78,24 @@ class GraphDecision:
         return self.sizes[-1] if self.sizes else 0
 
 
-def decide(plan_cuda_graph: bool, device_type: str, backend: Any, max_bs: int | None,
-           total_memory_bytes: int, max_running_requests: int) -> GraphDecision:
-    """Capture or not, given the plan, the device and the decode backend instance."""
+def decide(plan_cuda_graph: bool, support: Any, backend_graphs: bool, backend_name: str,
+           max_bs: int | None, default_max_bs: int, max_running_requests: int) -> GraphDecision:
+    """Capture or not, given the plan, the platform's GraphSupport, whether the decode backend
+    declares graph safety (AttentionCaps.cuda_graph) and the batch-size limits."""
     if not plan_cuda_graph:
         return GraphDecision(False, (), "graph capture off: the plan turned it off (see the "
                                         "plan's notes)")
-    if device_type != "cuda":
-        return GraphDecision(False, (), f"graph capture off: device type {device_type} has no "
-                                        f"CUDA graphs")
-    if not getattr(backend, "supports_graph", False):
-        # The worker passes the class (decided before anything is built); tests may pass either.
-        name = backend.__name__ if isinstance(backend, type) else type(backend).__name__
-        return GraphDecision(False, (), f"graph capture off: decode backend {name} has no graph "
-                                        f"hooks (supports_graph); decode runs eagerly")
+    if not support.available:
+        return GraphDecision(False, (), f"graph capture off: {support.reason}")
+    if not backend_graphs:
+        return GraphDecision(False, (), f"graph capture off: decode backend {backend_name} "
+                                        f"does not declare graph capture (AttentionCaps."
+                                        f"cuda_graph); decode runs eagerly")
     if max_bs is None:
-        max_bs = default_max_bs(total_memory_bytes)
-        src = f"default for {total_memory_bytes / GB:.0f} GB"
+        if default_max_bs < 1:
+            return GraphDecision(False, (), "graph capture off: the platform's memory "
+                                            "defaults capture no batch size")
+        max_bs, src = default_max_bs, "the platform's default for this device's memory"
     else:
         src = "--cuda-graph-max-bs"
     if max_bs > max_running_requests:
@@ -117,8 +105,8 @@ def decide(plan_cuda_graph: bool, device_type: str, backend: Any, max_bs: int | 
                                       f"larger batches run eagerly")
 
 
-class CudaGraphRunner:
-    """Captures decode forwards per bucket and replays them with padded batches."""
+class GraphRunner:
+    """Replays captured decode forwards with padded batches; `capture` is the device's."""
 
     def __init__(self, model: Any, backend: Any, kv_pool: Any, req_to_token: Any,
                  device: torch.device, sizes: Sequence[int], vocab_size: int):
@@ -135,7 +123,7 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.ones = torch.ones(n, dtype=torch.int32, device=device)
         self.logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Any] = {}  # bucket -> captured graph (has replay())
         self.batches: dict[int, ForwardBatch] = {}
         self.replays = 0
 
@@ -160,29 +148,22 @@ class CudaGraphRunner:
         self.logits[:bs].copy_(self.model.compute_logits(hidden))  # [bs, V] fp32
 
     def capture(self) -> None:
-        """Capture every bucket, largest first, into one shared memory pool."""
-        for m in self.model.modules():  # lookups past the table's end would sync the host
+        """Capture every bucket into self.graphs (each value has `replay()`)."""
+        raise NotImplementedError("capturing is the platform's (see core.platform.Platform)")
+
+    def prepare_capture(self) -> None:
+        """What every capture starts with: rotary tables grown to the whole context (lookups past
+        their end would sync the host), the backend's graph state, every row a padded row."""
+        for m in self.model.modules():
             if hasattr(m, "cover_all_positions"):
                 m.cover_all_positions()
         self.backend.init_graph_state(self.max_bs, self.req_to_token.max_context)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        self.packed.zero_()  # every row a padded row while capturing: writes go to slot 0
-        with torch.inference_mode():
-            for bs in reversed(self.sizes):
-                batch = self._batch(bs)
-                batch.attn_meta = self.backend.prepare_for_graph(batch, bs)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # compile kernels, settle allocator, outside the capture
-                        self._forward(batch, bs)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._forward(batch, bs)
-                self.graphs[bs] = graph
-                self.batches[bs] = batch
-        torch.cuda.synchronize(self.device)
+        self.packed.zero_()
+
+    def stage(self, host: torch.Tensor) -> torch.Tensor:
+        """The host copy of the packed inputs as the device's copy wants it (CUDA: pinned, so
+        the copy does not wait for the device)."""
+        return host
 
     def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
                positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
@@ -196,10 +177,7 @@ class CudaGraphRunner:
         on_device = isinstance(input_ids, torch.Tensor)  # overlap: last step's tokens
         host = torch.tensor(padded_inputs(rows, [0] * B if on_device else input_ids, positions,
                                           slots, bs), dtype=torch.long)  # [4, bs]
-        # pinned, so the copy does not wait for the GPU (see ModelRunner._tensor)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        self.packed[:, :bs].copy_(host, non_blocking=True)
+        self.packed[:, :bs].copy_(self.stage(host), non_blocking=True)
         if on_device:
             self.packed[0, :B].copy_(input_ids)
         real = self.packed[:, :B]
@@ -222,18 +200,18 @@ def padded_inputs(rows: Sequence[int], input_ids: Sequence[int], positions: Sequ
             [*rows, *[0] * pad]]
 
 
-def capture_graphs(runner: Any, decision: GraphDecision, vocab_size: int) -> str:
-    """Capture per `decision` and attach the graphs to `runner` (a core.model_runner.ModelRunner);
-    returns the note for the engine's log. A failed capture leaves decode eager and says why."""
+def capture_graphs(runner: Any, decision: GraphDecision, vocab_size: int, platform: Any) -> str:
+    """Capture per `decision` with the platform's graph runner and attach it to `runner` (a
+    core.model_runner.ModelRunner); returns the note for the engine's log. A failed capture
+    leaves decode eager and says why."""
     if not decision.enabled:
         log.info("%s", decision.note)
         return decision.note
     import time
 
-    gr = CudaGraphRunner(runner.model, runner.decode_backend, runner.kv_pool,
-                         runner.req_to_token, runner.device, decision.sizes, vocab_size)
     t = time.perf_counter()
     try:
+        gr = platform.graph_runner(runner, decision.sizes, vocab_size)
         gr.capture()
     except Exception as exc:  # noqa: BLE001 - reported in the note and the log, decode goes eager
         note = (f"graph capture off: capture failed ({type(exc).__name__}: {exc}); decode runs "

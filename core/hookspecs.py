@@ -19,7 +19,7 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"  # 1.1: hardware targets may register a Platform; layer ops
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -28,10 +28,12 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def core_register_hardware(register):
-    """Register hardware targets: register(name, HardwareCaps, probe).
+    """Register hardware targets: register(name, HardwareCaps, probe, platform=None).
 
     `probe()` returns a DeviceInfo saying honestly what is installed and present (available=False
-    with a reason when not); it must not raise for absent hardware.
+    with a reason when not); it must not raise for absent hardware. `platform` (callable or
+    "module:attr", imported only on that target) builds the target's runtime from the DeviceInfo:
+    a core.platform.Platform (memory, defaults, copies, graphs, post-load transforms, overlap).
     """
 
 
@@ -60,3 +62,9 @@ def core_register_quant_methods(register):
 def core_register_models(register):
     """Register model architectures: register(name, ModelCaps, factory); factory(config) returns
     a torch.nn.Module implementing the architectures named in ModelCaps."""
+
+
+@hookspec
+def core_register_layer_ops(register):
+    """Register layer ops: register(name, LayerOpsCaps, factory); factory(dtype=, device=)
+    returns an object implementing core.layer_ops.LayerOps (fused element-wise kernels)."""

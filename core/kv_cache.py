@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from core.layers import triton_ops
+import torch
 
 
 class KVPool:
@@ -25,7 +25,8 @@ class KVPool:
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, page_size: int = 1,
-                 v_head_dim: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
+                 v_head_dim: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                 store: Callable | None = None):
         if num_slots < page_size * 2:
             raise ValueError(f"KV pool of {num_slots} slots is too small for page size "
                              f"{page_size}")
@@ -47,6 +48,9 @@ class KVPool:
         self.v_buffers = [torch.zeros(num_slots, num_kv_heads, self.v_head_dim, dtype=dtype,
                                       device=self.device) for _ in range(num_layers)]
         self.writes = [0] * num_layers
+        # the layer ops' KV store (core.layer_ops: one kernel for K and V where fused); returns
+        # False for tensors it does not take, which the pool then writes itself
+        self.store = store
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -61,13 +65,11 @@ class KVPool:
         """Write new tokens' K/V. loc: [T] slots; k: [T, kv_heads, head_dim]; v likewise."""
         self.writes[layer_id] += 1
         kb, vb = self.k_buffers[layer_id], self.v_buffers[layer_id]
-        if (self.k_scale == 1.0 and self.v_scale == 1.0
-                and triton_ops.can_store_kv(k, v, kb, vb)):
-            triton_ops.store_kv(k, v, loc, kb, vb)  # one kernel for both (GPU)
-            return
         if self.k_scale != 1.0:
             k = k / self.k_scale
         if self.v_scale != 1.0:
             v = v / self.v_scale
-        self.k_buffers[layer_id][loc] = k.to(self.dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+        if self.store is not None and self.store(k, v, loc, kb, vb):
+            return
+        kb[loc] = k.to(self.dtype)
+        vb[loc] = v.to(self.dtype)

@@ -35,6 +35,7 @@ class LoadedModel:
     model_path: str
     dtype: torch.dtype
     notes: list[str] = field(default_factory=list)
+    ops: Any = None  # the layer ops the model was built with (core.layer_ops)
 
 
 @dataclass(frozen=True)
@@ -238,8 +239,6 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
     notes: list[str] = []
     if args.load_format == "auto":
         notes.append(f"load format: {source.load_format} (found in {source.directory})")
-    if args.revision:
-        notes.append(f"--revision {args.revision} ignored: models load from a local path")
     config = load_config(source, args.trust_remote_code)
     if args.context_length:
         old = getattr(config, "max_position_embeddings", None)
@@ -257,7 +256,8 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
     device = torch.device(plan.device.device_type)
     quant = _instantiate(registry, "quant", plan.quant_method)
     moe = _instantiate(registry, "moe", plan.moe_runner) if plan.moe_runner else None
-    ctx = ModelContext(dtype=dtype, device=device, quant_method=quant, moe_runner=moe)
+    ctx = ModelContext(dtype=dtype, device=device, quant_method=quant, moe_runner=moe,
+                       ops=make_layer_ops(registry, plan.layer_ops, dtype, device))
     model = model_cls(config, ctx)
     model.eval()
 
@@ -274,7 +274,21 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
         bar.close()
 
     tokenizer = _load_tokenizer(args, source, notes)
-    return LoadedModel(model, config, tokenizer, model_path, dtype, notes)
+    return LoadedModel(model, config, tokenizer, model_path, dtype, notes, ctx.ops)
+
+
+def make_layer_ops(registry: Any, name: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """The plan's layer-ops plugin, built once, with the reference behind the ops it lacks."""
+    from core.layer_ops import WithReference
+    from core.layers.ops_ref import TorchLayerOps
+
+    reference = TorchLayerOps(dtype, device)
+    if name == "torch":
+        return reference
+    reg = registry.get("layer_ops", name)
+    if reg is None:
+        raise ValueError(f"no layer-ops plugin named {name!r} is registered")
+    return WithReference(reg.load()(dtype=dtype, device=device), reference)
 
 
 def load_tokenizer(args: Any) -> Tokenizer | None:

@@ -17,8 +17,8 @@ import torch
 from core.attention import AttentionBackend, BackendContext
 from core.forward_batch import ForwardBatch, ForwardMode
 from core.kv_cache import KVPool
-from core.layers.linear import pack_for_cpu
 from core.memory_pool import ReqToTokenPool
+from core.platform import platform_for_device
 
 
 def make_backends(registry: Any, prefill: str, decode: str, ctx: BackendContext
@@ -39,30 +39,25 @@ class ModelRunner:
 
     def __init__(self, model: Any, kv_pool: KVPool, req_to_token: ReqToTokenPool,
                  prefill_backend: AttentionBackend, decode_backend: AttentionBackend,
-                 device: torch.device | str):
+                 device: torch.device | str, platform: Any = None):
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
         self.device = torch.device(device)
-        if self.device.type == "cpu":
-            # Loading is over: weights move to the layout the CPU kernels stream fastest.
-            pack_for_cpu(model)
+        if platform is None:  # in-process use (tests, tools): the platform of this device
+            platform = platform_for_device(self.device)
+        self.platform = platform  # core.platform.Platform
+        # Loading is over: weights move to the layout the device's kernels stream fastest.
+        self.notes: list[str] = list(platform.post_load(model))
         self.forward_count = {"extend": 0, "decode": 0}
-        # core.cuda_graph_runner.CudaGraphRunner when decode graphs were captured; batches it
+        # A graph runner (core.graphs.GraphRunner) when decode graphs were captured; batches it
         # cannot take (larger than its largest bucket) run eagerly below.
         self.graph_runner: Any = None
 
     def _tensor(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        # Pinned: a copy from pageable memory waits for the stream first (CUDA's rule), which
-        # would stall the host until the previous step ends and defeat the overlap scheduler.
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        return self.platform.to_device(torch.tensor(values, dtype=dtype), self.device)
 
     def _run(self, batch: ForwardBatch, backend: AttentionBackend,
              logit_index: torch.Tensor | None) -> torch.Tensor:
@@ -135,8 +130,8 @@ class ModelRunner:
             self.extend(list(range(n_req)), [0] * n_req, [[1] * n_tok] * n_req,
                         [[0] * n_tok] * n_req, [])
             done += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if done:
+            self.platform.synchronize(self.device)
         self.forward_count = before
         return done
 

@@ -12,7 +12,7 @@ from core.capabilities import DeviceInfo
 class Candidate:
     """One registered backend considered for one slot."""
 
-    slot: str  # prefill_attention | decode_attention | moe_runner | quant_method | device
+    slot: str  # prefill_attention | decode_attention | moe_runner | quant_method | layer_ops | model
     name: str
     origin: str  # distribution and version that registered it
     fits: bool
@@ -37,6 +37,7 @@ class Plan:
     model_impl: str | None  # registered models plugin serving the architecture, if any
     notes: tuple[str, ...] = ()
     candidates: tuple[Candidate, ...] = ()
+    layer_ops: str = "torch"  # the layer-ops plugin (core.layer_ops)
 
     def to_dict(self) -> dict[str, Any]:
         # Not asdict(self): it deep-copies DeviceInfo.extra, a mappingproxy, which cannot be.

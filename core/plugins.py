@@ -33,6 +33,7 @@ HOOK_FOR_KIND = {
     "moe": "core_register_moe_runners",
     "quant": "core_register_quant_methods",
     "models": "core_register_models",
+    "layer_ops": "core_register_layer_ops",
 }
 
 
@@ -61,6 +62,8 @@ class Registration:
     caps: Any
     factory: Callable | str
     origin: Origin
+    # hardware only: the target's core.platform.Platform factory (called with the DeviceInfo)
+    platform: Callable | str | None = None
 
     def load(self) -> Callable:
         """Resolve a lazy "module:attr" factory; this is where kernel libraries get imported."""
@@ -156,7 +159,8 @@ class _Register:
     def __init__(self, registry: Registry, kind: str, origin: Origin):
         self.registry, self.kind, self.origin = registry, kind, origin
 
-    def __call__(self, name: str, caps: Any, factory: Callable | str) -> None:
+    def __call__(self, name: str, caps: Any, factory: Callable | str,
+                 platform: Callable | str | None = None) -> None:
         if not isinstance(name, str) or not name or not name.replace("-", "_").replace(".", "_") \
                 .isidentifier():
             raise PluginError(f"invalid {self.kind} name {name!r}")
@@ -166,12 +170,19 @@ class _Register:
                               f"got {type(caps).__name__}")
         if not (callable(factory) or (isinstance(factory, str) and factory.strip())):
             raise PluginError(f"{self.kind} {name!r}: factory must be callable or 'module:attr'")
+        if platform is not None:
+            if self.kind != "hardware":
+                raise PluginError(f"{self.kind} {name!r}: only hardware targets register a "
+                                  "platform")
+            if not (callable(platform) or (isinstance(platform, str) and ":" in platform)):
+                raise PluginError(f"hardware {name!r}: platform must be callable or "
+                                  "'module:attr'")
         existing = self.registry.entries[self.kind].get(name)
         if existing is not None:
             raise PluginError(f"duplicate {self.kind} name {name!r}: registered by "
                               f"{existing.origin.describe()} and by {self.origin.describe()}")
         self.registry.entries[self.kind][name] = Registration(self.kind, name, caps, factory,
-                                                              self.origin)
+                                                              self.origin, platform)
 
 
 def _register_plugin(registry: Registry, pm: pluggy.PluginManager, plugin: Any,

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from core.capabilities import KV_CACHE_DTYPES, DeviceInfo, PageSizes
-from core.checks import check_attention, check_model, check_moe, check_quant
+from core.checks import check_attention, check_layer_ops, check_model, check_moe, check_quant
 from core.config import ServerArgs
 from core.model_spec import ModelSpec
 from core.plan import Candidate, Plan, ResolveError
@@ -34,10 +35,13 @@ SLOT_LABELS = {
     "prefill_attention": "prefill attention backend",
     "decode_attention": "decode attention backend",
     "moe_runner": "MoE runner",
+    "layer_ops": "layer ops",
     "model": "model implementation",
 }
 KIND_LABELS = {"attention": "attention backends", "moe": "MoE runners",
-               "quant": "quant methods", "models": "model implementations"}
+               "quant": "quant methods", "models": "model implementations",
+               "layer_ops": "layer-ops plugins"}
+DISABLE_FUSED_OPS_ENV = "CORE_DISABLE_FUSED_OPS"
 
 
 def _flag(name: str) -> str:
@@ -335,6 +339,19 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
         notes.append(f"--moe-runner-backend {args.moe_runner_backend} has no effect: "
                      f"{spec.architecture} is a dense model")
 
+    ops = None
+    ops_user, ops_flag = args.layer_ops, "--layer-ops"
+    if ops_user is None and os.environ.get(DISABLE_FUSED_OPS_ENV) == "1":
+        ops_user, ops_flag = "torch", f"{DISABLE_FUSED_OPS_ENV}=1"
+        notes.append(f"layer ops torch: {DISABLE_FUSED_OPS_ENV}=1")
+    oslot = _Slot("layer_ops", "layer_ops", registry, device.target,
+                  lambda caps: check_layer_ops(caps, device, dtype=dtype), ops_user, ops_flag)
+    slots.append(oslot)
+    try:
+        ops = oslot.options()[0].name
+    except ResolveError as exc:
+        errors.append(exc)
+
     mslot = _Slot("model", "models", registry, device.target, lambda caps: check_model(caps, spec),
                   None, "")
     slots.append(mslot)
@@ -345,21 +362,21 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
 
     if errors:
         raise _merge(errors, tuple(c for s in slots for c in s.candidates))
-    assert quant is not None and prefill is not None and decode is not None
+    assert quant is not None and prefill is not None and decode is not None and ops is not None
 
-    cuda_graph = _graph_capture(device, args, registry, decode, moe, notes)
+    cuda_graph = _graph_capture(device, args, registry, decode, moe, ops, notes)
     chosen = {"quant_method": quant, "prefill_attention": prefill, "decode_attention": decode,
-              "moe_runner": moe, "model": model_impl}
+              "moe_runner": moe, "layer_ops": ops, "model": model_impl}
     candidates = tuple(dataclasses.replace(c, chosen=chosen.get(c.slot) == c.name)
                        for s in slots for c in s.candidates)
     return Plan(device=device, dtype=dtype, prefill_attention=prefill, decode_attention=decode,
                 moe_runner=moe, quant_method=quant, kv_cache_dtype=kv, page_size=page,
                 cuda_graph=cuda_graph, model_impl=model_impl, notes=tuple(notes),
-                candidates=candidates)
+                candidates=candidates, layer_ops=ops)
 
 
 def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, decode: str,
-                   moe: str | None, notes: list[str]) -> bool:
+                   moe: str | None, ops: str, notes: list[str]) -> bool:
     """Graphs capture the decode step only, so the decode backend and MoE runner decide."""
     if not device.graph_capture:
         notes.append(f"graph capture off: {device.target} has no graph capture")
@@ -372,6 +389,8 @@ def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, dec
         blockers.append(f"decode attention {decode}")
     if moe is not None and not registry.get("moe", moe).caps.cuda_graph:
         blockers.append(f"MoE runner {moe}")
+    if not registry.get("layer_ops", ops).caps.cuda_graph:
+        blockers.append(f"layer ops {ops}")
     if blockers:
         notes.append(f"graph capture off: {' and '.join(blockers)} cannot be captured in CUDA "
                      f"graphs")
@@ -414,6 +433,7 @@ def explain(plan: Plan) -> str:
             ("prefill attention", plan.prefill_attention),
             ("decode attention", plan.decode_attention),
             ("MoE runner", plan.moe_runner or "- (dense model)"),
+            ("layer ops", plan.layer_ops),
             ("KV cache dtype", plan.kv_cache_dtype), ("page size", str(plan.page_size)),
             ("graph capture", "on" if plan.cuda_graph else "off"),
             ("model impl", plan.model_impl or "- (none registered)")]

@@ -109,7 +109,7 @@ class InflightDecode:
     batch: list[Req]
     tokens: Any  # torch.Tensor [B] on the device (the next step's input ids)
     host: Any  # torch.Tensor [B] on the host, filled by a non-blocking copy
-    event: Any  # torch.cuda.Event recorded after the copy, or None (copy was synchronous)
+    waiter: Any  # the platform's waiter for that copy (synchronize()), or None: already done
 
 
 class Scheduler:
@@ -254,20 +254,11 @@ class Scheduler:
 
     def _launch_decode(self, input_ids: Any) -> None:
         """Pages, forward and sampling of one decode step for self.running, left in flight."""
-        import torch
-
         batch = self.running
         logits = self._forward_decode(input_ids)
         tokens = self.sampler.launch(logits, [r.state for r in batch])
-        event = None
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = tokens
-        self.inflight = InflightDecode(list(batch), tokens, host, event)
+        host, waiter = self.runner.platform.copy_to_host(tokens)
+        self.inflight = InflightDecode(list(batch), tokens, host, waiter)
 
     def _chain_decode(self) -> list[Req]:
         prev = self.inflight
@@ -282,8 +273,8 @@ class Scheduler:
         """Read the in-flight step's tokens and apply them (requests already finished or
         aborted since its launch drop theirs)."""
         inf, self.inflight = self.inflight, None
-        if inf.event is not None:
-            inf.event.synchronize()
+        if inf.waiter is not None:
+            inf.waiter.synchronize()
         live = [(r, t) for r, t in zip(inf.batch, inf.host.tolist(), strict=True)
                 if r.finish is None]
         for r, t in live:

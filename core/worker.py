@@ -21,36 +21,9 @@ from core.config import ServerArgs, make_server_args
 from core.ipc import Channel, ChannelClosed
 from core.plan import Plan
 
-DEFAULT_MAX_RUNNING = {"cpu": 64}  # other device types: 256
-CPU_DEFAULT_KV_CAP = 32768  # tokens: host RAM is not the KV cache's to fill by default
 GiB = 2**30
-# (device memory at least, prefill chunk in tokens): a bigger device affords bigger chunks
-CHUNK_BY_MEMORY = ((90 * GiB, 16384), (40 * GiB, 8192), (20 * GiB, 4096), (0, 2048))
-BASE_RESERVE = 1 * GiB  # runtime context, library workspaces, allocator slack
 HEARTBEAT_S = 1.0  # the worker's liveness beat, sent from its own thread (steps may be long)
 SNAPSHOT_S = 0.25  # how often, at most, the loop refreshes the stats the heartbeat carries
-
-
-def memory_defaults(device_type: str, total_bytes: int, spec: Any, dtype_bytes: int,
-                    intermediate_size: int | None = None) -> tuple[int, float, str]:
-    """(chunked prefill size, mem_fraction_static, note) when the user set neither, from the
-    device's total memory as its hardware plugin reports it.
-
-    The chunk grows with memory; the static fraction leaves room for what is not static: the
-    activations of one prefill chunk (the widest live tensors per token, twice over for the
-    allocator) plus BASE_RESERVE. CUDA graphs' memory is reserved separately. A CPU keeps a
-    small chunk and half of RAM (it is not the KV cache's to fill)."""
-    if device_type == "cpu":
-        return 2048, 0.5, "CPU defaults: chunked prefill 2048, mem fraction 0.5"
-    chunk = next(c for floor, c in CHUNK_BY_MEMORY if total_bytes >= floor)
-    inter = intermediate_size or 4 * spec.hidden_size
-    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-    per_token = (3 * inter + qkv + 4 * spec.hidden_size) * dtype_bytes
-    reserve = BASE_RESERVE + 2 * chunk * per_token
-    fraction = round(min(0.9, max(0.5, 1 - reserve / max(total_bytes, 1))), 3)
-    return chunk, fraction, (
-        f"from {total_bytes / GiB:.0f} GiB of device memory: chunked prefill {chunk} tokens, "
-        f"mem fraction {fraction} (keeps {reserve / GiB:.1f} GiB for activations)")
 
 
 def make_plan(args: ServerArgs, registry: Any = None) -> tuple[ServerArgs, Plan, Any, Any]:
@@ -79,18 +52,28 @@ class EngineCore:
     loaded: Any  # core.loader.LoadedModel
 
 
+def geometry_of(spec: Any, cfg: Any, dtype_bytes: int) -> Any:
+    """What a Platform's memory defaults depend on, from the model spec and its HF config."""
+    from core.platform import ModelGeometry
+
+    return ModelGeometry(hidden_size=spec.hidden_size, num_heads=spec.num_heads,
+                         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                         intermediate_size=getattr(cfg, "intermediate_size", None),
+                         vocab_size=int(spec.vocab_size), dtype_bytes=dtype_bytes)
+
+
 def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
                       loaded: Any = None) -> EngineCore:
     import torch
 
     from core.attention import BackendContext
-    from core.cuda_graph_runner import capture_graphs, graph_memory_reserve
-    from core.cuda_graph_runner import decide as decide_graphs
-    from core.devices import free_memory_bytes, torch_device
+    from core.graphs import capture_graphs, graph_memory_reserve
+    from core.graphs import decide as decide_graphs
     from core.kv_cache import KVPool
     from core.loader import load_model
     from core.memory_pool import PageAllocator, ReqToTokenPool, kv_pool_tokens
     from core.model_runner import ModelRunner, make_backends
+    from core.platform import load_platform
     from core.radix_cache import make_prefix_cache
     from core.sampling import Sampler
     from core.scheduler import Scheduler, SchedulerConfig
@@ -98,8 +81,8 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     if plan.device.simulated:
         raise ValueError(f"cannot run on a simulated device ({plan.device.describe()}); "
                          f"drop --device-profile to run here")
-    dev_type = plan.device.device_type
-    device = torch.device(torch_device(plan.device))
+    platform = load_platform(registry, plan.device)
+    device = torch.device(platform.torch_device(0))
     if loaded is None:
         loaded = load_model(args, plan, registry)
     cfg = loaded.hf_config
@@ -113,49 +96,49 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     page = plan.page_size
     per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                        kv_dtype, spec.v_head_dim)
-    free = free_memory_bytes(plan.device) if args.max_total_tokens is None else 0
-    max_running = args.max_running_requests or DEFAULT_MAX_RUNNING.get(dev_type, 256)
+    free = platform.memory(0)[0] if args.max_total_tokens is None else 0
+    mem_total = plan.device.memory_bytes or free
+    defaults = platform.memory_defaults(mem_total, geometry_of(spec, cfg, loaded.dtype.itemsize))
+    max_running = args.max_running_requests or defaults.max_running_requests
     # Decode graphs: decided (with a note either way) and their memory reserved before the KV
     # pool takes what is left.
-    graphs = decide_graphs(plan.cuda_graph, device.type,
-                           registry.get("attention", plan.decode_attention).load()
-                           if plan.cuda_graph else None,
-                           args.cuda_graph_max_bs, plan.device.memory_bytes or free, max_running)
+    decode_reg = registry.get("attention", plan.decode_attention)
+    graphs = decide_graphs(plan.cuda_graph, platform.graphs(),
+                           bool(decode_reg is not None and decode_reg.caps.cuda_graph),
+                           plan.decode_attention, args.cuda_graph_max_bs, defaults.graph_max_bs,
+                           max_running)
     if graphs.enabled and args.max_total_tokens is None:
         reserve = graph_memory_reserve(graphs.max_bs, spec.vocab_size, spec.hidden_size,
                                        getattr(cfg, "intermediate_size", None),
                                        loaded.dtype.itemsize)
         free = max(free - reserve, 0)
-    mem_total = plan.device.memory_bytes or free
-    chunk_default, fraction_default, defaults_note = memory_defaults(
-        dev_type, mem_total, spec, loaded.dtype.itemsize, getattr(cfg, "intermediate_size", None))
     tokens, note = kv_pool_tokens(
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         free_bytes=free, total_bytes=mem_total,
         bytes_per_token=per_token, page_size=page,
-        default_fraction=fraction_default,
-        cap_tokens=CPU_DEFAULT_KV_CAP if dev_type == "cpu" else None)
+        default_fraction=defaults.mem_fraction_static, cap_tokens=defaults.kv_cap_tokens)
     # One extra page: page 0 is the padding sink, so `tokens` stay usable.
     kv_pool = KVPool(tokens + page, spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype,
-                     device, page, spec.v_head_dim)
+                     device, page, spec.v_head_dim,
+                     store=loaded.ops.store_kv() if loaded.ops is not None else None)
     req_to_token = ReqToTokenPool(max_running, max_context, device)
     ctx = BackendContext(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                          head_dim=spec.head_dim, num_layers=spec.num_layers,
                          dtype=loaded.dtype, kv_dtype=kv_dtype, device=device, page_size=page,
                          max_context_len=max_context)
     prefill, decode = make_backends(registry, plan.prefill_attention, plan.decode_attention, ctx)
-    runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device)
-    graph_note = capture_graphs(runner, graphs, int(cfg.vocab_size))
-    if dev_type != "cpu":
-        # Compile the prefill kernels' common variants now (short and long extensions, one
-        # request and a batch): seconds at startup instead of in the first requests.
-        runner.warmup([(1, 16), (1, 1100), (64, 16), (8, 300)])
+    runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device, platform)
+    graph_note = capture_graphs(runner, graphs, int(cfg.vocab_size), platform)
+    # Compile the prefill kernels' common variants now (where the platform says it pays):
+    # seconds at startup instead of in the first requests.
+    runner.warmup(platform.warmup_shapes())
     allocator = PageAllocator((tokens + page) // page, page)
     cache = make_prefix_cache(allocator, page, args.disable_radix_cache,
                               args.radix_eviction_policy)
+    overlap, overlap_note = platform.overlap_schedule()
     chunk = args.chunked_prefill_size
     if chunk is None:
-        chunk = chunk_default
+        chunk = defaults.chunked_prefill_size
     sched_cfg = SchedulerConfig(
         page_size=page, max_context=max_context, max_running_requests=max_running,
         max_queued_requests=args.max_queued_requests,
@@ -164,13 +147,9 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
         enable_priority_scheduling=args.enable_priority_scheduling,
         priority_preemption_threshold=args.priority_scheduling_preemption_threshold,
         schedule_conservativeness=args.schedule_conservativeness, seed=args.seed,
-        overlap=not args.disable_overlap_schedule and dev_type != "cpu")
-    overlap_note = ("overlap schedule on: decode step N+1 is launched before the host reads "
-                    "step N's tokens" if sched_cfg.overlap else
-                    "overlap schedule off: " + ("--disable-overlap-schedule"
-                                                if args.disable_overlap_schedule else
-                                                "a CPU computes while the host schedules, "
-                                                "nothing to overlap"))
+        overlap=overlap and not args.disable_overlap_schedule)
+    if args.disable_overlap_schedule:
+        overlap_note = "overlap schedule off: --disable-overlap-schedule"
     tok = loaded.tokenizer
     eos = set(tok.eos_token_ids) if tok is not None else set()
     cfg_eos = getattr(cfg, "eos_token_id", None)
@@ -183,7 +162,8 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     info = {"max_context": max_context, "pool_tokens": allocator.total_pages * page,
             "page_size": page, "max_running_requests": max_running, "vocab_size": vocab,
             "eos_token_ids": sorted(eos), "chunked_prefill_size": sched_cfg.chunked_prefill_size,
-            "kv_bytes_per_token": per_token, "notes": [*loaded.notes, defaults_note, note, graph_note, overlap_note],
+            "kv_bytes_per_token": per_token, "notes": [*loaded.notes, *runner.notes, defaults.note, note, graph_note,
+                      overlap_note],
             "cuda_graph_batch_sizes": sorted(runner.graph_runner.graphs)
             if runner.graph_runner is not None else [],
             "device": str(device), "pid": os.getpid()}

@@ -154,8 +154,9 @@ def builtin_backend_plugins() -> list[tuple[str, object]]:
     """The built-in reference backends as in-process plugins (no hardware, no entry points)."""
     import plugins.attention.torch_native as attention_torch_native
     import plugins.moe.torch_native as moe_torch_native
+    import plugins.ops.torch_ref as ops_torch
     import plugins.quant.unquantized as quant_unquantized
 
     return [("attention_torch_native", attention_torch_native),
             ("moe_torch_native", moe_torch_native),
-            ("quant_unquantized", quant_unquantized)]
+            ("quant_unquantized", quant_unquantized), ("ops_torch", ops_torch)]

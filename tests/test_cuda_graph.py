@@ -19,28 +19,24 @@ if not torch.cuda.is_available():
 
 from core.attention import AttentionBackend  # noqa: E402
 from core.config import ServerArgs  # noqa: E402
-from core.cuda_graph_runner import (  # noqa: E402
-    CudaGraphRunner,
+from core.graphs import (  # noqa: E402
     GraphDecision,
+    GraphRunner,
     capture_graphs,
     decide,
-    default_max_bs,
     graph_batch_sizes,
     graph_memory_reserve,
     padded_inputs,
     pick_bucket,
 )
+from core.platform import GraphSupport  # noqa: E402
 from core.testing.model_configs import llama_config  # noqa: E402
+from plugins.hardware.gpu import default_graph_max_bs as default_max_bs  # noqa: E402
 
 GB = 10**9
 
 
-class _Graphable:
-    supports_graph = True
-
-
-class _Plain:
-    supports_graph = False
+ON, NO_GRAPHS = GraphSupport(True), GraphSupport(False, "device type cpu has no decode graphs")
 
 
 # -- bookkeeping -----------------------------------------------------------------------------------
@@ -88,18 +84,21 @@ def test_graph_memory_reserve_grows_with_batch_and_vocab_and_stays_modest_for_8b
 
 
 def test_decide_honours_the_plan_device_backend_and_max_bs():
-    off = decide(False, "cuda", _Graphable, None, 141 * GB, 256)
+    off = decide(False, ON, True, "triton", None, 160, 256)
     assert not off.enabled and "graph capture off" in off.note
-    cpu = decide(True, "cpu", _Graphable, None, 141 * GB, 256)
+    cpu = decide(True, NO_GRAPHS, True, "triton", None, 0, 256)
     assert not cpu.enabled and "cpu" in cpu.note
-    plain = decide(True, "cuda", _Plain, None, 141 * GB, 256)
-    assert not plain.enabled and "no graph hooks" in plain.note and "_Plain" in plain.note
-    on = decide(True, "cuda", _Graphable, None, 141 * GB, 256)
+    plain = decide(True, ON, False, "torch_native", None, 160, 256)
+    assert not plain.enabled and "does not declare graph capture" in plain.note
+    assert "torch_native" in plain.note
+    on = decide(True, ON, True, "triton", None, default_max_bs(141 * GB), 256)
     assert on.enabled and on.max_bs == 160 and on.sizes[0] == 1 and "160" in on.note
-    user = decide(True, "cuda", _Graphable, 12, 141 * GB, 256)
+    user = decide(True, ON, True, "triton", 12, 160, 256)
     assert user.sizes == (1, 2, 4, 8, 12) and "--cuda-graph-max-bs" in user.note
-    capped = decide(True, "cuda", _Graphable, None, 141 * GB, 32)
+    capped = decide(True, ON, True, "triton", None, 160, 32)
     assert capped.max_bs == 32 and "max_running_requests" in capped.note
+    none = decide(True, ON, True, "triton", None, 0, 32)
+    assert not none.enabled and "no batch size" in none.note
 
 
 def test_disable_cuda_graph_reaches_the_engine_as_a_note(model_spec, test_registry):
@@ -111,18 +110,20 @@ def test_disable_cuda_graph_reaches_the_engine_as_a_note(model_spec, test_regist
     off = resolve(spec, PROFILES["h200"], ServerArgs(disable_cuda_graph=True), test_registry)
     assert on.cuda_graph and not off.cuda_graph
     assert "graph capture off: --disable-cuda-graph" in off.notes
-    assert not decide(off.cuda_graph, "cuda", _Graphable, None, 141 * GB, 256).enabled
+    assert not decide(off.cuda_graph, ON, True, "triton", None, 160, 256).enabled
 
 
-def test_backend_protocol_hooks_are_optional_and_triton_declares_them():
-    assert AttentionBackend.supports_graph is False
+def test_backend_graph_hooks_are_optional_and_graph_safety_is_declared_in_caps():
+    from core.plugins import build_registry
+
+    class _Plain:
+        pass
+
+    assert not hasattr(AttentionBackend, "supports_graph")  # declared once: the caps
     with pytest.raises(NotImplementedError, match="cannot be captured"):
         AttentionBackend.prepare_for_graph(_Plain(), None, 1)
-    pytest.importorskip("triton")
-    from plugins.attention.torch_native.backend import TorchNativeAttention
-    from plugins.attention.triton.backend import TritonAttention
-
-    assert TritonAttention.supports_graph and not TorchNativeAttention.supports_graph
+    attn = build_registry().kind("attention")
+    assert attn["triton"].caps.cuda_graph and not attn["torch_native"].caps.cuda_graph
 
 
 def test_a_disabled_decision_captures_nothing_and_returns_its_note():
@@ -130,13 +131,13 @@ def test_a_disabled_decision_captures_nothing_and_returns_its_note():
         graph_runner = None
 
     runner = Runner()
-    note = capture_graphs(runner, GraphDecision(False, (), "graph capture off: test"), 10)
+    note = capture_graphs(runner, GraphDecision(False, (), "graph capture off: test"), 10, None)
     assert note == "graph capture off: test" and runner.graph_runner is None
 
 
 # -- padded replay against eager decode (CPU stand-in for the graph) -------------------------------
 
-def _stand_in_capture(gr: CudaGraphRunner) -> None:
+def _stand_in_capture(gr: GraphRunner) -> None:
     """What capture records, replayed by rerunning it on the same static buffers."""
 
     class Replay:
@@ -146,7 +147,7 @@ def _stand_in_capture(gr: CudaGraphRunner) -> None:
         def replay(self):
             gr._forward(self.batch, self.bs)
 
-    gr.backend.init_graph_state(gr.max_bs, gr.req_to_token.max_context)
+    gr.prepare_capture()
     for bs in gr.sizes:
         batch = gr._batch(bs)
         batch.attn_meta = gr.backend.prepare_for_graph(batch, bs)
@@ -217,8 +218,8 @@ def test_padded_replay_matches_eager_decode_and_big_batches_stay_eager(tiny_runn
     eager5 = step(5).clone()
     restore()
 
-    gr = CudaGraphRunner(runner.model, runner.decode_backend, pool, runner.req_to_token,
-                         torch.device("cpu"), [1, 2, 4], vocab)
+    gr = GraphRunner(runner.model, runner.decode_backend, pool, runner.req_to_token,
+                     torch.device("cpu"), [1, 2, 4], vocab)
     _stand_in_capture(gr)
     runner.graph_runner = gr
     try:

@@ -460,3 +460,58 @@ def test_conformance_suite_fails_a_wrong_backend(wrong_site):
     assert passed and all("-decode-" in case for case in passed), results
     assert len(failed) == counts["failed"]
     assert re.search(r"wrong_mask layer \d extend output differs from the fp32 reference", out)
+
+
+# --- the example accelerator serves end to end through its own Platform --------------------------
+
+def test_core_serve_runs_on_the_example_accelerator(example_site):
+    """`core serve --device example_accel`: a third-party hardware target with a Platform of its
+    own (memory defaults, copies, no graphs) serves a chat completion; core-serve is unchanged.
+    The example's SDPA backend is the one attention backend declaring that target."""
+    import signal
+    import socket
+    import time
+
+    from core.server.testing import http_request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(sys.executable).with_name("core")
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "core.cli"]
+    proc = subprocess.Popen(cmd + ["serve", "--device", "example_accel", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=_env(example_site, CORE_EXAMPLE_ACCEL="1", PYTHONUNBUFFERED="1"))
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "listening on" in line:
+                break
+        out = "".join(lines)
+        assert "listening on http://127.0.0.1:" in out, out
+        assert "example_accel: 1x Example Accelerator" in out
+        assert re.search(r"decode attention\s+example_sdpa", out), out
+        # the engine's startup notes come from the target's Platform
+        assert "engine: example_accel defaults: chunked prefill 512" in out
+        assert "graph capture off: example_accel has no graph capture" in out
+        url = f"http://127.0.0.1:{port}"
+        status, _, raw = http_request(url, "POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12, "temperature": 0}, {}, timeout=300)
+        assert status == 200, raw[:500]
+        answer = json.loads(raw)["choices"][0]["message"]["content"]
+        assert "Paris" in answer, answer
+        status, _, raw = http_request(url, "GET", "/get_server_info", None, {}, timeout=60)
+        assert json.loads(raw)["plan"]["device"]["target"] == "example_accel"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -27,8 +27,9 @@ from plugins.moe.torch_native.runner import TorchNativeMoE, select_experts
 
 def test_model_context_defaults_and_frozen():
     ctx = ModelContext()
-    assert ctx.dtype == torch.float32 and ctx.device == torch.device("cpu")
+    assert ctx.dtype == torch.float32 and ctx.device is None  # None: torch's default device
     assert isinstance(ctx.quant_method, UnquantizedLinearMethod) and ctx.moe_runner is None
+    assert type(ctx.ops).__name__ == "TorchLayerOps"  # the reference layer ops
     with pytest.raises(AttributeError):
         ctx.dtype = torch.float16
 

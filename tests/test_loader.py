@@ -159,12 +159,15 @@ def test_dummy_in_bfloat16_with_tokenizer_path(tmp_path, registry):
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("hi")) == "hi"
 
 
-def test_context_length_and_revision_notes(tmp_path, registry):
+def test_context_length_note_and_flags_with_no_effect_are_refused(tmp_path, registry):
     path = write_tiny_model("llama", tmp_path)
-    loaded = load(path, registry, context_length=64, revision="main")
+    loaded = load(path, registry, context_length=64)
     assert loaded.hf_config.max_position_embeddings == 64
     assert any("context length 64" in n for n in loaded.notes)
-    assert any("--revision main ignored" in n for n in loaded.notes)
+    with pytest.raises(ValueError, match="--revision main: models load from a local path"):
+        make_server_args(model_path=str(path), revision="main")
+    with pytest.raises(ValueError, match="--tp-size 2: tensor parallelism is not implemented"):
+        make_server_args(model_path=str(path), tp_size=2)
 
 
 def test_unknown_model_impl(tmp_path, registry):

@@ -4,16 +4,28 @@ from __future__ import annotations
 
 import pytest
 
-from core.worker import GiB, memory_defaults
+from core.platform import ModelGeometry
+from plugins.hardware.cpu_runtime import CpuPlatform
+from plugins.hardware.gpu import gpu_memory_defaults
+
+GiB = 2**30
 
 
 @pytest.fixture
 def llama8b(model_spec):
-    return model_spec("llama-3.1-8b")
+    s = model_spec("llama-3.1-8b")
+    return ModelGeometry(hidden_size=s.hidden_size, num_heads=s.num_heads,
+                         num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                         intermediate_size=14336, vocab_size=s.vocab_size, dtype_bytes=2)
+
+
+def memory_defaults(total, geometry):
+    d = gpu_memory_defaults(total, geometry)
+    return d.chunked_prefill_size, d.mem_fraction_static, d.note
 
 
 def test_bigger_devices_get_bigger_chunks_and_keep_enough_free(llama8b):
-    rows = [(gib, *memory_defaults("cuda", gib * GiB, llama8b, 2, 14336)[:2])
+    rows = [(gib, *memory_defaults(gib * GiB, llama8b)[:2])
             for gib in (16, 24, 48, 80, 141)]
     chunks = [c for _, c, _ in rows]
     assert chunks == sorted(chunks) and chunks[0] == 2048 and chunks[-1] == 16384
@@ -27,10 +39,15 @@ def test_bigger_devices_get_bigger_chunks_and_keep_enough_free(llama8b):
 
 
 def test_the_note_says_where_the_numbers_came_from(llama8b):
-    chunk, fraction, note = memory_defaults("cuda", 80 * GiB, llama8b, 2, 14336)
+    chunk, fraction, note = memory_defaults(80 * GiB, llama8b)
     assert f"chunked prefill {chunk}" in note and f"mem fraction {fraction}" in note
     assert "80 GiB" in note
 
 
 def test_cpu_keeps_its_own_defaults(llama8b):
-    assert memory_defaults("cpu", 512 * GiB, llama8b, 4)[:2] == (2048, 0.5)
+    from plugins.hardware import cpu
+
+    d = CpuPlatform(cpu.probe()).memory_defaults(512 * GiB, llama8b)
+    assert (d.chunked_prefill_size, d.mem_fraction_static, d.max_running_requests,
+            d.kv_cap_tokens, d.graph_max_bs) == (2048, 0.5, 64, 32768, 0)
+    assert "CPU defaults" in d.note

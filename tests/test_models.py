@@ -22,9 +22,9 @@ from model_fixtures import (
 
 from core.config import make_server_args
 from core.layers import Linear
-from core.layers.linear import pack_for_cpu
 from core.loader import load_model
 from core.plugins import build_registry
+from plugins.hardware.cpu_runtime import pack_model as pack_for_cpu
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 IMPL = {"llama3": "llama"}

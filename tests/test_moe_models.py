@@ -257,7 +257,7 @@ def test_weights_packed_for_cpu(pair):
     expert included; stacked experts left for the runner) gives the same logits."""
     import copy
 
-    from core.layers.linear import pack_for_cpu
+    from plugins.hardware.cpu_runtime import pack_model as pack_for_cpu
 
     model, hf, config = pair
     packed = copy.deepcopy(model)

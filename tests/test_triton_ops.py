@@ -1,4 +1,4 @@
-"""The fused GPU element-wise kernels (core.layers.triton_ops) against the PyTorch layers they
+"""The fused GPU element-wise kernels (plugins/ops/triton) against the PyTorch layers they
 replace. On the CPU they run under the Triton interpreter (fp32 / fp16 only: bf16 arithmetic is
 not exact there); on a GPU (`-m gpu`) also in bf16."""
 
@@ -14,10 +14,11 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from core.layers import triton_ops  # noqa: E402
 from core.layers.activation import GatedAct  # noqa: E402
 from core.layers.norm import RMSNorm  # noqa: E402
 from core.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+from plugins.ops.triton import kernels as triton_ops  # noqa: E402
+from plugins.ops.triton.ops import TritonLayerOps  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -94,22 +95,32 @@ def test_empty_batches_launch_nothing():
     assert triton_ops.silu_and_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
 
 
-def test_the_layers_use_pytorch_on_the_cpu_and_can_be_turned_off(monkeypatch):
-    assert not triton_ops.available("cpu")  # the interpreter is for tests, never the engine
-    triton_ops.available.cache_clear()
+def test_the_engine_uses_them_on_gpus_only_and_they_can_be_turned_off(model_spec, monkeypatch):
+    from core.config import ServerArgs
+    from core.devices import PROFILES
+    from core.plugins import build_registry
+    from core.resolver import resolve
+
+    test_registry = build_registry()
+    spec = model_spec("llama-3.1-8b")
+    assert resolve(spec, PROFILES["h100"], ServerArgs(), test_registry).layer_ops == "triton"
+    cpu = resolve(spec, PROFILES["xeon-amx"], ServerArgs(), test_registry)
+    assert cpu.layer_ops == "torch"  # the interpreter is for tests, never the engine
+    why = next(c for c in cpu.candidates if c.slot == "layer_ops" and c.name == "triton")
+    assert "device cpu not supported" in why.reasons[0]
     monkeypatch.setenv("CORE_DISABLE_FUSED_OPS", "1")
-    try:
-        assert not triton_ops.available("cuda")
-    finally:
-        triton_ops.available.cache_clear()
+    off = resolve(spec, PROFILES["h100"], ServerArgs(), test_registry)
+    assert off.layer_ops == "torch" and "layer ops torch: CORE_DISABLE_FUSED_OPS=1" in off.notes
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_the_layers_take_the_fused_path_on_the_gpu():
-    norm = _norm(256, torch.bfloat16)
+    ops = TritonLayerOps(torch.bfloat16, DEVICE)
+    norm = RMSNorm(256, 1e-5, torch.bfloat16, DEVICE, ops)
     assert norm.bound().func is triton_ops.rms_norm
-    act = GatedAct("silu")
+    act = GatedAct("silu", ops)
+    assert act._fused is triton_ops.silu_and_mul
     x = torch.randn(4, 512, dtype=torch.bfloat16, device=DEVICE)
     gate, up = x.chunk(2, dim=-1)
     _close(act(x), torch.nn.functional.silu(gate) * up, torch.bfloat16)
@@ -125,7 +136,7 @@ def test_store_kv_writes_exactly_the_slots(dtype):
     k_buf = torch.full((size, Hkv, D), 7.0, dtype=dtype, device=DEVICE)
     v_buf = torch.full((size, Hkv, D), 7.0, dtype=dtype, device=DEVICE)
     loc = torch.tensor([3, 39, 0, 12, 13, 5], device=DEVICE)
-    assert triton_ops.can_store_kv(k, v, k_buf, v_buf) == ON_GPU  # the engine: GPUs only
+    assert triton_ops.can_store_kv(k, v, k_buf, v_buf)
     triton_ops.store_kv(k, v, loc, k_buf, v_buf)
     assert torch.equal(k_buf[loc], k) and torch.equal(v_buf[loc], v)
     untouched = torch.ones(size, dtype=torch.bool)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from core.layers import triton_ops
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -18,14 +18,17 @@ def get_act_fn(name: str):
 
 
 class GatedAct(nn.Module):
-    """act(gate) * up, where x = [gate | up] along the last dim: [T, 2I] -> [T, I]."""
+    """act(gate) * up, where x = [gate | up] along the last dim: [T, 2I] -> [T, I].
 
-    def __init__(self, act: str = "silu"):
+    SiLU runs through the layer ops' silu_and_mul (one kernel where they fuse it)."""
+
+    def __init__(self, act: str = "silu", ops: Any = None):
         super().__init__()
         self.act = get_act_fn(act)
+        self._fused = ops.silu_and_mul() if ops is not None and act == "silu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act is F.silu and x.dim() == 2 and x.is_cuda and triton_ops.usable_for(x):
-            return triton_ops.silu_and_mul(x)  # one kernel instead of three
+        if self._fused is not None and x.dim() == 2:
+            return self._fused(x)
         gate, up = x.chunk(2, dim=-1)
         return self.act(gate) * up

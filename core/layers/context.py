@@ -1,4 +1,4 @@
-"""What every layer is built with: compute dtype, device, quant method and MoE runner."""
+"""What every layer is built with: compute dtype, device, quant method, MoE runner, layer ops."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.layers.linear import UnquantizedLinearMethod
+from core.layers.ops_ref import TorchLayerOps
 
 
 @dataclass(frozen=True)
@@ -15,9 +16,11 @@ class ModelContext:
 
     quant_method: creates / post-processes / applies linear weights (the `unquantized` method's
     instance by default). moe_runner: the chosen MoE runner instance (None for dense models).
+    ops: the layer ops (core.layer_ops; the PyTorch reference by default), every op provided.
     """
 
     dtype: torch.dtype = torch.float32
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: torch.device | None = None  # None: torch's default device
     quant_method: object = field(default_factory=UnquantizedLinearMethod)
     moe_runner: object | None = None
+    ops: object = field(default_factory=TorchLayerOps)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.layers.linear import onednn_linear, onednn_pack
+from core.layers.linear import Matmul, Packer
 
 
 class VocabEmbedding(nn.Module):
@@ -39,19 +39,23 @@ class LMHead(nn.Module):
                                                    device=device), requires_grad=False)
         self.final_logit_softcap = final_logit_softcap
         self._packed: torch.Tensor | None = None
+        self._matmul: Matmul | None = None
 
-    def pack_for_cpu(self) -> None:
-        """Compute the product from a oneDNN-packed weight (2-3x faster than F.linear at decode
-        shapes on a CPU). Tied: a packed copy, since the embedding still looks up rows of the
-        plain weight (vocab x hidden more elements of memory); untied: the weight is swapped."""
-        packed = onednn_pack(self.weight)
-        if packed is not None and not self.tied:
+    def repack(self, pack: Packer, matmul: Matmul) -> None:
+        """Compute the product from a platform's packed weight (oneDNN's on a CPU: 2-3x faster
+        than F.linear at decode shapes). Tied: a packed copy, since the embedding still looks up
+        rows of the plain weight (vocab x hidden more elements of memory); untied: the weight
+        is swapped."""
+        packed = pack(self.weight)
+        if packed is None:
+            return
+        if not self.tied:
             self.weight = nn.Parameter(packed, requires_grad=False)
-        self._packed = packed if packed is not None else self._packed
+        self._packed, self._matmul = packed, matmul
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            logits = onednn_linear(hidden, self._packed).float()
+            logits = self._matmul(hidden, weight=self._packed, bias=None).float()
         else:
             logits = F.linear(hidden, self.weight).float()
         if self.final_logit_softcap:

@@ -4,11 +4,10 @@ A quant method has three duties (gpt-fast style: the model stays pure, the metho
 `create_weights(layer, ...)` registers parameters on the layer, `process_weights_after_loading`
 may repack them once the checkpoint is in, and `apply(layer, x)` computes the product.
 
-On a CPU the model runner also calls `pack_for_cpu(model)`: dense fp32 / bf16 weights move to
-oneDNN's blocked layout (see `onednn_pack`), which streams 1.4-1.9x faster than `F.linear` at
-the decode shapes (M = 1..16) and 1.1-1.4x at prefill (M = 512) on an AVX-512 CPU. Loading leaves
-weights in the checkpoint's layout, so everything that reads them after loading (tests, tools)
-sees plain tensors; only the runner's copy of the model is packed.
+A Platform may move dense weights to a layout its kernels stream faster once loading is over
+(`repack_dense_weights`; the cpu target's oneDNN blocked layout, plugins/hardware/cpu_onednn.py).
+Loading leaves weights in the checkpoint's layout, so everything that reads them after loading
+(tests, tools) sees plain tensors; only the runner's copy of the model is repacked.
 """
 
 from __future__ import annotations
@@ -20,32 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [out, in] -> oneDNN's blocked copy of it (an opaque `torch._mkldnn` tensor of the
-    same shape and dtype, for `onednn_linear`), or None where that does not apply: not on a CPU,
-    not fp32 / bf16, or no oneDNN (bf16: no AVX-512 bf16 support) in this torch build."""
-    if weight.device.type != "cpu" or weight.is_mkldnn or weight.dim() != 2:
-        return None
-    if weight.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if not torch.backends.mkldnn.is_available():
-        return None
-    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None
-    # No batch-size hint: one blocked layout serves every M (measured as fast as M-specific ones).
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-
-
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ W^T (+ bias) with W packed by `onednn_pack` -> [..., out] in x's dtype."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+# A platform's dense product over its own weight layout, called as matmul(x, weight=W, bias=b)
+# with x [..., in] and the packed W -> [..., out] in x's dtype
+Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# weight [out, in] -> the packed form `Matmul` takes, or None where it does not apply
+Packer = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
 class UnquantizedLinearMethod:
-    """Dense weights in the compute dtype; `F.linear`, or oneDNN over packed weights once
-    `pack_for_cpu` ran. The `unquantized` quant plugin's factory."""
+    """Dense weights in the compute dtype; `F.linear`, or a platform's product over repacked
+    weights once `repack` ran. The `unquantized` quant plugin's factory."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
                        dtype: torch.dtype, device: torch.device) -> None:
@@ -53,26 +36,28 @@ class UnquantizedLinearMethod:
                                                 device=device), requires_grad=False)
         layer.bias = (nn.Parameter(torch.empty(output_size, dtype=dtype, device=device),
                                    requires_grad=False) if bias else None)
+        layer.matmul = None  # a platform's product once the weight is repacked for it
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         return None
 
-    def pack_for_cpu(self, layer: nn.Module) -> None:
-        """Replace a CPU weight by its oneDNN-packed form (same shape and dtype; the plain one is
-        dropped, so memory does not double). A no-op elsewhere and when already packed."""
-        packed = onednn_pack(layer.weight)
+    def repack(self, layer: nn.Module, pack: Packer, matmul: Matmul) -> None:
+        """Replace the weight by `pack(weight)` (same shape and dtype; the plain one is dropped,
+        so memory does not double) and compute with `matmul`; a no-op where pack gives None."""
+        packed = pack(layer.weight)
         if packed is not None:
             layer.weight = nn.Parameter(packed, requires_grad=False)
+            layer.matmul = matmul
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if layer.weight.is_mkldnn:
-            return onednn_linear(x, layer.weight, layer.bias)
+        if layer.matmul is not None:
+            return layer.matmul(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def bind(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         """`apply` with the layer's tensors bound (the decode hot path skips module lookups)."""
-        if layer.weight.is_mkldnn:
-            return partial(onednn_linear, packed=layer.weight, bias=layer.bias)
+        if layer.matmul is not None:
+            return partial(layer.matmul, weight=layer.weight, bias=layer.bias)
         return partial(F.linear, weight=layer.weight, bias=layer.bias)
 
     def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
@@ -156,14 +141,14 @@ def process_weights_after_loading(model: nn.Module) -> None:
     _reset_bindings(model)
 
 
-def pack_for_cpu(model: nn.Module) -> None:
-    """Move the weights of a loaded model on a CPU to the layout its kernels stream fastest
-    (quant methods and modules offering `pack_for_cpu`); weights elsewhere are left alone.
-    Call it once loading is over: packed weights can no longer be loaded into."""
+def repack_dense_weights(model: nn.Module, pack: Packer, matmul: Matmul) -> None:
+    """Move a loaded model's dense weights to a platform's layout (quant methods and modules
+    offering `repack`; others are left alone). Call it once loading is over: repacked weights
+    can no longer be loaded into. Idempotent when `pack` returns None for a packed weight."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "pack_for_cpu"):
-            method.pack_for_cpu(module)
-        elif method is None and hasattr(module, "pack_for_cpu"):
-            module.pack_for_cpu()
+        if method is not None and hasattr(method, "repack"):
+            method.repack(module, pack, matmul)
+        elif method is None and hasattr(module, "repack"):
+            module.repack(pack, matmul)
     _reset_bindings(model)

@@ -21,7 +21,6 @@ from core.layers import (
     VocabEmbedding,
     apply_rotary,
     rope_parameters,
-    triton_ops,
 )
 from core.models.weights import load_named_weights
 
@@ -46,8 +45,8 @@ class DecoderAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias[1], ctx)
         if qk_norm:
             eps = config.rms_norm_eps
-            self.q_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device)
-            self.k_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device)
+            self.q_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device, ctx.ops)
+            self.k_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device, ctx.ops)
         self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                    sliding_window=sliding_window)
 
@@ -61,7 +60,7 @@ class DecoderMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, ctx,
                                    shard_names=("gate", "up"))
-        self.act = GatedAct(getattr(config, "hidden_act", "silu"))
+        self.act = GatedAct(getattr(config, "hidden_act", "silu"), ctx.ops)
         self.down_proj = Linear(inter, config.hidden_size, bias, ctx)
 
     def bound_parts(self) -> tuple:
@@ -86,8 +85,11 @@ class DecoderLayer(nn.Module):
                                           sliding_window)
         # Any module with bound_parts() (a MoE block, for one) may replace the dense MLP.
         self.mlp = mlp if mlp is not None else DecoderMLP(config, ctx)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device, ctx.ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device,
+                                                ctx.ops)
+        # q and k heads rotated by the layer ops (one kernel writing both, where fused)
+        self.rotary_qk = ctx.ops.rotary_qk(self.self_attn.head_dim)
         self._hot: tuple | None = None
 
     def reset_bindings(self) -> None:
@@ -97,14 +99,11 @@ class DecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         qk_norm = hasattr(a, "q_norm")
         D = a.head_dim
-        # Fused rotary (one kernel writing q and k contiguous) where the norms run fused too.
-        fused_rope = (not qk_norm and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0
-                      and triton_ops.usable_for(self.input_layernorm.weight))
         self._hot = (
             self.input_layernorm.bound(), self.input_layernorm.bound_add(), a.qkv_proj.bound(),
             a.o_proj.bound(), self.post_attention_layernorm.bound_add(), *m.bound_parts(),
             a.q_norm.bound() if qk_norm else None, a.k_norm.bound() if qk_norm else None,
-            fused_rope, a.attn.params, a.num_heads, a.num_kv_heads, D)
+            self.rotary_qk, a.attn.params, a.num_heads, a.num_kv_heads, D)
         return self._hot
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
@@ -112,7 +111,7 @@ class DecoderLayer(nn.Module):
         """h [T, hidden] (the previous layer's output), residual [T, hidden] or None at the
         first layer -> (this layer's output, the residual stream before it)."""
         (norm1, add_norm1, qkv_proj, o_proj, add_norm2, gate_up_proj, down_proj, act, q_norm,
-         k_norm, fused_rope, params, H, Hkv, D) = self._hot or self._bind()
+         k_norm, rotary_qk, params, H, Hkv, D) = self._hot or self._bind()
         if residual is None:
             residual, x = h, norm1(h)
         else:
@@ -121,13 +120,8 @@ class DecoderLayer(nn.Module):
         T = qkv.shape[0]
         q_size, qk_size = H * D, (H + Hkv) * D
         v = qkv[:, qk_size:]
-        if fused_rope:
-            q, k = triton_ops.rotary_qk(qkv, cos, sin, H, Hkv, D)
-        elif q_norm is None:
-            # q and k heads rotated in one pass: [T, H + Hkv, D]
-            qk = apply_rotary(qkv[:, :qk_size].view(T, H + Hkv, D), cos, sin)
-            q = qk[:, :H].reshape(T, q_size)
-            k = qk[:, H:].reshape(T, qk_size - q_size)
+        if q_norm is None:
+            q, k = rotary_qk(qkv, cos, sin, H, Hkv)  # [T, H * D], [T, Hkv * D]
         else:  # Qwen3: RMSNorm over each head before rotary
             q = apply_rotary(q_norm(qkv[:, :q_size].reshape(T, H, D)), cos, sin)
             k = apply_rotary(k_norm(qkv[:, q_size:qk_size].reshape(T, Hkv, D)), cos, sin)
@@ -146,7 +140,8 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, ctx, i, owner.attention_bias(config), owner.qk_norm,
                          owner.sliding_window(config, i), owner.make_mlp(config, ctx, i))
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device,
+                            ctx.ops)
         self.rotary = RotaryEmbedding(head_dim_of(config), rope_parameters(config),
                                       config.max_position_embeddings, ctx.device)
         self.dtype = ctx.dtype

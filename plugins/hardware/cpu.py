@@ -158,4 +158,4 @@ def probe() -> DeviceInfo:
 
 @hookimpl
 def core_register_hardware(register):
-    register("cpu", CAPS, probe)
+    register("cpu", CAPS, probe, platform="plugins.hardware.cpu_runtime:CpuPlatform")

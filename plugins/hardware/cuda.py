@@ -91,4 +91,4 @@ def probe() -> DeviceInfo:
 
 @hookimpl
 def core_register_hardware(register):
-    register("cuda", CAPS, probe)
+    register("cuda", CAPS, probe, platform="plugins.hardware.gpu:TorchCudaPlatform")

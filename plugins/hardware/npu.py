@@ -86,4 +86,4 @@ def probe() -> DeviceInfo:
 
 @hookimpl
 def core_register_hardware(register):
-    register("npu", CAPS, probe)
+    register("npu", CAPS, probe, platform="plugins.hardware.accel:NpuPlatform")

@@ -87,4 +87,4 @@ def probe() -> DeviceInfo:
 
 @hookimpl
 def core_register_hardware(register):
-    register("rocm", CAPS, probe)
+    register("rocm", CAPS, probe, platform="plugins.hardware.gpu:TorchCudaPlatform")

@@ -81,4 +81,4 @@ def probe() -> DeviceInfo:
 
 @hookimpl
 def core_register_hardware(register):
-    register("xpu", CAPS, probe)
+    register("xpu", CAPS, probe, platform="plugins.hardware.accel:XpuPlatform")

@@ -6,7 +6,8 @@ It registers two things through the `core.plugins` entry point named `example`:
   paged KV cache. Its capabilities are deliberately narrower than the built-in `torch_native`
   (head sizes 64/128 only, page size 16 only, no sliding window, no logit soft-cap), so the
   resolver has something to reject and explain.
-- hardware target `example_accel`: a simulated accelerator (a teaching example, not hardware).
+- hardware target `example_accel`: a teaching accelerator (the host CPU under another name) with
+  a Platform of its own, so the engine serves on it end to end.
 
 Importing this module imports no kernel library and not even torch: the classes live in
 `backend.py` and `accel.py`, named by "module:attr" strings the core resolves only when chosen.
@@ -17,7 +18,7 @@ from core.hookspecs import hookimpl
 
 # The core plugin API versions this package was written against (PEP 440 specifier). A core
 # outside this range rejects the plugin with a clear reason instead of crashing later.
-CORE_PLUGIN_API = ">=1.0,<2"
+CORE_PLUGIN_API = ">=1.1,<2"  # 1.1: hardware targets register a Platform
 
 ATTENTION_CAPS = AttentionCaps(
     devices={"cpu", "cuda", "example_accel"},
@@ -43,7 +44,7 @@ ACCEL_CAPS = HardwareCaps(
     device_type="cpu",  # it runs on the host CPU; there is no real accelerator behind it
     vendor="Example",
     dist_backend="gloo",
-    description="simulated teaching accelerator (runs on the host CPU); "
+    description="teaching accelerator (runs on the host CPU, a Platform of its own); "
                 "available only with CORE_EXAMPLE_ACCEL=1",
     # Below the built-in cpu target, so it never wins when --device is left open.
     priority=-10,
@@ -57,4 +58,5 @@ def core_register_attention_backends(register):
 
 @hookimpl
 def core_register_hardware(register):
-    register("example_accel", ACCEL_CAPS, "core_example_backend.accel:probe")
+    register("example_accel", ACCEL_CAPS, "core_example_backend.accel:probe",
+             platform="core_example_backend.accel:ExampleAccelPlatform")

@@ -1,16 +1,22 @@
-"""`example_accel`: a simulated accelerator, to show how a hardware target plugin is written.
+"""`example_accel`: a teaching accelerator, to show how a hardware target plugin is written.
 
-This is a teaching example, not a device driver. There is no accelerator: when enabled, the
-"device" is the host CPU (device_type "cpu") under another name. The probe follows the contract
-every hardware probe keeps: it never raises for absent hardware, it returns a DeviceInfo with
-available=False and a reason a person can act on.
+This is an example, not a device driver. There is no accelerator: when enabled, the "device" is
+the host CPU (torch device_type "cpu") under another name, with a runtime of its own. Two parts:
+
+- the probe, which keeps the contract every hardware probe keeps: it never raises for absent
+  hardware, it returns a DeviceInfo with available=False and a reason a person can act on;
+- the Platform (core/platform.py), which the engine asks everything a device does differently
+  at run time: memory, defaults, copies, graphs, post-load transforms, overlap. The engine runs
+  on this target end to end with no change to core-serve (`core serve --device example_accel`).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from core.capabilities import DeviceInfo
+from core.platform import GraphSupport, MemoryDefaults, ModelGeometry
 
 ENABLE_ENV = "CORE_EXAMPLE_ACCEL"
 
@@ -41,7 +47,57 @@ def probe() -> DeviceInfo:
         features={"fp16", "bf16"},
         dist_backend="gloo",
         graph_capture=False,
-        # Nothing was detected: it is the host CPU under another name.
-        simulated=True,
+        # Not simulated: the engine really runs here (on the host CPU under another name).
         extra={"note": "teaching example; runs on the host CPU"},
     )
+
+
+class ExampleAccelPlatform:
+    """The example target's runtime: small fixed defaults of its own, synchronous copies, no
+    graphs, no weight repacking, no overlap. Every method of core.platform.Platform."""
+
+    KV_TOKENS = 8192  # at most this many tokens of KV cache unless --max-total-tokens says
+
+    def __init__(self, info: DeviceInfo):
+        self.info = info
+
+    def torch_device(self, index: int = 0) -> str:
+        return "cpu"  # where its tensors live
+
+    def memory(self, index: int = 0) -> tuple[int, int]:
+        total = self.info.memory_bytes
+        return total * 3 // 4, total  # a teaching figure: three quarters of the host are "free"
+
+    def memory_defaults(self, total_bytes: int, geometry: ModelGeometry) -> MemoryDefaults:
+        return MemoryDefaults(chunked_prefill_size=512, mem_fraction_static=0.6,
+                              max_running_requests=8, kv_cap_tokens=self.KV_TOKENS,
+                              graph_max_bs=0,
+                              note="example_accel defaults: chunked prefill 512, 8 running "
+                                   f"requests, KV cache at most {self.KV_TOKENS} tokens")
+
+    def to_device(self, host: Any, device: Any) -> Any:
+        return host.to(device)
+
+    def copy_to_host(self, tensor: Any) -> tuple[Any, Any]:
+        return tensor.to("cpu"), None
+
+    def synchronize(self, device: Any) -> None:
+        return None
+
+    def graphs(self) -> GraphSupport:
+        return GraphSupport(False, "example_accel captures no graphs (a teaching target)")
+
+    def graph_runner(self, runner: Any, sizes: Any, vocab_size: int) -> Any:
+        raise RuntimeError("example_accel has no graph runner")
+
+    def post_load(self, model: Any) -> list[str]:
+        return ["example_accel: weights left in the checkpoint's layout"]
+
+    def overlap_schedule(self) -> tuple[bool, str]:
+        return False, "overlap schedule off: example_accel computes on the host thread"
+
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        return []
+
+    def dist_backend(self) -> str:
+        return "gloo"

@@ -13,8 +13,7 @@ CORE_PLUGIN_API = ">=1.0,<2"
 
 CAPS = AttentionCaps(
     devices={"cuda", "rocm"},
-    # tl.dot on bf16 needs Ampere. FP8 is converted in hardware from sm89 only: the factory
-    # refuses an FP8 cache on sm80-sm86 with that reason.
+    # tl.dot on bf16 needs Ampere.
     capability={"cuda": CapabilityRange(min=80)},
     dtypes={"float16", "bfloat16", "float32"},
     kv_cache_dtypes={"float16", "bfloat16", "float32", "fp8_e4m3", "fp8_e5m2"},
@@ -36,6 +35,8 @@ CAPS = AttentionCaps(
     # shape and longest context: not batch-invariant.
     deterministic=False,
     requires=("triton",),
+    # Triton converts FP8 with cvt.e4m3x2/e5m2x2, which ptxas accepts from sm89 ("fp8" feature)
+    kv_cache_dtype_features={"fp8_e4m3": {"fp8"}, "fp8_e5m2": {"fp8"}},
     priority={"cuda": 20, "rocm": 20},
     description="Triton paged attention: split-KV decode + prefix/causal extend, GQA/MQA, "
                 "sliding window, soft-cap, FP8 KV (sm89+); ROCm declared but "

@@ -77,7 +77,6 @@ class TritonAttention(AttentionBackend):
 
     # Decode grids depend on the batch size and the split count only, and seq lens stay on
     # the device (CAPS).
-    supports_graph = True
     _graph_context: int | None = None
 
     def init_graph_state(self, max_bs: int, max_context: int) -> None:

@@ -1,5 +1,5 @@
 """Fused element-wise kernels for the decoder layers on GPUs (Triton), with the same math as the
-plain-PyTorch layers they replace.
+reference layer ops (core/layers/ops_ref.py) they replace.
 
 Why: at batch 1 an 8B model's decode step is ~30 small kernels per layer besides the matmuls
 (RMSNorm alone is six: cast, square, mean, rsqrt, multiply, scale); each costs 1-3 us of GPU time
@@ -9,18 +9,17 @@ even inside a CUDA graph, ~1.5 ms a step on an H200 against a 3.8 ms weights roo
 - `rms_norm`: the same without the residual;
 - `silu_and_mul`: silu(gate) * up over a stacked [gate | up] projection;
 - `rotary_qk`: rotary embedding of the q and k heads of a fused qkv output, written to two
-  contiguous tensors (no strided copies afterwards).
+  contiguous tensors (no strided copies afterwards);
+- `store_kv`: both K and V of a step into the paged pool in one kernel.
 
-These are used only when the tensors live on a CUDA/ROCm device and Triton imports (`available`;
-tests call the functions directly under TRITON_INTERPRET=1 on the CPU),
-and can be turned off with CORE_DISABLE_FUSED_OPS=1; everywhere else the layers keep their PyTorch
-code. Triton is imported on first use, never at import of the core.
+The `triton` layer-ops plugin (plugins/ops/triton/__init__.py) serves them to the layers on CUDA
+and ROCm; tests call the functions directly under TRITON_INTERPRET=1 on the CPU. Triton is
+imported on first use, never at import.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -114,20 +113,6 @@ def _kernels() -> Any:
     return k
 
 
-@functools.lru_cache(maxsize=8)
-def available(device_type: str) -> bool:
-    """Use the fused kernels for tensors on this device type?"""
-    if os.environ.get("CORE_DISABLE_FUSED_OPS") == "1":
-        return False
-    if device_type != "cuda":  # ROCm builds of torch say "cuda" too
-        return False
-    try:
-        _kernels()
-    except Exception:  # noqa: BLE001 - no triton (or a broken one): the PyTorch path runs
-        return False
-    return True
-
-
 def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
@@ -192,15 +177,15 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: in
     return q, k_out
 
 
-_STORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def can_store_kv(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
                  v_buf: torch.Tensor) -> bool:
     """store_kv handles this: rows of [heads, dim] contiguous within a token, buffers contiguous
-    with the same row shape, no fp8 (those keep the PyTorch path and its scaling)."""
-    return (usable_for(k) and k.dim() == 3 and v.dim() == 3 and k.shape == v.shape
-            and k_buf.dtype in _STORE_DTYPES and k_buf.dtype == v_buf.dtype
+    with the same row shape, no fp8 (those keep the pool's own write and its scaling)."""
+    return (k.dtype in STORE_DTYPES and k.dim() == 3 and v.dim() == 3 and k.shape == v.shape
+            and k_buf.dtype in STORE_DTYPES and k_buf.dtype == v_buf.dtype
             and k_buf.shape[1:] == k.shape[1:] and v_buf.shape[1:] == v.shape[1:]
             and k_buf.is_contiguous() and v_buf.is_contiguous()
             and k.stride(2) == 1 and v.stride(2) == 1
@@ -217,8 +202,3 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.T
         block = kern.triton.next_power_of_2(n)
         kern.store_kv[(T,)](k, v, loc, k_buf, v_buf, k.stride(0), v.stride(0), n, BLOCK=block,
                             num_warps=4)
-
-
-def usable_for(t: torch.Tensor) -> bool:
-    """The fused path for this tensor: on a device that has it, in a dtype the kernels take."""
-    return t.dtype in (torch.float16, torch.bfloat16, torch.float32) and available(t.device.type)

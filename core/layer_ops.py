@@ -1,0 +1,75 @@
+"""The layer-ops protocol: fused element-wise kernels the shared layers call, as a plugin kind.
+
+A layer-ops plugin registers `register(name, LayerOpsCaps, factory)`; the resolver picks one per
+device (the `layer_ops` slot of the plan, `--layer-ops NAME`), and the loader builds it once:
+
+    ops = factory(dtype=torch.dtype, device=torch.device)
+
+Layers receive it at build time (ModelContext.ops) and ask it, once, for each op they run; they
+never ask which device or library they are on. Each method returns a callable, or None where this
+plugin does not provide that op for this dtype / shape (then the layer runs the reference,
+`core.layers.ops_ref.TorchLayerOps`, the built-in `torch` plugin). Every op computes the same math
+as the reference (HF rounding: sums in the compute dtype, norms in fp32, cast back before the
+weight); `tests/test_layer_ops.py` holds each registered plugin to it.
+
+    rms_norm(weight, eps)       -> f(x [.., N]) -> y                 RMSNorm over the last dim
+    add_rms_norm(weight, eps)   -> f(x, residual [T, N]) -> (norm(x + residual), x + residual)
+    silu_and_mul()              -> f(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]   [T, I]
+    rotary_qk(head_dim)         -> f(qkv, cos, sin, num_q, num_k) -> (q [T, num_q*D], k [T, num_k*D])
+                                   rotary on the q and k heads at the front of a fused projection;
+                                   cos/sin [T, 1, D] as RotaryEmbedding.cos_sin gives them
+    store_kv()                  -> f(k, v [T, Hkv, D], loc [T], k_buf, v_buf) -> bool
+                                   k_buf[loc] = k, v_buf[loc] = v (cast); False: not taken here
+                                   (the pool writes them itself)
+
+A factory may assume its caps were checked (device, dtype, packages) and may import its kernel
+library; it must not allocate device memory until an op runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv")
+
+
+@runtime_checkable
+class LayerOps(Protocol):
+    def rms_norm(self, weight: Any, eps: float) -> Callable | None: ...
+
+    def add_rms_norm(self, weight: Any, eps: float) -> Callable | None: ...
+
+    def silu_and_mul(self) -> Callable | None: ...
+
+    def rotary_qk(self, head_dim: int) -> Callable | None: ...
+
+    def store_kv(self) -> Callable | None: ...
+
+
+class WithReference:
+    """A plugin's ops where it provides them, the reference's elsewhere (never None)."""
+
+    def __init__(self, ops: Any, reference: Any):
+        self.ops, self.reference = ops, reference
+        self.name = getattr(ops, "name", type(ops).__name__)
+
+    def _pick(self, op: str, *args: Any) -> Callable:
+        fn = getattr(self.ops, op, None)
+        got = fn(*args) if fn is not None else None
+        return got if got is not None else getattr(self.reference, op)(*args)
+
+    def rms_norm(self, weight: Any, eps: float) -> Callable:
+        return self._pick("rms_norm", weight, eps)
+
+    def add_rms_norm(self, weight: Any, eps: float) -> Callable:
+        return self._pick("add_rms_norm", weight, eps)
+
+    def silu_and_mul(self) -> Callable:
+        return self._pick("silu_and_mul")
+
+    def rotary_qk(self, head_dim: int) -> Callable:
+        return self._pick("rotary_qk", head_dim)
+
+    def store_kv(self) -> Callable:
+        return self._pick("store_kv")

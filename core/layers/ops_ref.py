@@ -1,0 +1,76 @@
+"""The reference layer ops in plain PyTorch (the built-in `torch` layer-ops plugin's factory).
+
+The layers' own math, one op at a time; every device runs it. See core/layer_ops.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from core.layers.rotary import apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight, in fp32 like HF Llama, cast back before the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: Callable
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + residual
+    return norm(total), total
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int, num_k: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T = qkv.shape[0]
+    q_size, qk_size = num_q * head_dim, (num_q + num_k) * head_dim
+    # q and k heads rotated in one pass: [T, num_q + num_k, D]
+    qk = apply_rotary(qkv[:, :qk_size].view(T, num_q + num_k, head_dim), cos, sin)
+    return qk[:, :num_q].reshape(T, q_size), qk[:, num_q:].reshape(T, qk_size - q_size)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.Tensor,
+             v_buf: torch.Tensor) -> bool:
+    k_buf[loc] = k.to(k_buf.dtype)
+    v_buf[loc] = v.to(v_buf.dtype)
+    return True
+
+
+class TorchLayerOps:
+    """core.layer_ops.LayerOps in PyTorch: provides every op, for every dtype and device."""
+
+    name = "torch"
+
+    def __init__(self, dtype: Any = None, device: Any = None):
+        self.dtype, self.device = dtype, device
+
+    def rms_norm(self, weight: torch.Tensor, eps: float) -> Callable:
+        if weight.dtype == torch.float32:  # one fused op; the same math when nothing casts
+            return partial(F.rms_norm, normalized_shape=(weight.shape[0],), weight=weight,
+                           eps=eps)
+        return partial(rms_norm, weight=weight, eps=eps)
+
+    def add_rms_norm(self, weight: torch.Tensor, eps: float) -> Callable:
+        return partial(add_rms_norm, norm=self.rms_norm(weight, eps))
+
+    def silu_and_mul(self) -> Callable:
+        return silu_and_mul
+
+    def rotary_qk(self, head_dim: int) -> Callable:
+        return partial(rotary_qk, head_dim=head_dim)
+
+    def store_kv(self) -> Callable:
+        return store_kv

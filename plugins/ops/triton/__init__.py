@@ -1,0 +1,23 @@
+"""`triton` layer ops: fused RMSNorm, add+RMSNorm, SiLU-and-mul, rotary on q/k and the KV store
+as Triton kernels (plugins/ops/triton/kernels.py) on CUDA and ROCm GPUs."""
+
+from core.capabilities import LayerOpsCaps
+from core.hookspecs import hookimpl
+
+CORE_PLUGIN_API = ">=1.1,<2"
+
+CAPS = LayerOpsCaps(
+    devices={"cuda", "rocm"},
+    dtypes={"float32", "float16", "bfloat16"},
+    ops={"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv"},
+    requires=("triton",),
+    cuda_graph=True,
+    priority={"cuda": 100, "rocm": 100},
+    description="fused element-wise Triton kernels (one kernel per norm / activation / rotary / "
+                "KV store)",
+)
+
+
+@hookimpl
+def core_register_layer_ops(register):
+    register("triton", CAPS, "plugins.ops.triton.ops:TritonLayerOps")

@@ -1,0 +1,52 @@
+"""TritonLayerOps: core.layer_ops.LayerOps over the kernels of plugins/ops/triton/kernels.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from plugins.ops.triton import kernels
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _store(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.Tensor,
+           v_buf: torch.Tensor) -> bool:
+    if not kernels.can_store_kv(k, v, k_buf, v_buf):
+        return False
+    kernels.store_kv(k, v, loc, k_buf, v_buf)
+    return True
+
+
+class TritonLayerOps:
+    name = "triton"
+
+    def __init__(self, dtype: Any = None, device: Any = None):
+        self.dtype, self.device = dtype, device
+        kernels._kernels()  # compile-on-demand namespace: a broken triton fails here, at build
+
+    def rms_norm(self, weight: torch.Tensor, eps: float) -> Callable | None:
+        if weight.dtype not in _DTYPES:
+            return None
+        return partial(kernels.rms_norm, weight=weight, eps=eps)
+
+    def add_rms_norm(self, weight: torch.Tensor, eps: float) -> Callable | None:
+        if weight.dtype not in _DTYPES:
+            return None
+        return partial(kernels.add_rms_norm, weight=weight, eps=eps)
+
+    def silu_and_mul(self) -> Callable | None:
+        return kernels.silu_and_mul if self.dtype in _DTYPES else None
+
+    def rotary_qk(self, head_dim: int) -> Callable | None:
+        half = head_dim // 2
+        # one program rotates every head of a token: HALF must be a power of two for tl.arange
+        if head_dim % 2 or half & (half - 1) or self.dtype not in _DTYPES:
+            return None
+        return partial(kernels.rotary_qk, head_dim=head_dim)
+
+    def store_kv(self) -> Callable:
+        return _store
