@@ -336,3 +336,129 @@ def sse_payloads(raw: bytes) -> list[Any]:
                 data = line[len("data: "):]
                 out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+# -- soak traffic (tests/test_server_soak.py; bench/soak.py against `core serve`) -------------
+
+SOAK_KINDS = ("complete", "chat_stream", "cut_stream", "generate_n2", "bad_request", "probe")
+
+
+async def soak_traffic(url: str, key: str | None, duration: float, concurrency: int = 8,
+                       max_tokens: int = 8, model: str | None = None,
+                       on_tick: Any = None) -> dict[str, Any]:
+    """Mixed client traffic for `duration` seconds from `concurrency` workers: non-streaming
+    completions, chat streams read to the end, streams cut after their first event, /generate
+    with n=2, malformed requests (must be 4xx) and health / metrics probes.
+
+    Returns counts: {"requests", "ok", "client_error" (expected 4xx), "overloaded" (503 with
+    Retry-After: the admission limit working), "server_error" (5xx otherwise), "transport"
+    (connection failures), "unexpected" (a wrong answer), "by_kind": {...}, "examples": [...]}.
+    `on_tick()` is called about once a second (bench/soak.py samples RSS there)."""
+    import json
+    import random
+    import time
+
+    import aiohttp
+
+    hdrs = {"Authorization": f"Bearer {key}"} if key else {}
+    counts: dict[str, Any] = {"requests": 0, "ok": 0, "client_error": 0, "overloaded": 0,
+                              "server_error": 0, "transport": 0, "unexpected": 0,
+                              "by_kind": {k: 0 for k in SOAK_KINDS}, "examples": []}
+    end = time.monotonic() + duration
+    words = ["alpha", "beta", "gamma", "delta", "the", "quick", "brown", "fox", "jumps"]
+
+    def note(outcome: str, what: str) -> None:
+        counts[outcome] += 1
+        if outcome in ("server_error", "transport", "unexpected") and \
+                len(counts["examples"]) < 20:
+            counts["examples"].append(what)
+
+    def classify(status: int, headers: Any, expect_4xx: bool = False) -> str:
+        if status == 503 and "Retry-After" in headers:
+            return "overloaded"
+        if status >= 500:
+            return "server_error"
+        if status >= 400:
+            return "client_error" if expect_4xx else "unexpected"
+        return "unexpected" if expect_4xx else "ok"
+
+    async def one(sess: aiohttp.ClientSession, rng: random.Random) -> None:
+        kind = rng.choice(SOAK_KINDS)
+        counts["by_kind"][kind] += 1
+        counts["requests"] += 1
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+        extra = {"model": model} if model else {}
+        if kind == "complete":
+            async with sess.post(url + "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": rng.randint(1, max_tokens), **extra},
+                    headers=hdrs) as r:
+                body = await r.read()
+                out = classify(r.status, r.headers)
+                if out == "ok" and "choices" not in json.loads(body):
+                    out = "unexpected"
+                note(out, f"complete {r.status} {body[:200]!r}")
+        elif kind in ("chat_stream", "cut_stream"):
+            async with sess.post(url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": prompt}], "stream": True,
+                    "max_tokens": rng.randint(2, max_tokens), **extra}, headers=hdrs) as r:
+                if r.status != 200:
+                    body = await r.read()
+                    note(classify(r.status, r.headers), f"{kind} {r.status} {body[:200]!r}")
+                    return
+                if kind == "cut_stream":
+                    await r.content.readuntil(b"\n\n")
+                    r.close()  # the client goes away mid-stream
+                    note("ok", "")
+                    return
+                raw = await r.read()
+                ok = raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw
+                note("ok" if ok else "unexpected", f"chat_stream {raw[-200:]!r}")
+        elif kind == "generate_n2":
+            async with sess.post(url + "/generate", json={
+                    "text": prompt, "sampling_params": {
+                        "max_new_tokens": rng.randint(1, max_tokens), "n": 2}},
+                    headers=hdrs) as r:
+                body = await r.read()
+                out = classify(r.status, r.headers)
+                if out == "ok" and len(json.loads(body)) != 2:
+                    out = "unexpected"
+                note(out, f"generate {r.status} {body[:200]!r}")
+        elif kind == "bad_request":
+            bad = rng.choice([b"{not json", json.dumps({"prompt": 5}).encode(),
+                              json.dumps({"prompt": "x", "max_tokens": -1}).encode(),
+                              json.dumps({"messages": []}).encode()])
+            path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+            async with sess.post(url + path, data=bad, headers={
+                    **hdrs, "Content-Type": "application/json"}) as r:
+                body = await r.read()
+                out = classify(r.status, r.headers, expect_4xx=True)
+                if out == "client_error" and "error" not in json.loads(body):
+                    out = "unexpected"
+                note(out, f"bad_request {r.status} {body[:200]!r}")
+        else:
+            path = rng.choice(["/health", "/ready", "/metrics", "/v1/models"])
+            async with sess.get(url + path, headers=hdrs) as r:
+                await r.read()
+                ok = r.status == 200 or (path == "/ready" and r.status == 503)
+                note("ok" if ok else "unexpected", f"probe {path} {r.status}")
+
+    async def worker(i: int) -> None:
+        rng = random.Random(i)
+        timeout = aiohttp.ClientTimeout(total=300)
+        async with aiohttp.ClientSession(timeout=timeout) as sess:
+            while time.monotonic() < end:
+                try:
+                    await one(sess, rng)
+                except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                    note("transport", f"{type(e).__name__}: {e}")
+                except ValueError as e:  # a body that is not the JSON it should be
+                    note("unexpected", f"{type(e).__name__}: {e}")
+
+    async def ticker() -> None:
+        while time.monotonic() < end:
+            if on_tick is not None:
+                on_tick()
+            await asyncio.sleep(1.0)
+
+    await asyncio.gather(ticker(), *(worker(i) for i in range(concurrency)))
+    return counts
