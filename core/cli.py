@@ -6,7 +6,8 @@
     core generate PROMPT ...           offline generation (core.entrypoints)
 
 Exit codes: 0 ok, 1 nothing fits / a setting conflicts, 2 usage error, 3 a plugin failed to load
-under CORE_STRICT_PLUGINS=1, 4 (`core serve`) the engine worker died. Errors are one clear line (plus the reasons), never a traceback.
+under CORE_STRICT_PLUGINS=1, 4 (`core serve`) the engine worker died. Errors are one clear line
+(plus the reasons), never a traceback.
 """
 
 from __future__ import annotations
