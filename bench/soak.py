@@ -1,6 +1,8 @@
 """Long soak of `core serve` on the real engine: mixed traffic for --duration seconds, the RSS of
 the HTTP process and of the engine worker sampled every second, then the slope of each (least
-squares over the samples after --warmup seconds), error counts, and a KV leak check.
+squares over the samples after --warmup seconds, and over the last half alone), error counts,
+and a KV leak check. The worker's KV pool is allocated zeroed: its pages join the RSS as they are
+first written, so the worker grows until the pool has been touched once (kv_pool_mb bounds it).
 
     python bench/soak.py --duration 300              # starts its own `core serve` (SmolLM2)
     python bench/soak.py --url http://host:30000 --key-file KEY --duration 600
@@ -134,6 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         sample()
         time.sleep(2.0)  # let cut streams' aborts land before the leak check
         kv_used = _metric(url, "core_kv_pages_used")
+        info = None
+        try:  # the KV pool is allocated zeroed, so its pages join the RSS as they are first used
+            si = json.loads(http_request(url, "GET", "/get_server_info", None,
+                                         {"Authorization": f"Bearer {key}"} if key else {},
+                                         timeout=60)[2])
+            m = si.get("model") or {}
+            eng = (si.get("stats") or {}).get("engine") or {}
+            per_token = m.get("kv_bytes_per_token") or eng.get("kv_bytes_per_token")
+            if per_token and m.get("kv_pool_tokens"):
+                info = round(per_token * m["kv_pool_tokens"] / 2**20, 1)
+        except (OSError, ValueError):
+            pass
         running = _metric(url, "core_num_running_reqs")
         report = {
             "command": "python bench/soak.py " + " ".join(argv if argv is not None
@@ -157,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
             report[f"rss_{name}_mb_max"] = round(max(v for _, v in samples), 1)
             s = slope_mb_per_min(kept)
             report[f"rss_{name}_slope_mb_per_min"] = None if s is None else round(s, 3)
+            # a leak keeps its slope; first touches of preallocated memory flatten out
+            late = [x for x in kept if x[0] >= (kept[0][0] + kept[-1][0]) / 2]
+            s = slope_mb_per_min(late)
+            report[f"rss_{name}_slope_last_half_mb_per_min"] = None if s is None else round(s, 3)
+        if info:
+            report["kv_pool_mb"] = info
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

@@ -96,6 +96,7 @@ class EngineAdapter:
                 "tokenizer_path": args.tokenizer_path or args.model_path,
                 "architecture": getattr(spec, "architecture", None),
                 "max_context": self.info["max_context"], "kv_pool_tokens": self.info["pool_tokens"],
+                "kv_bytes_per_token": self.info.get("kv_bytes_per_token"),
                 "page_size": self.info["page_size"],
                 "max_running_requests": self.info["max_running_requests"],
                 "eos_token_ids": self.info.get("eos_token_ids"),

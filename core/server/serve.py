@@ -64,13 +64,18 @@ class _Handler(RequestHandler):
 
     _header_timer: asyncio.TimerHandle | None = None
 
+    # aiohttp's private state is read with getattr defaults: a version without one of these
+    # fields loses the header timeout, not the connection
+    def _busy(self) -> bool:
+        return bool(getattr(self, "_request_in_progress", False))
+
     def data_received(self, data: bytes) -> None:
-        before = self._request_count
+        before = getattr(self, "_request_count", 0)
         super().data_received(data)
-        if self._request_count > before:  # a whole request head arrived
+        if getattr(self, "_request_count", 0) > before:  # a whole request head arrived
             self._cancel_header_timer()
-        elif (self._header_timer is None and not self._request_in_progress
-              and self.transport is not None and not self._force_close):
+        elif (self._header_timer is None and not self._busy() and self.transport is not None
+              and not getattr(self, "_force_close", False)):
             # bytes of a request head (not a body being read): the rest must follow soon
             timeout = getattr(self._manager, "header_timeout", HEADER_TIMEOUT_S)
             self._header_timer = self._loop.call_later(timeout, self._header_timed_out)
@@ -82,7 +87,7 @@ class _Handler(RequestHandler):
 
     def _header_timed_out(self) -> None:
         self._header_timer = None
-        if not self._request_in_progress and self.transport is not None:
+        if not self._busy() and self.transport is not None:
             log.debug("closing a connection whose request headers did not arrive in time")
             self.force_close()
 
