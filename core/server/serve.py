@@ -176,7 +176,7 @@ async def _settle(st: Any, timeout: float) -> None:
     """Let requests that were just ended write their error, for up to `timeout` seconds."""
     try:
         await asyncio.wait_for(st.idle.wait(), timeout)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # TimeoutError from 3.11 on
         pass
 
 

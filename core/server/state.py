@@ -143,7 +143,7 @@ class ServerState:
         except web.HTTPRequestEntityTooLarge:
             raise APIError(413, f"request body is over the limit of {limit} bytes "
                            "(--max-request-bytes)", code="request_too_large") from None
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on; a distinct class on 3.10
             raise APIError(408, f"the request body did not arrive within "
                            f"{self.body_timeout:g} s", code="request_timeout",
                            headers={"Connection": "close"}) from None
