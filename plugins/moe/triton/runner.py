@@ -74,6 +74,8 @@ class TritonMoE(MoERunner):
         if layer.activation != "silu":
             raise ValueError(f"the triton MoE runner fuses silu only, not {layer.activation}")
         w13, w2 = weights.w13, weights.w2
+        if w13.stride(-1) != 1 or w2.stride(-1) != 1:  # the kernels step the last dim by 1
+            raise ValueError("the triton MoE runner needs w13 / w2 contiguous in their last dim")
         T, H = hidden.shape
         E, two_i, _ = w13.shape
         inter = two_i // 2
