@@ -62,21 +62,147 @@ def geometry_of(spec: Any, cfg: Any, dtype_bytes: int) -> Any:
                          vocab_size=int(spec.vocab_size), dtype_bytes=dtype_bytes)
 
 
-def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
-                      loaded: Any = None) -> EngineCore:
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the KV pool, the request table and the graphs get, and the notes that say why."""
+
+    kv_tokens: int  # usable KV slots (the pool adds one page: the padding sink)
+    bytes_per_token: int
+    max_running: int
+    chunked_prefill_size: int | None  # None: no chunking
+    graphs: Any  # core.graphs.GraphDecision
+    notes: tuple[str, ...]
+
+
+def plan_memory(args: ServerArgs, plan: Plan, spec: Any, cfg: Any, dtype_bytes: int,
+                bytes_per_token: int, free_bytes: int, platform: Any,
+                decode_graphs: bool) -> MemoryPlan:
+    """Phase 1, pure given the platform's answers: sizes from the flags, the device's memory
+    and the platform's defaults. `free_bytes` is the device's free memory now (0 when
+    --max-total-tokens fixes the pool); `decode_graphs` whether the decode backend declares
+    graph capture."""
+    from core.graphs import decide as decide_graphs
+    from core.graphs import graph_memory_reserve
+    from core.memory_pool import kv_pool_tokens
+
+    mem_total = plan.device.memory_bytes or free_bytes
+    defaults = platform.memory_defaults(mem_total, geometry_of(spec, cfg, dtype_bytes))
+    max_running = args.max_running_requests or defaults.max_running_requests
+    # Decode graphs: decided (with a note either way) and their memory reserved before the KV
+    # pool takes what is left.
+    graphs = decide_graphs(plan.cuda_graph, platform.graphs(), decode_graphs,
+                           plan.decode_attention, args.cuda_graph_max_bs, defaults.graph_max_bs,
+                           max_running)
+    free = free_bytes
+    if graphs.enabled and args.max_total_tokens is None:
+        free = max(free - graph_memory_reserve(graphs.max_bs, spec.vocab_size, spec.hidden_size,
+                                               getattr(cfg, "intermediate_size", None),
+                                               dtype_bytes), 0)
+    tokens, kv_note = kv_pool_tokens(
+        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+        free_bytes=free, total_bytes=mem_total, bytes_per_token=bytes_per_token,
+        page_size=plan.page_size, default_fraction=defaults.mem_fraction_static,
+        cap_tokens=defaults.kv_cap_tokens)
+    chunk = args.chunked_prefill_size
+    if chunk is None:
+        chunk = defaults.chunked_prefill_size
+    return MemoryPlan(tokens, bytes_per_token, max_running, None if chunk < 0 else chunk, graphs,
+                      (defaults.note, kv_note))
+
+
+def kv_dtype_of(plan: Plan) -> Any:
+    """The torch dtype of the plan's KV cache (the contract's fp8 names map to torch's)."""
     import torch
 
-    from core.attention import BackendContext
-    from core.graphs import capture_graphs, graph_memory_reserve
-    from core.graphs import decide as decide_graphs
+    name = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}.get(
+        plan.kv_cache_dtype, plan.kv_cache_dtype)
+    kv_dtype = getattr(torch, name, None)
+    if kv_dtype is None:
+        raise ValueError(f"KV-cache dtype {plan.kv_cache_dtype!r} is not supported by this engine")
+    return kv_dtype
+
+
+def build_kv(plan: Plan, spec: Any, mem: MemoryPlan, kv_dtype: Any, device: Any,
+             max_context: int, loaded: Any) -> tuple[Any, Any]:
+    """Phase 2: the paged KV pool (writing through the layer ops' store) and the request table."""
     from core.kv_cache import KVPool
-    from core.loader import load_model
-    from core.memory_pool import PageAllocator, ReqToTokenPool, kv_pool_tokens
+    from core.memory_pool import ReqToTokenPool
+
+    page = plan.page_size
+    # One extra page: page 0 is the padding sink, so `kv_tokens` stay usable.
+    kv_pool = KVPool(mem.kv_tokens + page, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                     kv_dtype, device, page, spec.v_head_dim,
+                     store=loaded.ops.store_kv() if loaded.ops is not None else None)
+    return kv_pool, ReqToTokenPool(mem.max_running, max_context, device)
+
+
+def build_runner(plan: Plan, spec: Any, registry: Any, platform: Any, loaded: Any,
+                 kv_pool: Any, req_to_token: Any, kv_dtype: Any, device: Any, max_context: int,
+                 mem: MemoryPlan) -> tuple[Any, str]:
+    """Phase 3: attention backends, the model runner (the platform's post-load transform runs
+    here), decode graphs, startup compilation. Returns (runner, graph note)."""
+    from core.attention import BackendContext
+    from core.graphs import capture_graphs
     from core.model_runner import ModelRunner, make_backends
-    from core.platform import load_platform
+
+    ctx = BackendContext(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                         head_dim=spec.head_dim, num_layers=spec.num_layers,
+                         dtype=loaded.dtype, kv_dtype=kv_dtype, device=device,
+                         page_size=plan.page_size, max_context_len=max_context)
+    prefill, decode = make_backends(registry, plan.prefill_attention, plan.decode_attention, ctx)
+    runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device, platform)
+    graph_note = capture_graphs(runner, mem.graphs, int(loaded.hf_config.vocab_size), platform)
+    # Compile the prefill kernels' common variants now (where the platform says it pays):
+    # seconds at startup instead of in the first requests.
+    runner.warmup(platform.warmup_shapes())
+    return runner, graph_note
+
+
+def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any,
+                    mem: MemoryPlan, platform: Any, loaded: Any, max_context: int,
+                    device: Any) -> tuple[Any, set[int], str]:
+    """Phase 4: pages, prefix cache, sampler and the scheduler. Returns (scheduler, EOS ids,
+    overlap note)."""
+    from core.memory_pool import PageAllocator
     from core.radix_cache import make_prefix_cache
     from core.sampling import Sampler
     from core.scheduler import Scheduler, SchedulerConfig
+
+    page = plan.page_size
+    allocator = PageAllocator((mem.kv_tokens + page) // page, page)
+    cache = make_prefix_cache(allocator, page, args.disable_radix_cache,
+                              args.radix_eviction_policy)
+    overlap, overlap_note = platform.overlap_schedule()
+    if args.disable_overlap_schedule:
+        overlap, overlap_note = False, "overlap schedule off: --disable-overlap-schedule"
+    sched_cfg = SchedulerConfig(
+        page_size=page, max_context=max_context, max_running_requests=mem.max_running,
+        max_queued_requests=args.max_queued_requests,
+        chunked_prefill_size=mem.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens, schedule_policy=args.schedule_policy,
+        enable_priority_scheduling=args.enable_priority_scheduling,
+        priority_preemption_threshold=args.priority_scheduling_preemption_threshold,
+        schedule_conservativeness=args.schedule_conservativeness, seed=args.seed,
+        overlap=overlap)
+    tok, cfg = loaded.tokenizer, loaded.hf_config
+    eos = set(tok.eos_token_ids) if tok is not None else set()
+    cfg_eos = getattr(cfg, "eos_token_id", None)
+    eos |= set(cfg_eos if isinstance(cfg_eos, (list, tuple)) else
+               [cfg_eos] if cfg_eos is not None else [])
+    scheduler = Scheduler(runner, allocator, req_to_token, cache, Sampler(device, args.seed),
+                          sched_cfg, eos, int(cfg.vocab_size),
+                          decode_text=tok.decode if tok is not None else None)
+    return scheduler, eos, overlap_note
+
+
+def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
+                      loaded: Any = None) -> EngineCore:
+    """Load (unless given), then the four phases: memory, KV, runner, scheduler."""
+    import torch
+
+    from core.kv_cache import KVPool
+    from core.loader import load_model
+    from core.platform import load_platform
 
     if plan.device.simulated:
         raise ValueError(f"cannot run on a simulated device ({plan.device.describe()}); "
@@ -87,83 +213,24 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
         loaded = load_model(args, plan, registry)
     cfg = loaded.hf_config
     max_context = int(getattr(cfg, "max_position_embeddings", None) or spec.context_length)
-    # the plan names KV dtypes as the contract does; fp8 names map to torch's float8 types
-    kv_name = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}.get(
-        plan.kv_cache_dtype, plan.kv_cache_dtype)
-    kv_dtype = getattr(torch, kv_name, None)
-    if kv_dtype is None:
-        raise ValueError(f"KV-cache dtype {plan.kv_cache_dtype!r} is not supported by this engine")
-    page = plan.page_size
+    kv_dtype = kv_dtype_of(plan)
     per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                        kv_dtype, spec.v_head_dim)
-    free = platform.memory(0)[0] if args.max_total_tokens is None else 0
-    mem_total = plan.device.memory_bytes or free
-    defaults = platform.memory_defaults(mem_total, geometry_of(spec, cfg, loaded.dtype.itemsize))
-    max_running = args.max_running_requests or defaults.max_running_requests
-    # Decode graphs: decided (with a note either way) and their memory reserved before the KV
-    # pool takes what is left.
     decode_reg = registry.get("attention", plan.decode_attention)
-    graphs = decide_graphs(plan.cuda_graph, platform.graphs(),
-                           bool(decode_reg is not None and decode_reg.caps.cuda_graph),
-                           plan.decode_attention, args.cuda_graph_max_bs, defaults.graph_max_bs,
-                           max_running)
-    if graphs.enabled and args.max_total_tokens is None:
-        reserve = graph_memory_reserve(graphs.max_bs, spec.vocab_size, spec.hidden_size,
-                                       getattr(cfg, "intermediate_size", None),
-                                       loaded.dtype.itemsize)
-        free = max(free - reserve, 0)
-    tokens, note = kv_pool_tokens(
-        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-        free_bytes=free, total_bytes=mem_total,
-        bytes_per_token=per_token, page_size=page,
-        default_fraction=defaults.mem_fraction_static, cap_tokens=defaults.kv_cap_tokens)
-    # One extra page: page 0 is the padding sink, so `tokens` stay usable.
-    kv_pool = KVPool(tokens + page, spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype,
-                     device, page, spec.v_head_dim,
-                     store=loaded.ops.store_kv() if loaded.ops is not None else None)
-    req_to_token = ReqToTokenPool(max_running, max_context, device)
-    ctx = BackendContext(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                         head_dim=spec.head_dim, num_layers=spec.num_layers,
-                         dtype=loaded.dtype, kv_dtype=kv_dtype, device=device, page_size=page,
-                         max_context_len=max_context)
-    prefill, decode = make_backends(registry, plan.prefill_attention, plan.decode_attention, ctx)
-    runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device, platform)
-    graph_note = capture_graphs(runner, graphs, int(cfg.vocab_size), platform)
-    # Compile the prefill kernels' common variants now (where the platform says it pays):
-    # seconds at startup instead of in the first requests.
-    runner.warmup(platform.warmup_shapes())
-    allocator = PageAllocator((tokens + page) // page, page)
-    cache = make_prefix_cache(allocator, page, args.disable_radix_cache,
-                              args.radix_eviction_policy)
-    overlap, overlap_note = platform.overlap_schedule()
-    chunk = args.chunked_prefill_size
-    if chunk is None:
-        chunk = defaults.chunked_prefill_size
-    sched_cfg = SchedulerConfig(
-        page_size=page, max_context=max_context, max_running_requests=max_running,
-        max_queued_requests=args.max_queued_requests,
-        chunked_prefill_size=None if chunk < 0 else chunk,
-        max_prefill_tokens=args.max_prefill_tokens, schedule_policy=args.schedule_policy,
-        enable_priority_scheduling=args.enable_priority_scheduling,
-        priority_preemption_threshold=args.priority_scheduling_preemption_threshold,
-        schedule_conservativeness=args.schedule_conservativeness, seed=args.seed,
-        overlap=overlap and not args.disable_overlap_schedule)
-    if args.disable_overlap_schedule:
-        overlap_note = "overlap schedule off: --disable-overlap-schedule"
-    tok = loaded.tokenizer
-    eos = set(tok.eos_token_ids) if tok is not None else set()
-    cfg_eos = getattr(cfg, "eos_token_id", None)
-    eos |= set(cfg_eos if isinstance(cfg_eos, (list, tuple)) else
-               [cfg_eos] if cfg_eos is not None else [])
-    vocab = int(cfg.vocab_size)
-    scheduler = Scheduler(runner, allocator, req_to_token, cache, Sampler(device, args.seed),
-                          sched_cfg, eos, vocab,
-                          decode_text=tok.decode if tok is not None else None)
-    info = {"max_context": max_context, "pool_tokens": allocator.total_pages * page,
-            "page_size": page, "max_running_requests": max_running, "vocab_size": vocab,
-            "eos_token_ids": sorted(eos), "chunked_prefill_size": sched_cfg.chunked_prefill_size,
-            "kv_bytes_per_token": per_token, "notes": [*loaded.notes, *runner.notes, defaults.note, note, graph_note,
-                      overlap_note],
+    mem = plan_memory(args, plan, spec, cfg, loaded.dtype.itemsize, per_token,
+                      platform.memory(0)[0] if args.max_total_tokens is None else 0, platform,
+                      bool(decode_reg is not None and decode_reg.caps.cuda_graph))
+    kv_pool, req_to_token = build_kv(plan, spec, mem, kv_dtype, device, max_context, loaded)
+    runner, graph_note = build_runner(plan, spec, registry, platform, loaded, kv_pool,
+                                      req_to_token, kv_dtype, device, max_context, mem)
+    scheduler, eos, overlap_note = build_scheduler(args, plan, runner, req_to_token, mem,
+                                                   platform, loaded, max_context, device)
+    info = {"max_context": max_context,
+            "pool_tokens": scheduler.allocator.total_pages * plan.page_size,
+            "page_size": plan.page_size, "max_running_requests": mem.max_running,
+            "vocab_size": int(cfg.vocab_size), "eos_token_ids": sorted(eos),
+            "chunked_prefill_size": mem.chunked_prefill_size, "kv_bytes_per_token": per_token,
+            "notes": [*loaded.notes, *runner.notes, *mem.notes, graph_note, overlap_note],
             "cuda_graph_batch_sizes": sorted(runner.graph_runner.graphs)
             if runner.graph_runner is not None else [],
             "device": str(device), "pid": os.getpid()}

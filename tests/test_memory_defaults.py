@@ -51,3 +51,32 @@ def test_cpu_keeps_its_own_defaults(llama8b):
     assert (d.chunked_prefill_size, d.mem_fraction_static, d.max_running_requests,
             d.kv_cap_tokens, d.graph_max_bs) == (2048, 0.5, 64, 32768, 0)
     assert "CPU defaults" in d.note
+
+
+def test_plan_memory_is_a_function_of_flags_device_and_platform(model_spec):
+    """The worker's first phase: no device is touched; the same inputs give the same plan."""
+    from types import SimpleNamespace
+
+    from core.config import ServerArgs
+    from core.devices import PROFILES
+    from core.plugins import build_registry
+    from core.resolver import resolve
+    from core.worker import plan_memory
+    from plugins.hardware.gpu import TorchCudaPlatform
+
+    spec = model_spec("llama-3.1-8b")
+    h200 = PROFILES["h200"]
+    plan = resolve(spec, h200, ServerArgs(attention_backend="torch_native",
+                                          disable_cuda_graph=True), build_registry())
+    platform = TorchCudaPlatform(h200)
+    cfg = SimpleNamespace(intermediate_size=14336)
+    per_token = 128 * 1024  # bf16 K+V of 32 layers x 8 heads x 128
+    mem = plan_memory(ServerArgs(), plan, spec, cfg, 2, per_token, 120 * GiB, platform, False)
+    assert mem.chunked_prefill_size == 16384 and mem.max_running == 256
+    assert not mem.graphs.enabled and "graph capture off" in mem.graphs.note
+    assert mem.notes[0].startswith("from 140 GiB of device memory")
+    assert mem.kv_tokens > 0 and mem == plan_memory(ServerArgs(), plan, spec, cfg, 2, per_token,
+                                                    120 * GiB, platform, False)
+    fixed = plan_memory(ServerArgs(max_total_tokens=4096, chunked_prefill_size=-1), plan, spec,
+                        cfg, 2, per_token, 0, platform, False)
+    assert fixed.kv_tokens == 4096 and fixed.chunked_prefill_size is None

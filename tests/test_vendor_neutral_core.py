@@ -10,7 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NEUTRAL = [ROOT / "core" / "worker.py", ROOT / "core" / "model_runner.py",
-           ROOT / "core" / "scheduler.py", *sorted((ROOT / "core" / "layers").rglob("*.py")),
+           ROOT / "core" / "scheduler.py", ROOT / "core" / "admission.py",
+           ROOT / "core" / "overlap.py", *sorted((ROOT / "core" / "layers").rglob("*.py")),
            *sorted((ROOT / "core" / "models").rglob("*.py"))]
 
 PATTERNS = {

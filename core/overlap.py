@@ -1,0 +1,76 @@
+"""The overlap schedule: decode step N+1 is launched before the host reads step N's tokens.
+
+While the device runs a step, the host lands the previous one (stop checks, outputs). Only a
+batch whose every request can be sampled without the host (no penalties or stop masks that need
+the last token, no logprobs) chains; the device->host copy and its wait are the Platform's. A
+mixin of core.scheduler.Scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from core.scheduler import Req
+
+
+@dataclass
+class InflightDecode:
+    """A decode step launched on the device whose sampled tokens the host has not read yet."""
+
+    batch: list[Req]
+    tokens: Any  # torch.Tensor [B] on the device (the next step's input ids)
+    host: Any  # torch.Tensor [B] on the host, filled by a non-blocking copy
+    waiter: Any  # the platform's waiter for that copy (synchronize()), or None: already done
+
+
+class Overlap:
+    """The scheduler's chained decode steps (see the module doc)."""
+
+    # -- overlap ---------------------------------------------------------------------------------
+
+    def _deferrable(self) -> bool:
+        """The running batch may decode without the host seeing its last tokens first."""
+        return (self.cfg.overlap and not self.waiting and self.chunked is None
+                and bool(self.running)
+                and all(self.sampler.deferrable(r.state, len(r.output_ids))
+                        for r in self.running))
+
+    def _can_chain(self) -> bool:
+        inf = self.inflight
+        if not self._deferrable() or len(self.running) != len(inf.batch) or any(
+                a is not b for a, b in zip(self.running, inf.batch, strict=True)):
+            return False
+        return self._ensure_pages(self._decode_pages_needed())
+
+    def _launch_decode(self, input_ids: Any) -> None:
+        """Pages, forward and sampling of one decode step for self.running, left in flight."""
+        batch = self.running
+        logits = self._forward_decode(input_ids)
+        tokens = self.sampler.launch(logits, [r.state for r in batch])
+        host, waiter = self.runner.platform.copy_to_host(tokens)
+        self.inflight = InflightDecode(list(batch), tokens, host, waiter)
+
+    def _chain_decode(self) -> list[Req]:
+        prev = self.inflight
+        self.counters["overlapped_steps"] += 1
+        self._launch_decode(prev.tokens)  # replaces self.inflight
+        self.inflight, launched = prev, self.inflight
+        touched = self._land()
+        self.inflight = launched
+        return touched
+
+    def _land(self) -> list[Req]:
+        """Read the in-flight step's tokens and apply them (requests already finished or
+        aborted since its launch drop theirs)."""
+        inf, self.inflight = self.inflight, None
+        if inf.waiter is not None:
+            inf.waiter.synchronize()
+        live = [(r, t) for r, t in zip(inf.batch, inf.host.tolist(), strict=True)
+                if r.finish is None]
+        for r, t in live:
+            r.state.observe(t)
+            self._accept(r, t, None)
+        self.running = [r for r in self.running if r.finish is None]
+        return [r for r, _ in live]
