@@ -175,7 +175,9 @@ def test_info_routes_show_the_plan(served):
     assert info["stats"]["kv_pages_total"] > 0 and info["engine_alive"] is True
     status, _, raw = http_request(srv.url, "GET", "/get_model_info", None, auth, timeout=60)
     assert status == 200 and json.loads(raw)["architecture"] == "LlamaForCausalLM"
-    assert http_request(srv.url, "GET", "/health_generate", None, {}, timeout=120)[0] == 200
+    # /health_generate runs engine work: behind the key (issue 16), 401 without it
+    assert http_request(srv.url, "GET", "/health_generate", None, auth, timeout=120)[0] == 200
+    assert http_request(srv.url, "GET", "/health_generate", None, {}, timeout=120)[0] == 401
 
 
 def test_64_concurrent_streams(served):
