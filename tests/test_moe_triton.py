@@ -104,3 +104,19 @@ def test_fused_routing_matches_torch(T, E, k, scoring, renorm, block_m):
     for got, want in zip(fused_align(ids, E, block_m), align_by_expert(ref_ids, E, block_m),
                          strict=True):
         assert torch.equal(got.long(), want.long())
+
+
+def test_fp32_tilings_fit_shared_memory():
+    """The tables are for 16-bit types; fp32 gets fewer stages / a shorter block_k so that the
+    gate/up kernel's pipelined tiles fit (an fp32 decode tile asked the H200 for 272 KiB)."""
+    from plugins.moe.triton import tuning
+
+    for arch in ("sm90", "sm80"):
+        limit = tuning.SMEM_BYTES[arch]
+        for _, tiling in tuning.TABLE[arch]:
+            bm, bn, bk, _, stages = tuning.fit_dtype(tiling, 4, arch)
+            assert (bm + 2 * bn) * bk * 4 * stages <= limit, (arch, tiling)
+            assert stages >= 1 and bk >= 16
+            assert tuning.fit_dtype(tiling, 2, arch)[:3] == tiling[:3]  # 16-bit: as tabled
+    assert tuning.fit_dtype((16, 128, 128, 4, 3), 4, "sm90") != (16, 128, 128, 4, 3)
+    assert tuning.fit_dtype((16, 32, 32, 1, 1), 4, "interpreter") == (16, 32, 32, 1, 1)

@@ -86,8 +86,9 @@ class TritonMoE(MoERunner):
                                               layer.scoring_func, layer.routed_scaling_factor)
         else:
             route_w, ids = route(router_logits, layer)  # [T, k] fp32, [T, k] int64
-        block_m, block_n, block_k, warps, stages = (
-            self.tiling or tuning.pick(_arch(hidden.device), n / E))
+        arch = _arch(hidden.device)
+        block_m, block_n, block_k, warps, stages = self.tiling or tuning.fit_dtype(
+            tuning.pick(arch, n / E), hidden.element_size(), arch)
         if n <= routing.MAX_ALIGN_ROWS and E <= routing.MAX_ALIGN_EXPERTS:
             sorted_ids, block_expert, total = routing.fused_align(ids, E, block_m)
         else:

@@ -33,3 +33,26 @@ def pick(arch: str, rows_per_expert: float) -> Tiling:
         if bound is None or rows_per_expert <= bound:
             return tiling
     return entries[-1][1]
+
+
+# Shared memory a program may use: the H100/H200 opt-in limit is 227 KiB, A100's 163 KiB; the
+# pipelined loads of the gate/up kernel (x tile + gate and up weight tiles, per stage) must fit.
+SMEM_BYTES = {"sm90": 227 * 1024, "sm80": 163 * 1024, "rocm": 64 * 1024}
+
+
+def fit_dtype(tiling: Tiling, elem_bytes: int, arch: str) -> Tiling:
+    """The table's tilings are for 16-bit types; wider elements (fp32) get fewer pipeline stages
+    and, where one stage is still too big, a shorter block_k, so the kernel fits in shared
+    memory (the H200 refused an fp32 decode tile needing 272 KiB)."""
+    block_m, block_n, block_k, warps, stages = tiling
+    limit = SMEM_BYTES.get(arch)
+    if limit is None:  # the interpreter has no shared memory to run out of
+        return tiling
+
+    def per_stage(bk: int) -> int:
+        return (block_m + 2 * block_n) * bk * elem_bytes
+
+    while block_k > 16 and per_stage(block_k) * 2 > limit:
+        block_k //= 2
+    stages = max(1, min(stages, limit // per_stage(block_k)))
+    return block_m, block_n, block_k, warps, stages
