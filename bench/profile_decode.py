@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--out", default=None)
+    p.add_argument("--config", default=None, help="an HF config.json to profile instead of "
+                   "Llama-3.1-8B (MoE models: the roofline then uses the active weights, "
+                   "bench/moe_decode.py's count)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("skipped: needs CUDA")
@@ -37,9 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     from core.config import make_server_args
     from core.worker import build_engine_core, make_plan
 
-    cfg = LLAMA_31_8B
+    cfg = LLAMA_31_8B if a.config is None else json.loads(Path(a.config).read_text())
     bw = copy_bandwidth("cuda")
-    wbytes = weight_bytes(cfg, 2)
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        from moe_decode import active_bytes_per_token
+
+        wbytes = active_bytes_per_token(cfg, 2)
+    else:
+        wbytes = weight_bytes(cfg, 2)
     model_dir = make_model_dir(cfg)
     args = make_server_args(model_path=model_dir, load_format="dummy", dtype="bfloat16",
                             device="cuda", max_total_tokens=65536, cuda_graph_max_bs=32)

@@ -7,7 +7,8 @@ None meaning "any". A tiling is (block_m, block_n, block_k, num_warps, num_stage
 also the alignment of each expert's row group, so small bounds want small block_m (decode) and
 large ones tall tiles (prefill).
 
-These are starting points, not yet swept on a GPU (see the issue's bench/ sweep, to come).
+sm90 comes from an H200 sweep (bench/sweep_moe.py --quick, 2026-12-01); the others are starting
+points, not swept.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ Tiling = tuple[int, int, int, int, int]
 # The gate/up kernel keeps two fp32 accumulators of block_m x block_n: block_m * block_n is kept
 # within 1024 x num_warps (64 registers a thread for both) so tall prefill tiles do not spill.
 TABLE: dict[str, tuple[tuple[int | None, Tiling], ...]] = {
-    "sm90": ((4, (16, 64, 128, 4, 4)), (16, (16, 128, 128, 4, 3)), (64, (64, 64, 64, 4, 4)),
-             (None, (128, 64, 64, 8, 3))),
+    # H200 quick sweep, 2026-12-01 (bench/sweep_moe.py --quick): the least-loss tiling per bucket
+    "sm90": ((4, (16, 32, 128, 4, 4)), (16, (64, 128, 64, 4, 4)), (64, (64, 64, 64, 4, 4)),
+             (None, (128, 128, 64, 8, 3))),
     "sm80": ((4, (16, 64, 128, 4, 4)), (16, (16, 128, 64, 4, 3)), (64, (64, 64, 32, 4, 4)),
              (None, (128, 64, 32, 8, 3))),
     "rocm": ((16, (16, 64, 64, 4, 1)), (None, (64, 64, 64, 4, 1))),
