@@ -15,8 +15,10 @@ or, where core-serve is importable but not installed as a distribution,
 (`--backend` exists only when the plugin is requested with -p, for the same no-clash reason).
 The option adds the suite (core/testing/attention_suite.py) to whatever else pytest collects.
 A MoE runner is checked the same way, with `--conformance-moe NAME`, which adds
-core/testing/moe_suite.py (a Triton runner on a CPU: set TRITON_INTERPRET=1).
+core/testing/moe_suite.py (a Triton runner on a CPU: set TRITON_INTERPRET=1), and a layer-ops
+plugin with `--conformance-layer-ops NAME` (core/testing/layer_ops_suite.py).
 Options: --conformance-backend NAME (repeatable), --conformance-moe NAME (repeatable),
+--conformance-layer-ops NAME (repeatable),
 --conformance-device DEV (repeatable; default cpu plus cuda when present), --conformance-full,
 --conformance-seed N.
 """
@@ -34,6 +36,8 @@ SUITE_MODULE = "core.testing.attention_suite"
 SUITE_PATH = Path(__file__).resolve().with_name("attention_suite.py")
 MOE_SUITE_MODULE = "core.testing.moe_suite"
 MOE_SUITE_PATH = Path(__file__).resolve().with_name("moe_suite.py")
+OPS_SUITE_MODULE = "core.testing.layer_ops_suite"
+OPS_SUITE_PATH = Path(__file__).resolve().with_name("layer_ops_suite.py")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -45,6 +49,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--conformance-moe", action="append", dest="conformance_moe",
                     metavar="NAME", default=None,
                     help="run the MoE-runner conformance suite on this registered runner "
+                         "(repeatable)")
+    group.addoption("--conformance-layer-ops", action="append", dest="conformance_layer_ops",
+                    metavar="NAME", default=None,
+                    help="run the layer-ops conformance suite on this registered plugin "
                          "(repeatable)")
     group.addoption("--conformance-device", action="append", dest="conformance_device",
                     metavar="DEVICE", default=None,
@@ -75,7 +83,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs an accelerator (run with -m gpu)")
     args = [str(Path(a.split("::")[0]).resolve()) for a in config.args]
     for option, path in (("conformance_backend", SUITE_PATH),
-                         ("conformance_moe", MOE_SUITE_PATH)):
+                         ("conformance_moe", MOE_SUITE_PATH),
+                         ("conformance_layer_ops", OPS_SUITE_PATH)):
         if config.getoption(option, default=None) and str(path) not in args:
             config.args.append(str(path))
             config._core_conformance_injected = True  # noqa: SLF001 - our own marker
@@ -91,7 +100,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fn = getattr(item, "function", None)
         module = getattr(getattr(item, "module", None), "__name__", "")
         origin = getattr(fn, "__module__", "")
-        is_copy = origin in (SUITE_MODULE, MOE_SUITE_MODULE) and module != origin
+        is_copy = origin in (SUITE_MODULE, MOE_SUITE_MODULE, OPS_SUITE_MODULE) and \
+            module != origin
         (drop if is_copy else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

@@ -1,0 +1,149 @@
+"""The layer-ops conformance tests: every op a layer-ops plugin provides against the reference
+(core/layers/ops_ref.py, plain PyTorch), computed in fp32 from the same inputs.
+
+Collected by the conformance plugin (`pytest --conformance-layer-ops NAME`, see
+core.testing.conformance), or by importing them into a test module:
+
+    from core.testing.layer_ops_suite import *  # noqa: F401,F403
+
+Parametrization: every registered layer-ops plugin that can run on each suite device (or only
+those named), every declared compute dtype (not bf16 under the Triton interpreter), every op of
+core.layer_ops.OPS. An op the plugin does not provide (its method returns None) is a skip with
+the reason: the layers then run the reference. Per op: odd sizes, a strided view where the model
+passes one, empty batches, outputs of the right shape, dtype and device, inputs left unchanged,
+and (store_kv) exactly the addressed slots written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.layer_ops import OPS
+from core.layers.ops_ref import TorchLayerOps
+from core.plugins import get_registry
+from core.testing.attention_check import excluded_dtype_reasons, unavailable_reasons
+from core.testing.attention_suite import _device_info, _device_missing, default_devices
+
+__all__ = ["pytest_generate_tests", "test_layer_ops_conformance"]
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+REFERENCE = "torch"
+
+
+def layer_ops_params(config: pytest.Config) -> list:
+    registry = get_registry()
+    plugins = registry.kind("layer_ops")
+    named = list(dict.fromkeys(config.getoption("conformance_layer_ops", default=None) or []))
+    unknown = [n for n in named if n not in plugins]
+    if unknown:
+        raise pytest.UsageError(f"layer-ops plugin(s) {', '.join(unknown)} not registered "
+                                f"(registered: {', '.join(sorted(plugins)) or 'none'})")
+    devices = config.getoption("conformance_device", default=None) or default_devices()
+    params = []
+    for device_name in devices:
+        device = torch.device(device_name)
+        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
+        missing = _device_missing(device)
+        info = _device_info(registry, device) if not missing else None
+        for name in named or sorted(plugins):
+            reg = plugins[name]
+            why = [missing] if missing else unavailable_reasons(reg, device, info)
+            if why:
+                if named:  # asked for by name: say why it did not run
+                    params.append(pytest.param(None, None, None, None, id=f"{name}-{device_name}",
+                                               marks=[*marks, pytest.mark.skip(
+                                                   reason="; ".join(why))]))
+                continue
+            excluded = excluded_dtype_reasons(reg, device)
+            for dtype in sorted(reg.caps.dtypes):
+                if dtype in excluded:
+                    continue
+                for op in OPS:
+                    params.append(pytest.param(name, device_name, dtype, op,
+                                               id=f"{name}-{device_name}-{dtype}-{op}",
+                                               marks=marks))
+    return params
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.function.__name__ == "test_layer_ops_conformance":
+        metafunc.parametrize("plugin,device,dtype,op", layer_ops_params(metafunc.config))
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.shape, want.shape)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype],
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
+    g = torch.Generator(device="cpu").manual_seed(OPS.index(op))
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+
+    fn = getattr(ops, op)
+    if op in ("rms_norm", "add_rms_norm"):
+        for n, t in ((96, 5), (576, 3), (4096, 2), (64, 0)):
+            w = (torch.rand(n, generator=g) + 0.5).to(dtype=dtype, device=device)
+            f, r = fn(w, 1e-6), getattr(ref, op)(w, 1e-6)
+            if f is None:
+                pytest.skip(f"{op} not provided for {dtype}: the layers run the reference")
+            x, res = rnd(t, n), rnd(t, n)
+            x0, res0 = x.clone(), res.clone()
+            if op == "rms_norm":
+                _close(f(x), r(x), dtype, f"rms_norm n={n} t={t}")
+            else:
+                (out, total), (rout, rtotal) = f(x, res), r(x, res)
+                _close(total, rtotal, dtype, f"add_rms_norm sum n={n}")
+                _close(out, rout, dtype, f"add_rms_norm norm n={n}")
+            assert torch.equal(x, x0) and torch.equal(res, res0), f"{op} changed its inputs"
+    elif op == "silu_and_mul":
+        f = fn()
+        if f is None:
+            pytest.skip(f"{op} not provided for {dtype}: the layers run the reference")
+        for t, i in ((7, 96), (1, 1408), (0, 64)):
+            x = rnd(t, 2 * i)
+            _close(f(x), ref.silu_and_mul()(x), dtype, f"silu_and_mul t={t} i={i}")
+    elif op == "rotary_qk":
+        for d, hq, hk, t in ((64, 4, 2, 5), (128, 8, 1, 3), (80, 2, 2, 2)):
+            f = fn(d)
+            if f is None:
+                continue  # not provided at this head size: the reference rotates it
+            # cos / sin [T, 1, D] as RotaryEmbedding.cos_sin gives them (sin = [-s, s])
+            pos = torch.arange(t, dtype=torch.float32) * 3
+            ang = pos[:, None] / 1e4 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+            cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(dtype=dtype, device=device)
+            sin = torch.cat([-ang.sin(), ang.sin()], -1)[:, None].to(dtype=dtype, device=device)
+            qkv = rnd(t, (hq + 2 * hk) * d)
+            q, k = f(qkv, cos, sin, hq, hk)
+            rq, rk = ref.rotary_qk(d)(qkv, cos, sin, hq, hk)
+            _close(q, rq, dtype, f"rotary q d={d}")
+            _close(k, rk, dtype, f"rotary k d={d}")
+    elif op == "store_kv":
+        f = fn()
+        if f is None:
+            pytest.skip(f"{op} not provided: the pool writes K/V itself")
+        t, hkv, d, size = 6, 2, 32, 40
+        qkv = rnd(t, (4 + 2 * hkv) * d)
+        k = rnd(t, hkv, d)
+        v = qkv[:, (4 + hkv) * d:].view(t, hkv, d)  # a strided view, as the model passes it
+        kb = torch.full((size, hkv, d), 7.0, dtype=dtype, device=device)
+        vb = kb.clone()
+        loc = torch.tensor([3, 39, 0, 12, 13, 5], device=device)
+        if not f(k, v, loc, kb, vb):
+            pytest.skip("store_kv declined these tensors: the pool writes them itself")
+        assert torch.equal(kb[loc], k) and torch.equal(vb[loc], v)
+        rest = torch.ones(size, dtype=torch.bool, device=device)
+        rest[loc] = False
+        assert (kb[rest] == 7).all() and (vb[rest] == 7).all(), "store_kv wrote other slots"
+
+
+def test_layer_ops_conformance(plugin, device, dtype, op):
+    reg = get_registry().get("layer_ops", plugin)
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    ops = reg.load()(dtype=dt, device=dev)
+    missing = [m for m in OPS if not hasattr(ops, m)]
+    assert not missing, f"{plugin} lacks {missing} (core/layer_ops.py: return None instead)"
+    _check(op, ops, TorchLayerOps(dt, dev), dt, dev)
