@@ -18,7 +18,9 @@ CAPS = HardwareCaps(
     device_type="npu",
     vendor="Huawei",
     dist_backend="hccl",
-    description="Huawei Ascend NPUs through torch_npu (torch.npu)",
+    description="Huawei Ascend NPUs through torch_npu (torch.npu); its Platform (plugins/"
+                "hardware/accel.py) is written from the documented API and untested here: no "
+                "graphs, no overlap",
     requires=("torch_npu",),
     priority=90,
 )

@@ -11,7 +11,9 @@ CAPS = HardwareCaps(
     device_type="xpu",
     vendor="Intel",
     dist_backend="xccl",
-    description="Intel GPUs through torch.xpu (SYCL / Level Zero)",
+    description="Intel GPUs through torch.xpu (SYCL / Level Zero); its Platform (plugins/hardware/"
+                "accel.py) is written from the documented API and untested here: no graphs, "
+                "no overlap",
     priority=90,
 )
 
