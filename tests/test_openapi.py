@@ -120,6 +120,9 @@ CASES = [
     ("generate-max_new_tokens-context", G, {"text": "hi", "sampling_params": {
         "max_new_tokens": 300}}, False),
     ("generate-rid-too-long", G, {"text": "hi", "rid": "r" * 129}, False),
+    ("generate-rid-newline", G, {"text": "hi", "rid": "a\nb"}, False),
+    ("generate-rid", G, {"text": "hi", "rid": "client-1.a:b_c",
+                         "sampling_params": {"max_new_tokens": 2}}, True),
     ("generate-ids", G, {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2,
                                                                   "seed": -1}}, True),
     ("generate-unknown", G, {"text": "hi", "definitely_not_a_param": True}, False),

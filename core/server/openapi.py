@@ -29,6 +29,7 @@ from core.server.protocol import (
     SEED_MAX,
     SEED_MIN,
 )
+from core.server.state import RID_PATTERN
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -161,8 +162,9 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
                                 "properties": sampling},
             "stream": _BOOL, "return_logprob": _BOOL,
             "top_logprobs_num": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-            "rid": {"type": "string", "minLength": 1, "maxLength": 128,
-                    "description": "for one prompt only; must not be in use"}},
+            "rid": {"type": "string", "pattern": f"^{RID_PATTERN.pattern}$",
+                    "description": "for one prompt only; must not be in use (with its "
+                                   "`<rid>-i` children)"}},
             oneOf=[{"required": ["text"], "not": {"required": ["input_ids"]}},
                    {"required": ["input_ids"], "not": {"required": ["text"]}}]),
     }
