@@ -5,7 +5,7 @@ A quant method has three duties (gpt-fast style: the model stays pure, the metho
 may repack them once the checkpoint is in, and `apply(layer, x)` computes the product.
 
 A Platform may move dense weights to a layout its kernels stream faster once loading is over
-(`repack_dense_weights`; the cpu target's oneDNN blocked layout, plugins/hardware/cpu_onednn.py).
+(`repack_dense_weights`; the cpu target's oneDNN blocked layout, plugins/hardware/cpu_runtime.py).
 Loading leaves weights in the checkpoint's layout, so everything that reads them after loading
 (tests, tools) sees plain tensors; only the runner's copy of the model is repacked.
 """
@@ -51,7 +51,7 @@ class UnquantizedLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.matmul is not None:
-            return layer.matmul(x, layer.weight, layer.bias)
+            return layer.matmul(x, weight=layer.weight, bias=layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def bind(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
