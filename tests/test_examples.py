@@ -469,30 +469,17 @@ def test_core_serve_runs_on_the_example_accelerator(example_site):
     own (memory defaults, copies, no graphs) serves a chat completion; core-serve is unchanged.
     The example's SDPA backend is the one attention backend declaring that target."""
     import signal
-    import socket
-    import time
 
-    from core.server.testing import http_request
+    from core.server.testing import free_port, http_request, read_until_listening
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = Path(sys.executable).with_name("core")
     cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "core.cli"]
     proc = subprocess.Popen(cmd + ["serve", "--device", "example_accel", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env=_env(example_site, CORE_EXAMPLE_ACCEL="1", PYTHONUNBUFFERED="1"))
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "listening on" in line:
-                break
-        out = "".join(lines)
+        out = read_until_listening(proc)
         assert "listening on http://127.0.0.1:" in out, out
         assert "example_accel: 1x Example Accelerator" in out
         assert re.search(r"decode attention\s+example_sdpa", out), out

@@ -23,8 +23,10 @@ import pytest
 from core.config import ServerArgs
 from core.server.testing import (
     ServerThread,
+    free_port,
     http_request,
     read_first_chunk,
+    read_until_listening,
     send_stream_request,
     sse_payloads,
 )
@@ -240,12 +242,6 @@ def test_dead_engine_is_503(served):
 
 # -- SIGTERM on `core serve` ---------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _descendants(pid: int) -> set[int]:
     out, todo = set(), [pid]
     while todo:
@@ -271,23 +267,15 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_drains_and_leaves_no_process():
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "core.cli", "serve", "--port", str(port), "--max-total-tokens",
            "2048", "--drain-timeout", "120"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "listening on" in line:
-                break
-        assert any("listening on http://127.0.0.1:" in x for x in lines), "".join(lines)
-        assert any("decode attention" in x for x in lines)  # the plan table came first
+        out = read_until_listening(proc)
+        assert "listening on http://127.0.0.1:" in out, out
+        assert "decode attention" in out  # the plan table came first
         children = _descendants(proc.pid)
         assert children, "the engine worker process is missing"
         url = f"http://127.0.0.1:{port}"
@@ -322,7 +310,7 @@ def test_sigterm_drains_and_leaves_no_process():
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    out = "".join(lines) + proc.stdout.read()
+    out += proc.stdout.read()
     assert "draining 3 request(s)" in out, out[-2000:]
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in children) and time.monotonic() < deadline:

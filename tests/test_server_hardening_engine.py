@@ -16,20 +16,18 @@ from pathlib import Path
 import pytest
 
 from core.server.serve import EXIT_ENGINE_DIED
-from core.server.testing import http_request, send_stream_request, sse_payloads
+from core.server.testing import (
+    free_port,
+    http_request,
+    read_until_listening,
+    send_stream_request,
+    sse_payloads,
+)
 
 pytest.importorskip("transformers")
 
 KEY = "sk-engine-hard"
 EXIT_BOUND_S = 15.0  # worker killed -> server process gone
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> list[int]:
@@ -58,23 +56,15 @@ def _dechunk(raw: bytes) -> bytes:
 def test_liveness_during_a_long_step_and_exit_on_worker_death(tmp_path):
     keyfile = tmp_path / "key"
     keyfile.write_text(KEY + "\n")
-    port = _free_port()
+    port = free_port()
     # no chunking: the whole prompt is one scheduler step of several seconds on a CPU
     cmd = [sys.executable, "-m", "core.cli", "serve", "--port", str(port), "--max-total-tokens",
            "8192", "--chunked-prefill-size", "-1", "--api-key-file", str(keyfile)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "listening on" in line:
-                break
-        assert any("listening on" in x for x in lines), "".join(lines)
+        out = read_until_listening(proc)
+        assert "listening on" in out, out
         assert KEY not in Path(f"/proc/{proc.pid}/cmdline").read_text()
         workers = _children(proc.pid)
         assert workers, "no engine worker process"
@@ -133,7 +123,7 @@ def test_liveness_during_a_long_step_and_exit_on_worker_death(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    out = "".join(lines) + proc.stdout.read()
+    out += proc.stdout.read()
     assert rc == EXIT_ENGINE_DIED, out[-2000:]
     assert took < EXIT_BOUND_S
     assert "the engine stopped" in out, out[-2000:]

@@ -462,3 +462,31 @@ async def soak_traffic(url: str, key: str | None, duration: float, concurrency: 
 
     await asyncio.gather(ticker(), *(worker(i) for i in range(concurrency)))
     return counts
+
+
+# -- a `core serve` subprocess ------------------------------------------------------------------
+
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_until_listening(proc: Any, timeout: float = 240.0) -> str:
+    """The output of a `core serve` subprocess (stdout piped, text mode, stderr merged) up to
+    and including its "listening on" line, or all it printed before exiting or `timeout`."""
+    import time
+
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "listening on" in line:
+            break
+    return "".join(lines)
