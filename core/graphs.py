@@ -78,19 +78,16 @@ class GraphDecision:
         return self.sizes[-1] if self.sizes else 0
 
 
-def decide(plan_cuda_graph: bool, support: Any, backend_graphs: bool, backend_name: str,
-           max_bs: int | None, default_max_bs: int, max_running_requests: int) -> GraphDecision:
-    """Capture or not, given the plan, the platform's GraphSupport, whether the decode backend
-    declares graph safety (AttentionCaps.cuda_graph) and the batch-size limits."""
+def decide(plan_cuda_graph: bool, support: Any, max_bs: int | None, default_max_bs: int,
+           max_running_requests: int) -> GraphDecision:
+    """Capture or not, given the plan (the resolver already turned graphs off for a decode
+    backend, MoE runner or layer ops that cannot be captured, with its note), the platform's
+    GraphSupport and the batch-size limits."""
     if not plan_cuda_graph:
         return GraphDecision(False, (), "graph capture off: the plan turned it off (see the "
                                         "plan's notes)")
     if not support.available:
         return GraphDecision(False, (), f"graph capture off: {support.reason}")
-    if not backend_graphs:
-        return GraphDecision(False, (), f"graph capture off: decode backend {backend_name} "
-                                        f"does not declare graph capture (AttentionCaps."
-                                        f"cuda_graph); decode runs eagerly")
     if max_bs is None:
         if default_max_bs < 1:
             return GraphDecision(False, (), "graph capture off: the platform's memory "

@@ -75,12 +75,10 @@ class MemoryPlan:
 
 
 def plan_memory(args: ServerArgs, plan: Plan, spec: Any, cfg: Any, dtype_bytes: int,
-                bytes_per_token: int, free_bytes: int, platform: Any,
-                decode_graphs: bool) -> MemoryPlan:
+                bytes_per_token: int, free_bytes: int, platform: Any) -> MemoryPlan:
     """Phase 1, pure given the platform's answers: sizes from the flags, the device's memory
     and the platform's defaults. `free_bytes` is the device's free memory now (0 when
-    --max-total-tokens fixes the pool); `decode_graphs` whether the decode backend declares
-    graph capture."""
+    --max-total-tokens fixes the pool)."""
     from core.graphs import decide as decide_graphs
     from core.graphs import graph_memory_reserve
     from core.memory_pool import kv_pool_tokens
@@ -90,9 +88,8 @@ def plan_memory(args: ServerArgs, plan: Plan, spec: Any, cfg: Any, dtype_bytes: 
     max_running = args.max_running_requests or defaults.max_running_requests
     # Decode graphs: decided (with a note either way) and their memory reserved before the KV
     # pool takes what is left.
-    graphs = decide_graphs(plan.cuda_graph, platform.graphs(), decode_graphs,
-                           plan.decode_attention, args.cuda_graph_max_bs, defaults.graph_max_bs,
-                           max_running)
+    graphs = decide_graphs(plan.cuda_graph, platform.graphs(), args.cuda_graph_max_bs,
+                           defaults.graph_max_bs, max_running)
     free = free_bytes
     if graphs.enabled and args.max_total_tokens is None:
         free = max(free - graph_memory_reserve(graphs.max_bs, spec.vocab_size, spec.hidden_size,
@@ -216,10 +213,8 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     kv_dtype = kv_dtype_of(plan)
     per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                        kv_dtype, spec.v_head_dim)
-    decode_reg = registry.get("attention", plan.decode_attention)
     mem = plan_memory(args, plan, spec, cfg, loaded.dtype.itemsize, per_token,
-                      platform.memory(0)[0] if args.max_total_tokens is None else 0, platform,
-                      bool(decode_reg is not None and decode_reg.caps.cuda_graph))
+                      platform.memory(0)[0] if args.max_total_tokens is None else 0, platform)
     kv_pool, req_to_token = build_kv(plan, spec, mem, kv_dtype, device, max_context, loaded)
     runner, graph_note = build_runner(plan, spec, registry, platform, loaded, kv_pool,
                                       req_to_token, kv_dtype, device, max_context, mem)

@@ -83,22 +83,31 @@ def test_graph_memory_reserve_grows_with_batch_and_vocab_and_stays_modest_for_8b
     assert r160 < graph_memory_reserve(160, **{**llama8b, "vocab_size": 256000})
 
 
-def test_decide_honours_the_plan_device_backend_and_max_bs():
-    off = decide(False, ON, True, "triton", None, 160, 256)
+def test_decide_honours_the_plan_device_and_max_bs():
+    off = decide(False, ON, None, 160, 256)
     assert not off.enabled and "graph capture off" in off.note
-    cpu = decide(True, NO_GRAPHS, True, "triton", None, 0, 256)
+    cpu = decide(True, NO_GRAPHS, None, 0, 256)
     assert not cpu.enabled and "cpu" in cpu.note
-    plain = decide(True, ON, False, "torch_native", None, 160, 256)
-    assert not plain.enabled and "does not declare graph capture" in plain.note
-    assert "torch_native" in plain.note
-    on = decide(True, ON, True, "triton", None, default_max_bs(141 * GB), 256)
+    on = decide(True, ON, None, default_max_bs(141 * GB), 256)
     assert on.enabled and on.max_bs == 160 and on.sizes[0] == 1 and "160" in on.note
-    user = decide(True, ON, True, "triton", 12, 160, 256)
+    user = decide(True, ON, 12, 160, 256)
     assert user.sizes == (1, 2, 4, 8, 12) and "--cuda-graph-max-bs" in user.note
-    capped = decide(True, ON, True, "triton", None, 160, 32)
+    capped = decide(True, ON, None, 160, 32)
     assert capped.max_bs == 32 and "max_running_requests" in capped.note
-    none = decide(True, ON, True, "triton", None, 0, 32)
+    none = decide(True, ON, None, 0, 32)
     assert not none.enabled and "no batch size" in none.note
+
+
+def test_a_decode_backend_without_graphs_turns_them_off_in_the_plan(model_spec, test_registry):
+    """Graph safety is the caps' (AttentionCaps.cuda_graph), checked once, by the resolver."""
+    from core.devices import PROFILES
+    from core.resolver import resolve
+
+    plan = resolve(model_spec("llama-3.1-8b"), PROFILES["h200"],
+                   ServerArgs(attention_backend="torch_native"), test_registry)
+    assert plan.decode_attention == "torch_native" and not plan.cuda_graph
+    assert any("decode attention torch_native cannot be captured" in n for n in plan.notes)
+    assert not decide(plan.cuda_graph, ON, None, 160, 256).enabled
 
 
 def test_disable_cuda_graph_reaches_the_engine_as_a_note(model_spec, test_registry):
@@ -110,7 +119,7 @@ def test_disable_cuda_graph_reaches_the_engine_as_a_note(model_spec, test_regist
     off = resolve(spec, PROFILES["h200"], ServerArgs(disable_cuda_graph=True), test_registry)
     assert on.cuda_graph and not off.cuda_graph
     assert "graph capture off: --disable-cuda-graph" in off.notes
-    assert not decide(off.cuda_graph, ON, True, "triton", None, 160, 256).enabled
+    assert not decide(off.cuda_graph, ON, None, 160, 256).enabled
 
 
 def test_backend_graph_hooks_are_optional_and_graph_safety_is_declared_in_caps():

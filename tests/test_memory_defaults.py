@@ -71,12 +71,12 @@ def test_plan_memory_is_a_function_of_flags_device_and_platform(model_spec):
     platform = TorchCudaPlatform(h200)
     cfg = SimpleNamespace(intermediate_size=14336)
     per_token = 128 * 1024  # bf16 K+V of 32 layers x 8 heads x 128
-    mem = plan_memory(ServerArgs(), plan, spec, cfg, 2, per_token, 120 * GiB, platform, False)
+    mem = plan_memory(ServerArgs(), plan, spec, cfg, 2, per_token, 120 * GiB, platform)
     assert mem.chunked_prefill_size == 16384 and mem.max_running == 256
     assert not mem.graphs.enabled and "graph capture off" in mem.graphs.note
     assert mem.notes[0].startswith("from 140 GiB of device memory")
     assert mem.kv_tokens > 0 and mem == plan_memory(ServerArgs(), plan, spec, cfg, 2, per_token,
-                                                    120 * GiB, platform, False)
+                                                    120 * GiB, platform)
     fixed = plan_memory(ServerArgs(max_total_tokens=4096, chunked_prefill_size=-1), plan, spec,
-                        cfg, 2, per_token, 0, platform, False)
+                        cfg, 2, per_token, 0, platform)
     assert fixed.kv_tokens == 4096 and fixed.chunked_prefill_size is None
