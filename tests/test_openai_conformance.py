@@ -36,6 +36,16 @@ def client(srv) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """The shipped model's tokenizer (from its GGUF file), loaded once for this module."""
+    from core.default_model import default_model_path
+    from core.tokenizer import Tokenizer
+
+    path = default_model_path()
+    return Tokenizer.from_path(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.fixture(scope="module")
 def srv():
     with ServerThread(create_app(FakeEngine(reply=EMOJI_REPLY), ServerArgs(api_key=KEY))) as s:
         yield s
@@ -102,12 +112,8 @@ def test_completion_tokens_of_an_emoji(srv):
     assert lp.text_offset[first + 4] == 4  # the space after it
 
 
-def test_real_tokenizer_bytes_rebuild_text():
-    from core.default_model import default_model_path
-    from core.tokenizer import Tokenizer
-
-    path = default_model_path()
-    tok = Tokenizer.from_path(os.path.dirname(path), gguf_file=os.path.basename(path))
+def test_real_tokenizer_bytes_rebuild_text(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     text = "Paris 😀 naïve 日本<|im_end|>"
     ids = tok.encode(text, add_special_tokens=False)
     assert b"".join(tok.token_bytes(i) for i in ids).decode("utf-8") == text
@@ -252,12 +258,8 @@ def test_special_token_text_allowed_with_the_opt_in():
         assert r.choices[0].message.content == "he"
 
 
-def test_real_tokenizer_lists_its_control_tokens():
-    from core.default_model import default_model_path
-    from core.tokenizer import Tokenizer
-
-    path = default_model_path()
-    tok = Tokenizer.from_path(os.path.dirname(path), gguf_file=os.path.basename(path))
+def test_real_tokenizer_lists_its_control_tokens(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= set(tok.special_tokens)
     # what the check prevents: the text does become the control token
     assert tok.encode("<|im_start|>", add_special_tokens=False) == [
