@@ -110,3 +110,31 @@ def test_fp8_kv_on_an_a100_is_refused_before_anything_is_built(model_spec):
     plan = resolve(spec, PROFILES["h100"], ServerArgs(attention_backend="triton",
                                                       kv_cache_dtype="fp8_e4m3"), registry)
     assert plan.kv_cache_dtype == "fp8_e4m3"
+
+
+# The shipped Platform conformance suite over every target available here (the cpu on CI).
+from core.testing.platform_suite import *  # noqa: E402,F401,F403
+from core.testing.platform_suite import platform_params  # noqa: E402
+
+
+def test_the_platform_suite_covers_the_cpu(pytestconfig):
+    ids = {p.id for p in platform_params(pytestconfig)}
+    assert {f"cpu-{c}" for c in ("memory", "defaults", "copies", "graphs", "overlap",
+                                 "post_load")} <= ids
+
+
+def test_the_platform_suite_fails_a_platform_that_changes_the_model(monkeypatch):
+    from core.testing import platform_suite
+    from plugins.hardware.cpu_runtime import CpuPlatform
+
+    def corrupting(self, model):
+        for p in model.parameters():
+            p.data.mul_(1.01)
+        return []
+
+    monkeypatch.setattr(CpuPlatform, "post_load", corrupting)
+    with pytest.raises(AssertionError):
+        platform_suite.test_platform_conformance("cpu", "post_load")
+    monkeypatch.setattr(CpuPlatform, "graphs", lambda self: GraphSupport(False, " "))
+    with pytest.raises(AssertionError, match="must say why"):
+        platform_suite.test_platform_conformance("cpu", "graphs")
