@@ -18,9 +18,10 @@ class KVPool:
     FP8 caches (torch.float8_e4m3fn / float8_e5m2) hold values divided by a per-tensor scale:
     real K = stored K * k_scale (likewise V). The scales are 1.0 for every other dtype.
 
-    Every write goes through `set_kv`, which counts them per layer in `writes[layer]`: a reader
-    that keeps a copy of some slots (torch_native's dense decode cache) knows from an unchanged
-    count that nobody else wrote that layer since.
+    `step` counts the forward steps run over the pool: whoever writes it (the model runner once
+    per forward, a test or tool before a write of its own) calls `begin_step()` first. A backend
+    that keeps a copy of some slots across steps (torch_native's dense decode cache) knows that
+    nobody else wrote the pool when the step it sees is the one after its own.
     """
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -47,7 +48,7 @@ class KVPool:
                                       device=self.device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(num_slots, num_kv_heads, self.v_head_dim, dtype=dtype,
                                       device=self.device) for _ in range(num_layers)]
-        self.writes = [0] * num_layers
+        self.step = 0
         # the layer ops' KV store (core.layer_ops: one kernel for K and V where fused); returns
         # False for tensors it does not take, which the pool then writes itself
         self.store = store
@@ -58,12 +59,16 @@ class KVPool:
         elem = torch.tensor([], dtype=dtype).element_size()
         return num_layers * num_kv_heads * (head_dim + (v_head_dim or head_dim)) * elem
 
+    def begin_step(self) -> int:
+        """Start a forward step (or any write outside one); returns its number."""
+        self.step += 1
+        return self.step
+
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V. loc: [T] slots; k: [T, kv_heads, head_dim]; v likewise."""
-        self.writes[layer_id] += 1
         kb, vb = self.k_buffers[layer_id], self.v_buffers[layer_id]
         if self.k_scale != 1.0:
             k = k / self.k_scale

@@ -79,6 +79,7 @@ class ModelRunner:
         `logits_for` (indices into rows), or None when none is listed.
         """
         self.forward_count["extend"] += 1
+        self.kv_pool.begin_step()
         ext = [len(t) for t in tokens]
         seq = [p + n for p, n in zip(prefix_lens, ext, strict=True)]
         flat_ids: list[int] = []
@@ -142,6 +143,7 @@ class ModelRunner:
         `input_ids` may be a device tensor (the previous step's sampled tokens, not yet seen by
         the host: the overlap scheduler)."""
         self.forward_count["decode"] += 1
+        self.kv_pool.begin_step()  # graph replays write the pool too
         if self.graph_runner is not None and self.graph_runner.can_run(len(rows)):
             return self.graph_runner.decode(rows, input_ids, positions, slots)
         seq = [p + 1 for p in positions]

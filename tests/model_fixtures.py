@@ -206,6 +206,7 @@ class PagedHarness:
             req_to_token=self.req_to_token, kv_pool=self.pool,
             seq_lens_cpu=seq, prefix_lens_cpu=prefix, extend_lens_cpu=ext,
             attn_backend=self.backend)
+        self.pool.begin_step()  # as the model runner does before every forward
         if self.backend is not None:
             fb.attn_meta = self.backend.prepare(fb)
         return fb

@@ -190,8 +190,10 @@ def test_decode_steps_through_the_dense_copy(heads, kv_heads, window):
     step([3], [4], decode=False)  # another request's extend writes the pool
     step([0, 2], [1, 1], decode=True, expect_continued=True)  # rows continue, layers rebuilt
     step([0, 2], [1, 1], decode=True, expect_continued=True)
-    # Any other write into slots the copy holds (here: row 0's first tokens) is seen.
+    # Any other write into slots the copy holds (here: row 0's first tokens) is seen: a writer
+    # outside a forward step begins one (KVPool.step), as the model runner does.
     slots = h.req_to_token[0, :3].long()
+    h.pool.begin_step()
     for layer in layers:
         k, v = (torch.randn(3, kv_heads, D, generator=g) for _ in range(2))
         h.pool.set_kv(layer.layer_id, slots, k, v)

@@ -35,7 +35,7 @@ class TorchNativeMeta:
     extend_lens: list[int]
     starts: list[int]  # offset of each request's first new token in q / k / v
     masks: dict = field(default_factory=dict)  # (kind, ...) -> bool mask, built lazily
-    dense_step: int = 0  # decode: the dense cache's step id, 0 when it does not serve this step
+    dense_step: int = 0  # decode: the pool's step (KVPool.step), 0 when the dense cache does not serve it
     dense_continued: bool = False  # decode: the dense cache may append to its last step
 
 
@@ -70,7 +70,7 @@ class TorchNativeAttention(AttentionBackend):
         slots = batch.req_to_token[batch.req_pool_indices, :max_len].long()
         meta = TorchNativeMeta(batch.is_decode, slots, seq, prefix, ext, starts)
         if (batch.is_decode and self._dense is not None and seq
-                and getattr(batch.kv_pool, "writes", None) is not None):
+                and getattr(batch.kv_pool, "step", None) is not None):
             step, usable, continued = self._dense.begin_step(
                 batch.kv_pool, batch.req_pool_indices, slots, seq)
             meta.dense_step, meta.dense_continued = (step if usable else 0), continued
@@ -88,7 +88,6 @@ class TorchNativeAttention(AttentionBackend):
         Dv = layer.v_head_dim or D
         pool = batch.kv_pool
         meta = self._meta(batch)
-        writes_before = pool.writes[layer.layer_id] if meta.dense_step else 0
         k, v = k.view(T, Hkv, D), v.view(T, Hkv, Dv)
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
@@ -97,9 +96,9 @@ class TorchNativeAttention(AttentionBackend):
             if meta.dense_step:  # [B, Hkv, L, D] each, from the copy carried across steps
                 loc = batch.out_cache_loc  # the new tokens read back as the pool holds them
                 dense = self._dense.layer_kv(
-                    layer.layer_id, pool, k_buf, v_buf, k_buf.index_select(0, loc),
+                    layer.layer_id, k_buf, v_buf, k_buf.index_select(0, loc),
                     v_buf.index_select(0, loc), meta.dense_step, meta.dense_continued,
-                    writes_before, q.dtype)
+                    q.dtype)
             out = self._decode(q.view(T, H, D), k_buf, v_buf, layer, meta, dense)
         else:
             out = self._extend(q.view(T, H, D), k_buf, v_buf, layer, meta)

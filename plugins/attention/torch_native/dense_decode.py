@@ -12,8 +12,9 @@ The copy is continued, for a layer, only if all of these hold (else that layer i
 - the step decodes the same table rows, in the same order, each one token further than the
   copy's last step, with the same slots for the tokens the copy holds, in the same pool;
 - the layer was brought up to date at the copy's last step; and
-- nobody wrote that layer of the pool since (`KVPool.writes`), so a slot freed and written again
-  by another request (an extend in between) is never read stale.
+- the step is the pool's next after that one (`KVPool.step`): nobody else wrote the pool in
+  between, so a slot freed and written again by another request (an extend in between) is never
+  read stale.
 Its memory is bounded by the pool's own: B x cap never exceeds the pool's slot count.
 """
 
@@ -34,13 +35,11 @@ class DenseDecodeCache:
     """Per-layer dense K/V of the current decode batch (one instance per backend)."""
 
     def __init__(self):
-        # per layer id: K [B, Hkv, cap, D], V [B, Hkv, cap, Dv], the step that last brought the
-        # layer up to date, and pool.writes[layer] seen after that step's own write
+        # per layer id: K [B, Hkv, cap, D], V [B, Hkv, cap, Dv], and the pool step (KVPool.step)
+        # that last brought the layer up to date
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.layer_step: dict[int, int] = {}
-        self.layer_writes: dict[int, int] = {}
-        self.step = 0
         self.pool_id: int | None = None
         self.rows: torch.Tensor | None = None  # [B] table rows of the copy's last step
         self.slots: torch.Tensor | None = None  # [B, L] slots of the copy's last step
@@ -49,7 +48,7 @@ class DenseDecodeCache:
 
     def begin_step(self, pool, rows: torch.Tensor, slots: torch.Tensor,
                    seq_lens: list[int]) -> tuple[int, bool, bool]:
-        """Called once per decode step (in prepare): (step id, usable, continued).
+        """Called once per decode step (in prepare): (the pool's step, usable, continued).
 
         usable: the copy may serve this step (else the caller gathers as usual); continued:
         the step is the copy's last step plus one token per row (layers may append)."""
@@ -63,24 +62,24 @@ class DenseDecodeCache:
         if not continued:
             self.cap = _round_up(L + HEADROOM, 64)
         usable = B * self.cap <= pool.num_slots
-        self.step += 1
         self.pool_id = id(pool)
         self.rows, self.slots, self.lens = rows.clone(), slots.clone(), list(seq_lens)
         if not usable:  # forget it: the next step must rebuild
             self.rows = None
-        return self.step, usable, continued and usable
+        return pool.step, usable, continued and usable
 
-    def layer_kv(self, layer_id: int, pool, k_buf: torch.Tensor, v_buf: torch.Tensor,
+    def layer_kv(self, layer_id: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
                  k_new: torch.Tensor, v_new: torch.Tensor, step: int, continued: bool,
-                 writes_before: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's K/V of the batch, [B, Hkv, L, D] views, up to date with this step.
 
         k_new / v_new [B, Hkv, D]: the step's new tokens as the pool now holds them (already
-        written); writes_before: pool.writes[layer_id] just before that write."""
+        written); step: the pool's step (begin_step's)."""
         B, L = self.slots.shape
         k, v = self.k.get(layer_id), self.v.get(layer_id)
-        if (continued and k is not None and self.layer_step.get(layer_id) == step - 1
-                and self.layer_writes.get(layer_id) == writes_before):
+        # step - 1: this layer was brought up to date at the pool's previous step, so nothing
+        # else wrote the pool since
+        if continued and k is not None and self.layer_step.get(layer_id) == step - 1:
             pos = torch.tensor([n - 1 for n in self.lens], device=k.device)
             rows = torch.arange(B, device=k.device)
             k[rows, :, pos] = k_new.to(k.dtype)
@@ -98,7 +97,6 @@ class DenseDecodeCache:
             v[:, :, :L].copy_(v_buf.index_select(0, idx).view(B, L, *v_buf.shape[1:])
                               .transpose(1, 2))
         self.layer_step[layer_id] = step
-        self.layer_writes[layer_id] = pool.writes[layer_id]
         return k[:, :, :L], v[:, :, :L]
 
 
