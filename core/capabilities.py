@@ -267,30 +267,45 @@ class MoECaps(_Frozen):
 
 @dataclass(frozen=True)
 class QuantCaps(_Frozen):
-    """What a quantization method supports.
+    """What a quantization method supports (the protocol is core.quant).
 
     `config_names` are the quant_method strings of a HF quantization_config it can load
-    ("none" for unquantized checkpoints).
+    ("none" for unquantized checkpoints). `formats` are the weight formats it computes
+    (core.quant.FORMATS: fp8_block, int4_awq, ..., or a method's own name for a quant_method
+    core does not parse); `activation_schemes` none (weight-only) / dynamic / static (empty:
+    not checked); `group_sizes` the weight group sizes it takes (empty: any).
+    `online_format`: the format it quantizes a dense checkpoint into when asked with
+    --quantization NAME (None: it only loads quantized checkpoints; never chosen on its own for
+    a dense one). `moe_runners`: MoE runners known to run its expert weights (the agreement
+    holds when either this or the runner's MoECaps.quant_methods names the other).
     """
 
     devices: frozenset[str] = frozenset()
     capability: Mapping[str, CapabilityRange] = field(default_factory=dict)
     cpu_isa: frozenset[str] = frozenset()
     config_names: frozenset[str] = frozenset()
+    formats: frozenset[str] = frozenset()  # empty: whatever its config_names' checkpoints hold
+    activation_schemes: frozenset[str] = frozenset()
+    group_sizes: frozenset[int] = frozenset()
+    online_format: str | None = None
     dtypes: frozenset[str] = frozenset(COMPUTE_DTYPES)  # activation / compute dtypes
     weight_bits: frozenset[int] = frozenset()
     moe: bool = False  # can quantize MoE expert weights
+    moe_runners: frozenset[str] = frozenset()
     needs_features: frozenset[str] = frozenset()  # device features, e.g. {"fp8"}
     requires: tuple[str, ...] = ()
     priority: Mapping[str, int] = field(default_factory=dict)
     description: str = ""
 
-    _sets = ("devices", "cpu_isa", "config_names", "dtypes", "weight_bits", "needs_features")
+    _sets = ("devices", "cpu_isa", "config_names", "formats", "activation_schemes",
+             "group_sizes", "dtypes", "weight_bits", "moe_runners", "needs_features")
     _maps = ("capability", "priority")
 
     def summary(self) -> str:
+        online = f" online={self.online_format}" if self.online_format else ""
         return (f"devices={','.join(sorted(self.devices))} "
                 f"loads={','.join(sorted(self.config_names))} "
+                f"formats={','.join(sorted(self.formats))}{online} "
                 f"dtypes={','.join(sorted(self.dtypes))}{' moe' if self.moe else ''}")
 
 

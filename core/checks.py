@@ -25,6 +25,7 @@ from core.capabilities import (
     QuantCaps,
 )
 from core.model_spec import ModelSpec
+from core.quant import QuantScheme
 
 # In `devices`: every target, for plain-PyTorch code that runs on whatever torch device the
 # target's Platform gives (a vendor's own target included).
@@ -163,13 +164,17 @@ def check_attention(caps: AttentionCaps, spec: ModelSpec, device: DeviceInfo, *,
 
 
 def check_moe(caps: MoECaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str | None,
-              quant_method: str | None) -> list[str]:
+              quant_method: str | None, quant_caps: QuantCaps | None = None,
+              runner: str | None = None) -> list[str]:
     """Reasons a MoE runner cannot run this model's experts (dense models: no reasons)."""
     reasons = check_device(caps, device)
     reasons += _dtype_reason(dtype, caps.dtypes)
-    if quant_method is not None and quant_method not in caps.quant_methods:
+    if quant_method is not None and quant_caps is None \
+            and quant_method not in caps.quant_methods:
         reasons.append(f"quant method {quant_method} not supported "
                        f"(supports {_join(caps.quant_methods)})")
+    elif quant_method is not None and quant_caps is not None:
+        reasons += check_moe_quant(runner or "", caps, quant_method, quant_caps)
     moe = spec.moe
     if moe is None:
         return reasons
@@ -192,16 +197,22 @@ def check_moe(caps: MoECaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str 
 
 
 def check_quant(caps: QuantCaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str | None,
-                requested: str | None) -> list[str]:
+                requested: str | None, scheme: QuantScheme | None = None) -> list[str]:
     """Reasons a quant method cannot load this checkpoint here.
 
     `requested` is the quantization_config name to load ("none" for a dense checkpoint); None
-    means the checkpoint's own `spec.quant_method`.
+    means the checkpoint's own `spec.quant_method`. `scheme` (core.quant) is what the weights
+    are, or become when quantized at load (scheme.online).
     """
     reasons = check_device(caps, device)
     want = requested if requested is not None else spec.quant_method
-    if want not in caps.config_names:
+    if scheme is not None and scheme.online:
+        if caps.online_format != scheme.format:
+            reasons.append(f"does not quantize a dense checkpoint into {scheme.format} at load")
+    elif want not in caps.config_names:
         reasons.append(f"does not load {want} checkpoints (loads {_join(caps.config_names)})")
+    if scheme is not None:
+        reasons += _scheme_reasons(caps, scheme)
     lacking = sorted(f for f in caps.needs_features if not device.has(f))
     for feature in lacking:
         reasons.append(f"needs device feature {feature} "
@@ -210,6 +221,33 @@ def check_quant(caps: QuantCaps, spec: ModelSpec, device: DeviceInfo, *, dtype: 
     if spec.is_moe and not caps.moe:
         reasons.append("cannot quantize MoE expert weights")
     return reasons
+
+
+def _scheme_reasons(caps: QuantCaps, scheme: QuantScheme) -> list[str]:
+    if caps.formats and scheme.format not in caps.formats:
+        return [f"does not compute {scheme.format} weights (computes {_join(caps.formats)})"]
+    reasons = []
+    if caps.activation_schemes and scheme.activations not in caps.activation_schemes:
+        reasons.append(f"{scheme.activations} activation scales not supported "
+                       f"(supports {_join(caps.activation_schemes)})")
+    if caps.weight_bits and scheme.weight_bits and scheme.weight_bits not in caps.weight_bits:
+        reasons.append(f"{scheme.weight_bits}-bit weights not supported")
+    if caps.group_sizes and scheme.group_size and scheme.group_size not in caps.group_sizes:
+        reasons.append(f"group size {scheme.group_size} not supported "
+                       f"(supports {_join(caps.group_sizes)})")
+    return reasons
+
+
+def check_moe_quant(runner: str, moe_caps: MoECaps, quant: str, quant_caps: QuantCaps
+                    ) -> list[str]:
+    """The MoE runner and the quant method must agree on the experts' weight form: either
+    side's caps naming the other is enough."""
+    if quant in moe_caps.quant_methods or runner in quant_caps.moe_runners:
+        return []
+    also = (f"; {quant} runs its experts on {_join(quant_caps.moe_runners)}"
+            if quant_caps.moe_runners else "")
+    return [f"quant method {quant} not supported (supports {_join(moe_caps.quant_methods)})"
+            f"{also}"]
 
 
 def check_layer_ops(caps: LayerOpsCaps, device: DeviceInfo, *, dtype: str | None,

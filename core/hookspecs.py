@@ -19,7 +19,8 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.1"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.2"  # 1.1: hardware targets may register a Platform; layer ops
+# 1.2: quant factories take the checkpoint's QuantScheme (core.quant); QuantCaps formats
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -54,8 +55,9 @@ def core_register_moe_runners(register):
 
 @hookspec
 def core_register_quant_methods(register):
-    """Register quantization methods: register(name, QuantCaps, factory); the method creates
-    weights, post-processes them after loading and applies them."""
+    """Register quantization methods: register(name, QuantCaps, factory); factory(scheme)
+    (a core.quant.QuantScheme) returns a method that creates weights, post-processes them after
+    loading and applies them (the protocol is core.quant)."""
 
 
 @hookspec

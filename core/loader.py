@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from core.layers import ModelContext, process_weights_after_loading
+from core.layers.linear import DenseLinearMethod
+from core.quant import ONLINE_FORMATS, QuantScheme, apply_ignore, online_scheme, parse_quant_config
 from core.tokenizer import Tokenizer
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -254,12 +256,16 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
     model_cls = reg.load()
     dtype = getattr(torch, plan.dtype)
     device = torch.device(plan.device.device_type)
-    quant = _instantiate(registry, "quant", plan.quant_method)
+    scheme = quant_scheme(config, plan)
+    quant = make_quant_method(registry, plan.quant_method, scheme)
     moe = _instantiate(registry, "moe", plan.moe_runner) if plan.moe_runner else None
     ctx = ModelContext(dtype=dtype, device=device, quant_method=quant, moe_runner=moe,
                        ops=make_layer_ops(registry, plan.layer_ops, dtype, device))
     model = model_cls(config, ctx)
     model.eval()
+    dense = apply_ignore(model, scheme, DenseLinearMethod(scheme))
+    if dense:
+        notes.append(f"{len(dense)} layers left dense by the checkpoint's ignore list")
 
     if source.load_format == "dummy":
         init_dummy_weights(model, args.seed)
@@ -275,6 +281,29 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
 
     tokenizer = _load_tokenizer(args, source, notes)
     return LoadedModel(model, config, tokenizer, model_path, dtype, notes, ctx.ops)
+
+
+def quant_scheme(config: Any, plan: Any) -> QuantScheme:
+    """What the weights are (the config's quantization_config), or become when the plan
+    quantizes a dense checkpoint at load (plan.quant_format names the online format)."""
+    q = getattr(config, "quantization_config", None)
+    if q is not None and not isinstance(q, dict):
+        q = q.to_dict() if hasattr(q, "to_dict") else dict(vars(q))
+    scheme = parse_quant_config(q)
+    fmt = getattr(plan, "quant_format", "dense")
+    if scheme.format == "dense" and fmt in ONLINE_FORMATS:
+        return online_scheme(fmt)
+    if scheme.format == "dense" and fmt != "dense":  # e.g. gguf: transformers' config lacks it
+        return QuantScheme(method=fmt, format=fmt)
+    return scheme
+
+
+def make_quant_method(registry: Any, name: str, scheme: QuantScheme) -> Any:
+    """The plan's quant method, built once for the model from the scheme (core.quant)."""
+    reg = registry.get("quant", name)
+    if reg is None:
+        raise ValueError(f"no quant plugin named {name!r} is registered")
+    return reg.load()(scheme)
 
 
 def make_layer_ops(registry: Any, name: str, dtype: torch.dtype, device: torch.device) -> Any:

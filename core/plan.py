@@ -38,6 +38,9 @@ class Plan:
     notes: tuple[str, ...] = ()
     candidates: tuple[Candidate, ...] = ()
     layer_ops: str = "torch"  # the layer-ops plugin (core.layer_ops)
+    # the weights' format (core.quant.FORMATS); differs from the checkpoint's when quantized
+    # at load (a dense checkpoint with --quantization fp8 -> fp8_channel)
+    quant_format: str = "dense"
 
     def to_dict(self) -> dict[str, Any]:
         # Not asdict(self): it deep-copies DeviceInfo.extra, a mappingproxy, which cannot be.

@@ -23,6 +23,7 @@ from core.config import ServerArgs
 from core.model_spec import ModelSpec
 from core.plan import Candidate, Plan, ResolveError
 from core.plugins import Registry
+from core.quant import QuantScheme, online_scheme, parse_quant_config
 
 DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
                "float": "float32", "float32": "float32"}
@@ -168,10 +169,20 @@ def _kv_cache_dtype(args: ServerArgs, dtype: str, notes: list[str]) -> str:
     return kv
 
 
+# Checkpoints whose weights reach the model dense (GGUF is dequantized by the loader), which an
+# online method may quantize again at load.
+DEQUANTIZED_AT_LOAD = ("none", "gguf")
+
+
 def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Registry,
-                dtype: str, slots: list[_Slot]) -> str:
-    """The quant method: the checkpoint decides what must be loaded; the user may pick how."""
+                dtype: str, slots: list[_Slot], notes: list[str]) -> tuple[str, QuantScheme]:
+    """The quant method: the checkpoint decides what must be loaded; the user may pick how, or
+    ask for a dense checkpoint to be quantized at load (a method with an online format)."""
     ckpt = spec.quant_method or "none"
+    try:
+        scheme = parse_quant_config(spec.quantization)
+    except ValueError as exc:
+        raise ResolveError(f"cannot serve this checkpoint's quantization: {exc}") from exc
     regs = registry.kind("quant")
     user, pick = args.quantization, None
     loaders = sorted(n for n, r in regs.items() if ckpt in r.caps.config_names)
@@ -179,7 +190,13 @@ def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry:
         conflict = None
         if user in regs:
             pick = user
-            if ckpt != "none" and ckpt not in regs[user].caps.config_names:
+            online = regs[user].caps.online_format
+            if ckpt in DEQUANTIZED_AT_LOAD and online:
+                scheme = online_scheme(online)
+                what = "dense checkpoint" if ckpt == "none" else f"{ckpt} weights, dequantized,"
+                notes.append(f"quantization: {user} quantizes the {what} at load "
+                             f"({scheme.describe()})")
+            elif ckpt != "none" and ckpt not in regs[user].caps.config_names:
                 conflict = f"{user} loads {', '.join(sorted(regs[user].caps.config_names))}"
         elif user != ckpt:
             if not any(user in r.caps.config_names for r in regs.values()):
@@ -193,18 +210,20 @@ def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry:
             raise ResolveError(f"--quantization {user} conflicts with the checkpoint: {what}",
                                [conflict], loaders)
     slot = _Slot("quant_method", "quant", registry, device.target,
-                 lambda caps: check_quant(caps, spec, device, dtype=dtype, requested=ckpt),
+                 lambda caps: check_quant(caps, spec, device, dtype=dtype, requested=ckpt,
+                                          scheme=scheme),
                  pick, "--quantization")
     slots.append(slot)
     if pick is None and not slot.ranked():
         if loaders:
-            msg = f"no quant method that loads {ckpt} checkpoints fits {_where(device)}"
+            msg = (f"no quant method that loads {ckpt} checkpoints fits {_where(device)} "
+                   f"(weights: {scheme.describe()})")
         else:
             loads = sorted({c for r in regs.values() for c in r.caps.config_names})
             msg = (f"no quant method loads {ckpt} checkpoints (registered methods load: "
                    f"{', '.join(loads) or 'nothing'})")
         raise ResolveError(msg, slot.all_reasons())
-    return slot.options()[0].name
+    return slot.options()[0].name, scheme
 
 
 def _attention(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Registry,
@@ -306,9 +325,9 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     errors: list[ResolveError] = []
     slots: list[_Slot] = []
 
-    quant = None
+    quant, scheme = None, QuantScheme()
     try:
-        quant = _quant_slot(spec, device, args, registry, dtype, slots)
+        quant, scheme = _quant_slot(spec, device, args, registry, dtype, slots, notes)
     except ResolveError as exc:
         errors.append(exc)
 
@@ -322,8 +341,12 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     moe = None
     if spec.is_moe:
         user = None if args.moe_runner_backend in (None, "auto") else args.moe_runner_backend
+        quant_reg = registry.get("quant", quant) if quant else None
+        runner_of = {id(r.caps): n for n, r in registry.kind("moe").items()}
         mslot = _Slot("moe_runner", "moe", registry, device.target,
-                      lambda caps: check_moe(caps, spec, device, dtype=dtype, quant_method=quant),
+                      lambda caps: check_moe(caps, spec, device, dtype=dtype, quant_method=quant,
+                                             quant_caps=quant_reg.caps if quant_reg else None,
+                                             runner=runner_of[id(caps)]),
                       user, "--moe-runner-backend")
         slots.append(mslot)
         try:
@@ -372,7 +395,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     return Plan(device=device, dtype=dtype, prefill_attention=prefill, decode_attention=decode,
                 moe_runner=moe, quant_method=quant, kv_cache_dtype=kv, page_size=page,
                 cuda_graph=cuda_graph, model_impl=model_impl, notes=tuple(notes),
-                candidates=candidates, layer_ops=ops)
+                candidates=candidates, layer_ops=ops, quant_format=scheme.format)
 
 
 def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, decode: str,
@@ -429,7 +452,8 @@ def _candidate_rows(candidates: Sequence[Candidate]) -> list[str]:
 def explain(plan: Plan) -> str:
     """The plan, its notes, then every candidate of every slot with fits/chosen/reasons."""
     rows = [("device", plan.device.describe()), ("compute dtype", plan.dtype),
-            ("quant method", plan.quant_method),
+            ("quant method", plan.quant_method
+             + ("" if plan.quant_format == "dense" else f" ({plan.quant_format})")),
             ("prefill attention", plan.prefill_attention),
             ("decode attention", plan.decode_attention),
             ("MoE runner", plan.moe_runner or "- (dense model)"),

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.quant import load_shard
+
 # A platform's dense product over its own weight layout, called as matmul(x, weight=W, bias=b)
 # with x [..., in] and the packed W -> [..., out] in x's dtype
 Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -26,9 +28,13 @@ Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Ten
 Packer = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 
-class UnquantizedLinearMethod:
+class DenseLinearMethod:
     """Dense weights in the compute dtype; `F.linear`, or a platform's product over repacked
-    weights once `repack` ran. The `unquantized` quant plugin's factory."""
+    weights once `repack` ran. The quant protocol's reference (core.quant): what router gates
+    and layers a checkpoint leaves dense use, and what the `unquantized` plugin serves."""
+
+    def __init__(self, scheme: object = None):
+        self.scheme = scheme  # the factory signature every quant method shares (unused here)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
                        dtype: torch.dtype, device: torch.device) -> None:
@@ -72,6 +78,9 @@ class UnquantizedLinearMethod:
                                        requires_grad=False)
 
 
+UnquantizedLinearMethod = DenseLinearMethod  # the name layers and tests have used
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), possibly several HF projections stacked along the output dim.
 
@@ -89,9 +98,19 @@ class Linear(nn.Module):
         self.shard_names = list(shard_names) if shard_names is not None else None
         if self.shard_names is not None and len(self.shard_names) != len(sizes):
             raise ValueError("shard_names and output_sizes differ in length")
+        self._build = (bias, ctx.dtype, ctx.device)
         self.quant_method = ctx.quant_method
         self.quant_method.create_weights(self, input_size, self.output_size, bias, ctx.dtype,
                                          ctx.device)
+
+    def rebuild_with(self, method: object) -> None:
+        """Drop the parameters and create them again with another quant method (a layer the
+        checkpoint leaves dense; core.quant.apply_ignore). Only before loading."""
+        for name in [n for n, _ in self.named_parameters(recurse=False)]:
+            delattr(self, name)
+        self.quant_method = method
+        bias, dtype, device = self._build
+        method.create_weights(self, self.input_size, self.output_size, bias, dtype, device)
 
     def shard_slice(self, shard: str | None) -> slice:
         """Rows of the stacked output that one named shard occupies."""
@@ -103,14 +122,20 @@ class Linear(nn.Module):
         start = sum(self.output_sizes[:i])
         return slice(start, start + self.output_sizes[i])
 
+    def param_shards(self, leaf: str) -> list[str] | None:
+        """Every parameter of a stacked linear (weight, bias, a quant method's scales) is
+        given once per shard by a checkpoint."""
+        return self.shard_names
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: str | None = None) -> None:
-        """Copy an HF tensor into `param` (the whole of it, or one shard's rows)."""
-        rows = self.shard_slice(shard)
-        target = param.data[rows] if param.dim() >= 1 and shard is not None else param.data
-        if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
-        target.copy_(loaded)
+        """Copy an HF tensor into `param` (the whole of it, or one shard's part: its rows, or
+        what core.quant.mark says the shard owns of a quantized parameter)."""
+        if shard is None or param.dim() == 0:
+            load_shard(param, loaded, None, None)
+        else:
+            self.shard_slice(shard)  # KeyError for an unknown shard
+            load_shard(param, loaded, self.shard_slice(shard), self.shard_names.index(shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)

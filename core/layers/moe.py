@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from core.layers.linear import Linear, UnquantizedLinearMethod
+from core.layers.linear import DenseLinearMethod, Linear
 from core.moe import MoELayerParams, MoEWeights
 
 # HF expert projection names -> our stacked tensors (w13 = [gate | up], w2 = down).
@@ -43,7 +43,7 @@ class MoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.runner = ctx.moe_runner
         self.gate = Linear(hidden_size, num_experts, router_bias,
-                           replace(ctx, quant_method=UnquantizedLinearMethod()))
+                           replace(ctx, quant_method=DenseLinearMethod()))
         # Not named `quant_method`: the linear-layer passes (process / pack_for_cpu) would treat
         # this module as a Linear. The quant method's MoE duties are create_moe_weights and,
         # optionally, moe_weights(layer) -> MoEWeights.

@@ -1,0 +1,305 @@
+"""The quant-method protocol, the checkpoint's quantization scheme as data, and loading helpers.
+
+A quant method (a `quant` plugin; registered with `register(name, QuantCaps, factory)`) owns the
+weights of every `Linear` the model builds, and of MoE experts where its caps say `moe=True`.
+`factory(scheme: QuantScheme)` returns one method object for the whole model:
+
+    create_weights(layer, input_size, output_size, bias, dtype, device)
+        Register the layer's parameters (e.g. `weight` fp8 [out, in] + `weight_scale_inv`
+        [out/128, in/128]). Each quantized parameter is marked with `mark(param, ...)`, which
+        says how a checkpoint tensor of one stacked shard (q/k/v, gate/up) lands in it.
+        Parameter names are the checkpoint's own (`weight_scale`, `qweight`, `input_scale`...),
+        so the loader can copy them by name.
+    process_weights_after_loading(layer)
+        Once every tensor is in: repack, transpose, requantize fused shards to one scale,
+        quantize a dense weight (online methods). May replace parameters.
+    apply(layer, x) -> y
+        x [..., in] in the compute dtype -> [..., out] in the compute dtype, bias added.
+    bind(layer) -> callable                      (optional) `apply` with the layer's tensors bound.
+    create_moe_weights(layer, E, H, I, dtype, device) + moe_weights(layer) -> MoEWeights
+                                                 (where caps.moe) the experts' stacked tensors
+                                                 and the form the MoE runner receives (core.moe).
+
+What a method may assume: `create_weights` runs on the device in the plan; apply's x is
+contiguous in the last dim; the layer keeps `input_size`, `output_size`, `output_sizes`.
+What it must not do: read the environment or pick kernels by device type at apply time (choose
+once, at process time). Layers a checkpoint leaves dense (`QuantScheme.ignore`: lm_head, routers,
+listed modules) are rebuilt dense by `apply_ignore` before loading.
+
+`parse_quant_config` turns a HF `quantization_config` (fp8, fbgemm_fp8, compressed-tensors, awq,
+gptq, gguf) into a `QuantScheme`, which the resolver checks against `QuantCaps` and the chosen
+method is built from. `core.layers.linear.DenseLinearMethod` is the dense reference everything
+else falls back to (router gates, ignored layers); the `unquantized` plugin serves it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+# Weight formats a QuantScheme can name (QuantCaps.formats lists those a method computes).
+FORMATS = ("dense", "fp8_block", "fp8_channel", "fp8_tensor", "int8_channel",
+           "int4_awq", "int4_gptq", "int4_pack", "gguf")
+ACTIVATION_SCHEMES = ("none", "dynamic", "static")  # none: weight-only
+ONLINE_FORMATS = ("fp8_channel", "fp8_tensor", "int8_channel")  # a dense checkpoint -> at load
+
+
+class QuantMethod(Protocol):
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None: ...
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None: ...
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A checkpoint's quantization, normalized across the formats that describe it.
+
+    method: the config's quant_method ("none" for a dense checkpoint, even when `online`).
+    format: one of FORMATS. weight_bits / group_size (None: per channel, or not grouped) /
+    block (fp8_block's [rows, cols]) / zero_point (asymmetric integer weights) describe the
+    weights; activations (ACTIVATION_SCHEMES) and act_group (per-token-group size of dynamic
+    activation scales, fp8_block) the inputs. online: quantize a dense checkpoint at load.
+    ignore: module names / "re:" patterns the checkpoint left dense. kv_scales: the checkpoint
+    carries calibrated KV-cache scales. raw: the config as given.
+    """
+
+    method: str = "none"
+    format: str = "dense"
+    weight_bits: int | None = None
+    group_size: int | None = None
+    block: tuple[int, int] | None = None
+    zero_point: bool = False
+    activations: str = "none"
+    act_group: int | None = None
+    online: bool = False
+    ignore: tuple[str, ...] = ()
+    kv_scales: bool = False
+    checkpoint_format: str | None = None  # gptq: "gptq" (zeros stored minus one) or "gptq_v2"
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def describe(self) -> str:
+        if self.format == "dense" or self.format not in FORMATS:
+            return self.format
+        bits = f"w{self.weight_bits}" if self.weight_bits else ""
+        acts = {"none": "a16", "dynamic": "a8 dynamic", "static": "a8 static"}[self.activations]
+        grain = (f"block {self.block[0]}x{self.block[1]}" if self.block else
+                 f"group {self.group_size}" if self.group_size else "")
+        parts = [self.format, f"{bits}{acts}", grain, "online" if self.online else ""]
+        return ", ".join(p for p in parts if p)
+
+
+def online_scheme(fmt: str) -> QuantScheme:
+    """The scheme of quantizing a dense checkpoint at load into `fmt` (fp8_channel or
+    int8_channel: per-output-channel weight scales, dynamic per-token activation scales)."""
+    if fmt not in ONLINE_FORMATS:
+        raise ValueError(f"no online quantization into {fmt}")
+    return QuantScheme(method="none", format=fmt, weight_bits=8, activations="dynamic",
+                       online=True)
+
+
+def parse_quant_config(q: Mapping[str, Any] | None) -> QuantScheme:
+    """The scheme a HF `quantization_config` describes; ValueError for what no format here
+    can hold (the message names the field)."""
+    if not q:
+        return QuantScheme()
+    method = str(q.get("quant_method", "")).lower()
+    if method == "fp8":
+        return _fp8(q)
+    if method == "fbgemm_fp8":
+        return QuantScheme(method=method, format="fp8_channel", weight_bits=8,
+                           activations="dynamic", ignore=_names(q.get("modules_to_not_convert")),
+                           raw=q)
+    if method == "compressed-tensors":
+        return _compressed_tensors(q)
+    if method in ("awq", "gptq"):
+        return _int4(method, q)
+    if method == "gguf":
+        return QuantScheme(method="gguf", format="gguf", raw=q)
+    if method == "w8a8_int8":  # SGLang's own int8 checkpoints
+        return QuantScheme(method=method, format="int8_channel", weight_bits=8,
+                           activations="dynamic", ignore=_names(q.get("ignore")), raw=q)
+    if not method:
+        raise ValueError("quantization_config has no quant_method")
+    # A method core does not parse (mxfp4, a vendor's): its plugin reads `raw` itself.
+    return QuantScheme(method=method, format=method, raw=q)
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    return tuple(str(v) for v in value or ())
+
+
+def _fp8(q: Mapping[str, Any]) -> QuantScheme:
+    fmt = str(q.get("fmt", "e4m3")).lower()
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise ValueError(f"quantization_config: fp8 fmt {fmt!r} not supported (e4m3 only)")
+    acts = str(q.get("activation_scheme", "dynamic")).lower()
+    if acts not in ("dynamic", "static"):
+        raise ValueError(f"quantization_config: activation_scheme {acts!r} (dynamic or static)")
+    ignore = _names(q.get("modules_to_not_convert")) + _names(q.get("ignored_layers"))
+    block = q.get("weight_block_size")
+    if block:
+        if len(block) != 2 or acts != "dynamic":
+            raise ValueError("quantization_config: weight_block_size needs two sizes and "
+                             "dynamic activations")
+        return QuantScheme(method="fp8", format="fp8_block", weight_bits=8,
+                           block=(int(block[0]), int(block[1])), activations="dynamic",
+                           act_group=int(block[1]), ignore=ignore, raw=q)
+    return QuantScheme(method="fp8", format="fp8_tensor", weight_bits=8, activations=acts,
+                       ignore=ignore, raw=q)
+
+
+def _int4(method: str, q: Mapping[str, Any]) -> QuantScheme:
+    bits = int(q.get("bits", q.get("w_bit", 4)))
+    group = int(q.get("group_size", q.get("q_group_size", 128)))
+    if bits != 4:
+        raise ValueError(f"quantization_config: {method} with {bits} bits (4 only)")
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"quantization_config: awq version {version!r} (gemm only)")
+        return QuantScheme(method="awq", format="int4_awq", weight_bits=4, group_size=group,
+                           zero_point=bool(q.get("zero_point", True)),
+                           ignore=_names(q.get("modules_to_not_convert")), raw=q)
+    if q.get("desc_act"):
+        raise ValueError("quantization_config: gptq desc_act (act-order) is not supported")
+    return QuantScheme(method="gptq", format="int4_gptq", weight_bits=4,
+                       group_size=None if group == -1 else group,
+                       zero_point=not bool(q.get("sym", True)),
+                       checkpoint_format=str(q.get("checkpoint_format", "gptq")),
+                       ignore=_names(q.get("modules_to_not_convert")), raw=q)
+
+
+def _compressed_tensors(q: Mapping[str, Any]) -> QuantScheme:
+    groups = q.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"quantization_config: compressed-tensors with {len(groups)} "
+                         "config_groups (one supported)")
+    group = next(iter(groups.values()))
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    fmt = str(q.get("format", ""))
+    bits, kind = int(w.get("num_bits", 0)), str(w.get("type", "int"))
+    strategy = str(w.get("strategy", "tensor"))
+    acts = "none" if not a else ("dynamic" if a.get("dynamic") else "static")
+    kv = q.get("kv_cache_scheme") is not None
+    common = dict(method="compressed-tensors", weight_bits=bits, activations=acts,
+                  ignore=_names(q.get("ignore")), kv_scales=kv, raw=q)
+    if a and (int(a.get("num_bits", 8)) != 8 or str(a.get("type", kind)) != kind):
+        raise ValueError("quantization_config: compressed-tensors activations must be 8-bit "
+                         "of the weights' type")
+    if a and not a.get("symmetric", True):
+        raise ValueError("quantization_config: asymmetric activations are not supported")
+    if acts == "static" and str(a.get("strategy")) != "tensor":
+        raise ValueError("quantization_config: static activation scales must be per tensor")
+    if fmt == "float-quantized" and kind == "float" and bits == 8:
+        if strategy == "block":
+            shape = w.get("block_structure") or [128, 128]
+            return QuantScheme(format="fp8_block", block=(int(shape[0]), int(shape[1])),
+                               act_group=int(a.get("group_size") or shape[1]) if a else None,
+                               **common)
+        if strategy not in ("tensor", "channel"):
+            raise ValueError(f"quantization_config: fp8 weight strategy {strategy!r}")
+        return QuantScheme(format=f"fp8_{strategy}", **common)
+    if fmt == "int-quantized" and kind == "int" and bits == 8:
+        if strategy != "channel" or not w.get("symmetric", True):
+            raise ValueError("quantization_config: int8 weights must be symmetric per channel")
+        return QuantScheme(format="int8_channel", **common)
+    if fmt == "pack-quantized" and kind == "int" and bits == 4 and not a:
+        size = w.get("group_size")
+        return QuantScheme(format="int4_pack", group_size=int(size) if size else None,
+                           zero_point=not w.get("symmetric", True), **common)
+    raise ValueError(f"quantization_config: compressed-tensors format {fmt!r} with "
+                     f"{bits}-bit {kind} weights is not supported")
+
+
+# ---- loading: how a checkpoint tensor of one stacked shard lands in a parameter ----
+
+def mark(param: nn.Parameter, *, out_dim: int | None = 0, out_per_row: int = 1,
+         per_shard: bool = False) -> nn.Parameter:
+    """Say how shards land in `param`: along `out_dim`, each row holding `out_per_row` output
+    rows (128 for block scales, 8 for int4 packed along the output); `per_shard`: one entry
+    per shard ([n_shards] per-tensor scales); out_dim None and not per_shard: one tensor for
+    the whole layer (every shard's copy must agree)."""
+    param.quant_out_dim = out_dim
+    param.quant_out_per_row = out_per_row
+    param.quant_per_shard = per_shard
+    return param
+
+
+def load_shard(param: nn.Parameter, loaded: torch.Tensor, rows: slice | None,
+               shard_index: int | None) -> None:
+    """Copy `loaded` into the part of `param` that output rows `rows` (shard `shard_index`)
+    own; rows None: the whole parameter. ValueError when shapes or divisibility disagree."""
+    target = param.data
+    if rows is not None:
+        if getattr(param, "quant_per_shard", False):
+            target = target[shard_index]
+            loaded = loaded.reshape(target.shape) if loaded.numel() == target.numel() else loaded
+        else:
+            dim = getattr(param, "quant_out_dim", 0)
+            if dim is not None:
+                per = getattr(param, "quant_out_per_row", 1)
+                if rows.start % per:
+                    raise ValueError(f"shard rows start at {rows.start}, not a multiple of "
+                                     f"{per} (the tensor's output grain)")
+                stop = -(-rows.stop // per)
+                target = target.narrow(dim, rows.start // per, stop - rows.start // per)
+    if tuple(target.shape) != tuple(loaded.shape):
+        if target.numel() == loaded.numel() == 1:
+            loaded = loaded.reshape(target.shape)  # scalar scales saved as [] or [1]
+        else:
+            raise ValueError(f"expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
+    target.copy_(loaded)
+
+
+# ---- layers the checkpoint left dense ----
+
+# Our stacked modules -> the checkpoint projections they hold.
+STACKED_HF_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                    "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def is_ignored(name: str, ignore: Sequence[str]) -> bool:
+    """Whether module `name` is left dense by an ignore list (exact names, name suffixes, or
+    "re:" patterns as compressed-tensors writes them). A stacked module is ignored when all its
+    projections are; some but not all is a ValueError (one tensor cannot mix)."""
+    if not ignore:
+        return False
+    head, _, leaf = name.rpartition(".")
+    names = [f"{head}.{p}" if head else p for p in STACKED_HF_NAMES.get(leaf, (leaf,))]
+    hits = [_matches(n, ignore) for n in names]
+    if any(hits) and not all(hits):
+        raise ValueError(f"{name}: the checkpoint leaves some of its projections dense "
+                         f"({', '.join(n for n, h in zip(names, hits) if h)}) and quantizes "
+                         "the rest; a stacked layer cannot mix")
+    return all(hits)
+
+
+def _matches(name: str, ignore: Sequence[str]) -> bool:
+    for pattern in ignore:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif name == pattern or name.endswith("." + pattern):
+            return True
+    return False
+
+
+def apply_ignore(model: nn.Module, scheme: QuantScheme, dense: Any) -> list[str]:
+    """Rebuild the linears the scheme leaves dense with the `dense` method (before loading);
+    returns their names."""
+    rebuilt = []
+    for name, module in model.named_modules():
+        rebuild = getattr(module, "rebuild_with", None)
+        if rebuild is not None and getattr(module, "quant_method", None) is not dense \
+                and is_ignored(name, scheme.ignore):
+            rebuild(dense)
+            rebuilt.append(name)
+    return rebuilt

@@ -1,0 +1,37 @@
+"""`fp8`: e4m3 weights with fp8 activations (W8A8), from the checkpoint formats people serve.
+
+Loads: block-wise weights with `weight_scale_inv` per 128x128 block and dynamic per-token-group
+activation scales (quant_method "fp8" with weight_block_size: Qwen3-*-FP8, DeepSeek); per-tensor
+"fp8" checkpoints (static or dynamic activations); compressed-tensors `float-quantized` (per
+tensor, per channel, block; static or dynamic); FBGEMM row-wise (`fbgemm_fp8`); and quantizes a
+dense checkpoint at load with `--quantization fp8` (per-channel weights, dynamic per-token
+activations). CUDA sm89+: `torch._scaled_mm` for per-channel / per-tensor scales, a Triton
+block-scaled GEMM for block scales. Elsewhere (the CPU): an fp32 reference that dequantizes
+on every call - correct, slow, for checking and for serving where nothing better exists.
+"""
+
+from core.capabilities import CapabilityRange, QuantCaps
+from core.hookspecs import hookimpl
+
+CORE_PLUGIN_API = ">=1.2,<2"
+
+CAPS = QuantCaps(
+    devices={"cuda", "cpu"},
+    capability={"cuda": CapabilityRange(min=89)},  # e4m3 tensor cores: Ada, Hopper and newer
+    config_names={"fp8", "fbgemm_fp8", "compressed-tensors"},
+    formats={"fp8_block", "fp8_channel", "fp8_tensor"},
+    activation_schemes={"dynamic", "static"},
+    online_format="fp8_channel",
+    weight_bits={8},
+    dtypes={"bfloat16", "float16", "float32"},
+    moe=False,  # FP8 experts in the Triton MoE runner: not yet (the resolver says so)
+    priority={"cuda": 30, "cpu": 1},
+    description="FP8 e4m3 W8A8: block-wise (Qwen3/DeepSeek FP8), per-tensor / per-channel "
+                "(compressed-tensors, FBGEMM), online from bf16; CUDA sm89+ _scaled_mm and a "
+                "Triton block GEMM; CPU: fp32 reference (slow)",
+)
+
+
+@hookimpl
+def core_register_quant_methods(register):
+    register("fp8", CAPS, "plugins.quant.fp8.method:Fp8LinearMethod")

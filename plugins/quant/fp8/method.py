@@ -1,0 +1,165 @@
+"""The fp8 linear method: creates the checkpoint's tensors, normalizes them after loading to
+one of two forms, and applies them with the kernel chosen once for the device.
+
+After `process_weights_after_loading` a layer holds `weight` e4m3 [N, K] and either
+`weight_scale` fp32 [N, 1] (per output channel; per-tensor checkpoints are expanded to it, which
+is exact) or `weight_scale_inv` fp32 [ceil(N/bn), ceil(K/bk)] (block-wise); `input_scale` fp32
+[] for static activations; `input_scale_ub` for FBGEMM's clamp of dynamic scales.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.quant import QuantScheme, mark
+from plugins.quant.common import (
+    FP8,
+    FP8_MAX,
+    cuda_capability,
+    expand_blocks,
+    parameter,
+    per_group_fp8,
+    per_token_scale,
+    quantize_fp8,
+    reference_linear,
+    replace_param,
+)
+
+
+class Fp8LinearMethod:
+    def __init__(self, scheme: QuantScheme):
+        if scheme.format not in ("fp8_block", "fp8_channel", "fp8_tensor"):
+            raise ValueError(f"fp8 cannot compute {scheme.format} weights")
+        self.scheme = scheme
+
+    # ---- creation: the checkpoint's own tensor names and shapes ----
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None:
+        s = self.scheme
+        shards = len(getattr(layer, "output_sizes", [output_size]))
+        layer.bias = parameter((output_size,), dtype, device) if bias else None
+        layer.compute_dtype = dtype
+        if s.online:  # a dense checkpoint, quantized in process_weights_after_loading
+            layer.weight = parameter((output_size, input_size), dtype, device)
+            return
+        layer.weight = parameter((output_size, input_size), FP8, device)
+        if s.format == "fp8_block":
+            bn, bk = s.block
+            name = "weight_scale_inv" if s.method == "fp8" else "weight_scale"
+            scale = parameter((-(-output_size // bn), -(-input_size // bk)), torch.float32,
+                              device, fill=1.0)
+            setattr(layer, name, mark(scale, out_per_row=bn))
+        elif s.format == "fp8_channel":
+            layer.weight_scale = mark(parameter((output_size, 1), torch.float32, device, 1.0))
+        else:  # per tensor: one scale per stacked shard
+            layer.weight_scale = mark(parameter((shards,), torch.float32, device, 1.0),
+                                      per_shard=True)
+        if s.activations == "static":
+            layer.input_scale = mark(parameter((shards,), torch.float32, device, 1.0),
+                                     per_shard=True)
+        if s.method == "fbgemm_fp8":
+            layer.input_scale_ub = mark(parameter((1,), torch.float32, device, FP8_MAX * 1e6),
+                                        out_dim=None)
+
+    # ---- after loading: one form, one kernel ----
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        s = self.scheme
+        if s.online:
+            w = layer.weight.data
+            scale = per_token_scale(w, FP8_MAX)  # per output row
+            replace_param(layer, "weight", quantize_fp8(w, scale))
+            replace_param(layer, "weight_scale", scale)
+        elif s.format == "fp8_block" and s.method != "fp8":
+            replace_param(layer, "weight_scale_inv", layer.weight_scale.data)
+            replace_param(layer, "weight_scale", None)
+        elif s.format == "fp8_tensor":
+            per_shard = layer.weight_scale.data
+            rows = torch.tensor(layer.output_sizes, device=per_shard.device)
+            replace_param(layer, "weight_scale",
+                          per_shard.repeat_interleave(rows).unsqueeze(1).contiguous())
+        if hasattr(layer, "input_scale") and layer.input_scale is not None:
+            # One x feeds every shard: the largest calibrated scale covers all of them.
+            replace_param(layer, "input_scale", layer.input_scale.data.max().reshape(()))
+        layer.fp8_kernel = self._kernel(layer)
+
+    def _kernel(self, layer: nn.Module) -> str:
+        cap = cuda_capability(layer.weight.device)
+        if cap is None or cap < 89:
+            return "reference"
+        return "triton_block" if hasattr(layer, "weight_scale_inv") else "scaled_mm"
+
+    # ---- compute ----
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        kernel = layer.fp8_kernel
+        if kernel == "scaled_mm":
+            y = _scaled_mm_linear(x2, layer)
+        elif kernel == "triton_block":
+            from plugins.quant.fp8.block_gemm import block_fp8_linear
+
+            y = block_fp8_linear(x2, layer.weight, layer.weight_scale_inv, self.scheme.block,
+                                 layer.bias)
+        else:
+            y = reference_fp8_linear(x2, layer, self.scheme)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def bind(self, layer: nn.Module):
+        return partial(self.apply, layer)
+
+
+def _act_quant(x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 x, fp32 scale [M, 1]) for per-token dynamic or static per-tensor activations."""
+    static = getattr(layer, "input_scale", None)
+    if static is not None:
+        scale = static.reshape(1, 1).expand(x.shape[0], 1)
+    else:
+        scale = per_token_scale(x, FP8_MAX, getattr(layer, "input_scale_ub", None))
+    return quantize_fp8(x, scale), scale.float()
+
+
+def _scaled_mm_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    xq, xs = _act_quant(x, layer)
+    ws = layer.weight_scale  # [N, 1]
+    out_dtype = x.dtype
+    m = xq.shape[0]
+    pad = (-m) % 16  # cuBLASLt fp8 wants rows in multiples of 16
+    if pad:
+        xq = F.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(FP8)
+        xs = F.pad(xs, (0, 0, 0, pad), value=1.0)
+    if out_dtype == torch.bfloat16:  # row-wise scaling is fused for bf16 output
+        y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=ws.t(),
+                             out_dtype=out_dtype, bias=layer.bias)
+    else:
+        one = torch.ones((), device=x.device, dtype=torch.float32)
+        y = torch._scaled_mm(xq, layer.weight.t(), scale_a=one, scale_b=one,
+                             out_dtype=torch.float32)
+        y = y * xs * ws.t()
+        if layer.bias is not None:
+            y = y + layer.bias.float()
+        y = y.to(out_dtype)
+    return y[:m] if pad else y
+
+
+def reference_fp8_linear(x: torch.Tensor, layer: nn.Module, scheme: QuantScheme
+                         ) -> torch.Tensor:
+    """The same numbers as the GPU kernels, in fp32 torch ops on any device: activations
+    quantized as the scheme says, both operands dequantized, one fp32 matmul."""
+    n, k = layer.weight.shape
+    w = layer.weight.float()
+    if hasattr(layer, "weight_scale_inv"):
+        w = w * expand_blocks(layer.weight_scale_inv.float(), n, k, scheme.block)
+        xq, xs = per_group_fp8(x, scheme.act_group or scheme.block[1])
+        xd = xq.float() * xs.repeat_interleave(scheme.act_group or scheme.block[1], 1)[:, :k]
+    else:
+        w = w * layer.weight_scale.float()
+        xq, xs = _act_quant(x, layer)
+        xd = xq.float() * xs
+    return reference_linear(xd.to(torch.float32), w, layer.bias).to(x.dtype)
