@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from core.capabilities import DeviceInfo
+from core.platform import with_graph_support
 from core.plugins import Registry
 
 GiB = 2**30
@@ -28,10 +29,13 @@ _SM100 = (*_SM89, "fp4")
 
 def _gpu(target: str, name: str, arch: str, capability: int | None, memory: int,
          features: tuple[str, ...], vendor: str, dist: str, device_type: str = "cuda",
-         graph_capture: bool = True, **extra: Any) -> DeviceInfo:
+         **extra: Any) -> DeviceInfo:
+    # graph_capture: what the target's Platform declares (select_device re-derives it from the
+    # Platform; a test checks the two agree): CUDA and ROCm capture, XPU and NPU do not yet.
     return DeviceInfo(target=target, device_type=device_type, name=name, vendor=vendor, count=1,
                       arch=arch, capability=capability, memory_bytes=memory, features=features,
-                      dist_backend=dist, graph_capture=graph_capture, simulated=True, extra=extra)
+                      dist_backend=dist, graph_capture=device_type == "cuda", simulated=True,
+                      extra=extra)
 
 
 def _cpu(name: str, vendor: str, memory: int, features: tuple[str, ...], **extra: Any) -> DeviceInfo:
@@ -191,8 +195,13 @@ def select_device(registry: Registry, device: str | None = None,
     """The device to plan for: a simulated profile, the target asked for, or the best available.
 
     With neither `device` nor `profile`, available targets are tried by HardwareCaps.priority
-    (highest first), so an accelerator wins over the CPU.
+    (highest first), so an accelerator wins over the CPU. Its graph_capture is what the target's
+    Platform declares (core.platform.with_graph_support), for probed and simulated devices alike.
     """
+    return with_graph_support(registry, _select(registry, device, profile))
+
+
+def _select(registry: Registry, device: str | None, profile: str | None) -> DeviceInfo:
     if device is not None and device.strip().lower() == "auto":
         device = None
     if profile is not None:

@@ -16,6 +16,7 @@ importable and its device type exists in this process (the probe said available=
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -201,6 +202,17 @@ def load_platform(registry: Any, info: DeviceInfo) -> Platform:
         raise TypeError(f"the Platform of hardware target {info.target!r} lacks "
                         f"{', '.join(missing)} (see core/platform.py)")
     return platform
+
+
+def with_graph_support(registry: Any, info: DeviceInfo) -> DeviceInfo:
+    """`info` with `graph_capture` set from its target's Platform.graphs(): the one source of
+    graph ability (probes and profiles do not decide it; a target without a Platform has none)."""
+    if not info.available:
+        return info
+    available = bool(load_platform(registry, info).graphs().available)
+    if available == info.graph_capture:
+        return info
+    return dataclasses.replace(info, graph_capture=available)
 
 
 def platform_for_device(device: Any) -> Platform:

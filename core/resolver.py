@@ -402,7 +402,8 @@ def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, dec
                    moe: str | None, ops: str, notes: list[str]) -> bool:
     """Graphs capture the decode step only, so the decode backend and MoE runner decide."""
     if not device.graph_capture:
-        notes.append(f"graph capture off: {device.target} has no graph capture")
+        notes.append(f"graph capture off: the {device.target} platform captures no decode "
+                     f"graphs (its Platform.graphs())")
         return False
     if args.disable_cuda_graph:
         notes.append("graph capture off: --disable-cuda-graph")

@@ -485,7 +485,7 @@ def test_core_serve_runs_on_the_example_accelerator(example_site):
         assert re.search(r"decode attention\s+example_sdpa", out), out
         # the engine's startup notes come from the target's Platform
         assert "engine: example_accel defaults: chunked prefill 512" in out
-        assert "graph capture off: example_accel has no graph capture" in out
+        assert "graph capture off: the example_accel platform captures no decode graphs" in out
         url = f"http://127.0.0.1:{port}"
         status, _, raw = http_request(url, "POST", "/v1/chat/completions", {
             "messages": [{"role": "user", "content": "What is the capital of France?"}],

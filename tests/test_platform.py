@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from core.capabilities import DeviceInfo, HardwareCaps
-from core.devices import PROFILES
+from core.devices import PROFILES, select_device
 from core.hookspecs import hookimpl
 from core.platform import GenericPlatform, GraphSupport, Platform, load_platform
 from core.plugins import build_registry
@@ -32,6 +32,9 @@ def test_every_built_in_target_registers_a_whole_platform(target, profile):
     assert platform.graphs().available == (target in ("cuda", "rocm"))
     if not platform.graphs().available:
         assert platform.graphs().reason  # off, and says why
+    # graph ability has one source: the profile (and select_device) say what the Platform says
+    assert info.graph_capture == platform.graphs().available
+    assert select_device(registry, profile=profile).graph_capture == info.graph_capture
     on, why = platform.overlap_schedule()
     assert on == (target in ("cuda", "rocm")) and why
     assert platform.dist_backend() == info.dist_backend
@@ -67,6 +70,18 @@ def test_a_target_without_a_platform_runs_generic_and_says_so():
     assert "registers no Platform" in platform.graphs().reason
     assert "registers no Platform" in platform.memory_defaults(2**30, None).note
     assert platform.overlap_schedule()[0] is False
+
+
+def test_graph_capture_comes_from_the_platform_not_the_profile(monkeypatch):
+    from plugins.hardware.gpu import TorchCudaPlatform
+
+    assert PROFILES["h100"].graph_capture is True
+    assert select_device(build_registry(), "cpu").graph_capture is False
+    monkeypatch.setattr(TorchCudaPlatform, "graphs", lambda self: GraphSupport(False, "no"))
+    assert select_device(build_registry(), profile="h100").graph_capture is False
+    # a target that registers no Platform has no graphs, whatever its profile says
+    bare = build_registry(extra=[("bare", _NoPlatformTarget())], entry_points=False)
+    assert select_device(bare, profile="h100").graph_capture is False
 
 
 class _Misplaced:

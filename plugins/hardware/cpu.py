@@ -151,7 +151,6 @@ def probe() -> DeviceInfo:
         memory_bytes=memory or 0,
         features=features_for(flags),
         dist_backend=CAPS.dist_backend,
-        graph_capture=False,
         extra=extra,
     )
 

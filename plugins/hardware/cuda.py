@@ -84,7 +84,6 @@ def probe() -> DeviceInfo:
         memory_bytes=int(props.total_memory),
         features=features_for(capability),
         dist_backend=CAPS.dist_backend,
-        graph_capture=True,
         extra=extra,
     )
 

@@ -81,7 +81,6 @@ def probe() -> DeviceInfo:
         memory_bytes=int(getattr(props, "total_memory", 0)),
         features=features_for(name, bf16),
         dist_backend=CAPS.dist_backend,
-        graph_capture=hasattr(npu, "NPUGraph"),  # ACL graphs, in recent torch_npu only
         extra=extra,
     )
 

@@ -80,7 +80,6 @@ def probe() -> DeviceInfo:
         memory_bytes=int(props.total_memory),
         features=features_for(arch or ""),
         dist_backend=CAPS.dist_backend,
-        graph_capture=True,  # HIP graphs back torch.cuda.CUDAGraph on ROCm
         extra=extra,
     )
 

@@ -75,8 +75,6 @@ def probe() -> DeviceInfo:
         memory_bytes=int(getattr(props, "total_memory", 0)),
         features=features_for(props, bf16),
         dist_backend=CAPS.dist_backend,
-        # XPU graphs (torch.xpu.XPUGraph) exist only in recent torch.
-        graph_capture=hasattr(xpu, "XPUGraph"),
         extra=extra,
     )
 

@@ -46,7 +46,6 @@ def probe() -> DeviceInfo:
         memory_bytes=_host_memory_bytes(),
         features={"fp16", "bf16"},
         dist_backend="gloo",
-        graph_capture=False,
         # Not simulated: the engine really runs here (on the host CPU under another name).
         extra={"note": "teaching example; runs on the host CPU"},
     )
