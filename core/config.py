@@ -2,13 +2,15 @@
 
 Backend names (attention, MoE runner, quantization, device) are open strings checked by the resolver
 against what is registered; only the core's own closed sets (dtype, load format, policies) are
-validated here.
+validated here. The environment is read here too (`apply_environment`), never by the resolver.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,7 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "random", "lof", "priority")
 EVICTION_POLICIES = ("lru", "lfu")
+DISABLE_FUSED_OPS_ENV = "CORE_DISABLE_FUSED_OPS"  # =1: --layer-ops torch unless the flag is given
 
 
 def _f(default: Any, group: str, help: str, **kw: Any) -> Any:
@@ -146,6 +149,15 @@ def make_server_args(**kwargs: Any) -> ServerArgs:
         raise ValueError(f"unknown argument(s): {', '.join(unknown)}")
     args = ServerArgs(**clean)
     validate(args)
+    return apply_environment(args)
+
+
+def apply_environment(args: ServerArgs, environ: Mapping[str, str] | None = None) -> ServerArgs:
+    """`args` with what the environment sets where the flags left it open:
+    CORE_DISABLE_FUSED_OPS=1 selects the PyTorch layer ops (--layer-ops torch)."""
+    environ = os.environ if environ is None else environ
+    if args.layer_ops is None and environ.get(DISABLE_FUSED_OPS_ENV) == "1":
+        return args.replace(layer_ops="torch")
     return args
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from core.client import Chunk, EngineClient, EngineError, expand_n
-from core.config import ServerArgs, make_server_args
+from core.config import ServerArgs, apply_environment, make_server_args
 from core.sampling import SamplingParams
 
 __all__ = ["Engine", "EngineClient", "EngineError", "expand_n"]
@@ -52,8 +52,8 @@ class Engine:
         else:
             if kwargs:
                 raise ValueError("pass either server_args or keyword arguments, not both")
-            args = server_args if model_path is None else server_args.replace(
-                model_path=model_path)
+            args = apply_environment(server_args if model_path is None else
+                                     server_args.replace(model_path=model_path))
         self.args, self.plan, self.spec, _ = make_plan(args)
         log.info("%s", explain(self.plan))
         self.tokenizer = _load_tokenizer(self.args)

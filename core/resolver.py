@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +41,6 @@ SLOT_LABELS = {
 KIND_LABELS = {"attention": "attention backends", "moe": "MoE runners",
                "quant": "quant methods", "models": "model implementations",
                "layer_ops": "layer-ops plugins"}
-DISABLE_FUSED_OPS_ENV = "CORE_DISABLE_FUSED_OPS"
 
 
 def _flag(name: str) -> str:
@@ -363,12 +361,9 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
                      f"{spec.architecture} is a dense model")
 
     ops = None
-    ops_user, ops_flag = args.layer_ops, "--layer-ops"
-    if ops_user is None and os.environ.get(DISABLE_FUSED_OPS_ENV) == "1":
-        ops_user, ops_flag = "torch", f"{DISABLE_FUSED_OPS_ENV}=1"
-        notes.append(f"layer ops torch: {DISABLE_FUSED_OPS_ENV}=1")
     oslot = _Slot("layer_ops", "layer_ops", registry, device.target,
-                  lambda caps: check_layer_ops(caps, device, dtype=dtype), ops_user, ops_flag)
+                  lambda caps: check_layer_ops(caps, device, dtype=dtype), args.layer_ops,
+                  "--layer-ops")
     slots.append(oslot)
     try:
         ops = oslot.options()[0].name

@@ -7,6 +7,7 @@ backends), so each rule of SGLang's server arguments is exercised as capability 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -464,3 +465,11 @@ def test_requires_are_looked_up_not_imported(model_spec):
     caps = AttentionCaps(devices={"cuda"}, requires=("torch", "core_test_missing_kernel_pkg"))
     assert check_device(caps, PROFILES["h100"]) == [
         "package core_test_missing_kernel_pkg is not installed"]
+
+
+def test_the_resolver_reads_no_environment():
+    # A pure function of its inputs: the environment is read at the edge (core.config).
+    import core.resolver
+
+    source = Path(core.resolver.__file__).read_text(encoding="utf-8")
+    assert "environ" not in source and "getenv" not in source

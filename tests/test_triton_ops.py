@@ -96,7 +96,7 @@ def test_empty_batches_launch_nothing():
 
 
 def test_the_engine_uses_them_on_gpus_only_and_they_can_be_turned_off(model_spec, monkeypatch):
-    from core.config import ServerArgs
+    from core.config import ServerArgs, apply_environment, make_server_args
     from core.devices import PROFILES
     from core.plugins import build_registry
     from core.resolver import resolve
@@ -108,9 +108,14 @@ def test_the_engine_uses_them_on_gpus_only_and_they_can_be_turned_off(model_spec
     assert cpu.layer_ops == "torch"  # the interpreter is for tests, never the engine
     why = next(c for c in cpu.candidates if c.slot == "layer_ops" and c.name == "triton")
     assert "device cpu not supported" in why.reasons[0]
+    # The environment is read at the edge (core.config), so the resolver stays pure.
     monkeypatch.setenv("CORE_DISABLE_FUSED_OPS", "1")
-    off = resolve(spec, PROFILES["h100"], ServerArgs(), test_registry)
-    assert off.layer_ops == "torch" and "layer ops torch: CORE_DISABLE_FUSED_OPS=1" in off.notes
+    assert resolve(spec, PROFILES["h100"], ServerArgs(), test_registry).layer_ops == "triton"
+    args = make_server_args()
+    assert args.layer_ops == "torch"
+    assert resolve(spec, PROFILES["h100"], args, test_registry).layer_ops == "torch"
+    assert make_server_args(layer_ops="triton").layer_ops == "triton"  # the flag wins
+    assert apply_environment(ServerArgs(), {}).layer_ops is None
 
 
 @pytest.mark.gpu
