@@ -2,8 +2,8 @@
 
 A pure function: it reads capability declarations and the given DeviceInfo, allocates nothing and
 probes nothing. For every slot it checks every registered candidate (core.checks), ranks those that
-fit by the user's choice, then the plugin's priority for the device target, then name, and records
-the whole table in the plan. Requirements that shape memory (page size, KV-cache dtype, graph
+fit by the user's choice, then the plugin's priority for the device target, then name (core.slots),
+and records the whole table in the plan. Requirements that shape memory (page size, KV-cache dtype, graph
 capture) are settled here, before a KV pool exists: a value the user left open is adopted from
 what the chosen backends need and noted; a value the user set that a backend cannot honour is an
 error listing the reasons and what would fit. Nothing is swapped silently.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from core.capabilities import KV_CACHE_DTYPES, DeviceInfo, PageSizes
@@ -23,88 +23,13 @@ from core.model_spec import ModelSpec
 from core.plan import Candidate, Plan, ResolveError
 from core.plugins import Registry
 from core.quant import QuantScheme, online_scheme, parse_quant_config
+from core.slots import SLOT_LABELS, Slot, merge_errors
 
 DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
                "float": "float32", "float32": "float32"}
 KV_ALIASES = {"fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "fp4_e2m1": "fp4_e2m1",
               "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "half": "float16",
               "float16": "float16", "fp32": "float32", "float": "float32", "float32": "float32"}
-
-SLOT_LABELS = {
-    "quant_method": "quant method",
-    "prefill_attention": "prefill attention backend",
-    "decode_attention": "decode attention backend",
-    "moe_runner": "MoE runner",
-    "layer_ops": "layer ops",
-    "model": "model implementation",
-}
-KIND_LABELS = {"attention": "attention backends", "moe": "MoE runners",
-               "quant": "quant methods", "models": "model implementations",
-               "layer_ops": "layer-ops plugins"}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-class _Slot:
-    """One slot being resolved: its evaluated candidates and the user's pick, if any."""
-
-    def __init__(self, slot: str, kind: str, registry: Registry, target: str,
-                 check: Callable[[Any], list[str]], user: str | None, flag: str):
-        self.slot, self.kind, self.user, self.flag = slot, kind, user, flag
-        self.label = SLOT_LABELS[slot]
-        regs = registry.kind(kind)
-        self.names = sorted(regs)
-        self.candidates = [
-            Candidate(slot=slot, name=name, origin=regs[name].origin.describe(),
-                      fits=not (reasons := tuple(check(regs[name].caps))), reasons=reasons,
-                      priority=_priority(regs[name].caps, target))
-            for name in self.names]
-
-    def get(self, name: str) -> Candidate:
-        return next(c for c in self.candidates if c.name == name)
-
-    def ranked(self) -> list[Candidate]:
-        """Fitting candidates, best first: the user's choice, then priority, then name."""
-        fits = [c for c in self.candidates if c.fits]
-        return sorted(fits, key=lambda c: (c.name != self.user, -c.priority, c.name))
-
-    def would_fit(self) -> list[str]:
-        return [c.name for c in self.ranked()]
-
-    def options(self) -> list[Candidate]:
-        """What this slot may use: the user's pick alone, or every fitting candidate.
-
-        Raises ResolveError when the pick is unknown or does not fit, or when nothing fits.
-        """
-        if self.user is not None:
-            if self.user not in self.names:
-                raise ResolveError(
-                    f"unknown {self.label} {self.user!r} ({self.flag})",
-                    [f"registered {KIND_LABELS[self.kind]}: {', '.join(self.names) or 'none'}"],
-                    self.would_fit())
-            chosen = self.get(self.user)
-            if not chosen.fits:
-                raise ResolveError(f"{self.label} {self.user!r} ({self.flag}) does not fit",
-                                   list(chosen.reasons), self.would_fit())
-            return [chosen]
-        ranked = self.ranked()
-        if not ranked:
-            raise ResolveError(self.nothing_fits(), self.all_reasons())
-        return ranked
-
-    def nothing_fits(self) -> str:
-        return f"no {self.label} fits"
-
-    def all_reasons(self) -> list[str]:
-        if not self.candidates:
-            return [f"no {self.label} is registered"]
-        return [f"{c.name}: {r}" for c in self.candidates for r in c.reasons]
-
-
-def _priority(caps: Any, target: str) -> int:
-    return int(getattr(caps, "priority", {}).get(target, 0))
 
 
 def common_page_size(sizes: Sequence[PageSizes]) -> int | None:
@@ -173,7 +98,7 @@ DEQUANTIZED_AT_LOAD = ("none", "gguf")
 
 
 def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Registry,
-                dtype: str, slots: list[_Slot], notes: list[str]) -> tuple[str, QuantScheme]:
+                dtype: str, slots: list[Slot], notes: list[str]) -> tuple[str, QuantScheme]:
     """The quant method: the checkpoint decides what must be loaded; the user may pick how, or
     ask for a dense checkpoint to be quantized at load (a method with an online format)."""
     ckpt = spec.quant_method or "none"
@@ -207,7 +132,7 @@ def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry:
                     f"its quantization_config says quant_method={ckpt}")
             raise ResolveError(f"--quantization {user} conflicts with the checkpoint: {what}",
                                [conflict], loaders)
-    slot = _Slot("quant_method", "quant", registry, device.target,
+    slot = Slot("quant_method", "quant", registry, device.target,
                  lambda caps: check_quant(caps, spec, device, dtype=dtype, requested=ckpt,
                                           scheme=scheme),
                  pick, "--quantization")
@@ -225,7 +150,7 @@ def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry:
 
 
 def _attention(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Registry,
-               dtype: str, kv: str | None, notes: list[str], slots: list[_Slot]
+               dtype: str, kv: str | None, notes: list[str], slots: list[Slot]
                ) -> tuple[str, str, int]:
     """Both attention phases and the page size they agree on."""
     page = args.page_size
@@ -239,7 +164,7 @@ def _attention(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: 
             return check_attention(caps, spec, device, phase=phase, dtype=dtype,
                                    kv_cache_dtype=kv, page_size=page, cuda_graph=None)
 
-        slot = _Slot(f"{phase}_attention", "attention", registry, device.target, check, user,
+        slot = Slot(f"{phase}_attention", "attention", registry, device.target, check, user,
                      flag)
         slots.append(slot)
         try:
@@ -252,14 +177,14 @@ def _attention(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: 
             continue
         if page is not None and user is None:
             # Say when the user's page size ruled out the backend that would otherwise win.
-            free = _Slot(slot.slot, "attention", registry, device.target,
+            free = Slot(slot.slot, "attention", registry, device.target,
                          lambda caps, phase=phase: check(caps, phase, None), None, flag).ranked()
             if free and free[0].name != options[-1][0].name:
                 why = "; ".join(r for r in slot.get(free[0].name).reasons if "page size" in r)
                 notes.append(f"{phase} attention {options[-1][0].name} chosen over "
                              f"{free[0].name} because of --page-size {page} ({why})")
     if errors:
-        raise _merge(errors)
+        raise merge_errors(errors)
     if page is not None:
         return options[0][0].name, options[1][0].name, page
     caps = {n: r.caps for n, r in registry.kind("attention").items()}
@@ -290,29 +215,6 @@ def _where(device: DeviceInfo) -> str:
     return f"{device.target} {device.arch or ''}".strip()
 
 
-def _merge(errors: list[ResolveError], candidates: tuple[Candidate, ...] = ()
-           ) -> ResolveError:
-    """One error from several; a decode error that repeats the prefill one is said once."""
-    unique: list[ResolveError] = []
-    for e in errors:
-        twin = next((u for u in unique if u.args[0].replace("prefill", "decode") == e.args[0]),
-                    None)
-        if twin is None:
-            unique.append(e)
-        else:  # the same failure in both phases: name no phase, keep every distinct reason
-            twin.args = (twin.args[0].replace("prefill ", "", 1),)
-            twin.reasons += [r for r in e.reasons if r not in twin.reasons]
-            twin.would_fit = [w for w in twin.would_fit if w in e.would_fit]
-    if len(unique) == 1:
-        e = unique[0]
-        return ResolveError(e.args[0], e.reasons, e.would_fit, candidates or e.candidates)
-    merged = ResolveError("; ".join(e.args[0] for e in unique),
-                          [r for e in unique for r in e.reasons],
-                          [w for e in unique for w in e.would_fit], candidates)
-    merged.errors = unique  # type: ignore[attr-defined]
-    return merged
-
-
 def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Registry) -> Plan:
     """Choose a backend for every slot; raise ResolveError listing every reason when none fits."""
     if not device.available:
@@ -321,7 +223,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     dtype = _compute_dtype(spec, device, args, notes)
     kv = _kv_cache_dtype(args, dtype, notes)
     errors: list[ResolveError] = []
-    slots: list[_Slot] = []
+    slots: list[Slot] = []
 
     quant, scheme = None, QuantScheme()
     try:
@@ -341,7 +243,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
         user = None if args.moe_runner_backend in (None, "auto") else args.moe_runner_backend
         quant_reg = registry.get("quant", quant) if quant else None
         runner_of = {id(r.caps): n for n, r in registry.kind("moe").items()}
-        mslot = _Slot("moe_runner", "moe", registry, device.target,
+        mslot = Slot("moe_runner", "moe", registry, device.target,
                       lambda caps: check_moe(caps, spec, device, dtype=dtype, quant_method=quant,
                                              quant_caps=quant_reg.caps if quant_reg else None,
                                              runner=runner_of[id(caps)]),
@@ -361,7 +263,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
                      f"{spec.architecture} is a dense model")
 
     ops = None
-    oslot = _Slot("layer_ops", "layer_ops", registry, device.target,
+    oslot = Slot("layer_ops", "layer_ops", registry, device.target,
                   lambda caps: check_layer_ops(caps, device, dtype=dtype), args.layer_ops,
                   "--layer-ops")
     slots.append(oslot)
@@ -370,7 +272,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     except ResolveError as exc:
         errors.append(exc)
 
-    mslot = _Slot("model", "models", registry, device.target, lambda caps: check_model(caps, spec),
+    mslot = Slot("model", "models", registry, device.target, lambda caps: check_model(caps, spec),
                   None, "")
     slots.append(mslot)
     model_impl = mslot.ranked()[0].name if mslot.ranked() else None
@@ -379,7 +281,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
                      f"cannot run it")
 
     if errors:
-        raise _merge(errors, tuple(c for s in slots for c in s.candidates))
+        raise merge_errors(errors, tuple(c for s in slots for c in s.candidates))
     assert quant is not None and prefill is not None and decode is not None and ops is not None
 
     cuda_graph = _graph_capture(device, args, registry, decode, moe, ops, notes)

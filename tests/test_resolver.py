@@ -470,6 +470,8 @@ def test_requires_are_looked_up_not_imported(model_spec):
 def test_the_resolver_reads_no_environment():
     # A pure function of its inputs: the environment is read at the edge (core.config).
     import core.resolver
+    import core.slots
 
-    source = Path(core.resolver.__file__).read_text(encoding="utf-8")
-    assert "environ" not in source and "getenv" not in source
+    for module in (core.resolver, core.slots):
+        source = Path(module.__file__).read_text(encoding="utf-8")
+        assert "environ" not in source and "getenv" not in source, module.__name__
