@@ -224,8 +224,9 @@ def _instantiate(registry: Any, kind: str, name: str) -> Any:
     return reg.load()()
 
 
-def load_model(args: Any, plan: Any, registry: Any) -> LoadedModel:
-    """Build plan.model_impl's class for args.model_path and fill it in the plan's dtype."""
+def load_model(args: Any, plan: Any, registry: Any, tokenizer: bool = True) -> LoadedModel:
+    """Build plan.model_impl's class for args.model_path and fill it in the plan's dtype
+    (and load its tokenizer, unless `tokenizer` is False: LoadedModel.tokenizer is then None)."""
     model_path = args.model_path or default_model_path()
     source = find_weights(model_path, args.load_format)
     with contextlib.ExitStack() as stack:
@@ -233,11 +234,11 @@ def load_model(args: Any, plan: Any, registry: Any) -> LoadedModel:
         if source.gguf_file:
             get_reader = stack.enter_context(shared_gguf_reader(source.files[0]))
             reader = get_reader(source.files[0]) if source.load_format == "gguf" else None
-        return _load(args, plan, registry, model_path, source, reader)
+        return _load(args, plan, registry, model_path, source, reader, tokenizer)
 
 
 def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSource,
-          reader: Any) -> LoadedModel:
+          reader: Any, with_tokenizer: bool = True) -> LoadedModel:
     notes: list[str] = []
     if args.load_format == "auto":
         notes.append(f"load format: {source.load_format} (found in {source.directory})")
@@ -279,7 +280,7 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
         model.load_weights(bar)
         bar.close()
 
-    tokenizer = _load_tokenizer(args, source, notes)
+    tokenizer = _load_tokenizer(args, source, notes) if with_tokenizer else None
     return LoadedModel(model, config, tokenizer, model_path, dtype, notes, ctx.ops)
 
 

@@ -244,3 +244,15 @@ def torch_native_backend(config, dtype: torch.dtype = torch.float32, page_size: 
         head_dim=head_dim, num_layers=config.num_hidden_layers, dtype=dtype, kv_dtype=dtype,
         device=torch.device("cpu"), page_size=page_size,
         max_context_len=config.max_position_embeddings))
+
+
+def prefill_logits(model, config, ids):
+    """Logits [len(ids), vocab] of one request prefilled through the paged harness."""
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    h = PagedHarness(config.num_hidden_layers, config.num_key_value_heads, head_dim, 4,
+                     num_pages=256, max_context=512, backend=torch_native_backend(config),
+                     dtype=next(model.parameters()).dtype)
+    batch = h.batch([0], [ids])
+    with torch.inference_mode():
+        return model.compute_logits(model(batch.input_ids, batch.positions, batch))

@@ -10,10 +10,9 @@ import os
 import pytest
 import torch
 from model_fixtures import (
-    PagedHarness,
     cpu_plan,
+    prefill_logits,
     tiny_hf_model,
-    torch_native_backend,
     write_tiny_model,
     write_tokenizer,
 )
@@ -38,17 +37,6 @@ def registry():
 
 def load(path, registry, **kw):
     return load_model(make_server_args(model_path=str(path), **kw), cpu_plan("llama"), registry)
-
-
-def prefill_logits(model, config, ids):
-    head_dim = getattr(config, "head_dim", None) or \
-        config.hidden_size // config.num_attention_heads
-    h = PagedHarness(config.num_hidden_layers, config.num_key_value_heads, head_dim, 4,
-                     num_pages=256, max_context=512, backend=torch_native_backend(config),
-                     dtype=next(model.parameters()).dtype)
-    batch = h.batch([0], [ids])
-    with torch.inference_mode():
-        return model.compute_logits(model(batch.input_ids, batch.positions, batch))
 
 
 def hf_logits(hf, ids):

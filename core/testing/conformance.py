@@ -16,10 +16,12 @@ or, where core-serve is importable but not installed as a distribution,
 The option adds the suite (core/testing/attention_suite.py) to whatever else pytest collects.
 A MoE runner is checked the same way, with `--conformance-moe NAME`, which adds
 core/testing/moe_suite.py (a Triton runner on a CPU: set TRITON_INTERPRET=1), and a layer-ops
-plugin with `--conformance-layer-ops NAME` (core/testing/layer_ops_suite.py), and a hardware
+plugin with `--conformance-layer-ops NAME` (core/testing/layer_ops_suite.py), a quant method
+with `--conformance-quant NAME` (core/testing/quant_suite.py), and a hardware
 target's Platform with `--conformance-platform TARGET` (core/testing/platform_suite.py).
 Options: --conformance-backend NAME (repeatable), --conformance-moe NAME (repeatable),
---conformance-layer-ops NAME (repeatable), --conformance-platform TARGET (repeatable),
+--conformance-layer-ops NAME (repeatable), --conformance-quant NAME (repeatable),
+--conformance-platform TARGET (repeatable),
 --conformance-device DEV (repeatable; default cpu plus cuda when present), --conformance-full,
 --conformance-seed N.
 """
@@ -39,6 +41,8 @@ MOE_SUITE_MODULE = "core.testing.moe_suite"
 MOE_SUITE_PATH = Path(__file__).resolve().with_name("moe_suite.py")
 OPS_SUITE_MODULE = "core.testing.layer_ops_suite"
 OPS_SUITE_PATH = Path(__file__).resolve().with_name("layer_ops_suite.py")
+QUANT_SUITE_MODULE = "core.testing.quant_suite"
+QUANT_SUITE_PATH = Path(__file__).resolve().with_name("quant_suite.py")
 PLATFORM_SUITE_MODULE = "core.testing.platform_suite"
 PLATFORM_SUITE_PATH = Path(__file__).resolve().with_name("platform_suite.py")
 
@@ -57,6 +61,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     metavar="NAME", default=None,
                     help="run the layer-ops conformance suite on this registered plugin "
                          "(repeatable)")
+    group.addoption("--conformance-quant", action="append", dest="conformance_quant",
+                    metavar="NAME", default=None,
+                    help="run the quant-method conformance suite on this registered method "
+                         "(repeatable; needs the compressed-tensors package)")
     group.addoption("--conformance-platform", action="append", dest="conformance_platform",
                     metavar="TARGET", default=None,
                     help="run the Platform conformance suite on this registered hardware "
@@ -92,6 +100,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for option, path in (("conformance_backend", SUITE_PATH),
                          ("conformance_moe", MOE_SUITE_PATH),
                          ("conformance_layer_ops", OPS_SUITE_PATH),
+                         ("conformance_quant", QUANT_SUITE_PATH),
                          ("conformance_platform", PLATFORM_SUITE_PATH)):
         if config.getoption(option, default=None) and str(path) not in args:
             config.args.append(str(path))
@@ -109,7 +118,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module = getattr(getattr(item, "module", None), "__name__", "")
         origin = getattr(fn, "__module__", "")
         is_copy = origin in (SUITE_MODULE, MOE_SUITE_MODULE, OPS_SUITE_MODULE,
-                             PLATFORM_SUITE_MODULE) and module != origin
+                             QUANT_SUITE_MODULE, PLATFORM_SUITE_MODULE) and module != origin
         (drop if is_copy else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

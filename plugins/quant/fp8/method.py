@@ -4,7 +4,8 @@ one of two forms, and applies them with the kernel chosen once for the device.
 After `process_weights_after_loading` a layer holds `weight` e4m3 [N, K] and either
 `weight_scale` fp32 [N, 1] (per output channel; per-tensor checkpoints are expanded to it, which
 is exact) or `weight_scale_inv` fp32 [ceil(N/bn), ceil(K/bk)] (block-wise); `input_scale` fp32
-[] for static activations; `input_scale_ub` for FBGEMM's clamp of dynamic scales.
+[] for static activations; `input_scale_ub` (a buffer, from the config's activation_scale_ub) for FBGEMM's clamp of
+dynamic activation amax.
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ class Fp8LinearMethod:
         if s.activations == "static":
             layer.input_scale = mark(parameter((shards,), torch.float32, device, 1.0),
                                      per_shard=True)
-        if s.method == "fbgemm_fp8":
-            layer.input_scale_ub = mark(parameter((1,), torch.float32, device, FP8_MAX * 1e6),
-                                        out_dim=None)
+        if s.method == "fbgemm_fp8":  # the clamp of dynamic scales is the config's, not a tensor
+            ub = float(s.raw.get("activation_scale_ub", 1200.0))
+            layer.register_buffer("input_scale_ub", torch.tensor([[ub]], device=device),
+                                  persistent=False)
 
     # ---- after loading: one form, one kernel ----
 

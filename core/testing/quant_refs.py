@@ -1,0 +1,186 @@
+"""Reference checkpoints for the quant-method conformance suite: a dense fp32 weight quantized
+by an independent implementation of each format, in the tensor names and shapes the real
+checkpoints use, with the fp32 weight those tensors mean.
+
+FP8 and INT8 tensors come from the `compressed-tensors` package (the library that writes those
+checkpoints); INT4 from core/testing/quant_refs_int4.py (the formats' published packing).
+A case (`RefCase`) is one checkpoint form: its HF quantization_config, the builder of one
+linear's tensors, and how the reference treats activations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FP8_MAX = 448.0
+
+# (tensors by checkpoint suffix, the dequantized fp32 weight [N, K])
+Built = tuple[dict[str, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RefCase:
+    """name: case id. config: the quantization_config a checkpoint of this form carries
+    (None: a dense checkpoint quantized at load; `online` names the method's online format).
+    build(weight fp32 [N, K]) -> (tensors of one projection by suffix, dequantized [N, K]).
+    acts: "none" | "fp8_token" | "fp8_group" | "fp8_static" | "int8_token" - how the
+    reference quantizes x. k_multiple / n_multiple: shape grain the format needs."""
+
+    name: str
+    format: str
+    config: dict[str, Any] | None
+    build: Callable[[torch.Tensor], Built]
+    acts: str
+    k_multiple: int = 16
+    n_multiple: int = 16
+    static_scale: float | None = None
+    online: bool = False
+    tags: tuple[str, ...] = field(default=())
+
+
+def _ct():
+    try:
+        from compressed_tensors.quantization import QuantizationArgs
+        from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+        from compressed_tensors.quantization.utils import calculate_qparams
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("the quant conformance suite needs the compressed-tensors package "
+                          "(pip install compressed-tensors)") from exc
+    return QuantizationArgs, quantize, dequantize, calculate_qparams
+
+
+def _ct_quantize(w: torch.Tensor, kind: str, strategy: str, block=None) -> tuple:
+    """compressed-tensors' own quantization of w: (q, scale, dequantized fp32)."""
+    QuantizationArgs, quantize, dequantize, calculate_qparams = _ct()
+    kw = {"block_structure": list(block)} if block else {}
+    args = QuantizationArgs(num_bits=8, type=kind, strategy=strategy, symmetric=True, **kw)
+    if strategy == "channel":
+        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    elif strategy == "tensor":
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    else:
+        n, k = w.shape
+        b = w.reshape(n // block[0], block[0], k // block[1], block[1])
+        lo, hi = b.amin((1, 3)), b.amax((1, 3))
+    scale, zero = calculate_qparams(lo, hi, args)
+    dtype = torch.float8_e4m3fn if kind == "float" else torch.int8
+    q = quantize(w, scale, zero, args, dtype=dtype)
+    return q, scale, dequantize(q, scale, zero, args).float()
+
+
+def _ct_config(kind: str, strategy: str, acts: dict | None, fmt: str, block=None) -> dict:
+    weights = {"num_bits": 8, "type": kind, "strategy": strategy, "symmetric": True,
+               "dynamic": False, "block_structure": list(block) if block else None}
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": acts}}}
+
+
+def _fp8_block(name_of_scale: str) -> Callable[[torch.Tensor], Built]:
+    def build(w: torch.Tensor) -> Built:
+        q, scale, deq = _ct_quantize(w, "float", "block", (128, 128))
+        return {"weight": q, name_of_scale: scale}, deq
+    return build
+
+
+def _per(kind: str, strategy: str, scale_shape=None) -> Callable[[torch.Tensor], Built]:
+    def build(w: torch.Tensor) -> Built:
+        q, scale, deq = _ct_quantize(w, kind, strategy)
+        if scale_shape is not None:
+            scale = scale.reshape(scale_shape)
+        return {"weight": q, "weight_scale": scale}, deq
+    return build
+
+
+def _static(build: Callable[[torch.Tensor], Built], scale: float):
+    def with_input_scale(w: torch.Tensor) -> Built:
+        tensors, deq = build(w)
+        return {**tensors, "input_scale": torch.tensor([scale])}, deq
+    return with_input_scale
+
+
+def _online(kind: str) -> Callable[[torch.Tensor], Built]:
+    """A dense checkpoint's weight; what it means once quantized at load: per-channel
+    symmetric scales amax / qmax (448 for e4m3 - compressed-tensors' own quantizer -, 127 for
+    int8 as vLLM and SGLang quantize online; compressed-tensors' int8 uses 127.5)."""
+    def build(w: torch.Tensor) -> Built:
+        if kind == "float":
+            return {"weight": w.clone()}, _ct_quantize(w, "float", "channel")[2]
+        s = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127.0
+        return {"weight": w.clone()}, torch.round(w / s).clamp(-128, 127) * s
+    return build
+
+
+_TOKEN_FP8 = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+              "symmetric": True}
+_TOKEN_INT8 = {**_TOKEN_FP8, "type": "int"}
+_STATIC_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+               "symmetric": True}
+STATIC_SCALE = 0.02  # x is drawn at unit scale: amax ~4 -> 4 / 0.02 = 200 < 448
+
+CASES: tuple[RefCase, ...] = (
+    RefCase("fp8-block-qwen3", "fp8_block",
+            {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [128, 128]}, _fp8_block("weight_scale_inv"), "fp8_group",
+            k_multiple=128, n_multiple=128),
+    RefCase("fp8-block-ct", "fp8_block",
+            _ct_config("float", "block", {**_TOKEN_FP8, "strategy": "group", "group_size": 128},
+                       "float-quantized", (128, 128)),
+            _fp8_block("weight_scale"), "fp8_group", k_multiple=128, n_multiple=128),
+    RefCase("fp8-channel-ct", "fp8_channel",
+            _ct_config("float", "channel", _TOKEN_FP8, "float-quantized"),
+            _per("float", "channel"), "fp8_token"),
+    RefCase("fp8-tensor-static-ct", "fp8_tensor",
+            _ct_config("float", "tensor", _STATIC_FP8, "float-quantized"),
+            _static(_per("float", "tensor"), STATIC_SCALE), "fp8_static",
+            static_scale=STATIC_SCALE),
+    RefCase("fp8-tensor-dynamic", "fp8_tensor",
+            {"quant_method": "fp8", "activation_scheme": "dynamic"},
+            _per("float", "tensor", ()), "fp8_token"),
+    RefCase("fp8-fbgemm", "fp8_channel", {"quant_method": "fbgemm_fp8"},
+            _per("float", "channel"), "fp8_token"),
+    RefCase("fp8-online", "fp8_channel", None, _online("float"), "fp8_token", online=True),
+    RefCase("int8-channel-ct", "int8_channel",
+            _ct_config("int", "channel", _TOKEN_INT8, "int-quantized"),
+            _per("int", "channel"), "int8_token"),
+    RefCase("int8-online", "int8_channel", None, _online("int"), "int8_token", online=True),
+)
+
+
+def fake_quant_acts(x: torch.Tensor, acts: str, static_scale: float | None = None
+                    ) -> torch.Tensor:
+    """x [M, K] -> fp32, quantized and dequantized the way the case's activations are: per row
+    (token), per 128 inputs of a row (group), or by one static scale; amax / qmax scales."""
+    x = x.float()
+    if acts == "none":
+        return x
+    if acts == "fp8_static":
+        return (x / static_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() \
+            * static_scale
+    if acts == "fp8_group":
+        m, k = x.shape
+        g = x.reshape(m, k // 128, 128)
+        s = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        return ((g / s).to(torch.float8_e4m3fn).float() * s).reshape(m, k)
+    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+    if acts == "fp8_token":
+        s = s / FP8_MAX
+        return (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
+    if acts == "int8_token":
+        s = s / 127.0
+        return torch.round(x / s).clamp(-128, 127) * s
+    raise ValueError(f"unknown activation form {acts!r}")
+
+
+def all_cases() -> tuple[RefCase, ...]:
+    """The FP8/INT8 cases plus the INT4 ones where their reference module exists."""
+    try:
+        from core.testing.quant_refs_int4 import CASES as INT4
+    except ImportError:
+        INT4 = ()
+    return CASES + tuple(INT4)

@@ -1,0 +1,214 @@
+"""The quant-method conformance tests: a method's linear layers against the fp32 product of
+independently quantized weights (core/testing/quant_refs.py), and a small model checkpoint in
+the real file layout loaded through core's loader.
+
+Collected by the conformance plugin (`pytest --conformance-quant NAME`, see
+core.testing.conformance), or by importing them into a test module:
+
+    from core.testing.quant_suite import *  # noqa: F401,F403
+
+Parametrization: every registered quant method (or those named) x every reference case whose
+format and checkpoint name it declares (QuantCaps.formats / config_names / online_format) x
+every suite device it can run on x every declared compute dtype. Per case: a stacked linear
+(three shards, with and without bias) loaded shard by shard under the checkpoint's tensor names,
+processed, applied at M = 1, 4, 33, 300 (--conformance-full: up to 4096) and compared with
+fake-quantized x @ dequantized W^T in fp32 by relative Frobenius error; output shape, dtype,
+device; x left unchanged. Then a two-layer Llama written as safetensors with the case's
+quantization_config, loaded by core.loader.load_model, each projection checked the same way.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from core.layers import Linear, ModelContext
+from core.layers.linear import process_weights_after_loading
+from core.plugins import get_registry
+from core.quant import online_scheme, parse_quant_config
+from core.testing.attention_check import unavailable_reasons
+from core.testing.attention_suite import _device_info, _device_missing, default_devices
+from core.testing.quant_refs import RefCase, all_cases, fake_quant_acts
+
+__all__ = ["pytest_generate_tests", "test_quant_linear_conformance",
+           "test_quant_checkpoint_conformance"]
+
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.2e-2}
+SIZES = (1, 4, 33, 300)
+FULL_SIZES = (1, 2, 4, 8, 16, 33, 64, 128, 300, 1024, 4096)
+
+
+def _serves(caps, case: RefCase) -> bool:
+    if case.format not in caps.formats:
+        return False
+    if case.online:
+        return caps.online_format == case.format
+    return str(case.config["quant_method"]) in caps.config_names
+
+
+def quant_params(config: pytest.Config) -> list:
+    registry = get_registry()
+    methods = registry.kind("quant")
+    named = list(dict.fromkeys(config.getoption("conformance_quant", default=None) or []))
+    unknown = [n for n in named if n not in methods]
+    if unknown:
+        raise pytest.UsageError(f"quant method(s) {', '.join(unknown)} not registered "
+                                f"(registered: {', '.join(sorted(methods)) or 'none'})")
+    devices = config.getoption("conformance_device", default=None) or default_devices()
+    cases = all_cases()
+    params = []
+    for device_name in devices:
+        device = torch.device(device_name)
+        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
+        missing = _device_missing(device)
+        info = _device_info(registry, device) if not missing else None
+        for name in named or sorted(methods):
+            reg = methods[name]
+            mine = [c for c in cases if _serves(reg.caps, c)]
+            why = [missing] if missing else unavailable_reasons(reg, device, info)
+            if why or not mine:
+                if named:
+                    reason = "; ".join(why) or "declares no format the suite has cases for"
+                    params.append(pytest.param(None, None, None, None, id=f"{name}-{device_name}",
+                                               marks=[*marks, pytest.mark.skip(reason=reason)]))
+                continue
+            for case in mine:
+                for dtype in sorted(reg.caps.dtypes):
+                    params.append(pytest.param(name, case, device_name, dtype,
+                                               id=f"{name}-{case.name}-{device_name}-{dtype}",
+                                               marks=marks))
+    return params
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "quant_case" in metafunc.fixturenames:
+        metafunc.parametrize("quant_name,quant_case,quant_device,quant_dtype",
+                             quant_params(metafunc.config))
+
+
+def _method(name: str, case: RefCase):
+    scheme = online_scheme(case.format) if case.online else parse_quant_config(case.config)
+    return get_registry().get("quant", name).load()(scheme)
+
+
+def _weights(n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """fp32 weights already rounded to the compute dtype (what a dense checkpoint holds)."""
+    return (torch.randn(n, k, generator=gen) * 0.05).to(dtype).float()
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    err = ((y.float().cpu() - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]:.1e}"
+
+
+def test_quant_linear_conformance(quant_name, quant_case, quant_device, quant_dtype, request):
+    case, device, dtype = quant_case, torch.device(quant_device), getattr(torch, quant_dtype)
+    seed = request.config.getoption("conformance_seed", default=0)
+    gen = torch.Generator().manual_seed(seed)
+    k = max(256, case.k_multiple)
+    shards = [2 * case.n_multiple * 3, case.n_multiple * 2, case.n_multiple * 2]
+    sizes = FULL_SIZES if request.config.getoption("conformance_full", default=False) else SIZES
+    for bias in (False, True):
+        ctx = ModelContext(dtype=dtype, device=device, quant_method=_method(quant_name, case))
+        layer = Linear(k, shards, bias, ctx, shard_names=["q", "k", "v"])
+        deq = []
+        for shard, n in zip(("q", "k", "v"), shards):
+            tensors, d = case.build(_weights(n, k, dtype, gen))
+            deq.append(d)
+            for suffix, t in tensors.items():
+                layer.weight_loader(getattr(layer, suffix), t.to(device), shard)
+        b = (torch.randn(sum(shards), generator=gen) * 0.1).to(dtype) if bias else None
+        if bias:
+            layer.weight_loader(layer.bias, b.to(device), None)
+        process_weights_after_loading(layer)
+        w = torch.cat(deq)
+        for m in sizes:
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            xd = x.to(device)
+            before = xd.clone()
+            y = layer(xd)
+            assert y.shape == (m, sum(shards)) and y.dtype == dtype and y.device.type == \
+                device.type, f"output {tuple(y.shape)} {y.dtype} {y.device}"
+            assert torch.equal(xd, before), "apply changed its input"
+            ref = fake_quant_acts(x, case.acts, case.static_scale) @ w.t()
+            if bias:
+                ref = ref + b.float()
+            _check(y, ref, dtype, f"M={m} bias={bias}")
+        # Three leading dims, as layers pass them.
+        x3 = torch.randn(2, 3, k, generator=gen).to(dtype)
+        y3 = layer(x3.to(device))
+        assert y3.shape == (2, 3, sum(shards))
+
+
+# ---- a small checkpoint in the real file layout, through the loader ----
+
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _write_checkpoint(tmp, case: RefCase, dtype: torch.dtype, seed: int):
+    """A 2-layer Llama: config.json with the case's quantization_config, model.safetensors with
+    every projection in the case's tensors; returns {HF projection name: dequantized W}."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    hidden, inter = 256, 512
+    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=inter,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=256, tie_word_embeddings=False)
+    raw = cfg.to_dict()
+    raw["architectures"] = ["LlamaForCausalLM"]
+    if case.config is not None:
+        raw["quantization_config"] = case.config
+    (tmp / "config.json").write_text(json.dumps(raw))
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"q_proj": (256, hidden), "k_proj": (128, hidden), "v_proj": (128, hidden),
+              "o_proj": (hidden, 256), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+              "down_proj": (hidden, inter)}
+    tensors, dense = {}, {}
+    for layer in range(2):
+        for proj, (n, k) in shapes.items():
+            part = "self_attn" if proj[0] in "qkvo" else "mlp"
+            name = f"model.layers.{layer}.{part}.{proj}"
+            built, dense[name] = case.build(_weights(n, k, dtype, gen))
+            tensors.update({f"{name}.{s}": t.contiguous() for s, t in built.items()})
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{layer}.{norm}.weight"] = torch.ones(hidden)
+    tensors["model.embed_tokens.weight"] = torch.randn(512, hidden, generator=gen) * 0.02
+    tensors["model.norm.weight"] = torch.ones(hidden)
+    tensors["lm_head.weight"] = torch.randn(512, hidden, generator=gen) * 0.02
+    save_file(tensors, str(tmp / "model.safetensors"))
+    return dense
+
+
+def test_quant_checkpoint_conformance(quant_name, quant_case, quant_device, quant_dtype,
+                                      tmp_path, request):
+    from core.config import ServerArgs
+    from core.loader import load_model
+    from core.model_spec import load_model_spec
+    from core.resolver import resolve
+
+    case, device, dtype = quant_case, torch.device(quant_device), getattr(torch, quant_dtype)
+    seed = request.config.getoption("conformance_seed", default=0)
+    dense = _write_checkpoint(tmp_path, case, dtype, seed)
+    registry = get_registry()
+    args = ServerArgs(model_path=str(tmp_path), dtype=quant_dtype, device=quant_device,
+                      quantization=quant_name, load_format="safetensors")
+    plan = resolve(load_model_spec(str(tmp_path)), _device_info(registry, device), args,
+                   registry)
+    assert plan.quant_method == quant_name
+    model = load_model(args, plan, registry, tokenizer=False).model
+    modules = dict(model.named_modules())
+    gen = torch.Generator().manual_seed(seed + 1)
+    for layer in range(2):
+        for ours, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                            ("self_attn.o_proj", ("o_proj",)),
+                            ("mlp.gate_up_proj", ("gate_proj", "up_proj")),
+                            ("mlp.down_proj", ("down_proj",))):
+            prefix = f"model.layers.{layer}."
+            lin = modules[prefix + ours]
+            w = torch.cat([dense[f"{prefix}{ours.split('.')[0]}.{p}"] for p in parts])
+            x = torch.randn(5, w.shape[1], generator=gen).to(dtype)
+            ref = fake_quant_acts(x, case.acts, case.static_scale) @ w.t()
+            _check(lin(x.to(device)), ref, dtype, f"{prefix}{ours}")

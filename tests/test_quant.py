@@ -1,0 +1,203 @@
+"""Quantization: configs of real checkpoints parsed into schemes, the resolver's choices and
+refusals (capability, online, MoE agreement), ignore lists, the Triton block-scaled GEMM under
+the interpreter, and the quant conformance suite on the CPU for the built-in methods."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from core.capabilities import MoECaps, QuantCaps
+from core.checks import check_moe_quant
+from core.config import ServerArgs
+from core.devices import PROFILES
+from core.plan import ResolveError
+from core.plugins import build_registry
+from core.quant import is_ignored, online_scheme, parse_quant_config
+from core.resolver import explain, resolve
+from core.testing.quant_suite import *  # noqa: F401,F403 - the suite, on the CPU, in CI
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return build_registry()
+
+
+QWEN3_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+             "weight_block_size": [128, 128]}
+CT_FP8_DYNAMIC = {  # as llm-compressor writes FP8_DYNAMIC checkpoints
+    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                    "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                              "symmetric": True, "dynamic": True}}}}
+CT_W8A8 = {**CT_FP8_DYNAMIC, "format": "int-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"],
+    "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+    "input_activations": {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
+                          "dynamic": True}}}}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+       "version": "gemm", "modules_to_not_convert": None}
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+        "checkpoint_format": "gptq"}
+
+
+def test_real_configs_parse_to_their_schemes():
+    s = parse_quant_config(QWEN3_FP8)
+    assert (s.format, s.block, s.activations, s.act_group) == ("fp8_block", (128, 128),
+                                                               "dynamic", 128)
+    s = parse_quant_config(CT_FP8_DYNAMIC)
+    assert (s.format, s.activations, s.ignore) == ("fp8_channel", "dynamic", ("lm_head",))
+    assert parse_quant_config(CT_W8A8).format == "int8_channel"
+    s = parse_quant_config(AWQ)
+    assert (s.format, s.weight_bits, s.group_size, s.zero_point) == ("int4_awq", 4, 128, True)
+    s = parse_quant_config(GPTQ)
+    assert (s.format, s.group_size, s.zero_point, s.checkpoint_format) == (
+        "int4_gptq", 128, False, "gptq")
+    assert parse_quant_config({"quant_method": "fbgemm_fp8"}).format == "fp8_channel"
+    assert parse_quant_config(None).format == "dense"
+    assert parse_quant_config({"quant_method": "mxfp4"}).format == "mxfp4"  # a plugin's own
+    assert online_scheme("fp8_channel").online
+
+
+@pytest.mark.parametrize("config,needle", [
+    ({**GPTQ, "desc_act": True}, "desc_act"),
+    ({**AWQ, "bits": 3}, "3 bits"),
+    ({**AWQ, "version": "gemv"}, "gemv"),
+    ({**QWEN3_FP8, "fmt": "e5m2"}, "e5m2"),
+    ({**QWEN3_FP8, "activation_scheme": "static"}, "dynamic activations"),
+    ({**CT_FP8_DYNAMIC, "config_groups": {"a": {}, "b": {}}}, "2 config_groups"),
+    ({"activation_scheme": "dynamic"}, "no quant_method"),
+])
+def test_unservable_configs_say_which_field(config, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse_quant_config(config)
+
+
+def _spec(model_spec, quantization):
+    from dataclasses import replace
+    base = model_spec("qwen3-8b")
+    return replace(base, quantization=quantization,
+                   quant_method=quantization["quant_method"] if quantization else "none")
+
+
+def test_qwen3_fp8_picks_fp8_on_h200_and_is_refused_before_sm89(model_spec, registry):
+    spec = model_spec("qwen3-8b-fp8")
+    plan = resolve(spec, PROFILES["h200"], ServerArgs(), registry)
+    assert (plan.quant_method, plan.quant_format) == ("fp8", "fp8_block")
+    assert "fp8 (fp8_block)" in explain(plan)
+    for profile in ("a100", "t4"):
+        with pytest.raises(ResolveError) as err:
+            resolve(spec, PROFILES[profile], ServerArgs(), registry)
+        text = str(err.value)
+        assert "no quant method that loads fp8 checkpoints fits" in text
+        assert "fp8: needs CUDA sm89+" in text, text
+
+
+def test_online_quantization_of_a_dense_checkpoint(model_spec, registry):
+    spec = model_spec("qwen3-8b")
+    plan = resolve(spec, PROFILES["h200"], ServerArgs(quantization="fp8"), registry)
+    assert (plan.quant_method, plan.quant_format) == ("fp8", "fp8_channel")
+    assert any("quantizes the dense checkpoint at load" in n for n in plan.notes)
+    # Never chosen on its own for a dense checkpoint.
+    assert resolve(spec, PROFILES["h200"], ServerArgs(), registry).quant_method == "unquantized"
+    plan = resolve(spec, PROFILES["x86-cpu"], ServerArgs(quantization="w8a8_int8"), registry)
+    assert (plan.quant_method, plan.quant_format) == ("w8a8_int8", "int8_channel")
+
+
+def test_quantization_flag_that_conflicts_with_the_checkpoint(model_spec, registry):
+    with pytest.raises(ResolveError, match="conflicts with the checkpoint"):
+        resolve(model_spec("qwen3-8b-fp8"), PROFILES["h200"],
+                ServerArgs(quantization="w8a8_int8"), registry)
+
+
+def test_format_a_method_lacks_is_a_reason(model_spec, registry):
+    # compressed-tensors W8A8 int8: fp8 loads compressed-tensors but not int8 weights.
+    plan = resolve(_spec(model_spec, CT_W8A8), PROFILES["h200"], ServerArgs(), registry)
+    assert plan.quant_method == "w8a8_int8"
+    fp8 = next(c for c in plan.candidates if c.slot == "quant_method" and c.name == "fp8")
+    assert not fp8.fits and any("does not compute int8_channel" in r for r in fp8.reasons)
+
+
+def test_moe_checkpoint_in_fp8_is_refused_with_the_reason(model_spec, registry):
+    from dataclasses import replace
+    spec = replace(model_spec("qwen3-30b-a3b"), quantization=QWEN3_FP8, quant_method="fp8")
+    with pytest.raises(ResolveError) as err:
+        resolve(spec, PROFILES["h200"], ServerArgs(), registry)
+    assert "cannot quantize MoE expert weights" in str(err.value)
+
+
+def test_moe_quant_agreement_from_either_side():
+    runner = MoECaps(devices={"cuda"}, quant_methods={"unquantized"})
+    quant = QuantCaps(devices={"cuda"}, moe_runners={"vendor_moe"})
+    assert check_moe_quant("vendor_moe", runner, "vendor_q", quant) == []
+    assert check_moe_quant("x", MoECaps(quant_methods={"vendor_q"}), "vendor_q", QuantCaps()) \
+        == []
+    assert check_moe_quant("x", runner, "vendor_q", quant) == [
+        "quant method vendor_q not supported (supports unquantized); vendor_q runs its "
+        "experts on vendor_moe"]
+
+
+def test_ignore_lists_match_stacked_layers():
+    assert is_ignored("model.layers.0.self_attn.qkv_proj",
+                      ["re:.*self_attn.*"])
+    assert is_ignored("model.layers.3.mlp.gate_up_proj",
+                      ["model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"])
+    assert not is_ignored("model.layers.3.mlp.down_proj", ["lm_head"])
+    assert is_ignored("model.layers.0.mlp.gate", ["re:.*mlp.gate$"])
+    with pytest.raises(ValueError, match="cannot mix"):
+        is_ignored("model.layers.0.self_attn.qkv_proj", ["q_proj"])
+
+
+def test_ignored_layers_are_rebuilt_dense():
+    import torch
+
+    from core.layers import Linear, ModelContext
+    from core.layers.linear import DenseLinearMethod
+    from core.quant import apply_ignore
+    from plugins.quant.fp8.method import Fp8LinearMethod
+
+    scheme = parse_quant_config({**QWEN3_FP8, "modules_to_not_convert": ["o_proj"]})
+    ctx = ModelContext(dtype=torch.float32, quant_method=Fp8LinearMethod(scheme))
+    model = torch.nn.Module()
+    model.o_proj = Linear(128, 128, False, ctx)
+    model.qkv_proj = Linear(128, [128, 128, 128], False, ctx, shard_names=["q", "k", "v"])
+    assert model.o_proj.weight.dtype == torch.float8_e4m3fn
+    dense = DenseLinearMethod(scheme)
+    assert apply_ignore(model, scheme, dense) == ["o_proj"]
+    assert model.o_proj.weight.dtype == torch.float32 and not hasattr(model.o_proj,
+                                                                       "weight_scale_inv")
+    assert model.qkv_proj.weight.dtype == torch.float8_e4m3fn
+
+
+_BLOCK_GEMM = textwrap.dedent("""
+    import torch
+    from plugins.quant.fp8.block_gemm import block_scaled_mm
+    torch.manual_seed(0)
+    for m, n, k, block in ((1, 96, 256, (32, 64)), (37, 160, 192, (32, 64)), (5, 64, 96, (16, 32))):
+        a = torch.randn(m, k).half(); b = torch.randn(n, k).half()
+        sa = torch.rand(m, -(-k // block[1])) + 0.5
+        sb = torch.rand(-(-n // block[0]), -(-k // block[1])) + 0.5
+        bias = torch.randn(n).half()
+        y = block_scaled_mm(a, sa, b, sb, block, torch.float32, bias)
+        ea = sa.repeat_interleave(block[1], 1)[:, :k]
+        eb = sb.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
+        ref = (a.float() * ea) @ (b.float() * eb).t() + bias.float()
+        err = ((y - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, (m, n, k, err)
+    print("ok")
+""")
+
+
+def test_block_scaled_gemm_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", _BLOCK_GEMM], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
