@@ -58,6 +58,7 @@ from serving_report import jsonable, ratio, summarize, summary_table  # noqa: E4
 from core.testing.model_configs import LLAMA_31_8B, llama_config  # noqa: E402
 
 MODES = ("batch1", "offline", "online", "shared-prefix")
+LINEAR_BYTES = {"fp8": 1, "w8a8_int8": 1, "awq": 0.5, "gptq": 0.5}  # per weight, scales aside
 
 TINY = llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096,
@@ -76,15 +77,19 @@ DEFAULTS = {
 }
 
 
-def weight_bytes(cfg: dict[str, Any], dtype_bytes: int) -> int:
-    """Bytes of a Llama-shaped model's weights (what one decode step reads at batch 1)."""
+def weight_bytes(cfg: dict[str, Any], dtype_bytes: float, linear_bytes: float | None = None
+                 ) -> int:
+    """Bytes of a Llama-shaped model's weights (what one decode step reads at batch 1); the
+    decoder's linear layers at `linear_bytes` per weight when quantized (1 for fp8 / int8),
+    embedding, LM head and norms at dtype_bytes."""
     h, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], \
         cfg["num_hidden_layers"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     qkv = h * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * d
-    per_layer = qkv + cfg["num_attention_heads"] * d * h + 3 * h * i + 2 * h
+    linear = qkv + cfg["num_attention_heads"] * d * h + 3 * h * i
+    lb = dtype_bytes if linear_bytes is None else linear_bytes
     heads = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return (n * per_layer + heads + h) * dtype_bytes
+    return int(n * linear * lb + (n * 2 * h + heads + h) * dtype_bytes)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -196,6 +201,8 @@ def run_stream(engine: Any, batch: list[list[int]], out_len: int, per_request: b
 
 def engine_kwargs(a: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     kw: dict[str, Any] = {"load_format": "dummy", "device": a.device, "dtype": a.dtype, **extra}
+    if a.quantization:
+        kw["quantization"] = a.quantization
     if a.max_total_tokens:
         kw["max_total_tokens"] = a.max_total_tokens
     return kw
@@ -358,6 +365,8 @@ def run_online(model_dir: str, a: argparse.Namespace, log: Path) -> dict[str, An
              "--dtype", a.dtype]
     if a.max_total_tokens:
         flags += ["--max-total-tokens", str(a.max_total_tokens)]
+    if a.quantization:
+        flags += ["--quantization", a.quantization]
     flags += shlex.split(a.server_extra_args or "")
     vocab = a.cfg["vocab_size"]
     batch = prompts(a.online_num_prompts, a.online_input_len, vocab, 21)
@@ -374,6 +383,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated subset of {', '.join(MODES)}")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--quantization", default=None,
+                   help="quant method for the engine (a dense dummy model quantized at load: "
+                        "fp8, w8a8_int8); the roofline counts its linear weights at 1 byte")
     p.add_argument("--num-prompts", type=int, default=None, help="offline requests")
     p.add_argument("--input-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
@@ -467,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "batch1" in modes:
         elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
-        wbytes = weight_bytes(a.cfg, elem)
+        wbytes = weight_bytes(a.cfg, elem, LINEAR_BYTES.get(a.quantization))
         bw = copy_bandwidth(a.device)
         report.update({"weight_bytes": wbytes, "copy_bw_GBps": bw / 1e9,
                        "roofline_decode_tok_s": bw / wbytes})
