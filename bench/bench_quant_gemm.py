@@ -5,9 +5,9 @@
 For decode (M = 1, 16) and prefill (M = 4096) sizes of the model's four projections, and the
 square 4096^3: bf16 `F.linear` (the peer), fp8 per-channel W8A8 (`torch._scaled_mm`, activation
 quantization included), fp8 block-wise (the Triton block GEMM, activation quantization
-included), int8 W8A8 (`torch._int_mm` with its scales), and the int4 weight-only kernel where
-the int4 plugin is installed. Each figure: median time of CUDA-event-timed repeats, TFLOP/s,
-weight GB/s, and ratios to bf16 and to the ceilings measured in the same run (bf16 matmul
+included), int8 W8A8 (the plugin's Triton kernels), and the int4 weight-only kernels where the
+int4 plugin is installed. Each figure: median time of CUDA-event-timed replays of a CUDA graph
+of one call (as decode steps run), TFLOP/s, weight GB/s, and ratios to bf16 and to the ceilings measured in the same run (bf16 matmul
 TFLOP/s at 8192^3, device-to-device copy GB/s). Prints a markdown table; JSON to --out.
 """
 
@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,28 +31,41 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
 MS = (1, 16, 4096)
 
 
-def timed(fn, reps: int = 50) -> float:
-    """Median seconds of fn() over CUDA-event-timed repeats (after warm-up)."""
+def timed(fn, reps: int = 50, graph: bool = True) -> float:
+    """Median seconds of fn() over CUDA-event-timed repeats (after warm-up), replayed from a
+    CUDA graph as the engine's decode steps are (a method's several launches then cost GPU
+    time, not Python time); eager where capture fails."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
+    run = fn
+    if graph:
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run = g.replay
+        except Exception:  # noqa: BLE001 - not capturable: time it eagerly
+            torch.cuda.synchronize()
+            run = fn
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(10):
+            run()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / 10)
     return statistics.median(times)
 
 
 def ceilings() -> dict[str, float]:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = timed(lambda: a @ a, reps=20)
+    t = timed(lambda: a @ a, reps=5, graph=False)
     src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    tc = timed(lambda: dst.copy_(src), reps=20)
+    tc = timed(lambda: dst.copy_(src), reps=5, graph=False)
     return {"bf16_matmul_tflops": 2 * 8192**3 / t / 1e12, "copy_GBps": 2 * src.numel() * 2 / tc / 1e9}
 
 
@@ -61,7 +75,7 @@ def layer_for(method_name: str, n: int, k: int):
     from core.layers import Linear, ModelContext
     from core.layers.linear import process_weights_after_loading
     from core.plugins import get_registry
-    from core.quant import QuantScheme, online_scheme
+    from core.quant import online_scheme, parse_quant_config
 
     registry = get_registry()
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -73,7 +87,6 @@ def layer_for(method_name: str, n: int, k: int):
         layer.weight.data.copy_(w)
     elif method_name == "fp8_block":
         from core.testing.quant_refs import _ct_quantize
-        from core.quant import parse_quant_config
         scheme = parse_quant_config({"quant_method": "fp8", "activation_scheme": "dynamic",
                                      "weight_block_size": [128, 128]})
         method = registry.get("quant", "fp8").load()(scheme)
@@ -84,8 +97,7 @@ def layer_for(method_name: str, n: int, k: int):
         layer.weight_scale_inv.data.copy_(scale.cuda())
     else:  # int4: the plugin's reference packer
         from core.testing import quant_refs_int4 as refs
-        case = next(c for c in refs.CASES if c.format == f"int4_{method_name}")
-        from core.quant import parse_quant_config
+        case = next(c for c in refs.REF_CASES if c.format == f"int4_{method_name}")
         method = registry.get("quant", method_name).load()(parse_quant_config(case.config))
         layer = Linear(k, n, False, ModelContext(dtype=torch.bfloat16, device=torch.device("cuda"),
                                                  quant_method=method))
@@ -117,11 +129,10 @@ def main() -> None:
                 try:
                     if name == "bf16":
                         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                        fn = (lambda w=w: torch.nn.functional.linear(x, w))
+                        t = timed(partial(torch.nn.functional.linear, x, w))
                     else:
                         layer, _ = layer_for(name, n, k)
-                        fn = (lambda layer=layer: layer(x))
-                    t = timed(fn)
+                        t = timed(partial(layer, x))
                 except Exception as exc:  # noqa: BLE001 - a missing plugin loses one row
                     rows.append({"shape": shape, "M": m, "method": name,
                                  "error": f"{type(exc).__name__}: {exc}"[:300]})

@@ -277,7 +277,7 @@ def is_ignored(name: str, ignore: Sequence[str]) -> bool:
     hits = [_matches(n, ignore) for n in names]
     if any(hits) and not all(hits):
         raise ValueError(f"{name}: the checkpoint leaves some of its projections dense "
-                         f"({', '.join(n for n, h in zip(names, hits) if h)}) and quantizes "
+                         f"({', '.join(n for n, h in zip(names, hits, strict=True) if h)}) and quantizes "
                          "the rest; a stacked layer cannot mix")
     return all(hits)
 

@@ -176,28 +176,72 @@ def test_ignored_layers_are_rebuilt_dense():
     assert model.qkv_proj.weight.dtype == torch.float8_e4m3fn
 
 
-_BLOCK_GEMM = textwrap.dedent("""
+_KERNELS = textwrap.dedent("""
     import torch
-    from plugins.quant.fp8.block_gemm import block_scaled_mm
+    from plugins.quant.w8a8_triton import quantize_acts, scaled_mm, small_m_linear
     torch.manual_seed(0)
+
+    def rel(y, ref):
+        return ((y.float() - ref).norm() / ref.norm()).item()
+
+    # int8 activation quantization, per row and per group (fp8 has no interpreter dtype)
+    x = torch.randn(5, 300)
+    q, s = quantize_acts(x, torch.int8)
+    s_ref = x.abs().amax(1, keepdim=True) / 127
+    assert torch.allclose(s, s_ref) and (q.float() - torch.round(x / s_ref)).abs().max() <= 1
+    q, s = quantize_acts(x, torch.int8, group=64)
+    g = torch.nn.functional.pad(x, (0, 20)).view(5, 5, 64)
+    assert torch.allclose(s, g.abs().amax(-1) / 127)
+
+    # block-scaled GEMM, fp16 operands standing in for e4m3
     for m, n, k, block in ((1, 96, 256, (32, 64)), (37, 160, 192, (32, 64)), (5, 64, 96, (16, 32))):
         a = torch.randn(m, k).half(); b = torch.randn(n, k).half()
         sa = torch.rand(m, -(-k // block[1])) + 0.5
         sb = torch.rand(-(-n // block[0]), -(-k // block[1])) + 0.5
         bias = torch.randn(n).half()
-        y = block_scaled_mm(a, sa, b, sb, block, torch.float32, bias)
+        y = scaled_mm(a, sa, b, sb, block[0], block[1], torch.float32, bias)
         ea = sa.repeat_interleave(block[1], 1)[:, :k]
         eb = sb.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
         ref = (a.float() * ea) @ (b.float() * eb).t() + bias.float()
-        err = ((y - ref).norm() / ref.norm()).item()
-        assert err < 1e-5, (m, n, k, err)
+        assert rel(y, ref) < 1e-5, (m, n, k)
+
+    # int8 per-row scales (W8A8 int8 prefill)
+    a = torch.randint(-127, 128, (40, 160), dtype=torch.int8)
+    b = torch.randint(-127, 128, (48, 160), dtype=torch.int8)
+    sa, sb = torch.rand(40, 1) + 0.1, torch.rand(48, 1) + 0.1
+    y = scaled_mm(a, sa, b, sb, 1, 160, torch.float32)
+    assert rel(y, (a.float() * sa) @ (b.float() * sb).t()) < 1e-6
+
+    # decode GEMV with the activation quantization fused in: int8, per token and static
+    w = torch.randint(-127, 128, (80, 256), dtype=torch.int8)
+    ws = torch.rand(80, 1) + 0.01
+    for m in (1, 3, 16):
+        x = torch.randn(m, 256)
+        xs = x.abs().amax(1, keepdim=True) / 127
+        xq = torch.round(x / xs).clamp(-127, 127)
+        y = small_m_linear(x, w, ws, None, "token")
+        assert rel(y, (xq * xs) @ (w.float() * ws).t()) < 2e-3, m
+        st = torch.tensor(0.05)
+        y = small_m_linear(x, w, ws, None, "static", input_scale=st)
+        xq = torch.round(x / 0.05).clamp(-127, 127) * 0.05
+        assert rel(y, xq @ (w.float() * ws).t()) < 2e-3, m
+    # ... and block weights with per-group activations (fp16 standing in for e4m3)
+    w = torch.randn(96, 256).half()
+    wsb = torch.rand(3, 2) + 0.5
+    x = torch.randn(4, 256)
+    xg = x.view(4, 2, 128)
+    sg = xg.abs().amax(-1, keepdim=True) / 448
+    xd = ((xg / sg).half().float() * sg).view(4, 256)
+    ew = wsb.repeat_interleave(32, 0).repeat_interleave(128, 1)
+    y = small_m_linear(x, w, wsb, None, "group", (32, 128))
+    assert rel(y, xd @ (w.float() * ew).t()) < 1e-5
     print("ok")
 """)
 
 
-def test_block_scaled_gemm_under_the_triton_interpreter():
+def test_w8a8_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", _BLOCK_GEMM], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", _KERNELS], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]

@@ -5,9 +5,10 @@ activation scales (quant_method "fp8" with weight_block_size: Qwen3-*-FP8, DeepS
 "fp8" checkpoints (static or dynamic activations); compressed-tensors `float-quantized` (per
 tensor, per channel, block; static or dynamic); FBGEMM row-wise (`fbgemm_fp8`); and quantizes a
 dense checkpoint at load with `--quantization fp8` (per-channel weights, dynamic per-token
-activations). CUDA sm89+: `torch._scaled_mm` for per-channel / per-tensor scales, a Triton
-block-scaled GEMM for block scales. Elsewhere (the CPU): an fp32 reference that dequantizes
-on every call - correct, slow, for checking and for serving where nothing better exists.
+activations). CUDA sm89+: decode-sized batches (M <= 16) in one Triton launch with the activation
+quantization fused in; larger M: activations quantized in one Triton launch, then
+`torch._scaled_mm` (per-channel / per-tensor scales) or a Triton block-scaled GEMM (block
+scales). Elsewhere (the CPU): an fp32 reference that dequantizes on every call - correct, slow, for checking and for serving where nothing better exists.
 """
 
 from core.capabilities import CapabilityRange, QuantCaps
@@ -27,8 +28,8 @@ CAPS = QuantCaps(
     moe=False,  # FP8 experts in the Triton MoE runner: not yet (the resolver says so)
     priority={"cuda": 30, "cpu": 1},
     description="FP8 e4m3 W8A8: block-wise (Qwen3/DeepSeek FP8), per-tensor / per-channel "
-                "(compressed-tensors, FBGEMM), online from bf16; CUDA sm89+ _scaled_mm and a "
-                "Triton block GEMM; CPU: fp32 reference (slow)",
+                "(compressed-tensors, FBGEMM), online from bf16; CUDA sm89+: fused Triton decode "
+                "GEMV, _scaled_mm and a Triton block GEMM; CPU: fp32 reference (slow)",
 )
 
 

@@ -92,23 +92,15 @@ class Fp8LinearMethod:
 
     def _kernel(self, layer: nn.Module) -> str:
         cap = cuda_capability(layer.weight.device)
-        if cap is None or cap < 89:
-            return "reference"
-        return "triton_block" if hasattr(layer, "weight_scale_inv") else "scaled_mm"
+        return "reference" if cap is None or cap < 89 else "triton"
 
     # ---- compute ----
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        kernel = layer.fp8_kernel
-        if kernel == "scaled_mm":
-            y = _scaled_mm_linear(x2, layer)
-        elif kernel == "triton_block":
-            from plugins.quant.fp8.block_gemm import block_fp8_linear
-
-            y = block_fp8_linear(x2, layer.weight, layer.weight_scale_inv, self.scheme.block,
-                                 layer.bias)
+        if layer.fp8_kernel == "triton":
+            y = _gpu_linear(x2, layer, self.scheme)
         else:
             y = reference_fp8_linear(x2, layer, self.scheme)
         return y.reshape(*shape[:-1], y.shape[-1])
@@ -118,7 +110,8 @@ class Fp8LinearMethod:
 
 
 def _act_quant(x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 x, fp32 scale [M, 1]) for per-token dynamic or static per-tensor activations."""
+    """(e4m3 x, fp32 scale [M, 1]) for per-token dynamic or static per-tensor activations
+    (torch ops: the reference and the static GPU path)."""
     static = getattr(layer, "input_scale", None)
     if static is not None:
         scale = static.reshape(1, 1).expand(x.shape[0], 1)
@@ -127,10 +120,35 @@ def _act_quant(x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.T
     return quantize_fp8(x, scale), scale.float()
 
 
-def _scaled_mm_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    xq, xs = _act_quant(x, layer)
+def _gpu_linear(x: torch.Tensor, layer: nn.Module, scheme: QuantScheme) -> torch.Tensor:
+    """CUDA sm89+: one fused Triton launch for decode-sized M; otherwise the activations
+    quantized in one launch, then the block-scaled Triton GEMM or cuBLASLt's `_scaled_mm`."""
+    from plugins.quant.w8a8_triton import SMALL_M, quantize_acts, scaled_mm, small_m_linear
+
+    blocked = hasattr(layer, "weight_scale_inv")
+    static = getattr(layer, "input_scale", None)
+    ub = getattr(layer, "input_scale_ub", None)
+    if x.shape[0] <= SMALL_M:
+        if blocked:
+            return small_m_linear(x, layer.weight, layer.weight_scale_inv, layer.bias, "group",
+                                  scheme.block)
+        return small_m_linear(x, layer.weight, layer.weight_scale, layer.bias,
+                              "static" if static is not None else "token",
+                              input_scale=static, ub=ub)
+    if blocked:
+        xq, xs = quantize_acts(x, FP8, group=scheme.block[1])
+        return scaled_mm(xq, xs, layer.weight, layer.weight_scale_inv, scheme.block[0],
+                         scheme.block[1], x.dtype, layer.bias)
+    if static is not None:
+        xq, xs = _act_quant(x, layer)
+    else:
+        xq, xs = quantize_acts(x, FP8, ub=ub)
+    return _scaled_mm_linear(xq, xs, layer, x.dtype)
+
+
+def _scaled_mm_linear(xq: torch.Tensor, xs: torch.Tensor, layer: nn.Module,
+                      out_dtype: torch.dtype) -> torch.Tensor:
     ws = layer.weight_scale  # [N, 1]
-    out_dtype = x.dtype
     m = xq.shape[0]
     pad = (-m) % 16  # cuBLASLt fp8 wants rows in multiples of 16
     if pad:
@@ -140,7 +158,7 @@ def _scaled_mm_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         y = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=ws.t(),
                              out_dtype=out_dtype, bias=layer.bias)
     else:
-        one = torch.ones((), device=x.device, dtype=torch.float32)
+        one = torch.ones((), device=xq.device, dtype=torch.float32)
         y = torch._scaled_mm(xq, layer.weight.t(), scale_a=one, scale_b=one,
                              out_dtype=torch.float32)
         y = y * xs * ws.t()

@@ -1,7 +1,8 @@
 """`w8a8_int8`: int8 weights per output channel with int8 activations per token (SmoothQuant-
 style W8A8), from compressed-tensors `int-quantized` checkpoints, SGLang's `w8a8_int8` ones, or a
-dense checkpoint quantized at load (`--quantization w8a8_int8`). `torch._int_mm` on CUDA and on
-the CPU (int32 accumulation), the scales applied in fp32 after it.
+dense checkpoint quantized at load (`--quantization w8a8_int8`). CUDA: Triton kernels (a fused
+decode GEMV with the activation quantization inside; int8 dots scaled per K step for larger M);
+the CPU: `torch._int_mm` (int32 accumulation), the scales applied in fp32 after it.
 """
 
 from core.capabilities import CapabilityRange, QuantCaps
@@ -11,7 +12,7 @@ CORE_PLUGIN_API = ">=1.2,<2"
 
 CAPS = QuantCaps(
     devices={"cuda", "cpu"},
-    capability={"cuda": CapabilityRange(min=75)},  # int8 tensor cores (Turing and newer)
+    capability={"cuda": CapabilityRange(min=80)},  # Triton int8 dots: Ampere and newer
     config_names={"compressed-tensors", "w8a8_int8"},
     formats={"int8_channel"},
     activation_schemes={"dynamic", "static"},
@@ -21,7 +22,7 @@ CAPS = QuantCaps(
     moe=False,
     priority={"cuda": 30, "cpu": 20},
     description="INT8 W8A8: per-channel weights, per-token dynamic (or static per-tensor) "
-                "activations; torch._int_mm on CUDA and CPU",
+                "activations; Triton on CUDA, torch._int_mm on the CPU",
 )
 
 

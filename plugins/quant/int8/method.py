@@ -53,12 +53,31 @@ class Int8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = int8_linear(x.reshape(-1, shape[-1]), layer.weight, layer.weight_scale,
-                        getattr(layer, "input_scale", None), layer.bias)
+        linear = gpu_int8_linear if x.is_cuda else int8_linear
+        y = linear(x.reshape(-1, shape[-1]), layer.weight, layer.weight_scale,
+                   getattr(layer, "input_scale", None), layer.bias)
         return y.reshape(*shape[:-1], y.shape[-1])
 
     def bind(self, layer: nn.Module):
         return partial(self.apply, layer)
+
+
+def gpu_int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """CUDA: decode-sized M in one fused Triton launch; larger M: activations quantized in one
+    launch, then the Triton scaled GEMM (int32 dots, both scales applied per K step)."""
+    from plugins.quant.w8a8_triton import SMALL_M, quantize_acts, scaled_mm, small_m_linear
+
+    if x.shape[0] <= SMALL_M:
+        return small_m_linear(x, weight, weight_scale, bias,
+                              "static" if input_scale is not None else "token",
+                              input_scale=input_scale)
+    if input_scale is not None:
+        xs = input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+        xq = quantize_int8(x, xs)
+    else:
+        xq, xs = quantize_acts(x, torch.int8)
+    return scaled_mm(xq, xs, weight, weight_scale, 1, x.shape[1], x.dtype, bias)
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -1,0 +1,259 @@
+"""Triton kernels shared by the fp8 and int8 W8A8 methods (imported only on a GPU, or under
+TRITON_INTERPRET=1 in the CPU tests, where fp16/fp32 stand in for the 8-bit operands).
+
+- `quantize_acts`: x [M, K] -> (8-bit x, fp32 scales) in one launch: per row (token) or per
+  `group` consecutive inputs of a row; scale = amax / qmax (amax clamped to `ub` if given).
+- `scaled_mm`: y = (x_q * s_x) @ (w_q * s_w)^T for any M, scales per row / per `group_k`
+  inputs of x and per `group_n` x `group_k` block (or per row: group_k = K) of W; each K step
+  stays inside one scale block and is scaled once, accumulated in fp32.
+- `small_m_linear`: y = x @ W^T for M <= 16 (decode) in one launch, the activation quantization
+  fused in: per-token scales from a first pass over the row, per-group scales per K step, or a
+  static scale; weights per output channel or per block. One program per BLOCK_N outputs, every
+  program streams its weight rows once; the 16-row tile pads M (the loads are masked).
+
+Rounding: fp8 by the hardware conversion (round to nearest even), int8 half away from zero after
+clamping (torch.round rounds ties to even: ties are rare and one step apart).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _quantize(v, QMAX: tl.constexpr, IS_INT: tl.constexpr, out_ty: tl.constexpr):
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    if IS_INT:
+        v = tl.where(v >= 0, v + 0.5, v - 0.5)
+    return v.to(out_ty)
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, ub_ptr, K, stride_xm, stride_qm, stride_sm,
+                      GROUP: tl.constexpr, BLOCK: tl.constexpr, QMAX: tl.constexpr,
+                      IS_INT: tl.constexpr, HAS_UB: tl.constexpr):
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    out_ty = q_ptr.dtype.element_ty
+    if GROUP > 0:  # one program per (row, group): amax and quantize in one pass
+        g = tl.program_id(1)
+        offs = g * GROUP + tl.arange(0, GROUP)
+        ok = offs < K
+        v = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / QMAX
+        tl.store(q_row + offs, _quantize(v / scale, QMAX, IS_INT, out_ty), mask=ok)
+        tl.store(s_ptr + row * stride_sm + g, scale)
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        top = tl.maximum(tl.max(amax, axis=0), 1e-12)
+        if HAS_UB:
+            top = tl.minimum(top, tl.load(ub_ptr))
+        scale = top / QMAX
+        for start in range(0, K, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            tl.store(q_row + offs, _quantize(v / scale, QMAX, IS_INT, out_ty), mask=offs < K)
+        tl.store(s_ptr + row * stride_sm, scale)
+
+
+def quantize_acts(x: torch.Tensor, qdtype: torch.dtype, group: int = 0,
+                  ub: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q [M, K] qdtype, fp32 scales [M, 1] or [M, ceil(K/group)])."""
+    m, k = x.shape
+    is_int = not qdtype.is_floating_point
+    qmax = 127.0 if is_int else FP8_MAX
+    q = torch.empty((m, k), dtype=qdtype, device=x.device)
+    groups = triton.cdiv(k, group) if group else 1
+    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _act_quant_kernel[(m, groups)](x, q, s, ub if ub is not None else s, k, x.stride(0),
+                                       q.stride(0), s.stride(0), GROUP=group, BLOCK=1024,
+                                       QMAX=qmax, IS_INT=is_int, HAS_UB=ub is not None)
+    return q, s
+
+
+@triton.jit
+def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, M, N, K,
+                    stride_xm, stride_wn, stride_ym, stride_wsn, stride_wsk,
+                    ACT: tl.constexpr, BLOCKED_W: tl.constexpr, GROUP_N: tl.constexpr,
+                    QMAX: tl.constexpr, IS_INT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    HAS_UB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    # ACT: 0 per-token dynamic, 1 per-group (BLOCK_K inputs) dynamic, 2 static (xs_ptr: [])
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    q_ty = w_ptr.dtype.element_ty
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    if ACT == 0:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            v = tl.load(x_rows + start + rk[None, :],
+                        mask=m_ok[:, None] & (start + rk[None, :] < K), other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+        amax = tl.maximum(amax, 1e-12)
+        if HAS_UB:
+            amax = tl.minimum(amax, tl.load(ub_ptr))
+        xs = amax / QMAX
+    elif ACT == 2:
+        xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr)
+    else:
+        xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + 1.0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_tile = w_ptr + rn[None, :] * stride_wn + rk[:, None]
+    for start in range(0, K, BLOCK_K):
+        k_ok = start + rk < K
+        v = tl.load(x_rows + start + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        if ACT == 1:
+            xs = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12) / QMAX
+        xq = _quantize(v / xs[:, None], QMAX, IS_INT, q_ty)
+        w = tl.load(w_tile + start, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        part = tl.dot(xq, w).to(tl.float32)
+        if BLOCKED_W:
+            wsc = tl.load(ws_ptr + (rn // GROUP_N) * stride_wsn + (start // BLOCK_K) * stride_wsk,
+                          mask=n_ok, other=0.0)
+            acc += part * xs[:, None] * wsc[None, :]
+        elif ACT == 1:
+            acc += part * xs[:, None]
+        else:
+            acc += part
+    if not BLOCKED_W:
+        wsc = tl.load(ws_ptr + rn * stride_wsn, mask=n_ok, other=0.0)
+        if ACT == 1:
+            acc = acc * wsc[None, :]
+        else:
+            acc = acc * xs[:, None] * wsc[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+SMALL_M = 16
+PER_ROW = 1 << 30  # scaled_mm's group_k for one scale per row
+
+
+def _small_m_config(n: int) -> dict:
+    """Enough programs to cover the SMs at decode: narrow N tiles for narrow layers."""
+    block_n = 16 if n <= 8192 else 32
+    return dict(BLOCK_N=block_n, num_warps=4, num_stages=4)
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None, act: str, block: tuple[int, int] | None = None,
+                   input_scale: torch.Tensor | None = None, ub: torch.Tensor | None = None,
+                   config: dict | None = None) -> torch.Tensor:
+    """x [M <= 16, K] compute dtype -> [M, N]. act: "token" | "group" | "static";
+    weight_scale [N, 1] (per channel) or [N/bn, K/bk] with `block` (then act is "group" and
+    the K tile is the block's K)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > SMALL_M:
+        raise ValueError(f"small_m_linear takes at most {SMALL_M} rows, got {m}")
+    is_int = not weight.dtype.is_floating_point
+    cfg = dict(config or _small_m_config(n))
+    block_k = cfg.pop("BLOCK_K", block[1] if block else 128)
+    if block and block_k != block[1]:
+        raise ValueError("the K tile must be the weight's K block")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    act_code = {"token": 0, "group": 1, "static": 2}[act]
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
+    _small_m_kernel[grid](
+        x, weight, weight_scale, y, bias if bias is not None else y,
+        input_scale if input_scale is not None else weight_scale,
+        ub if ub is not None else weight_scale, m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0), weight_scale.stride(0),
+        weight_scale.stride(1) if weight_scale.dim() > 1 else 0,
+        ACT=act_code, BLOCKED_W=block is not None, GROUP_N=block[0] if block else 1,
+        QMAX=127.0 if is_int else FP8_MAX, IS_INT=is_int, HAS_BIAS=bias is not None,
+        HAS_UB=ub is not None, BLOCK_M=16, BLOCK_K=block_k, **cfg)
+    return y
+
+
+@triton.jit
+def _block_scaled_mm(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
+                     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                     stride_asm, stride_ask, stride_bsn, stride_bsk,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * grid_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rn[None, :] * stride_bn + rk[:, None] * stride_bk
+    as_ptrs = as_ptr + rm * stride_asm
+    bs_ptrs = bs_ptr + (rn // GROUP_N) * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - step * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & (rk[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :] & (rk[:, None] < k_left), other=0.0)
+        kb = (step * BLOCK_K) // GROUP_K
+        a_s = tl.load(as_ptrs + kb * stride_ask, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b).to(tl.float32) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _mm_config(m: int, group_k: int) -> dict:
+    """Tiles by the number of rows; BLOCK_K stays inside one scale block."""
+    block_k = 128 if group_k % 128 == 0 else group_k
+    if m <= 64:
+        return dict(BLOCK_M=32 if m > 16 else 16, BLOCK_N=64, BLOCK_K=block_k, GROUP_M=8,
+                    num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8, num_warps=8,
+                num_stages=3)
+
+
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+              group_n: int, group_k: int, out_dtype: torch.dtype,
+              bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """a [M, K] (a_scale [M, ceil(K/group_k)]) x b [N, K] (b_scale [ceil(N/group_n),
+    ceil(K/group_k)]) -> [M, N] out_dtype. group_k >= K: one scale per row of each."""
+    m, k = a.shape
+    n = b.shape[0]
+    if group_k >= k:
+        group_k = PER_ROW  # one scale per row: every K step reads scale column 0
+    elif group_k % 16 or (group_k > 128 and group_k % 128):
+        raise ValueError(f"K scale group {group_k}: a multiple of 16 (of 128 above 128)")
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    cfg = dict(config or _mm_config(m, 128 if group_k == PER_ROW else group_k))
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _block_scaled_mm[grid](
+        a, b, c, a_scale, b_scale, bias if bias is not None else c, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        a_scale.stride(0), a_scale.stride(1) if a_scale.dim() > 1 else 0,
+        b_scale.stride(0), b_scale.stride(1) if b_scale.dim() > 1 else 0,
+        GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None, **cfg)
+    return c
