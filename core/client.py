@@ -1,7 +1,9 @@
 """The engine's client side: owns the worker process and streams its outputs.
 
-`EngineClient` starts the worker (multiprocessing "spawn"; scheduler + model runner live there)
-and talks to it with JSON messages over a pipe (core.ipc; nothing is pickled). The client
+`EngineClient` starts the worker (multiprocessing "spawn"; scheduler + model runner live there),
+gives it the resolved plan as data, and talks to it with typed messages sent as JSON over a pipe
+(core.ipc; nothing is pickled). Requests are validated here, once (`prepare`); the worker trusts
+them. The client
 tokenizes prompts and detokenizes outputs, so text work stays off the scheduler's critical path:
 a background reader thread turns the worker's token ids into text deltas (holding back text that
 might be the start of a stop string) and hands each chunk to the request's sink, a queue for
@@ -24,8 +26,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from core import ipc
 from core.config import ServerArgs
 from core.ipc import Channel, ChannelClosed
+from core.plan import Plan
 from core.sampling import SamplingParams
 from core.scheduler import check_fits
 
@@ -35,18 +39,6 @@ log = logging.getLogger("core.client")
 
 class EngineError(RuntimeError):
     """The engine worker failed to start or died."""
-
-
-def expand_n(params: SamplingParams) -> list[SamplingParams]:
-    """n > 1 becomes n requests of n = 1; with a seed, copy i draws with seed + i."""
-    if params.n == 1:
-        return [params]
-    out = []
-    for i in range(params.n):
-        d = params.to_dict()
-        d.update(n=1, seed=None if params.seed is None else params.seed + i)
-        out.append(SamplingParams(**d))
-    return out
 
 
 @dataclass
@@ -65,14 +57,17 @@ class _ReqState:
 class EngineClient:
     """Starts the worker, submits requests, streams their outputs, shuts everything down."""
 
-    def __init__(self, args: ServerArgs, tokenizer: Any, start_timeout: float = 900.0):
-        from core.worker import args_to_json, worker_main
+    def __init__(self, args: ServerArgs, plan: Plan, tokenizer: Any,
+                 start_timeout: float = 900.0):
+        """`args` with the model path filled in and `plan` resolved for them (core.worker.
+        make_plan): the worker builds exactly this plan."""
+        from core.worker import args_to_json, plan_to_json, worker_main
 
         self.args = args
         self.tokenizer = tokenizer
         self._reqs: dict[str, _ReqState] = {}
         self._sync_queues: dict[str, queue.Queue] = {}
-        self._replies: dict[int, tuple[threading.Event, list]] = {}
+        self._replies: dict[int, tuple[threading.Event, list[ipc.Reply]]] = {}
         self._rpc_ids = itertools.count()
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -80,10 +75,11 @@ class EngineClient:
         self.dead_reason: str | None = None
         # the worker's heartbeat (core.worker._Heartbeat): when it last came, and what it said
         self.last_heartbeat = time.monotonic()
-        self.heartbeat: dict[str, Any] = {}
+        self.heartbeat: ipc.Heartbeat | None = None
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=worker_main, args=(child_conn, args_to_json(args)),
+        self.process = ctx.Process(target=worker_main,
+                                   args=(child_conn, args_to_json(args), plan_to_json(plan)),
                                    name="core-engine-worker", daemon=True)
         self.process.start()
         child_conn.close()
@@ -103,16 +99,16 @@ class EngineClient:
 
     # -- start and stop --------------------------------------------------------------------------
 
-    def _wait_ready(self, timeout: float) -> dict[str, Any]:
+    def _wait_ready(self, timeout: float) -> ipc.EngineInfo:
         waited = 0.0
         while waited < timeout:
             try:
                 if self._chan.poll(0.5):
                     msg = self._chan.recv()
-                    if msg["type"] == "ready":
-                        return msg["info"]
-                    if msg["type"] == "fatal":
-                        raise EngineError(f"engine failed to start: {msg['error']}")
+                    if isinstance(msg, ipc.Ready):
+                        return msg.info
+                    if isinstance(msg, ipc.Fatal):
+                        raise EngineError(f"engine failed to start: {msg.error}")
                     continue
             except ChannelClosed:
                 pass
@@ -127,7 +123,7 @@ class EngineClient:
     def _stop_process(self) -> None:
         try:
             with self._send_lock:
-                self._chan.send({"type": "shutdown"})
+                self._chan.send(ipc.Shutdown())
         except ChannelClosed:
             pass
         self.process.join(timeout=15)
@@ -166,7 +162,7 @@ class EngineClient:
 
     # -- submitting ------------------------------------------------------------------------------
 
-    def _send(self, msg: dict[str, Any]) -> None:
+    def _send(self, msg: ipc.Message) -> None:
         if self._closed or self.dead_reason is not None:
             raise EngineError(f"engine is not running: {self.dead_reason or 'closed'}")
         try:
@@ -189,13 +185,13 @@ class EngineClient:
                 isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
             raise ValueError("input_ids must be a list of integers")
         info = self.info
-        vocab = info["vocab_size"]
+        vocab = info.vocab_size
         bad = [t for t in input_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary of {vocab}")
         p.check_vocab(vocab)
-        check_fits(len(input_ids), p.max_new_tokens, info["max_context"], info["pool_tokens"],
-                   info["page_size"])
+        check_fits(len(input_ids), p.max_new_tokens, info.max_context, info.pool_tokens,
+                   info.page_size)
         return input_ids, p
 
     def submit(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
@@ -204,6 +200,12 @@ class EngineClient:
                index: int = 0) -> str:
         """Queue one request (n = 1); returns its id. Without a sink, read it with stream(id)."""
         ids, p = self.prepare(prompt, input_ids, params)
+        return self.submit_prepared(ids, p, rid=rid, priority=priority, sink=sink, index=index)
+
+    def submit_prepared(self, ids: list[int], p: SamplingParams, *, rid: str | None = None,
+                        priority: int | None = None, sink: Callable[[Chunk], None] | None = None,
+                        index: int = 0) -> str:
+        """`submit` for what `prepare` returned (validated already: not checked again)."""
         rid = rid or uuid.uuid4().hex
         if sink is None:
             q: queue.Queue = queue.Queue()
@@ -215,8 +217,7 @@ class EngineClient:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._reqs[rid] = _ReqState(rid, index, p, sink, detok)
         try:
-            self._send({"type": "add", "rid": rid, "input_ids": ids, "params": p.to_dict(),
-                        "priority": priority})
+            self._send(ipc.AddRequest(rid, tuple(ids), p, priority))
         except EngineError:
             with self._lock:
                 self._reqs.pop(rid, None)
@@ -242,7 +243,7 @@ class EngineClient:
         with self._lock:
             known = rid in self._reqs
         if known:
-            self._send({"type": "abort", "rid": rid})
+            self._send(ipc.Abort(rid))
 
     # -- asyncio ---------------------------------------------------------------------------------
 
@@ -281,14 +282,14 @@ class EngineClient:
         rid = next(self._rpc_ids)
         done, box = threading.Event(), []
         self._replies[rid] = (done, box)
-        self._send({"type": "rpc", "id": rid, "op": op})
+        self._send(ipc.Rpc(rid, op))
         if not done.wait(timeout):
             self._replies.pop(rid, None)
             raise EngineError(f"engine did not answer {op!r} within {timeout:.0f} s")
         msg = box[0]
-        if not msg.get("ok"):
-            raise EngineError(msg.get("error", "engine failed"))
-        return msg["result"]
+        if not msg.ok:
+            raise EngineError(msg.error or "engine failed")
+        return msg.result
 
     def stats(self) -> dict[str, Any]:
         return self.rpc("stats")
@@ -307,20 +308,19 @@ class EngineClient:
         try:
             while True:
                 msg = self._chan.recv()
-                kind = msg["type"]
-                if kind == "out":
-                    for item in msg["items"]:
+                if isinstance(msg, ipc.StepOutput):
+                    for item in msg.items:
                         self._on_item(item)
-                elif kind == "reply":
-                    waiter = self._replies.pop(msg["id"], None)
+                elif isinstance(msg, ipc.Reply):
+                    waiter = self._replies.pop(msg.id, None)
                     if waiter is not None:
                         waiter[1].append(msg)
                         waiter[0].set()
-                elif kind == "heartbeat":
+                elif isinstance(msg, ipc.Heartbeat):
                     self.heartbeat = msg
                     self.last_heartbeat = time.monotonic()
-                elif kind == "fatal":
-                    reason = f"engine worker failed: {msg['error']}"
+                elif isinstance(msg, ipc.Fatal):
+                    reason = f"engine worker failed: {msg.error}"
         except ChannelClosed:
             pass
         except Exception as exc:  # noqa: BLE001 - a detokenizer bug must not hang callers
@@ -328,8 +328,8 @@ class EngineClient:
         if not self._closed:
             self.dead_reason = reason
         self._fail_all(self.dead_reason or "engine closed")
-        for done, box in list(self._replies.values()):
-            box.append({"ok": False, "error": reason})
+        for rpc_id, (done, box) in list(self._replies.items()):
+            box.append(ipc.Reply(rpc_id, False, error=reason))
             done.set()
 
     def _fail_all(self, reason: str) -> None:
@@ -341,13 +341,13 @@ class EngineClient:
                      "finish_reason": {"type": "abort", "message": reason}, "error": reason,
                      "meta_info": {}})
 
-    def _on_item(self, item: dict[str, Any]) -> None:
+    def _on_item(self, item: ipc.OutputItem) -> None:
         with self._lock:
-            st = self._reqs.get(item["rid"])
+            st = self._reqs.get(item.rid)
         if st is None:  # finished here already (a stop string seen in the text)
             return
-        ids = item["ids"]
-        finish = item["finish"]
+        ids = list(item.ids)
+        finish = None if item.finish is None else item.finish.to_dict()
         st.output_ids += ids
         if ids:
             st.raw_text += st.detok.add(ids)
@@ -368,7 +368,7 @@ class EngineClient:
                 end, matched = min(hits)
                 if finish is None or finish.get("type") != "stop":
                     finish = {"type": "stop", "matched": matched}
-                    self._send_quietly({"type": "abort", "rid": st.rid})
+                    self._send_quietly(ipc.Abort(st.rid))
             elif finish is None:
                 # Hold back what could be the start of a stop string.
                 end = max(st.emitted, len(st.raw_text) - (longest - 1))
@@ -377,13 +377,13 @@ class EngineClient:
         chunk: Chunk = {
             "rid": st.rid, "index": st.index, "text": delta, "token_ids": ids,
             "finish_reason": finish,
-            "meta_info": {"id": st.rid, "prompt_tokens": item["prompt_tokens"],
+            "meta_info": {"id": st.rid, "prompt_tokens": item.prompt_tokens,
                           "completion_tokens": len(st.output_ids),
-                          "cached_tokens": item["cached_tokens"]}}
+                          "cached_tokens": item.cached_tokens}}
         if st.params.logprobs:
             chunk["logprobs"] = [
-                {"token_id": t, "logprob": lp[0], "top_logprobs": [tuple(x) for x in lp[1]]}
-                for t, lp in zip(ids, item["lps"] or [], strict=True)]
+                {"token_id": t, "logprob": lp.logprob, "top_logprobs": list(lp.top)}
+                for t, lp in zip(ids, item.logprobs or (), strict=True)]
         if finish is not None:
             with self._lock:
                 self._reqs.pop(st.rid, None)
@@ -392,7 +392,7 @@ class EngineClient:
         except Exception:  # noqa: BLE001 - e.g. a closed event loop: that caller is gone
             log.warning("dropping output of request %s: its consumer is gone", st.rid)
 
-    def _send_quietly(self, msg: dict[str, Any]) -> None:
+    def _send_quietly(self, msg: ipc.Message) -> None:
         try:
             with self._send_lock:
                 self._chan.send(msg)

@@ -1,8 +1,9 @@
 """The offline API: `core.Engine(model_path=None, **server_args)`, then
 `generate(prompt | [prompts] | input_ids=..., sampling_params=..., stream=False)`.
 
-The plan is resolved here (and kept as `engine.plan`); the model runs in the worker process that
-`core.client.EngineClient` owns.
+The plan is resolved here, once (and kept as `engine.plan`); the worker process that
+`core.client.EngineClient` owns is given it as data and runs the model. The tokenizer is loaded
+here for the client's text work; the worker loads its own (for EOS ids and stop strings).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import queue
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from core.client import Chunk, EngineClient, EngineError, expand_n
+from core.client import Chunk, EngineClient, EngineError
 from core.config import ServerArgs, apply_environment, make_server_args
-from core.sampling import SamplingParams
+from core.sampling import SamplingParams, expand_n
 
 __all__ = ["Engine", "EngineClient", "EngineError", "expand_n"]
 
@@ -57,9 +58,9 @@ class Engine:
         self.args, self.plan, self.spec, _ = make_plan(args)
         log.info("%s", explain(self.plan))
         self.tokenizer = _load_tokenizer(self.args)
-        self.client = EngineClient(self.args, self.tokenizer)
-        self.info = self.client.info
-        for note in self.info.get("notes", []):  # KV sizing, graph capture: found at startup
+        self.client = EngineClient(self.args, self.plan, self.tokenizer)
+        self.info: dict[str, Any] = self.client.info.to_dict()  # core.ipc.EngineInfo's fields
+        for note in self.info["notes"]:  # KV sizing, graph capture: found at startup
             log.info("engine: %s", note)
 
     # -- generation ------------------------------------------------------------------------------
@@ -87,8 +88,8 @@ class Engine:
         rids: list[str] = []
         try:
             for i, (ids, sub) in enumerate(prepared):
-                rids.append(self.client.submit(None, sub, input_ids=ids, priority=priority,
-                                               sink=sink, index=i))
+                rids.append(self.client.submit_prepared(ids, sub, priority=priority, sink=sink,
+                                                        index=i))
         except BaseException:
             for rid in rids:
                 self.client.abort(rid)
@@ -140,10 +141,41 @@ class Engine:
                 for rid in open_:
                     self.client.abort(rid)
 
+    def submit(self, input_ids: list[int], sampling_params: dict | SamplingParams | None, *,
+               sink: Callable[[Chunk], None], rid: str | None = None,
+               priority: int | None = None) -> str:
+        """Queue one request (n = 1) whose chunks go to `sink` (called on the client's reader
+        thread); returns its id. Raises ValueError for what cannot run, EngineError when the
+        engine is gone."""
+        return self.client.submit(None, sampling_params, input_ids=input_ids, rid=rid,
+                                  priority=priority, sink=sink)
+
+    def abort(self, rid: str) -> None:
+        """Stop a request; its stream ends with finish_reason {"type": "abort"}."""
+        self.client.abort(rid)
+
     # -- control ---------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        return self.client.stats()
+    def stats(self, timeout: float = 60.0) -> dict[str, Any]:
+        """The scheduler's figures, answered between steps (EngineError after `timeout`)."""
+        return self.client.rpc("stats", timeout)
+
+    def heartbeat_stats(self) -> dict[str, Any] | None:
+        """The figures the worker published between its last steps (its latest heartbeat)."""
+        beat = self.client.heartbeat
+        return beat.stats if beat is not None else None
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the worker's last heartbeat (sent every second, even mid-step)."""
+        return self.client.heartbeat_age()
+
+    def failure(self) -> str | None:
+        """Why the worker is gone (it died or exited), or None while it runs."""
+        if self.client.dead_reason is not None:
+            return self.client.dead_reason
+        if not self.client.process.is_alive():
+            return f"engine worker exited (exit code {self.client.process.exitcode})"
+        return None
 
     def check_accounting(self) -> None:
         self.client.check_accounting()

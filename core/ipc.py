@@ -1,62 +1,416 @@
-"""Messages between the client (parent) and the engine worker: JSON over a multiprocessing pipe.
+"""The process boundary's vocabulary: frozen message dataclasses, sent as JSON over a pipe.
 
-Every message is one UTF-8 JSON object sent with `Connection.send_bytes`; nothing is pickled.
-A message is a dict with a "type":
+Every message is one UTF-8 JSON object (`encode`) sent with `Connection.send_bytes`; nothing is
+pickled. `decode` checks the object's shape (its "type", every field's JSON type) and returns the
+typed message, or raises ValueError naming what is wrong. Shape only: what a request asks for is
+validated once, at the edge (core.client.EngineClient.prepare), and the worker trusts it.
 
-client -> worker
-  {"type": "add", "rid", "input_ids", "params": SamplingParams.to_dict(), "priority"}
-  {"type": "abort", "rid"}
-  {"type": "rpc", "id", "op": "stats" | "check_accounting" | "flush_cache"}
-  {"type": "shutdown"}
-worker -> client
-  {"type": "ready", "info": {...}}            once, after the model is loaded
-  {"type": "fatal", "error", "traceback"}     the worker is about to exit
-  {"type": "out", "items": [{"rid", "ids", "lps", "finish", "prompt_tokens",
-                             "completion_tokens", "cached_tokens"}]}   once per step
-  {"type": "reply", "id", "ok", "result" | "error"}
-  {"type": "heartbeat", "stats", "step_s"}     every second, from a thread of the worker
+client -> worker: AddRequest, Abort, Rpc, Shutdown
+worker -> client: Ready (once, with EngineInfo), Fatal, StepOutput (once per step), Reply,
+                  Heartbeat (every second, from a thread of the worker)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, ClassVar
+
+from core.sampling import SamplingParams
+
+RPC_OPS = ("stats", "check_accounting", "flush_cache")
+FINISH_TYPES = ("stop", "length", "abort")
 
 
 class ChannelClosed(EOFError):
     """The other end of the pipe is gone (process exited or closed its end)."""
 
 
-def encode(msg: dict[str, Any]) -> bytes:
-    # -inf logprobs travel as -Infinity (both ends are Python's json).
-    return json.dumps(msg, separators=(",", ":")).encode()
+# -- shape checks ----------------------------------------------------------------------------------
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def decode(data: bytes) -> dict[str, Any]:
-    msg = json.loads(data)
-    if not isinstance(msg, dict) or "type" not in msg:
-        raise ValueError(f"malformed engine message: {data[:80]!r}")
-    return msg
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_dict(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+def _any(v: Any) -> bool:
+    return True
+
+
+def _fields(d: Any, what: str, spec: dict[str, tuple[Callable[[Any], bool], str]],
+            optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`d`'s fields after checking that it is an object with exactly `spec`'s keys (those in
+    `optional` may be left out) and that each value has its JSON type."""
+    if not isinstance(d, dict):
+        raise ValueError(f"malformed {what}: expected an object, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(spec) - {"type"})
+    if unknown:
+        raise ValueError(f"malformed {what}: unknown field(s) {', '.join(unknown)}")
+    missing = [k for k in spec if k not in d and k not in optional]
+    if missing:
+        raise ValueError(f"malformed {what}: missing field(s) {', '.join(missing)}")
+    for key, (check, want) in spec.items():
+        if key in d and not check(d[key]):
+            raise ValueError(f"malformed {what}: {key} must be {want}, got {d[key]!r:.80}")
+    return {k: d[k] for k in spec if k in d}
+
+
+_PARAM_CHECKS = {"int": (_is_int, "an integer"), "float": (_is_num, "a number"),
+                 "bool": (_is_bool, "true or false"), "int | None": (_opt(_is_int), "an integer"),
+                 "list[str]": (_list_of(_is_str), "a list of strings"),
+                 "list[int]": (_list_of(_is_int), "a list of integers")}
+_PARAMS = {f.name: _PARAM_CHECKS[str(f.type)] for f in dataclasses.fields(SamplingParams)}
+
+
+def _params(d: Any) -> SamplingParams:
+    # Built without validate(): the client validated them; this only checks the shape.
+    return SamplingParams(**_fields(d, "sampling params", _PARAMS))
+
+
+# -- client -> worker ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue a request; input ids and params were validated by the client."""
+
+    TYPE: ClassVar[str] = "add"
+    rid: str
+    input_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "rid": self.rid, "input_ids": list(self.input_ids),
+                "params": self.params.to_dict(), "priority": self.priority}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AddRequest:
+        f = _fields(d, "add message", {"rid": (_is_str, "a string"),
+                                       "input_ids": (_list_of(_is_int), "a list of integers"),
+                                       "params": (_is_dict, "an object"),
+                                       "priority": (_opt(_is_int), "an integer or null")})
+        return cls(f["rid"], tuple(f["input_ids"]), _params(f["params"]), f["priority"])
+
+
+@dataclass(frozen=True)
+class Abort:
+    TYPE: ClassVar[str] = "abort"
+    rid: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "rid": self.rid}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Abort:
+        return cls(**_fields(d, "abort message", {"rid": (_is_str, "a string")}))
+
+
+@dataclass(frozen=True)
+class Rpc:
+    """A control call answered between steps by a Reply with the same id."""
+
+    TYPE: ClassVar[str] = "rpc"
+    id: int
+    op: str  # one of RPC_OPS
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "op": self.op}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Rpc:
+        return cls(**_fields(d, "rpc message", {
+            "id": (_is_int, "an integer"),
+            "op": (lambda v: v in RPC_OPS, f"one of {', '.join(RPC_OPS)}")}))
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    TYPE: ClassVar[str] = "shutdown"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Shutdown:
+        _fields(d, "shutdown message", {})
+        return cls()
+
+
+# -- worker -> client ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the client needs to know about the engine the worker built."""
+
+    max_context: int
+    pool_tokens: int
+    page_size: int
+    max_running_requests: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    chunked_prefill_size: int | None
+    kv_bytes_per_token: int
+    notes: tuple[str, ...]  # KV sizing, graph capture, overlap: found at startup
+    cuda_graph_batch_sizes: tuple[int, ...]
+    device: str
+    pid: int
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key in ("eos_token_ids", "notes", "cuda_graph_batch_sizes"):
+            d[key] = list(d[key])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineInfo:
+        f = _fields(d, "engine info", {
+            **{k: (_is_int, "an integer") for k in ("max_context", "pool_tokens", "page_size",
+                                                     "max_running_requests", "vocab_size",
+                                                     "kv_bytes_per_token", "pid")},
+            "eos_token_ids": (_list_of(_is_int), "a list of integers"),
+            "chunked_prefill_size": (_opt(_is_int), "an integer or null"),
+            "notes": (_list_of(_is_str), "a list of strings"),
+            "cuda_graph_batch_sizes": (_list_of(_is_int), "a list of integers"),
+            "device": (_is_str, "a string")})
+        for key in ("eos_token_ids", "notes", "cuda_graph_batch_sizes"):
+            f[key] = tuple(f[key])
+        return cls(**f)
+
+
+@dataclass(frozen=True)
+class Ready:
+    TYPE: ClassVar[str] = "ready"
+    info: EngineInfo
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "info": self.info.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Ready:
+        f = _fields(d, "ready message", {"info": (_is_dict, "an object")})
+        return cls(EngineInfo.from_dict(f["info"]))
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """The worker is about to exit."""
+
+    TYPE: ClassVar[str] = "fatal"
+    error: str
+    traceback: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "error": self.error, "traceback": self.traceback}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Fatal:
+        return cls(**_fields(d, "fatal message", {"error": (_is_str, "a string"),
+                                                  "traceback": (_is_str, "a string")}))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's logprob and the top (token, logprob) pairs (-inf travels as
+    -Infinity: both ends are Python's json)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_list(self) -> list[Any]:
+        return [self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_list(cls, v: Any) -> TokenLogprob:
+        pair = lambda t: isinstance(t, list) and len(t) == 2 and _is_int(t[0]) and _is_num(t[1])  # noqa: E731
+        if not (isinstance(v, list) and len(v) == 2 and _is_num(v[0])
+                and _list_of(pair)(v[1])):
+            raise ValueError(f"malformed logprob: expected [logprob, [[token, logprob], ...]], "
+                             f"got {v!r:.80}")
+        return cls(float(v[0]), tuple((int(t), float(lp)) for t, lp in v[1]))
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Why a request finished: stop (matched: the stop string or token), length, or abort
+    (message; status_code when rejected at admission)."""
+
+    type: str  # one of FINISH_TYPES
+    matched: str | int | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Finish:
+        return cls(**_fields(d, "finish reason", {
+            "type": (lambda v: v in FINISH_TYPES, f"one of {', '.join(FINISH_TYPES)}"),
+            "matched": (lambda v: isinstance(v, str) or _is_int(v), "a string or token id"),
+            "length": (_is_int, "an integer"), "message": (_is_str, "a string"),
+            "status_code": (_is_int, "an integer")},
+            optional=("matched", "length", "message", "status_code")))
+
+
+@dataclass(frozen=True)
+class OutputItem:
+    """One request's new tokens of a step (and their logprobs when asked for)."""
+
+    rid: str
+    ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish: Finish | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rid": self.rid, "ids": list(self.ids),
+                "lps": None if self.logprobs is None else [x.to_list() for x in self.logprobs],
+                "finish": None if self.finish is None else self.finish.to_dict(),
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> OutputItem:
+        f = _fields(d, "output item", {
+            "rid": (_is_str, "a string"), "ids": (_list_of(_is_int), "a list of integers"),
+            "lps": (_opt(lambda v: isinstance(v, list)), "a list or null"),
+            "finish": (_opt(_is_dict), "an object or null"),
+            **{k: (_is_int, "an integer") for k in ("prompt_tokens", "completion_tokens",
+                                                     "cached_tokens")}})
+        lps = None if f["lps"] is None else tuple(TokenLogprob.from_list(x) for x in f["lps"])
+        if lps is not None and len(lps) != len(f["ids"]):
+            raise ValueError(f"malformed output item: {len(lps)} logprobs for "
+                             f"{len(f['ids'])} tokens")
+        return cls(f["rid"], tuple(f["ids"]), lps,
+                   None if f["finish"] is None else Finish.from_dict(f["finish"]),
+                   f["prompt_tokens"], f["completion_tokens"], f["cached_tokens"])
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    TYPE: ClassVar[str] = "out"
+    items: tuple[OutputItem, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "items": [i.to_dict() for i in self.items]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepOutput:
+        f = _fields(d, "out message", {"items": (lambda v: isinstance(v, list), "a list")})
+        return cls(tuple(OutputItem.from_dict(i) for i in f["items"]))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to Rpc `id`: its result (JSON) when ok, else the error."""
+
+    TYPE: ClassVar[str] = "reply"
+    id: int
+    ok: bool
+    result: Any = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "id": self.id, "ok": self.ok, "result": self.result,
+                "error": self.error}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Reply:
+        return cls(**_fields(d, "reply message", {
+            "id": (_is_int, "an integer"), "ok": (_is_bool, "true or false"),
+            "result": (_any, "JSON"), "error": (_opt(_is_str), "a string or null")},
+            optional=("result", "error")))
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The worker is alive: the figures it published between its last steps, and how long the
+    running step has taken (0 between steps)."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    stats: dict[str, Any] | None
+    step_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "stats": self.stats, "step_s": self.step_s}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Heartbeat:
+        return cls(**_fields(d, "heartbeat message", {
+            "stats": (_opt(_is_dict), "an object or null"), "step_s": (_is_num, "a number")}))
+
+
+Message = (AddRequest | Abort | Rpc | Shutdown | Ready | Fatal | StepOutput | Reply | Heartbeat)
+MESSAGES: dict[str, Any] = {m.TYPE: m for m in (AddRequest, Abort, Rpc, Shutdown, Ready, Fatal,
+                                                StepOutput, Reply, Heartbeat)}
+
+
+def encode(msg: Message) -> bytes:
+    return json.dumps(msg.to_dict(), separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Message:
+    """The typed message in `data`; ValueError naming the problem when it is malformed."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"malformed engine message: not JSON ({exc}): {data[:80]!r}") from None
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"malformed engine message: unknown or missing type {kind!r} "
+                         f"(known: {', '.join(MESSAGES)}): {data[:80]!r}")
+    return cls.from_dict(obj)
 
 
 class Channel:
-    """One end of the pipe, speaking JSON messages."""
+    """One end of the pipe, speaking typed messages."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: Message) -> None:
+        data = encode(msg)
         try:
-            self.conn.send_bytes(encode(msg))
+            self.conn.send_bytes(data)
         except (OSError, ValueError) as exc:  # ValueError: the connection was closed here
             raise ChannelClosed(str(exc)) from exc
 
-    def recv(self) -> dict[str, Any]:
+    def recv(self) -> Message:
         try:
-            return decode(self.conn.recv_bytes())
+            data = self.conn.recv_bytes()
         except (EOFError, OSError) as exc:
             raise ChannelClosed(str(exc)) from exc
+        return decode(data)
 
     def poll(self, timeout: float | None) -> bool:
         try:

@@ -52,6 +52,31 @@ class Plan:
         d["candidates"] = [asdict(c) for c in self.candidates]
         return d
 
+    @classmethod
+    def from_dict(cls, d: Any) -> Plan:
+        """The plan `to_dict` gave (how the worker receives it: resolved once, in the parent);
+        ValueError when `d` is not that shape."""
+        if not isinstance(d, dict) or not isinstance(d.get("device"), dict):
+            raise ValueError("malformed plan: expected an object with a device object")
+        _check_keys(d, cls, "plan")
+        _check_keys(d["device"], DeviceInfo, "plan device")
+        try:
+            device = DeviceInfo(**{**d["device"], "features": frozenset(d["device"]["features"]),
+                                   "extra": dict(d["device"]["extra"])})
+            candidates = tuple(Candidate(**{**c, "reasons": tuple(c["reasons"])})
+                               for c in d["candidates"])
+            return cls(**{**d, "device": device, "notes": tuple(d["notes"]),
+                          "candidates": candidates})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed plan: {type(exc).__name__}: {exc}") from None
+
+
+def _check_keys(d: dict[str, Any], cls: type, what: str) -> None:
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"malformed {what}: unknown field(s) {', '.join(unknown)}")
+
 
 class ResolveError(Exception):
     """Nothing fits, or a user setting conflicts: carries every reason and what would fit."""

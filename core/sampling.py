@@ -124,6 +124,18 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+def expand_n(params: SamplingParams) -> list[SamplingParams]:
+    """n > 1 becomes n requests of n = 1; with a seed, copy i draws with seed + i."""
+    if params.n == 1:
+        return [params]
+    out = []
+    for i in range(params.n):
+        d = params.to_dict()
+        d.update(n=1, seed=None if params.seed is None else params.seed + i)
+        out.append(SamplingParams(**d))
+    return out
+
+
 class SamplingState:
     """One request's sampler state on the device, kept across steps (and across retraction)."""
 

@@ -125,10 +125,9 @@ class Scheduler(Admission, Overlap):
 
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams | dict | None,
                     priority: int | None = None) -> None:
-        """Queue a request; raises AdmissionError (or ValueError for bad parameters)."""
+        """Validate (for in-process callers: this is their edge), then admit; raises
+        AdmissionError (or ValueError for bad parameters)."""
         try:
-            if rid in self.by_id:
-                raise AdmissionError(f"request id {rid!r} is already in use")
             p = SamplingParams.from_dict(params)
             p.check_vocab(self.vocab_size)
             bad = [t for t in input_ids if not isinstance(t, int) or not
@@ -137,6 +136,18 @@ class Scheduler(Admission, Overlap):
                 raise AdmissionError(f"input_ids {bad[:5]} are outside the vocabulary of "
                                      f"{self.vocab_size}")
             self.check_fits(len(input_ids), p.max_new_tokens)
+        except ValueError:
+            self.counters["rejected"] += 1
+            raise
+        self.admit(rid, input_ids, p, priority)
+
+    def admit(self, rid: str, input_ids: list[int], p: SamplingParams,
+              priority: int | None = None) -> None:
+        """Queue a request validated at the edge (the client, or add_request): only what depends
+        on the scheduler's state is checked here (id in use, priority, queue full)."""
+        try:
+            if rid in self.by_id:
+                raise AdmissionError(f"request id {rid!r} is already in use")
             if priority is not None and not self._honours_priority:
                 raise AdmissionError("request priority given but priority scheduling is off "
                                      "(--enable-priority-scheduling)")

@@ -1,7 +1,8 @@
 """The engine worker: plan, load, size the KV pool, build the scheduler, then serve the pipe.
 
 `build_engine_core` is also used in-process (tests, benchmarks); `worker_main` is the entry of the
-spawned process and speaks only JSON messages (core.ipc).
+spawned process: it is given the parent's args and resolved plan as JSON (the plan is never
+resolved again here) and speaks only typed messages (core.ipc).
 """
 
 from __future__ import annotations
@@ -18,7 +19,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.config import ServerArgs, make_server_args
-from core.ipc import Channel, ChannelClosed
+from core.ipc import (
+    Abort,
+    AddRequest,
+    Channel,
+    ChannelClosed,
+    EngineInfo,
+    Fatal,
+    Finish,
+    Heartbeat,
+    Message,
+    OutputItem,
+    Ready,
+    Reply,
+    Rpc,
+    Shutdown,
+    StepOutput,
+    TokenLogprob,
+)
 from core.plan import Plan
 
 GiB = 2**30
@@ -48,7 +66,7 @@ class EngineCore:
     """Everything the worker loop drives, plus what the client needs to know about it."""
 
     scheduler: Any  # core.scheduler.Scheduler
-    info: dict[str, Any]
+    info: EngineInfo
     loaded: Any  # core.loader.LoadedModel
 
 
@@ -220,23 +238,25 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
                                       req_to_token, kv_dtype, device, max_context, mem)
     scheduler, eos, overlap_note = build_scheduler(args, plan, runner, req_to_token, mem,
                                                    platform, loaded, max_context, device)
-    info = {"max_context": max_context,
-            "pool_tokens": scheduler.allocator.total_pages * plan.page_size,
-            "page_size": plan.page_size, "max_running_requests": mem.max_running,
-            "vocab_size": int(cfg.vocab_size), "eos_token_ids": sorted(eos),
-            "chunked_prefill_size": mem.chunked_prefill_size, "kv_bytes_per_token": per_token,
-            "notes": [*loaded.notes, *runner.notes, *mem.notes, graph_note, overlap_note],
-            "cuda_graph_batch_sizes": sorted(runner.graph_runner.graphs)
-            if runner.graph_runner is not None else [],
-            "device": str(device), "pid": os.getpid()}
+    info = EngineInfo(
+        max_context=max_context, pool_tokens=scheduler.allocator.total_pages * plan.page_size,
+        page_size=plan.page_size, max_running_requests=mem.max_running,
+        vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(sorted(eos)),
+        chunked_prefill_size=mem.chunked_prefill_size, kv_bytes_per_token=per_token,
+        notes=(*loaded.notes, *runner.notes, *mem.notes, graph_note, overlap_note),
+        cuda_graph_batch_sizes=tuple(sorted(runner.graph_runner.graphs))
+        if runner.graph_runner is not None else (),
+        device=str(device), pid=os.getpid())
     return EngineCore(scheduler, info, loaded)
 
 
-def _item(req: Any) -> dict[str, Any]:
-    out = {"rid": req.rid, "ids": req.pending_ids, "lps": req.pending_lps or None,
-           "finish": req.finish, "prompt_tokens": len(req.prompt_ids),
-           "completion_tokens": len(req.output_ids),
-           "cached_tokens": max(req.cached_tokens, 0)}
+def _item(req: Any) -> OutputItem:
+    lps = None
+    if req.params.logprobs:
+        lps = tuple(TokenLogprob(lp, tuple(top)) for lp, top in req.pending_lps)
+    out = OutputItem(req.rid, tuple(req.pending_ids), lps,
+                     None if req.finish is None else Finish(**req.finish),
+                     len(req.prompt_ids), len(req.output_ids), max(req.cached_tokens, 0))
     req.pending_ids, req.pending_lps = [], []
     return out
 
@@ -259,7 +279,7 @@ def _rpc(core: EngineCore, op: str) -> Any:
 
 
 class _Heartbeat:
-    """Sends {"type": "heartbeat"} every HEARTBEAT_S from a daemon thread, so the client can tell
+    """Sends a Heartbeat every HEARTBEAT_S from a daemon thread, so the client can tell
     a busy worker (one long prefill step) from a dead or wedged one without waiting for a step to
     end. It carries the latest stats the loop published between steps and how long the current
     step has been running."""
@@ -283,8 +303,8 @@ class _Heartbeat:
         while not self._stop.wait(self.interval):
             started = self.step_started
             try:
-                self.send({"type": "heartbeat", "stats": self.stats,
-                           "step_s": 0.0 if started is None else time.monotonic() - started})
+                self.send(Heartbeat(self.stats,
+                                    0.0 if started is None else time.monotonic() - started))
             except ChannelClosed:
                 return
 
@@ -297,7 +317,7 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S) -> 
     parent = os.getppid()
     lock = threading.Lock()  # the heartbeat thread sends on the same pipe
 
-    def send(msg: dict[str, Any]) -> None:
+    def send(msg: Message) -> None:
         with lock:
             chan.send(msg)
 
@@ -311,36 +331,32 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S) -> 
             while chan.poll(timeout):
                 timeout = 0.0
                 msg = chan.recv()
-                kind = msg["type"]
-                if kind == "add":
-                    try:
-                        sched.add_request(msg["rid"], msg["input_ids"], msg["params"],
-                                          msg.get("priority"))
+                if isinstance(msg, AddRequest):
+                    try:  # validated by the client: only what depends on the scheduler's state
+                        sched.admit(msg.rid, list(msg.input_ids), msg.params, msg.priority)
                     except ValueError as exc:
                         status = exc.status if isinstance(exc, AdmissionError) else 400
-                        send({"type": "out", "items": [{
-                            "rid": msg["rid"], "ids": [], "lps": None,
-                            "finish": {"type": "abort", "message": str(exc),
-                                       "status_code": status},
-                            "prompt_tokens": len(msg["input_ids"]), "completion_tokens": 0,
-                            "cached_tokens": 0}]})
-                elif kind == "abort":
-                    sched.abort(msg["rid"])
-                elif kind == "rpc":
+                        send(StepOutput((OutputItem(
+                            msg.rid, (), None, Finish("abort", message=str(exc),
+                                                      status_code=status),
+                            len(msg.input_ids), 0, 0),)))
+                elif isinstance(msg, Abort):
+                    sched.abort(msg.rid)
+                elif isinstance(msg, Rpc):
                     try:
-                        send({"type": "reply", "id": msg["id"], "ok": True,
-                              "result": _rpc(core, msg["op"])})
+                        send(Reply(msg.id, True, _rpc(core, msg.op)))
                     except (ValueError, AssertionError) as exc:
-                        send({"type": "reply", "id": msg["id"], "ok": False,
-                              "error": f"{type(exc).__name__}: {exc}"})
-                elif kind == "shutdown":
+                        send(Reply(msg.id, False, error=f"{type(exc).__name__}: {exc}"))
+                elif isinstance(msg, Shutdown):
                     return
+                else:
+                    raise ValueError(f"the worker does not take {type(msg).__name__} messages")
             if sched.has_work:
                 beat.step_started = time.monotonic()
                 touched = sched.step()
                 beat.step_started = None
                 if touched:
-                    send({"type": "out", "items": [_item(r) for r in touched]})
+                    send(StepOutput(tuple(_item(r) for r in touched)))
             elif os.getppid() != parent:  # orphaned: the client died without a shutdown
                 return
             now = time.monotonic()
@@ -350,23 +366,32 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S) -> 
         beat.stop()
 
 
-def worker_main(conn: Any, args_json: str) -> None:
-    """Entry of the spawned worker process."""
+def plan_from_parent(args_json: str, plan_json: str) -> tuple[ServerArgs, Plan, Any, Any]:
+    """(args, plan, model spec, registry) from what the parent sent: its plan is rebuilt from
+    data, not resolved again; plugins load here as in every process (idempotent)."""
+    from core.model_spec import load_model_spec
+    from core.plugins import get_registry
+
+    args = make_server_args(**json.loads(args_json))
+    plan = Plan.from_dict(json.loads(plan_json))
+    return args, plan, load_model_spec(args.model_path), get_registry()
+
+
+def worker_main(conn: Any, args_json: str, plan_json: str) -> None:
+    """Entry of the spawned worker process: the parent's args (model path filled in) and its
+    resolved plan, both JSON."""
     # Ctrl-C reaches the whole process group: the client decides when the worker stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     chan = Channel(conn)
     try:
-        args = make_server_args(**json.loads(args_json))
-        args, plan, spec, registry = make_plan(args)
-        core = build_engine_core(args, plan, spec, registry)
+        core = build_engine_core(*plan_from_parent(args_json, plan_json))
     except Exception as exc:  # noqa: BLE001 - reported to the client, which raises it
         try:
-            chan.send({"type": "fatal", "error": f"{type(exc).__name__}: {exc}",
-                       "traceback": traceback.format_exc()})
+            chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         except ChannelClosed:
             pass
         return
-    chan.send({"type": "ready", "info": core.info})
+    chan.send(Ready(core.info))
     try:
         serve(core, chan)
     except ChannelClosed:
@@ -374,11 +399,14 @@ def worker_main(conn: Any, args_json: str) -> None:
     except Exception as exc:  # noqa: BLE001 - a scheduler bug: tell the client, then exit
         print(traceback.format_exc(), file=sys.stderr)
         try:
-            chan.send({"type": "fatal", "error": f"{type(exc).__name__}: {exc}",
-                       "traceback": traceback.format_exc()})
+            chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         except ChannelClosed:
             pass
 
 
 def args_to_json(args: ServerArgs) -> str:
     return json.dumps(dataclasses.asdict(args))
+
+
+def plan_to_json(plan: Plan) -> str:
+    return json.dumps(plan.to_dict())

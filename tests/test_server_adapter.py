@@ -1,16 +1,16 @@
-"""EngineAdapter's translation of core.engine's client (chunks, rejections, aborts, stats),
-checked against a scripted stand-in for EngineClient (no model, no worker process)."""
+"""EngineAdapter's translation of core.engine.Engine's chunks, rejections, aborts and stats,
+checked against a scripted stand-in with Engine's public methods (no model, no worker process)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 
 from core.config import ServerArgs
-from core.engine import EngineError
+from core.engine import Engine, EngineError
 from core.server.adapter import EngineAdapter, _served_name
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError
@@ -29,7 +29,11 @@ def chunk(rid, text="", ids=(), finish=None, logprobs=None, **meta):
 
 
 class ScriptedClient:
-    """Replays a list of chunks per request from another thread, like the reader thread."""
+    """Replays a list of chunks per request from another thread, like the reader thread; has
+    exactly the public methods of core.engine.Engine that the adapter may use."""
+
+    tokenizer = plan = spec = None
+    args = ServerArgs(model_path="/m/x.gguf")
 
     def __init__(self, script=None, submit_error=None, alive=True, stats=None):
         self.info = INFO
@@ -40,12 +44,9 @@ class ScriptedClient:
         self.submitted: list[tuple] = []
         self.aborted: list[str] = []
         self.release = threading.Event()  # chunks after the first wait for this
-        self.dead_reason = None
-        self.heartbeat = {}
         self.beat_age = 0.0
-        self.process = SimpleNamespace(is_alive=lambda: self.alive, exitcode=None)
 
-    def submit(self, prompt, params, *, input_ids, rid, sink, **kw):
+    def submit(self, input_ids, params, *, rid, sink, **kw):
         if self.submit_error is not None:
             raise self.submit_error
         self.submitted.append((rid, input_ids, params))
@@ -68,16 +69,36 @@ class ScriptedClient:
     def heartbeat_age(self):
         return self.beat_age
 
-    def rpc(self, op, timeout):
+    def heartbeat_stats(self):
+        return None
+
+    def failure(self):
+        return None if self.alive else "engine worker exited (exit code None)"
+
+    def stats(self, timeout):
         if not self.alive:
             raise EngineError("engine is not running")
         return self._stats
 
+    def close(self):
+        pass
 
-def adapter(client) -> EngineAdapter:
-    engine = SimpleNamespace(client=client, tokenizer=None, plan=None, spec=None,
-                             args=ServerArgs(model_path="/m/x.gguf"), close=lambda: None)
+
+def adapter(engine) -> EngineAdapter:
     return EngineAdapter(engine, "x")
+
+
+def test_the_adapter_uses_only_the_engines_public_methods():
+    import core.server.adapter
+
+    source = Path(core.server.adapter.__file__).read_text(encoding="utf-8")
+    assert ".client" not in source  # Engine's own methods, never engine.client.x
+    public = {n for n in dir(Engine) if not n.startswith("_")}
+    assert {"submit", "abort", "stats", "health", "heartbeat_age", "heartbeat_stats",
+            "failure", "close"} <= public
+    scripted = {n for n in vars(ScriptedClient) if not n.startswith("_")} - {
+        "tokenizer", "plan", "spec", "args"}
+    assert scripted <= public, scripted - public  # the stand-in offers nothing Engine lacks
 
 
 async def collect(a: EngineAdapter, req: GenRequest, limit: int | None = None) -> list[dict]:

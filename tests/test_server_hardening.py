@@ -165,19 +165,18 @@ def test_server_chosen_rids_are_unique_and_never_collide_with_client_ones():
 
 # -- 2. liveness and readiness ------------------------------------------------------------------
 
-class _SlowClient:
-    """An engine client whose scheduler is inside a long step: RPCs time out."""
+class _SlowEngine:
+    """An engine (core.engine.Engine's public methods) whose scheduler is inside a long step:
+    stats time out."""
 
     info = {"max_context": 64, "pool_tokens": 64, "page_size": 1, "vocab_size": 10,
             "max_running_requests": 4}
+    tokenizer = SimpleNamespace(special_tokens=())
+    plan = spec = None
+    args = ServerArgs(model_path="/m/x.gguf")
 
     def __init__(self, beat_age=0.5):
         self.beat_age = beat_age
-        self.dead_reason = None
-        self.process = SimpleNamespace(is_alive=lambda: True, exitcode=None)
-        self.heartbeat = {"type": "heartbeat", "step_s": 7.0, "stats": {
-            "running": 3, "waiting": 2, "free_pages": 10, "total_pages": 64,
-            "cached_pages": 0, "evictable_pages": 0}}
 
     def health(self):
         return True
@@ -185,24 +184,28 @@ class _SlowClient:
     def heartbeat_age(self):
         return self.beat_age
 
-    def rpc(self, op, timeout):
+    def heartbeat_stats(self):
+        return {"running": 3, "waiting": 2, "free_pages": 10, "total_pages": 64,
+                "cached_pages": 0, "evictable_pages": 0}
+
+    def stats(self, timeout):
         from core.engine import EngineError
 
         time.sleep(timeout)
-        raise EngineError(f"engine did not answer {op!r} within {timeout:.0f} s")
+        raise EngineError(f"engine did not answer 'stats' within {timeout:.0f} s")
+
+    def close(self):
+        pass
 
 
-def _adapter(client):
+def _adapter(engine):
     from core.server.adapter import EngineAdapter
 
-    tok = SimpleNamespace(special_tokens=())
-    engine = SimpleNamespace(client=client, tokenizer=tok, plan=None, spec=None,
-                             args=ServerArgs(model_path="/m/x.gguf"), close=lambda: None)
     return EngineAdapter(engine, "x")
 
 
 def test_liveness_does_not_wait_for_a_scheduler_step():
-    a = _adapter(_SlowClient())
+    a = _adapter(_SlowEngine())
     t0 = time.monotonic()
     assert asyncio.run(a.health()) is True
     assert time.monotonic() - t0 < 0.5  # no round trip through the busy scheduler
@@ -210,7 +213,7 @@ def test_liveness_does_not_wait_for_a_scheduler_step():
     s = asyncio.run(a.stats())
     assert s["num_running_reqs"] == 3 and s["num_queued_reqs"] == 2 and s["engine"]["stale"]
     a.close()
-    stale = _adapter(_SlowClient(beat_age=60.0))  # no heartbeat for a minute: wedged
+    stale = _adapter(_SlowEngine(beat_age=60.0))  # no heartbeat for a minute: wedged
     assert asyncio.run(stale.health()) is False
     stale.close()
 
@@ -236,7 +239,7 @@ class _LongStepScheduler:
 
 
 def test_worker_heartbeats_during_a_long_step():
-    from core.ipc import Channel
+    from core.ipc import Channel, Heartbeat, Shutdown
     from core.worker import EngineCore, serve
 
     here, there = mp.Pipe(duplex=True)
@@ -248,14 +251,14 @@ def test_worker_heartbeats_during_a_long_step():
     while time.monotonic() - t0 < 1.4:
         if chan.poll(0.05):
             msg = chan.recv()
-            if msg["type"] == "heartbeat":
+            if isinstance(msg, Heartbeat):
                 beats.append(msg)
-    chan.send({"type": "shutdown"})
+    chan.send(Shutdown())
     th.join(10)
     assert not th.is_alive()
     assert len(beats) >= 8, beats  # every 0.1 s while one step runs
-    assert max(b["step_s"] for b in beats) > 1.0
-    assert beats[-1]["stats"]["running"] == 1
+    assert max(b.step_s for b in beats) > 1.0
+    assert beats[-1].stats["running"] == 1
 
 
 def test_ready_reflects_load_and_health_does_not():

@@ -1,4 +1,5 @@
-"""`EngineLike` over the real engine (core.engine): its client process, tokenizer and plan.
+"""`EngineLike` over the real engine (core.engine.Engine, through its public methods only): its
+worker process, tokenizer and plan.
 
 Pipe sends (submit, abort) run on one worker thread, in order, so a full pipe never blocks the
 event loop; outputs come back through the client's reader thread into an asyncio queue.
@@ -65,9 +66,8 @@ class EngineAdapter:
     """The server's engine: wraps core.engine.Engine (which owns the worker process)."""
 
     def __init__(self, engine: Any, model_name: str):
-        self.engine = engine
-        self.client = engine.client
-        info = self.client.info
+        self.engine = engine  # its public methods only (core.engine.Engine)
+        info = engine.info
         self.info = info
         self.tokenizer = TokenizerAdapter(engine.tokenizer, int(info["vocab_size"]))
         # the longest sequence that can run: the context, or the KV pool if that is smaller
@@ -111,7 +111,7 @@ class EngineAdapter:
 
     def _abort_quietly(self, rid: str) -> None:
         try:
-            self.client.abort(rid)
+            self.engine.abort(rid)
         except Exception:  # the engine is gone: nothing left to free
             pass
 
@@ -138,8 +138,8 @@ class EngineAdapter:
         params = dict(req.sampling, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
         if self._closed:
             raise APIError(503, "the engine is shutting down", code="engine_unavailable")
-        fut = self._sender.submit(self.client.submit, None, params, input_ids=list(req.input_ids),
-                                  rid=req.rid, sink=sink)
+        fut = self._sender.submit(self.engine.submit, list(req.input_ids), params, rid=req.rid,
+                                  sink=sink)
         finished = False
         try:
             try:
@@ -202,31 +202,24 @@ class EngineAdapter:
 
     # -- health and figures ---------------------------------------------------------------------
 
-    async def _ask(self, op: str, timeout: float = 5.0) -> Any:
-        fut = self._rpc.submit(self.client.rpc, op, timeout)
-        return await asyncio.wrap_future(fut)
-
     def failure(self) -> str | None:
         """Why the engine is gone for good (its worker died), or None while it runs."""
         if self._closed:
             return None  # stopped on purpose
-        if self.client.dead_reason is not None:
-            return self.client.dead_reason
-        if not self.client.process.is_alive():
-            return f"engine worker exited (exit code {self.client.process.exitcode})"
-        return None
+        return self.engine.failure()
 
     async def health(self) -> bool:
         # no round trip through the scheduler: a step may run for many seconds
-        return (not self._closed and self.client.health()
-                and self.client.heartbeat_age() < HEARTBEAT_STALE_S)
+        return (not self._closed and self.engine.health()
+                and self.engine.heartbeat_age() < HEARTBEAT_STALE_S)
 
     async def stats(self) -> dict[str, Any]:
         try:
-            s = await self._ask("stats", STATS_RPC_TIMEOUT_S)
+            s = await asyncio.wrap_future(self._rpc.submit(self.engine.stats,
+                                                           STATS_RPC_TIMEOUT_S))
         except RuntimeError:  # core.engine.EngineError: no answer in time, or gone
             # a step is running (or the engine is gone): the figures from between the last steps
-            s = (self.client.heartbeat or {}).get("stats")
+            s = self.engine.heartbeat_stats()
             if not s:
                 raise
             s = {**s, "stale": True}
