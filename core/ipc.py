@@ -47,20 +47,8 @@ def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, list) and all(check(x) for x in v)
 
 
-def _is_str(v: Any) -> bool:
-    return isinstance(v, str)
-
-
-def _is_bool(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
-def _is_dict(v: Any) -> bool:
-    return isinstance(v, dict)
-
-
-def _any(v: Any) -> bool:
-    return True
+def _of(kind: type) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, kind)
 
 
 def _fields(d: Any, what: str, spec: dict[str, tuple[Callable[[Any], bool], str]],
@@ -82,8 +70,8 @@ def _fields(d: Any, what: str, spec: dict[str, tuple[Callable[[Any], bool], str]
 
 
 _PARAM_CHECKS = {"int": (_is_int, "an integer"), "float": (_is_num, "a number"),
-                 "bool": (_is_bool, "true or false"), "int | None": (_opt(_is_int), "an integer"),
-                 "list[str]": (_list_of(_is_str), "a list of strings"),
+                 "bool": (_of(bool), "true or false"), "int | None": (_opt(_is_int), "an integer"),
+                 "list[str]": (_list_of(_of(str)), "a list of strings"),
                  "list[int]": (_list_of(_is_int), "a list of integers")}
 _PARAMS = {f.name: _PARAM_CHECKS[str(f.type)] for f in dataclasses.fields(SamplingParams)}
 
@@ -91,6 +79,16 @@ _PARAMS = {f.name: _PARAM_CHECKS[str(f.type)] for f in dataclasses.fields(Sampli
 def _params(d: Any) -> SamplingParams:
     # Built without validate(): the client validated them; this only checks the shape.
     return SamplingParams(**_fields(d, "sampling params", _PARAMS))
+
+
+class _Flat:
+    """to_dict for a message whose fields are JSON values as they are."""
+
+    TYPE: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, **{f.name: getattr(self, f.name)
+                                      for f in dataclasses.fields(self)}}  # type: ignore[arg-type]
 
 
 # -- client -> worker ------------------------------------------------------------------------------
@@ -111,36 +109,30 @@ class AddRequest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AddRequest:
-        f = _fields(d, "add message", {"rid": (_is_str, "a string"),
+        f = _fields(d, "add message", {"rid": (_of(str), "a string"),
                                        "input_ids": (_list_of(_is_int), "a list of integers"),
-                                       "params": (_is_dict, "an object"),
+                                       "params": (_of(dict), "an object"),
                                        "priority": (_opt(_is_int), "an integer or null")})
         return cls(f["rid"], tuple(f["input_ids"]), _params(f["params"]), f["priority"])
 
 
 @dataclass(frozen=True)
-class Abort:
+class Abort(_Flat):
     TYPE: ClassVar[str] = "abort"
     rid: str
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "rid": self.rid}
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Abort:
-        return cls(**_fields(d, "abort message", {"rid": (_is_str, "a string")}))
+        return cls(**_fields(d, "abort message", {"rid": (_of(str), "a string")}))
 
 
 @dataclass(frozen=True)
-class Rpc:
+class Rpc(_Flat):
     """A control call answered between steps by a Reply with the same id."""
 
     TYPE: ClassVar[str] = "rpc"
     id: int
     op: str  # one of RPC_OPS
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "id": self.id, "op": self.op}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Rpc:
@@ -150,11 +142,8 @@ class Rpc:
 
 
 @dataclass(frozen=True)
-class Shutdown:
+class Shutdown(_Flat):
     TYPE: ClassVar[str] = "shutdown"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Shutdown:
@@ -195,9 +184,9 @@ class EngineInfo:
                                                      "kv_bytes_per_token", "pid")},
             "eos_token_ids": (_list_of(_is_int), "a list of integers"),
             "chunked_prefill_size": (_opt(_is_int), "an integer or null"),
-            "notes": (_list_of(_is_str), "a list of strings"),
+            "notes": (_list_of(_of(str)), "a list of strings"),
             "cuda_graph_batch_sizes": (_list_of(_is_int), "a list of integers"),
-            "device": (_is_str, "a string")})
+            "device": (_of(str), "a string")})
         for key in ("eos_token_ids", "notes", "cuda_graph_batch_sizes"):
             f[key] = tuple(f[key])
         return cls(**f)
@@ -213,25 +202,22 @@ class Ready:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Ready:
-        f = _fields(d, "ready message", {"info": (_is_dict, "an object")})
+        f = _fields(d, "ready message", {"info": (_of(dict), "an object")})
         return cls(EngineInfo.from_dict(f["info"]))
 
 
 @dataclass(frozen=True)
-class Fatal:
+class Fatal(_Flat):
     """The worker is about to exit."""
 
     TYPE: ClassVar[str] = "fatal"
     error: str
     traceback: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "error": self.error, "traceback": self.traceback}
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Fatal:
-        return cls(**_fields(d, "fatal message", {"error": (_is_str, "a string"),
-                                                  "traceback": (_is_str, "a string")}))
+        return cls(**_fields(d, "fatal message", {"error": (_of(str), "a string"),
+                                                  "traceback": (_of(str), "a string")}))
 
 
 @dataclass(frozen=True)
@@ -274,7 +260,7 @@ class Finish:
         return cls(**_fields(d, "finish reason", {
             "type": (lambda v: v in FINISH_TYPES, f"one of {', '.join(FINISH_TYPES)}"),
             "matched": (lambda v: isinstance(v, str) or _is_int(v), "a string or token id"),
-            "length": (_is_int, "an integer"), "message": (_is_str, "a string"),
+            "length": (_is_int, "an integer"), "message": (_of(str), "a string"),
             "status_code": (_is_int, "an integer")},
             optional=("matched", "length", "message", "status_code")))
 
@@ -301,9 +287,9 @@ class OutputItem:
     @classmethod
     def from_dict(cls, d: Any) -> OutputItem:
         f = _fields(d, "output item", {
-            "rid": (_is_str, "a string"), "ids": (_list_of(_is_int), "a list of integers"),
+            "rid": (_of(str), "a string"), "ids": (_list_of(_is_int), "a list of integers"),
             "lps": (_opt(lambda v: isinstance(v, list)), "a list or null"),
-            "finish": (_opt(_is_dict), "an object or null"),
+            "finish": (_opt(_of(dict)), "an object or null"),
             **{k: (_is_int, "an integer") for k in ("prompt_tokens", "completion_tokens",
                                                      "cached_tokens")}})
         lps = None if f["lps"] is None else tuple(TokenLogprob.from_list(x) for x in f["lps"])
@@ -325,12 +311,12 @@ class StepOutput:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepOutput:
-        f = _fields(d, "out message", {"items": (lambda v: isinstance(v, list), "a list")})
+        f = _fields(d, "out message", {"items": (_of(list), "a list")})
         return cls(tuple(OutputItem.from_dict(i) for i in f["items"]))
 
 
 @dataclass(frozen=True)
-class Reply:
+class Reply(_Flat):
     """The answer to Rpc `id`: its result (JSON) when ok, else the error."""
 
     TYPE: ClassVar[str] = "reply"
@@ -339,20 +325,16 @@ class Reply:
     result: Any = None
     error: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "id": self.id, "ok": self.ok, "result": self.result,
-                "error": self.error}
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Reply:
         return cls(**_fields(d, "reply message", {
-            "id": (_is_int, "an integer"), "ok": (_is_bool, "true or false"),
-            "result": (_any, "JSON"), "error": (_opt(_is_str), "a string or null")},
+            "id": (_is_int, "an integer"), "ok": (_of(bool), "true or false"),
+            "result": (_of(object), "JSON"), "error": (_opt(_of(str)), "a string or null")},
             optional=("result", "error")))
 
 
 @dataclass(frozen=True)
-class Heartbeat:
+class Heartbeat(_Flat):
     """The worker is alive: the figures it published between its last steps, and how long the
     running step has taken (0 between steps)."""
 
@@ -360,13 +342,10 @@ class Heartbeat:
     stats: dict[str, Any] | None
     step_s: float
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "stats": self.stats, "step_s": self.step_s}
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Heartbeat:
         return cls(**_fields(d, "heartbeat message", {
-            "stats": (_opt(_is_dict), "an object or null"), "step_s": (_is_num, "a number")}))
+            "stats": (_opt(_of(dict)), "an object or null"), "step_s": (_is_num, "a number")}))
 
 
 Message = (AddRequest | Abort | Rpc | Shutdown | Ready | Fatal | StepOutput | Reply | Heartbeat)
