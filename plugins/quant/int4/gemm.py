@@ -2,8 +2,8 @@
 
 Weights are in the layout of plugins.quant.int4.packing (w_q int32 [K/8, N] packed along K,
 scales and zeros [K/group, N]). Each program owns a BLOCK_M x BLOCK_N tile of y and a range of
-K (split-K); per K step it loads the int32 words of BLOCK_K x BLOCK_N nibbles (each word eight
-times: the repeats hit L1), shifts them out in registers, and multiplies x by (q - z) with
+K (split-K); per K step it loads the BLOCK_K/8 x BLOCK_N int32 words once, shifts the
+nibbles out in registers (reshaped to BLOCK_K x BLOCK_N), and multiplies x by (q - z) with
 tl.dot in x's dtype (q - z is in -16..15, exact in fp16 / bf16), accumulating in fp32. BLOCK_K
 divides the group, so one tile sees one scale per column, applied to the step's product.
 Split-K partials go to an fp32 [SPLIT_K, M, N] buffer that torch sums (deterministic).
@@ -42,7 +42,8 @@ def _int4_gemm(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, K_ITERS_PER
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    shift = ((rk % 8) * 4)[:, None]  # [BLOCK_K, 1]: the nibble of input k in its word
+    rw8 = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4  # nibble i of a word: input 8r + i
 
     k_start = pid_k * K_ITERS_PER_SPLIT * BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -52,9 +53,12 @@ def _int4_gemm(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, K_ITERS_PER
         k_ok = kk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        words = tl.load(w_ptr + (kk // 8)[:, None] * stride_wk + rn[None, :] * stride_wn,
-                        mask=k_ok[:, None] & n_ok[None, :], other=0)
-        q = (words >> shift) & 0xF  # [BLOCK_K, BLOCK_N]
+        rw = k0 // 8 + rw8
+        words = tl.load(w_ptr + rw[:, None] * stride_wk + rn[None, :] * stride_wn,
+                        mask=(rw < K // 8)[:, None] & n_ok[None, :], other=0)
+        # [BLOCK_K/8, BLOCK_N] words -> [BLOCK_K/8, 8, BLOCK_N] nibbles -> [BLOCK_K, BLOCK_N]
+        q = (words[:, None, :] >> shifts[None, :, None]) & 0xF
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))
         # the last split may step past K (its x is masked to 0): read a group that exists
         g = tl.minimum(k0, K - 1) // GROUP
         s = tl.load(s_ptr + g * stride_sg + rn * stride_sn, mask=n_ok, other=0.0)
