@@ -14,7 +14,7 @@ reference packer (core.testing.quant_refs_int4, written from the formats' descri
 Tolerances (outputs compared with torch.testing.assert_close, atol scaled by the reference's
 largest magnitude): fp32 paths rtol 1e-5 / atol 1e-5 * max (same numbers, another summation
 order); fp16 kernel rtol 2e-3 / atol 2e-3 * max (fp16 operands are exact, the output rounds to
-fp16); model logits rtol 1e-4 / atol 1e-4 * max, as tests/test_models.py.
+fp16); bf16 (GPU only) 1e-2, the CPU path in bf16 2e-2 (weights rounded to bf16); model logits rtol 1e-4 / atol 1e-4 * max, as tests/test_models.py.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def reference(x: torch.Tensor, deq: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def test_checkpoint_tensors_are_dropped_after_loading():
-    layer, _, _ = loaded_linear(CASES[0], torch.float32)
+    layer, _, _ = loaded_linear(CASES[0], torch.float32, device=DEVICE)
     names = {n for n, _ in layer.named_parameters()}
     assert names == {"w_q", "w_scales", "w_zeros"}
     assert layer.w_q.shape == (K // 8, sum(SHARDS.values())) and layer.w_q.dtype == torch.int32
@@ -191,8 +191,13 @@ def test_cpu_path_in_bf16_and_with_leading_dims():
     torch.testing.assert_close(y.float(), ref, **tol(ref, 2e-2))  # bf16 weights and output
 
 
+# bf16 on a GPU only: the interpreter's bf16 tl.dot is wrong
+KERNEL_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
 @pytest.mark.skipif(not TRITON_OK, reason="needs a GPU or TRITON_INTERPRET=1 with triton")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4], CASES[5], CASES[6], CASES[8]],
                          ids=lambda c: c[0])
 def test_triton_kernel_matches_dequantized_matmul(case, dtype):
@@ -207,7 +212,7 @@ def test_triton_kernel_matches_dequantized_matmul(case, dtype):
         y = layer(x.to(DEVICE))
         assert y.dtype == dtype
         torch.testing.assert_close(y.float().cpu(), ref,
-                                   **tol(ref, 1e-5 if dtype == torch.float32 else 2e-3))
+                                   **tol(ref, KERNEL_TOL[dtype]))
 
 
 @pytest.mark.skipif(not TRITON_OK, reason="needs a GPU or TRITON_INTERPRET=1 with triton")
@@ -304,14 +309,18 @@ MODEL_CASES = [("awq", quantization_config("awq", 32), lambda w: awq_tensors(w, 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=["awq", "gptq", "compressed-tensors"])
 def test_tiny_llama_from_an_int4_checkpoint_matches_transformers(case, tmp_path):
     from model_fixtures import PagedHarness, cpu_plan, torch_native_backend
+    from plugins_for_tests import builtin_backend_plugins
 
+    import core.models
+    import plugins.quant.int4 as int4
     from core.config import make_server_args
     from core.loader import load_model, quant_scheme
-    from core.plugins import get_registry
+    from core.plugins import build_registry
 
     method, config, make = case
     hf = write_int4_llama(tmp_path / "m", config, make)
-    registry = get_registry()
+    registry = build_registry(extra=builtin_backend_plugins() + [
+        ("quant_int4", int4), ("models_builtin", core.models)], entry_points=False)
     args = make_server_args(model_path=str(tmp_path / "m"), load_format="safetensors")
     plan = cpu_plan("llama")
     plan = dataclasses.replace(plan, quant_method=method,
@@ -326,7 +335,8 @@ def test_tiny_llama_from_an_int4_checkpoint_matches_transformers(case, tmp_path)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
     # the Triton kernel too (interpreter on a CPU), for one format: the model's real shapes
-    kernels = ["dequant"] + (["triton"] if TRITON_OK and method == "awq" else [])
+    interpreted = os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+    kernels = ["dequant"] + (["triton"] if TRITON_OK and interpreted and method == "awq" else [])
     for kernel in kernels:
         for module in model.modules():
             if hasattr(module, "int4_kernel"):
@@ -405,5 +415,7 @@ def test_int4_methods_are_registered_through_entry_points():
     from core.plugins import get_registry
 
     registered = set(get_registry().kind("quant"))
+    if not registered:
+        pytest.skip("no quant plugins registered through entry points (core-serve not installed)")
     assert {"awq", "gptq"} <= registered, ("reinstall (pip install --no-deps -e .) so the "
                                            "quant_int4 entry point is current")

@@ -17,10 +17,14 @@ that format stores for one linear out, with the fp32 weight they dequantize to.
 Every function returns `(tensors, dequantized)`: name -> tensor as the checkpoint stores it, and
 the fp32 [N, K] weight those tensors mean (exactly: computed from the stored values). The
 quant-method conformance suite and tests use them; `quantization_config` gives the matching
-config.json entry.
+config.json entry; CASES names one case per format (what bench/ and suites iterate).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -146,3 +150,24 @@ def quantization_config(method: str, group_size: int = 128, *, sym: bool = False
                                               "input_activations": None}},
                 "ignore": ["lm_head"]}
     raise ValueError(f"no reference packer for {method!r}")
+
+
+@dataclass(frozen=True)
+class Int4Case:
+    """One checkpoint format: its QuantScheme format, config.json entry and packer
+    (`build(weight fp32 [N, K]) -> (tensors, dequantized)`)."""
+
+    name: str
+    format: str
+    config: dict
+    build: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+CASES = (
+    Int4Case("awq-g128", "int4_awq", quantization_config("awq", 128),
+             partial(awq_tensors, group_size=128)),
+    Int4Case("gptq-g128", "int4_gptq", quantization_config("gptq", 128),
+             partial(gptq_tensors, group_size=128)),
+    Int4Case("pack-g128", "int4_pack", quantization_config("compressed-tensors", 128),
+             partial(pack_quantized_tensors, group_size=128)),
+)
