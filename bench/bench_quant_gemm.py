@@ -97,7 +97,7 @@ def layer_for(method_name: str, n: int, k: int):
         layer.weight_scale_inv.data.copy_(scale.cuda())
     else:  # int4: the plugin's reference packer
         from core.testing import quant_refs_int4 as refs
-        case = next(c for c in refs.REF_CASES if c.format == f"int4_{method_name}")
+        case = next(c for c in refs.CASES if c.format == f"int4_{method_name}")
         method = registry.get("quant", method_name).load()(parse_quant_config(case.config))
         layer = Linear(k, n, False, ModelContext(dtype=torch.bfloat16, device=torch.device("cuda"),
                                                  quant_method=method))

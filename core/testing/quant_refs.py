@@ -180,7 +180,9 @@ def fake_quant_acts(x: torch.Tensor, acts: str, static_scale: float | None = Non
 def all_cases() -> tuple[RefCase, ...]:
     """The FP8/INT8 cases plus the INT4 ones where their reference module exists."""
     try:
-        from core.testing.quant_refs_int4 import REF_CASES as INT4
+        from core.testing.quant_refs_int4 import CASES as INT4
     except ImportError:
         INT4 = ()
-    return CASES + tuple(INT4)
+    # Weight-only: x is not quantized; K in whole groups, N in whole packed int32 words.
+    return CASES + tuple(RefCase(c.name, c.format, c.config, c.build, "none", k_multiple=128,
+                                 n_multiple=16) for c in INT4)
