@@ -82,14 +82,18 @@ def quantize_acts(x: torch.Tensor, qdtype: torch.dtype, group: int = 0,
 
 
 @triton.jit
-def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, M, N, K,
-                    stride_xm, stride_wn, stride_ym, stride_wsn, stride_wsk,
+def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_ptr, lock_ptr,
+                    M, N, K, stride_xm, stride_wn, stride_ym, stride_wsn, stride_wsk,
                     ACT: tl.constexpr, BLOCKED_W: tl.constexpr, GROUP_N: tl.constexpr,
                     QMAX: tl.constexpr, IS_INT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    HAS_UB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    # ACT: 0 per-token dynamic, 1 per-group (BLOCK_K inputs) dynamic, 2 static (xs_ptr: [])
+                    HAS_UB: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # ACT: 0 per-token dynamic, 1 per-group (BLOCK_K inputs) dynamic, 2 static (xs_ptr: []).
+    # Program (n, s) computes outputs n*BLOCK_N.. over the s-th of SPLIT_K slices of K; with
+    # SPLIT_K > 1 it stores its scaled partial, and the last program of the tile to finish
+    # (a counter per tile, reset after) sums the partials in slice order: deterministic.
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -111,9 +115,13 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, M, N,
         xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr)
     else:
         xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + 1.0
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    k_lo = split * per_split * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + per_split * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_tile = w_ptr + rn[None, :] * stride_wn + rk[:, None]
-    for start in range(0, K, BLOCK_K):
+    for start in range(k_lo, k_hi, BLOCK_K):
         k_ok = start + rk < K
         v = tl.load(x_rows + start + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
@@ -136,20 +144,64 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, M, N,
             acc = acc * wsc[None, :]
         else:
             acc = acc * xs[:, None] * wsc[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    tile = rm[:, None] * N + rn[None, :]
+    if SPLIT_K > 1:
+        tl.store(part_ptr + split * BLOCK_M * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count moves
+        done = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                acc += tl.load(part_ptr + s * BLOCK_M * N + tile, mask=out_mask, other=0.0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next call (graph replays too)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=out_mask)
 
 
 SMALL_M = 16
 PER_ROW = 1 << 30  # scaled_mm's group_k for one scale per row
 
 
-def _small_m_config(n: int) -> dict:
-    """Enough programs to cover the SMs at decode: narrow N tiles for narrow layers."""
-    block_n = 16 if n <= 8192 else 32
-    return dict(BLOCK_N=block_n, num_warps=4, num_stages=4)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: any small number exercises the split
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _small_m_config(n: int, k: int, block_k: int, device: torch.device) -> dict:
+    """Decode tiles: BLOCK_N outputs per program, K split so that about four programs per SM
+    stream weights (N = 4096 alone gives too few programs to fill the memory system)."""
+    block_n = 32 if n <= 8192 else 64
+    tiles = triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, block_k)
+    split = 1
+    while tiles * split * 2 <= 4 * _sm_count(device) and split * 2 <= max(1, steps // 4):
+        split *= 2
+    return dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=4)
+
+
+class LockTable:
+    """Per-device int32 counters for split-K tiles, zero between calls (each call's last
+    program resets its own). One table serves every layer: calls on a stream run in order."""
+
+    _tables: dict[torch.device, torch.Tensor] = {}
+
+    @classmethod
+    def get(cls, device: torch.device, tiles: int) -> torch.Tensor:
+        t = cls._tables.get(device)
+        if t is None or t.numel() < tiles:
+            t = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+            cls._tables[device] = t
+        return t
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -164,22 +216,27 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if m > SMALL_M:
         raise ValueError(f"small_m_linear takes at most {SMALL_M} rows, got {m}")
     is_int = not weight.dtype.is_floating_point
-    cfg = dict(config or _small_m_config(n))
-    block_k = cfg.pop("BLOCK_K", block[1] if block else 128)
+    block_k = (config or {}).get("BLOCK_K", block[1] if block else 128)
     if block and block_k != block[1]:
         raise ValueError("the K tile must be the weight's K block")
+    cfg = dict(config or _small_m_config(n, k, block_k, x.device))
+    cfg.pop("BLOCK_K", None)
+    split = cfg.pop("SPLIT_K", 1)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    part = (torch.empty((split, 16, n), dtype=torch.float32, device=x.device) if split > 1
+            else y)
+    locks = LockTable.get(x.device, tiles) if split > 1 else y
     act_code = {"token": 0, "group": 1, "static": 2}[act]
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]),)
-    _small_m_kernel[grid](
+    _small_m_kernel[(tiles, split)](
         x, weight, weight_scale, y, bias if bias is not None else y,
         input_scale if input_scale is not None else weight_scale,
-        ub if ub is not None else weight_scale, m, n, k,
+        ub if ub is not None else weight_scale, part, locks, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0), weight_scale.stride(0),
         weight_scale.stride(1) if weight_scale.dim() > 1 else 0,
         ACT=act_code, BLOCKED_W=block is not None, GROUP_N=block[0] if block else 1,
         QMAX=127.0 if is_int else FP8_MAX, IS_INT=is_int, HAS_BIAS=bias is not None,
-        HAS_UB=ub is not None, BLOCK_M=16, BLOCK_K=block_k, **cfg)
+        HAS_UB=ub is not None, SPLIT_K=split, BLOCK_M=16, BLOCK_K=block_k, **cfg)
     return y
 
 
