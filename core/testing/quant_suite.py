@@ -37,7 +37,7 @@ __all__ = ["pytest_generate_tests", "test_quant_linear_conformance",
 
 # fp32: the 8-bit tensor-core dots of GPUs accumulate a K step in less than fp32 (Hopper's fp8
 # MMA keeps ~22 mantissa bits), hence not 1e-6; a wrong scale or layout is off by >1e-2.
-TOL = {torch.float32: 5e-4, torch.float16: 3e-3, torch.bfloat16: 1.2e-2}
+TOL = {torch.float32: 5e-4, torch.float16: 5e-3, torch.bfloat16: 1.2e-2}
 SIZES = (1, 4, 33, 300)
 FULL_SIZES = (1, 2, 4, 8, 16, 33, 64, 128, 300, 1024, 4096)
 

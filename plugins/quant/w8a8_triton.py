@@ -87,7 +87,7 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_
                     ACT: tl.constexpr, BLOCKED_W: tl.constexpr, GROUP_N: tl.constexpr,
                     QMAX: tl.constexpr, IS_INT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_UB: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO_K: tl.constexpr):
     # ACT: 0 per-token dynamic, 1 per-group (BLOCK_K inputs) dynamic, 2 static (xs_ptr: []).
     # Program (n, s) computes outputs n*BLOCK_N.. over the s-th of SPLIT_K slices of K; with
     # SPLIT_K > 1 it stores its scaled partial, and the last program of the tile to finish
@@ -101,11 +101,12 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_
     n_ok = rn < N
     q_ty = w_ptr.dtype.element_ty
     x_rows = x_ptr + rm[:, None] * stride_xm
-    if ACT == 0:
+    if ACT == 0:  # the row's amax first, in wide steps (a serial chain delays the weights)
+        rp = tl.arange(0, PRO_K)
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            v = tl.load(x_rows + start + rk[None, :],
-                        mask=m_ok[:, None] & (start + rk[None, :] < K), other=0.0)
+        for start in range(0, K, PRO_K):
+            v = tl.load(x_rows + start + rp[None, :],
+                        mask=m_ok[:, None] & (start + rp[None, :] < K), other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
         amax = tl.maximum(amax, 1e-12)
         if HAS_UB:
@@ -178,15 +179,17 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _small_m_config(n: int, k: int, block_k: int, device: torch.device) -> dict:
-    """Decode tiles: BLOCK_N outputs per program, K split so that about four programs per SM
-    stream weights (N = 4096 alone gives too few programs to fill the memory system)."""
-    block_n = 32 if n <= 8192 else 64
+    """Decode tiles (bench/sweep_quant.py on an H200, bench/RESULTS.md): 64 outputs per
+    program, K split so that up to four programs per SM stream weights (N = 4096 alone gives 64
+    programs for 132 SMs), three stages."""
+    block_n = 64
     tiles = triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     split = 1
-    while tiles * split * 2 <= 4 * _sm_count(device) and split * 2 <= max(1, steps // 4):
+    while tiles * split * 2 <= 4 * _sm_count(device) and split * 2 <= max(1, steps // 4) \
+            and split < 16:
         split *= 2
-    return dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=4)
+    return dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
 class LockTable:
@@ -236,7 +239,8 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         weight_scale.stride(1) if weight_scale.dim() > 1 else 0,
         ACT=act_code, BLOCKED_W=block is not None, GROUP_N=block[0] if block else 1,
         QMAX=127.0 if is_int else FP8_MAX, IS_INT=is_int, HAS_BIAS=bias is not None,
-        HAS_UB=ub is not None, SPLIT_K=split, BLOCK_M=16, BLOCK_K=block_k, **cfg)
+        HAS_UB=ub is not None, SPLIT_K=split, BLOCK_M=16, BLOCK_K=block_k,
+        PRO_K=min(512, triton.next_power_of_2(k)), **cfg)
     return y
 
 
@@ -245,6 +249,7 @@ def _block_scaled_mm(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
                      stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
                      stride_asm, stride_ask, stride_bsn, stride_bsk,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     PER_ROW_SCALES: tl.constexpr, ACC_INT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -266,17 +271,27 @@ def _block_scaled_mm(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
     as_ptrs = as_ptr + rm * stride_asm
     bs_ptrs = bs_ptr + (rn // GROUP_N) * stride_bsn
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if ACC_INT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - step * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & (rk[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=n_ok[None, :] & (rk[:, None] < k_left), other=0.0)
-        kb = (step * BLOCK_K) // GROUP_K
-        a_s = tl.load(as_ptrs + kb * stride_ask, mask=m_ok, other=0.0)
-        b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b).to(tl.float32) * a_s[:, None] * b_s[None, :]
+        if PER_ROW_SCALES:  # one scale per row of each: accumulate plain, scale once below
+            acc += tl.dot(a, b)
+        else:
+            kb = (step * BLOCK_K) // GROUP_K
+            a_s = tl.load(as_ptrs + kb * stride_ask, mask=m_ok, other=0.0)
+            b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b).to(tl.float32) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if PER_ROW_SCALES:
+        a_s = tl.load(as_ptrs, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptrs, mask=n_ok, other=0.0)
+        acc = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
@@ -312,5 +327,7 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         a_scale.stride(0), a_scale.stride(1) if a_scale.dim() > 1 else 0,
         b_scale.stride(0), b_scale.stride(1) if b_scale.dim() > 1 else 0,
-        GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None, **cfg)
+        GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None,
+        PER_ROW_SCALES=group_k == PER_ROW and group_n == 1,
+        ACC_INT=group_k == PER_ROW and group_n == 1 and not a.dtype.is_floating_point, **cfg)
     return c
