@@ -245,3 +245,44 @@ def test_w8a8_triton_kernels_under_the_interpreter():
     out = subprocess.run([sys.executable, "-c", _KERNELS], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_kv_cache_scales_are_read_from_the_checkpoint(tmp_path):
+    import dataclasses
+
+    import torch
+    from model_fixtures import cpu_plan, write_tiny_model
+    from safetensors.torch import load_file, save_file
+
+    from core.config import make_server_args
+    from core.loader import load_model
+    from core.models.weights import kv_scale_of
+    from core.worker import kv_cache_scales
+
+    assert kv_scale_of("model.layers.3.self_attn.k_scale") == (3, "k")
+    assert kv_scale_of("model.layers.0.self_attn.v_proj.output_scale") == (0, "v")
+    assert kv_scale_of("model.layers.0.self_attn.v_proj.weight") is None
+    path = write_tiny_model("llama", tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    layers = 1 + max(int(n.split(".")[2]) for n in tensors if n.startswith("model.layers."))
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.01 * (i + 1))
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([0.5])
+    # a bias-free layer's zero bias (older AutoGPTQ exports) is skipped, not an error
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(tensors[
+        "model.layers.0.self_attn.o_proj.weight"].shape[0])
+    save_file(tensors, str(path / "model.safetensors"))
+    registry = build_registry()
+    loaded = load_model(make_server_args(model_path=str(path)),
+                        dataclasses.replace(cpu_plan("llama")), registry)
+    assert loaded.model.kv_cache_scales[layers - 1] == {"k": pytest.approx(0.01 * layers),
+                                                         "v": 0.5}
+    assert kv_cache_scales(loaded, torch.float8_e4m3fn) == (pytest.approx(0.01 * layers), 0.5)
+    assert any("largest layer" in n for n in loaded.notes)
+    assert kv_cache_scales(loaded, torch.float32) == (1.0, 1.0)
+    assert any("scales are unused" in n for n in loaded.notes)
+    # a non-zero bias the model has no place for is still refused
+    tensors["model.layers.0.self_attn.o_proj.bias"] += 1
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensors: model.layers.0.self_attn.o_proj.bias"):
+        load_model(make_server_args(model_path=str(path)), cpu_plan("llama"), registry)

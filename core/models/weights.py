@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import re
+
 import torch
 from torch import nn
 
@@ -11,6 +13,17 @@ from core.layers.linear import process_weights_after_loading
 
 # Tensors some checkpoints carry that hold no weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# Calibrated FP8 KV-cache scales, per layer, under the names FP8 checkpoints use
+# (`self_attn.k_scale`; compressed-tensors' older `self_attn.k_proj.output_scale`).
+_KV_SCALE = re.compile(r"(?:.*\.)?layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.output_scale)")
+
+
+def kv_scale_of(hf_name: str) -> tuple[int, str] | None:
+    """(layer, "k" | "v") for a checkpoint's KV-cache scale tensor, None for other names."""
+    m = _KV_SCALE.fullmatch(hf_name)
+    if m is None:
+        return None
+    return int(m.group(1)), m.group(2) or m.group(3)
 
 
 def _listing(names: list[str], limit: int = 12) -> str:
@@ -31,6 +44,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     table cannot express (per-expert tensors, shard "3.gate"). An owner with `param_shards(leaf)`
     lists the shards it expects per parameter; one tensor loaded with no shard fills them all.
     Raises ValueError naming the missing, unexpected and wrong-shape tensors together.
+    Calibrated KV-cache scales (`layers.N.self_attn.k_scale` / `v_scale`) are collected into
+    `model.kv_cache_scales` ({layer: {"k": float, "v": float}}) for the KV pool.
     """
     params = dict(model.named_parameters())
     owners = {}
@@ -57,8 +72,13 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     loaded: set[tuple[str, str | None]] = set()
     unexpected: list[str] = []
     bad_shape: list[str] = []
+    kv_scales: dict[int, dict[str, float]] = {}
     for hf_name, tensor in weights:
         if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        kv = kv_scale_of(hf_name)
+        if kv is not None:  # read, not loaded: the KV pool is built after the model
+            kv_scales.setdefault(kv[0], {})[kv[1]] = float(tensor.float().max())
             continue
         if skip_lm_head and hf_name.startswith("lm_head."):
             continue  # tied to the embedding
@@ -72,6 +92,8 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
                     target, shard = hf_name.replace(f".{hf_part}.", f".{our_part}."), shard_name
                     break
         if target not in params:
+            if hf_name.endswith(".bias") and not tensor.any():
+                continue  # zero biases of bias-free layers (older AutoGPTQ exports): a no-op
             unexpected.append(hf_name)
             continue
         param, owner = params[target], owners[target]
@@ -108,4 +130,5 @@ def load_named_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     if problems:
         raise ValueError(f"checkpoint does not match {type(model).__name__}: "
                          + "; ".join(problems))
+    model.kv_cache_scales = kv_scales  # {layer: {"k": s, "v": s}}; {} when the file has none
     process_weights_after_loading(model)
