@@ -4,7 +4,8 @@ Creates the checkpoint's own tensors (names, dtypes and layouts as the format st
 moves them after loading into the one layout the kernels read (plugins.quant.int4.packing:
 `w_q` int32 [K/8, N], `w_scales` [K/g, N], `w_zeros` uint8 [K/g, N]) and drops the checkpoint's,
 and applies them with the kernel chosen once at process time: the Triton dequant-GEMM on CUDA
-sm80+, elsewhere the dequantize-per-call path.
+sm80+ below DEQUANT_ROWS rows, the dequantize-per-call path for prefill-sized inputs and on
+other devices.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class Int4LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if layer.int4_kernel == "triton":
+        if layer.int4_kernel == "triton" and x2.shape[0] < DEQUANT_ROWS:
             from plugins.quant.int4.gemm import int4_linear
 
             y = int4_linear(x2, layer.w_q, layer.w_scales, layer.w_zeros, layer.int4_group,
@@ -141,6 +142,13 @@ class Int4LinearMethod:
 
     def bind(self, layer: nn.Module):
         return partial(self.apply, layer)
+
+
+# From this many rows (prefill) the weight is dequantized to the compute dtype per call and
+# multiplied by the vendor GEMM: on the H200 the Triton dequant-GEMM ran 0.25-0.28x bf16 at
+# M=4096, while dequantizing (a few elementwise passes over the packed weight) costs a fraction
+# of the bf16 GEMM it enables (bench/RESULTS.md; the switch itself is not yet measured there).
+DEQUANT_ROWS = 256
 
 
 def _narrow_scales(scales: torch.Tensor) -> torch.Tensor:
