@@ -68,8 +68,12 @@ class MoEWeights:
     """The stacked expert weights of one layer, as the quant method created them.
 
     form "unquantized": w13 [E, 2I, H] (layout W13_LAYOUT: gate rows, then up rows), w2 [E, H, I],
-    both in the compute dtype, contiguous. Other forms (a quant method's name) carry their
-    packed tensors in w13 / w2 and scales or zero points in `extra`, as that method documents.
+    both in the compute dtype, contiguous. form "fp8" (the fp8 quant method): w13 / w2 in e4m3,
+    extra "w13_scale" / "w2_scale" fp32, per output channel [E, N, 1] or per block
+    [E, N/bn, K/bk] with extra "block" = tensor([bn, bk]); real W = stored * scale, and the
+    activations are quantized to e4m3 per token (per channel) or per bk inputs (per block), as
+    the fp8 linear layers do. Other forms (a quant method's name) carry their packed tensors in
+    w13 / w2 and scales or zero points in `extra`, as that method documents.
     """
 
     w13: torch.Tensor
@@ -149,3 +153,30 @@ def route(router_logits: torch.Tensor, layer: MoELayerParams
     """`select_experts` with one layer's parameters."""
     return select_experts(router_logits, layer.top_k, layer.renormalize, layer.grouped_topk,
                           layer.scoring_func, layer.routed_scaling_factor)
+
+
+# ---- form "fp8" (see MoEWeights): reference dequantization for runners ----------------------
+
+def fp8_expert(weights: MoEWeights, which: str, expert: int) -> torch.Tensor:
+    """The real fp32 weight of one expert's w13 or w2 from form "fp8": stored * scale."""
+    w = getattr(weights, which)[expert].float()
+    scale = weights.extra[f"{which}_scale"][expert].float()
+    block = weights.extra.get("block")
+    if block is not None:
+        bn, bk = (int(b) for b in block.tolist())
+        scale = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:w.shape[0], :w.shape[1]]
+    return w * scale
+
+
+def fp8_fake_quant_input(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+    """x [T, K] as form "fp8" quantizes it, dequantized to fp32: e4m3 with one scale per token,
+    or per `bk` inputs of a token for block weights (amax / 448)."""
+    x = x.float()
+    block = weights.extra.get("block")
+    group = int(block[1]) if block is not None else x.shape[1]
+    t, k = x.shape
+    pad = (-k) % group
+    g = torch.nn.functional.pad(x, (0, pad)).view(t, -1, group)
+    s = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    q = (g / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
+    return q.view(t, -1)[:, :k]

@@ -125,12 +125,16 @@ def test_format_a_method_lacks_is_a_reason(model_spec, registry):
     assert not fp8.fits and any("does not compute int8_channel" in r for r in fp8.reasons)
 
 
-def test_moe_checkpoint_in_fp8_is_refused_with_the_reason(model_spec, registry):
+def test_moe_checkpoint_a_method_cannot_hold_is_refused_with_the_reason(model_spec, registry):
     from dataclasses import replace
-    spec = replace(model_spec("qwen3-30b-a3b"), quantization=QWEN3_FP8, quant_method="fp8")
+    spec = replace(model_spec("qwen3-30b-a3b"), quantization=CT_W8A8,
+                   quant_method="compressed-tensors")
     with pytest.raises(ResolveError) as err:
         resolve(spec, PROFILES["h200"], ServerArgs(), registry)
-    assert "cannot quantize MoE expert weights" in str(err.value)
+    assert "w8a8_int8: cannot quantize MoE expert weights" in str(err.value)
+    # fp8 experts are served, by the runner that runs them (tests/test_quant_moe.py)
+    fp8 = replace(spec, quantization=QWEN3_FP8, quant_method="fp8")
+    assert resolve(fp8, PROFILES["h200"], ServerArgs(), registry).moe_runner == "torch_native"
 
 
 def test_moe_quant_agreement_from_either_side():

@@ -452,8 +452,9 @@ def test_check_quant_moe_and_model(model_spec):
     assert check_quant(caps, spec, h100, dtype=None, requested="awq")[0].startswith("needs")
     from plugins.moe.torch_native import CAPS as MOE_CAPS
 
-    assert check_moe(MOE_CAPS, spec, h100, dtype="bfloat16", quant_method="fp8") == [
-        "quant method fp8 not supported (supports unquantized)"]
+    assert check_moe(MOE_CAPS, spec, h100, dtype="bfloat16", quant_method="fp8") == []
+    assert check_moe(MOE_CAPS, spec, h100, dtype="bfloat16", quant_method="awq") == [
+        "quant method awq not supported (supports fp8, unquantized)"]
     from core.capabilities import ModelCaps
 
     assert check_model(ModelCaps(architectures={"MixtralForCausalLM"}), spec) == []

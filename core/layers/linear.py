@@ -163,6 +163,9 @@ def process_weights_after_loading(model: nn.Module) -> None:
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+        experts = getattr(module, "expert_quant_method", None)  # a MoE layer's experts
+        if experts is not None and hasattr(experts, "process_moe_weights_after_loading"):
+            experts.process_moe_weights_after_loading(module)
     _reset_bindings(model)
 
 

@@ -56,10 +56,11 @@ class MoE(nn.Module):
 
     def param_shards(self, param: str) -> list[str] | None:
         """The pieces a checkpoint fills of one of our parameters, for the loader's accounting:
-        one per expert and projection ("3.gate", "3.up" of w13_weight; "3.down" of w2_weight)."""
-        if param == "w13_weight":
+        one per expert and projection ("3.gate", "3.up" of w13_*; "3.down" of w2_*), for the
+        weights and whatever a quant method adds beside them (w13_weight_scale_inv, ...)."""
+        if param.startswith("w13_"):
             return [f"{e}.{p}" for e in range(self.num_experts) for p in ("gate", "up")]
-        if param == "w2_weight":
+        if param.startswith("w2_"):
             return [f"{e}.down" for e in range(self.num_experts)]
         return None
 
@@ -72,12 +73,19 @@ class MoE(nn.Module):
         else:
             expert, proj = shard.split(".")
             target = param.data[int(expert)]
-            if proj in ("gate", "up"):
+            if proj in ("gate", "up"):  # rows of [gate | up], in the tensor's output grain
+                per = getattr(param, "quant_out_per_row", 1)
                 i = self.intermediate_size
+                if i % per:
+                    raise ValueError(f"intermediate size {i} is not a multiple of {per} "
+                                     "(the tensor's output grain)")
                 half = 0 if proj == "gate" else 1
-                target = target[half * i:(half + 1) * i]
+                target = target[half * i // per:(half + 1) * i // per]
         if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(f"expected shape {tuple(target.shape)}, got {tuple(loaded.shape)}")
+            if target.numel() != loaded.numel() or target.numel() != 1:
+                raise ValueError(f"expected shape {tuple(target.shape)}, got "
+                                 f"{tuple(loaded.shape)}")
+            loaded = loaded.reshape(target.shape)  # a scalar scale saved as [] or [1]
         target.copy_(loaded)
 
     def expert_weight_loader(self, loaded: torch.Tensor, expert_id: int, proj: str) -> None:

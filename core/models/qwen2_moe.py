@@ -21,22 +21,21 @@ from core.models.weights import load_named_weights
 # Per-expert checkpoint tensors (`mlp.experts.3.gate_proj.weight`, Mixtral's
 # `block_sparse_moe.experts.3.w1.weight`) and fused ones (`mlp.experts.gate_up_proj`).
 _EXPERT = re.compile(r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight\w*|input_scale)")
 _FUSED = re.compile(r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)"
                     r"(?:\.weight)?")
-_PART = {"gate_proj": ("w13_weight", "gate"), "w1": ("w13_weight", "gate"),
-         "up_proj": ("w13_weight", "up"), "w3": ("w13_weight", "up"),
-         "down_proj": ("w2_weight", "down"), "w2": ("w2_weight", "down")}
+_PART = {"gate_proj": ("w13", "gate"), "w1": ("w13", "gate"), "up_proj": ("w13", "up"),
+         "w3": ("w13", "up"), "down_proj": ("w2", "down"), "w2": ("w2", "down")}
 _FUSED_PARAM = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
 
 
 def moe_param_name(hf_name: str) -> tuple[str, str | None] | None:
     """Our (parameter, shard) for an HF expert tensor or Mixtral's router; None for the rest."""
     m = _EXPERT.fullmatch(hf_name)
-    if m:
-        prefix, expert, proj = m.groups()
+    if m:  # weight, or a quant method's weight_scale_inv / weight_scale / ...
+        prefix, expert, proj, suffix = m.groups()
         param, part = _PART[proj]
-        return f"{prefix}.mlp.{param}", f"{expert}.{part}"
+        return f"{prefix}.mlp.{param}_{suffix}", f"{expert}.{part}"
     m = _FUSED.fullmatch(hf_name)
     if m:
         prefix, proj = m.groups()

@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from core.layers.activation import get_act_fn
-from core.moe import MoELayerParams, MoERunner, MoEWeights, route, select_experts
+from core.moe import (
+    MoELayerParams,
+    MoERunner,
+    MoEWeights,
+    fp8_expert,
+    fp8_fake_quant_input,
+    route,
+    select_experts,
+)
 
 __all__ = ["TorchNativeMoE", "select_experts"]
 
@@ -22,8 +30,8 @@ class TorchNativeMoE(MoERunner):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, weights: MoEWeights,
                 layer: MoELayerParams, shared: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        if weights.form != "unquantized":
-            raise ValueError(f"torch_native runs unquantized experts, not {weights.form}")
+        if weights.form not in ("unquantized", "fp8"):
+            raise ValueError(f"torch_native runs unquantized and fp8 experts, not {weights.form}")
         act = get_act_fn(layer.activation)
         w13, w2 = weights.w13, weights.w2
         route_w, ids = route(router_logits, layer)
@@ -32,8 +40,14 @@ class TorchNativeMoE(MoERunner):
         for e in ids.unique().tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             x = hidden[tok]  # [n, H]
-            gate, up = (x @ w13[e].t()).chunk(2, dim=-1)  # [n, I] each
-            y = (act(gate) * up) @ w2[e].t()  # [n, H]
+            if weights.form == "fp8":  # W8A8 in fp32: dequantized expert, fake-quantized x
+                gate, up = (fp8_fake_quant_input(x, weights)
+                            @ fp8_expert(weights, "w13", e).t()).chunk(2, dim=-1)
+                h = (act(gate) * up).to(hidden.dtype)
+                y = fp8_fake_quant_input(h, weights) @ fp8_expert(weights, "w2", e).t()
+            else:
+                gate, up = (x @ w13[e].t()).chunk(2, dim=-1)  # [n, I] each
+                y = (act(gate) * up) @ w2[e].t()  # [n, H]
             acc.index_add_(0, tok, y.float() * route_w[tok, slot].unsqueeze(1))
         if shared is not None:
             acc += shared.float()

@@ -25,7 +25,8 @@ CAPS = QuantCaps(
     online_format="fp8_channel",
     weight_bits={8},
     dtypes={"bfloat16", "float16", "float32"},
-    moe=False,  # FP8 experts in the Triton MoE runner: not yet (the resolver says so)
+    moe=True,  # experts in form "fp8" (core.moe); the Triton MoE runner does not run them yet
+    moe_runners={"torch_native"},
     priority={"cuda": 30, "cpu": 1},
     description="FP8 e4m3 W8A8: block-wise (Qwen3/DeepSeek FP8), per-tensor / per-channel "
                 "(compressed-tensors, FBGEMM), online from bf16; CUDA sm89+: fused Triton decode "

@@ -108,6 +108,70 @@ class Fp8LinearMethod:
     def bind(self, layer: nn.Module):
         return partial(self.apply, layer)
 
+    # ---- MoE experts (form "fp8" of core.moe.MoEWeights) ----
+
+    def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
+                           intermediate_size: int, dtype: torch.dtype,
+                           device: torch.device) -> None:
+        """w13 [E, 2I, H] / w2 [E, H, I] in e4m3 with their scales under the checkpoint's
+        per-expert names (w13_weight_scale_inv ...); a dense checkpoint quantized at load keeps
+        compute-dtype weights until process_moe_weights_after_loading."""
+        s = self.scheme
+        if s.activations == "static":
+            raise ValueError("fp8 experts with static activation scales are not supported")
+        shapes = {"w13": (2 * intermediate_size, hidden_size), "w2": (hidden_size,
+                                                                       intermediate_size)}
+        for name, (n, k) in shapes.items():
+            w = parameter((num_experts, n, k), dtype if s.online else FP8, device)
+            setattr(layer, f"{name}_weight", w)
+            if s.online:
+                continue
+            if s.format == "fp8_block":
+                bn, bk = s.block
+                scale = parameter((num_experts, -(-n // bn), -(-k // bk)), torch.float32,
+                                  device, fill=1.0)
+                suffix = "weight_scale_inv" if s.method == "fp8" else "weight_scale"
+                setattr(layer, f"{name}_{suffix}", mark(scale, out_per_row=bn))
+            elif s.format == "fp8_channel":
+                setattr(layer, f"{name}_weight_scale",
+                        mark(parameter((num_experts, n, 1), torch.float32, device, 1.0)))
+            else:  # per tensor: one scale per expert and projection
+                parts = 2 if name == "w13" else 1
+                setattr(layer, f"{name}_weight_scale",
+                        mark(parameter((num_experts, parts), torch.float32, device, 1.0),
+                             out_per_row=intermediate_size))
+
+    def process_moe_weights_after_loading(self, layer: nn.Module) -> None:
+        """Every form to e4m3 weights + fp32 scales: [E, N, 1] per channel, or the checkpoint's
+        blocks [E, N/bn, K/bk] (then `moe_block` holds (bn, bk))."""
+        s = self.scheme
+        layer.moe_block = s.block if s.format == "fp8_block" else None
+        for name in ("w13", "w2"):
+            w = getattr(layer, f"{name}_weight").data
+            if s.online:
+                scale = per_token_scale(w.reshape(-1, w.shape[-1]), FP8_MAX).reshape(
+                    w.shape[0], w.shape[1], 1)
+                replace_param(layer, f"{name}_weight", quantize_fp8(w, scale))
+            elif s.format == "fp8_block":
+                scale = getattr(layer, f"{name}_weight_scale_inv" if s.method == "fp8"
+                                else f"{name}_weight_scale").data
+            elif s.format == "fp8_tensor":  # [E, parts] -> one per output row
+                per = getattr(layer, f"{name}_weight_scale").data
+                scale = per.repeat_interleave(w.shape[1] // per.shape[1], dim=1).unsqueeze(-1)
+            else:
+                scale = getattr(layer, f"{name}_weight_scale").data
+            for suffix in ("weight_scale", "weight_scale_inv"):
+                replace_param(layer, f"{name}_{suffix}", None)
+            layer.register_buffer(f"{name}_scale", scale.float().contiguous(), persistent=False)
+
+    def moe_weights(self, layer: nn.Module):
+        from core.moe import MoEWeights
+
+        extra = {"w13_scale": layer.w13_scale, "w2_scale": layer.w2_scale}
+        if layer.moe_block is not None:
+            extra["block"] = torch.tensor(layer.moe_block)
+        return MoEWeights(layer.w13_weight, layer.w2_weight, form="fp8", extra=extra)
+
 
 def _act_quant(x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 x, fp32 scale [M, 1]) for per-token dynamic or static per-tensor activations
