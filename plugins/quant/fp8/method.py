@@ -44,7 +44,6 @@ class Fp8LinearMethod:
         s = self.scheme
         shards = len(getattr(layer, "output_sizes", [output_size]))
         layer.bias = parameter((output_size,), dtype, device) if bias else None
-        layer.compute_dtype = dtype
         if s.online:  # a dense checkpoint, quantized in process_weights_after_loading
             layer.weight = parameter((output_size, input_size), dtype, device)
             return
