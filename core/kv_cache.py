@@ -78,3 +78,22 @@ class KVPool:
             return
         kb[loc] = k.to(self.dtype)
         vb[loc] = v.to(self.dtype)
+
+
+def checkpoint_kv_scales(model: object, kv_dtype: torch.dtype, notes: list[str]
+                         ) -> tuple[float, float]:
+    """An FP8 pool's (k_scale, v_scale): the checkpoint's calibrated per-layer scales where the
+    loader found them (`model.kv_cache_scales`), else 1.0. The pool keeps one scale per tensor
+    kind, so the largest layer's is used (no layer overflows; layers calibrated smaller keep
+    less precision); `notes` gets a line saying which."""
+    scales = getattr(model, "kv_cache_scales", None) or {}
+    if not scales or kv_dtype.itemsize != 1:
+        if scales:
+            notes.append("the checkpoint's KV-cache scales are unused: the KV cache is not FP8 "
+                         "(--kv-cache-dtype fp8_e4m3 uses them)")
+        return 1.0, 1.0
+    k = max(v.get("k", 1.0) for v in scales.values())
+    v = max(v.get("v", 1.0) for v in scales.values())
+    notes.append(f"FP8 KV cache scales from the checkpoint ({len(scales)} layers): "
+                 f"k_scale {k:.4g}, v_scale {v:.4g} (the largest layer's; one per pool)")
+    return k, v

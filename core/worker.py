@@ -137,31 +137,14 @@ def kv_dtype_of(plan: Plan) -> Any:
     return kv_dtype
 
 
-def kv_cache_scales(loaded: Any, kv_dtype: Any) -> tuple[float, float]:
-    """The FP8 KV cache's (k_scale, v_scale): the checkpoint's calibrated per-layer scales where
-    it has them, else 1.0. The pool keeps one scale per tensor kind, so the largest layer's is
-    used (no layer overflows; layers calibrated smaller keep less precision); a note says so."""
-    scales = getattr(loaded.model, "kv_cache_scales", None) or {}
-    if not scales or kv_dtype.itemsize != 1:
-        if scales:
-            loaded.notes.append("the checkpoint's KV-cache scales are unused: the KV cache is "
-                                "not FP8 (--kv-cache-dtype fp8_e4m3 uses them)")
-        return 1.0, 1.0
-    k = max(v.get("k", 1.0) for v in scales.values())
-    v = max(v.get("v", 1.0) for v in scales.values())
-    loaded.notes.append(f"FP8 KV cache scales from the checkpoint ({len(scales)} layers): "
-                        f"k_scale {k:.4g}, v_scale {v:.4g} (the largest layer's; one per pool)")
-    return k, v
-
-
 def build_kv(plan: Plan, spec: Any, mem: MemoryPlan, kv_dtype: Any, device: Any,
              max_context: int, loaded: Any) -> tuple[Any, Any]:
     """Phase 2: the paged KV pool (writing through the layer ops' store) and the request table."""
-    from core.kv_cache import KVPool
+    from core.kv_cache import KVPool, checkpoint_kv_scales
     from core.memory_pool import ReqToTokenPool
 
     page = plan.page_size
-    k_scale, v_scale = kv_cache_scales(loaded, kv_dtype)
+    k_scale, v_scale = checkpoint_kv_scales(loaded.model, kv_dtype, loaded.notes)
     # One extra page: page 0 is the padding sink, so `kv_tokens` stay usable.
     kv_pool = KVPool(mem.kv_tokens + page, spec.num_layers, spec.num_kv_heads, spec.head_dim,
                      kv_dtype, device, page, spec.v_head_dim, k_scale=k_scale, v_scale=v_scale,

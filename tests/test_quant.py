@@ -259,9 +259,9 @@ def test_kv_cache_scales_are_read_from_the_checkpoint(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from core.config import make_server_args
+    from core.kv_cache import checkpoint_kv_scales
     from core.loader import load_model
     from core.models.weights import kv_scale_of
-    from core.worker import kv_cache_scales
 
     assert kv_scale_of("model.layers.3.self_attn.k_scale") == (3, "k")
     assert kv_scale_of("model.layers.0.self_attn.v_proj.output_scale") == (0, "v")
@@ -281,9 +281,10 @@ def test_kv_cache_scales_are_read_from_the_checkpoint(tmp_path):
                         dataclasses.replace(cpu_plan("llama")), registry)
     assert loaded.model.kv_cache_scales[layers - 1] == {"k": pytest.approx(0.01 * layers),
                                                          "v": 0.5}
-    assert kv_cache_scales(loaded, torch.float8_e4m3fn) == (pytest.approx(0.01 * layers), 0.5)
+    assert checkpoint_kv_scales(loaded.model, torch.float8_e4m3fn, loaded.notes) == (
+        pytest.approx(0.01 * layers), 0.5)
     assert any("largest layer" in n for n in loaded.notes)
-    assert kv_cache_scales(loaded, torch.float32) == (1.0, 1.0)
+    assert checkpoint_kv_scales(loaded.model, torch.float32, loaded.notes) == (1.0, 1.0)
     assert any("scales are unused" in n for n in loaded.notes)
     # a non-zero bias the model has no place for is still refused
     tensors["model.layers.0.self_attn.o_proj.bias"] += 1
