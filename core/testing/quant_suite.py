@@ -15,6 +15,9 @@ processed, applied at M = 1, 4, 33, 300 (--conformance-full: up to 4096) and com
 fake-quantized x @ dequantized W^T in fp32 by relative Frobenius error; output shape, dtype,
 device; x left unchanged. Then a two-layer Llama written as safetensors with the case's
 quantization_config, loaded by core.loader.load_model, each projection checked the same way.
+Where the method declares MoE experts (QuantCaps.moe) and the case's activations are dynamic:
+a MoE layer's experts loaded expert by expert under the checkpoint's names and run by a runner
+that agrees with the method, against routing + fake-quantized x @ dequantized experts in fp32.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from core.testing.attention_suite import _device_info, _device_missing, default_
 from core.testing.quant_refs import RefCase, all_cases, fake_quant_acts
 
 __all__ = ["pytest_generate_tests", "test_quant_linear_conformance",
-           "test_quant_checkpoint_conformance"]
+           "test_quant_checkpoint_conformance", "test_quant_moe_experts_conformance"]
 
 # fp32: the 8-bit tensor-core dots of GPUs accumulate a K step in less than fp32 (Hopper's fp8
 # MMA keeps ~22 mantissa bits), hence not 1e-6; a wrong scale or layout is off by >1e-2.
@@ -214,3 +217,71 @@ def test_quant_checkpoint_conformance(quant_name, quant_case, quant_device, quan
             x = torch.randn(5, w.shape[1], generator=gen).to(dtype)
             ref = fake_quant_acts(x, case.acts, case.static_scale) @ w.t()
             _check(lin(x.to(device)), ref, dtype, f"{prefix}{ours}")
+
+
+# ---- MoE experts ----
+
+def _moe_runner_for(name: str, device: torch.device):
+    """A registered MoE runner that runs this method's experts on `device` (caps agreement
+    from either side), or None."""
+    from core.checks import check_device, check_moe_quant
+
+    registry = get_registry()
+    quant_caps = registry.get("quant", name).caps
+    info = _device_info(registry, device)
+    for runner, reg in sorted(registry.kind("moe").items()):
+        if not check_device(reg.caps, info) and not check_moe_quant(runner, reg.caps, name,
+                                                                    quant_caps):
+            return reg.load()()
+    return None
+
+
+def test_quant_moe_experts_conformance(quant_name, quant_case, quant_device, quant_dtype,
+                                       request):
+    from core.layers import MoE
+
+    case, device, dtype = quant_case, torch.device(quant_device), getattr(torch, quant_dtype)
+    caps = get_registry().get("quant", quant_name).caps
+    if not caps.moe:
+        pytest.skip(f"{quant_name} declares no MoE experts (QuantCaps.moe)")
+    if case.acts in ("fp8_static", "none") or case.format == "fp8_tensor":
+        pytest.skip(f"{case.name}: MoE experts are checked for dynamic per-token/group "
+                    "activations with channel or block weights")
+    runner = _moe_runner_for(quant_name, device)
+    if runner is None:
+        pytest.skip(f"no registered MoE runner runs {quant_name} experts on {quant_device}")
+    seed = request.config.getoption("conformance_seed", default=0)
+    gen = torch.Generator().manual_seed(seed)
+    experts, top_k, hidden, inter = 4, 2, 256, 256
+    ctx = ModelContext(dtype=dtype, device=device, quant_method=_method(quant_name, case),
+                       moe_runner=runner)
+    moe = MoE(experts, top_k, hidden, inter, ctx)
+    w13, w2 = [], []
+    for e in range(experts):
+        parts = {}
+        for proj, (n, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)),
+                             ("down", (hidden, inter))):
+            tensors, parts[proj] = case.build(_weights(n, k, dtype, gen) * 4)
+            stacked = "w2" if proj == "down" else "w13"
+            for suffix, t in tensors.items():
+                moe.weight_loader(getattr(moe, f"{stacked}_{suffix}"), t.to(device),
+                                  f"{e}.{proj}")
+        w13.append(torch.cat([parts["gate"], parts["up"]]))
+        w2.append(parts["down"])
+    moe.gate.weight.data.copy_((torch.randn(experts, hidden, generator=gen) * 0.1).to(dtype))
+    process_weights_after_loading(moe)
+    for m in (1, 7, 64):
+        x = torch.randn(m, hidden, generator=gen).to(dtype)
+        with torch.no_grad():
+            y = moe(x.to(device))
+        scores = torch.softmax(x.float() @ moe.gate.weight.float().cpu().t(), -1)
+        top_w, top_i = scores.topk(top_k, -1)
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        ref = torch.zeros(m, hidden)
+        for t in range(m):
+            for wt, e in zip(top_w[t].tolist(), top_i[t].tolist(), strict=True):
+                g, u = (fake_quant_acts(x[t:t + 1], case.acts) @ w13[e].t()).chunk(2, -1)
+                h = (torch.nn.functional.silu(g) * u).to(dtype)
+                ref[t] += wt * (fake_quant_acts(h, case.acts) @ w2[e].t())[0]
+        assert y.shape == (m, hidden) and y.dtype == dtype
+        _check(y, ref, dtype, f"experts M={m}")
