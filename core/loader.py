@@ -211,9 +211,16 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
                 param.fill_(1.0)  # norms at 1 keep activations at a sane scale
                 continue
+            if "scale" in name.rsplit(".", 1)[-1]:
+                param.fill_(1.0)  # a quant method's scales: stored weights are the real ones
+                continue
             gen = torch.Generator(device=param.device)
             gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            param.normal_(0.0, std, generator=gen)
+            if param.element_size() == 1:  # fp8: no normal_ kernel, draw in fp32 and round
+                param.copy_(torch.empty(param.shape, device=param.device).normal_(
+                    0.0, std, generator=gen))
+            else:
+                param.normal_(0.0, std, generator=gen)
     process_weights_after_loading(model)
 
 

@@ -291,3 +291,29 @@ def test_kv_cache_scales_are_read_from_the_checkpoint(tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="unexpected tensors: model.layers.0.self_attn.o_proj.bias"):
         load_model(make_server_args(model_path=str(path)), cpu_plan("llama"), registry)
+
+
+def test_dummy_weights_for_an_fp8_checkpoint(tmp_path):
+    """--load-format dummy on an FP8 config (how the GPU benches run real shapes): e4m3
+    weights drawn through fp32, scales at 1."""
+    import dataclasses
+    import json as _json
+
+    import torch
+    from model_fixtures import cpu_plan, tiny_config
+
+    from core.config import make_server_args
+    from core.loader import load_model
+
+    cfg = tiny_config("llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                      num_key_value_heads=4).to_dict()
+    cfg.update(architectures=["LlamaForCausalLM"], quantization_config=QWEN3_FP8)
+    (tmp_path / "config.json").write_text(_json.dumps(cfg))
+    plan = dataclasses.replace(cpu_plan("llama"), quant_method="fp8", quant_format="fp8_block")
+    loaded = load_model(make_server_args(model_path=str(tmp_path), load_format="dummy"), plan,
+                        build_registry())
+    qkv = loaded.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight.float().std() > 0.01
+    assert torch.equal(qkv.weight_scale_inv, torch.ones_like(qkv.weight_scale_inv))
+    y = qkv(torch.randn(3, 128))
+    assert torch.isfinite(y).all() and y.abs().sum() > 0
