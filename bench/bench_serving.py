@@ -59,6 +59,9 @@ from core.testing.model_configs import LLAMA_31_8B, llama_config  # noqa: E402
 
 MODES = ("batch1", "offline", "online", "shared-prefix")
 LINEAR_BYTES = {"fp8": 1, "w8a8_int8": 1, "awq": 0.5, "gptq": 0.5}  # per weight, scales aside
+QUANT_CONFIGS = {"fp8-block": {"quant_method": "fp8", "fmt": "e4m3",
+                               "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
+QUANT_CONFIG_METHOD = {"fp8-block": "fp8"}
 
 TINY = llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096,
@@ -383,6 +386,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated subset of {', '.join(MODES)}")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--quant-config", choices=sorted(QUANT_CONFIGS), default=None,
+                   help="give the dummy model a quantization_config (fp8-block: the Qwen3 / "
+                        "DeepSeek FP8 format), so it is served as a quantized checkpoint")
     p.add_argument("--quantization", default=None,
                    help="quant method for the engine (a dense dummy model quantized at load: "
                         "fp8, w8a8_int8); the roofline counts its linear weights at 1 byte")
@@ -437,7 +443,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not gpu:
         a.skip_eager = True  # no graphs on a CPU: the eager run would be the same run
     a.device = "cuda" if gpu else "cpu"
-    a.cfg = LLAMA_31_8B if gpu else TINY
+    a.cfg = dict(LLAMA_31_8B if gpu else TINY)
+    if a.quant_config:  # the checkpoint itself quantized (dummy weights in its format)
+        a.cfg["quantization_config"] = QUANT_CONFIGS[a.quant_config]
     return a
 
 
@@ -479,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "batch1" in modes:
         elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
-        wbytes = weight_bytes(a.cfg, elem, LINEAR_BYTES.get(a.quantization))
+        method = a.quantization or QUANT_CONFIG_METHOD.get(a.quant_config or "")
+        wbytes = weight_bytes(a.cfg, elem, LINEAR_BYTES.get(method))
         bw = copy_bandwidth(a.device)
         report.update({"weight_bytes": wbytes, "copy_bw_GBps": bw / 1e9,
                        "roofline_decode_tok_s": bw / wbytes})
