@@ -19,6 +19,7 @@ from core.capabilities import (
     AttentionCaps,
     CapabilityRange,
     DeviceInfo,
+    GrammarCaps,
     LayerOpsCaps,
     ModelCaps,
     MoECaps,
@@ -206,12 +207,15 @@ def check_quant(caps: QuantCaps, spec: ModelSpec, device: DeviceInfo, *, dtype: 
     """
     reasons = check_device(caps, device)
     want = requested if requested is not None else spec.quant_method
+    loads = True
     if scheme is not None and scheme.online:
         if caps.online_format != scheme.format:
+            loads = False
             reasons.append(f"does not quantize a dense checkpoint into {scheme.format} at load")
     elif want not in caps.config_names:
+        loads = False
         reasons.append(f"does not load {want} checkpoints (loads {_join(caps.config_names)})")
-    if scheme is not None:
+    if scheme is not None and loads:  # what it computes matters once it reads the file
         reasons += _scheme_reasons(caps, scheme)
     lacking = sorted(f for f in caps.needs_features if not device.has(f))
     for feature in lacking:
@@ -257,6 +261,18 @@ def check_layer_ops(caps: LayerOpsCaps, device: DeviceInfo, *, dtype: str | None
     reasons += _dtype_reason(dtype, caps.dtypes)
     if cuda_graph and not caps.cuda_graph:
         reasons.append("cannot be captured in CUDA graphs")
+    return reasons
+
+
+def check_grammar(caps: GrammarCaps, device: DeviceInfo, *, tokenizer: str = "hf"
+                  ) -> list[str]:
+    """Reasons a grammar backend cannot constrain this engine's decoding (its package, the
+    tokenizer kind it builds a vocabulary from)."""
+    reasons = check_device(caps, device)
+    if tokenizer not in caps.tokenizers:
+        reasons.append(f"cannot read a {tokenizer} tokenizer (reads {_join(caps.tokenizers)})")
+    if not caps.constraints:
+        reasons.append("declares no constraint types")
     return reasons
 
 
