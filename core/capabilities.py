@@ -349,7 +349,41 @@ class LayerOpsCaps(_Frozen):
                 f"ops={','.join(sorted(self.ops))}{' cuda_graph' if self.cuda_graph else ''}")
 
 
-KINDS = ("hardware", "attention", "moe", "quant", "models", "layer_ops")
+CONSTRAINT_TYPES = ("json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag")
+
+
+@dataclass(frozen=True)
+class GrammarCaps(_Frozen):
+    """What a grammar backend (structured output; the protocol is core.grammar) supports.
+
+    constraints: which of CONSTRAINT_TYPES it compiles. schema_lacks: JSON-schema keywords it
+    would accept but not enforce (a request whose schema uses one is refused, never run
+    loosely). tokenizers: tokenizer kinds it can build a vocabulary from ("hf": a transformers
+    tokenizer, what core.tokenizer wraps). Grammar work runs on the host, so devices is "*" for
+    a backend whose bitmask the core applies on any device.
+    """
+
+    constraints: frozenset[str] = frozenset()
+    schema_lacks: frozenset[str] = frozenset()
+    tokenizers: frozenset[str] = frozenset(("hf",))
+    devices: frozenset[str] = frozenset(("*",))
+    capability: Mapping[str, CapabilityRange] = field(default_factory=dict)
+    cpu_isa: frozenset[str] = frozenset()
+    requires: tuple[str, ...] = ()
+    priority: Mapping[str, int] = field(default_factory=dict)
+    description: str = ""
+
+    _sets = ("constraints", "schema_lacks", "tokenizers", "devices", "cpu_isa")
+    _maps = ("capability", "priority")
+
+    def summary(self) -> str:
+        lacks = f" schema_lacks={','.join(sorted(self.schema_lacks))}" if self.schema_lacks \
+            else ""
+        return (f"constraints={','.join(c for c in CONSTRAINT_TYPES if c in self.constraints)}"
+                f"{lacks} tokenizers={','.join(sorted(self.tokenizers))}")
+
+
+KINDS = ("hardware", "attention", "moe", "quant", "models", "layer_ops", "grammar")
 CAPS_TYPES: dict[str, type] = {
     "hardware": HardwareCaps,
     "attention": AttentionCaps,
@@ -357,4 +391,5 @@ CAPS_TYPES: dict[str, type] = {
     "quant": QuantCaps,
     "models": ModelCaps,
     "layer_ops": LayerOpsCaps,
+    "grammar": GrammarCaps,
 }

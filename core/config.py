@@ -92,6 +92,9 @@ class ServerArgs:
                                "plugin's; CORE_DISABLE_FUSED_OPS=1 means torch)")
     quantization: str | None = _f(None, "kernels", "quantization method")
     kv_cache_dtype: str = _f("auto", "kernels", "KV-cache storage dtype")
+    grammar_backend: str = _f("auto", "kernels", "grammar backend for structured output "
+                              "(xgrammar, llguidance, or a plugin's; auto: the best installed; "
+                              "none: structured output off)")
     disable_cuda_graph: bool = _f(False, "kernels", "never capture CUDA graphs")
     cuda_graph_max_bs: int | None = _f(None, "kernels", "largest captured decode batch")
     tp_size: int = _f(1, "kernels", "tensor-parallel size (only 1 until tensor parallelism "

@@ -19,8 +19,9 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.2"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.3"  # 1.1: hardware targets may register a Platform; layer ops
 # 1.2: quant factories take the checkpoint's QuantScheme (core.quant); QuantCaps formats
+# 1.3: grammar backends (structured output, core.grammar)
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -70,3 +71,10 @@ def core_register_models(register):
 def core_register_layer_ops(register):
     """Register layer ops: register(name, LayerOpsCaps, factory); factory(dtype=, device=)
     returns an object implementing core.layer_ops.LayerOps (fused element-wise kernels)."""
+
+
+@hookspec
+def core_register_grammar_backends(register):
+    """Register grammar backends (structured output): register(name, GrammarCaps, factory);
+    factory(tokenizer=, vocab_size=, stop_token_ids=) returns a core.grammar.GrammarBackend
+    (constraint -> compiled grammar -> per-request matcher filling a token bitmask)."""

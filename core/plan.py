@@ -12,7 +12,8 @@ from core.capabilities import DeviceInfo
 class Candidate:
     """One registered backend considered for one slot."""
 
-    slot: str  # prefill_attention | decode_attention | moe_runner | quant_method | layer_ops | model
+    slot: str  # prefill_attention | decode_attention | moe_runner | quant_method | layer_ops |
+    # model | grammar_backend
     name: str
     origin: str  # distribution and version that registered it
     fits: bool
@@ -41,6 +42,9 @@ class Plan:
     # the weights' format (core.quant.FORMATS); differs from the checkpoint's when quantized
     # at load (a dense checkpoint with --quantization fp8 -> fp8_channel)
     quant_format: str = "dense"
+    # the grammar backend for structured output (core.grammar); None: structured output is off
+    # (--grammar-backend none, or nothing fits under auto: the notes say why)
+    grammar_backend: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Not asdict(self): it deep-copies DeviceInfo.extra, a mappingproxy, which cannot be.

@@ -34,6 +34,7 @@ HOOK_FOR_KIND = {
     "quant": "core_register_quant_methods",
     "models": "core_register_models",
     "layer_ops": "core_register_layer_ops",
+    "grammar": "core_register_grammar_backends",
 }
 
 

@@ -17,7 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from core.capabilities import KV_CACHE_DTYPES, DeviceInfo, PageSizes
-from core.checks import check_attention, check_layer_ops, check_model, check_moe, check_quant
+from core.checks import (
+    check_attention,
+    check_grammar,
+    check_layer_ops,
+    check_model,
+    check_moe,
+    check_quant,
+)
 from core.config import ServerArgs
 from core.model_spec import ModelSpec
 from core.plan import Candidate, Plan, ResolveError
@@ -211,6 +218,33 @@ def _attention(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: 
                         for n in (pre, dec)])
 
 
+GRAMMAR_OFF = "none"
+
+
+def _grammar_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: list[Slot],
+                  notes: list[str]) -> str | None:
+    """The grammar backend: the user's pick (an error when it does not fit), the best that fits
+    under auto (none fitting turns structured output off, with the reasons noted: a server
+    without a grammar library still serves, and refuses constrained requests), or none."""
+    raw = (args.grammar_backend or "auto").strip()
+    if raw == GRAMMAR_OFF:
+        notes.append("structured output off: --grammar-backend none")
+        return None
+    user = None if raw == "auto" else raw
+    slot = Slot("grammar_backend", "grammar", registry, device.target,
+                lambda caps: check_grammar(caps, device), user, "--grammar-backend")
+    slots.append(slot)
+    if user is not None:
+        return slot.options()[0].name
+    ranked = slot.ranked()
+    if not ranked:
+        why = "; ".join(slot.all_reasons())
+        notes.append(f"structured output off: no grammar backend fits ({why})")
+        return None
+    notes.append(f"grammar backend {ranked[0].name} (--grammar-backend auto)")
+    return ranked[0].name
+
+
 def _where(device: DeviceInfo) -> str:
     return f"{device.target} {device.arch or ''}".strip()
 
@@ -280,19 +314,27 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
         notes.append(f"no model implementation registered for {spec.architecture}: the engine "
                      f"cannot run it")
 
+    grammar = None
+    try:
+        grammar = _grammar_slot(device, args, registry, slots, notes)
+    except ResolveError as exc:
+        errors.append(exc)
+
     if errors:
         raise merge_errors(errors, tuple(c for s in slots for c in s.candidates))
     assert quant is not None and prefill is not None and decode is not None and ops is not None
 
     cuda_graph = _graph_capture(device, args, registry, decode, moe, ops, notes)
     chosen = {"quant_method": quant, "prefill_attention": prefill, "decode_attention": decode,
-              "moe_runner": moe, "layer_ops": ops, "model": model_impl}
+              "moe_runner": moe, "layer_ops": ops, "model": model_impl,
+              "grammar_backend": grammar}
     candidates = tuple(dataclasses.replace(c, chosen=chosen.get(c.slot) == c.name)
                        for s in slots for c in s.candidates)
     return Plan(device=device, dtype=dtype, prefill_attention=prefill, decode_attention=decode,
                 moe_runner=moe, quant_method=quant, kv_cache_dtype=kv, page_size=page,
                 cuda_graph=cuda_graph, model_impl=model_impl, notes=tuple(notes),
-                candidates=candidates, layer_ops=ops, quant_format=scheme.format)
+                candidates=candidates, layer_ops=ops, quant_format=scheme.format,
+                grammar_backend=grammar)
 
 
 def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, decode: str,
@@ -358,7 +400,8 @@ def explain(plan: Plan) -> str:
             ("layer ops", plan.layer_ops),
             ("KV cache dtype", plan.kv_cache_dtype), ("page size", str(plan.page_size)),
             ("graph capture", "on" if plan.cuda_graph else "off"),
-            ("model impl", plan.model_impl or "- (none registered)")]
+            ("model impl", plan.model_impl or "- (none registered)"),
+            ("grammar backend", plan.grammar_backend or "- (structured output off)")]
     lines = ["Plan:"] + [f"  {k:<18} {v}" for k, v in rows]
     if plan.notes:
         lines += ["", "Notes:"] + [f"  - {n}" for n in plan.notes]

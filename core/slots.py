@@ -20,10 +20,12 @@ SLOT_LABELS = {
     "moe_runner": "MoE runner",
     "layer_ops": "layer ops",
     "model": "model implementation",
+    "grammar_backend": "grammar backend",
 }
 KIND_LABELS = {"attention": "attention backends", "moe": "MoE runners",
                "quant": "quant methods", "models": "model implementations",
-               "layer_ops": "layer-ops plugins"}
+               "layer_ops": "layer-ops plugins",
+               "grammar": "grammar backends"}
 
 
 class Slot:

@@ -1,0 +1,238 @@
+"""The grammar-backend protocol (structured output), as a plugin kind.
+
+A grammar backend registers `register(name, GrammarCaps, factory)`; the resolver picks one
+(`--grammar-backend`, the plan's `grammar_backend`; `none` turns structured output off). Each
+process that needs it builds it once:
+
+    backend = factory(tokenizer=core.tokenizer.Tokenizer, vocab_size=int, stop_token_ids=[int])
+
+vocab_size is the model's logits width (it may exceed the tokenizer's); stop_token_ids end a
+completed grammar. The backend implements GrammarBackend:
+
+    validate(constraint)   cheap check, no vocabulary needed; raises GrammarError naming the
+                           problem (invalid JSON schema, invalid regex...). The client runs it
+                           before admission, so the caller gets a 400.
+    compile(constraint)    -> compiled grammar for this vocabulary, immutable, shared by every
+                           request with the same constraint (the core caches it); GrammarError.
+    matcher(compiled)      -> a fresh GrammarMatcher for one sequence (n > 1: one each).
+
+A GrammarMatcher holds one sequence's position in its grammar:
+
+    fill_bitmask(bitmask, row)  write the allowed next tokens into bitmask[row] (an int32 CPU
+                                tensor [B, ceil(V / 32)]: bit j of word i allows token 32 i + j)
+    accept(token) -> bool       advance past the sampled token (False: the grammar refuses it)
+    is_terminated() -> bool     the grammar is complete and its stop token was accepted
+    reset()                     back to the start (nothing accepted)
+    close()                     free what it holds; the core calls it when the request finishes
+                                or is aborted, and never uses the matcher again
+
+How the engine uses it: the client checks a request's Constraint (`Grammar.check`); the worker
+compiles it at admission (`Grammar.matcher`, cached by backend + constraint) and keeps the matcher
+with the request's sampling state; each step that samples a constrained request fills its row of
+the bitmask, the sampler masks the logits (`apply_bitmask`) before drawing, the token is accepted,
+and a terminated grammar finishes the request (finish_reason stop). A constrained request keeps its
+matcher across retraction: its output is kept and recomputed, so the state stays true.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from core.capabilities import CONSTRAINT_TYPES, GrammarCaps
+
+COMPILED_CACHE_SIZE = 256  # compiled grammars kept per process (LRU)
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled or enforced; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's structured-output constraint, as data (it crosses the process boundary).
+
+    kind: one of CONSTRAINT_TYPES. value: the JSON schema as JSON text (json_schema), the regex,
+    the EBNF grammar, the choices as a JSON array of strings (choice), the structural tag as JSON
+    text; "" for json_object. source: the request field it came from, for messages only.
+    """
+
+    kind: str
+    value: str = ""
+    source: str = ""
+
+    def key(self) -> tuple[str, str]:
+        return (self.kind, self.value)
+
+    @property
+    def where(self) -> str:
+        return self.source or self.kind
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "value": self.value, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Constraint:
+        if isinstance(d, Constraint):
+            return d
+        if not isinstance(d, dict) or set(d) - {"kind", "value", "source"} or "kind" not in d:
+            raise ValueError(f"constraint must be an object with kind, value and source, "
+                             f"got {d!r:.80}")
+        c = cls(d["kind"], d.get("value", ""), d.get("source", ""))
+        c.validate()
+        return c
+
+    def validate(self) -> None:
+        """The shape of the value for its kind (not whether a backend can compile it)."""
+        if self.kind not in CONSTRAINT_TYPES:
+            raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_TYPES)}, "
+                             f"got {self.kind!r:.40}")
+        if not isinstance(self.value, str) or not isinstance(self.source, str):
+            raise ValueError("constraint value and source must be strings")
+        if self.kind in ("json_schema", "structural_tag"):
+            try:
+                v = json.loads(self.value)
+            except ValueError as exc:
+                raise GrammarError(f"{self.where}: invalid JSON schema: not JSON ({exc})") \
+                    from None
+            if not isinstance(v, (dict, bool)):
+                raise GrammarError(f"{self.where}: invalid JSON schema: a schema is an object "
+                                   f"or a boolean, got {type(v).__name__}")
+        elif self.kind == "choice":
+            v = json.loads(self.value) if self.value.startswith("[") else None
+            if not (isinstance(v, list) and v and all(isinstance(x, str) and x for x in v)):
+                raise GrammarError(f"{self.where}: choices must be a non-empty array of "
+                                   f"non-empty strings")
+        elif self.kind in ("regex", "ebnf") and not self.value:
+            raise GrammarError(f"{self.where}: the {self.kind} is empty")
+
+    def schema(self) -> Any:
+        return json.loads(self.value) if self.kind == "json_schema" else None
+
+    def choices(self) -> list[str]:
+        return json.loads(self.value) if self.kind == "choice" else []
+
+
+@runtime_checkable
+class GrammarMatcher(Protocol):
+    def fill_bitmask(self, bitmask: Any, row: int) -> None: ...
+
+    def accept(self, token: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class GrammarBackend(Protocol):
+    def validate(self, constraint: Constraint) -> None: ...
+
+    def compile(self, constraint: Constraint) -> Any: ...
+
+    def matcher(self, compiled: Any) -> GrammarMatcher: ...
+
+
+# JSON-schema keywords whose values are subschemas (walked for the keywords a schema uses)
+_SUB_ONE = ("items", "not", "additionalProperties", "contains", "if", "then", "else",
+            "propertyNames", "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def schema_keywords(schema: Any) -> set[str]:
+    """The keywords a JSON schema uses anywhere (property names are not keywords)."""
+    seen: set[str] = set()
+
+    def walk(s: Any) -> None:
+        if not isinstance(s, dict):
+            return
+        seen.update(k for k in s if isinstance(k, str))
+        for k in _SUB_ONE:
+            walk(s.get(k))
+        for k in _SUB_LIST:
+            for x in s.get(k) if isinstance(s.get(k), list) else ():
+                walk(x)
+        for k in _SUB_MAP:
+            for x in s.get(k).values() if isinstance(s.get(k), dict) else ():
+                walk(x)
+
+    walk(schema)
+    return seen
+
+
+class Grammar:
+    """The chosen backend in one process: checks against its caps, compiled-grammar cache."""
+
+    def __init__(self, name: str, caps: GrammarCaps, backend: GrammarBackend,
+                 vocab_size: int, cache_size: int = COMPILED_CACHE_SIZE):
+        self.name, self.caps, self.backend = name, caps, backend
+        self.vocab_size = vocab_size
+        self._cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
+        self._cache_size = cache_size
+        self.compiled = 0  # cache misses (tests and stats)
+
+    def check(self, c: Constraint) -> None:
+        """Raise GrammarError when this backend cannot enforce `c` (never run it loosely)."""
+        c.validate()
+        if c.kind not in self.caps.constraints:
+            supported = ", ".join(k for k in CONSTRAINT_TYPES if k in self.caps.constraints)
+            raise GrammarError(f"{c.where}: grammar backend {self.name} does not support "
+                               f"{c.kind} constraints (supports {supported})")
+        if c.kind == "json_schema":
+            lacking = sorted(schema_keywords(c.schema()) & self.caps.schema_lacks)
+            if lacking:
+                raise GrammarError(f"{c.where}: the JSON schema uses {', '.join(lacking)}, which "
+                                   f"grammar backend {self.name} cannot enforce")
+        self.backend.validate(c)
+
+    def compiled_for(self, c: Constraint) -> Any:
+        key = (self.name, *c.key())
+        got = self._cache.get(key)
+        if got is not None:
+            self._cache.move_to_end(key)
+            return got
+        self.check(c)
+        got = self.backend.compile(c)
+        self.compiled += 1
+        self._cache[key] = got
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return got
+
+    def matcher(self, c: Constraint) -> GrammarMatcher:
+        """A fresh matcher for one sequence (compiles on a cache miss; GrammarError)."""
+        return self.backend.matcher(self.compiled_for(c))
+
+
+def apply_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:
+    """logits[rows[i]] = -inf where bitmask[i] forbids the token (plain PyTorch, any device).
+
+    logits [B, V]; bitmask [len(rows), ceil(V / 32)] int32 (bit j of word w: token 32 w + j).
+    """
+    import torch
+
+    V = logits.shape[1]
+    words = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool()  # [b, W, 32]
+    allowed = allowed.reshape(len(rows), -1)[:, :V]  # [b, V]
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+
+
+def make_grammar(registry: Any, name: str | None, tokenizer: Any, vocab_size: int,
+                 stop_token_ids: list[int]) -> Grammar | None:
+    """Build the plan's grammar backend (its library is imported here); None when off."""
+    if name is None:
+        return None
+    reg = registry.get("grammar", name)
+    if reg is None:
+        raise ValueError(f"grammar backend {name!r} is not registered in this process")
+    backend = reg.load()(tokenizer=tokenizer, vocab_size=vocab_size,
+                         stop_token_ids=list(stop_token_ids))
+    return Grammar(name, reg.caps, backend, vocab_size)

@@ -1,0 +1,1 @@
+"""Built-in grammar backends (structured output): one package per backend (core.grammar)."""

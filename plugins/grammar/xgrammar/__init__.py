@@ -1,0 +1,27 @@
+"""`xgrammar` grammar backend: JSON schema, JSON object, regex, EBNF and choices, compiled by
+xgrammar into a token-mask matcher (the core applies its bitmask to the logits).
+
+Declared here without importing xgrammar; `backend.py` imports it, only when this backend is
+chosen. schema_lacks lists the JSON-schema keywords xgrammar 0.2 accepts without enforcing
+(checked against its matcher): a schema using one is refused rather than run loosely.
+"""
+
+from core.capabilities import DEVICE_TYPES, GrammarCaps
+from core.hookspecs import hookimpl
+
+CORE_PLUGIN_API = ">=1.3,<2"
+
+CAPS = GrammarCaps(
+    constraints={"json_schema", "json_object", "regex", "ebnf", "choice"},
+    schema_lacks={"multipleOf", "not", "if", "then", "else", "contentEncoding",
+                  "contentMediaType", "dependentSchemas"},
+    tokenizers={"hf"},
+    requires=("xgrammar",),
+    priority={d: 20 for d in DEVICE_TYPES},
+    description="xgrammar: pushdown-automaton grammars with a precomputed token-mask cache",
+)
+
+
+@hookimpl
+def core_register_grammar_backends(register):
+    register("xgrammar", CAPS, "plugins.grammar.xgrammar.backend:XGrammarBackend")
