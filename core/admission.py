@@ -223,3 +223,6 @@ class Admission:
 
     def _done(self, req: Req) -> None:
         self.by_id.pop(req.rid, None)
+        if req.state.matcher is not None:  # finished or aborted: its grammar state goes
+            req.state.matcher.close()
+            req.state.matcher = None

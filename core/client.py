@@ -65,6 +65,9 @@ class EngineClient:
 
         self.args = args
         self.tokenizer = tokenizer
+        self.plan = plan
+        self._grammar: Any = None  # core.grammar.Grammar, built at the first constraint
+        self._grammar_lock = threading.Lock()
         self._reqs: dict[str, _ReqState] = {}
         self._sync_queues: dict[str, queue.Queue] = {}
         self._replies: dict[int, tuple[threading.Event, list[ipc.Reply]]] = {}
@@ -192,7 +195,29 @@ class EngineClient:
         p.check_vocab(vocab)
         check_fits(len(input_ids), p.max_new_tokens, info.max_context, info.pool_tokens,
                    info.page_size)
+        if p.constraint is not None:
+            self.check_constraint(p.constraint)
         return input_ids, p
+
+    def check_constraint(self, constraint: Any) -> None:
+        """Raise ValueError (core.grammar.GrammarError) naming the problem when the engine's
+        grammar backend cannot enforce this constraint, or structured output is off. Checked
+        here, before admission, so that the caller gets the error (the worker compiles it)."""
+        name = self.plan.grammar_backend
+        if name is None:
+            why = next((n.split(": ", 1)[1] for n in self.plan.notes
+                        if n.startswith("structured output off: ")), "no grammar backend")
+            raise ValueError(f"{constraint.where}: structured output is off in this server "
+                             f"({why})")
+        with self._grammar_lock:
+            if self._grammar is None:
+                from core.grammar import make_grammar
+                from core.plugins import get_registry
+
+                self._grammar = make_grammar(get_registry(), name, self.tokenizer,
+                                             self.info.vocab_size,
+                                             list(self.info.eos_token_ids))
+        self._grammar.check(constraint)
 
     def submit(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
                *, input_ids: list[int] | None = None, rid: str | None = None,

@@ -72,12 +72,14 @@ def _fields(d: Any, what: str, spec: dict[str, tuple[Callable[[Any], bool], str]
 _PARAM_CHECKS = {"int": (_is_int, "an integer"), "float": (_is_num, "a number"),
                  "bool": (_of(bool), "true or false"), "int | None": (_opt(_is_int), "an integer"),
                  "list[str]": (_list_of(_of(str)), "a list of strings"),
-                 "list[int]": (_list_of(_is_int), "a list of integers")}
+                 "list[int]": (_list_of(_is_int), "a list of integers"),
+                 "Constraint | None": (_opt(_of(dict)), "an object or null")}
 _PARAMS = {f.name: _PARAM_CHECKS[str(f.type)] for f in dataclasses.fields(SamplingParams)}
 
 
 def _params(d: Any) -> SamplingParams:
-    # Built without validate(): the client validated them; this only checks the shape.
+    # Built without validate(): the client validated them; this only checks the shape (a
+    # constraint's too: Constraint.from_dict).
     return SamplingParams(**_fields(d, "sampling params", _PARAMS))
 
 

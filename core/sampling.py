@@ -1,7 +1,8 @@
 """Sampling parameters (validated, SGLang's names) and the batched sampler that runs on the device.
 
 Order of operations per step, per request: repetition / frequency / presence penalties,
-min_new_tokens (stop tokens masked), then greedy argmax when temperature == 0, else temperature,
+min_new_tokens (stop tokens masked), a grammar's token bitmask (structured output,
+core.grammar) for constrained requests, then greedy argmax when temperature == 0, else temperature,
 top-k, top-p, min-p and a draw. A request with a seed draws from its own torch.Generator, so the
 same seed gives the same tokens whatever else is in the batch. Logprobs are those of the model's
 distribution (log-softmax of the raw logits), like vLLM's default.
@@ -14,6 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
+
+from core.grammar import Constraint, apply_bitmask
 
 MAX_TOP_LOGPROBS = 20
 
@@ -37,6 +40,12 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # structured output: the grammar the output must follow (core.grammar), or None
+    constraint: Constraint | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.constraint, dict):  # from JSON (the wire, to_dict)
+            self.constraint = Constraint.from_dict(self.constraint)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -113,6 +122,15 @@ class SamplingParams:
         boolean("logprobs")
         integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
         boolean("skip_special_tokens")
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise ValueError(f"constraint must be a core.grammar.Constraint or its dict, "
+                                 f"got {type(self.constraint).__name__}")
+            self.constraint.validate()
+            if self.min_new_tokens:
+                # its mask would fight the grammar's where only a stop token may follow
+                raise ValueError("min_new_tokens together with a structured-output constraint "
+                                 "is not supported yet")
 
     def check_vocab(self, vocab_size: int) -> None:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
@@ -144,6 +162,8 @@ class SamplingState:
         self.params = params
         self.stop_ids = stop_ids  # masked while fewer than min_new_tokens were produced
         self.num_out = 0
+        # the request's grammar matcher (core.grammar.GrammarMatcher), set at admission
+        self.matcher: Any = None
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device)
@@ -202,6 +222,7 @@ class Sampler:
         """The chosen tokens [B] as a device tensor, without waiting for them (no host sync).
         Penalty states are not updated: callers that defer the host copy (the overlap
         scheduler) use it only for `deferrable` states and call `observe` once tokens land."""
+        self._constrain(logits, states)
         self._penalize(logits, states)
         greedy = [s.params.greedy for s in states]
         if all(greedy):
@@ -212,10 +233,23 @@ class Sampler:
     def deferrable(state: SamplingState, produced: int) -> bool:
         """Can this request's next token be drawn before its previous one reached the host?
         Yes unless something in the draw depends on the previous token: penalties (their
-        counts), min_new_tokens still masking stop tokens, or logprobs (kept simple: sync)."""
+        counts), min_new_tokens still masking stop tokens, a grammar (its mask follows the
+        accepted token), or logprobs (kept simple: sync)."""
         p = state.params
         return (state.counts is None and state.seen is None and not p.logprobs
-                and produced >= p.min_new_tokens)
+                and produced >= p.min_new_tokens and state.matcher is None)
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, states: list[SamplingState]) -> None:
+        """Mask what each constrained request's grammar forbids next (filled on the host)."""
+        rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        if not rows:
+            return
+        words = -(-logits.shape[1] // 32)
+        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        for j, i in enumerate(rows):
+            states[i].matcher.fill_bitmask(bitmask, j)
+        apply_bitmask(logits, bitmask, rows)
 
     def _penalize(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
         for i, s in enumerate(states):

@@ -87,7 +87,8 @@ class Scheduler(Admission, Overlap):
     def __init__(self, runner: ModelRunner, allocator: PageAllocator,
                  req_to_token: ReqToTokenPool, cache: RadixCache | NoPrefixCache,
                  sampler: Sampler, cfg: SchedulerConfig, eos_token_ids: Iterable[int],
-                 vocab_size: int, decode_text: Callable[[list[int]], str] | None = None):
+                 vocab_size: int, decode_text: Callable[[list[int]], str] | None = None,
+                 grammar: Any = None):
         self.runner = runner
         self.allocator = allocator
         self.req_to_token = req_to_token
@@ -97,6 +98,7 @@ class Scheduler(Admission, Overlap):
         self.eos = set(eos_token_ids)
         self.vocab_size = vocab_size
         self.decode_text = decode_text  # for stop strings; None disables them
+        self.grammar = grammar  # core.grammar.Grammar for constrained requests; None: off
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
@@ -164,10 +166,23 @@ class Scheduler(Admission, Overlap):
             raise
         stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos))
         state = SamplingState(p, input_ids, stop_ids, self.vocab_size, self.runner.device)
+        if p.constraint is not None:
+            state.matcher = self._matcher(p)
         req = Req(rid, list(input_ids), p, state, self._seq, priority or 0)
         self._seq += 1
         self.by_id[rid] = req
         self.waiting.append(req)
+
+    def _matcher(self, p: SamplingParams) -> Any:
+        """The constrained request's own grammar matcher (compiled, or from the cache)."""
+        try:
+            if self.grammar is None:
+                raise AdmissionError("structured output is off in this engine "
+                                     "(--grammar-backend none, or no grammar backend fits)")
+            return self.grammar.matcher(p.constraint)
+        except ValueError:
+            self.counters["rejected"] += 1
+            raise
 
     def abort(self, rid: str) -> bool:
         req = self.by_id.get(rid)
@@ -298,7 +313,11 @@ class Scheduler(Admission, Overlap):
         r.pending_ids.append(tok)
         if r.params.logprobs:
             r.pending_lps.append(lp)
-        r.finish = self._check_finish(r, tok)
+        m = r.state.matcher
+        if m is not None and not m.accept(tok):  # the mask allowed it: a backend bug
+            r.finish = {"type": "abort", "message": f"the grammar refused sampled token {tok}"}
+        else:
+            r.finish = self._check_finish(r, tok)
         if r.finish is not None:
             self._release(r)
             self.counters["finished"] += 1
@@ -307,6 +326,8 @@ class Scheduler(Admission, Overlap):
     def _check_finish(self, r: Req, tok: int) -> dict | None:
         p = r.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+            return {"type": "stop", "matched": tok}
+        if r.state.matcher is not None and r.state.matcher.is_terminated():
             return {"type": "stop", "matched": tok}
         if p.stop and self.decode_text is not None and len(r.output_ids) >= p.min_new_tokens:
             longest = max(len(s) for s in p.stop)

@@ -176,9 +176,10 @@ def build_runner(plan: Plan, spec: Any, registry: Any, platform: Any, loaded: An
 
 def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any,
                     mem: MemoryPlan, platform: Any, loaded: Any, max_context: int,
-                    device: Any) -> tuple[Any, set[int], str]:
-    """Phase 4: pages, prefix cache, sampler and the scheduler. Returns (scheduler, EOS ids,
-    overlap note)."""
+                    device: Any, registry: Any = None) -> tuple[Any, set[int], str]:
+    """Phase 4: pages, prefix cache, sampler, the grammar backend and the scheduler. Returns
+    (scheduler, EOS ids, overlap note)."""
+    from core.grammar import make_grammar
     from core.memory_pool import PageAllocator
     from core.radix_cache import make_prefix_cache
     from core.sampling import Sampler
@@ -205,9 +206,17 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any
     cfg_eos = getattr(cfg, "eos_token_id", None)
     eos |= set(cfg_eos if isinstance(cfg_eos, (list, tuple)) else
                [cfg_eos] if cfg_eos is not None else [])
+    grammar = None
+    if plan.grammar_backend is not None and tok is not None:
+        if registry is None:
+            from core.plugins import get_registry
+
+            registry = get_registry()
+        grammar = make_grammar(registry, plan.grammar_backend, tok, int(cfg.vocab_size),
+                               sorted(eos))
     scheduler = Scheduler(runner, allocator, req_to_token, cache, Sampler(device, args.seed),
                           sched_cfg, eos, int(cfg.vocab_size),
-                          decode_text=tok.decode if tok is not None else None)
+                          decode_text=tok.decode if tok is not None else None, grammar=grammar)
     return scheduler, eos, overlap_note
 
 
@@ -238,7 +247,8 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     runner, graph_note = build_runner(plan, spec, registry, platform, loaded, kv_pool,
                                       req_to_token, kv_dtype, device, max_context, mem)
     scheduler, eos, overlap_note = build_scheduler(args, plan, runner, req_to_token, mem,
-                                                   platform, loaded, max_context, device)
+                                                   platform, loaded, max_context, device,
+                                                   registry)
     info = EngineInfo(
         max_context=max_context, pool_tokens=scheduler.allocator.total_pages * plan.page_size,
         page_size=plan.page_size, max_running_requests=mem.max_running,

@@ -1,0 +1,213 @@
+"""Grammar backends as a plugin kind: resolved by --grammar-backend, listed and explained; the
+protocol on a tiny byte vocabulary (the mask allows exactly the tokens the grammar allows,
+checked by brute force over the vocabulary); the core's checks, cache and bitmask."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from core.capabilities import GrammarCaps
+from core.config import ServerArgs
+from core.devices import PROFILES
+from core.grammar import Constraint, Grammar, GrammarError, apply_bitmask, make_grammar
+from core.hookspecs import hookimpl
+from core.plan import ResolveError
+from core.plugins import build_registry
+from core.resolver import explain, resolve
+
+pytest.importorskip("xgrammar")
+
+CPU = PROFILES["xeon-amx"]
+
+
+def _missing_plugin():
+    mod = types.ModuleType("grammar_missing")
+
+    @hookimpl
+    def core_register_grammar_backends(register):
+        register("needs_missing", GrammarCaps(constraints={"regex"},
+                                              requires=("definitely_not_a_package_x",),
+                                              priority={"cpu": 99}), "x:y")
+
+    mod.core_register_grammar_backends = core_register_grammar_backends
+    return mod
+
+
+@pytest.fixture
+def registry(clean_plugin_env):
+    from plugins_for_tests import builtin_backend_plugins
+
+    import plugins.grammar.xgrammar as grammar_xgrammar
+
+    reg = build_registry(extra=builtin_backend_plugins() + [
+        ("grammar_xgrammar", grammar_xgrammar), ("grammar_missing", _missing_plugin())],
+        entry_points=False)
+    assert not reg.failures, reg.failures
+    return reg
+
+
+# -- the resolver, the plan, the listing ----------------------------------------------------------
+
+def test_auto_picks_the_best_installed_backend_and_explains_the_rest(model_spec, registry):
+    plan = resolve(model_spec("llama-3.1-8b"), CPU, ServerArgs(), registry)
+    assert plan.grammar_backend == "xgrammar"  # the higher-priority one lacks its package
+    why = next(c for c in plan.candidates
+               if c.slot == "grammar_backend" and c.name == "needs_missing")
+    assert why.reasons == ("package definitely_not_a_package_x is not installed",)
+    text = explain(plan)
+    assert "grammar backend    xgrammar" in text and "definitely_not_a_package_x" in text
+    assert plan.to_dict()["grammar_backend"] == "xgrammar"
+
+
+def test_none_turns_structured_output_off(model_spec, registry):
+    plan = resolve(model_spec("llama-3.1-8b"), CPU, ServerArgs(grammar_backend="none"), registry)
+    assert plan.grammar_backend is None
+    assert "structured output off: --grammar-backend none" in plan.notes
+    assert "structured output off" in explain(plan)
+
+
+def test_a_named_backend_that_cannot_run_is_an_error(model_spec, registry):
+    with pytest.raises(ResolveError) as e:
+        resolve(model_spec("llama-3.1-8b"), CPU, ServerArgs(grammar_backend="needs_missing"),
+                registry)
+    assert "package definitely_not_a_package_x is not installed" in str(e.value)
+    assert "xgrammar" in e.value.would_fit
+    with pytest.raises(ResolveError, match="unknown grammar backend 'outlines'"):
+        resolve(model_spec("llama-3.1-8b"), CPU, ServerArgs(grammar_backend="outlines"),
+                registry)
+
+
+def test_auto_with_nothing_installed_is_off_with_the_reason(model_spec, clean_plugin_env):
+    from plugins_for_tests import builtin_backend_plugins
+
+    reg = build_registry(extra=builtin_backend_plugins() + [
+        ("grammar_missing", _missing_plugin())], entry_points=False)
+    plan = resolve(model_spec("llama-3.1-8b"), CPU, ServerArgs(), reg)
+    assert plan.grammar_backend is None
+    assert any(n.startswith("structured output off: no grammar backend fits") and
+               "definitely_not_a_package_x" in n for n in plan.notes)
+
+
+def test_backends_lists_the_grammar_kind(capsys):
+    from core.cli import main
+
+    assert main(["backends", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["plugins"]
+    row = next(r for r in rows if r["kind"] == "grammar" and r["name"] == "xgrammar")
+    assert row["status"] == "available" and "json_schema" in row["summary"]
+
+
+# -- the protocol on a tiny vocabulary ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def byte_grammar(tmp_path_factory):
+    """xgrammar over the byte-level test tokenizer: ids 0..255 are bytes, then the specials."""
+    from model_fixtures import SPECIALS, write_tokenizer
+
+    from core.plugins import get_registry
+    from core.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("bytetok")
+    write_tokenizer(path)
+    tok = Tokenizer.from_path(str(path))
+    eos = 256 + SPECIALS.index("<|im_end|>")
+    vocab = 256 + len(SPECIALS) + 5  # logits wider than the tokenizer, as models pad them
+    return make_grammar(get_registry(), "xgrammar", tok, vocab, [eos]), eos, vocab
+
+
+def _allowed(grammar: Grammar, matcher) -> set[int]:
+    bitmask = torch.full((1, -(-grammar.vocab_size // 32)), -1, dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    logits = torch.zeros(1, grammar.vocab_size)
+    apply_bitmask(logits, bitmask, [0])
+    return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+
+
+LANGUAGES = [  # (constraint, the finite language it defines)
+    (Constraint("choice", json.dumps(["apple", "apricot", "kiwi"])), {"apple", "apricot", "kiwi"}),
+    (Constraint("regex", "a[bc]d?"), {"ab", "ac", "abd", "acd"}),
+    (Constraint("ebnf", 'root ::= "x" ("y" | "zz")'), {"xy", "xzz"}),
+    (Constraint("json_schema", json.dumps({"enum": ["on", "off"]})), {'"on"', '"off"'}),
+]
+
+
+@pytest.mark.parametrize("constraint,language", LANGUAGES, ids=[c.kind for c, _ in LANGUAGES])
+def test_mask_allows_exactly_what_the_grammar_allows(byte_grammar, constraint, language):
+    grammar, eos, vocab = byte_grammar
+    for word in sorted(language):
+        m = grammar.matcher(constraint)
+        for i in range(len(word) + 1):
+            prefix = word[:i]
+            want = {ord(w[i]) for w in language if w.startswith(prefix) and len(w) > i}
+            if prefix in language:
+                want.add(eos)
+            assert _allowed(grammar, m) == want, (word, prefix)
+            if i < len(word):
+                assert m.accept(ord(word[i])) and not m.is_terminated()
+        assert m.accept(eos) and m.is_terminated()
+        m.reset()
+        assert _allowed(grammar, m) == {ord(w[0]) for w in language}
+        m.close()
+
+
+def test_refused_tokens_and_the_cache(byte_grammar):
+    grammar, _, _ = byte_grammar
+    c = Constraint("regex", "q+")
+    before = grammar.compiled
+    a, b = grammar.matcher(c), grammar.matcher(c)
+    assert grammar.compiled == before + 1  # one compile, two independent matchers
+    assert not a.accept(ord("z"))
+    assert a.accept(ord("q")) and b.accept(ord("q")) and b.accept(ord("q"))
+
+
+def test_the_core_refuses_what_the_backend_cannot_enforce(byte_grammar):
+    grammar, _, _ = byte_grammar
+    with pytest.raises(GrammarError, match=r"guided_json: the JSON schema uses multipleOf, "
+                                           r"which grammar backend xgrammar cannot enforce"):
+        grammar.check(Constraint("json_schema", json.dumps(
+            {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}),
+            source="guided_json"))
+    with pytest.raises(GrammarError, match="does not support structural_tag constraints"):
+        grammar.check(Constraint("structural_tag", "{}"))
+    with pytest.raises(GrammarError, match=r"^regex: invalid regex: .*parenthesis"):
+        grammar.check(Constraint("regex", "a(b", source="regex"))
+    with pytest.raises(GrammarError, match=r"^json_schema: invalid JSON schema: .*nonsense"):
+        grammar.check(Constraint("json_schema", '{"type": "nonsense"}', source="json_schema"))
+    with pytest.raises(GrammarError, match="not JSON"):
+        Constraint("json_schema", "{bad").validate()
+
+
+def test_bitmask_masks_only_the_given_rows():
+    logits = torch.zeros(3, 40)
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 3
+    bitmask[0, 1] = 1 << 2  # token 34
+    apply_bitmask(logits, bitmask, [1])
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [3, 34]
+    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+
+
+def test_constraints_cross_the_process_boundary_as_json():
+    from core.ipc import AddRequest, decode, encode
+    from core.sampling import SamplingParams, expand_n
+
+    c = Constraint("regex", "a+", source="guided_regex")
+    p = SamplingParams(n=2, constraint=c)
+    msg = decode(encode(AddRequest("r", (1, 2), expand_n(p)[1])))
+    assert msg.params.constraint == c and msg.params.n == 1
+    with pytest.raises(ValueError, match="min_new_tokens together with"):
+        SamplingParams.from_dict({"min_new_tokens": 2, "constraint": c.to_dict()})
+
+
+def test_structured_output_off_is_refused_at_the_client():
+    from core.client import EngineClient
+
+    stub = types.SimpleNamespace(plan=types.SimpleNamespace(
+        grammar_backend=None, notes=("structured output off: --grammar-backend none",)))
+    with pytest.raises(ValueError, match=r"^response_format: structured output is off in this "
+                                         r"server \(--grammar-backend none\)"):
+        EngineClient.check_constraint(stub, Constraint("json_object", source="response_format"))
