@@ -60,8 +60,12 @@ from core.testing.model_configs import LLAMA_31_8B, llama_config  # noqa: E402
 MODES = ("batch1", "offline", "online", "shared-prefix")
 LINEAR_BYTES = {"fp8": 1, "w8a8_int8": 1, "awq": 0.5, "gptq": 0.5}  # per weight, scales aside
 QUANT_CONFIGS = {"fp8-block": {"quant_method": "fp8", "fmt": "e4m3",
-                               "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
-QUANT_CONFIG_METHOD = {"fp8-block": "fp8"}
+                               "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+                 "awq": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                         "zero_point": True, "version": "gemm"},
+                 "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                          "desc_act": False, "sym": True, "checkpoint_format": "gptq"}}
+QUANT_CONFIG_METHOD = {"fp8-block": "fp8", "awq": "awq", "gptq": "gptq"}
 
 TINY = llama_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096,
@@ -388,7 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None)
     p.add_argument("--quant-config", choices=sorted(QUANT_CONFIGS), default=None,
                    help="give the dummy model a quantization_config (fp8-block: the Qwen3 / "
-                        "DeepSeek FP8 format), so it is served as a quantized checkpoint")
+                        "DeepSeek FP8 format; awq, gptq: INT4 group 128), so it is served as "
+                        "a quantized checkpoint")
     p.add_argument("--quantization", default=None,
                    help="quant method for the engine (a dense dummy model quantized at load: "
                         "fp8, w8a8_int8); the roofline counts its linear weights at 1 byte")

@@ -203,7 +203,9 @@ def shared_gguf_reader(path: str) -> Iterator[Any]:
 
 
 def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Seeded random weights in place, in each parameter's own dtype and device (no copies)."""
+    """Seeded random weights in place, in each parameter's own dtype and device (no copies);
+    a quant method's scales at 1; a method with packed integer tensors fills them itself
+    (optional `init_dummy_weights(layer, seed, std)`, core.quant)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not param.dtype.is_floating_point:
@@ -221,6 +223,11 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
                     0.0, std, generator=gen))
             else:
                 param.normal_(0.0, std, generator=gen)
+        for name, module in model.named_modules():  # packed formats fill their own tensors
+            method = getattr(module, "quant_method", None)
+            fill = getattr(method, "init_dummy_weights", None)
+            if fill is not None:
+                fill(module, seed * 1_000_003 + zlib.crc32(name.encode()), std)
     process_weights_after_loading(model)
 
 

@@ -16,6 +16,8 @@ weights of every `Linear` the model builds, and of MoE experts where its caps sa
     apply(layer, x) -> y
         x [..., in] in the compute dtype -> [..., out] in the compute dtype, bias added.
     bind(layer) -> callable                      (optional) `apply` with the layer's tensors bound.
+    init_dummy_weights(layer, seed, std)         (optional) --load-format dummy: fill packed
+                                                 integer tensors so the real weights are ~std.
     create_moe_weights(layer, E, H, I, dtype, device) + moe_weights(layer) -> MoEWeights
                                                  (where caps.moe) the experts' stacked tensors
                                                  and the form the MoE runner receives (core.moe).

@@ -419,3 +419,30 @@ def test_int4_methods_are_registered_through_entry_points():
         pytest.skip("no quant plugins registered through entry points (core-serve not installed)")
     assert {"awq", "gptq"} <= registered, ("reinstall (pip install --no-deps -e .) so the "
                                            "quant_int4 entry point is current")
+
+
+def test_dummy_weights_for_int4_configs_are_small_and_random(tmp_path):
+    """--load-format dummy on an AWQ / GPTQ config: the method fills its packed tensors
+    (core.quant's optional init_dummy_weights), so the real weights are ~std, not all -8."""
+    import dataclasses
+    import json as _json
+
+    from model_fixtures import cpu_plan, tiny_config
+
+    from core.config import make_server_args
+    from core.loader import load_model
+    from core.plugins import build_registry
+    from core.testing.quant_refs_int4 import quantization_config
+
+    for method, fmt in (("awq", "int4_awq"), ("gptq", "int4_gptq")):
+        cfg = tiny_config("llama", hidden_size=128, intermediate_size=256).to_dict()
+        cfg.update(architectures=["LlamaForCausalLM"],
+                   quantization_config=quantization_config(method, 64, sym=True))
+        (tmp_path / "config.json").write_text(_json.dumps(cfg))
+        plan = dataclasses.replace(cpu_plan("llama"), quant_method=method, quant_format=fmt)
+        loaded = load_model(make_server_args(model_path=str(tmp_path), load_format="dummy"),
+                            plan, build_registry())
+        down = loaded.model.model.layers[0].mlp.down_proj
+        eye = torch.eye(256)
+        w = down(eye).t()  # [N, K]: the real weight, through the method
+        assert 0.002 < w.abs().mean() < 0.03 and w.std() > 0.002, (method, w.abs().mean())

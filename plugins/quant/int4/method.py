@@ -90,6 +90,18 @@ class Int4LinearMethod:
                 layer.weight_zero_point = mark(parameter((n // 8, groups), i32, device,
                                                          _ALL_EIGHTS), out_per_row=8)
 
+    def init_dummy_weights(self, layer: nn.Module, seed: int, std: float) -> None:
+        """--load-format dummy: random nibbles around the default zero (8) and scales that make
+        the real weights about `std` in size (the loader set every scale to 1)."""
+        gen = torch.Generator().manual_seed(seed)
+        packed = {"int4_awq": "qweight", "int4_gptq": "qweight"}.get(self.scheme.format,
+                                                                      "weight_packed")
+        p = getattr(layer, packed)
+        p.data.copy_(torch.randint(-2 ** 31, 2 ** 31 - 1, p.shape, dtype=torch.int64,
+                                   generator=gen).to(torch.int32).to(p.device))
+        scales = layer.scales if hasattr(layer, "scales") else layer.weight_scale
+        scales.data.fill_(std / 4.0)  # nibbles 0..15 around 8: |q - z| <= 8
+
     # ---- after loading: the kernels' layout ----
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
