@@ -120,3 +120,50 @@ def test_fp32_tilings_fit_shared_memory():
             assert tuning.fit_dtype(tiling, 2, arch)[:3] == tiling[:3]  # 16-bit: as tabled
     assert tuning.fit_dtype((16, 128, 128, 4, 3), 4, "sm90") != (16, 128, 128, 4, 3)
     assert tuning.fit_dtype((16, 32, 32, 1, 1), 4, "interpreter") == (16, 32, 32, 1, 1)
+
+
+def test_block_fp8_experts_match_the_block_reference():
+    """Form "fp8" with block scales through both kernels: under the interpreter fp16 stands in
+    for e4m3 (the kernel quantizes each activation tile to the weights' dtype), so the
+    reference rounds to fp16 the same way; on a GPU the operands are e4m3."""
+    from core.moe import MoELayerParams, MoEWeights
+    from plugins.moe.triton.runner import TritonMoE
+
+    torch.manual_seed(0)
+    gpu = torch.cuda.is_available()
+    dev = "cuda" if gpu else "cpu"
+    q_ty = torch.float8_e4m3fn if gpu else torch.float16
+    E, H, inter, top_k, T, bn, bk = 4, 64, 64, 2, 9, 32, 32
+    w13 = (torch.randn(E, 2 * inter, H) * 0.2).to(q_ty).to(dev)
+    w2 = (torch.randn(E, H, inter) * 0.2).to(q_ty).to(dev)
+    s13 = (torch.rand(E, 2 * inter // bn, H // bk) + 0.5).to(dev)
+    s2 = (torch.rand(E, H // bn, inter // bk) + 0.5).to(dev)
+    weights = MoEWeights(w13, w2, form="fp8",
+                         extra={"w13_scale": s13, "w2_scale": s2, "block": torch.tensor([bn, bk])})
+    layer = MoELayerParams(layer_id=0, num_experts=E, top_k=top_k, hidden_size=H,
+                           intermediate_size=inter, renormalize=True)
+    x = torch.randn(T, H, dtype=torch.float16, device=dev)
+    logits = torch.randn(T, E, device=dev)
+    runner = TritonMoE(tiling=(16, 32, bk, 4, 1) if not gpu else None)
+    y = runner.forward(x, logits, weights, layer)
+
+    def fq(a):  # per row, per bk inputs: amax / 448, rounded to q_ty
+        g = a.float().view(a.shape[0], -1, bk)
+        s = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+        return ((g / s).to(q_ty).float() * s).view(a.shape[0], -1)
+
+    def real(w, s):
+        return w.float() * s.repeat_interleave(bn, 1).repeat_interleave(bk, 2)
+
+    W13, W2 = real(w13, s13).cpu(), real(w2, s2).cpu()
+    probs = torch.softmax(logits.float().cpu(), -1)
+    top_w, top_i = probs.topk(top_k, -1)
+    top_w = top_w / top_w.sum(-1, keepdim=True)
+    ref = torch.zeros(T, H)
+    for t in range(T):
+        for wt, e in zip(top_w[t].tolist(), top_i[t].tolist(), strict=True):
+            g, u = (fq(x[t:t + 1].cpu()) @ W13[e].t()).chunk(2, -1)
+            h = (torch.nn.functional.silu(g) * u).half()
+            ref[t] += wt * (fq(h) @ W2[e].t())[0]
+    err = ((y.float().cpu() - ref).norm() / ref.norm()).item()
+    assert err < (2e-2 if gpu else 2e-3), err

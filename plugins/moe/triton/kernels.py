@@ -9,6 +9,9 @@ the worst case without a host sync.
 - gate_up_kernel: inter[a, :] = silu(x[a // k] @ Wg[e].T) * (x[a // k] @ Wu[e].T), both halves of
   w13 in one program (two accumulators over the same A tile);
 - down_kernel: partial[a, :] = w_route[a] * (inter[a] @ W2[e].T).
+With FP8_BLOCK (form "fp8" of core.moe with block scales), W is e4m3 with a scale per
+SCALE_N x BLOCK_K block and each A tile is quantized per row in the kernel (one scale per
+BLOCK_K inputs, as the fp8 linears do); every K step is rescaled once into the fp32 accumulator.
 The k partial rows of a token are summed by the runner in a fixed order (no atomics).
 """
 
@@ -19,11 +22,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _quantize_rows(a, q_ty: tl.constexpr):
+    """A [rows, BLOCK_K] activation tile -> (tile / scale as q_ty, fp32 scale per row):
+    amax / 448, the e4m3 range (fp16 stands in for e4m3 under the interpreter)."""
+    a32 = a.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-12) / 448.0
+    return (a32 / scale[:, None]).to(q_ty), scale
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
                    num_rows, hidden, inter, top_k,
                    stride_xm, stride_we, stride_wn, stride_om,
+                   ws_ptr, stride_se, stride_sn, stride_sk,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -49,8 +62,17 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, tota
         b_mask = k_mask[:, None] & n_mask[None, :]
         g = tl.load(g_ptrs, mask=b_mask, other=0.0)
         u = tl.load(u_ptrs, mask=b_mask, other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        if FP8_BLOCK:  # x quantized per BLOCK_K inputs here, w13 scaled per SCALE_N x BLOCK_K
+            aq, a_s = _quantize_rows(a, w_ptr.dtype.element_ty)
+            s_row = ws_ptr + expert * stride_se + (k0 // BLOCK_K) * stride_sk
+            sg = tl.load(s_row + (offs_n // SCALE_N) * stride_sn, mask=n_mask, other=0.0)
+            su = tl.load(s_row + ((offs_n + inter) // SCALE_N) * stride_sn, mask=n_mask,
+                         other=0.0)
+            acc_g += tl.dot(aq, g).to(tl.float32) * a_s[:, None] * sg[None, :]
+            acc_u += tl.dot(aq, u).to(tl.float32) * a_s[:, None] * su[None, :]
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -63,8 +85,9 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, tota
 def down_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
                 num_rows, hidden, inter,
                 stride_am, stride_we, stride_wn, stride_om,
+                ws_ptr, stride_se, stride_sn, stride_sk,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -86,7 +109,13 @@ def down_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_p
         k_mask = offs_k < inter - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if FP8_BLOCK:
+            aq, a_s = _quantize_rows(a, w_ptr.dtype.element_ty)
+            sb = tl.load(ws_ptr + expert * stride_se + (offs_n // SCALE_N) * stride_sn
+                         + (k0 // BLOCK_K) * stride_sk, mask=n_mask, other=0.0)
+            acc += tl.dot(aq, b).to(tl.float32) * a_s[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     route = tl.load(route_ptr + row, mask=valid, other=0.0)

@@ -44,6 +44,11 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert, padded_end[-1:]
 
 
+def _scale_strides(scale: torch.Tensor, fp8: bool) -> tuple[int, int, int]:
+    """(expert, output-block, K-block) strides of an fp8 block scale [E, N/bn, K/bk]."""
+    return (scale.stride(0), scale.stride(1), scale.stride(2)) if fp8 else (0, 0, 0)
+
+
 @functools.lru_cache(maxsize=16)
 def _arch(device: torch.device) -> str:
     if device.type == "cpu":
@@ -68,9 +73,13 @@ class TritonMoE(MoERunner):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, weights: MoEWeights,
                 layer: MoELayerParams, shared: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        if weights.form != "unquantized":
-            raise ValueError(f"the triton MoE runner runs unquantized experts, not "
+        fp8 = weights.form == "fp8"
+        if weights.form not in ("unquantized", "fp8"):
+            raise ValueError(f"the triton MoE runner runs unquantized and fp8 experts, not "
                              f"{weights.form}")
+        if fp8 and "block" not in weights.extra:
+            raise ValueError("the triton MoE runner runs block-scaled fp8 experts only (per-"
+                             "channel fp8 experts: torch_native)")
         if layer.activation != "silu":
             raise ValueError(f"the triton MoE runner fuses silu only, not {layer.activation}")
         w13, w2 = weights.w13, weights.w2
@@ -89,6 +98,14 @@ class TritonMoE(MoERunner):
         arch = _arch(hidden.device)
         block_m, block_n, block_k, warps, stages = self.tiling or tuning.fit_dtype(
             tuning.pick(arch, n / E), hidden.element_size(), arch)
+        scale_n = 1
+        w13_s = w2_s = w13  # unused pointers when not fp8
+        if fp8:  # a K step is one scale block: BLOCK_K is the block's K
+            scale_n, block_k = (int(b) for b in weights.extra["block"].tolist())
+            if inter % scale_n:
+                raise ValueError(f"intermediate size {inter} is not a multiple of the fp8 "
+                                 f"scale block {scale_n}")
+            w13_s, w2_s = weights.extra["w13_scale"], weights.extra["w2_scale"]
         if n <= routing.MAX_ALIGN_ROWS and E <= routing.MAX_ALIGN_EXPERTS:
             sorted_ids, block_expert, total = routing.fused_align(ids, E, block_m)
         else:
@@ -97,20 +114,22 @@ class TritonMoE(MoERunner):
         # only) a host read of the real count spares it the idle programs.
         blocks = (sorted_ids.numel() if hidden.device.type != "cpu" else int(total)) // block_m
         # fp32: IEEE dots (TF32 would miss the fp32 tolerance); half types: the target's default
-        precision = "ieee" if hidden.dtype == torch.float32 else None
+        precision = "ieee" if hidden.dtype == torch.float32 and not fp8 else None
         x = hidden.contiguous()
         launch = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                  "PRECISION": precision, "num_warps": warps, "num_stages": stages}
+                  "PRECISION": precision, "FP8_BLOCK": fp8, "SCALE_N": scale_n,
+                  "num_warps": warps, "num_stages": stages}
 
         inter_rows = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)
         kernels.gate_up_kernel[kernels.grid(blocks, inter, block_n)](
             x, w13, inter_rows, sorted_ids, block_expert, total, n, H, inter, k,
-            x.stride(0), w13.stride(0), w13.stride(1), inter_rows.stride(0), **launch)
+            x.stride(0), w13.stride(0), w13.stride(1), inter_rows.stride(0),
+            w13_s, *_scale_strides(w13_s, fp8), **launch)
         partial = torch.empty(n, H, dtype=hidden.dtype, device=hidden.device)
         kernels.down_kernel[kernels.grid(blocks, H, block_n)](
             inter_rows, w2, partial, route_w.reshape(-1), sorted_ids, block_expert, total, n,
             H, inter, inter_rows.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
-            **launch)
+            w2_s, *_scale_strides(w2_s, fp8), **launch)
 
         if out is None:
             out = torch.empty_like(hidden)
