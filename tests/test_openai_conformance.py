@@ -127,18 +127,15 @@ def test_real_tokenizer_bytes_rebuild_text(smollm2_tokenizer):
 
 # -- 2. unknown and unimplemented fields are refused, the same on every route -----------------
 
-REFUSED_CHAT = [("structured_outputs", {"json": {"type": "object"}}), ("regex", "a+"),
-                ("ebnf", "root ::= \"a\""), ("guided_json", {"type": "object"}),
-                ("guided_regex", "a+"), ("guided_choice", ["a", "b"]),
-                ("prompt_logprobs", -1), ("prompt_logprobs", 0), ("use_beam_search", True),
+# (structured-output fields are taken: tests/test_grammar_server.py)
+REFUSED_CHAT = [("prompt_logprobs", -1), ("prompt_logprobs", 0), ("use_beam_search", True),
                 ("echo", True), ("continue_final_message", True), ("stop_regex", ["x+"]),
                 ("cache_salt", "s"), ("tools", [{"type": "function", "function": {
                     "name": "f"}}]), ("tool_choice", "required"),
-                ("response_format", {"type": "json_object"})]
-REFUSED_COMPLETION = [("structured_outputs", {"regex": "a"}), ("guided_json", {}),
-                      ("prompt_logprobs", 1), ("use_beam_search", True), ("stop_regex", "x"),
+                ("guided_decoding_backend", "xgrammar")]
+REFUSED_COMPLETION = [("prompt_logprobs", 1), ("use_beam_search", True), ("stop_regex", "x"),
                       ("cache_salt", "s"), ("suffix", "tail"),
-                      ("response_format", {"type": "json_object"})]
+                      ("guided_whitespace_pattern", " ")]
 
 
 @pytest.mark.parametrize("name,value", REFUSED_CHAT, ids=[f"{n}={v!r}"[:40] for n, v in

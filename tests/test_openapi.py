@@ -96,9 +96,9 @@ CASES = [
      True),
     ("chat-response_format-text", CH, {"messages": MSG, "response_format": {"type": "text"},
                                        "max_tokens": 2}, True),
-    ("chat-response_format-json", CH, {"messages": MSG,
-                                       "response_format": {"type": "json_object"}}, False),
-    ("chat-guided_json-empty-schema", CH, {"messages": MSG, "guided_json": {}}, False),
+    ("chat-response_format-unknown-type", CH, {"messages": MSG,
+                                               "response_format": {"type": "yaml"}}, False),
+    ("chat-guided_choice-empty", CH, {"messages": MSG, "guided_choice": []}, False),
     ("chat-message-unknown-key", CH, {"messages": [{"role": "user", "content": "hi",
                                                     "color": "red"}]}, False),
     ("chat-message-replayed-nulls", CH, {"max_tokens": 2, "messages": [
@@ -150,6 +150,11 @@ BEYOND_SCHEMA = [
     ("min_tokens-over-max_tokens", C, {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}),
     ("best_of-not-n", C, {"prompt": "hi", "best_of": 3}),
     ("too-many-sequences", C, {"prompt": ["a"] * 8, "n": 16}),
+    # the fake engine has no grammar backend: a constraint is refused (structured output off)
+    ("chat-response_format-json", CH, {"messages": MSG,
+                                       "response_format": {"type": "json_object"}}),
+    ("chat-guided_json-empty-schema", CH, {"messages": MSG, "guided_json": {}}),
+    ("two-constraints", C, {"prompt": "hi", "regex": "a+", "guided_choice": ["a"]}),
 ]
 
 

@@ -148,9 +148,11 @@ class EngineAdapter:
                 finished = True
                 raise APIError(503, f"the engine is not running: {e}", code="engine_unavailable",
                                retry_after=5) from None
-            except ValueError as e:  # the engine's own checks (sampling, fits in context/pool)
-                finished = True
-                raise invalid(None, str(e)) from None
+            except ValueError as e:  # the engine's own checks (sampling, fits in context/pool,
+                finished = True  # a constraint its grammar backend cannot compile)
+                source = (req.sampling.get("constraint") or {}).get("source")
+                raise invalid(source if source and str(e).startswith(source) else None,
+                              str(e)) from None
             produced = False
             while True:
                 chunk = await q.get()

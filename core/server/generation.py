@@ -54,6 +54,9 @@ def _validate_sampling(st: ServerState, req: ParsedRequest) -> None:
         st.engine.validate_sampling(probe)
     except ValueError as e:
         msg = str(e)
+        source = (probe.get("constraint") or {}).get("source")
+        if source and msg.startswith(source):  # structured output: the request field named
+            raise invalid(source, msg) from None
         named = min((k for k in probe if k in msg), key=msg.index, default=None)
         raise invalid(_param(req.route, named) if named else None, msg) from None
 

@@ -63,6 +63,36 @@ def _off(name: str) -> dict[str, Any]:
     return {"anyOf": ok, "description": _OFF_DOC}
 
 
+_GRAMMAR_DOC = ("structured output: at most one constraint per request; one the server's "
+                "grammar backend cannot compile (invalid schema or regex, a schema keyword it "
+                "cannot enforce), or any constraint while structured output is off "
+                "(--grammar-backend none), is a 400 naming the problem")
+
+
+def _structured() -> dict[str, Any]:
+    """The structured-output fields (core.server.structured) of the OpenAI routes."""
+    text = {**_STR, "minLength": 1, "description": _GRAMMAR_DOC}
+    schema = {"oneOf": [_STR, {"type": "object"}, _BOOL],
+              "description": "a JSON schema (or its JSON text); " + _GRAMMAR_DOC}
+    choice = {"type": "array", "items": {**_STR, "minLength": 1}, "minItems": 1,
+              "description": _GRAMMAR_DOC}
+    rf_schema = {"type": "object", "required": ["schema"], "additionalProperties": False,
+                 "properties": {"name": _STR, "description": _STR, "strict": _BOOL,
+                                "schema": {"oneOf": [{"type": "object"}, _BOOL]}}}
+    response_format = {"oneOf": [
+        {"type": "object", "required": ["type"], "additionalProperties": False,
+         "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+         "properties": {"type": {"const": "json_schema"}, "json_schema": rf_schema}}],
+        "description": _GRAMMAR_DOC}
+    outputs = {"type": "object", "additionalProperties": False, "description": _GRAMMAR_DOC,
+               "properties": {"json": schema, "regex": text, "choice": choice,
+                              "grammar": text, "json_object": {"const": True}}}
+    return {"response_format": response_format, "regex": text, "ebnf": text,
+            "json_schema": schema, "guided_json": schema, "guided_regex": text,
+            "guided_choice": choice, "guided_grammar": text, "structured_outputs": outputs}
+
+
 def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
     tok_id: dict[str, Any] = {"type": "integer", "minimum": 0}
     if vocab:
@@ -97,6 +127,7 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
                        "description": "not supported: only an empty object"},
         **{name: {**_STR, "description": "informational; accepted and not acted on"}
            for name in HARMLESS_FIELDS},
+        **_structured(),
     }
     # stream_options only with stream=true
     only_streamed = {"stream_options": {"required": ["stream"],
@@ -125,6 +156,7 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
                                   "stop_token_ids", "ignore_eos", "skip_special_tokens",
                                   "seed")},
         "n": common["n"], "sampling_seed": _SEED,
+        **{k: common[k] for k in ("regex", "ebnf", "json_schema")},
     }
     assert set(sampling) == set(NATIVE_SAMPLING_KEYS), "the native sampling keys drifted"
     return {

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.server.errors import APIError, invalid
+from core.server.structured import NATIVE_FIELDS, OPENAI_FIELDS, constraint_of
 
 MAX_N = 16  # choices per prompt
 MAX_SEQUENCES = 64  # prompts x n in one request
@@ -32,7 +33,7 @@ OPENAI_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0),
 NATIVE_SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
                         "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                         "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "seed",
-                        "sampling_seed")
+                        "sampling_seed", *NATIVE_FIELDS)
 
 
 @dataclass
@@ -236,10 +237,9 @@ _COMMON_FIELDS = frozenset({
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "max_tokens", "min_tokens",
     "logit_bias", "logprobs"})
 HARMLESS_FIELDS = frozenset({"user"})
-# Structured output, beam search, prompt logprobs and the rest that peers' servers take.
-_PEER_EXTRAS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
-                "response_format", "regex", "ebnf", "json_schema", "prompt_logprobs",
+# Beam search, prompt logprobs and the rest that peers' servers take (structured output is
+# core.server.structured's, except choosing its backend or whitespace per request).
+_PEER_EXTRAS = ("guided_decoding_backend", "guided_whitespace_pattern", "prompt_logprobs",
                 "use_beam_search", "length_penalty", "stop_regex", "cache_salt",
                 "include_stop_str_in_output", "spaces_between_special_tokens",
                 "truncate_prompt_tokens", "allowed_token_ids", "bad_words", "lora_request",
@@ -264,8 +264,8 @@ MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 MESSAGE_REFUSED_FIELDS = frozenset({"tool_calls", "tool_call_id", "function_call", "audio",
                                     "refusal", "annotations", "reasoning_content"})
 ROUTE_FIELDS = {
-    "completions": _COMMON_FIELDS | HARMLESS_FIELDS | {"prompt", "echo"},
-    "chat": _COMMON_FIELDS | HARMLESS_FIELDS | {"messages", "top_logprobs",
+    "completions": _COMMON_FIELDS | HARMLESS_FIELDS | set(OPENAI_FIELDS) | {"prompt", "echo"},
+    "chat": _COMMON_FIELDS | HARMLESS_FIELDS | set(OPENAI_FIELDS) | {"messages", "top_logprobs",
                                                 "max_completion_tokens",
                                                 "add_generation_prompt"},
     "generate": frozenset({"text", "input_ids", "sampling_params", "stream", "rid",
@@ -277,7 +277,7 @@ ROUTE_FIELDS = {
 SCHEMA_FIELDS = frozenset({"guided_json", "json_schema"})  # {}: any JSON, a constraint
 OFF_STRINGS = {"tool_choice": ("none", "auto"), "service_tier": ("auto", "default"),
                "guided_decoding_backend": ("auto",)}
-OFF_ALSO = {"response_format": ({"type": "text"},), "modalities": (["text"],)}
+OFF_ALSO = {"modalities": (["text"],)}
 
 
 def _is_off(name: str, v: Any) -> bool:
@@ -369,6 +369,9 @@ def _openai_sampling(body: dict[str, Any], vocab_size: int, context_length: int,
     if body.get("logit_bias"):
         raise invalid("logit_bias", "logit_bias is not supported by this server",
                       code="unsupported")
+    constraint = constraint_of(body, OPENAI_FIELDS)
+    if constraint is not None:
+        s["constraint"] = constraint
     req.sampling = s
 
 
@@ -541,6 +544,9 @@ def parse_generate(body: dict[str, Any], vocab_size: int, context_length: int) -
     req.max_new_tokens = max_tokens_arg(sp, "max_new_tokens", context_length,
                                         "sampling_params.max_new_tokens")
     req.n = get_int(sp, "n", 1, MAX_N, "sampling_params.n") or 1
+    constraint = constraint_of(sp, dict(NATIVE_FIELDS), "sampling_params.")
+    if constraint is not None:
+        s["constraint"] = constraint
     req.sampling = s
     _check_sequences(req)
     return req

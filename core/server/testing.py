@@ -96,6 +96,9 @@ class FakeEngine:
             raise ValueError("top_k must be -1 (off) or a positive integer, got 0")
         if sampling.get("repetition_penalty", 1.0) <= 0:
             raise ValueError("repetition_penalty must be in (0, 2]")
+        if sampling.get("constraint"):  # it could not enforce one: refused, never ignored
+            raise ValueError(f"{sampling['constraint']['source']}: structured output is off "
+                             "in this engine (the fake engine has no grammar backend)")
 
     def pages_in_use(self) -> int:
         return sum(math.ceil(n / self.page_size) for n in self.active.values())

@@ -1,0 +1,136 @@
+"""Structured output through the real server on SmolLM2 (xgrammar), with the official `openai`
+client: JSON schema / JSON object / regex / choice outputs follow their constraint, streaming too;
+invalid constraints and two constraints are 400s naming the problem. The fake engine (no grammar
+backend) refuses every constraint instead of ignoring it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from core.config import ServerArgs
+from core.server.testing import FakeEngine, ServerThread, http_request
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+KEY = "sk-grammar"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+PERSON = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    from core.engine import Engine
+    from core.server.adapter import EngineAdapter
+    from core.server.app import create_app
+
+    args = ServerArgs(api_key=KEY, max_total_tokens=4096)
+    engine = Engine(server_args=args)
+    assert engine.plan.grammar_backend == "xgrammar"
+    try:
+        with ServerThread(create_app(EngineAdapter(engine, "smollm2"), args)) as s:
+            yield s
+    finally:
+        engine.close()
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, timeout=120, max_retries=0)
+
+
+def test_chat_json_schema_validates(srv):
+    r = client(srv).chat.completions.create(
+        model="smollm2", messages=ASK, temperature=0, max_tokens=64,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_completion_json_object_parses(srv):
+    r = client(srv).completions.create(model="smollm2", prompt="A JSON object with a color:",
+                                       temperature=0, max_tokens=48,
+                                       extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].text
+    assert isinstance(json.loads(r.choices[0].text), dict)
+
+
+def test_completion_regex_fullmatches(srv):
+    pattern = r"[0-9]{3}-[a-z]{2,5}"
+    r = client(srv).completions.create(model="smollm2", prompt="A ticket code:", temperature=0,
+                                       max_tokens=16, extra_body={"guided_regex": pattern})
+    assert re.fullmatch(pattern, r.choices[0].text), r.choices[0].text
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_chat_choice_with_n_gives_each_sequence_its_own_matcher(srv):
+    choices = ["red", "green", "blue"]
+    r = client(srv).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Pick a color."}], n=3,
+        temperature=1.0, seed=7, max_tokens=8, extra_body={"guided_choice": choices})
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert c.message.content in choices and c.finish_reason == "stop"
+
+
+def test_streaming_with_a_schema(srv):
+    stream = client(srv).chat.completions.create(
+        model="smollm2", messages=ASK, temperature=0, max_tokens=64, stream=True,
+        extra_body={"guided_json": PERSON})
+    text, reasons = "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            reasons.append(c.finish_reason)
+    assert reasons[-1] == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_generate_takes_sglang_sampling_params(srv):
+    status, _, raw = http_request(srv.url, "POST", "/generate", {
+        "text": "The answer is", "sampling_params": {"regex": "(yes|no)", "temperature": 0,
+                                                     "max_new_tokens": 8}}, AUTH)
+    assert status == 200, raw
+    assert json.loads(raw)["text"] in ("yes", "no")
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"guided_json": {"type": "nonsense"}}, "guided_json", "invalid JSON schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}}}},
+     "response_format.json_schema.schema", "invalid JSON schema"),
+    ({"regex": "a(b"}, "regex", "invalid regex"),
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar", "invalid EBNF grammar"),
+    ({"json_schema": '{"type": "integer", "multipleOf": 2}'}, "json_schema",
+     "uses multipleOf, which grammar backend xgrammar cannot enforce"),
+    ({"regex": "a+", "guided_choice": ["a"]}, "guided_choice",
+     "give one structured-output constraint"),
+])
+def test_invalid_constraints_are_400_naming_them(srv, extra, param, words):
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client(srv).chat.completions.create(model="smollm2", messages=ASK, max_tokens=4,
+                                                stream=stream, extra_body=extra)
+        assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body
+
+
+def test_a_fake_engine_refuses_constraints_instead_of_ignoring_them():
+    from core.server.app import create_app
+
+    with ServerThread(create_app(FakeEngine(), ServerArgs(api_key=KEY))) as fake:
+        for body in ({"regex": "a+"}, {"response_format": {"type": "json_object"}},
+                     {"structured_outputs": {"choice": ["a", "b"]}}):
+            status, _, raw = http_request(fake.url, "POST", "/v1/completions",
+                                          {"prompt": "x", **body}, AUTH)
+            err = json.loads(raw)["error"]
+            assert status == 400 and "structured output is off" in err["message"], raw
+        status, _, raw = http_request(fake.url, "POST", "/v1/completions", {
+            "prompt": "x", "response_format": {"type": "text"}, "max_tokens": 2}, AUTH)
+        assert status == 200, raw
