@@ -54,3 +54,33 @@ def test_online_quantization_keeps_perplexity(runs, method):
     assert len(ids) > 150
     assert ppl / base <= max_ratio and agree >= min_agree
     assert not torch.equal(logits, ref)  # the method did quantize
+
+
+def test_core_serve_with_online_quantization_answers():
+    """`core serve --quantization w8a8_int8` on the embedded model: the plan names the method
+    and its format, and a chat completion through the HTTP server answers sensibly."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from core.server.testing import free_port, http_request, read_until_listening
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "core.cli", "serve", "--port", str(port), "--max-total-tokens",
+           "2048", "--quantization", "w8a8_int8"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        out = read_until_listening(proc)
+        assert "w8a8_int8 (int8_channel)" in out, out
+        status, _, raw = http_request(f"http://127.0.0.1:{port}", "POST",
+                                      "/v1/chat/completions", {
+                                          "messages": [{"role": "user", "content":
+                                                        "What is the capital of France?"}],
+                                          "max_tokens": 16, "temperature": 0}, {}, timeout=120)
+        assert status == 200, raw
+        assert "Paris" in json.loads(raw)["choices"][0]["message"]["content"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
