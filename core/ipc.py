@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, ClassVar
 
+from core.json_shape import fields as _fields
+from core.json_shape import is_int as _is_int
+from core.json_shape import is_num as _is_num
+from core.json_shape import list_of as _list_of
+from core.json_shape import of_type as _of
+from core.json_shape import optional as _opt
 from core.sampling import SamplingParams
 
 RPC_OPS = ("stats", "check_accounting", "flush_cache")
@@ -29,45 +34,7 @@ class ChannelClosed(EOFError):
     """The other end of the pipe is gone (process exited or closed its end)."""
 
 
-# -- shape checks ----------------------------------------------------------------------------------
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or check(v)
-
-
-def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, list) and all(check(x) for x in v)
-
-
-def _of(kind: type) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, kind)
-
-
-def _fields(d: Any, what: str, spec: dict[str, tuple[Callable[[Any], bool], str]],
-            optional: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`d`'s fields after checking that it is an object with exactly `spec`'s keys (those in
-    `optional` may be left out) and that each value has its JSON type."""
-    if not isinstance(d, dict):
-        raise ValueError(f"malformed {what}: expected an object, got {type(d).__name__}")
-    unknown = sorted(set(d) - set(spec) - {"type"})
-    if unknown:
-        raise ValueError(f"malformed {what}: unknown field(s) {', '.join(unknown)}")
-    missing = [k for k in spec if k not in d and k not in optional]
-    if missing:
-        raise ValueError(f"malformed {what}: missing field(s) {', '.join(missing)}")
-    for key, (check, want) in spec.items():
-        if key in d and not check(d[key]):
-            raise ValueError(f"malformed {what}: {key} must be {want}, got {d[key]!r:.80}")
-    return {k: d[k] for k in spec if k in d}
-
+# -- shape checks (core.json_shape) ----------------------------------------------------------------
 
 _PARAM_CHECKS = {"int": (_is_int, "an integer"), "float": (_is_num, "a number"),
                  "bool": (_of(bool), "true or false"), "int | None": (_opt(_is_int), "an integer"),
