@@ -1,6 +1,7 @@
 """Grammar backends as a plugin kind: resolved by --grammar-backend, listed and explained; the
 protocol on a tiny byte vocabulary (the mask allows exactly the tokens the grammar allows,
-checked by brute force over the vocabulary); the core's checks, cache and bitmask."""
+checked by brute force over the vocabulary) for every registered grammar backend; the core's
+checks, cache and bitmask."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ import pytest
 import torch
 
 from core.capabilities import GrammarCaps
+from core.checks import missing_packages
 from core.config import ServerArgs
 from core.devices import PROFILES
 from core.grammar import Constraint, Grammar, GrammarError, apply_bitmask, make_grammar
 from core.hookspecs import hookimpl
 from core.plan import ResolveError
-from core.plugins import build_registry
+from core.plugins import build_registry, get_registry
 from core.resolver import explain, resolve
 
-pytest.importorskip("xgrammar")
-
 CPU = PROFILES["xeon-amx"]
+# every grammar backend registered in this environment; one whose package is missing is skipped
+BACKENDS = sorted(get_registry().kind("grammar"))
 
 
 def _missing_plugin():
@@ -41,11 +43,14 @@ def _missing_plugin():
 def registry(clean_plugin_env):
     from plugins_for_tests import builtin_backend_plugins
 
+    import plugins.grammar.llguidance as grammar_llguidance
     import plugins.grammar.xgrammar as grammar_xgrammar
 
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("llguidance")
     reg = build_registry(extra=builtin_backend_plugins() + [
-        ("grammar_xgrammar", grammar_xgrammar), ("grammar_missing", _missing_plugin())],
-        entry_points=False)
+        ("grammar_xgrammar", grammar_xgrammar), ("grammar_llguidance", grammar_llguidance),
+        ("grammar_missing", _missing_plugin())], entry_points=False)
     assert not reg.failures, reg.failures
     return reg
 
@@ -61,6 +66,15 @@ def test_auto_picks_the_best_installed_backend_and_explains_the_rest(model_spec,
     text = explain(plan)
     assert "grammar backend    xgrammar" in text and "definitely_not_a_package_x" in text
     assert plan.to_dict()["grammar_backend"] == "xgrammar"
+
+
+def test_a_named_backend_is_chosen_over_a_higher_priority_one(model_spec, registry):
+    plan = resolve(model_spec("llama-3.1-8b"), CPU, ServerArgs(grammar_backend="llguidance"),
+                   registry)
+    assert plan.grammar_backend == "llguidance"
+    assert "grammar backend    llguidance" in explain(plan)
+    assert resolve(model_spec("llama-3.1-8b"), CPU, ServerArgs(),
+                   registry).grammar_backend == "xgrammar"  # auto: xgrammar's priority is higher
 
 
 def test_none_turns_structured_output_off(model_spec, registry):
@@ -97,26 +111,30 @@ def test_backends_lists_the_grammar_kind(capsys):
 
     assert main(["backends", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["plugins"]
-    row = next(r for r in rows if r["kind"] == "grammar" and r["name"] == "xgrammar")
-    assert row["status"] == "available" and "json_schema" in row["summary"]
+    for name in ("xgrammar", "llguidance"):
+        row = next(r for r in rows if r["kind"] == "grammar" and r["name"] == name)
+        assert row["status"] == "available" and "json_schema" in row["summary"]
 
 
 # -- the protocol on a tiny vocabulary ------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def byte_grammar(tmp_path_factory):
-    """xgrammar over the byte-level test tokenizer: ids 0..255 are bytes, then the specials."""
+@pytest.fixture(scope="module", params=BACKENDS)
+def byte_grammar(request, tmp_path_factory):
+    """Each grammar backend over the byte-level test tokenizer: ids 0..255 are bytes, then the
+    specials."""
     from model_fixtures import SPECIALS, write_tokenizer
 
-    from core.plugins import get_registry
     from core.tokenizer import Tokenizer
 
+    missing = missing_packages(get_registry().get("grammar", request.param).caps.requires)
+    if missing:
+        pytest.skip(f"package {missing[0]} is not installed")
     path = tmp_path_factory.mktemp("bytetok")
     write_tokenizer(path)
     tok = Tokenizer.from_path(str(path))
     eos = 256 + SPECIALS.index("<|im_end|>")
     vocab = 256 + len(SPECIALS) + 5  # logits wider than the tokenizer, as models pad them
-    return make_grammar(get_registry(), "xgrammar", tok, vocab, [eos]), eos, vocab
+    return make_grammar(get_registry(), request.param, tok, vocab, [eos]), eos, vocab
 
 
 def _allowed(grammar: Grammar, matcher) -> set[int]:
@@ -164,21 +182,85 @@ def test_refused_tokens_and_the_cache(byte_grammar):
     assert a.accept(ord("q")) and b.accept(ord("q")) and b.accept(ord("q"))
 
 
+# a keyword each backend declares it cannot enforce, and how its regex parser names "a(b"
+_LACKS = {"xgrammar": ("multipleOf", {"type": "integer", "multipleOf": 3}, "parenthesis"),
+          "llguidance": ("contentEncoding", {"type": "string", "contentEncoding": "base64"},
+                         "unclosed group")}
+
+
 def test_the_core_refuses_what_the_backend_cannot_enforce(byte_grammar):
     grammar, _, _ = byte_grammar
-    with pytest.raises(GrammarError, match=r"guided_json: the JSON schema uses multipleOf, "
-                                           r"which grammar backend xgrammar cannot enforce"):
+    if grammar.name not in _LACKS:
+        pytest.skip(f"no refusal expectations written for grammar backend {grammar.name}")
+    keyword, sub, unclosed = _LACKS[grammar.name]
+    with pytest.raises(GrammarError, match=rf"guided_json: the JSON schema uses {keyword}, "
+                                           rf"which grammar backend {grammar.name} cannot "
+                                           rf"enforce"):
         grammar.check(Constraint("json_schema", json.dumps(
-            {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}),
-            source="guided_json"))
+            {"type": "object", "properties": {"n": sub}}), source="guided_json"))
     with pytest.raises(GrammarError, match="does not support structural_tag constraints"):
         grammar.check(Constraint("structural_tag", "{}"))
-    with pytest.raises(GrammarError, match=r"^regex: invalid regex: .*parenthesis"):
+    with pytest.raises(GrammarError, match=rf"^regex: invalid regex: .*{unclosed}"):
         grammar.check(Constraint("regex", "a(b", source="regex"))
     with pytest.raises(GrammarError, match=r"^json_schema: invalid JSON schema: .*nonsense"):
         grammar.check(Constraint("json_schema", '{"type": "nonsense"}', source="json_schema"))
     with pytest.raises(GrammarError, match="not JSON"):
         Constraint("json_schema", "{bad").validate()
+
+
+# (keyword, a schema using it, a JSON text that violates it): llguidance's schema_lacks is
+# exactly those it either refuses or accepts without enforcing
+_KEYWORDS = [
+    ("contentEncoding", {"type": "string", "contentEncoding": "base64"}, '"!!"'),
+    ("contentMediaType", {"type": "string", "contentMediaType": "application/json"}, '"{"'),
+    ("not", {"not": {"type": "integer"}}, "4"),
+    ("if", {"if": {"type": "integer"}, "then": {"minimum": 10}}, "4"),
+    ("oneOf", {"oneOf": [{"type": "integer"}, {"minimum": 2}]}, "3"),
+    ("uniqueItems", {"type": "array", "uniqueItems": True}, "[1,1]"),
+    ("contains", {"type": "array", "contains": {"type": "string"}}, "[1]"),
+    ("propertyNames", {"type": "object", "propertyNames": {"pattern": "^a"}}, '{"b":1}'),
+    ("dependentRequired", {"type": "object", "dependentRequired": {"a": ["b"]}}, '{"a":1}'),
+    ("multipleOf", {"type": "integer", "multipleOf": 3}, "4"),
+    ("minimum", {"type": "integer", "minimum": 5}, "4"),
+    ("exclusiveMaximum", {"type": "number", "exclusiveMaximum": 5}, "5"),
+    ("pattern", {"type": "string", "pattern": "^a+$"}, '"b"'),
+    ("minLength", {"type": "string", "minLength": 3}, '"ab"'),
+    ("format", {"type": "string", "format": "date"}, '"x"'),
+    ("minItems", {"type": "array", "minItems": 2}, "[1]"),
+    ("minProperties", {"type": "object", "minProperties": 1}, "{}"),
+    ("maxProperties", {"type": "object", "maxProperties": 1}, '{"a":1,"b":2}'),
+    ("required", {"type": "object", "properties": {"a": {}}, "required": ["a"]}, "{}"),
+    ("additionalProperties", {"type": "object", "properties": {"a": {}},
+                              "additionalProperties": False}, '{"a":1,"b":2}'),
+    ("patternProperties", {"type": "object", "patternProperties": {"^a": {"type": "integer"}},
+                           "additionalProperties": False}, '{"a":"x"}'),
+    ("prefixItems", {"type": "array", "prefixItems": [{"type": "integer"}], "items": False},
+     "[1,2]"),
+    ("allOf", {"allOf": [{"type": "integer"}, {"minimum": 5}]}, "3"),
+    ("const", {"const": "a"}, '"b"'),
+    ("x-guidance", {"x-guidance": {"lenient": True}, "type": "integer", "multipleOf": 3}, "4"),
+]
+
+
+@pytest.mark.parametrize("keyword,schema,violation", _KEYWORDS, ids=[k for k, _, _ in _KEYWORDS])
+def test_llguidance_declares_exactly_the_keywords_it_cannot_enforce(byte_grammar, keyword,
+                                                                   schema, violation):
+    grammar, eos, _ = byte_grammar
+    if grammar.name != "llguidance":
+        pytest.skip("llguidance's declaration")
+    c = Constraint("json_schema", json.dumps(schema))  # past the core's check, to the backend
+    try:
+        grammar.backend.validate(c)
+        m = grammar.backend.matcher(grammar.backend.compile(c))
+        loose = all(m.accept(b) for b in violation.encode()) and m.accept(eos)
+        m.close()
+    except GrammarError:
+        loose = None  # refused by llguidance itself
+    declared = keyword in grammar.caps.schema_lacks
+    if loose:
+        assert declared, f"{keyword} is accepted but not enforced: declare it in schema_lacks"
+    elif loose is False:  # enforced: declaring it would refuse schemas for nothing
+        assert not declared, f"{keyword} is enforced: take it out of schema_lacks"
 
 
 def test_bitmask_masks_only_the_given_rows():
