@@ -30,8 +30,8 @@ from core import ipc
 from core.config import ServerArgs
 from core.ipc import Channel, ChannelClosed
 from core.plan import Plan
+from core.request_checks import RequestChecks
 from core.sampling import SamplingParams
-from core.scheduler import check_fits
 
 Chunk = dict[str, Any]
 log = logging.getLogger("core.client")
@@ -66,8 +66,7 @@ class EngineClient:
         self.args = args
         self.tokenizer = tokenizer
         self.plan = plan
-        self._grammar: Any = None  # core.grammar.Grammar, built at the first constraint
-        self._grammar_lock = threading.Lock()
+        self._checks = RequestChecks(plan, tokenizer)  # validation at the edge
         self._reqs: dict[str, _ReqState] = {}
         self._sync_queues: dict[str, queue.Queue] = {}
         self._replies: dict[int, tuple[threading.Event, list[ipc.Reply]]] = {}
@@ -177,47 +176,11 @@ class EngineClient:
     def prepare(self, prompt: str | None, input_ids: list[int] | None,
                 params: SamplingParams | dict | None) -> tuple[list[int], SamplingParams]:
         """Tokenize and validate (raises ValueError naming the problem)."""
-        p = SamplingParams.from_dict(params)
-        if p.n != 1:
-            raise ValueError("submit takes n = 1; expand with core.engine.expand_n first")
-        if input_ids is None:
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            input_ids = self.tokenizer.encode(prompt)
-        elif not isinstance(input_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
-            raise ValueError("input_ids must be a list of integers")
-        info = self.info
-        vocab = info.vocab_size
-        bad = [t for t in input_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary of {vocab}")
-        p.check_vocab(vocab)
-        check_fits(len(input_ids), p.max_new_tokens, info.max_context, info.pool_tokens,
-                   info.page_size)
-        if p.constraint is not None:
-            self.check_constraint(p.constraint)
-        return input_ids, p
+        return self._checks.prepare(prompt, input_ids, params, self.info)
 
     def check_constraint(self, constraint: Any) -> None:
-        """Raise ValueError (core.grammar.GrammarError) naming the problem when the engine's
-        grammar backend cannot enforce this constraint, or structured output is off. Checked
-        here, before admission, so that the caller gets the error (the worker compiles it)."""
-        name = self.plan.grammar_backend
-        if name is None:
-            why = next((n.split(": ", 1)[1] for n in self.plan.notes
-                        if n.startswith("structured output off: ")), "no grammar backend")
-            raise ValueError(f"{constraint.where}: structured output is off in this server "
-                             f"({why})")
-        with self._grammar_lock:
-            if self._grammar is None:
-                from core.grammar import make_grammar
-                from core.plugins import get_registry
-
-                self._grammar = make_grammar(get_registry(), name, self.tokenizer,
-                                             self.info.vocab_size,
-                                             list(self.info.eos_token_ids))
-        self._grammar.check(constraint)
+        """ValueError naming the problem when the engine cannot enforce this constraint."""
+        self._checks.check_constraint(constraint, self.info)
 
     def submit(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
                *, input_ids: list[int] | None = None, rid: str | None = None,

@@ -286,10 +286,11 @@ def test_constraints_cross_the_process_boundary_as_json():
 
 
 def test_structured_output_off_is_refused_at_the_client():
-    from core.client import EngineClient
+    from core.request_checks import RequestChecks
 
-    stub = types.SimpleNamespace(plan=types.SimpleNamespace(
-        grammar_backend=None, notes=("structured output off: --grammar-backend none",)))
+    plan = types.SimpleNamespace(
+        grammar_backend=None, notes=("structured output off: --grammar-backend none",))
     with pytest.raises(ValueError, match=r"^response_format: structured output is off in this "
                                          r"server \(--grammar-backend none\)"):
-        EngineClient.check_constraint(stub, Constraint("json_object", source="response_format"))
+        RequestChecks(plan, tokenizer=None).check_constraint(
+            Constraint("json_object", source="response_format"), info=None)
