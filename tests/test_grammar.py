@@ -294,3 +294,35 @@ def test_structured_output_off_is_refused_at_the_client():
                                          r"server \(--grammar-backend none\)"):
         RequestChecks(plan, tokenizer=None).check_constraint(
             Constraint("json_object", source="response_format"), info=None)
+
+
+@pytest.fixture(scope="module")
+def smollm_tokenizer():
+    from core.config import make_server_args
+    from core.loader import load_tokenizer
+
+    return load_tokenizer(make_server_args())
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_compact_json_in_real_tokens_is_accepted_by_every_backend(name, smollm_tokenizer):
+    """SmolLM2 spells `":"` as one token; a backend whose JSON grammar wants ": " (xgrammar's
+    default separators) refused it while llguidance accepted it: both now write compact JSON."""
+    from core.grammar import make_grammar
+
+    missing = missing_packages(get_registry().get("grammar", name).caps.requires)
+    if missing:
+        pytest.skip(f"package {missing[0]} is not installed")
+    tok = smollm_tokenizer
+    grammar = make_grammar(get_registry(), name, tok, 49152, sorted(tok.eos_token_ids))
+    text = '{"city":"Paris","population":2102650,"tags":["a","b"]}'
+    for c in (Constraint("json_object", ""), Constraint("json_schema", json.dumps({
+            "type": "object", "properties": {"city": {"type": "string"},
+                                             "population": {"type": "integer"},
+                                             "tags": {"type": "array",
+                                                      "items": {"type": "string"}}},
+            "required": ["city", "population", "tags"], "additionalProperties": False}))):
+        m = grammar.matcher(c)
+        assert all(m.accept(t) for t in tok.encode(text)), (name, c.kind)
+        assert m.accept(min(tok.eos_token_ids)) and m.is_terminated()
+        m.close()

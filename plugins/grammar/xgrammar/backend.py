@@ -25,6 +25,9 @@ def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+COMPACT = (",", ":")  # JSON item and key separators
+
+
 class XGrammarMatcher:
     """One sequence's xgrammar GrammarMatcher under core.grammar.GrammarMatcher."""
 
@@ -58,14 +61,17 @@ class XGrammarBackend:
 
     def _grammar(self, c: Constraint, compiler: Any = None) -> Any:
         """xgrammar's Grammar (no compiler) or CompiledGrammar for `c`; JSON without free
-        whitespace (small models loop on it), strict objects for schemas as OpenAI's strict."""
+        whitespace (small models loop on it) and compact separators, as the llguidance backend
+        writes it (xgrammar's own default would demand ", " and ": "), strict objects for
+        schemas as OpenAI's strict."""
         x = compiler or xgr.Grammar
         if c.kind == "json_schema":
             fn = x.compile_json_schema if compiler else x.from_json_schema
-            return fn(c.value, any_whitespace=False, strict_mode=True)
+            return fn(c.value, any_whitespace=False, separators=COMPACT, strict_mode=True)
         if c.kind == "json_object":
             fn = x.compile_json_schema if compiler else x.from_json_schema
-            return fn('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            return fn('{"type": "object"}', any_whitespace=False, separators=COMPACT,
+                      strict_mode=False)
         if c.kind == "regex":
             return (x.compile_regex if compiler else x.from_regex)(c.value)
         text = c.value if c.kind == "ebnf" else _choice_ebnf(c.choices())
