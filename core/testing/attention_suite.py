@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from core.capabilities import DeviceInfo
-from core.plugins import Registration, get_registry
+from core.plugins import Registration, Registry, get_registry
 from core.testing.attention_cases import conformance_cases, not_covered
 from core.testing.attention_check import (
     REFERENCE,
@@ -67,16 +67,25 @@ def _device_missing(device: torch.device) -> str:
     return ""
 
 
+def named_plugins(config: pytest.Config, kind: str, option: str, label: str
+                  ) -> tuple[Registry, dict[str, Registration], list[str]]:
+    """(registry, its `kind` plugins, the names the suite option selected): each name once
+    (an addopts default plus the command line is still one run); UsageError for an
+    unregistered name. Shared by every suite."""
+    registry = get_registry()
+    plugins = registry.kind(kind)
+    named = list(dict.fromkeys(config.getoption(option, default=None) or []))
+    unknown = [n for n in named if n not in plugins]
+    if unknown:
+        raise pytest.UsageError(f"{label}(s) {', '.join(unknown)} not registered "
+                                f"(registered: {', '.join(sorted(plugins)) or 'none'})")
+    return registry, plugins, named
+
+
 def conformance_params(config: pytest.Config) -> list:
     """pytest.param objects for every (backend, device, case) the options select."""
-    registry = get_registry()
-    backends = registry.kind("attention")
-    # Named twice (an addopts default plus the command line) is still one run.
-    named = list(dict.fromkeys(config.getoption("conformance_backend", default=None) or []))
-    unknown = [n for n in named if n not in backends]
-    if unknown:
-        raise pytest.UsageError(f"attention backend(s) {', '.join(unknown)} not registered "
-                                f"(registered: {', '.join(sorted(backends)) or 'none'})")
+    registry, backends, named = named_plugins(config, "attention", "conformance_backend",
+                                              "attention backend")
     devices = config.getoption("conformance_device", default=None) or default_devices()
     full = bool(config.getoption("conformance_full", default=False))
     seed = int(config.getoption("conformance_seed", default=0) or 0)

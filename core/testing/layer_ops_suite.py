@@ -23,7 +23,12 @@ from core.layer_ops import OPS
 from core.layers.ops_ref import TorchLayerOps
 from core.plugins import get_registry
 from core.testing.attention_check import excluded_dtype_reasons, unavailable_reasons
-from core.testing.attention_suite import _device_info, _device_missing, default_devices
+from core.testing.attention_suite import (
+    _device_info,
+    _device_missing,
+    default_devices,
+    named_plugins,
+)
 
 __all__ = ["pytest_generate_tests", "test_layer_ops_conformance"]
 
@@ -32,13 +37,8 @@ REFERENCE = "torch"
 
 
 def layer_ops_params(config: pytest.Config) -> list:
-    registry = get_registry()
-    plugins = registry.kind("layer_ops")
-    named = list(dict.fromkeys(config.getoption("conformance_layer_ops", default=None) or []))
-    unknown = [n for n in named if n not in plugins]
-    if unknown:
-        raise pytest.UsageError(f"layer-ops plugin(s) {', '.join(unknown)} not registered "
-                                f"(registered: {', '.join(sorted(plugins)) or 'none'})")
+    registry, plugins, named = named_plugins(config, "layer_ops", "conformance_layer_ops",
+                                             "layer-ops plugin")
     devices = config.getoption("conformance_device", default=None) or default_devices()
     params = []
     for device_name in devices:

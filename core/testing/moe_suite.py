@@ -20,9 +20,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from core.plugins import Registration, get_registry
+from core.plugins import Registration
 from core.testing.attention_check import excluded_dtype_reasons, unavailable_reasons
-from core.testing.attention_suite import _device_info, _device_missing, default_devices
+from core.testing.attention_suite import (
+    _device_info,
+    _device_missing,
+    default_devices,
+    named_plugins,
+)
 from core.testing.moe_cases import MoECase, conformance_cases, not_covered
 from core.testing.moe_check import check_case, check_graph_case
 
@@ -43,13 +48,8 @@ class MoEConformanceParam:
 def moe_conformance_params(config: pytest.Config, graph: bool = False) -> list:
     """pytest.param objects for every (runner, device, case) the options select; with
     `graph`, the CUDA-graph cases instead."""
-    registry = get_registry()
-    runners = registry.kind("moe")
-    named = list(dict.fromkeys(config.getoption("conformance_moe", default=None) or []))
-    unknown = [n for n in named if n not in runners]
-    if unknown:
-        raise pytest.UsageError(f"MoE runner(s) {', '.join(unknown)} not registered "
-                                f"(registered: {', '.join(sorted(runners)) or 'none'})")
+    registry, runners, named = named_plugins(config, "moe", "conformance_moe",
+                                             "MoE runner")
     devices = config.getoption("conformance_device", default=None) or default_devices()
     full = bool(config.getoption("conformance_full", default=False))
     seed = int(config.getoption("conformance_seed", default=0) or 0)

@@ -26,6 +26,7 @@ from core.platform import (
     load_platform,
 )
 from core.plugins import get_registry
+from core.testing.attention_suite import named_plugins
 
 __all__ = ["pytest_generate_tests", "test_platform_conformance"]
 
@@ -35,13 +36,8 @@ GEOMETRY = ModelGeometry(hidden_size=4096, num_heads=32, num_kv_heads=8, head_di
 
 
 def platform_params(config: pytest.Config) -> list:
-    registry = get_registry()
-    targets = registry.kind("hardware")
-    named = list(dict.fromkeys(config.getoption("conformance_platform", default=None) or []))
-    unknown = [n for n in named if n not in targets]
-    if unknown:
-        raise pytest.UsageError(f"hardware target(s) {', '.join(unknown)} not registered "
-                                f"(registered: {', '.join(sorted(targets)) or 'none'})")
+    registry, targets, named = named_plugins(config, "hardware", "conformance_platform",
+                                             "hardware target")
     params = []
     for name in named or sorted(targets):
         info = registry.probe(name)

@@ -32,7 +32,12 @@ from core.layers.linear import process_weights_after_loading
 from core.plugins import get_registry
 from core.quant import online_scheme, parse_quant_config
 from core.testing.attention_check import unavailable_reasons
-from core.testing.attention_suite import _device_info, _device_missing, default_devices
+from core.testing.attention_suite import (
+    _device_info,
+    _device_missing,
+    default_devices,
+    named_plugins,
+)
 from core.testing.quant_refs import RefCase, all_cases, fake_quant_acts
 
 __all__ = ["pytest_generate_tests", "test_quant_linear_conformance",
@@ -54,13 +59,8 @@ def _serves(caps, case: RefCase) -> bool:
 
 
 def quant_params(config: pytest.Config) -> list:
-    registry = get_registry()
-    methods = registry.kind("quant")
-    named = list(dict.fromkeys(config.getoption("conformance_quant", default=None) or []))
-    unknown = [n for n in named if n not in methods]
-    if unknown:
-        raise pytest.UsageError(f"quant method(s) {', '.join(unknown)} not registered "
-                                f"(registered: {', '.join(sorted(methods)) or 'none'})")
+    registry, methods, named = named_plugins(config, "quant", "conformance_quant",
+                                             "quant method")
     devices = config.getoption("conformance_device", default=None) or default_devices()
     cases = all_cases()
     params = []
