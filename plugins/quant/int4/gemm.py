@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.quant.tiles import grouped_tile
+
 
 @triton.jit
 def _int4_gemm(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, K_ITERS_PER_SPLIT,
@@ -26,16 +28,8 @@ def _int4_gemm(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, K_ITERS_PER
                GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    # grouped ordering: GROUP_M row tiles share the weight columns they read
-    in_group = GROUP_M * grid_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = min(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
