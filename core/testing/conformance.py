@@ -28,47 +28,57 @@ Options: --conformance-backend NAME (repeatable), --conformance-moe NAME (repeat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 PLUGIN = "core.testing.conformance"
-# Not imported here: this module loads in every pytest run of the environment and must stay
-# cheap (the suite imports torch).
-SUITE_MODULE = "core.testing.attention_suite"
-SUITE_PATH = Path(__file__).resolve().with_name("attention_suite.py")
-MOE_SUITE_MODULE = "core.testing.moe_suite"
-MOE_SUITE_PATH = Path(__file__).resolve().with_name("moe_suite.py")
-OPS_SUITE_MODULE = "core.testing.layer_ops_suite"
-OPS_SUITE_PATH = Path(__file__).resolve().with_name("layer_ops_suite.py")
-QUANT_SUITE_MODULE = "core.testing.quant_suite"
-QUANT_SUITE_PATH = Path(__file__).resolve().with_name("quant_suite.py")
-PLATFORM_SUITE_MODULE = "core.testing.platform_suite"
-PLATFORM_SUITE_PATH = Path(__file__).resolve().with_name("platform_suite.py")
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One conformance suite: the option that selects what it checks, and its test module."""
+
+    option: str  # the --conformance-... flag
+    module: str  # core.testing.<module>
+    metavar: str
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.option.lstrip("-").replace("-", "_")
+
+    @property
+    def path(self) -> Path:
+        return HERE / f"{self.module}.py"
+
+
+# The suites are not imported here: this module loads in every pytest run of the environment
+# and must stay cheap (the suites import torch).
+SUITES = (
+    Suite("--conformance-backend", "attention_suite", "NAME",
+          "run the attention conformance suite on this registered backend (repeatable)"),
+    Suite("--conformance-moe", "moe_suite", "NAME",
+          "run the MoE-runner conformance suite on this registered runner (repeatable)"),
+    Suite("--conformance-layer-ops", "layer_ops_suite", "NAME",
+          "run the layer-ops conformance suite on this registered plugin (repeatable)"),
+    Suite("--conformance-quant", "quant_suite", "NAME",
+          "run the quant-method conformance suite on this registered method (repeatable; "
+          "needs the compressed-tensors package)"),
+    Suite("--conformance-platform", "platform_suite", "TARGET",
+          "run the Platform conformance suite on this registered hardware target "
+          "(repeatable)"),
+)
+SUITE_MODULES = tuple(f"core.testing.{suite.module}" for suite in SUITES)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("core-conformance", "core-serve attention backend conformance")
-    group.addoption("--conformance-backend", action="append", dest="conformance_backend",
-                    metavar="NAME", default=None,
-                    help="run the attention conformance suite on this registered backend "
-                         "(repeatable)")
-    group.addoption("--conformance-moe", action="append", dest="conformance_moe",
-                    metavar="NAME", default=None,
-                    help="run the MoE-runner conformance suite on this registered runner "
-                         "(repeatable)")
-    group.addoption("--conformance-layer-ops", action="append", dest="conformance_layer_ops",
-                    metavar="NAME", default=None,
-                    help="run the layer-ops conformance suite on this registered plugin "
-                         "(repeatable)")
-    group.addoption("--conformance-quant", action="append", dest="conformance_quant",
-                    metavar="NAME", default=None,
-                    help="run the quant-method conformance suite on this registered method "
-                         "(repeatable; needs the compressed-tensors package)")
-    group.addoption("--conformance-platform", action="append", dest="conformance_platform",
-                    metavar="TARGET", default=None,
-                    help="run the Platform conformance suite on this registered hardware "
-                         "target (repeatable)")
+    for suite in SUITES:
+        group.addoption(suite.option, action="append", dest=suite.dest, metavar=suite.metavar,
+                        default=None, help=suite.help)
     group.addoption("--conformance-device", action="append", dest="conformance_device",
                     metavar="DEVICE", default=None,
                     help="torch device for the suite (repeatable; default cpu, plus cuda "
@@ -97,13 +107,9 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs an accelerator (run with -m gpu)")
     args = [str(Path(a.split("::")[0]).resolve()) for a in config.args]
-    for option, path in (("conformance_backend", SUITE_PATH),
-                         ("conformance_moe", MOE_SUITE_PATH),
-                         ("conformance_layer_ops", OPS_SUITE_PATH),
-                         ("conformance_quant", QUANT_SUITE_PATH),
-                         ("conformance_platform", PLATFORM_SUITE_PATH)):
-        if config.getoption(option, default=None) and str(path) not in args:
-            config.args.append(str(path))
+    for suite in SUITES:
+        if config.getoption(suite.dest, default=None) and str(suite.path) not in args:
+            config.args.append(str(suite.path))
             config._core_conformance_injected = True  # noqa: SLF001 - our own marker
 
 
@@ -117,8 +123,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fn = getattr(item, "function", None)
         module = getattr(getattr(item, "module", None), "__name__", "")
         origin = getattr(fn, "__module__", "")
-        is_copy = origin in (SUITE_MODULE, MOE_SUITE_MODULE, OPS_SUITE_MODULE,
-                             QUANT_SUITE_MODULE, PLATFORM_SUITE_MODULE) and module != origin
+        is_copy = origin in SUITE_MODULES and module != origin
         (drop if is_copy else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
