@@ -140,8 +140,8 @@ def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry:
             raise ResolveError(f"--quantization {user} conflicts with the checkpoint: {what}",
                                [conflict], loaders)
     slot = Slot("quant_method", "quant", registry, device.target,
-                 lambda caps: check_quant(caps, spec, device, dtype=dtype, requested=ckpt,
-                                          scheme=scheme),
+                 lambda caps, _: check_quant(caps, spec, device, dtype=dtype, requested=ckpt,
+                                             scheme=scheme),
                  pick, "--quantization")
     slots.append(slot)
     if pick is None and not slot.ranked():
@@ -167,7 +167,8 @@ def _attention(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: 
         user = own if own is not None else args.attention_backend
         flag = f"--{phase}-attention-backend" if own is not None else "--attention-backend"
 
-        def check(caps: Any, phase: str = phase, page: int | None = page) -> list[str]:
+        def check(caps: Any, _name: str = "", phase: str = phase, page: int | None = page
+                  ) -> list[str]:
             return check_attention(caps, spec, device, phase=phase, dtype=dtype,
                                    kv_cache_dtype=kv, page_size=page, cuda_graph=None)
 
@@ -185,7 +186,8 @@ def _attention(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: 
         if page is not None and user is None:
             # Say when the user's page size ruled out the backend that would otherwise win.
             free = Slot(slot.slot, "attention", registry, device.target,
-                         lambda caps, phase=phase: check(caps, phase, None), None, flag).ranked()
+                         lambda caps, _, phase=phase: check(caps, phase=phase, page=None), None,
+                         flag).ranked()
             if free and free[0].name != options[-1][0].name:
                 why = "; ".join(r for r in slot.get(free[0].name).reasons if "page size" in r)
                 notes.append(f"{phase} attention {options[-1][0].name} chosen over "
@@ -232,7 +234,7 @@ def _grammar_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slot
         return None
     user = None if raw == "auto" else raw
     slot = Slot("grammar_backend", "grammar", registry, device.target,
-                lambda caps: check_grammar(caps, device), user, "--grammar-backend")
+                lambda caps, _: check_grammar(caps, device), user, "--grammar-backend")
     slots.append(slot)
     if user is not None:
         return slot.options()[0].name
@@ -276,11 +278,11 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     if spec.is_moe:
         user = None if args.moe_runner_backend in (None, "auto") else args.moe_runner_backend
         quant_reg = registry.get("quant", quant) if quant else None
-        runner_of = {id(r.caps): n for n, r in registry.kind("moe").items()}
         mslot = Slot("moe_runner", "moe", registry, device.target,
-                      lambda caps: check_moe(caps, spec, device, dtype=dtype, quant_method=quant,
-                                             quant_caps=quant_reg.caps if quant_reg else None,
-                                             runner=runner_of[id(caps)]),
+                      lambda caps, name: check_moe(caps, spec, device, dtype=dtype,
+                                                   quant_method=quant, runner=name,
+                                                   quant_caps=quant_reg.caps if quant_reg
+                                                   else None),
                       user, "--moe-runner-backend")
         slots.append(mslot)
         try:
@@ -298,7 +300,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
 
     ops = None
     oslot = Slot("layer_ops", "layer_ops", registry, device.target,
-                  lambda caps: check_layer_ops(caps, device, dtype=dtype), args.layer_ops,
+                  lambda caps, _: check_layer_ops(caps, device, dtype=dtype), args.layer_ops,
                   "--layer-ops")
     slots.append(oslot)
     try:
@@ -306,8 +308,8 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     except ResolveError as exc:
         errors.append(exc)
 
-    mslot = Slot("model", "models", registry, device.target, lambda caps: check_model(caps, spec),
-                  None, "")
+    mslot = Slot("model", "models", registry, device.target,
+                  lambda caps, _: check_model(caps, spec), None, "")
     slots.append(mslot)
     model_impl = mslot.ranked()[0].name if mslot.ranked() else None
     if model_impl is None:

@@ -32,14 +32,15 @@ class Slot:
     """One slot being resolved: its evaluated candidates and the user's pick, if any."""
 
     def __init__(self, slot: str, kind: str, registry: Registry, target: str,
-                 check: Callable[[Any], list[str]], user: str | None, flag: str):
+                 check: Callable[[Any, str], list[str]], user: str | None, flag: str):
+        """check(caps, name) -> reasons the named plugin does not fit (empty: it fits)."""
         self.slot, self.kind, self.user, self.flag = slot, kind, user, flag
         self.label = SLOT_LABELS[slot]
         regs = registry.kind(kind)
         self.names = sorted(regs)
         self.candidates = [
             Candidate(slot=slot, name=name, origin=regs[name].origin.describe(),
-                      fits=not (reasons := tuple(check(regs[name].caps))), reasons=reasons,
+                      fits=not (reasons := tuple(check(regs[name].caps, name))), reasons=reasons,
                       priority=priority(regs[name].caps, target))
             for name in self.names]
 

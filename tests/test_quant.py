@@ -317,3 +317,38 @@ def test_dummy_weights_for_an_fp8_checkpoint(tmp_path):
     assert torch.equal(qkv.weight_scale_inv, torch.ones_like(qkv.weight_scale_inv))
     y = qkv(torch.randn(3, 128))
     assert torch.isfinite(y).all() and y.abs().sum() > 0
+
+
+def test_moe_quant_agreement_is_by_runner_name_even_when_caps_are_shared(model_spec,
+                                                                           clean_plugin_env):
+    """Two MoE runners registered with one caps object: the quant method's moe_runners names
+    one of them, and only that one fits (the resolver hands each candidate its own name)."""
+    from dataclasses import replace
+
+    from plugins_for_tests import builtin_backend_plugins, double_factory
+
+    from core.capabilities import MoECaps, QuantCaps
+    from core.hookspecs import hookimpl
+
+    shared = MoECaps(devices={"cuda"}, dtypes={"bfloat16"}, quant_methods={"unquantized"})
+
+    class Vendor:
+        @hookimpl
+        def core_register_moe_runners(self, register):
+            register("vendor_a", shared, double_factory)
+            register("vendor_b", shared, double_factory)
+
+        @hookimpl
+        def core_register_quant_methods(self, register):
+            register("vendor_q", QuantCaps(devices={"cuda"}, config_names={"vendor_q"},
+                                           moe=True, moe_runners={"vendor_b"}),
+                     double_factory)
+
+    registry = build_registry(extra=builtin_backend_plugins() + [("vendor", Vendor())],
+                              entry_points=False)
+    spec = replace(model_spec("qwen3-30b-a3b"), quantization={"quant_method": "vendor_q"},
+                   quant_method="vendor_q")
+    plan = resolve(spec, PROFILES["h200"], ServerArgs(dtype="bfloat16"), registry)
+    moe = {c.name: c for c in plan.candidates if c.slot == "moe_runner"}
+    assert plan.moe_runner == "vendor_b" and moe["vendor_b"].fits
+    assert not moe["vendor_a"].fits
