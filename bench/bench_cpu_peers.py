@@ -19,8 +19,9 @@ the same token ids (random in [100, 40000), seeded; no BOS), greedy, EOS ignored
   process + its engine worker).
 Each peer runs in its own subprocess (this script with --worker PEER), so load time and peak RSS
 are its own. Ours is measured as a user runs it (`core.Engine`, streaming); the table names the
-plan's quant method and weight format, i.e. which path ran (`unquantized` / `gguf`: the blocks
-dequantized to --dtype at load; llama.cpp runs the Q4_1 blocks as stored). Figures are medians of
+plan's quant method and weight format, i.e. which path ran (`gguf_*`: the blocks kept and
+multiplied by the C kernels, the default on a CPU; `unquantized`: dequantized to --dtype at
+load, with --quantization unquantized; llama.cpp runs the Q4_1 blocks as stored). Figures are medians of
 --reps runs after a warm-up run of the same kind. Ratios are ours / llama.cpp of figures from this
 run. CPU time that other processes took during each peer's stage is measured (/proc/stat minus
 our own process tree) and a note warns when it is over 10% of the stage. A markdown table is

@@ -201,6 +201,7 @@ class AttentionCaps(_Frozen):
     cuda_graph: bool = False
     deterministic: bool = False
     requires: tuple[str, ...] = ()  # python packages imported by the factory
+    programs: tuple[str, ...] = ()  # executables on PATH, e.g. ("cc",) to build its kernels
     priority: Mapping[str, int] = field(default_factory=dict)  # per device target
     description: str = ""
     # Conditional needs: device features a KV-cache dtype needs beyond the backend's own range,
@@ -294,6 +295,7 @@ class QuantCaps(_Frozen):
     moe_runners: frozenset[str] = frozenset()
     needs_features: frozenset[str] = frozenset()  # device features, e.g. {"fp8"}
     requires: tuple[str, ...] = ()
+    programs: tuple[str, ...] = ()  # executables on PATH, e.g. ("cc",) to build its kernels
     priority: Mapping[str, int] = field(default_factory=dict)
     description: str = ""
 
@@ -338,6 +340,7 @@ class LayerOpsCaps(_Frozen):
     ops: frozenset[str] = frozenset()
     cuda_graph: bool = False
     requires: tuple[str, ...] = ()
+    programs: tuple[str, ...] = ()  # executables on PATH, e.g. ("cc",) to build its kernels
     priority: Mapping[str, int] = field(default_factory=dict)
     description: str = ""
 

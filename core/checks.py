@@ -12,6 +12,8 @@ checking a backend must not load its kernel library.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 from collections.abc import Iterable
 from typing import Any
 
@@ -58,6 +60,17 @@ def missing_packages(requires: Iterable[str]) -> list[str]:
     return missing
 
 
+def missing_programs(programs: Iterable[str]) -> list[str]:
+    """The required executables (a C compiler: "cc") that are not on PATH; "cc" is satisfied
+    by $CC or gcc / clang as well."""
+    missing = []
+    for name in programs:
+        alternatives = [os.environ.get("CC"), "cc", "gcc", "clang"] if name == "cc" else [name]
+        if not any(a and shutil.which(a) for a in alternatives):
+            missing.append(name)
+    return missing
+
+
 def _capability_reason(target: str, rng: CapabilityRange, device: DeviceInfo) -> str | None:
     if rng.accepts(device.capability, device.arch):
         return None
@@ -94,6 +107,8 @@ def check_device(caps: Any, device: DeviceInfo) -> list[str]:
                                f"(device has {','.join(sorted(device.features)) or 'none'})")
     for name in missing_packages(caps.requires):
         reasons.append(f"package {name} is not installed")
+    for program in missing_programs(getattr(caps, "programs", ())):
+        reasons.append(f"program {program} is not on PATH")
     return reasons
 
 

@@ -72,8 +72,9 @@ PROFILES: dict[str, DeviceInfo] = {
                         cube_core_num=24),
     # Sapphire Rapids: AMX tiles (BF16, INT8) beside AVX-512 BF16/VNNI.
     "xeon-amx": _cpu("Intel(R) Xeon(R) Platinum 8480+", "Intel", 256 * GiB,
-                     ("amx_bf16", "amx_int8", "amx_tile", "avx512f", "avx512_bf16",
-                      "avx512_vnni", "avx2", "fp16", "bf16", "int8_mma"),
+                     ("amx_bf16", "amx_int8", "amx_tile", "avx512f", "avx512bw", "avx512vl",
+                      "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c", "fp16", "bf16",
+                      "int8_mma"),
                      cores=56, microarchitecture="sapphirerapids"),
     # A plain AVX2 desktop/cloud CPU: no AVX-512, no AMX, no native BF16 dot products.
     "x86-cpu": _cpu("x86-64 AVX2 CPU", "", 32 * GiB, ("avx2", "fp16"), cores=8),

@@ -19,9 +19,11 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.3"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.4"  # 1.1: hardware targets may register a Platform; layer ops
 # 1.2: quant factories take the checkpoint's QuantScheme (core.quant); QuantCaps formats
 # 1.3: grammar backends (structured output, core.grammar)
+# 1.4: QuantCaps.programs; quant methods may load tensors themselves (weight_loader,
+#      load_table, takes_raw_gguf: core.quant)
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -136,9 +136,11 @@ def load_config(source: WeightSource, trust_remote_code: bool = False) -> Any:
                          f"{f' ({source.gguf_file})' if source.gguf_file else ''}: {exc}") from exc
 
 
-def count_and_iter_weights(source: WeightSource, config: Any, reader: Any = None
+def count_and_iter_weights(source: WeightSource, config: Any, reader: Any = None,
+                           raw_gguf: bool = False
                            ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-    """(number of tensors, iterator of (HF name, tensor)) for the source's format."""
+    """(number of tensors, iterator of (HF name, tensor)) for the source's format; raw_gguf:
+    a GGUF file's quantized tensors as their blocks (core.models.gguf.GGUFBlocks)."""
     if source.load_format == "safetensors":
         from safetensors import safe_open
 
@@ -167,7 +169,7 @@ def count_and_iter_weights(source: WeightSource, config: Any, reader: Any = None
     if source.load_format == "gguf":
         from core.models.gguf import gguf_weights
 
-        return gguf_weights(source.files[0], config, reader)
+        return gguf_weights(source.files[0], config, reader, raw=raw_gguf)
     raise ValueError(f"no weights to read for load format {source.load_format!r}")
 
 
@@ -288,11 +290,15 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
     else:
         from tqdm import tqdm
 
-        total, weights = count_and_iter_weights(source, config, reader)
+        total, weights = count_and_iter_weights(
+            source, config, reader, raw_gguf=bool(getattr(quant, "takes_raw_gguf", False)))
         bar = tqdm(weights, total=total or None, desc="loading weights", unit="tensor",
                    file=sys.stderr, leave=False)
         model.load_weights(bar)
         bar.close()
+    held = getattr(quant, "load_summary", None)  # what a method kept, in its own words
+    if held is not None:
+        notes.append(held())
 
     tokenizer = _load_tokenizer(args, source, notes) if with_tokenizer else None
     return LoadedModel(model, config, tokenizer, model_path, dtype, notes, ctx.ops)

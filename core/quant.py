@@ -18,6 +18,16 @@ weights of every `Linear` the model builds, and of MoE experts where its caps sa
     bind(layer) -> callable                      (optional) `apply` with the layer's tensors bound.
     init_dummy_weights(layer, seed, std)         (optional) --load-format dummy: fill packed
                                                  integer tensors so the real weights are ~std.
+    weight_loader(layer, param, loaded, shard)   (optional) take each checkpoint tensor itself
+                                                 instead of the mark()/load_shard copy.
+    takes_raw_gguf = True                        (optional) a GGUF file's quantized tensors
+                                                 reach weight_loader / load_table as their
+                                                 blocks (core.models.gguf.GGUFBlocks).
+    load_summary() -> str                        (optional) a load note: what it kept, how.
+    load_table(module, loaded) -> table | None   (optional) the token embedding's / LM head's
+                                                 weight kept in the method's own form: a
+                                                 table with rows(ids, dtype) and logits(h)
+                                                 (fp32); None leaves the tensor dense.
     create_moe_weights(layer, E, H, I, dtype, device) + moe_weights(layer) -> MoEWeights
                                                  (where caps.moe) the experts' stacked tensors
                                                  and the form the MoE runner receives (core.moe).

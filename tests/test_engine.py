@@ -36,9 +36,15 @@ QUESTIONS = [
 ]
 
 
+# HF transformers dequantizes the GGUF file: so does `--quantization unquantized`, which these
+# token-for-token comparisons run (the default CPU path keeps the blocks and quantizes the
+# activations to int8 like llama.cpp; tests/test_gguf_quant.py holds that path to HF).
+DEQUANTIZED = {"quantization": "unquantized"}
+
+
 @pytest.fixture(scope="module")
 def smol():
-    with core.Engine(dtype="float32", max_total_tokens=8192) as engine:
+    with core.Engine(dtype="float32", max_total_tokens=8192, **DEQUANTIZED) as engine:
         yield engine
 
 
@@ -82,7 +88,8 @@ def test_greedy_matches_hf_transformers(smol, prompt_ids, hf_greedy):
 def test_small_pool_pages_and_chunks_match_hf(prompt_ids, hf_greedy):
     # 8 requests of 32-85 prompt tokens + 64 new in a 320-token pool: decode must retract.
     with core.Engine(dtype="float32", max_total_tokens=320, page_size=16,
-                     chunked_prefill_size=16, schedule_conservativeness=0.05) as engine:
+                     chunked_prefill_size=16, schedule_conservativeness=0.05,
+                     **DEQUANTIZED) as engine:
         outs = engine.generate(input_ids=prompt_ids, sampling_params=GREEDY)
         assert [o["output_ids"] for o in outs] == hf_greedy
         stats = engine.stats()

@@ -211,9 +211,10 @@ def test_forced_example_sdpa_is_chosen_and_adopts_page_size_16(example_site):
 def test_example_sdpa_fits_but_is_not_preferred_on_cpu(example_site):
     proc = _resolve("llama-3.1-8b", example_site)
     assert proc.returncode == 0, proc.stderr
-    # Human-readable output: numba_cpu (a test dependency) wins on priority, then torch_native;
-    # example_sdpa is listed as fitting.
-    assert re.search(r"prefill attention\s+numba_cpu", proc.stdout), proc.stdout
+    # Human-readable output: the C backend (its build for this CPU's ISA) wins on priority,
+    # numba_cpu (a test dependency) and torch_native fit; example_sdpa is listed as fitting.
+    assert re.search(r"prefill attention\s+cpu_c", proc.stdout), proc.stdout
+    assert re.search(r"numba_cpu\s+fits", proc.stdout), proc.stdout
     assert re.search(r"torch_native\s+fits", proc.stdout), proc.stdout
     assert re.search(r"example_sdpa\s+fits", proc.stdout), proc.stdout
 

@@ -170,8 +170,8 @@ def test_info_routes_show_the_plan(served):
     status, _, raw = http_request(srv.url, "GET", "/get_server_info", None, auth, timeout=60)
     info = json.loads(raw)
     assert status == 200
-    # numba_cpu (a test dependency) decodes on a CPU; its prefill is torch_native's code
-    assert info["plan"]["decode_attention"] == "numba_cpu"
+    # the C backend (built for this CPU's ISA) decodes on a CPU; its prefill is torch_native's
+    assert info["plan"]["decode_attention"].startswith("cpu_c")
     assert any(c["chosen"] and c["slot"] == "decode_attention" for c in info["candidates"])
     assert "Candidates" in info["plan_table"] and info["server_args"]["api_key"] == "<redacted>"
     assert info["stats"]["kv_pages_total"] > 0 and info["engine_alive"] is True

@@ -105,7 +105,8 @@ def test_the_engine_uses_them_on_gpus_only_and_they_can_be_turned_off(model_spec
     spec = model_spec("llama-3.1-8b")
     assert resolve(spec, PROFILES["h100"], ServerArgs(), test_registry).layer_ops == "triton"
     cpu = resolve(spec, PROFILES["xeon-amx"], ServerArgs(), test_registry)
-    assert cpu.layer_ops == "torch"  # the interpreter is for tests, never the engine
+    # the interpreter is for tests, never the engine: the CPU's own C ops (AVX-512 build)
+    assert cpu.layer_ops == "cpu_c_avx512"
     why = next(c for c in cpu.candidates if c.slot == "layer_ops" and c.name == "triton")
     assert "device cpu not supported" in why.reasons[0]
     # The environment is read at the edge (core.config), so the resolver stays pure.

@@ -1,4 +1,9 @@
-"""Token embedding and the LM head (possibly tied to it)."""
+"""Token embedding and the LM head (possibly tied to it).
+
+A quant method with `load_table(module, tensor)` (core.quant) may keep either weight in its own
+form: the module then looks rows up with `table.rows(ids, dtype)` and computes logits with
+`table.logits(hidden)`, and its dense `weight` is left empty ([0, hidden]).
+"""
 
 from __future__ import annotations
 
@@ -9,17 +14,46 @@ from torch import nn
 from core.layers.linear import Matmul, Packer
 
 
+def _load_table(module: nn.Module, param: nn.Parameter, loaded: object) -> None:
+    """The weight_loader of the embedding and the LM head: the quant method's table, or a
+    dense copy."""
+    take = getattr(module.table_method, "load_table", None)
+    table = take(module, loaded) if take is not None else None
+    if table is not None:
+        module.table = table
+        param.data = torch.empty(0, param.shape[-1], dtype=param.dtype, device=param.device)
+        return
+    if isinstance(loaded, torch.Tensor):
+        if tuple(param.shape) != tuple(loaded.shape):
+            raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+        param.data.copy_(loaded)
+        return
+    dequantize = getattr(loaded, "dequantize", None)  # blocks no method took: made dense
+    if dequantize is None:
+        raise ValueError(f"cannot load {type(loaded).__name__} into a dense weight")
+    _load_table(module, param, dequantize())
+
+
 class VocabEmbedding(nn.Module):
     """ids [T] -> [T, hidden]."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, quant_method: object = None):
         super().__init__()
         self.vocab_size = vocab_size
+        self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype,
                                                device=device), requires_grad=False)
+        self.table_method = quant_method  # not `quant_method`: not a linear's owner
+        self.table = None  # the quant method's form of the weight, once loaded
+
+    def weight_loader(self, param: nn.Parameter, loaded: object, shard: str | None = None
+                      ) -> None:
+        _load_table(self, param, loaded)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return self.table.rows(ids, self.dtype)
         return F.embedding(ids, self.weight)
 
 
@@ -28,10 +62,13 @@ class LMHead(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device | None = None, tie_to: VocabEmbedding | None = None,
-                 final_logit_softcap: float | None = None):
+                 final_logit_softcap: float | None = None, quant_method: object = None):
         super().__init__()
         self.vocab_size = vocab_size
         self.tied = tie_to is not None
+        self.table_method = quant_method  # not `quant_method`: not a linear's owner
+        self.table = None  # the quant method's form of an untied weight, once loaded
+        self._tied_to = (tie_to,) if tie_to is not None else ()  # not a submodule
         if tie_to is not None:
             self.weight = tie_to.weight
         else:
@@ -45,7 +82,9 @@ class LMHead(nn.Module):
         """Compute the product from a platform's packed weight (oneDNN's on a CPU: 2-3x faster
         than F.linear at decode shapes). Tied: a packed copy, since the embedding still looks up
         rows of the plain weight (vocab x hidden more elements of memory); untied: the weight
-        is swapped."""
+        is swapped. Nothing to do for a weight a quant method keeps as a table."""
+        if self._table() is not None:
+            return
         packed = pack(self.weight)
         if packed is None:
             return
@@ -53,8 +92,18 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(packed, requires_grad=False)
         self._packed, self._matmul = packed, matmul
 
+    def weight_loader(self, param: nn.Parameter, loaded: object, shard: str | None = None
+                      ) -> None:
+        _load_table(self, param, loaded)
+
+    def _table(self) -> object:
+        return self._tied_to[0].table if self._tied_to else self.table
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
+        table = self._table()
+        if table is not None:
+            logits = table.logits(hidden)
+        elif self._packed is not None:
             logits = self._matmul(hidden, weight=self._packed, bias=None).float()
         else:
             logits = F.linear(hidden, self.weight).float()

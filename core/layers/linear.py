@@ -130,7 +130,13 @@ class Linear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: str | None = None) -> None:
         """Copy an HF tensor into `param` (the whole of it, or one shard's part: its rows, or
-        what core.quant.mark says the shard owns of a quantized parameter)."""
+        what core.quant.mark says the shard owns of a quantized parameter). A quant method
+        with its own `weight_loader(layer, param, loaded, shard)` takes the tensor instead
+        (one that reads the file's blocks as they are: GGUF)."""
+        own = getattr(self.quant_method, "weight_loader", None)
+        if own is not None:
+            own(self, param, loaded, shard)
+            return
         if shard is None or param.dim() == 0:
             load_shard(param, loaded, None, None)
         else:

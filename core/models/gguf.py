@@ -1,4 +1,6 @@
-"""GGUF weights for the dense decoders here: dequantized tensors under HF parameter names.
+"""GGUF weights for the dense decoders here, under HF parameter names: dequantized tensors, or
+(for a quant method that computes GGML's block formats itself, `takes_raw_gguf`) the blocks as
+the file holds them (`GGUFBlocks`); float tensors (F32 / F16 / BF16) always come as tensors.
 
 llama.cpp names (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) map to HF's; for
 the `llama` GGUF architecture, llama.cpp's converter permuted the rows of Q and K so that its
@@ -36,6 +38,31 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PERMUTED_ARCHS = ("llama",)
 
 
+# GGML types that are plain floats: always handed over as tensors
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+class GGUFBlocks:
+    """One quantized tensor as the file stores it: `data` uint8 [rows, bytes per row] of GGML
+    type `ggml_type` (its name: "Q4_1", "Q6_K", ...), `shape` the logical [rows, cols]."""
+
+    def __init__(self, ggml_type: str, data: np.ndarray, shape: tuple[int, ...]):
+        self.ggml_type = ggml_type
+        self.data = data
+        self.shape = tuple(shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [rows, cols] through the gguf package."""
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        arr = dequantize(self.data, GGMLQuantizationType[self.ggml_type])
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(self.shape))
+
+    def __repr__(self) -> str:
+        return f"GGUFBlocks({self.ggml_type}, shape={self.shape})"
+
+
 def hf_name(gguf_name: str) -> str:
     """The HF parameter name of a llama.cpp tensor name (unknown names are returned as is)."""
     m = _BLOCK_RE.fullmatch(gguf_name)
@@ -50,10 +77,15 @@ def hf_name(gguf_name: str) -> str:
     return gguf_name
 
 
-def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation: per head, rows (d/2, 2) interleaved -> (2, d/2)."""
+def unpermute_rope_rows(w: Any, n_heads: int) -> Any:
+    """Undo llama.cpp's Q/K row permutation: per head, rows (d/2, 2) interleaved -> (2, d/2).
+    A torch tensor or a numpy array of rows (a quantized tensor's rows of blocks: each row is
+    whole, so permuting rows of bytes permutes the rows it holds)."""
     rows = w.shape[0]
     half = rows // n_heads // 2
+    if isinstance(w, np.ndarray):
+        return np.ascontiguousarray(
+            w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
@@ -67,9 +99,10 @@ def field_value(reader: Any, key: str) -> Any:
     return bytes(part).decode() if part.dtype == np.uint8 else part.tolist()[0]
 
 
-def gguf_weights(path: str, config: Any, reader: Any = None
-                 ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-    """(tensor count, iterator of (HF name, fp32 tensor)) for a GGUF file (or its reader)."""
+def gguf_weights(path: str, config: Any, reader: Any = None, raw: bool = False
+                 ) -> tuple[int, Iterator[tuple[str, Any]]]:
+    """(tensor count, iterator of (HF name, fp32 tensor)) for a GGUF file (or its reader);
+    raw: quantized tensors come as GGUFBlocks instead."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -86,18 +119,27 @@ def gguf_weights(path: str, config: Any, reader: Any = None
 
     def it() -> Iterator[tuple[str, torch.Tensor]]:
         for t in tensors:
+            shape = tuple(int(d) for d in reversed(t.shape))
+            name = hf_name(t.name)
+            if raw and t.tensor_type.name not in FLOAT_TYPES:
+                data = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1) \
+                    if len(shape) == 2 else np.asarray(t.data, dtype=np.uint8)
+                if permute and name.endswith("self_attn.q_proj.weight"):
+                    data = unpermute_rope_rows(data, n_heads)
+                elif permute and name.endswith("self_attn.k_proj.weight"):
+                    data = unpermute_rope_rows(data, n_kv)
+                yield name, GGUFBlocks(t.tensor_type.name, data, shape)
+                continue
             try:
                 arr = dequantize(t.data, t.tensor_type)
             except NotImplementedError as exc:
                 raise ValueError(f"{path}: tensor {t.name} has GGML type "
                                  f"{t.tensor_type.name}, which cannot be dequantized") from exc
             # GGUF lists dims innermost-first; torch wants them outermost-first.
-            shape = tuple(int(d) for d in reversed(t.shape))
             arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
             if not arr.flags.writeable:
                 arr = arr.copy()
             w = torch.from_numpy(arr)
-            name = hf_name(t.name)
             if permute and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
                 w = unpermute_rope_rows(w, n_heads)
             elif permute and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):

@@ -135,7 +135,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, owner: type):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype,
-                                           ctx.device)
+                                           ctx.device, quant_method=ctx.quant_method)
         self.layers = nn.ModuleList(
             DecoderLayer(config, ctx, i, owner.attention_bias(config), owner.qk_norm,
                          owner.sliding_window(config, i), owner.make_mlp(config, ctx, i))
@@ -190,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
                               tie_to=self.model.embed_tokens if self.tie_word_embeddings
                               else None,
                               final_logit_softcap=getattr(config, "final_logit_softcapping",
-                                                          None))
+                                                          None),
+                              quant_method=ctx.quant_method)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:

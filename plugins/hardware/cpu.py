@@ -28,8 +28,8 @@ CAPS = HardwareCaps(
 # The ISA flags (Linux /proc/cpuinfo spelling) that backends may ask for. x86 first, then Arm.
 ISA_FLAGS = (
     "amx_bf16", "amx_int8", "amx_tile", "amx_fp16",
-    "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16",
-    "avx2",
+    "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512_fp16",
+    "avx2", "fma", "f16c",
     "sve", "sve2", "i8mm", "bf16",  # aarch64 "Features" names
 )
 

@@ -38,6 +38,9 @@ class NumbaCpuAttention(TorchNativeAttention):
         if ctx.kv_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"numba_cpu reads float32 or bfloat16 KV caches, not {ctx.kv_dtype}")
         self._dense = None  # torch_native's dense decode copy: this decode needs none
+        # per layer: the pool buffers as numpy arrays and the kernel's scalar arguments (built
+        # once: at batch 1 on a small model, per-call conversions cost as much as the kernel)
+        self._layer_args: dict[int, tuple] = {}
         self._compile(ctx)
 
     @staticmethod
@@ -68,10 +71,18 @@ class NumbaCpuAttention(TorchNativeAttention):
         pool = batch.kv_pool
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(B, Hkv, D), v.view(B, Hkv, Dv))
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        qf = q.view(B, H, D).to(torch.float32).contiguous()
+        cached = self._layer_args.get(layer.layer_id)
+        if cached is None or cached[0] is not k_buf or cached[1] is not v_buf:
+            cached = (k_buf, v_buf, _as_numpy(k_buf), _as_numpy(v_buf),
+                      np.float32(layer.scaling), np.int64(layer.sliding_window or 0),
+                      np.float32(layer.logit_softcap or 0.0))
+            self._layer_args[layer.layer_id] = cached
+        _, _, k_np, v_np, scaling, window, softcap = cached
+        qf = q.view(B, H, D)
+        if qf.dtype != torch.float32 or not qf.is_contiguous():
+            qf = qf.to(torch.float32).contiguous()
         out = torch.empty(B, H, Dv, dtype=torch.float32)
-        decode_attention(qf.numpy(), _as_numpy(k_buf), _as_numpy(v_buf), meta.slots_np,
-                         meta.seq_lens_np, np.float32(layer.scaling),
-                         np.int64(layer.sliding_window or 0),
-                         np.float32(layer.logit_softcap or 0.0), out.numpy())
-        return out.to(q.dtype).reshape(B, H * Dv)
+        decode_attention(qf.numpy(), k_np, v_np, meta.slots_np, meta.seq_lens_np, scaling,
+                         window, softcap, out.numpy())
+        out = out.reshape(B, H * Dv)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -1,0 +1,35 @@
+"""`cpu_c*` attention: decode over the paged KV pool with a C kernel (attn.c), for CPUs.
+
+Decode reads each request's K/V rows straight from the pool, one work item per (request, KV
+head) over OpenMP threads; prefill / extend is torch_native's. The same source built per
+instruction set (plugins/cbuild.py): `cpu_c_avx512`, `cpu_c_avx2`, `cpu_c`; ahead of numba_cpu,
+whose per-call dispatch (~25 us) is most of a small model's decode attention. Needs a C
+compiler.
+"""
+
+from core.capabilities import AttentionCaps, PageSizes
+from core.hookspecs import hookimpl
+from plugins.cbuild import ISA_FEATURES
+
+CORE_PLUGIN_API = ">=1.4,<2"
+
+VARIANTS = {
+    "cpu_c_avx512": ("plugins.attention.cpu_c.backend:CpuCAttentionAvx512", "avx512_vnni", 40),
+    "cpu_c_avx2": ("plugins.attention.cpu_c.backend:CpuCAttentionAvx2", "avx2", 35),
+    "cpu_c": ("plugins.attention.cpu_c.backend:CpuCAttention", "portable", 30),
+}
+
+
+@hookimpl
+def core_register_attention_backends(register):
+    for name, (factory, variant, prio) in VARIANTS.items():
+        register(name, AttentionCaps(
+            devices={"cpu"}, cpu_isa=ISA_FEATURES[variant],
+            dtypes={"float32", "bfloat16"}, kv_cache_dtypes={"float32", "bfloat16"},
+            head_sizes=None, page_sizes=PageSizes.any(),
+            attention_kinds={"MHA", "GQA", "MQA"}, sliding_window=True, logit_softcap=True,
+            sinks=False, phases={"prefill", "decode"}, cuda_graph=False,
+            # one work item per (request, KV head), a fixed summation order
+            deterministic=True, programs=("cc",), priority={"cpu": prio},
+            description=f"C decode straight from the paged KV pool ({variant} build); prefill "
+                        f"as torch_native"), factory)

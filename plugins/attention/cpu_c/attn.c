@@ -1,0 +1,104 @@
+/* Decode attention over the paged KV pool for CPUs (plugins/attention/cpu_c).
+ * One work item per (request, KV head): its G query heads' scores over the request's slots in
+ * fp32, a max-subtracted softmax, then the weighted sum of V rows, read straight from the pool
+ * (fp32 or bf16 rows). Rows a few slots ahead are prefetched: a request's slots are runs of
+ * consecutive rows interleaved with decode-time ones, which hardware prefetchers follow poorly. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define AHEAD 4
+
+static inline float bf2f(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float ld(const void *p, int bf, int64_t i) {
+    return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* q [B, H, D] fp32; kb [S, Hkv, D], vb [S, Hkv, Dv]; slots [B, ss] int64; seq_lens [B];
+ * window > 0 keeps the last `window` keys; cap > 0 soft-caps scores; out [B, H, Dv] fp32.
+ * Returns 0, or -2 when out of memory. */
+int ca_decode(const float *q, const void *kb, const void *vb, int bf, const int64_t *slots,
+              int64_t ss, const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+              int64_t Dv, float scale, int64_t window, float cap, float *out, int nthreads) {
+    const int64_t G = H / Hkv;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) work += seq_lens[b];
+    int failed = 0;
+    const size_t esz = bf ? 2 : 4;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (work * H * D >= 32768)
+    for (int64_t it = 0; it < B * Hkv; it++) {
+        const int64_t b = it / Hkv, g = it % Hkv;
+        const int64_t L = seq_lens[b];
+        const int64_t lo = window > 0 && L > window ? L - window : 0;
+        const int64_t n = L - lo;
+        const int64_t *sl = slots + b * ss;
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(G * (n > 0 ? n : 1) + G * D + G * Dv));
+        if (!sc) { failed = 1; continue; }
+        float *qs = sc + G * (n > 0 ? n : 1), *acc = qs + G * D;
+        for (int64_t i = 0; i < G; i++)
+            for (int64_t d = 0; d < D; d++) qs[i * D + d] = q[(b * H + g * G + i) * D + d] * scale;
+        float mx[64], den[64];
+        float *mxp = G <= 64 ? mx : (float *)malloc(sizeof(float) * 2 * (size_t)G);
+        float *denp = G <= 64 ? den : mxp + G;
+        for (int64_t i = 0; i < G; i++) { mxp[i] = -INFINITY; denp[i] = 0.0f; }
+        for (int64_t j = 0; j < n; j++) {
+            if (j + AHEAD < n)
+                __builtin_prefetch((const char *)kb + ((sl[lo + j + AHEAD] * Hkv + g) * D) * esz);
+            const int64_t row = (sl[lo + j] * Hkv + g) * D;
+            for (int64_t i = 0; i < G; i++) {
+                float a = 0.0f;
+                if (bf) {
+                    const uint16_t *k = (const uint16_t *)kb + row;
+                    for (int64_t d = 0; d < D; d++) a += qs[i * D + d] * bf2f(k[d]);
+                } else {
+                    const float *k = (const float *)kb + row;
+                    for (int64_t d = 0; d < D; d++) a += qs[i * D + d] * k[d];
+                }
+                if (cap > 0.0f) a = cap * tanhf(a / cap);
+                sc[i * n + j] = a;
+                if (a > mxp[i]) mxp[i] = a;
+            }
+        }
+        for (int64_t i = 0; i < G; i++) {
+            for (int64_t j = 0; j < n; j++) {
+                float e = expf(sc[i * n + j] - mxp[i]);
+                sc[i * n + j] = e;
+                denp[i] += e;
+            }
+        }
+        memset(acc, 0, sizeof(float) * (size_t)(G * Dv));
+        for (int64_t j = 0; j < n; j++) {
+            if (j + AHEAD < n)
+                __builtin_prefetch((const char *)vb + ((sl[lo + j + AHEAD] * Hkv + g) * Dv) * esz);
+            const int64_t row = (sl[lo + j] * Hkv + g) * Dv;
+            for (int64_t i = 0; i < G; i++) {
+                const float p = sc[i * n + j];
+                if (bf) {
+                    const uint16_t *v = (const uint16_t *)vb + row;
+                    for (int64_t d = 0; d < Dv; d++) acc[i * Dv + d] += p * bf2f(v[d]);
+                } else {
+                    const float *v = (const float *)vb + row;
+                    for (int64_t d = 0; d < Dv; d++) acc[i * Dv + d] += p * v[d];
+                }
+            }
+        }
+        for (int64_t i = 0; i < G; i++) {
+            const float r = denp[i] > 0.0f ? 1.0f / denp[i] : 0.0f;
+            for (int64_t d = 0; d < Dv; d++) out[(b * H + g * G + i) * Dv + d] = acc[i * Dv + d] * r;
+        }
+        if (mxp != mx) free(mxp);
+        free(sc);
+    }
+    (void)ld;
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,90 @@
+"""`cpu_c` attention: torch_native's prefill, a C kernel (attn.c) for decode on the CPU."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.attention import AttentionLayerParams, BackendContext
+from core.forward_batch import ForwardBatch
+from plugins.attention.torch_native.backend import TorchNativeAttention, TorchNativeMeta
+from plugins.cbuild import build
+
+SOURCE = Path(__file__).with_name("attn.c")
+
+
+@functools.cache
+def library(variant: str) -> ctypes.CDLL:
+    lib = build(SOURCE, variant)
+    p, i64, i32, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.ca_decode.argtypes = [p, p, p, i32, p, i64, p, i64, i64, i64, i64, i64, f, i64, f, p,
+                              i32]
+    lib.ca_decode.restype = i32
+    return lib
+
+
+@dataclass
+class CpuCMeta(TorchNativeMeta):
+    """torch_native's step metadata plus, for decode, the sequence lengths as a tensor."""
+
+    seq_lens_t: torch.Tensor | None = None  # [B] int64
+
+
+class CpuCAttention(TorchNativeAttention):
+    """Decode reads the paged pool in place (no gather, no dense copy); extend is inherited."""
+
+    variant = "portable"
+
+    def __init__(self, ctx: BackendContext):
+        super().__init__(ctx)
+        if torch.device(ctx.device).type != "cpu":
+            raise ValueError(f"cpu_c attention runs on the CPU only, not on {ctx.device}")
+        if ctx.kv_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"cpu_c attention reads float32 or bfloat16 KV caches, not "
+                             f"{ctx.kv_dtype}")
+        self._dense = None  # torch_native's dense decode copy: this decode needs none
+        self.fn = library(self.variant).ca_decode
+        self.threads = torch.get_num_threads()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer: AttentionLayerParams, batch: ForwardBatch) -> torch.Tensor:
+        meta = self._meta(batch)
+        if not meta.decode:
+            return super().forward(q, k, v, layer, batch)
+        B = q.shape[0]
+        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        Dv = layer.v_head_dim or D
+        pool = batch.kv_pool
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(B, Hkv, D), v.view(B, Hkv, Dv))
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        qf = q if q.dtype == torch.float32 and q.is_contiguous() else \
+            q.to(torch.float32).contiguous()
+        out = torch.empty(B, H * Dv, dtype=torch.float32)
+        slots, lens = meta.slots, meta.seq_lens_t
+        rc = self.fn(qf.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
+                     int(k_buf.dtype == torch.bfloat16), slots.data_ptr(), slots.stride(0),
+                     lens.data_ptr(), B, H, Hkv, D, Dv, layer.scaling,
+                     layer.sliding_window or 0, layer.logit_softcap or 0.0, out.data_ptr(),
+                     self.threads)
+        if rc != 0:
+            raise MemoryError("cpu_c decode attention: out of memory")
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def prepare(self, batch: ForwardBatch) -> CpuCMeta:
+        meta = CpuCMeta(**vars(super().prepare(batch)))
+        if meta.decode:
+            meta.slots = meta.slots.contiguous()
+            meta.seq_lens_t = torch.as_tensor(meta.seq_lens, dtype=torch.int64)
+        return meta
+
+
+class CpuCAttentionAvx512(CpuCAttention):
+    variant = "avx512_vnni"
+
+
+class CpuCAttentionAvx2(CpuCAttention):
+    variant = "avx2"

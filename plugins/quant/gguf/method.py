@@ -1,0 +1,171 @@
+"""The `gguf` quant methods: GGUF's integer formats kept as blocks and multiplied in place.
+
+Each linear keeps its shards (q/k/v, gate/up) as the file gives them until loading ends, then
+stacks them into one Packed matrix (formats.py; shards of different types meet in the widest
+form, exactly). Every product, decode and prefill alike, runs the kernels' int8-activation
+arithmetic, which computes each row of the input on its own: a request's tokens come out the
+same whatever it is batched with (a dequantize-then-GEMM prefill would be faster at long
+prompts, but would give a request different numerics alone than beside others). The token
+embedding and the LM head stay in their blocks too (`load_table`). Tensors the file stores as floats, and any GGML type the
+kernels lack, are served dense (F.linear), and the load notes count them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.quant import load_shard
+from plugins.quant.gguf.formats import SUPPORTED, Packed, from_ggml, stack
+from plugins.quant.gguf.kernels import Kernels
+
+
+def _is_blocks(t: object) -> bool:
+    return hasattr(t, "ggml_type") and hasattr(t, "data")
+
+
+class GGUFTable:
+    """A token embedding / LM head weight kept as blocks: rows for lookups, logits for the
+    head."""
+
+    def __init__(self, packed: Packed, kernels: Kernels):
+        self.packed, self.kernels = packed, kernels
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.kernels.dequantize(self.packed, dtype, rows=ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(hidden, self.packed, out_dtype=torch.float32)
+
+
+class GGUFLinearMethod:
+    """core.quant protocol for GGUF checkpoints (one object per model; one ISA variant)."""
+
+    takes_raw_gguf = True
+    variant = "portable"
+    act_bits = 16
+
+    def __init__(self, scheme: object = None):
+        self.scheme = scheme
+        # builds / loads the library now, not mid-request
+        self.kernels = Kernels(self.variant, self.act_bits)
+        self.counts: dict[str, int] = {}  # GGML type -> linears / tables holding it
+
+    # ---- weights ----
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
+                       dtype: torch.dtype, device: torch.device) -> None:
+        # A placeholder the loader can name; the matrix itself is layer.packed / layer.dense.
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=device),
+                                    requires_grad=False)
+        layer.bias = (nn.Parameter(torch.empty(output_size, dtype=dtype, device=device),
+                                   requires_grad=False) if bias else None)
+        layer.gguf_parts = {}
+        layer.packed = None
+        layer.dense = None
+        layer.compute_dtype = dtype
+
+    def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: object,
+                      shard: str | None) -> None:
+        if param is not layer.weight:  # a bias: a float tensor, copied like any other
+            rows = layer.shard_slice(shard) if shard is not None else None
+            index = layer.shard_names.index(shard) if shard is not None else None
+            load_shard(param, loaded, rows, index)
+            return
+        rows = layer.shard_slice(shard)
+        want = (rows.stop - rows.start, layer.input_size)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"expected shape {want}, got {tuple(loaded.shape)}")
+        if _is_blocks(loaded) and loaded.ggml_type in SUPPORTED:
+            part = from_ggml(loaded.ggml_type, loaded.data, layer.input_size)
+        elif _is_blocks(loaded):  # a GGML type without a kernel here: served dense
+            part = loaded.dequantize()
+        else:
+            part = loaded.detach().float()
+        layer.gguf_parts[shard] = part
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not layer.gguf_parts:
+            return  # processed already (or dummy weights filled it)
+        names = layer.shard_names or [None]
+        missing = [n for n in names if n not in layer.gguf_parts]
+        if missing:
+            raise ValueError(f"GGUF linear is missing shards {missing}")
+        parts = [layer.gguf_parts[n] for n in names]
+        layer.gguf_parts = {}
+        if all(isinstance(p, Packed) for p in parts):
+            layer.packed = stack(parts)
+            for t in layer.packed.types:
+                self.counts[t] = self.counts.get(t, 0) + 1
+        else:  # any float shard: the whole layer dense, in the compute dtype
+            dense = [p if isinstance(p, torch.Tensor) else self.kernels.dequantize(p,
+                                                                                  torch.float32)
+                     for p in parts]
+            layer.dense = torch.cat(dense).to(layer.compute_dtype)
+            self.counts["dense"] = self.counts.get("dense", 0) + 1
+        if layer.bias is not None:
+            layer.bias_f32 = layer.bias.detach().float().contiguous()
+
+    def init_dummy_weights(self, layer: nn.Module, seed: int, std: float) -> None:
+        """--load-format dummy: random Q8_0-like blocks whose weights are ~N(0, std)."""
+        if getattr(layer, "packed", None) is not None or not hasattr(layer, "gguf_parts"):
+            return
+        gen = np.random.default_rng(seed & 0xFFFFFFFF)
+        n, k = layer.output_size, layer.input_size
+        codes = np.clip(np.rint(gen.standard_normal((n, k)) * 32 + 128), 1, 255)
+        scales = torch.full((n, k // 32), std / 32, dtype=torch.float16)
+        layer.packed = Packed(torch.from_numpy(codes.astype(np.uint8)), scales,
+                              scales * -128, 8, 32, ("dummy",))
+        layer.gguf_parts = {}
+        if layer.bias is not None:
+            layer.bias.data.zero_()
+            layer.bias_f32 = layer.bias.detach().float()
+
+    def load_table(self, module: nn.Module, loaded: object) -> GGUFTable | None:
+        if not (_is_blocks(loaded) and loaded.ggml_type in SUPPORTED):
+            return None
+        packed = from_ggml(loaded.ggml_type, loaded.data, int(loaded.shape[-1]))
+        self.counts[f"{loaded.ggml_type} table"] = self.counts.get(
+            f"{loaded.ggml_type} table", 0) + 1
+        return GGUFTable(packed, self.kernels)
+
+    # ---- compute ----
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.bind(layer)(x)
+
+    def bind(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        if layer.dense is not None:
+            matmul = getattr(layer, "dense_matmul", None)
+            if matmul is not None:
+                return lambda x: matmul(x, weight=layer.dense, bias=layer.bias)
+            return lambda x: F.linear(x, layer.dense, layer.bias)
+        bias = getattr(layer, "bias_f32", None) if layer.bias is not None else None
+        return self.kernels.bind(layer.packed, bias)
+
+    def repack(self, layer: nn.Module, pack: Callable, matmul: Callable) -> None:
+        """A platform's dense layout applies to the layers served dense only."""
+        if layer.dense is not None:
+            packed = pack(layer.dense)
+            if packed is not None:
+                layer.dense, layer.dense_matmul = packed, matmul
+
+    def load_summary(self) -> str:
+        held = ", ".join(f"{n} {t}" for t, n in sorted(self.counts.items()))
+        return (f"GGUF blocks kept ({self.kernels.variant} kernels, int{self.act_bits} "
+                f"activations): {held or 'nothing yet'}")
+
+
+def method_class(variant: str, act_bits: int) -> type:
+    """The method class of one (ISA variant, activation bits) registration."""
+    return type(f"GGUF_{variant}_a{act_bits}", (GGUFLinearMethod,),
+                {"variant": variant, "act_bits": act_bits})
+
+
+GGUFAvx512Method = method_class("avx512_vnni", 16)
+GGUFAvx512Q8Method = method_class("avx512_vnni", 8)
+GGUFAvx2Method = method_class("avx2", 16)
+GGUFAvx2Q8Method = method_class("avx2", 8)
+GGUFPortableQ8Method = method_class("portable", 8)

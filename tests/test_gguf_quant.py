@@ -1,0 +1,196 @@
+"""GGUF kept quantized (plugins/quant/gguf): the block formats against the `gguf` package's own
+dequantization, the C kernels of every ISA variant this CPU runs against a torch model of their
+arithmetic, and the default SmolLM2 model served from its Q4_1 / Q8_0 blocks against HF."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from core.capabilities import DeviceInfo
+from core.checks import check_device
+from core.plugins import build_registry
+from plugins.cbuild import ISA_FEATURES
+from plugins.quant.gguf import formats
+from plugins.quant.gguf.kernels import Kernels
+
+
+def cpu_features() -> set[str]:
+    from plugins.hardware.cpu import ISA_FLAGS, read_cpuinfo
+
+    info = read_cpuinfo() or {}
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    return {f for f in ISA_FLAGS if f in flags}
+
+
+def runnable_variants() -> list:
+    have = cpu_features()
+    out = []
+    for variant, need in ISA_FEATURES.items():
+        lacking = sorted(need - have)
+        marks = [pytest.mark.skip(reason=f"CPU lacks {', '.join(lacking)}")] if lacking else []
+        out.append(pytest.param(variant, marks=marks, id=variant))
+    return out
+
+
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random bytes of GGML type `type_name` with sane fp16 scale fields."""
+    rng = np.random.default_rng(seed)
+    qk, size = formats.BLOCK[type_name]
+    raw = rng.integers(0, 256, (rows, cols // qk, size), dtype=np.uint8)
+    halves = (rng.standard_normal((rows, cols // qk, 2)) * 0.01).astype(np.float16)
+    h = halves.view(np.uint8).reshape(rows, cols // qk, 4)
+    if type_name == "Q6_K":
+        raw[..., 208:210] = h[..., :2]  # d is the last field
+    else:
+        raw[..., :2] = h[..., :2]
+        if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):  # m / dmin
+            raw[..., 2:4] = h[..., 2:4]
+    return raw.reshape(rows, -1)
+
+
+def reference_product(x: torch.Tensor, w: torch.Tensor, bs: int, bits: int) -> torch.Tensor:
+    """x @ w.T with x quantized per block of `bs` as the kernels do: to int8 or int16 with the
+    block's scale amax / qmax and its reciprocal in fp32, rounded half to even (fp64 sums)."""
+    qmax = 127 if bits == 8 else 32767
+    m, k = x.shape
+    xb = x.float().reshape(m, k // bs, bs)
+    d = xb.abs().amax(-1, keepdim=True) / qmax
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
+    q = torch.round(xb * inv).clamp(-qmax, qmax)
+    return (q.double() * d.double()).reshape(m, k) @ w.double().T
+
+
+@pytest.mark.parametrize("type_name", formats.SUPPORTED)
+def test_blocks_dequantize_exactly_like_the_gguf_package(type_name):
+    raw = random_blocks(type_name, 6, 512)
+    want = gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(6, 512)
+    got = formats.dequantize_ref(formats.from_ggml(type_name, raw, 512))
+    assert torch.equal(got, torch.from_numpy(want.astype(np.float32)))
+
+
+def test_unsupported_types_and_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="Q3_K has no kernel"):
+        formats.from_ggml("Q3_K", np.zeros((1, 110), np.uint8), 256)
+    with pytest.raises(ValueError, match="do not hold 64 elements"):
+        formats.from_ggml("Q4_0", np.zeros((1, 18), np.uint8), 64)
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+@pytest.mark.parametrize("variant", runnable_variants())
+@pytest.mark.parametrize("type_name", formats.SUPPORTED)
+def test_kernel_products_match_their_arithmetic(variant, type_name, act_bits):
+    kern = Kernels(variant, act_bits)
+    # against the fp32 product: only the activations' rounding apart
+    dense_tol = 2e-2 if act_bits == 8 else 1e-4
+    shapes = [(1, 40, 512), (5, 33, 320), (6, 9, 96), (9, 4, 32)]
+    if type_name.endswith("_K"):
+        shapes = [(1, 40, 512), (3, 17, 768), (9, 5, 256)]
+    gen = torch.Generator().manual_seed(1)
+    for m, n, k in shapes:
+        p = formats.from_ggml(type_name, random_blocks(type_name, n, k, seed=m), k)
+        w = formats.dequantize_ref(p)
+        assert torch.equal(kern.dequantize(p, torch.float32), w)
+        rows = torch.tensor([[n - 1, 0], [1, n - 1]])
+        assert torch.equal(kern.dequantize(p, torch.float32, rows=rows), w[rows])
+        x = torch.randn(m, k, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        want = reference_product(x, w, p.bs, act_bits) + bias.double()
+        got = kern.linear(x, p, bias).double()
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, (m, n, k)
+        dense = x.double() @ w.double().T + bias.double()
+        assert ((got - dense).norm() / dense.norm()).item() < dense_tol
+        xb = x.bfloat16()
+        got_b = kern.linear(xb, p, out_dtype=torch.float32).double()
+        want_b = reference_product(xb.float(), w, p.bs, act_bits)
+        assert ((got_b - want_b).norm() / want_b.norm()).item() < 1e-5
+        assert kern.linear(xb, p).dtype == torch.bfloat16
+        bound = kern.bind(p)
+        assert torch.equal(bound(x), kern.linear(x, p))
+
+
+def test_stacked_shards_of_different_types_are_exact():
+    parts = [("Q4_K", 8), ("Q6_K", 4), ("Q8_0", 4), ("Q4_1", 8)]
+    packed = [formats.from_ggml(t, random_blocks(t, n, 256, seed=i), 256)
+              for i, (t, n) in enumerate(parts)]
+    whole = formats.stack(packed)
+    assert (whole.bits, whole.bs, whole.scales.dtype) == (8, 16, torch.float32)
+    assert torch.equal(formats.dequantize_ref(whole),
+                       torch.cat([formats.dequantize_ref(p) for p in packed]))
+
+
+def test_the_resolver_picks_the_best_variant_and_explains_the_others():
+    registry = build_registry()
+    avx2_only = DeviceInfo(target="cpu", device_type="cpu", features={"avx2", "fma", "f16c"})
+    reasons = {n: check_device(r.caps, avx2_only)
+               for n, r in registry.kind("quant").items() if n.startswith("gguf_")}
+    assert reasons["gguf_avx2"] == [] and reasons["gguf_c"] == []
+    assert any("avx512_vnni" in r for r in reasons["gguf_avx512"])
+
+
+@pytest.fixture(scope="module")
+def smollm_pair():
+    """The default model loaded from its blocks (the best variant here) and dequantized, with
+    HF's own model of the same file."""
+    from hf_reference import hf_gguf_model
+    from model_fixtures import cpu_plan
+
+    from core.config import make_server_args
+    from core.loader import default_model_path, load_model
+    from core.worker import make_plan
+
+    registry = build_registry()
+    args = make_server_args(model_path=default_model_path(), dtype="float32")
+    best = make_plan(args, registry)[1].quant_method
+    quantized = load_model(args, dataclasses.replace(cpu_plan("llama"), quant_method=best),
+                           registry)
+    return best, quantized, hf_gguf_model(default_model_path())
+
+
+def test_default_model_served_from_its_blocks_against_hf(smollm_pair):
+    from model_fixtures import prefill_logits
+
+    best, quantized, hf = smollm_pair
+    assert best.startswith("gguf_")
+    model = quantized.model
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert layer.packed is not None and layer.packed.types == ("Q4_1",)
+    assert layer.weight.numel() == 0  # no dense copy of the weight is kept
+    assert model.model.embed_tokens.table is not None  # Q8_0 embedding and tied LM head
+    tok = quantized.tokenizer
+    text = ("The water cycle moves water between the oceans, the air and the land. The sun "
+            "heats the sea, water evaporates, the vapour cools into clouds and falls as rain or "
+            "snow, and rivers carry it back to the sea, where the cycle starts again. ") * 2
+    ids = tok.encode(text)
+    assert len(ids) > 64  # the prefill path (dequantized weights) and, below, the kernels'
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    for part in (ids, ids[:40]):
+        ours = prefill_logits(model, quantized.hf_config, part)
+        want = ref[:len(part)]
+        agree = (ours.argmax(-1) == want.argmax(-1)).float().mean().item()
+        cos = torch.nn.functional.cosine_similarity(ours, want, dim=-1).min().item()
+        # int16 activations per block of 32 against HF's fp32 ones
+        assert agree >= 0.97 and cos > 0.9999, (len(part), agree, cos)
+
+
+def test_the_default_engine_serves_the_blocks_and_answers():
+    import core
+
+    with core.Engine(max_total_tokens=2048) as engine:
+        plan = engine.plan
+        assert plan.quant_method.startswith("gguf_") and plan.quant_format == "gguf"
+        assert plan.layer_ops.startswith("cpu_c") and plan.decode_attention.startswith("cpu_c")
+        tok = engine.tokenizer
+        ids = tok.encode(tok.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}]),
+            add_special_tokens=False)
+        out = engine.generate(input_ids=[ids, ids], sampling_params={
+            "max_new_tokens": 24, "temperature": 0})
+        assert "Paris" in out[0]["text"]  # (int8 activations, llama.cpp's, lose this answer)
+        assert out[0]["output_ids"] == out[1]["output_ids"]  # batch-invariant greedy
