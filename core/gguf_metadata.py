@@ -68,6 +68,8 @@ class GGUFMetadata:
     fields: dict[str, Any]
     array_lengths: dict[str, int] = field(default_factory=dict)  # every array field, long or not
     tensor_types: dict[str, int] = field(default_factory=dict)  # tensor name -> ggml type id
+    # tensor name -> (dims innermost-first, ggml type id, byte offset in the file)
+    tensor_table: dict[str, tuple[tuple[int, ...], int, int]] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -164,14 +166,18 @@ def read_gguf_metadata(path: str) -> GGUFMetadata:
             else:
                 fields[key] = cur.value(vtype)
         tensors: dict[str, int] = {}
+        infos: list[tuple[str, tuple[int, ...], int, int]] = []
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = cur.unpack("I")
-            cur.pos += 8 * n_dims  # the dims
+            dims = tuple(cur.unpack("Q") for _ in range(n_dims))
             tensors[name] = cur.unpack("I")
-            cur.pos += 8  # data offset
+            infos.append((name, dims, tensors[name], cur.unpack("Q")))
+        align = int(fields.get("general.alignment", 32) or 32)
+        data = -(-cur.pos // align) * align  # tensor data starts at the next aligned byte
+    table = {name: (dims, kind, data + off) for name, dims, kind, off in infos}
     return GGUFMetadata(path=path, version=version, fields=fields, array_lengths=lengths,
-                        tensor_types=tensors)
+                        tensor_types=tensors, tensor_table=table)
 
 
 def _type_name(enum_name: str, value: int) -> str:

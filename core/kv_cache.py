@@ -44,10 +44,10 @@ class KVPool:
                              f"v_scale={v_scale}")
         self.k_scale = float(k_scale)
         self.v_scale = float(v_scale)
-        self.k_buffers = [torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype,
-                                      device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(num_slots, num_kv_heads, self.v_head_dim, dtype=dtype,
-                                      device=self.device) for _ in range(num_layers)]
+        self.k_buffers = [zeros((num_slots, num_kv_heads, head_dim), dtype, self.device)
+                          for _ in range(num_layers)]
+        self.v_buffers = [zeros((num_slots, num_kv_heads, self.v_head_dim), dtype, self.device)
+                          for _ in range(num_layers)]
         self.step = 0
         # the layer ops' KV store (core.layer_ops: one kernel for K and V where fused); returns
         # False for tensors it does not take, which the pool then writes itself
@@ -78,6 +78,19 @@ class KVPool:
             return
         kb[loc] = k.to(self.dtype)
         vb[loc] = v.to(self.dtype)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled buffer. In host memory it comes from calloc (through numpy): the OS maps
+    zero pages as they are first touched, so a large pool costs neither start-up time nor
+    resident memory until its slots are used (torch.zeros writes every byte up front)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
+    return torch.from_numpy(np.zeros(shape, dtype=raw)).view(dtype)
 
 
 def checkpoint_kv_scales(model: object, kv_dtype: torch.dtype, notes: list[str]

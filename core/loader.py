@@ -129,6 +129,13 @@ def load_config(source: WeightSource, trust_remote_code: bool = False) -> Any:
 
     kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
+        if source.gguf_file:  # converted from the GGUF header once, then read back
+            from core.gguf_cache import cached
+
+            return cached(os.path.join(source.directory, source.gguf_file), "config",
+                          "config.json",
+                          lambda: AutoConfig.from_pretrained(source.directory, **kw),
+                          AutoConfig.from_pretrained)
         return AutoConfig.from_pretrained(source.directory, trust_remote_code=trust_remote_code,
                                           **kw)
     except Exception as exc:  # one clear message for every way a config can be unreadable
@@ -248,8 +255,9 @@ def load_model(args: Any, plan: Any, registry: Any, tokenizer: bool = True) -> L
     with contextlib.ExitStack() as stack:
         reader = None
         if source.gguf_file:
-            get_reader = stack.enter_context(shared_gguf_reader(source.files[0]))
-            reader = get_reader(source.files[0]) if source.load_format == "gguf" else None
+            # transformers' config and tokenizer share one GGUFReader where their cache
+            # (core.gguf_cache) misses; the weights come from the header's tensor table
+            stack.enter_context(shared_gguf_reader(source.files[0]))
         return _load(args, plan, registry, model_path, source, reader, tokenizer)
 
 

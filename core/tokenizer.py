@@ -46,7 +46,14 @@ class Tokenizer:
             raise ValueError(f"tokenizer path {path!r} is not a directory")
         kw = {"gguf_file": gguf_file} if gguf_file else {}
         try:
-            hf = AutoTokenizer.from_pretrained(path, **kw)
+            if gguf_file:  # converted from the GGUF vocabulary once, then read back
+                from core.gguf_cache import cached
+
+                hf = cached(os.path.join(path, gguf_file), "tokenizer", "tokenizer.json",
+                            lambda: AutoTokenizer.from_pretrained(path, **kw),
+                            AutoTokenizer.from_pretrained)
+            else:
+                hf = AutoTokenizer.from_pretrained(path, **kw)
         except Exception as exc:  # transformers raises many kinds; one clear message here
             raise ValueError(f"cannot load a tokenizer from {path!r}"
                              f"{f' ({gguf_file})' if gguf_file else ''}: {exc}") from exc

@@ -99,23 +99,62 @@ def field_value(reader: Any, key: str) -> Any:
     return bytes(part).decode() if part.dtype == np.uint8 else part.tolist()[0]
 
 
+class _Tensor:
+    """What gguf_weights reads of a GGUFReader tensor: name, shape (innermost first), type,
+    data (a view of the file: uint8 [rows, bytes per row] for block types)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], tensor_type: Any, data: np.ndarray):
+        self.name, self.shape, self.tensor_type, self.data = name, shape, tensor_type, data
+
+
+def _tensor_table(path: str) -> tuple[str, list[_Tensor]]:
+    """(architecture, tensors) from the header (core.gguf_metadata) and a memory map of the
+    file: GGUFReader's parse of every key/value field (the tokenizer's ~10^5 strings) costs
+    seconds that the weights do not need."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from core.gguf_metadata import read_gguf_metadata
+
+    meta = read_gguf_metadata(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    out = []
+    for name, (dims, kind, offset) in meta.tensor_table.items():
+        qtype = GGMLQuantizationType(kind)
+        block, size = GGML_QUANT_SIZES[qtype]
+        count = int(np.prod(dims)) if dims else 1
+        if count % block:
+            raise ValueError(f"tensor {name}: {count} elements do not fill {qtype.name} blocks")
+        raw = mm[offset:offset + count // block * size]
+        shape = tuple(reversed(dims))  # outermost first
+        if qtype.name in ("F32", "F16", "F64"):
+            data = raw.view({"F32": np.float32, "F16": np.float16, "F64": np.float64}[qtype.name])
+            data = data.reshape(shape)
+        elif qtype.name == "BF16":
+            data = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+            qtype = GGMLQuantizationType.F32
+        else:
+            data = raw.reshape(-1, dims[0] // block * size) if len(dims) > 1 else raw
+        out.append(_Tensor(name, dims, qtype, data))
+    return str(meta.fields.get("general.architecture", "")), out
+
+
 def gguf_weights(path: str, config: Any, reader: Any = None, raw: bool = False
                  ) -> tuple[int, Iterator[tuple[str, Any]]]:
     """(tensor count, iterator of (HF name, fp32 tensor)) for a GGUF file (or its reader);
     raw: quantized tensors come as GGUFBlocks instead."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    if reader is None:
+    if reader is None:  # the header's tensor table read by core.gguf_metadata: no field parse
         try:
-            reader = GGUFReader(path)
+            arch, tensors = _tensor_table(path)
         except Exception as exc:  # a truncated or foreign file
             raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
-    arch = field_value(reader, "general.architecture")
+    else:
+        arch, tensors = field_value(reader, "general.architecture"), reader.tensors
     permute = arch in _PERMUTED_ARCHS
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-    tensors = [t for t in reader.tensors if t.name not in _SKIP]
+    tensors = [t for t in tensors if t.name not in _SKIP]
 
     def it() -> Iterator[tuple[str, torch.Tensor]]:
         for t in tensors:

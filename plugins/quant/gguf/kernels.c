@@ -216,20 +216,27 @@ static inline void step_x16(const int16_t *qrow, int bits, int bs, int64_t b, in
     }
 }
 
+/* A step's codes widened to int16 once per weight row: w[0..1] the low nibbles' (or the
+ * bytes') two halves, w[2..3] the high nibbles' */
+static inline void widen16(int bits, __m512i lo, __m512i hi, __m512i w[4]) {
+    w[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
+    w[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+    if (bits == 4) {
+        w[2] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
+        w[3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+    }
+}
+
 /* int32 lane sums for the two halves of a step: (first 32 codes, second 32 codes) */
-static inline void isum16(int bits, __m512i lo, __m512i hi, const __m512i x[4], __m512i *a,
+static inline void isum16(int bits, const __m512i w[4], const __m512i x[4], __m512i *a,
                           __m512i *c) {
     const __m512i z = _mm512_setzero_si512();
-    __m512i la = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
-    __m512i lb = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
     if (bits == 4) {
-        __m512i ha = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
-        __m512i hb = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
-        *a = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, la, x[0]), ha, x[2]);
-        *c = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, lb, x[1]), hb, x[3]);
+        *a = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, w[0], x[0]), w[2], x[2]);
+        *c = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, w[1], x[1]), w[3], x[3]);
     } else {
-        *a = _mm512_dpwssd_epi32(z, la, x[0]);
-        *c = _mm512_dpwssd_epi32(z, lb, x[1]);
+        *a = _mm512_dpwssd_epi32(z, w[0], x[0]);
+        *c = _mm512_dpwssd_epi32(z, w[1], x[1]);
     }
 }
 
@@ -304,10 +311,12 @@ static inline __attribute__((always_inline)) void tile(
                 step_codes(codes + (n0 + i) * row_bytes, bits, bs, b, bk, &lo, &hi);
                 const __m512 ps = _mm512_permutexvar_ps(idx, S[i]);
                 const __m512 ps2 = wide ? _mm512_permutexvar_ps(idx2, S[i]) : ps;
+                __m512i w16[4];
+                if (wide) widen16(bits, lo, hi, w16);
                 for (int j = 0; j < MR; j++) {
                     if (wide) {
                         __m512i ia, ic;
-                        isum16(bits, lo, hi, x[j], &ia, &ic);
+                        isum16(bits, w16, x[j], &ia, &ic);
                         const __m512 f = MR == 1 ? ps : _mm512_mul_ps(ps, px[j]);
                         const __m512 f2 = MR == 1 ? ps2 : _mm512_mul_ps(ps2, px2[j]);
                         acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), f, acc[i][j]);

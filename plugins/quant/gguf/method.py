@@ -2,11 +2,14 @@
 
 Each linear keeps its shards (q/k/v, gate/up) as the file gives them until loading ends, then
 stacks them into one Packed matrix (formats.py; shards of different types meet in the widest
-form, exactly). Every product, decode and prefill alike, runs the kernels' int8-activation
-arithmetic, which computes each row of the input on its own: a request's tokens come out the
-same whatever it is batched with (a dequantize-then-GEMM prefill would be faster at long
-prompts, but would give a request different numerics alone than beside others). The token
-embedding and the LM head stay in their blocks too (`load_table`). Tensors the file stores as floats, and any GGML type the
+form, exactly). Products of fewer than `DEQUANT_MIN_ROWS` input rows (decode, short
+prefills) run the kernels' integer arithmetic, which computes each row on its own: a decode
+step's tokens come out the same whatever they are batched with. From that many rows on
+(prefill chunks) the weight is dequantized to the compute dtype for the call and multiplied by
+torch (oneDNN), 2-4x faster there; its numerics differ from the kernels' at the 1e-5 level
+(fp32 sums, no activation rounding), so a long prompt prefilled alone or beside others can
+differ in its last bits. The token embedding and the LM head stay in their blocks too
+(`load_table`). Tensors the file stores as floats, and any GGML type the
 kernels lack, are served dense (F.linear), and the load notes count them.
 """
 
@@ -24,6 +27,11 @@ from plugins.quant.gguf.formats import SUPPORTED, Packed, from_ggml, stack
 from plugins.quant.gguf.kernels import Kernels
 
 
+# From this many rows of input on, dequantize + torch's GEMM (prefill) instead of the kernels
+# (bench/bench_gguf_kernels.py: the crossover on a 2-core AVX-512 VM lies between 64 and 256).
+DEQUANT_MIN_ROWS = 128
+
+
 def _is_blocks(t: object) -> bool:
     return hasattr(t, "ggml_type") and hasattr(t, "data")
 
@@ -39,6 +47,8 @@ class GGUFTable:
         return self.kernels.dequantize(self.packed, dtype, rows=ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] >= DEQUANT_MIN_ROWS:
+            return F.linear(hidden, self.kernels.dequantize(self.packed, hidden.dtype)).float()
         return self.kernels.linear(hidden, self.packed, out_dtype=torch.float32)
 
 
@@ -143,7 +153,15 @@ class GGUFLinearMethod:
                 return lambda x: matmul(x, weight=layer.dense, bias=layer.bias)
             return lambda x: F.linear(x, layer.dense, layer.bias)
         bias = getattr(layer, "bias_f32", None) if layer.bias is not None else None
-        return self.kernels.bind(layer.packed, bias)
+        w, product, dequantize = layer.packed, self.kernels.bind(layer.packed, bias), \
+            self.kernels.dequantize
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 2 and x.shape[0] >= DEQUANT_MIN_ROWS:
+                return F.linear(x, dequantize(w, x.dtype), layer.bias)
+            return product(x)
+
+        return run
 
     def repack(self, layer: nn.Module, pack: Callable, matmul: Callable) -> None:
         """A platform's dense layout applies to the layers served dense only."""
