@@ -132,10 +132,12 @@ def load_config(source: WeightSource, trust_remote_code: bool = False) -> Any:
         if source.gguf_file:  # converted from the GGUF header once, then read back
             from core.gguf_cache import cached
 
-            return cached(os.path.join(source.directory, source.gguf_file), "config",
-                          "config.json",
-                          lambda: AutoConfig.from_pretrained(source.directory, **kw),
-                          AutoConfig.from_pretrained)
+            config = cached(os.path.join(source.directory, source.gguf_file), "config",
+                            "config.json",
+                            lambda: AutoConfig.from_pretrained(source.directory, **kw),
+                            AutoConfig.from_pretrained)
+            config._name_or_path = source.directory  # where the model is, not the cache
+            return config
         return AutoConfig.from_pretrained(source.directory, trust_remote_code=trust_remote_code,
                                           **kw)
     except Exception as exc:  # one clear message for every way a config can be unreadable

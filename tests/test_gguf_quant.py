@@ -194,3 +194,51 @@ def test_the_default_engine_serves_the_blocks_and_answers():
             "max_new_tokens": 24, "temperature": 0})
         assert "Paris" in out[0]["text"]  # (int8 activations, llama.cpp's, lose this answer)
         assert out[0]["output_ids"] == out[1]["output_ids"]  # batch-invariant greedy
+
+
+def test_the_header_tensor_table_reads_what_gguf_reader_reads():
+    import gguf
+
+    from core.loader import default_model_path
+    from core.models.gguf import _tensor_table
+
+    path = default_model_path()
+    arch, fast = _tensor_table(path)
+    slow = gguf.GGUFReader(path).tensors
+    assert arch == "llama" and [t.name for t in fast] == [t.name for t in slow]
+    for a, b in zip(fast, slow):
+        assert a.tensor_type == b.tensor_type and tuple(a.shape) == tuple(int(d) for d in b.shape)
+        assert np.array_equal(np.asarray(a.data).reshape(-1).view(np.uint8),
+                              np.asarray(b.data).reshape(-1).view(np.uint8))
+
+
+def test_the_gguf_conversion_cache_gives_the_same_config_and_tokenizer(tmp_path, monkeypatch):
+    import os
+
+    from core.loader import default_model_path, find_weights, load_config
+    from core.tokenizer import Tokenizer
+
+    monkeypatch.setenv("CORE_GGUF_CACHE", str(tmp_path))
+    source = find_weights(default_model_path(), "auto")
+    first = load_config(source)  # converted, then saved
+    assert any((p / "config" / "config.json").is_file() for p in tmp_path.iterdir())
+    again = load_config(source)  # read back
+    assert again.to_dict() == first.to_dict()
+    cold = Tokenizer.from_path(source.directory, gguf_file=source.gguf_file)
+    warm = Tokenizer.from_path(source.directory, gguf_file=source.gguf_file)
+    text = "Hello, world! Ünïcödé and <|im_start|> tokens\n\tindented"
+    assert warm.encode(text) == cold.encode(text)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert warm.apply_chat_template(chat) == cold.apply_chat_template(chat)
+    assert warm.eos_token_ids == cold.eos_token_ids
+    monkeypatch.setenv("CORE_GGUF_CACHE", "off")
+    assert os.environ["CORE_GGUF_CACHE"] == "off" and load_config(source).to_dict() == \
+        first.to_dict()
+
+
+def test_host_kv_buffers_are_zero_in_every_dtype():
+    from core.kv_cache import zeros
+
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        z = zeros((4, 3, 8), dt, torch.device("cpu"))
+        assert z.dtype == dt and z.shape == (4, 3, 8) and not z.float().any()

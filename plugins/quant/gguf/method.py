@@ -26,7 +26,6 @@ from core.quant import load_shard
 from plugins.quant.gguf.formats import SUPPORTED, Packed, from_ggml, stack
 from plugins.quant.gguf.kernels import Kernels
 
-
 # From this many rows of input on, dequantize + torch's GEMM (prefill) instead of the kernels
 # (bench/bench_gguf_kernels.py: the crossover on a 2-core AVX-512 VM lies between 64 and 256).
 DEQUANT_MIN_ROWS = 128
