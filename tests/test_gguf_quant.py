@@ -55,9 +55,10 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
 
 
 def reference_product(x: torch.Tensor, w: torch.Tensor, bs: int, bits: int) -> torch.Tensor:
-    """x @ w.T with x quantized per block of `bs` as the kernels do: to int8 or int16 with the
-    block's scale amax / qmax and its reciprocal in fp32, rounded half to even (fp64 sums)."""
-    qmax = 127 if bits == 8 else 32767
+    """x @ w.T with x quantized per block of `bs` as the kernels do: to int8 or int16
+    (|q| <= 32512) with the block's scale amax / qmax and its reciprocal in fp32, rounded half
+    to even (fp64 sums)."""
+    qmax = 127 if bits == 8 else 32512  # 127 * 256: int16 codes as two int8 planes
     m, k = x.shape
     xb = x.float().reshape(m, k // bs, bs)
     d = xb.abs().amax(-1, keepdim=True) / qmax

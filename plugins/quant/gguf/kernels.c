@@ -85,12 +85,12 @@ const char *gq_variant(void) {
 }
 
 /* One activation row -> integer codes per block of bs (int8, |q| <= 127, or int16,
- * |q| <= 32767: `wide`), the block's scale and its code sum. */
+ * |q| <= 32512: `wide`), the block's scale and its code sum. */
 static void quantize_row(const void *x, int x_bf16, int64_t K, int bs, int wide, void *q,
                          float *d, int32_t *s) {
     int64_t nb = K / bs;
-    const float qmax = wide ? 32767.0f : 127.0f;
-    const int lim = wide ? 32767 : 127;
+    const float qmax = wide ? 32512.0f : 127.0f;  /* 32512 = 127 * 256: see split16 */
+    const int lim = wide ? 32512 : 127;
     float buf[32];
     for (int64_t b = 0; b < nb; b++) {
         float amax = 0.0f;
@@ -152,7 +152,9 @@ __attribute__((unused)) static float dot_tail(const uint8_t *codes, int bits, in
  * l / (lanes per block) of the step, and the per-block factor scale * xscale reaches the lanes
  * through one permute of a 16-block register. */
 typedef struct {
-    const void *q;       /* the row's codes, int8 or int16 (bits 4: arranged) */
+    const void *q;       /* the row's int8 codes, or the high bytes of int16 ones (bits 4:
+                            arranged, arrange4) */
+    const void *q2;      /* int16 activations: the low bytes */
     const float *d;      /* [nb] block scales */
     const float *xsum;   /* [nb] d * sum(q) per block (the min term's factor) */
 } arow;
@@ -197,46 +199,14 @@ static inline __m512i isum8(int bits, __m512i lo, __m512i hi, const __m512i x[4]
     return bits == 4 ? _mm512_dpbusd_epi32(acc, hi, x[1]) : acc;
 }
 
-/* int16 activations: 4 vectors of 32 codes per step, laid out like the weight codes widened
- * to 16 bits: [first half of the step's bytes | second half] for low and high nibbles */
-static inline void step_x16(const int16_t *qrow, int bits, int bs, int64_t b, int g,
-                            __m512i x[4]) {
-    if (bits == 4) {  /* arranged: [lo halves: g * 16][hi halves: g * 16] */
-        const int n = g * 16;  /* codes in each of the lo / hi parts */
-        const int16_t *p = qrow + b * 32;
-        x[0] = _mm512_maskz_loadu_epi16(words_mask(n), p);
-        x[1] = _mm512_maskz_loadu_epi16(words_mask(n - 32), p + 32);
-        x[2] = _mm512_maskz_loadu_epi16(words_mask(n), p + n);
-        x[3] = _mm512_maskz_loadu_epi16(words_mask(n - 32), p + n + 32);
-    } else {
-        const int n = g * bs;
-        const int16_t *p = qrow + b * bs;
-        x[0] = _mm512_maskz_loadu_epi16(words_mask(n), p);
-        x[1] = _mm512_maskz_loadu_epi16(words_mask(n - 32), p + 32);
-    }
-}
-
-/* A step's codes widened to int16 once per weight row: w[0..1] the low nibbles' (or the
- * bytes') two halves, w[2..3] the high nibbles' */
-static inline void widen16(int bits, __m512i lo, __m512i hi, __m512i w[4]) {
-    w[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
-    w[1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
-    if (bits == 4) {
-        w[2] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
-        w[3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
-    }
-}
-
-/* int32 lane sums for the two halves of a step: (first 32 codes, second 32 codes) */
-static inline void isum16(int bits, const __m512i w[4], const __m512i x[4], __m512i *a,
-                          __m512i *c) {
-    const __m512i z = _mm512_setzero_si512();
-    if (bits == 4) {
-        *a = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, w[0], x[0]), w[2], x[2]);
-        *c = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, w[1], x[1]), w[3], x[3]);
-    } else {
-        *a = _mm512_dpwssd_epi32(z, w[0], x[0]);
-        *c = _mm512_dpwssd_epi32(z, w[1], x[1]);
+/* int16 activations on int8 hardware: q = 256 * hi + lo with hi = floor((q + 128) / 256) in
+ * [-127, 127] and lo in [-128, 127] (|q| <= 32512), so sum(code * q) = 256 * sum(code * hi)
+ * + sum(code * lo) exactly: two dpbusd where int8 activations take one. */
+static void split16(const int16_t *q, int64_t n, int8_t *hi, int8_t *lo) {
+    for (int64_t i = 0; i < n; i++) {
+        int h = (q[i] + 128) >> 8;  /* arithmetic shift: floor */
+        hi[i] = (int8_t)h;
+        lo[i] = (int8_t)(q[i] - 256 * h);
     }
 }
 
@@ -266,14 +236,11 @@ static inline __attribute__((always_inline)) void tile(
     const void *mn, int f32, int64_t nb, int64_t n0, const arow *xr, int NR, int MR,
     float out[4][4]) {
     const int bpg = bits == 4 || bs == 16 ? 4 : 2;  /* blocks per step */
-    /* block of each lane: int8 -> of the whole step; int16 -> of each half (the second
-     * half's index is the first's + bpg / 2) */
-    const __m512i base = wide
-        ? (bpg == 4 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-                    : _mm512_setzero_si512())
-        : (bpg == 4 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                    : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-    const __m512i step_idx = _mm512_set1_epi32(bpg), half_idx = _mm512_set1_epi32(bpg / 2);
+    /* block of each lane of a step */
+    const __m512i base = bpg == 4
+        ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+        : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i step_idx = _mm512_set1_epi32(bpg);
     __m512 acc[4][4];
     for (int i = 0; i < NR; i++)
         for (int j = 0; j < MR; j++) acc[i][j] = _mm512_setzero_ps();
@@ -295,37 +262,23 @@ static inline __attribute__((always_inline)) void tile(
         for (int64_t b = b16; b < b16 + cnt; b += bpg) {
             const int g = b16 + cnt - b < bpg ? (int)(b16 + cnt - b) : bpg;
             const __mmask64 bk = g == bpg ? ~0ULL : bytes_mask(g * (bits == 4 ? 16 : bs));
-            const __m512i idx2 = _mm512_add_epi32(idx, half_idx);
-            __m512i x[4][4];
-            __m512 px[4], px2[4];
+            __m512i x[4][4], x2[4][4];
+            __m512 px[4];
             for (int j = 0; j < MR; j++) {
-                if (wide) step_x16((const int16_t *)xr[j].q, bits, bs, b, g, x[j]);
-                else step_x8((const int8_t *)xr[j].q, bits, bs, b, g, bk, x[j]);
-                if (MR > 1) {
-                    px[j] = _mm512_permutexvar_ps(idx, XD[j]);
-                    if (wide) px2[j] = _mm512_permutexvar_ps(idx2, XD[j]);
-                }
+                step_x8((const int8_t *)xr[j].q, bits, bs, b, g, bk, x[j]);
+                if (wide) step_x8((const int8_t *)xr[j].q2, bits, bs, b, g, bk, x2[j]);
+                if (MR > 1) px[j] = _mm512_permutexvar_ps(idx, XD[j]);
             }
             for (int i = 0; i < NR; i++) {
                 __m512i lo, hi;
                 step_codes(codes + (n0 + i) * row_bytes, bits, bs, b, bk, &lo, &hi);
                 const __m512 ps = _mm512_permutexvar_ps(idx, S[i]);
-                const __m512 ps2 = wide ? _mm512_permutexvar_ps(idx2, S[i]) : ps;
-                __m512i w16[4];
-                if (wide) widen16(bits, lo, hi, w16);
                 for (int j = 0; j < MR; j++) {
-                    if (wide) {
-                        __m512i ia, ic;
-                        isum16(bits, w16, x[j], &ia, &ic);
-                        const __m512 f = MR == 1 ? ps : _mm512_mul_ps(ps, px[j]);
-                        const __m512 f2 = MR == 1 ? ps2 : _mm512_mul_ps(ps2, px2[j]);
-                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), f, acc[i][j]);
-                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ic), f2, acc[i][j]);
-                    } else {
-                        const __m512 f = MR == 1 ? ps : _mm512_mul_ps(ps, px[j]);
-                        const __m512i is = isum8(bits, lo, hi, x[j]);
-                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), f, acc[i][j]);
-                    }
+                    const __m512 f = MR == 1 ? ps : _mm512_mul_ps(ps, px[j]);
+                    __m512i is = isum8(bits, lo, hi, x[j]);
+                    if (wide)
+                        is = _mm512_add_epi32(_mm512_slli_epi32(is, 8), isum8(bits, lo, hi, x2[j]));
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), f, acc[i][j]);
                 }
             }
             idx = _mm512_add_epi32(idx, step_idx);
@@ -462,12 +415,29 @@ int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *co
         for (int64_t b = 0; b < nb; b++) xs[m * nbp + b] = d[m * nbp + b] * (float)s[m * nb + b];
     }
 #if defined(GQ_TILED)
-    char *qa = q;
-    if (bits == 4) {  /* the kernels' activation layout (arrange4) */
-        qa = (char *)malloc((size_t)(M * K) * esz);
-        if (!qa) { free(q); free(d); free(xs); free(s); return -2; }
-        for (int64_t m = 0; m < M; m++) arrange4(q + m * K * esz, nb, esz, qa + m * K * esz);
+    /* int8 planes in the kernels' layout: the codes (int8), or int16 codes' high and low
+     * bytes (split16); bits 4 arranges each (arrange4) */
+    int8_t *qa = (int8_t *)malloc((size_t)(M * K) * esz);
+    if (!qa) { free(q); free(d); free(xs); free(s); return -2; }
+    int8_t *tmp = wide || bits == 4 ? (int8_t *)malloc((size_t)(M * K) * esz) : NULL;
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *plane = qa + m * K * esz, *src = (int8_t *)q + m * K * esz;
+        if (wide) {
+            int8_t *t = tmp + m * K * esz;
+            split16((const int16_t *)src, K, t, t + K);
+            if (bits == 4) {
+                arrange4(t, nb, 1, plane);
+                arrange4(t + K, nb, 1, plane + K);
+            } else {
+                memcpy(plane, t, (size_t)(2 * K));
+            }
+        } else if (bits == 4) {
+            arrange4(src, nb, 1, plane);
+        } else {
+            memcpy(plane, src, (size_t)K);
+        }
     }
+    free(tmp);
     const int64_t ntiles = (N + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < ntiles; t++) {
@@ -489,7 +459,8 @@ int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *co
             const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
             arow xr[4];
             for (int j = 0; j < mr; j++)
-                xr[j] = (arow){qa + (m0 + j) * K * esz, d + (m0 + j) * nbp, xs + (m0 + j) * nbp};
+                xr[j] = (arow){qa + (m0 + j) * K * esz, qa + (m0 + j) * K * esz + K,
+                               d + (m0 + j) * nbp, xs + (m0 + j) * nbp};
             float out[4][4];
 #define GQ_TILE1(W, NR, MR, N0, XR, O)                                                        \
     do {                                                                                       \
@@ -527,7 +498,7 @@ int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *co
                 }
         }
     }
-    if (qa != q) free(qa);
+    free(qa);
 #else
     const int64_t tile_n = 16;  /* weight rows reused across activation rows */
     const int64_t ntiles = (N + tile_n - 1) / tile_n;
