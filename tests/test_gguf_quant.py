@@ -207,7 +207,7 @@ def test_the_header_tensor_table_reads_what_gguf_reader_reads():
     arch, fast = _tensor_table(path)
     slow = gguf.GGUFReader(path).tensors
     assert arch == "llama" and [t.name for t in fast] == [t.name for t in slow]
-    for a, b in zip(fast, slow):
+    for a, b in zip(fast, slow, strict=True):
         assert a.tensor_type == b.tensor_type and tuple(a.shape) == tuple(int(d) for d in b.shape)
         assert np.array_equal(np.asarray(a.data).reshape(-1).view(np.uint8),
                               np.asarray(b.data).reshape(-1).view(np.uint8))
