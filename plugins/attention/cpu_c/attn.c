@@ -20,6 +20,27 @@ static inline float bf2f(uint16_t b) {
     return f;
 }
 
+/* e^x for x <= 0 (scores minus their max), in a form the compiler vectorizes: 2^n * e^r with
+ * n = round(x / ln 2), r reduced in two steps, e^r by a degree-6 polynomial (Cephes expf's
+ * coefficients); relative error ~1e-7, like expf. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
 static inline float ld(const void *p, int bf, int64_t i) {
     return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
@@ -42,9 +63,11 @@ int ca_decode(const float *q, const void *kb, const void *vb, int bf, const int6
         const int64_t lo = window > 0 && L > window ? L - window : 0;
         const int64_t n = L - lo;
         const int64_t *sl = slots + b * ss;
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(G * (n > 0 ? n : 1) + G * D + G * Dv));
+        const int64_t wmax = D > Dv ? D : Dv;
+        float *sc = (float *)malloc(sizeof(float) *
+                                    (size_t)(G * (n > 0 ? n : 1) + G * D + G * Dv + wmax));
         if (!sc) { failed = 1; continue; }
-        float *qs = sc + G * (n > 0 ? n : 1), *acc = qs + G * D;
+        float *qs = sc + G * (n > 0 ? n : 1), *acc = qs + G * D, *krow = acc + G * Dv;
         for (int64_t i = 0; i < G; i++)
             for (int64_t d = 0; d < D; d++) qs[i * D + d] = q[(b * H + g * G + i) * D + d] * scale;
         float mx[64], den[64];
@@ -55,41 +78,51 @@ int ca_decode(const float *q, const void *kb, const void *vb, int bf, const int6
             if (j + AHEAD < n)
                 __builtin_prefetch((const char *)kb + ((sl[lo + j + AHEAD] * Hkv + g) * D) * esz);
             const int64_t row = (sl[lo + j] * Hkv + g) * D;
+            const float *k = bf ? krow : (const float *)kb + row;
+            if (bf) {  /* the row widened once for its G query heads */
+                const uint16_t *kr = (const uint16_t *)kb + row;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) krow[d] = bf2f(kr[d]);
+            }
             for (int64_t i = 0; i < G; i++) {
                 float a = 0.0f;
-                if (bf) {
-                    const uint16_t *k = (const uint16_t *)kb + row;
-                    for (int64_t d = 0; d < D; d++) a += qs[i * D + d] * bf2f(k[d]);
-                } else {
-                    const float *k = (const float *)kb + row;
-                    for (int64_t d = 0; d < D; d++) a += qs[i * D + d] * k[d];
-                }
+                const float *qi = qs + i * D;
+                /* simd reduction: the compiler's vector order, the same on every call */
+#pragma omp simd reduction(+ : a)
+                for (int64_t d = 0; d < D; d++) a += qi[d] * k[d];
                 if (cap > 0.0f) a = cap * tanhf(a / cap);
                 sc[i * n + j] = a;
                 if (a > mxp[i]) mxp[i] = a;
             }
         }
         for (int64_t i = 0; i < G; i++) {
+            const float m = mxp[i];
+            float *si = sc + i * n, dsum = 0.0f;
+            /* vectorized exp and a fixed vector sum order */
+#pragma omp simd reduction(+ : dsum)
             for (int64_t j = 0; j < n; j++) {
-                float e = expf(sc[i * n + j] - mxp[i]);
-                sc[i * n + j] = e;
-                denp[i] += e;
+                const float e = exp_neg(si[j] - m);
+                si[j] = e;
+                dsum += e;
             }
+            denp[i] = dsum;
         }
         memset(acc, 0, sizeof(float) * (size_t)(G * Dv));
         for (int64_t j = 0; j < n; j++) {
             if (j + AHEAD < n)
                 __builtin_prefetch((const char *)vb + ((sl[lo + j + AHEAD] * Hkv + g) * Dv) * esz);
             const int64_t row = (sl[lo + j] * Hkv + g) * Dv;
+            const float *v = bf ? krow : (const float *)vb + row;
+            if (bf) {
+                const uint16_t *vr = (const uint16_t *)vb + row;
+#pragma omp simd
+                for (int64_t d = 0; d < Dv; d++) krow[d] = bf2f(vr[d]);
+            }
             for (int64_t i = 0; i < G; i++) {
                 const float p = sc[i * n + j];
-                if (bf) {
-                    const uint16_t *v = (const uint16_t *)vb + row;
-                    for (int64_t d = 0; d < Dv; d++) acc[i * Dv + d] += p * bf2f(v[d]);
-                } else {
-                    const float *v = (const float *)vb + row;
-                    for (int64_t d = 0; d < Dv; d++) acc[i * Dv + d] += p * v[d];
-                }
+                float *ai = acc + i * Dv;
+#pragma omp simd
+                for (int64_t d = 0; d < Dv; d++) ai[d] += p * v[d];
             }
         }
         for (int64_t i = 0; i < G; i++) {

@@ -40,6 +40,7 @@ static inline float rnd(int bf, float v) { return bf ? bf2f(f2bf(v)) : v; }
 static void norm_row(const void *x, int64_t xo, const void *w, void *y, int64_t yo, int64_t n,
                      float eps, int bf) {
     double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; i++) {
         float v = ld(x, bf, xo + i);
         ss += (double)v * v;
