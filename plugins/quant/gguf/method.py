@@ -6,7 +6,8 @@ form, exactly). Products of fewer than `DEQUANT_MIN_ROWS` input rows (decode, sh
 prefills) run the kernels' integer arithmetic, which computes each row on its own: a decode
 step's tokens come out the same whatever they are batched with. From that many rows on
 (prefill chunks) the weight is dequantized to the compute dtype for the call and multiplied by
-torch (oneDNN), 2-4x faster there; its numerics differ from the kernels' at the 1e-5 level
+torch (oneDNN): 1.5x the int16 kernel at 512 rows on a 2-core AVX-512 VM, ~10x on a CPU
+with AMX (bench/RESULTS.md); its numerics differ from the kernels' at the 1e-5 level
 (fp32 sums, no activation rounding), so a long prompt prefilled alone or beside others can
 differ in its last bits. The token embedding and the LM head stay in their blocks too
 (`load_table`). Tensors the file stores as floats, and any GGML type the
@@ -26,8 +27,9 @@ from core.quant import load_shard
 from plugins.quant.gguf.formats import SUPPORTED, Packed, from_ggml, stack
 from plugins.quant.gguf.kernels import Kernels
 
-# From this many rows of input on, dequantize + torch's GEMM (prefill) instead of the kernels
-# (bench/bench_gguf_kernels.py: the crossover on a 2-core AVX-512 VM lies between 64 and 256).
+# From this many rows of input on, dequantize + torch's GEMM (prefill) instead of the kernels:
+# bench/bench_gguf_kernels.py found the kernels ahead at 16 rows and behind at 512 (both on this
+# project's 2-core AVX-512 VM and on an AMX host); 128 lies between, not tuned further.
 DEQUANT_MIN_ROWS = 128
 
 
