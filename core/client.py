@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import itertools
+import json
 import logging
 import multiprocessing as mp
 import queue
@@ -54,13 +55,37 @@ class _ReqState:
     output_ids: list[int] = field(default_factory=list)
 
 
+class StartedWorker:
+    """A worker process spawned ahead of its plan (core.worker.worker_prestarted): it imports
+    torch and transformers while the parent resolves; `EngineClient(..., started=it)` sends
+    it the plan. `cancel()` when the plan never comes (the worker then exits)."""
+
+    def __init__(self) -> None:
+        from core.worker import worker_prestarted
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=worker_prestarted, args=(child,),
+                                   name="core-engine-worker", daemon=True)
+        self.process.start()
+        child.close()
+
+    def cancel(self) -> None:
+        self.conn.close()
+        self.process.join(timeout=15)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+
+
 class EngineClient:
     """Starts the worker, submits requests, streams their outputs, shuts everything down."""
 
     def __init__(self, args: ServerArgs, plan: Plan, tokenizer: Any,
-                 start_timeout: float = 900.0):
+                 start_timeout: float = 900.0, started: StartedWorker | None = None):
         """`args` with the model path filled in and `plan` resolved for them (core.worker.
-        make_plan): the worker builds exactly this plan."""
+        make_plan): the worker builds exactly this plan. `started`: a worker spawned earlier
+        (StartedWorker), sent the plan now, instead of a new one."""
         from core.worker import args_to_json, plan_to_json, worker_main
 
         self.args = args
@@ -78,13 +103,21 @@ class EngineClient:
         # the worker's heartbeat (core.worker._Heartbeat): when it last came, and what it said
         self.last_heartbeat = time.monotonic()
         self.heartbeat: ipc.Heartbeat | None = None
-        ctx = mp.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=worker_main,
-                                   args=(child_conn, args_to_json(args), plan_to_json(plan)),
-                                   name="core-engine-worker", daemon=True)
-        self.process.start()
-        child_conn.close()
+        if started is not None:
+            self.process, parent_conn = started.process, started.conn
+            try:
+                parent_conn.send_bytes(json.dumps({"args": args_to_json(args),
+                                                   "plan": plan_to_json(plan)}).encode())
+            except OSError:
+                pass  # the worker died while importing: _wait_ready says how
+        else:
+            ctx = mp.get_context("spawn")
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            self.process = ctx.Process(target=worker_main,
+                                       args=(child_conn, args_to_json(args), plan_to_json(plan)),
+                                       name="core-engine-worker", daemon=True)
+            self.process.start()
+            child_conn.close()
         self._chan = Channel(parent_conn)
         try:
             self.info = self._wait_ready(start_timeout)

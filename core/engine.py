@@ -13,7 +13,7 @@ import queue
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from core.client import Chunk, EngineClient, EngineError
+from core.client import Chunk, EngineClient, EngineError, StartedWorker
 from core.config import ServerArgs, apply_environment, make_server_args
 from core.sampling import SamplingParams, expand_n
 
@@ -55,10 +55,16 @@ class Engine:
                 raise ValueError("pass either server_args or keyword arguments, not both")
             args = apply_environment(server_args if model_path is None else
                                      server_args.replace(model_path=model_path))
-        self.args, self.plan, self.spec, _ = make_plan(args)
-        log.info("%s", explain(self.plan))
-        self.tokenizer = _load_tokenizer(self.args)
-        self.client = EngineClient(self.args, self.plan, self.tokenizer)
+        # the worker imports torch / transformers while this process resolves the plan
+        started = StartedWorker()
+        try:
+            self.args, self.plan, self.spec, _ = make_plan(args)
+            log.info("%s", explain(self.plan))
+            self.tokenizer = _load_tokenizer(self.args)
+        except BaseException:
+            started.cancel()
+            raise
+        self.client = EngineClient(self.args, self.plan, self.tokenizer, started=started)
         self.info: dict[str, Any] = self.client.info.to_dict()  # core.ipc.EngineInfo's fields
         for note in self.info["notes"]:  # KV sizing, graph capture: found at startup
             log.info("engine: %s", note)

@@ -415,6 +415,22 @@ def worker_main(conn: Any, args_json: str, plan_json: str) -> None:
             pass
 
 
+def worker_prestarted(conn: Any) -> None:
+    """Entry of a worker spawned before the parent has resolved its plan (core.client.
+    start_worker): import what building the engine needs (torch, transformers: seconds) while
+    the parent resolves, then read the args and plan (one JSON message) and run worker_main."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    import core.loader  # noqa: F401
+    try:
+        message = json.loads(conn.recv_bytes().decode())
+    except (EOFError, OSError):
+        return  # the parent gave up before sending a plan (its resolution failed)
+    worker_main(conn, message["args"], message["plan"])
+
+
 def args_to_json(args: ServerArgs) -> str:
     return json.dumps(dataclasses.asdict(args))
 
