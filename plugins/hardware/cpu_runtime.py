@@ -86,9 +86,14 @@ class CpuPlatform:
         raise RuntimeError("the cpu target captures no graphs")
 
     def post_load(self, model: Any) -> list[str]:
+        dense = sum(1 for p in model.parameters()
+                    if p.dim() == 2 and p.numel() and p.dtype.is_floating_point)
         n = pack_model(model)
-        return [f"cpu: {n} dense weights packed for oneDNN" if n else
-                "cpu: weights left plain (oneDNN cannot pack them in this build / dtype)"]
+        if n:
+            return [f"cpu: {n} dense weights packed for oneDNN"]
+        if not dense:
+            return ["cpu: no dense weights to pack for oneDNN (the quant method keeps its own)"]
+        return ["cpu: weights left plain (oneDNN cannot pack them in this build / dtype)"]
 
     def overlap_schedule(self) -> tuple[bool, str]:
         return False, ("overlap schedule off: a CPU computes while the host schedules, nothing "
