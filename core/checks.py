@@ -60,15 +60,19 @@ def missing_packages(requires: Iterable[str]) -> list[str]:
     return missing
 
 
+def c_compiler() -> str | None:
+    """The C compiler a plugin builds its kernels with: $CC, else cc / gcc / clang on PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
 def missing_programs(programs: Iterable[str]) -> list[str]:
-    """The required executables (a C compiler: "cc") that are not on PATH; "cc" is satisfied
-    by $CC or gcc / clang as well."""
-    missing = []
-    for name in programs:
-        alternatives = [os.environ.get("CC"), "cc", "gcc", "clang"] if name == "cc" else [name]
-        if not any(a and shutil.which(a) for a in alternatives):
-            missing.append(name)
-    return missing
+    """The required executables that are not on PATH; "cc" means any C compiler
+    (c_compiler)."""
+    return [name for name in programs
+            if (c_compiler() if name == "cc" else shutil.which(name)) is None]
 
 
 def _capability_reason(target: str, rng: CapabilityRange, device: DeviceInfo) -> str | None:

@@ -18,7 +18,6 @@ import ctypes
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -40,12 +39,16 @@ ISA_FEATURES = {
 BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-shared", "-fPIC")
 
 
+# headers the sources include (`#include "cbf16.h"`): this directory is on the include path
+INCLUDE = Path(__file__).parent
+HEADERS = ("cbf16.h",)
+
+
 def compiler() -> str | None:
-    """The C compiler to build with ($CC, else cc / gcc / clang on PATH), or None."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
+    """The C compiler to build with (core.checks.c_compiler: $CC, else cc / gcc / clang)."""
+    from core.checks import c_compiler
+
+    return c_compiler()
 
 
 def cache_dir() -> Path:
@@ -68,8 +71,9 @@ def build(source: Path, variant: str) -> ctypes.CDLL:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc / clang)")
-    flags = (*BASE_FLAGS, *ISA_FLAGS[variant])
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
+    flags = (*BASE_FLAGS, *ISA_FLAGS[variant], f"-I{INCLUDE}")
+    headers = b"".join((INCLUDE / h).read_bytes() for h in HEADERS)
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()
                          + _version(cc).encode()).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}_{variant}_{key}.so"
     if not out.exists():

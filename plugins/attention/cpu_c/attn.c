@@ -7,18 +7,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cbf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #define AHEAD 4
-
-static inline float bf2f(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* e^x for x <= 0 (scores minus their max), in a form the compiler vectorizes: 2^n * e^r with
  * n = round(x / ln 2), r reduced in two steps, e^r by a degree-6 polynomial (Cephes expf's
@@ -39,10 +34,6 @@ static inline float exp_neg(float x) {
     float scale;
     memcpy(&scale, &bits, 4);
     return p * scale;
-}
-
-static inline float ld(const void *p, int bf, int64_t i) {
-    return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* q [B, H, D] fp32; kb [S, Hkv, D], vb [S, Hkv, Dv]; slots [B, ss] int64; seq_lens [B];
@@ -132,6 +123,5 @@ int ca_decode(const float *q, const void *kb, const void *vb, int bf, const int6
         if (mxp != mx) free(mxp);
         free(sc);
     }
-    (void)ld;
     return failed ? -2 : 0;
 }

@@ -5,33 +5,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cbf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-static inline float bf2f(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f2bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float ld(const void *p, int bf, int64_t i) {
-    return bf ? bf2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void st(void *p, int bf, int64_t i, float v) {
-    if (bf) ((uint16_t *)p)[i] = f2bf(v);
-    else ((float *)p)[i] = v;
-}
 
 static inline float rnd(int bf, float v) { return bf ? bf2f(f2bf(v)) : v; }
 

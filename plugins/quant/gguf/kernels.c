@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cbf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -53,21 +55,6 @@ static inline float h2f(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 #endif
-}
-
-static inline float bf2f(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f2bf(float f) {  /* round to nearest even, NaN kept a NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 static inline float ld_scale(const void *p, int f32, int64_t i) {
@@ -386,11 +373,6 @@ static float dot_row(const uint8_t *codes, int bits, int bs, const void *sc, con
 }
 #endif
 
-static inline void store(void *y, int y_bf16, int64_t i, float v) {
-    if (y_bf16) ((uint16_t *)y)[i] = f2bf(v);
-    else ((float *)y)[i] = v;
-}
-
 /* y[M, N] = x[M, K] @ W^T (+ bias[N]); x and y fp32 or bf16; activations quantized per block
  * to `abits` 8 or 16 bits; returns 0, or < 0 on bad input. */
 int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, int bits,
@@ -494,7 +476,7 @@ int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *co
             for (int j = 0; j < mr; j++)
                 for (int i = 0; i < nr; i++) {
                     float v = out[j][i] + (bias ? bias[n0 + i] : 0.0f);
-                    store(y, y_bf16, (m0 + j) * N + n0 + i, v);
+                    st(y, y_bf16, (m0 + j) * N + n0 + i, v);
                 }
         }
     }
@@ -510,7 +492,7 @@ int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *co
                 float v = dot_row(codes + n * row_bytes, bits, bs, sc, mn, f32, n * nb,
                                   q + m * K * esz, wide, d + m * nbp, s + m * nb, nb);
                 if (bias) v += bias[n];
-                store(y, y_bf16, m * N + n, v);
+                st(y, y_bf16, m * N + n, v);
             }
         }
     }
