@@ -21,6 +21,7 @@ from plugins.cbuild import build
 
 SOURCE = Path(__file__).with_name("ops.c")
 _BF = {torch.float32: 0, torch.bfloat16: 1}
+_REFERENCE = ops_ref.TorchLayerOps()  # what an op falls back to for inputs it does not take
 
 
 @functools.cache
@@ -60,14 +61,14 @@ class CpuLayerOps:
         fn, n, bf, threads = self.lib.co_rms_norm, weight.shape[0], _BF[weight.dtype], self.threads
         w = weight.detach().contiguous()
         wp = w.data_ptr()
-        ref = functools.partial(ops_ref.rms_norm, weight=weight, eps=eps) \
-            if weight.dtype != torch.float32 else TorchFallback.rms_norm(weight, eps)
+        ref = _REFERENCE.rms_norm(weight, eps)
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            if x.dtype != w.dtype or x.shape[-1] != n or not _rows(x.reshape(-1, n) if
-                                                                  x.dim() != 2 else x):
+            if x.dtype != w.dtype or x.shape[-1] != n:
                 return ref(x)
             x2 = x if x.dim() == 2 else x.reshape(-1, n)
+            if not _rows(x2):
+                return ref(x)
             y = torch.empty(x2.shape, dtype=x.dtype)
             fn(x2.data_ptr(), x2.stride(0), wp, y.data_ptr(), x2.shape[0], n, eps, bf, threads)
             return y.reshape(x.shape)
@@ -82,14 +83,13 @@ class CpuLayerOps:
             self.threads
         w = weight.detach().contiguous()
         wp = w.data_ptr()
+        ref = _REFERENCE.add_rms_norm(weight, eps)
 
         def run(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if (x.dtype != w.dtype or residual.dtype != w.dtype or x.dim() != 2
                     or x.shape != residual.shape or x.shape[1] != n or not x.is_contiguous()
                     or not residual.is_contiguous()):
-                total = x + residual
-                return ops_ref.rms_norm(total, weight, eps) if w.dtype != torch.float32 else \
-                    torch.nn.functional.rms_norm(total, (n,), weight, eps), total
+                return ref(x, residual)
             y = torch.empty_like(x)
             total = torch.empty_like(x)
             fn(x.data_ptr(), residual.data_ptr(), wp, y.data_ptr(), total.data_ptr(), x.shape[0],
@@ -152,12 +152,6 @@ class CpuLayerOps:
             return True
 
         return run
-
-
-class TorchFallback:
-    @staticmethod
-    def rms_norm(weight: torch.Tensor, eps: float) -> Callable:
-        return ops_ref.TorchLayerOps().rms_norm(weight, eps)
 
 
 class CpuLayerOpsAvx512(CpuLayerOps):
