@@ -49,25 +49,7 @@ class Kernels:
     def linear(self, x: torch.Tensor, w: Packed, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [..., K] (fp32 / bf16) @ W^T (+ bias, fp32) -> [..., N] in out_dtype (x's)."""
-        n, k = w.shape
-        if x.shape[-1] != k:
-            raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
-        out_dtype = out_dtype or x.dtype
-        if x.dtype not in _DT or out_dtype not in _DT:
-            raise ValueError(f"GGUF kernels take fp32 / bf16, got {x.dtype} -> {out_dtype}")
-        x2 = x.reshape(-1, k)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        m = x2.shape[0]
-        y = torch.empty(m, n, dtype=out_dtype)
-        rc = self.lib.gq_linear(x2.data_ptr(), _DT[x.dtype], m, k, w.codes.data_ptr(), w.bits,
-                                w.bs, w.scales.data_ptr(), w.mins.data_ptr(),
-                                int(w.scales.dtype == torch.float32),
-                                bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                _DT[out_dtype], n, self.act_bits, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"gq_linear failed ({rc}) for {w.bits}-bit blocks of {w.bs}")
-        return y.reshape(*x.shape[:-1], n)
+        return self.bind(w, bias, out_dtype)(x)
 
     def bind(self, w: Packed, bias: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None):
@@ -82,17 +64,23 @@ class Kernels:
         keep = (w, bias)  # the pointers stay valid while the closure lives
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            if x.dim() != 2 or not x.is_contiguous() or x.dtype not in _DT or x.shape[1] != k:
-                return self.linear(x, keep[0], keep[1], out_dtype)
-            m = x.shape[0]
             dt = out_dtype or x.dtype
+            if x.shape[-1] != k:
+                raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
+            if x.dtype not in _DT or dt not in _DT:
+                raise ValueError(f"GGUF kernels take fp32 / bf16, got {x.dtype} -> {dt}")
+            x2 = x if x.dim() == 2 else x.reshape(-1, k)
+            if not x2.is_contiguous():
+                x2 = x2.contiguous()
+            m = x2.shape[0]
             y = torch.empty(m, n, dtype=dt)
-            rc = fn(x.data_ptr(), _DT[x.dtype], m, k, *wargs, y.data_ptr(), _DT[dt], n, abits,
+            rc = fn(x2.data_ptr(), _DT[x.dtype], m, k, *wargs, y.data_ptr(), _DT[dt], n, abits,
                     threads)
             if rc != 0:
-                raise RuntimeError(f"gq_linear failed ({rc})")
-            return y
+                raise RuntimeError(f"gq_linear failed ({rc}) for {w.bits}-bit blocks of {w.bs}")
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
+        run.keep = keep
         return run
 
     def dequantize(self, w: Packed, dtype: torch.dtype,

@@ -37,20 +37,33 @@ def _is_blocks(t: object) -> bool:
     return hasattr(t, "ggml_type") and hasattr(t, "data")
 
 
+def product(kernels: Kernels, w: Packed, bias: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ W^T (+ bias): the kernels below DEQUANT_MIN_ROWS rows, dequantize + F.linear
+    from there on; out_dtype (None: x's) for the LM head's fp32 logits."""
+    small = kernels.bind(w, bias.detach().float().contiguous() if bias is not None else None,
+                         out_dtype)
+    dequantize = kernels.dequantize
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] >= DEQUANT_MIN_ROWS:
+            y = F.linear(x, dequantize(w, x.dtype), bias)
+            return y if out_dtype is None else y.to(out_dtype)
+        return small(x)
+
+    return run
+
+
 class GGUFTable:
     """A token embedding / LM head weight kept as blocks: rows for lookups, logits for the
     head."""
 
     def __init__(self, packed: Packed, kernels: Kernels):
         self.packed, self.kernels = packed, kernels
+        self.logits = product(kernels, packed, out_dtype=torch.float32)  # hidden -> fp32
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.kernels.dequantize(self.packed, dtype, rows=ids)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] >= DEQUANT_MIN_ROWS:
-            return F.linear(hidden, self.kernels.dequantize(self.packed, hidden.dtype)).float()
-        return self.kernels.linear(hidden, self.packed, out_dtype=torch.float32)
 
 
 class GGUFLinearMethod:
@@ -117,8 +130,6 @@ class GGUFLinearMethod:
                      for p in parts]
             layer.dense = torch.cat(dense).to(layer.compute_dtype)
             self.counts["dense"] = self.counts.get("dense", 0) + 1
-        if layer.bias is not None:
-            layer.bias_f32 = layer.bias.detach().float().contiguous()
 
     def init_dummy_weights(self, layer: nn.Module, seed: int, std: float) -> None:
         """--load-format dummy: random Q8_0-like blocks whose weights are ~N(0, std)."""
@@ -133,7 +144,6 @@ class GGUFLinearMethod:
         layer.gguf_parts = {}
         if layer.bias is not None:
             layer.bias.data.zero_()
-            layer.bias_f32 = layer.bias.detach().float()
 
     def load_table(self, module: nn.Module, loaded: object) -> GGUFTable | None:
         if not (_is_blocks(loaded) and loaded.ggml_type in SUPPORTED):
@@ -153,16 +163,7 @@ class GGUFLinearMethod:
             if matmul is not None:
                 return lambda x: matmul(x, weight=layer.dense, bias=layer.bias)
             return lambda x: F.linear(x, layer.dense, layer.bias)
-        bias = getattr(layer, "bias_f32", None) if layer.bias is not None else None
-        w, product, dequantize = layer.packed, self.kernels.bind(layer.packed, bias), \
-            self.kernels.dequantize
-
-        def run(x: torch.Tensor) -> torch.Tensor:
-            if x.dim() == 2 and x.shape[0] >= DEQUANT_MIN_ROWS:
-                return F.linear(x, dequantize(w, x.dtype), layer.bias)
-            return product(x)
-
-        return run
+        return product(self.kernels, layer.packed, layer.bias)
 
     def repack(self, layer: nn.Module, pack: Callable, matmul: Callable) -> None:
         """A platform's dense layout applies to the layers served dense only."""
