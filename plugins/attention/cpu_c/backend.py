@@ -11,7 +11,8 @@ import torch
 
 from core.attention import AttentionLayerParams, BackendContext
 from core.forward_batch import ForwardBatch
-from plugins.attention.torch_native.backend import TorchNativeAttention, TorchNativeMeta
+from plugins.attention.torch_native.backend import TorchNativeMeta
+from plugins.attention.torch_native.pool_decode import PoolDecodeAttention
 from plugins.cbuild import build
 
 SOURCE = Path(__file__).with_name("attn.c")
@@ -34,45 +35,31 @@ class CpuCMeta(TorchNativeMeta):
     seq_lens_t: torch.Tensor | None = None  # [B] int64
 
 
-class CpuCAttention(TorchNativeAttention):
+class CpuCAttention(PoolDecodeAttention):
     """Decode reads the paged pool in place (no gather, no dense copy); extend is inherited."""
 
+    label = "cpu_c attention"
     variant = "portable"
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
-        if torch.device(ctx.device).type != "cpu":
-            raise ValueError(f"cpu_c attention runs on the CPU only, not on {ctx.device}")
-        if ctx.kv_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"cpu_c attention reads float32 or bfloat16 KV caches, not "
-                             f"{ctx.kv_dtype}")
-        self._dense = None  # torch_native's dense decode copy: this decode needs none
         self.fn = library(self.variant).ca_decode
         self.threads = torch.get_num_threads()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: AttentionLayerParams, batch: ForwardBatch) -> torch.Tensor:
-        meta = self._meta(batch)
-        if not meta.decode:
-            return super().forward(q, k, v, layer, batch)
-        B = q.shape[0]
-        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        Dv = layer.v_head_dim or D
-        pool = batch.kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(B, Hkv, D), v.view(B, Hkv, Dv))
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        qf = q if q.dtype == torch.float32 and q.is_contiguous() else \
-            q.to(torch.float32).contiguous()
+    def decode(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               layer: AttentionLayerParams, meta: CpuCMeta) -> torch.Tensor:
+        B, H, D = q.shape
+        Hkv, Dv = k_buf.shape[1], v_buf.shape[-1]
         out = torch.empty(B, H * Dv, dtype=torch.float32)
         slots, lens = meta.slots, meta.seq_lens_t
-        rc = self.fn(qf.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
+        rc = self.fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
                      int(k_buf.dtype == torch.bfloat16), slots.data_ptr(), slots.stride(0),
                      lens.data_ptr(), B, H, Hkv, D, Dv, layer.scaling,
                      layer.sliding_window or 0, layer.logit_softcap or 0.0, out.data_ptr(),
                      self.threads)
         if rc != 0:
             raise MemoryError("cpu_c decode attention: out of memory")
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return out
 
     def prepare(self, batch: ForwardBatch) -> CpuCMeta:
         meta = CpuCMeta(**vars(super().prepare(batch)))

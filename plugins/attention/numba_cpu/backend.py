@@ -10,7 +10,8 @@ import torch
 from core.attention import AttentionLayerParams, BackendContext
 from core.forward_batch import ForwardBatch
 from plugins.attention.numba_cpu.kernels import decode_attention
-from plugins.attention.torch_native.backend import TorchNativeAttention, TorchNativeMeta
+from plugins.attention.torch_native.backend import TorchNativeMeta
+from plugins.attention.torch_native.pool_decode import PoolDecodeAttention
 
 
 @dataclass
@@ -28,16 +29,13 @@ def _as_numpy(buf: torch.Tensor) -> np.ndarray:
     return buf.numpy()
 
 
-class NumbaCpuAttention(TorchNativeAttention):
+class NumbaCpuAttention(PoolDecodeAttention):
     """Decode reads the paged pool in place (no gather, no dense copy); extend is inherited."""
+
+    label = "numba_cpu"
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
-        if torch.device(ctx.device).type != "cpu":
-            raise ValueError(f"numba_cpu runs on the CPU only, not on {ctx.device}")
-        if ctx.kv_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"numba_cpu reads float32 or bfloat16 KV caches, not {ctx.kv_dtype}")
-        self._dense = None  # torch_native's dense decode copy: this decode needs none
         # per layer: the pool buffers as numpy arrays and the kernel's scalar arguments (built
         # once: at batch 1 on a small model, per-call conversions cost as much as the kernel)
         self._layer_args: dict[int, tuple] = {}
@@ -60,17 +58,8 @@ class NumbaCpuAttention(TorchNativeAttention):
             meta.slots_np = meta.slots.contiguous().numpy()
         return meta
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layer: AttentionLayerParams, batch: ForwardBatch) -> torch.Tensor:
-        meta = self._meta(batch)
-        if not meta.decode:
-            return super().forward(q, k, v, layer, batch)
-        B = q.shape[0]
-        H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        Dv = layer.v_head_dim or D
-        pool = batch.kv_pool
-        pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(B, Hkv, D), v.view(B, Hkv, Dv))
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+    def decode(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               layer: AttentionLayerParams, meta: NumbaMeta) -> torch.Tensor:
         cached = self._layer_args.get(layer.layer_id)
         if cached is None or cached[0] is not k_buf or cached[1] is not v_buf:
             cached = (k_buf, v_buf, _as_numpy(k_buf), _as_numpy(v_buf),
@@ -78,11 +67,9 @@ class NumbaCpuAttention(TorchNativeAttention):
                       np.float32(layer.logit_softcap or 0.0))
             self._layer_args[layer.layer_id] = cached
         _, _, k_np, v_np, scaling, window, softcap = cached
-        qf = q.view(B, H, D)
-        if qf.dtype != torch.float32 or not qf.is_contiguous():
-            qf = qf.to(torch.float32).contiguous()
+        B, H = q.shape[0], q.shape[1]
+        Dv = v_buf.shape[-1]
         out = torch.empty(B, H, Dv, dtype=torch.float32)
-        decode_attention(qf.numpy(), k_np, v_np, meta.slots_np, meta.seq_lens_np, scaling,
+        decode_attention(q.numpy(), k_np, v_np, meta.slots_np, meta.seq_lens_np, scaling,
                          window, softcap, out.numpy())
-        out = out.reshape(B, H * Dv)
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return out.reshape(B, H * Dv)
