@@ -24,12 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plugins.cbuild import ISA_FEATURES  # noqa: E402
 from plugins.quant.gguf import formats  # noqa: E402
+from plugins.quant.gguf.formats import random_blocks  # noqa: E402
 from plugins.quant.gguf.kernels import Kernels  # noqa: E402
 
 SHAPES = [("qkv", "Q4_1", 960, 576), ("o", "Q4_1", 576, 576), ("gate_up", "Q4_1", 3072, 576),
@@ -56,15 +56,6 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
-
-
-def random_blocks(type_name: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    qk, size = formats.BLOCK[type_name]
-    raw = rng.integers(0, 256, (rows, cols // qk, size), dtype=np.uint8)
-    h = (rng.standard_normal((rows, cols // qk, 2)) * 0.01).astype(np.float16)
-    raw[..., :4] = h.view(np.uint8).reshape(rows, cols // qk, 4)
-    return raw.reshape(rows, -1)
 
 
 def median_per_call(fns, x, reps: int) -> float:

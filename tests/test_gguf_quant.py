@@ -17,6 +17,7 @@ from core.checks import check_device
 from core.plugins import build_registry
 from plugins.cbuild import ISA_FEATURES
 from plugins.quant.gguf import formats
+from plugins.quant.gguf.formats import random_blocks
 from plugins.quant.gguf.kernels import Kernels
 
 
@@ -36,22 +37,6 @@ def runnable_variants() -> list:
         marks = [pytest.mark.skip(reason=f"CPU lacks {', '.join(lacking)}")] if lacking else []
         out.append(pytest.param(variant, marks=marks, id=variant))
     return out
-
-
-def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random bytes of GGML type `type_name` with sane fp16 scale fields."""
-    rng = np.random.default_rng(seed)
-    qk, size = formats.BLOCK[type_name]
-    raw = rng.integers(0, 256, (rows, cols // qk, size), dtype=np.uint8)
-    halves = (rng.standard_normal((rows, cols // qk, 2)) * 0.01).astype(np.float16)
-    h = halves.view(np.uint8).reshape(rows, cols // qk, 4)
-    if type_name == "Q6_K":
-        raw[..., 208:210] = h[..., :2]  # d is the last field
-    else:
-        raw[..., :2] = h[..., :2]
-        if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):  # m / dmin
-            raw[..., 2:4] = h[..., 2:4]
-    return raw.reshape(rows, -1)
 
 
 def reference_product(x: torch.Tensor, w: torch.Tensor, bs: int, bits: int) -> torch.Tensor:

@@ -169,6 +169,23 @@ def stack(parts: list[Packed]) -> Packed:
                   torch.cat([p.mins for p in w]), bits, bs, types)
 
 
+def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random bytes [rows, bytes per row] of GGML type `type_name` whose fp16 scale fields
+    (d, and m / dmin where the type has one) are sane values ~N(0, 0.01): test and bench data."""
+    rng = np.random.default_rng(seed)
+    qk, size = BLOCK[type_name]
+    raw = rng.integers(0, 256, (rows, cols // qk, size), dtype=np.uint8)
+    halves = (rng.standard_normal((rows, cols // qk, 2)) * 0.01).astype(np.float16)
+    h = halves.view(np.uint8).reshape(rows, cols // qk, 4)
+    if type_name == "Q6_K":
+        raw[..., 208:210] = h[..., :2]  # d is the last field
+    else:
+        raw[..., :2] = h[..., :2]
+        if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):  # m / dmin
+            raw[..., 2:4] = h[..., 2:4]
+    return raw.reshape(rows, -1)
+
+
 def dequantize_ref(p: Packed) -> torch.Tensor:
     """fp32 [N, K] from a Packed matrix in torch (the kernels' own dequant is kernels.c's)."""
     n = p.codes.shape[0]
