@@ -17,9 +17,13 @@ from core.testing.layer_ops_suite import layer_ops_params  # noqa: E402
 
 def test_the_suite_covers_every_op_of_both_built_in_plugins(pytestconfig):
     ids = {p.id for p in layer_ops_params(pytestconfig)}
+    gpu = torch.cuda.is_available()
     for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv"):
         assert f"torch-cpu-float32-{op}" in ids
-        assert f"triton-cpu-float16-{op}" in ids  # the interpreter runs the GPU kernels here
+        if gpu:  # the GPU kernels run on the GPU, in every dtype they declare
+            assert f"triton-cuda-bfloat16-{op}" in ids and f"triton-cuda-float16-{op}" in ids
+        else:
+            assert f"triton-cpu-float16-{op}" in ids  # the interpreter runs the GPU kernels here
     assert not any(i.startswith("triton-cpu-bfloat16") for i in ids)
 
 

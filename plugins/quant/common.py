@@ -13,13 +13,21 @@ INT8_MAX = 127.0
 _TINY = 1e-12
 
 
+def div_scalar(x: torch.Tensor, d: float) -> torch.Tensor:
+    """x / d correctly rounded on every device. CUDA's `tensor / python_float` multiplies by the
+    reciprocal (1 ulp off for about half the values; CPU divides), and fp8 / int8 codes of bf16
+    and fp16 inputs sit on rounding ties often enough that 1 ulp of scale flips ~1e-4 to 1e-3 of
+    them: a scale computed this way is the same bit pattern on the CPU and the GPU."""
+    return x / torch.full_like(x, d)
+
+
 def per_token_scale(x: torch.Tensor, qmax: float, ub: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """[M, K] -> fp32 [M, 1]: amax per row / qmax (amax clamped to `ub` where given)."""
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_TINY)
     if ub is not None:
         amax = torch.minimum(amax, ub.float())
-    return amax / qmax
+    return div_scalar(amax, qmax)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -38,7 +46,7 @@ def per_group_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     pad = (-k) % group
     xp = F.pad(x.float(), (0, pad)) if pad else x.float()
     g = xp.view(m, -1, group)
-    scale = g.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
+    scale = div_scalar(g.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY), FP8_MAX)
     q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, -1)[:, :k]
     return q.contiguous(), scale.squeeze(-1)
 
