@@ -386,7 +386,42 @@ class GrammarCaps(_Frozen):
                 f"{lacks} tokenizers={','.join(sorted(self.tokenizers))}")
 
 
-KINDS = ("hardware", "attention", "moe", "quant", "models", "layer_ops", "grammar")
+@dataclass(frozen=True)
+class ToolParserCaps(_Frozen):
+    """What a tool-call parser (tool calling in chat; the protocol is core.tools) fits.
+
+    markers: text whose presence in a chat template says the model writes this format; under
+    --tool-call-parser auto the best-priority parser whose markers the template holds is chosen.
+    families: the model families (HF model_type) that write it, for the plan and the docs only
+    (a family never picks a parser: SmolLM2 and Llama-3.1 are both `llama`). aliases: the names
+    SGLang and vLLM give the same format (--tool-call-parser accepts them). arguments_key: the
+    key its calls hold the arguments under ("arguments", "parameters"); `tool_choice: required`
+    constrains calls to that shape. prompts: it can offer tools in a system message (its
+    tools_prompt), for chat templates that ignore `tools`; the best-priority parser that
+    prompts is auto's choice for a template with no tool markup. Parsers are pure Python text
+    work: no device, no package beyond `requires`.
+    """
+
+    markers: tuple[str, ...] = ()
+    families: frozenset[str] = frozenset()
+    aliases: frozenset[str] = frozenset()
+    arguments_key: str = "arguments"
+    prompts: bool = False
+    requires: tuple[str, ...] = ()
+    priority: int = 0
+    description: str = ""
+
+    _sets = ("families", "aliases")
+
+    def summary(self) -> str:
+        aka = f" aliases={','.join(sorted(self.aliases))}" if self.aliases else ""
+        return (f"markers={','.join(self.markers) or '-'} families="
+                f"{','.join(sorted(self.families)) or '-'}{aka} arguments_key="
+                f"{self.arguments_key}{' prompts' if self.prompts else ''}")
+
+
+KINDS = ("hardware", "attention", "moe", "quant", "models", "layer_ops", "grammar",
+         "tool_parser")
 CAPS_TYPES: dict[str, type] = {
     "hardware": HardwareCaps,
     "attention": AttentionCaps,
@@ -395,4 +430,5 @@ CAPS_TYPES: dict[str, type] = {
     "models": ModelCaps,
     "layer_ops": LayerOpsCaps,
     "grammar": GrammarCaps,
+    "tool_parser": ToolParserCaps,
 }

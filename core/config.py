@@ -46,6 +46,10 @@ class ServerArgs:
     api_key_file: str | None = _f(None, "http", "read the bearer key from this file (one line)")
     served_model_name: str | None = _f(None, "http", "model name reported by the API")
     chat_template: str | None = _f(None, "http", "Jinja chat template file or string")
+    tool_call_parser: str = _f("auto", "http", "tool-call parser for tool_choice auto in chat "
+                               "(hermes, llama3, their SGLang/vLLM names, or a plugin's; auto: "
+                               "chosen by the chat template's tool markup; none: auto tool "
+                               "calls off)")
     allow_special_tokens_in_messages: bool = _f(
         False, "http", "let chat message text spell the tokenizer's special tokens (e.g. "
         "<|im_start|>), which the template would turn into real control tokens; refused "

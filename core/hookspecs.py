@@ -19,11 +19,12 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.4"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.5"  # 1.1: hardware targets may register a Platform; layer ops
 # 1.2: quant factories take the checkpoint's QuantScheme (core.quant); QuantCaps formats
 # 1.3: grammar backends (structured output, core.grammar)
 # 1.4: QuantCaps.programs; quant methods may load tensors themselves (weight_loader,
 #      load_table, takes_raw_gguf: core.quant)
+# 1.5: tool-call parsers (tool calling in chat, core.tools)
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -80,3 +81,10 @@ def core_register_grammar_backends(register):
     """Register grammar backends (structured output): register(name, GrammarCaps, factory);
     factory(tokenizer=, vocab_size=, stop_token_ids=) returns a core.grammar.GrammarBackend
     (constraint -> compiled grammar -> per-request matcher filling a token bitmask)."""
+
+
+@hookspec
+def core_register_tool_parsers(register):
+    """Register tool-call parsers (tool calling in chat): register(name, ToolParserCaps,
+    factory); factory() returns a core.tools.ToolParser (model output text -> content and
+    tool calls; the tools offered in a system message for templates that ignore them)."""

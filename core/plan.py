@@ -13,7 +13,7 @@ class Candidate:
     """One registered backend considered for one slot."""
 
     slot: str  # prefill_attention | decode_attention | moe_runner | quant_method | layer_ops |
-    # model | grammar_backend
+    # model | grammar_backend | tool_call_parser
     name: str
     origin: str  # distribution and version that registered it
     fits: bool
@@ -45,6 +45,10 @@ class Plan:
     # the grammar backend for structured output (core.grammar); None: structured output is off
     # (--grammar-backend none, or nothing fits under auto: the notes say why)
     grammar_backend: str | None = None
+    # the tool-call parser for tool calling in chat (core.tools); None: auto tool calls off
+    # (--tool-call-parser none). Chosen from the chat template once the tokenizer is loaded
+    # (core.resolver.resolve_tool_parser), so a plan made without one leaves it None.
+    tool_call_parser: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Not asdict(self): it deep-copies DeviceInfo.extra, a mappingproxy, which cannot be.

@@ -35,6 +35,7 @@ HOOK_FOR_KIND = {
     "models": "core_register_models",
     "layer_ops": "core_register_layer_ops",
     "grammar": "core_register_grammar_backends",
+    "tool_parser": "core_register_tool_parsers",
 }
 
 

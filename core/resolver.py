@@ -24,6 +24,7 @@ from core.checks import (
     check_model,
     check_moe,
     check_quant,
+    missing_packages,
 )
 from core.config import ServerArgs
 from core.model_spec import ModelSpec
@@ -31,6 +32,7 @@ from core.plan import Candidate, Plan, ResolveError
 from core.plugins import Registry
 from core.quant import QuantScheme, online_scheme, parse_quant_config
 from core.slots import SLOT_LABELS, Slot, merge_errors
+from core.tools import TOOL_PARSER_OFF, template_reads_tools
 
 DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
                "float": "float32", "float32": "float32"}
@@ -247,6 +249,100 @@ def _grammar_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slot
     return ranked[0].name
 
 
+def tool_parser_named(registry: Registry, name: str) -> str | None:
+    """The registered tool-call parser `name` stands for (its name or one of its aliases)."""
+    regs = registry.kind("tool_parser")
+    if name in regs:
+        return name
+    return next((n for n, r in sorted(regs.items()) if name in r.caps.aliases), None)
+
+
+def _tool_parser_arg(args: ServerArgs, registry: Registry) -> str | None:
+    """--tool-call-parser as a registered name (None for auto / none); an unknown name is an
+    error before anything starts (the template-dependent choice comes later)."""
+    raw = (args.tool_call_parser or "auto").strip()
+    if raw in ("auto", TOOL_PARSER_OFF):
+        return None
+    name = tool_parser_named(registry, raw)
+    if name is None:
+        regs = registry.kind("tool_parser")
+        known = [f"{n} (also {', '.join(sorted(r.caps.aliases))})" if r.caps.aliases else n
+                 for n, r in sorted(regs.items())]
+        raise ResolveError(f"unknown tool-call parser {raw!r} (--tool-call-parser)",
+                           [f"registered tool-call parsers: {', '.join(known) or 'none'}; or "
+                            "auto, none"])
+    return name
+
+
+def resolve_tool_parser(plan: Plan, chat_template: str | None, args: ServerArgs,
+                        registry: Registry) -> Plan:
+    """The plan with its tool-call parser, chosen from the chat template's text (a pure
+    function of it: called once the tokenizer is loaded, since a GGUF holds its template).
+
+    auto: the best-priority parser whose markers the template holds; a template with no
+    registered parser's markup (SmolLM2's) gets the best-priority parser that can offer tools
+    in a system message (hermes among the built-ins). A named parser is honoured (a note says
+    when the template shows none of its markers). none: auto tool calls off (tool_choice
+    required and named still work: they are constrained by the grammar, not parsed). Every
+    candidate goes into the table with its reasons; the notes say what was chosen and why."""
+    raw = (args.tool_call_parser or "auto").strip()
+    notes: list[str] = []
+    template = chat_template or ""
+    regs = registry.kind("tool_parser")
+    if raw == TOOL_PARSER_OFF:
+        notes.append("auto tool calls off: --tool-call-parser none (tool_choice required or "
+                     "a named function still works: the grammar constrains the call)")
+        return dataclasses.replace(plan, tool_call_parser=None, notes=plan.notes + tuple(notes))
+    user = _tool_parser_arg(args, registry)
+    found = {n: [m for m in r.caps.markers if m in template] for n, r in regs.items()}
+    any_markup = any(found.values())
+    reasons: dict[str, list[str]] = {}
+    for name, reg in regs.items():
+        why = [f"package {m} is not installed" for m in missing_packages(reg.caps.requires)]
+        if user is None and not found[name]:
+            shown = ", ".join(reg.caps.markers) or "none declared"
+            if any_markup:
+                why.append(f"the chat template holds none of its markers ({shown})")
+            elif not reg.caps.prompts:
+                why.append(f"the chat template holds none of its markers ({shown}) and it "
+                           "cannot offer tools in a system message")
+        reasons[name] = why
+    fits = sorted((n for n in regs if not reasons[n]),
+                  key=lambda n: (n != user, -regs[n].caps.priority, n))
+    chosen = fits[0] if fits else None
+    if user is not None:
+        if reasons[user]:
+            raise ResolveError(f"tool-call parser {user!r} (--tool-call-parser) does not fit",
+                               reasons[user], fits)
+        chosen = user
+        if not found[user]:
+            notes.append(f"tool-call parser {user} (--tool-call-parser): the chat template "
+                         f"shows none of its markers ({', '.join(regs[user].caps.markers)}); "
+                         "the model may not write its format")
+        else:
+            notes.append(f"tool-call parser {user} (--tool-call-parser)")
+    elif chosen is None:
+        notes.append("auto tool calls off: no tool-call parser fits (" +
+                     "; ".join(f"{n}: {r}" for n, rs in reasons.items() for r in rs) + ")")
+    elif found[chosen]:
+        notes.append(f"tool-call parser {chosen}: the chat template holds its markup "
+                     f"({', '.join(found[chosen])}) (--tool-call-parser auto)")
+    else:
+        notes.append(f"tool-call parser {chosen}: the chat template holds no registered "
+                     f"parser's tool markup; {chosen} is the best-priority parser that offers "
+                     "tools in a system message (--tool-call-parser auto)")
+    if chosen is not None and not template_reads_tools(template):
+        notes.append(f"the chat template never reads `tools`: a request's tools are offered in "
+                     f"a system message written by {chosen}, and tool calls / results in the "
+                     f"conversation are replayed in its format (core.server.tools)")
+    cands = tuple(Candidate(slot="tool_call_parser", name=n, origin=regs[n].origin.describe(),
+                            fits=not reasons[n], reasons=tuple(reasons[n]),
+                            priority=regs[n].caps.priority, chosen=n == chosen)
+                  for n in sorted(regs))
+    return dataclasses.replace(plan, tool_call_parser=chosen, notes=plan.notes + tuple(notes),
+                               candidates=plan.candidates + cands)
+
+
 def _where(device: DeviceInfo) -> str:
     return f"{device.target} {device.arch or ''}".strip()
 
@@ -319,6 +415,10 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     grammar = None
     try:
         grammar = _grammar_slot(device, args, registry, slots, notes)
+    except ResolveError as exc:
+        errors.append(exc)
+    try:  # the choice needs the chat template (resolve_tool_parser); a bad name fails now
+        _tool_parser_arg(args, registry)
     except ResolveError as exc:
         errors.append(exc)
 
@@ -404,6 +504,8 @@ def explain(plan: Plan) -> str:
             ("graph capture", "on" if plan.cuda_graph else "off"),
             ("model impl", plan.model_impl or "- (none registered)"),
             ("grammar backend", plan.grammar_backend or "- (structured output off)")]
+    if any(c.slot == "tool_call_parser" for c in plan.candidates):  # chosen with a template
+        rows.append(("tool-call parser", plan.tool_call_parser or "- (auto tool calls off)"))
     lines = ["Plan:"] + [f"  {k:<18} {v}" for k, v in rows]
     if plan.notes:
         lines += ["", "Notes:"] + [f"  - {n}" for n in plan.notes]

@@ -21,11 +21,12 @@ SLOT_LABELS = {
     "layer_ops": "layer ops",
     "model": "model implementation",
     "grammar_backend": "grammar backend",
+    "tool_call_parser": "tool-call parser",
 }
 KIND_LABELS = {"attention": "attention backends", "moe": "MoE runners",
                "quant": "quant methods", "models": "model implementations",
                "layer_ops": "layer-ops plugins",
-               "grammar": "grammar backends"}
+               "grammar": "grammar backends", "tool_parser": "tool-call parsers"}
 
 
 class Slot:
