@@ -101,13 +101,17 @@ class Tokenizer:
         return self._byte_level
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render chat messages to a prompt string with the model's (or overriding) template."""
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """Render chat messages to a prompt string with the model's (or overriding) template.
+
+        tools: function definitions in OpenAI's shape, the template's `tools` variable (as
+        HF's apply_chat_template); a template that never reads it renders as without."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; pass --chat-template")
         return self.hf.apply_chat_template(messages, chat_template=self.chat_template,
                                            add_generation_prompt=add_generation_prompt,
-                                           tokenize=False, **kwargs)
+                                           tokenize=False, tools=tools, **kwargs)
 
     def detokenizer(self, prompt_ids: list[int] | None = None,
                     skip_special_tokens: bool = True) -> IncrementalDetokenizer:

@@ -127,12 +127,12 @@ def test_real_tokenizer_bytes_rebuild_text(smollm2_tokenizer):
 
 # -- 2. unknown and unimplemented fields are refused, the same on every route -----------------
 
-# (structured-output fields are taken: tests/test_grammar_server.py)
+# (structured-output fields are taken: tests/test_grammar_server.py; tools:
+# tests/test_tools_server.py)
 REFUSED_CHAT = [("prompt_logprobs", -1), ("prompt_logprobs", 0), ("use_beam_search", True),
                 ("echo", True), ("continue_final_message", True), ("stop_regex", ["x+"]),
-                ("cache_salt", "s"), ("tools", [{"type": "function", "function": {
-                    "name": "f"}}]), ("tool_choice", "required"),
-                ("guided_decoding_backend", "xgrammar")]
+                ("cache_salt", "s"), ("functions", [{"name": "f"}]),
+                ("function_call", "auto"), ("guided_decoding_backend", "xgrammar")]
 REFUSED_COMPLETION = [("prompt_logprobs", 1), ("use_beam_search", True), ("stop_regex", "x"),
                       ("cache_salt", "s"), ("suffix", "tail"),
                       ("guided_whitespace_pattern", " ")]

@@ -46,11 +46,17 @@ class TokenizerAdapter:
     def token_bytes(self, token_id: int) -> bytes:
         return self.tok.token_bytes(token_id)
 
+    @property
+    def chat_template(self) -> str | None:
+        return self.tok.chat_template
+
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         # --chat-template was already given to the tokenizer when it was loaded
-        return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                            tools=tools)
 
 
 def _served_name(args: ServerArgs, model_path: str) -> str:
@@ -74,6 +80,12 @@ class EngineAdapter:
         self.context_length = int(min(info["max_context"], info["pool_tokens"]))
         self.model_name = model_name
         self.plan = engine.plan
+        if self.plan is not None:  # the tool-call parser is chosen by the chat template
+            from core.plugins import get_registry
+            from core.resolver import resolve_tool_parser
+
+            self.plan = resolve_tool_parser(self.plan, engine.tokenizer.chat_template,
+                                            engine.args, get_registry())
         # one thread for pipe sends keeps submit-then-abort in order
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-send")
         self._rpc = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="core-rpc")

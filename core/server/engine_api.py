@@ -53,6 +53,9 @@ class TokenizerLike(Protocol):
 
     # texts of the special (control) tokens, e.g. "<|im_start|>": chat content must not spell them
     special_tokens: Sequence[str]
+    # the Jinja chat template's text, None when unknown (tool calling reads whether it uses
+    # `tools`: core.server.tools); an implementation may leave it out
+    chat_template: str | None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (logprobs' `bytes`; part of a character may be all a
@@ -61,8 +64,11 @@ class TokenizerLike(Protocol):
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> str:
-        """Render messages to the prompt text; raises ValueError for a conversation it refuses."""
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render messages to the prompt text; raises ValueError for a conversation it refuses.
+        tools: the request's tools (OpenAI's shape), given only when there are some, for the
+        template's `tools` (as HF's apply_chat_template passes them)."""
         ...
 
 

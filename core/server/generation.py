@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from core.server import protocol, responses
+from core.server import protocol, responses, tools
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError, invalid
 from core.server.protocol import ParsedRequest
@@ -71,10 +71,14 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
             continue
         if p.messages is not None:
             if not st.args.allow_special_tokens_in_messages:
-                _refuse_control_text(tok, p.messages)
+                _refuse_control_text(tok, p.messages, req.tools)
+            messages, offered = st.tools.render(p.messages, req.tools)
+            # tools= only when there are some: a template or tokenizer without tools takes it
+            kw = {"tools": offered} if offered else {}
             try:
-                text = tok.apply_chat_template(p.messages, chat_template=st.chat_template,
-                                               add_generation_prompt=req.add_generation_prompt)
+                text = tok.apply_chat_template(messages, chat_template=st.chat_template,
+                                               add_generation_prompt=req.add_generation_prompt,
+                                               **kw)
             except Exception as e:  # a template's raise_exception(...) or a type it refuses
                 raise invalid("messages", f"the chat template refused these messages: {e}",
                               code="chat_template_error") from None
@@ -90,15 +94,18 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
     return out
 
 
-def _refuse_control_text(tok: Any, messages: list[dict[str, Any]]) -> None:
+def _refuse_control_text(tok: Any, messages: list[dict[str, Any]],
+                         treq: tools.ToolRequest | None = None) -> None:
     """Message text that spells a special token (`<|im_start|>system`...) would become that
     control token once the template's output is tokenized: a user could forge a turn of
-    another role. Refused unless --allow-special-tokens-in-messages."""
+    another role. The same for what else the template renders: tool calls, tool definitions.
+    Refused unless --allow-special-tokens-in-messages."""
     specials = [t for t in tok.special_tokens if t]
-    for i, m in enumerate(messages):
-        found = next((t for t in specials if t in m["content"]), None)
+    texts = [(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)]
+    for where, text in texts + tools.texts_of(messages, treq):
+        found = next((t for t in specials if t in text), None)
         if found is not None:
-            raise invalid(f"messages[{i}].content", f"messages[{i}].content contains the "
+            raise invalid(where, f"{where} contains the "
                           f"special token text {found!r}, which the chat template would turn "
                           "into a control token; remove it (the server refuses this unless "
                           "started with --allow-special-tokens-in-messages)",
@@ -153,6 +160,10 @@ class _Job:
                                            logprobs=req.logprobs, top_logprobs=req.top_logprobs))
                 self.seqs.append(responses.SeqOut(index=index, prompt_index=pi, rid=rid,
                                                   prompt_text=text))
+        # tool calls: what reads each choice's answer (None: plain text), streamed choices'
+        # parse state
+        self.tool_parser = st.tools.output_parser(req.tools) if req.route == "chat" else None
+        self.tool_streams: dict[int, tools.ToolStream] = {}
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
         self._q: asyncio.Queue[tuple[int, Any]] | None = None
@@ -257,6 +268,8 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
                        f"{', '.join(sorted(st.served_names))}", param="model",
                        code="model_not_found")
+    if route == "chat":
+        st.tools.prepare(req)  # tool_choice's constraint goes in before the engine checks it
     _validate_sampling(st, req)
     with st.admitted(len(req.prompts) * req.n):
         toks = await asyncio.get_running_loop().run_in_executor(st.pool, _tokenize, st, req)
@@ -284,7 +297,7 @@ async def _complete(job: _Job) -> web.Response:
         body: Any = objs if (req.batch or req.n > 1) else objs[0]
     elif req.route == "chat":
         body = responses.chat_object(job.base, job.created, job.model, req, job.seqs,
-                                     job.piece, job.usage())
+                                     job.piece, job.usage(), job.tool_parser)
     else:
         body = responses.completion_object(job.base, job.created, job.model, req, job.seqs,
                                            job.piece, job.usage())
@@ -310,8 +323,10 @@ def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
             s.started = True
             out.append(responses.chat_chunk(job.base, job.created, job.model, s.index,
                                             {"role": "assistant", "content": ""}, None, None))
+        lp = responses.chat_logprobs(entries, job.piece) if req.logprobs else None
+        if job.tool_parser is not None:
+            return out + _tool_chunks(job, i, fin, lp if entries else None)
         if text or entries or fin:
-            lp = responses.chat_logprobs(entries, job.piece) if req.logprobs else None
             out.append(responses.chat_chunk(job.base, job.created, job.model, s.index,
                                             {"content": text} if text else {}, fin, lp))
         return out
@@ -326,6 +341,25 @@ def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
         lp = responses.completion_logprobs(entries, job.piece, offset)
     return [responses.completion_chunk(job.base, job.created, job.model, s.index, text, fin,
                                        lp)]
+
+
+def _tool_chunks(job: _Job, i: int, fin: str | None, lp: dict[str, Any] | None
+                 ) -> list[Any]:
+    """Chunks of a choice whose answer is read for tool calls: the text so far re-parsed, what
+    is new sent (content, a call's header, argument fragments); logprobs ride on the first
+    chunk, the finish reason on the last."""
+    s = job.seqs[i]
+    stream = job.tool_streams.get(i)
+    if stream is None:
+        stream = job.tool_streams[i] = tools.ToolStream(job.tool_parser, job.req.tools)
+    deltas = stream.step(s.full_text, fin is not None)
+    if fin == "stop" and stream.called:
+        fin = "tool_calls"
+    if fin is not None or lp is not None:
+        deltas = deltas or [{}]
+    return [responses.chat_chunk(job.base, job.created, job.model, s.index, d,
+                                 fin if k == len(deltas) - 1 else None, lp if k == 0 else None)
+            for k, d in enumerate(deltas)]
 
 
 async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:

@@ -30,6 +30,7 @@ from core.server.protocol import (
     SEED_MIN,
 )
 from core.server.state import RID_PATTERN
+from core.server.tools import MAX_TOOLS, NAME
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -93,6 +94,82 @@ def _structured() -> dict[str, Any]:
             "guided_choice": choice, "guided_grammar": text, "structured_outputs": outputs}
 
 
+_TOOLS_DOC = ("tool calling (core.server.tools): function names unique; tool_choice \"auto\" "
+              "(the default with tools) parses calls out of the answer with the server's "
+              "tool-call parser (a 400 under --tool-call-parser none) and refuses strict "
+              "functions; \"required\" and a named function (which must be in tools) are "
+              "constrained by the grammar backend; \"none\" parses nothing; with tools and a "
+              "choice other than none, a structured-output field is a 400")
+
+
+def _tools() -> dict[str, Any]:
+    """tools, tool_choice, parallel_tool_calls (core.server.tools.parse_tools)."""
+    function = {"type": "object", "required": ["name"], "additionalProperties": False,
+                "properties": {
+                    "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
+                    "description": {"type": ["string", "null"]},
+                    "parameters": {"oneOf": [{"type": "null"}, {
+                        "type": "object", "properties": {"type": {"const": "object"}},
+                        "description": "the JSON schema of the arguments object (absent: no "
+                                       "arguments)"}]},
+                    "strict": {"type": ["boolean", "null"],
+                               "description": "enforced under required / a named choice; "
+                                              "refused under auto"}}}
+    tool = {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+            "properties": {"type": {"const": "function"}, "function": function}}
+    named = {"type": "object", "required": ["type", "function"], "additionalProperties": False,
+             "properties": {"type": {"const": "function"}, "function": {
+                 "type": "object", "required": ["name"], "additionalProperties": False,
+                 "properties": {"name": _STR}}}}
+    return {"tools": {"oneOf": [{"type": "null"}, {"type": "array", "maxItems": MAX_TOOLS,
+                                                   "items": tool}],
+                      "description": _TOOLS_DOC},
+            "tool_choice": {"oneOf": [{"type": "null"}, {"enum": ["none", "auto", "required"]},
+                                      named],
+                            "description": "required or a named function need tools; "
+                                           + _TOOLS_DOC},
+            "parallel_tool_calls": {**_BOOL, "description": "false: at most one call"}}
+
+
+def _message() -> dict[str, Any]:
+    text_part = {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"const": "text"}, "text": _STR}}
+    call = {"type": "object", "required": ["id", "function"], "additionalProperties": False,
+            "properties": {"id": _STR, "type": {"const": "function"}, "function": {
+                "type": "object", "required": ["name", "arguments"],
+                "additionalProperties": False, "properties": {
+                    "name": {**_STR, "minLength": 1},
+                    "arguments": {**_STR, "description": "the JSON text of an object"}}}}}
+    no_calls = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+    calls_something = {"required": ["tool_calls"], "properties": {
+        "role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}}
+    return {"type": "object", "required": ["role"], "additionalProperties": False,
+            "properties": {
+                "role": {"enum": list(CHAT_ROLES)},
+                "content": {"oneOf": [_STR, {"type": "array", "items": text_part},
+                                      {"type": "null"}],
+                            "description": "required, except for an assistant turn that only "
+                                           "calls tools; text that spells one of the "
+                                           "tokenizer's special tokens is refused unless the "
+                                           "server runs with --allow-special-tokens-in-messages"},
+                "name": _STR,
+                "tool_calls": {"oneOf": [{"type": "null"}, {"type": "array", "items": call}],
+                               "description": "assistant messages only"},
+                "tool_call_id": {"type": ["string", "null"],
+                                 "description": "tool messages: the call answered"},
+                **{n: _off(n) for n in sorted(MESSAGE_REFUSED_FIELDS)}},
+            "allOf": [
+                {"if": {"not": calls_something}, "then": {
+                    "required": ["content"],
+                    "properties": {"content": {"not": {"type": "null"}}}}},
+                {"if": {"properties": {"role": {"const": "tool"}}},
+                 "then": {"required": ["tool_call_id"],
+                          "properties": {"tool_call_id": {"type": "string", "minLength": 1}}},
+                 "else": {"properties": {"tool_call_id": {"type": "null"}}}},
+                {"if": {"not": {"properties": {"role": {"const": "assistant"}}}},
+                 "then": {"properties": {"tool_calls": no_calls}}}]}
+
+
 def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
     tok_id: dict[str, Any] = {"type": "integer", "minimum": 0}
     if vocab:
@@ -139,16 +216,7 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
         return {"type": "object", "required": required, "additionalProperties": False,
                 "description": _FIELD_POLICY, "properties": props, **extra}
 
-    text_part = {"type": "object", "required": ["type", "text"], "properties": {
-        "type": {"const": "text"}, "text": _STR}}
-    message = {"type": "object", "required": ["role", "content"], "additionalProperties": False,
-               "properties": {
-                   "role": {"enum": list(CHAT_ROLES)},
-                   "content": {"oneOf": [_STR, {"type": "array", "items": text_part}],
-                               "description": "text that spells one of the tokenizer's "
-                                              "special tokens is refused unless the server "
-                                              "runs with --allow-special-tokens-in-messages"},
-                   "name": _STR, **{n: _off(n) for n in sorted(MESSAGE_REFUSED_FIELDS)}}}
+    message = _message()
     sampling = {
         "max_new_tokens": max_tokens, "min_new_tokens": count,
         **{k: common[k] for k in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
@@ -184,7 +252,7 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
                                       "(when both are given they must be equal)"},
             "logprobs": _BOOL,
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-            "add_generation_prompt": _BOOL},
+            "add_generation_prompt": _BOOL, **_tools()},
             dependentSchemas={**only_streamed, "top_logprobs": {
                 "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}),
         "GenerateRequest": request("generate", [], {

@@ -14,6 +14,7 @@ from typing import Any
 
 from core.server.errors import APIError, invalid
 from core.server.structured import NATIVE_FIELDS, OPENAI_FIELDS, constraint_of
+from core.server.tools import check_with_constraint, message_fields, name_tool_results, parse_tools
 
 MAX_N = 16  # choices per prompt
 MAX_SEQUENCES = 64  # prompts x n in one request
@@ -23,7 +24,7 @@ MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 4096
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # any signed 64-bit integer (vLLM's range)
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # OpenAI's documented ranges (enforced on the OpenAI routes; /generate leaves them to the engine)
 OPENAI_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0),
@@ -61,6 +62,7 @@ class ParsedRequest:
     batch: bool = False  # /generate with a list: answer a list
     add_generation_prompt: bool = True
     rid: str | None = None
+    tools: Any = None  # chat: core.server.tools.ToolRequest, or None without tools
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -227,7 +229,7 @@ def max_tokens_arg(d: dict[str, Any], name: str, context_length: int,
 # misspelt or newer field must never be silently dropped). A field listed in REFUSED_FIELDS is
 # one peers or OpenAI define that this server does not implement: it is accepted only with a
 # value that asks for nothing (null, false, an empty array or object, and the per-field values
-# of OFF_STRINGS / OFF_ALSO such as tool_choice "none") and refused with 400 `unsupported`
+# of OFF_STRINGS / OFF_ALSO such as service_tier "auto") and refused with 400 `unsupported`
 # otherwise. HARMLESS_FIELDS carry information the
 # server does not need to act on (OpenAI's end-user id) and are accepted as they are.
 
@@ -250,24 +252,24 @@ _PEER_EXTRAS = ("guided_decoding_backend", "guided_whitespace_pattern", "prompt_
                 "chat_template", "documents", "mm_processor_kwargs", "media_io_kwargs")
 REFUSED_FIELDS = {
     "completions": frozenset(("suffix",) + _PEER_EXTRAS),
-    "chat": frozenset(("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                       "audio", "prediction", "modalities", "store", "metadata",
-                       "web_search_options", "reasoning_effort", "service_tier", "echo",
-                       "continue_final_message") + _PEER_EXTRAS),
+    "chat": frozenset(("functions", "function_call", "audio", "prediction", "modalities",
+                       "store", "metadata", "web_search_options", "reasoning_effort",
+                       "service_tier", "echo", "continue_final_message") + _PEER_EXTRAS),
     "generate": frozenset(("logprob_start_len", "return_text_in_logprobs", "image_data",
                            "audio_data", "modalities", "lora_path", "custom_logit_processor",
                            "return_hidden_states", "session_params", "bootstrap_host",
                            "data_parallel_rank", "stream_interval")),
 }
-MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 # what SDKs write back when a reply object is replayed as a message (null / empty there)
-MESSAGE_REFUSED_FIELDS = frozenset({"tool_calls", "tool_call_id", "function_call", "audio",
-                                    "refusal", "annotations", "reasoning_content"})
+MESSAGE_REFUSED_FIELDS = frozenset({"function_call", "audio", "refusal", "annotations",
+                                    "reasoning_content"})
 ROUTE_FIELDS = {
     "completions": _COMMON_FIELDS | HARMLESS_FIELDS | set(OPENAI_FIELDS) | {"prompt", "echo"},
     "chat": _COMMON_FIELDS | HARMLESS_FIELDS | set(OPENAI_FIELDS) | {"messages", "top_logprobs",
                                                 "max_completion_tokens",
-                                                "add_generation_prompt"},
+                                                "add_generation_prompt", "tools",
+                                                "tool_choice", "parallel_tool_calls"},
     "generate": frozenset({"text", "input_ids", "sampling_params", "stream", "rid",
                            "return_logprob", "top_logprobs_num"}),
 }
@@ -275,7 +277,7 @@ ROUTE_FIELDS = {
 
 # Off values beyond null / false / [] / {}: per field, since "none" is a regex and {} a schema.
 SCHEMA_FIELDS = frozenset({"guided_json", "json_schema"})  # {}: any JSON, a constraint
-OFF_STRINGS = {"tool_choice": ("none", "auto"), "service_tier": ("auto", "default"),
+OFF_STRINGS = {"service_tier": ("auto", "default"),
                "guided_decoding_backend": ("auto",)}
 OFF_ALSO = {"modalities": (["text"],)}
 
@@ -412,6 +414,8 @@ def parse_chat(body: dict[str, Any], vocab_size: int, context_length: int) -> Pa
     check_fields(body, "chat")
     _openai_sampling(body, vocab_size, context_length, req)
     req.prompts = [Prompt(messages=_messages(body.get("messages")))]
+    req.tools = parse_tools(body)
+    check_with_constraint(req.tools, req.sampling.get("constraint"))
     lp = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not lp:
@@ -452,7 +456,10 @@ def _messages(v: Any) -> list[dict[str, Any]]:
             raise invalid(f"{where}.{key}", f"unknown parameter {where}.{_short(key)}: a "
                           f"message takes {', '.join(sorted(MESSAGE_FIELDS))}",
                           code="unknown_parameter")
+        extra = message_fields(m, where, role)
         content = m.get("content")
+        if content is None and "tool_calls" in extra:
+            content = ""  # an assistant turn that only calls tools
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
@@ -473,7 +480,9 @@ def _messages(v: Any) -> list[dict[str, Any]]:
         name = get_str(m, "name", f"{where}.name")
         if name is not None:
             msg["name"] = name
+        msg.update(extra)
         out.append(msg)
+    name_tool_results(out)
     return out
 
 

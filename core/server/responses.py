@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.server.protocol import ParsedRequest
+from core.server.tools import final_message
 
 Piece = Callable[[int], bytes]  # token id -> the bytes it stands for (TokenizerLike.token_bytes)
 
@@ -143,11 +144,17 @@ def completion_object(rid: str, created: int, model: str, req: ParsedRequest,
 
 
 def chat_object(rid: str, created: int, model: str, req: ParsedRequest, seqs: list[SeqOut],
-                piece: Piece, use: dict[str, Any]) -> dict[str, Any]:
-    choices = [{"index": s.index,
-                "message": {"role": "assistant", "content": s.full_text},
-                "logprobs": chat_logprobs(s.logprobs, piece) if req.logprobs else None,
-                "finish_reason": s.finish_reason} for s in seqs]
+                piece: Piece, use: dict[str, Any], tool_parser: Any = None) -> dict[str, Any]:
+    """tool_parser: what reads each answer for tool calls (core.server.tools), or None."""
+    choices = []
+    for s in seqs:
+        message: dict[str, Any] = {"role": "assistant", "content": s.full_text}
+        finish = s.finish_reason
+        if tool_parser is not None:
+            message, finish = final_message(tool_parser, req.tools, s.full_text, finish)
+        choices.append({"index": s.index, "message": message,
+                        "logprobs": chat_logprobs(s.logprobs, piece) if req.logprobs else None,
+                        "finish_reason": finish})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": use}
 

@@ -24,6 +24,7 @@ from core.server.engine_api import EngineLike
 from core.server.errors import APIError, invalid, overloaded
 from core.server.metrics import ServerMetrics
 from core.server.protocol import parse_json_body
+from core.server.tools import ServerTools
 
 HEALTH_TIMEOUT_S = 5.0  # an engine that does not answer a ping within this is wedged
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -42,6 +43,7 @@ class ServerState:
         self.model_name = args.served_model_name or engine.model_name
         self.served_names = frozenset({self.model_name})
         self.chat_template = _load_template(args.chat_template)
+        self.tools = ServerTools.of_engine(engine)  # tool calling: the plan's parser
         self.pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="core-tokenize")
         self.started = time.time()
         self.draining = False

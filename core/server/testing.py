@@ -10,7 +10,9 @@ token per step, so outputs are predictable. Knobs for fault tests:
   - max_active: more concurrent requests than this are rejected as "queue full" (503);
   - alive / wedged: what health() says (wedged: it never answers);
   - failed: set to a reason to play a dead engine process (failure() returns it);
-  - a rid already in flight is refused with 400, as the real engine client refuses it.
+  - a rid already in flight is refused with 400, as the real engine client refuses it;
+  - tool_call_parser: the plan's tool-call parser (None: auto tool calls off); its template
+    reads no `tools`, so they reach the prompt as the parser's system message.
 It keeps KV accounting like the real pool: pages_in_use() counts pages of live requests only, so
 a test can check that aborted and finished requests give their pages back.
 """
@@ -42,9 +44,12 @@ class FakeTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id - OFFSET]) if token_id >= OFFSET else b""
 
+    chat_template = None  # not Jinja: it never reads `tools` (they come as a system message)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         for i, m in enumerate(messages):
             if m["role"] == "system" and i:
                 raise ValueError("a system message may only come first")
@@ -59,13 +64,15 @@ class FakeEngine:
     total_pages = 4096
 
     def __init__(self, context_length: int = 256, reply: str = "hello world ",
-                 token_delay: float = 0.0, max_active: int | None = None):
+                 token_delay: float = 0.0, max_active: int | None = None,
+                 tool_call_parser: str | None = None):
         self.tokenizer = FakeTokenizer()
         self.model_name = "fake-model"
         self.context_length = context_length
         self.reply = reply
         self.token_delay = token_delay
         self.max_active = max_active
+        self.tool_call_parser = tool_call_parser  # the plan's (None: auto tool calls off)
         self.alive = True
         self.wedged = False
         self.failed: str | None = None
@@ -80,6 +87,7 @@ class FakeEngine:
     def plan_dict(self) -> dict[str, Any]:
         return {"device": {"name": "fake"}, "prefill_attention": "fake", "decode_attention":
                 "fake", "page_size": self.page_size,
+                "tool_call_parser": self.tool_call_parser,
                 "candidates": [{"slot": "decode_attention", "name": "fake", "fits": True,
                                 "chosen": True, "reasons": []}]}
 
