@@ -271,6 +271,10 @@ def _tool_parser_arg(args: ServerArgs, registry: Registry) -> str | None:
         raise ResolveError(f"unknown tool-call parser {raw!r} (--tool-call-parser)",
                            [f"registered tool-call parsers: {', '.join(known) or 'none'}; or "
                             "auto, none"])
+    missing = missing_packages(registry.get("tool_parser", name).caps.requires)
+    if missing:  # the one reason a named parser may not fit: known before anything starts
+        raise ResolveError(f"tool-call parser {name!r} (--tool-call-parser) does not fit",
+                           [f"package {m} is not installed" for m in missing])
     return name
 
 

@@ -436,6 +436,29 @@ def test_named_aliases_and_none(plan):
     assert "hermes (also qwen, qwen25, qwen3)" in str(e.value)
 
 
+def test_a_named_parser_missing_its_package_fails_at_resolve_time(plan):
+    from core.capabilities import ToolParserCaps
+    from core.hookspecs import hookimpl
+    from core.plugins import build_registry
+    from core.resolver import resolve_tool_parser
+
+    class Needy:
+        @hookimpl
+        def core_register_tool_parsers(self, register):
+            register("needy", ToolParserCaps(markers=("<needy>",),
+                                             requires=("no_such_package_xyz",)), object)
+
+    reg = build_registry(extra=[("needy", Needy())])
+    with pytest.raises(ResolveError, match="package no_such_package_xyz is not installed"):
+        resolve_tool_parser(plan, "<needy>", ServerArgs(tool_call_parser="needy"), reg)
+    # auto: the template holds only needy's markup, which nothing installed can read
+    got = resolve_tool_parser(plan, "<needy>", ServerArgs(), reg)
+    row = next(c for c in got.candidates if c.name == "needy")
+    assert not row.fits and "package no_such_package_xyz is not installed" in row.reasons
+    assert got.tool_call_parser is None
+    assert any(n.startswith("auto tool calls off: no tool-call parser fits") for n in got.notes)
+
+
 def test_unknown_parser_fails_before_the_engine_starts():
     from core.worker import make_plan
 

@@ -140,6 +140,10 @@ def test_round_trip_with_tool_results(srv):
     r = c.chat.completions.create(model="smollm2", messages=history, tools=TOOLS,
                                   temperature=0, max_tokens=16)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # with the nulls the SDK writes for the fields a reply leaves empty (content, refusal...)
+    nulls = c.chat.completions.create(model="smollm2", messages=[
+        *ASK, msg.model_dump(), history[-1]], tools=TOOLS, temperature=0, max_tokens=16)
+    assert nulls.usage.prompt_tokens == r.usage.prompt_tokens
     bigger = [*history[:-1], {**history[-1], "content": '{"temperature": 21} ' * 20}]
     r2 = c.chat.completions.create(model="smollm2", messages=bigger, tools=TOOLS,
                                    temperature=0, max_tokens=1)
