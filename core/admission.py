@@ -9,7 +9,7 @@ the scheduler's queue, batch, pools and config.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core.memory_pool import token_slots
 
@@ -55,7 +55,7 @@ class Admission:
         policy = self.cfg.schedule_policy
         q = list(self.waiting)
         if policy == "lpm" and len(q) <= LPM_MAX_QUEUE:
-            hit = {r.rid: len(self.cache.match_prefix(r.all_ids[:-1])[0]) for r in q}
+            hit = {r.rid: len(self._match(r)[0]) for r in q}
             q.sort(key=lambda r: (-hit[r.rid], r.seq))
         elif policy == "random":
             self._rng.shuffle(q)
@@ -66,6 +66,11 @@ class Admission:
         if self._honours_priority:
             q.sort(key=lambda r: -r.priority)  # stable: the policy orders equal priorities
         return q
+
+    def _match(self, req: Req) -> tuple[list[int], Any]:
+        """req's cached prefix (pages, node to lock); none for a request still computing prompt
+        logprobs, which needs every prompt position's logits."""
+        return self.cache.match_prefix([] if req.wants_prompt_lps else req.all_ids[:-1])
 
     @property
     def _honours_priority(self) -> bool:
@@ -79,7 +84,7 @@ class Admission:
             return True
         ps = self.cfg.page_size
         all_ids = req.all_ids
-        extend = len(all_ids) - len(self.cache.match_prefix(all_ids[:-1])[0]) * ps
+        extend = len(all_ids) - len(self._match(req)[0]) * ps
         return extend + self._future_tokens(req) > self._room_tokens()
 
     def _preempt_for_priority(self) -> None:
@@ -139,7 +144,7 @@ class Admission:
             if self.req_to_token.free_rows == 0 or rem_input <= 0 or rem_chunk <= 0:
                 break
             all_ids = req.all_ids
-            pages, node = self.cache.match_prefix(all_ids[:-1])
+            pages, node = self._match(req)
             prefix_len = len(pages) * ps
             extend = len(all_ids) - prefix_len
             future = self._future_tokens(req)

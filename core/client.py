@@ -405,6 +405,9 @@ class EngineClient:
             chunk["logprobs"] = [
                 {"token_id": t, "logprob": lp.logprob, "top_logprobs": list(lp.top)}
                 for t, lp in zip(ids, item.logprobs or (), strict=True)]
+        if item.prompt_logprobs is not None:  # prompt tokens 1.. (the first has none)
+            chunk["prompt_logprobs"] = [{"logprob": lp.logprob, "top_logprobs": list(lp.top)}
+                                        for lp in item.prompt_logprobs]
         if finish is not None:
             with self._lock:
                 self._reqs.pop(st.rid, None)

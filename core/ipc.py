@@ -40,7 +40,8 @@ _PARAM_CHECKS = {"int": (_is_int, "an integer"), "float": (_is_num, "a number"),
                  "bool": (_of(bool), "true or false"), "int | None": (_opt(_is_int), "an integer"),
                  "list[str]": (_list_of(_of(str)), "a list of strings"),
                  "list[int]": (_list_of(_is_int), "a list of integers"),
-                 "Constraint | None": (_opt(_of(dict)), "an object or null")}
+                 "Constraint | None": (_opt(_of(dict)), "an object or null"),
+                 "dict[int, float]": (_of(dict), "an object")}
 _PARAMS = {f.name: _PARAM_CHECKS[str(f.type)] for f in dataclasses.fields(SamplingParams)}
 
 
@@ -249,13 +250,18 @@ class OutputItem:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # prompt_logprobs: one per prompt token after the first, on the request's first item only
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rid": self.rid, "ids": list(self.ids),
-                "lps": None if self.logprobs is None else [x.to_list() for x in self.logprobs],
-                "finish": None if self.finish is None else self.finish.to_dict(),
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens}
+        d = {"rid": self.rid, "ids": list(self.ids),
+             "lps": None if self.logprobs is None else [x.to_list() for x in self.logprobs],
+             "finish": None if self.finish is None else self.finish.to_dict(),
+             "prompt_tokens": self.prompt_tokens,
+             "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens}
+        if self.prompt_logprobs is not None:  # absent otherwise: from_dict's fast path
+            d["plps"] = [x.to_list() for x in self.prompt_logprobs]
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> OutputItem:
@@ -276,14 +282,21 @@ class OutputItem:
             "lps": (_opt(lambda v: isinstance(v, list)), "a list or null"),
             "finish": (_opt(_of(dict)), "an object or null"),
             **{k: (_is_int, "an integer") for k in ("prompt_tokens", "completion_tokens",
-                                                     "cached_tokens")}})
+                                                     "cached_tokens")},
+            "plps": (lambda v: isinstance(v, list), "a list")}, optional=("plps",))
         lps = None if f["lps"] is None else tuple(TokenLogprob.from_list(x) for x in f["lps"])
         if lps is not None and len(lps) != len(f["ids"]):
             raise ValueError(f"malformed output item: {len(lps)} logprobs for "
                              f"{len(f['ids'])} tokens")
+        plps = None
+        if "plps" in f:
+            plps = tuple(TokenLogprob.from_list(x) for x in f["plps"])
+            if len(plps) != max(f["prompt_tokens"] - 1, 0):
+                raise ValueError(f"malformed output item: {len(plps)} prompt logprobs for "
+                                 f"{f['prompt_tokens']} prompt tokens")
         return cls(f["rid"], tuple(f["ids"]), lps,
                    None if f["finish"] is None else Finish.from_dict(f["finish"]),
-                   f["prompt_tokens"], f["completion_tokens"], f["cached_tokens"])
+                   f["prompt_tokens"], f["completion_tokens"], f["cached_tokens"], plps)
 
 
 @dataclass(frozen=True)

@@ -60,23 +60,30 @@ class ModelRunner:
         return self.platform.to_device(torch.tensor(values, dtype=dtype), self.device)
 
     def _run(self, batch: ForwardBatch, backend: AttentionBackend,
-             logit_index: torch.Tensor | None) -> torch.Tensor:
+             logit_index: torch.Tensor | None,
+             keep: dict[int, tuple[int, int]] | None = None,
+             kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         batch.attn_backend = backend
         batch.attn_meta = backend.prepare(batch)
         with torch.inference_mode():
             hidden = self.model.forward(batch.input_ids, batch.positions, batch)  # [T, H]
+            for i, (start, n) in (keep or {}).items():
+                kept[i] = hidden[start:start + n]
             if logit_index is not None:
                 hidden = hidden.index_select(0, logit_index)  # [N, H]
             return self.model.compute_logits(hidden)  # [N, vocab] fp32
 
     def extend(self, rows: Sequence[int], prefix_lens: Sequence[int],
                tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
-               logits_for: Sequence[int]) -> torch.Tensor | None:
+               logits_for: Sequence[int], hidden_for: Sequence[int] = (),
+               hidden_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Compute K/V of `tokens[i]` (positions prefix_lens[i]...) for request row rows[i].
 
         The rows' prefix slots must already be in the table; this writes the new ones.
         Returns logits [len(logits_for), V] at the last new token of each request listed in
-        `logits_for` (indices into rows), or None when none is listed.
+        `logits_for` (indices into rows), or None when none is listed. For each index i in
+        `hidden_for`, hidden_out[i] gets the final hidden states of all of tokens[i]
+        ([len(tokens[i]), H]; `logits` turns them into logits: prompt logprobs).
         """
         self.forward_count["extend"] += 1
         self.kv_pool.begin_step()
@@ -102,16 +109,23 @@ class ModelRunner:
             req_to_token=self.req_to_token.req_to_token,
             kv_pool=self.kv_pool,
             seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=ext)
-        if not logits_for:
-            self._run(batch, self.prefill_backend, torch.empty(0, dtype=torch.long,
-                                                               device=self.device))
-            return None
         ends, t = [], 0
         for n in ext:
             t += n
             ends.append(t - 1)
+        keep = {i: (ends[i] + 1 - ext[i], ext[i]) for i in hidden_for}
+        if not logits_for:
+            self._run(batch, self.prefill_backend, torch.empty(0, dtype=torch.long,
+                                                               device=self.device),
+                      keep, hidden_out)
+            return None
         index = self._tensor([ends[i] for i in logits_for], torch.long)
-        return self._run(batch, self.prefill_backend, index)
+        return self._run(batch, self.prefill_backend, index, keep, hidden_out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, H] (from extend's hidden_out) -> fp32 logits [N, V]."""
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden)
 
     def warmup(self, shapes: Sequence[tuple[int, int]]) -> int:
         """Run throw-away extend forwards of (requests, tokens each) so that kernels compile at

@@ -1,11 +1,13 @@
 """Sampling parameters (validated, SGLang's names) and the batched sampler that runs on the device.
 
 Order of operations per step, per request: repetition / frequency / presence penalties,
-min_new_tokens (stop tokens masked), a grammar's token bitmask (structured output,
+logit_bias (added to the logits, OpenAI's semantics), min_new_tokens (stop tokens masked), a grammar's token bitmask (structured output,
 core.grammar) for constrained requests, then greedy argmax when temperature == 0, else temperature,
 top-k, top-p, min-p and a draw. A request with a seed draws from its own torch.Generator, so the
 same seed gives the same tokens whatever else is in the batch. Logprobs are those of the model's
-distribution (log-softmax of the raw logits), like vLLM's default.
+distribution (log-softmax of the raw logits), like vLLM's default. prompt_logprobs asks for
+the logprob of every prompt token after the first (and its top alternatives) from the prefill's
+logits (the scheduler computes them; such a request does not reuse a cached prefix).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 from core.grammar import Constraint, apply_bitmask
 
 MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI: a bias is in [-100, 100]
+MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI caps it at 300 tokens; vLLM takes any)
 
 
 @dataclass
@@ -40,12 +44,23 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # token id -> bias added to its logit before the draw (JSON keys arrive as strings)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # None: off; k >= 0: each prompt token's logprob (after the first) and its k top alternatives
+    prompt_logprobs: int | None = None
     # structured output: the grammar the output must follow (core.grammar), or None
     constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.constraint, dict):  # from JSON (the wire, to_dict)
             self.constraint = Constraint.from_dict(self.constraint)
+        if isinstance(self.logit_bias, dict) and any(isinstance(k, str)
+                                                     for k in self.logit_bias):
+            try:  # JSON object keys are strings: "50256" -> 50256
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got "
+                                 f"{sorted(map(str, self.logit_bias))[:3]}") from None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -122,6 +137,21 @@ class SamplingParams:
         boolean("logprobs")
         integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
         boolean("skip_special_tokens")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be an object of token id -> bias, "
+                             f"got {type(self.logit_bias).__name__}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                             f"{MAX_LOGIT_BIAS} are allowed")
+        for tok, bias in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
+                    not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias[{tok}] must be a number in [-100, 100], "
+                                 f"got {bias!r}")
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", 0, MAX_TOP_LOGPROBS)
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise ValueError(f"constraint must be a core.grammar.Constraint or its dict, "
@@ -136,6 +166,10 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary of {vocab_size}")
+        bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+        if bad:
+            raise ValueError(f"logit_bias keys {bad[:5]} are outside the vocabulary of "
+                             f"{vocab_size}")
 
     @property
     def greedy(self) -> bool:
@@ -177,6 +211,12 @@ class SamplingState:
             self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             ids = [t for t in prompt_ids if t < vocab_size]
             self.seen[torch.tensor(ids, dtype=torch.long, device=device)] = True
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, biases)
+        if params.logit_bias:
+            items = sorted(params.logit_bias.items())
+            self.bias = (torch.tensor([t for t, _ in items], dtype=torch.long, device=device),
+                         torch.tensor([float(b) for _, b in items], dtype=torch.float32,
+                                      device=device))
 
     def observe(self, token: int) -> None:
         self.num_out += 1
@@ -261,6 +301,8 @@ class Sampler:
                 logits[i] = torch.where(s.seen, torch.where(row > 0, row / rp, row * rp), row)
             if s.counts is not None:
                 logits[i] -= p.frequency_penalty * s.counts + p.presence_penalty * (s.counts > 0)
+            if s.bias is not None:
+                logits[i].index_add_(0, s.bias[0], s.bias[1])
             if s.num_out < p.min_new_tokens and s.stop_ids:
                 logits[i, s.stop_ids] = float("-inf")
 
@@ -311,3 +353,21 @@ class Sampler:
             n = s.params.top_logprobs
             out.append((chosen[r], list(zip(top_i[r][:n], top_v[r][:n], strict=True))))
         return out
+
+
+PROMPT_LOGITS_ROWS = 512  # prompt positions turned into logits at once ([rows, V] fp32)
+
+
+@torch.inference_mode()
+def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of fp32 logits [N, V]: the logprob of next_ids[row] under the model's raw
+    distribution and the k most likely (token, logprob) pairs (prompt logprobs)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, next_ids[:, None].to(lp.device))[:, 0].tolist()
+    if not k:
+        return [(c, []) for c in chosen]
+    top_v, top_i = lp.topk(k, dim=-1)
+    return [(c, list(zip(i, v, strict=True)))
+            for c, i, v in zip(chosen, top_i.tolist(), top_v.tolist(), strict=True)]
+

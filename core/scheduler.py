@@ -69,6 +69,10 @@ class Req:
     # output not yet reported: new ids and their logprobs
     pending_ids: list[int] = field(default_factory=list)
     pending_lps: list[Any] = field(default_factory=list)
+    # prompt_logprobs: (logprob, top) of prompt tokens 1.. as prefill computes them; reported
+    # once, with the first output
+    prompt_lps: list[Any] = field(default_factory=list)
+    prompt_lps_sent: bool = False
 
     @property
     def all_ids(self) -> list[int]:
@@ -76,6 +80,13 @@ class Req:
 
     def remaining_new(self) -> int:
         return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
+    def wants_prompt_lps(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (the prefill must not start from
+        a cached prefix: its positions' logits are needed)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_lps) < len(self.prompt_ids) - 1)
 
 
 class Scheduler(Admission, Overlap):
@@ -288,7 +299,11 @@ class Scheduler(Admission, Overlap):
             slots.append(token_slots(r.pages, r.kv_len, r.kv_len + n, ps))
             if r.kv_len + n == r.fill_len:
                 ready.append(i)
-        logits = self.runner.extend(rows, prefix, tokens, slots, ready)
+        want = [i for i, (r, _) in enumerate(items) if r.wants_prompt_lps]
+        hidden: dict[int, Any] = {}
+        logits = self.runner.extend(rows, prefix, tokens, slots, ready, want, hidden)
+        for i in want:
+            self._prompt_logprobs(items[i][0], prefix[i], hidden[i])
         for r, n in items:
             r.kv_len += n
         self.counters["prefill_tokens"] += sum(n for _, n in items)
@@ -299,6 +314,25 @@ class Scheduler(Admission, Overlap):
             self._sample(done, logits)
             self.running += [r for r in done if r.finish is None]
         return done
+
+    def _prompt_logprobs(self, r: Req, start: int, hidden: Any) -> None:
+        """Logprobs of the prompt tokens that follow positions start.. (their hidden states
+        from this extend), computed PROMPT_LOGITS_ROWS positions at a time."""
+        import torch
+
+        from core.sampling import PROMPT_LOGITS_ROWS, token_logprobs
+
+        if start > len(r.prompt_lps):  # cannot happen: such requests take no cached prefix
+            raise RuntimeError(f"request {r.rid}: prompt logprobs from position {start} but "
+                               f"only {len(r.prompt_lps)} computed")
+        del r.prompt_lps[start:]  # recomputed after a retraction in the middle of its prompt
+        end = min(start + hidden.shape[0], len(r.prompt_ids) - 1)  # the last one has no next
+        k = r.params.prompt_logprobs
+        for a in range(start, end, PROMPT_LOGITS_ROWS):
+            b = min(a + PROMPT_LOGITS_ROWS, end)
+            logits = self.runner.logits(hidden[a - start:b - start])
+            nxt = torch.tensor(r.prompt_ids[a + 1:b + 1], dtype=torch.long)
+            r.prompt_lps.extend(token_logprobs(logits, nxt, k))
 
     # -- sampling and stop conditions ------------------------------------------------------------
 

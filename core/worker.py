@@ -265,9 +265,14 @@ def _item(req: Any) -> OutputItem:
     lps = None
     if req.params.logprobs:
         lps = tuple(TokenLogprob(lp, tuple(top)) for lp, top in req.pending_lps)
+    plps = None
+    if req.params.prompt_logprobs is not None and not req.prompt_lps_sent \
+            and not req.wants_prompt_lps:  # all computed (an abort before then sends none)
+        plps = tuple(TokenLogprob(lp, tuple(top)) for lp, top in req.prompt_lps)
+        req.prompt_lps_sent = True
     out = OutputItem(req.rid, tuple(req.pending_ids), lps,
                      None if req.finish is None else Finish(**req.finish),
-                     len(req.prompt_ids), len(req.output_ids), max(req.cached_tokens, 0))
+                     len(req.prompt_ids), len(req.output_ids), max(req.cached_tokens, 0), plps)
     req.pending_ids, req.pending_lps = [], []
     return out
 

@@ -129,11 +129,11 @@ def test_real_tokenizer_bytes_rebuild_text(smollm2_tokenizer):
 
 # (structured-output fields are taken: tests/test_grammar_server.py; tools:
 # tests/test_tools_server.py)
-REFUSED_CHAT = [("prompt_logprobs", -1), ("prompt_logprobs", 0), ("use_beam_search", True),
+REFUSED_CHAT = [("use_beam_search", True),
                 ("echo", True), ("continue_final_message", True), ("stop_regex", ["x+"]),
                 ("cache_salt", "s"), ("functions", [{"name": "f"}]),
                 ("function_call", "auto"), ("guided_decoding_backend", "xgrammar")]
-REFUSED_COMPLETION = [("prompt_logprobs", 1), ("use_beam_search", True), ("stop_regex", "x"),
+REFUSED_COMPLETION = [("use_beam_search", True), ("stop_regex", "x"),
                       ("cache_salt", "s"), ("suffix", "tail"),
                       ("guided_whitespace_pattern", " ")]
 
@@ -261,3 +261,60 @@ def test_real_tokenizer_lists_its_control_tokens(smollm2_tokenizer):
     # what the check prevents: the text does become the control token
     assert tok.encode("<|im_start|>", add_special_tokens=False) == [
         tok.hf.convert_tokens_to_ids("<|im_start|>")]
+
+
+# -- 3. echo with logprobs, prompt logprobs, token ids (the fake engine's shapes) ---------------
+
+def test_echo_with_logprobs_covers_the_prompt(srv):
+    r = client(srv).completions.create(model="fake-model", prompt="hey", max_tokens=3, echo=True,
+                                       logprobs=1)
+    c = r.choices[0]
+    assert c.text.startswith("hey") and len(c.text) > 3
+    lp = c.logprobs
+    assert lp.tokens[:3] == ["h", "e", "y"] and len(lp.tokens) == 3 + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # as OpenAI: no context
+    assert lp.token_logprobs[1:3] == [-1.0, -1.0]  # the fake engine's prompt logprobs
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    assert lp.text_offset[:4] == [0, 1, 2, 3]
+
+
+def test_echo_with_logprobs_streamed(srv):
+    chunks = list(client(srv).completions.create(model="fake-model", prompt="hey", max_tokens=3,
+                                                 echo=True, logprobs=0, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+              for t in c.choices[0].logprobs.tokens]
+    assert text.startswith("hey") and tokens[:3] == ["h", "e", "y"] and len(tokens) == 6
+    assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
+
+
+def test_vllm_prompt_logprobs(srv):
+    r = client(srv).completions.create(model="fake-model", prompt="hey", max_tokens=2,
+                                       extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == 3
+    for tok, d in zip("ey", plp[1:], strict=True):
+        key = str(ord(tok) + OFFSET)
+        assert key in d and d[key]["logprob"] == -1.0 and d[key]["decoded_token"] == tok
+        assert len(d) == 2  # the prompt token is its own first alternative here
+    chat = client(srv).chat.completions.create(model="fake-model", max_tokens=2, messages=[
+        {"role": "user", "content": "x"}], extra_body={"prompt_logprobs": 0})
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and all(len(d) == 1 for d in plp[1:])
+
+
+def test_return_token_ids(srv):
+    r = client(srv).completions.create(model="fake-model", prompt="hey", max_tokens=2,
+                                       extra_body={"return_token_ids": True})
+    c = r.choices[0].model_extra
+    assert c["prompt_token_ids"] == [ord(ch) + OFFSET for ch in "hey"]
+    assert bytes(t - OFFSET for t in c["token_ids"]).decode() == r.choices[0].text
+    chat = client(srv).chat.completions.create(model="fake-model", max_tokens=2, messages=[
+        {"role": "user", "content": "x"}], extra_body={"return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] and \
+        len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens
+    chunks = list(client(srv).completions.create(model="fake-model", prompt="hey", max_tokens=3,
+                                                 stream=True,
+                                                 extra_body={"return_token_ids": True}))
+    ids = [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]]
+    assert len(ids) == 3 and chunks[0].choices[0].model_extra["prompt_token_ids"]

@@ -207,6 +207,12 @@ class EngineAdapter:
             ev["logprobs"] = [{"token_id": x["token_id"], "logprob": x["logprob"],
                                "top": [list(t) for t in x.get("top_logprobs") or []]}
                               for x in chunk["logprobs"]]
+        if chunk.get("prompt_logprobs") is not None:  # entries for prompt tokens 1..
+            ids = req.input_ids
+            ev["prompt_logprobs"] = [
+                {"token_id": ids[j + 1], "logprob": x["logprob"],
+                 "top": [list(t) for t in x.get("top_logprobs") or []]}
+                for j, x in enumerate(chunk["prompt_logprobs"])]
         if fin is not None:
             ev.update(finish_reason=fin.get("type"), matched_stop=fin.get("matched"),
                       prompt_tokens=meta.get("prompt_tokens", len(req.input_ids)),

@@ -159,7 +159,7 @@ class _Job:
                 self.gen.append(GenRequest(rid=rid, input_ids=tuple(ids), sampling=sampling,
                                            logprobs=req.logprobs, top_logprobs=req.top_logprobs))
                 self.seqs.append(responses.SeqOut(index=index, prompt_index=pi, rid=rid,
-                                                  prompt_text=text))
+                                                  prompt_text=text, prompt_ids=tuple(ids)))
         # tool calls: what reads each choice's answer (None: plain text), streamed choices'
         # parse state
         self.tool_parser = st.tools.output_parser(req.tools) if req.route == "chat" else None
@@ -323,6 +323,7 @@ def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
             s.started = True
             out.append(responses.chat_chunk(job.base, job.created, job.model, s.index,
                                             {"role": "assistant", "content": ""}, None, None))
+            out[-1].update(responses.chat_prompt_fields(s, req, job.piece))
         lp = responses.chat_logprobs(entries, job.piece) if req.logprobs else None
         if job.tool_parser is not None:
             return out + _tool_chunks(job, i, fin, lp if entries else None)
@@ -330,17 +331,32 @@ def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
             out.append(responses.chat_chunk(job.base, job.created, job.model, s.index,
                                             {"content": text} if text else {}, fin, lp))
         return out
-    if not s.started and req.echo:
+    first = not s.started
+    offset = len(s.full_text) - len(ev.get("text") or "")
+    if first and req.echo:
         text = (s.prompt_text or "") + text
+        offset = 0
+        if req.logprobs:
+            entries = responses.echo_entries(s, req.top_logprobs) + entries
+    elif req.echo:
+        offset += len(s.prompt_text or "")
     s.started = True
-    if not (text or entries or fin):
+    extras = (first and (req.return_token_ids or req.prompt_logprobs is not None)) or (
+        req.return_token_ids and ev.get("token_ids"))
+    if not (text or entries or fin or extras):
         return []
     lp = None
     if req.logprobs:
-        offset = len(s.full_text) - len(ev.get("text") or "")
         lp = responses.completion_logprobs(entries, job.piece, offset)
-    return [responses.completion_chunk(job.base, job.created, job.model, s.index, text, fin,
-                                       lp)]
+    chunk = responses.completion_chunk(job.base, job.created, job.model, s.index, text, fin, lp)
+    choice = chunk["choices"][0]
+    if req.return_token_ids:
+        choice["token_ids"] = list(ev.get("token_ids") or ())
+        if first:
+            choice["prompt_token_ids"] = list(s.prompt_ids)
+    if first and req.prompt_logprobs is not None and not (req.echo and req.logprobs):
+        choice["prompt_logprobs"] = responses.vllm_prompt_logprobs(s, job.piece)
+    return [chunk]
 
 
 def _tool_chunks(job: _Job, i: int, fin: str | None, lp: dict[str, Any] | None

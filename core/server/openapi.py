@@ -48,6 +48,10 @@ _TEXT = {"type": "string", "minLength": 1}  # an empty prompt is refused (0 toke
 # A field peers define that this server does not implement: only values asking for nothing.
 _OFF_DOC = ("not supported: accepted only with a value that asks for nothing (null, false, "
             "empty, or the values listed); anything else is a 400 (code unsupported)")
+_LOGIT_BIAS = {"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+                                                        "maximum": 100},
+               "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": 1024,
+               "description": "token id -> bias added to its logit before sampling"}
 _FIELD_POLICY = ("Unknown fields are refused with 400 (code unknown_parameter), whatever their "
                  "value; fields marked not supported are taken only with a value that asks for "
                  "nothing (code unsupported otherwise).")
@@ -200,8 +204,14 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
         "ignore_eos": _BOOL, "seed": _SEED, "skip_special_tokens": _BOOL,
         "stream_options": {"type": "object", "additionalProperties": False,
                            "properties": {"include_usage": _BOOL}},
-        "logit_bias": {"type": "object", "maxProperties": 0,
-                       "description": "not supported: only an empty object"},
+        "logit_bias": _LOGIT_BIAS,
+        "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                            "description": "vLLM's: the logprob of each prompt token after the "
+                                           "first and this many alternatives (prompt_logprobs "
+                                           "in the response); such a request reuses no cached "
+                                           "prefix"},
+        "return_token_ids": {**_BOOL, "description": "vLLM's: prompt_token_ids and token_ids "
+                                                     "in the response"},
         **{name: {**_STR, "description": "informational; accepted and not acted on"}
            for name in HARMLESS_FIELDS},
         **_structured(),
@@ -223,7 +233,7 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
                                   "presence_penalty", "repetition_penalty", "stop",
                                   "stop_token_ids", "ignore_eos", "skip_special_tokens",
                                   "seed")},
-        "n": common["n"], "sampling_seed": _SEED,
+        "n": common["n"], "sampling_seed": _SEED, "logit_bias": _LOGIT_BIAS,
         **{k: common[k] for k in ("regex", "ebnf", "json_schema")},
     }
     assert set(sampling) == set(NATIVE_SAMPLING_KEYS), "the native sampling keys drifted"
@@ -237,12 +247,10 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
             "prompt": {"oneOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1},
                                  ids, {"type": "array", "items": ids, "minItems": 1}]},
             "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-            "echo": {**_BOOL, "description": "not together with logprobs"}},
-            dependentSchemas=only_streamed,
-            # echo together with logprobs is refused
-            allOf=[{"if": {"required": ["echo", "logprobs"],
-                           "properties": {"echo": {"const": True}}},
-                    "then": {"properties": {"logprobs": {"type": "null"}}}}]),
+            "echo": {**_BOOL, "description": "the prompt before the completion; with logprobs, "
+                                             "the logprobs cover the prompt's tokens too (the "
+                                             "first one null)"}},
+            dependentSchemas=only_streamed),
         "ChatMessage": message,
         "ChatCompletionRequest": request("chat", ["messages"], {
             **common,
@@ -261,6 +269,9 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
             "sampling_params": {"type": "object", "additionalProperties": False,
                                 "properties": sampling},
             "stream": _BOOL, "return_logprob": _BOOL,
+            "logprob_start_len": {"type": "integer", "minimum": -1, "description":
+                                  "with return_logprob: input_token_logprobs from this prompt "
+                                  "position (-1, the default: none)"},
             "top_logprobs_num": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
             "rid": {"type": "string", "pattern": f"^{RID_PATTERN.pattern}$",
                     "description": "for one prompt only; must not be in use (with its "

@@ -22,6 +22,7 @@ MAX_LOGPROBS = 20  # alternatives per token (OpenAI's cap)
 MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024  # entries (core.sampling's cap)
 MAX_MESSAGES = 4096
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # any signed 64-bit integer (vLLM's range)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -34,7 +35,7 @@ OPENAI_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0),
 NATIVE_SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k",
                         "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
                         "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "seed",
-                        "sampling_seed", *NATIVE_FIELDS)
+                        "sampling_seed", "logit_bias", *NATIVE_FIELDS)
 
 
 @dataclass
@@ -62,6 +63,11 @@ class ParsedRequest:
     batch: bool = False  # /generate with a list: answer a list
     add_generation_prompt: bool = True
     rid: str | None = None
+    # prompt logprobs: None off; k: each prompt token's (after the first) and k alternatives
+    # (vLLM's prompt_logprobs, completions' echo with logprobs, /generate's logprob_start_len)
+    prompt_logprobs: int | None = None
+    logprob_start_len: int = -1  # /generate: prompt position its input logprobs start at
+    return_token_ids: bool = False  # vLLM: prompt_token_ids / token_ids in the response
     tools: Any = None  # chat: core.server.tools.ToolRequest, or None without tools
 
 
@@ -237,15 +243,15 @@ _COMMON_FIELDS = frozenset({
     "model", "stream", "stream_options", "n", "best_of", "temperature", "top_p", "top_k",
     "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "seed", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "max_tokens", "min_tokens",
-    "logit_bias", "logprobs"})
+    "logit_bias", "logprobs", "prompt_logprobs", "return_token_ids"})
 HARMLESS_FIELDS = frozenset({"user"})
-# Beam search, prompt logprobs and the rest that peers' servers take (structured output is
+# Beam search and the rest that peers' servers take (structured output is
 # core.server.structured's, except choosing its backend or whitespace per request).
-_PEER_EXTRAS = ("guided_decoding_backend", "guided_whitespace_pattern", "prompt_logprobs",
+_PEER_EXTRAS = ("guided_decoding_backend", "guided_whitespace_pattern",
                 "use_beam_search", "length_penalty", "stop_regex", "cache_salt",
                 "include_stop_str_in_output", "spaces_between_special_tokens",
                 "truncate_prompt_tokens", "allowed_token_ids", "bad_words", "lora_request",
-                "return_tokens_as_token_ids", "return_token_ids", "priority", "logits_processors",
+                "return_tokens_as_token_ids", "priority", "logits_processors",
                 "min_tokens_stop", "add_special_tokens", "request_id", "kv_transfer_params",
                 "vllm_xargs", "custom_logit_processor", "return_hidden_states", "lora_path",
                 "separate_reasoning", "stream_reasoning", "chat_template_kwargs",
@@ -255,7 +261,7 @@ REFUSED_FIELDS = {
     "chat": frozenset(("functions", "function_call", "audio", "prediction", "modalities",
                        "store", "metadata", "web_search_options", "reasoning_effort",
                        "service_tier", "echo", "continue_final_message") + _PEER_EXTRAS),
-    "generate": frozenset(("logprob_start_len", "return_text_in_logprobs", "image_data",
+    "generate": frozenset(("return_text_in_logprobs", "image_data",
                            "audio_data", "modalities", "lora_path", "custom_logit_processor",
                            "return_hidden_states", "session_params", "bootstrap_host",
                            "data_parallel_rank", "stream_interval")),
@@ -271,7 +277,7 @@ ROUTE_FIELDS = {
                                                 "add_generation_prompt", "tools",
                                                 "tool_choice", "parallel_tool_calls"},
     "generate": frozenset({"text", "input_ids", "sampling_params", "stream", "rid",
-                           "return_logprob", "top_logprobs_num"}),
+                           "return_logprob", "top_logprobs_num", "logprob_start_len"}),
 }
 
 
@@ -368,9 +374,13 @@ def _openai_sampling(body: dict[str, Any], vocab_size: int, context_length: int,
             raise invalid("min_tokens", f"min_tokens ({min_tokens}) is larger than max_tokens "
                           f"({req.max_new_tokens})")
         s["min_new_tokens"] = min_tokens
-    if body.get("logit_bias"):
-        raise invalid("logit_bias", "logit_bias is not supported by this server",
-                      code="unsupported")
+    bias = logit_bias(body.get("logit_bias"), "logit_bias", vocab_size)
+    if bias:
+        s["logit_bias"] = bias
+    plp = get_int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if plp is not None:
+        req.prompt_logprobs = plp
+    req.return_token_ids = bool(get_bool(body, "return_token_ids"))
     constraint = constraint_of(body, OPENAI_FIELDS)
     if constraint is not None:
         s["constraint"] = constraint
@@ -404,9 +414,42 @@ def parse_completion(body: dict[str, Any], vocab_size: int, context_length: int
         req.logprobs, req.top_logprobs = True, lp
     req.echo = bool(get_bool(body, "echo"))
     if req.echo and req.logprobs:
-        raise invalid("echo", "echo together with logprobs is not supported", code="unsupported")
+        # OpenAI: the logprobs then cover the prompt's tokens too (the first one has none)
+        req.prompt_logprobs = max(req.prompt_logprobs or 0, req.top_logprobs)
+    _prompt_logprobs_sampling(req)
     _check_sequences(req)
     return req
+
+
+def _prompt_logprobs_sampling(req: ParsedRequest) -> None:
+    if req.prompt_logprobs is not None:
+        req.sampling["prompt_logprobs"] = req.prompt_logprobs
+
+
+def logit_bias(v: Any, param: str, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {token id (a string key in JSON): bias in [-100, 100]}."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise invalid(param, f"{param} must be an object mapping token ids to biases",
+                      code="invalid_type")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise invalid(param, f"{param} key {_short(k)} is not a token id") from None
+        if not 0 <= tok < vocab_size:
+            raise invalid(param, f"{param} key {tok} is not a token id (vocabulary size "
+                          f"{vocab_size})")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
+                or not -100 <= b <= 100:
+            raise invalid(f"{param}.{k}", f"{param}[{k}] must be a number in [-100, 100], "
+                          f"got {_short(b)}")
+        out[tok] = float(b)
+    if len(out) > MAX_LOGIT_BIAS:
+        raise invalid(param, f"{param} has {len(out)} entries; at most {MAX_LOGIT_BIAS}")
+    return out
 
 
 def parse_chat(body: dict[str, Any], vocab_size: int, context_length: int) -> ParsedRequest:
@@ -423,6 +466,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int, context_length: int) -> Pa
     req.logprobs, req.top_logprobs = bool(lp), top or 0
     agp = get_bool(body, "add_generation_prompt")
     req.add_generation_prompt = True if agp is None else agp
+    _prompt_logprobs_sampling(req)
     _check_sequences(req)
     return req
 
@@ -518,6 +562,11 @@ def parse_generate(body: dict[str, Any], vocab_size: int, context_length: int) -
     req.rid = rid
     req.logprobs = bool(get_bool(body, "return_logprob"))
     req.top_logprobs = get_int(body, "top_logprobs_num", 0, MAX_LOGPROBS) or 0
+    start = get_int(body, "logprob_start_len", -1, None)
+    if start is not None and start >= 0:  # SGLang: -1 (the default) is output tokens only
+        if not req.logprobs:
+            raise invalid("logprob_start_len", "logprob_start_len requires return_logprob=true")
+        req.logprob_start_len, req.prompt_logprobs = start, req.top_logprobs
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise invalid("sampling_params", "sampling_params must be an object",
@@ -553,10 +602,14 @@ def parse_generate(body: dict[str, Any], vocab_size: int, context_length: int) -
     req.max_new_tokens = max_tokens_arg(sp, "max_new_tokens", context_length,
                                         "sampling_params.max_new_tokens")
     req.n = get_int(sp, "n", 1, MAX_N, "sampling_params.n") or 1
+    bias = logit_bias(sp.get("logit_bias"), "sampling_params.logit_bias", vocab_size)
+    if bias:
+        s["logit_bias"] = bias
     constraint = constraint_of(sp, dict(NATIVE_FIELDS), "sampling_params.")
     if constraint is not None:
         s["constraint"] = constraint
     req.sampling = s
+    _prompt_logprobs_sampling(req)
     _check_sequences(req)
     return req
 

@@ -47,6 +47,9 @@ class SeqOut:
     prompt_index: int
     rid: str
     prompt_text: str | None = None  # for echo
+    prompt_ids: tuple[int, ...] = ()
+    # prompt tokens 1.. as the engine sent them ({"token_id", "logprob", "top"}), when asked for
+    prompt_logprobs: list[dict[str, Any]] | None = None
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
@@ -64,6 +67,8 @@ class SeqOut:
         self.token_ids.extend(ev.get("token_ids") or ())
         if ev.get("logprobs"):
             self.logprobs.extend(ev["logprobs"])
+        if ev.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = ev["prompt_logprobs"]
         if ev.get("error"):
             self.error = str(ev["error"])
         if ev.get("finished"):
@@ -94,12 +99,23 @@ def usage(seqs: Sequence[SeqOut], prompt_lens: Sequence[int], cache_report: bool
     return u
 
 
+def echo_entries(s: SeqOut, top: int) -> list[dict[str, Any]]:
+    """completions' echo with logprobs: the prompt's tokens as logprob entries (the first has
+    none: null, as OpenAI gives it), up to `top` alternatives each."""
+    if not s.prompt_ids:
+        return []
+    first = {"token_id": s.prompt_ids[0], "logprob": None, "top": None}
+    return [first, *({**e, "top": (e.get("top") or [])[:top]}
+                     for e in s.prompt_logprobs or ())]
+
+
 def completion_logprobs(entries: list[dict[str, Any]], piece: Piece, offset: int
                         ) -> dict[str, Any]:
     """OpenAI's legacy shape. `top_logprobs` holds the top alternatives and, as OpenAI's does,
     the sampled token too (so logprobs=0 gives {sampled: logprob}); `text_offset` counts the
     characters before each token (the tokens of a character split over several all sit at
-    that character's offset)."""
+    that character's offset). An entry whose logprob is None (echo's first prompt token) has
+    null logprob and top_logprobs."""
     tokens, lps, tops, offsets = [], [], [], []
     done = b""
     for e in entries:
@@ -107,6 +123,11 @@ def completion_logprobs(entries: list[dict[str, Any]], piece: Piece, offset: int
         tok = token_text(raw)
         tokens.append(tok)
         lps.append(e["logprob"])
+        if e["logprob"] is None:
+            tops.append(None)
+            offsets.append(offset + len(done.decode("utf-8", "ignore")))
+            done += raw
+            continue
         top = {token_text(piece(t)): lp for t, lp in e.get("top") or []}
         top.setdefault(tok, e["logprob"])
         tops.append(top)
@@ -129,16 +150,50 @@ def chat_logprobs(entries: list[dict[str, Any]], piece: Piece) -> dict[str, Any]
     return {"content": content}
 
 
+def vllm_prompt_logprobs(s: SeqOut, piece: Piece) -> list[Any] | None:
+    """vLLM's prompt_logprobs: null for the first prompt token, then per token
+    {token id: {"logprob", "rank", "decoded_token"}} holding the prompt token and its top
+    alternatives (rank: 1-based among the vocabulary; null for a prompt token outside the
+    top alternatives, whose rank is not computed)."""
+    if s.prompt_logprobs is None:
+        return None
+    out: list[Any] = [None] if s.prompt_ids else []
+    for e in s.prompt_logprobs:
+        d = {str(t): {"logprob": lp, "rank": r, "decoded_token": token_text(piece(t))}
+             for r, (t, lp) in enumerate(e.get("top") or [], 1)}
+        d.setdefault(str(e["token_id"]), {"logprob": e["logprob"], "rank": None,
+                                          "decoded_token": token_text(piece(e["token_id"]))})
+        out.append(d)
+    return out
+
+
+def _extras(choice: dict[str, Any], s: SeqOut, req: ParsedRequest, piece: Piece,
+            prompt_side: bool) -> dict[str, Any]:
+    """vLLM's extra response fields a request asked for: prompt_logprobs, token ids (the
+    prompt's on the choice for completions, on the response for chat: prompt_side)."""
+    if req.return_token_ids:
+        choice["token_ids"] = list(s.token_ids)
+        if prompt_side:
+            choice["prompt_token_ids"] = list(s.prompt_ids)
+    if prompt_side and req.prompt_logprobs is not None and not (req.echo and req.logprobs):
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(s, piece)
+    return choice
+
+
 def completion_object(rid: str, created: int, model: str, req: ParsedRequest,
                       seqs: list[SeqOut], piece: Piece, use: dict[str, Any]
                       ) -> dict[str, Any]:
     choices = []
     for s in seqs:
         prefix = s.prompt_text if req.echo and s.prompt_text is not None else ""
-        choices.append({"index": s.index, "text": prefix + s.full_text,
-                        "logprobs": completion_logprobs(s.logprobs, piece, len(prefix))
-                        if req.logprobs else None,
-                        "finish_reason": s.finish_reason})
+        entries = s.logprobs
+        if req.echo and req.logprobs:
+            entries = echo_entries(s, req.top_logprobs) + entries
+        choices.append(_extras(
+            {"index": s.index, "text": prefix + s.full_text,
+             "logprobs": completion_logprobs(entries, piece, 0 if req.echo else len(prefix))
+             if req.logprobs else None,
+             "finish_reason": s.finish_reason}, s, req, piece, True))
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": use}
 
@@ -152,11 +207,24 @@ def chat_object(rid: str, created: int, model: str, req: ParsedRequest, seqs: li
         finish = s.finish_reason
         if tool_parser is not None:
             message, finish = final_message(tool_parser, req.tools, s.full_text, finish)
-        choices.append({"index": s.index, "message": message,
-                        "logprobs": chat_logprobs(s.logprobs, piece) if req.logprobs else None,
-                        "finish_reason": finish})
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+        choices.append(_extras({"index": s.index, "message": message,
+                                "logprobs": chat_logprobs(s.logprobs, piece)
+                                if req.logprobs else None,
+                                "finish_reason": finish}, s, req, piece, False))
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": use}
+    return {**body, **chat_prompt_fields(seqs[0], req, piece)} if seqs else body
+
+
+def chat_prompt_fields(s: SeqOut, req: ParsedRequest, piece: Piece) -> dict[str, Any]:
+    """Chat's response-level extras (vLLM): prompt_token_ids and prompt_logprobs (one prompt,
+    so the same for every choice)."""
+    out: dict[str, Any] = {}
+    if req.return_token_ids:
+        out["prompt_token_ids"] = list(s.prompt_ids)
+    if req.prompt_logprobs is not None:
+        out["prompt_logprobs"] = vllm_prompt_logprobs(s, piece)
+    return out
 
 
 def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
@@ -181,6 +249,15 @@ def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
                                          for e in s.logprobs]
         meta["output_top_logprobs"] = [[[lp, t, token_text(piece(t))]
                                         for t, lp in e.get("top") or []] for e in s.logprobs]
+    if req.prompt_logprobs is not None and s.prompt_logprobs is not None:
+        # SGLang's input_token_logprobs from logprob_start_len (the first prompt token: null)
+        entries = [{"token_id": s.prompt_ids[0], "logprob": None, "top": None},
+                   *s.prompt_logprobs][req.logprob_start_len:]
+        meta["input_token_logprobs"] = [[e["logprob"], e["token_id"],
+                                         token_text(piece(e["token_id"]))] for e in entries]
+        meta["input_top_logprobs"] = [None if e["top"] is None else
+                                      [[lp, t, token_text(piece(t))] for t, lp in e["top"]]
+                                      for e in entries]
     return meta
 
 

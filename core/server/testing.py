@@ -104,6 +104,8 @@ class FakeEngine:
             raise ValueError("top_k must be -1 (off) or a positive integer, got 0")
         if sampling.get("repetition_penalty", 1.0) <= 0:
             raise ValueError("repetition_penalty must be in (0, 2]")
+        if sampling.get("logit_bias"):  # it could not apply one: refused, never ignored
+            raise ValueError("logit_bias: the fake engine does not sample from logits")
         if sampling.get("constraint"):  # it could not enforce one: refused, never ignored
             raise ValueError(f"{sampling['constraint']['source']}: structured output is off "
                              "in this engine (the fake engine has no grammar backend)")
@@ -157,6 +159,12 @@ class FakeEngine:
                 if req.logprobs:
                     alts = [[tid, -0.25], [EOS, -1.5], [OFFSET + 33, -2.5]][:req.top_logprobs]
                     ev["logprobs"] = [{"token_id": tid, "logprob": -0.25, "top": alts}]
+                k = req.sampling.get("prompt_logprobs")
+                if step == 0 and k is not None:  # like the engine: with the first token
+                    ev["prompt_logprobs"] = [
+                        {"token_id": t, "logprob": -1.0,
+                         "top": [[t, -1.0], [EOS, -3.0], [OFFSET + 33, -4.0]][:k]}
+                        for t in prompt[1:]]
                 if step == 1 and "MALFORMED" in text:  # a broken event: the server must cope
                     ev["logprobs"] = [{"not": "a logprob entry"}]
                 if step == 1 and "FAIL_EVENT" in text:
