@@ -17,11 +17,12 @@ The option adds the suite (core/testing/attention_suite.py) to whatever else pyt
 A MoE runner is checked the same way, with `--conformance-moe NAME`, which adds
 core/testing/moe_suite.py (a Triton runner on a CPU: set TRITON_INTERPRET=1), and a layer-ops
 plugin with `--conformance-layer-ops NAME` (core/testing/layer_ops_suite.py), a quant method
-with `--conformance-quant NAME` (core/testing/quant_suite.py), and a hardware
+with `--conformance-quant NAME` (core/testing/quant_suite.py), a grammar backend with
+`--conformance-grammar NAME` (core/testing/grammar_suite.py), and a hardware
 target's Platform with `--conformance-platform TARGET` (core/testing/platform_suite.py).
 Options: --conformance-backend NAME (repeatable), --conformance-moe NAME (repeatable),
 --conformance-layer-ops NAME (repeatable), --conformance-quant NAME (repeatable),
---conformance-platform TARGET (repeatable),
+--conformance-grammar NAME (repeatable), --conformance-platform TARGET (repeatable),
 --conformance-device DEV (repeatable; default cpu plus cuda when present), --conformance-full,
 --conformance-seed N.
 """
@@ -67,6 +68,8 @@ SUITES = (
     Suite("--conformance-quant", "quant_suite", "NAME",
           "run the quant-method conformance suite on this registered method (repeatable; "
           "needs the compressed-tensors package)"),
+    Suite("--conformance-grammar", "grammar_suite", "NAME",
+          "run the grammar-backend conformance suite on this registered backend (repeatable)"),
     Suite("--conformance-platform", "platform_suite", "TARGET",
           "run the Platform conformance suite on this registered hardware target "
           "(repeatable)"),
