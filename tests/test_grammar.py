@@ -397,16 +397,21 @@ def test_outlines_matches_a_whole_text_and_refuses_inner_anchors(regex, ok):
     ({"allOf": [{"type": "integer"}, {"type": "integer"}]}, "uses allOf of 2 schemas"),
     ({"$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}}}},
       "$ref": "#/$defs/n"}, "uses a recursive $ref"),
-    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 1.5}}},
-     "uses minLength that is not a non-negative integer"),
+    ({"type": "object", "properties": {"a": {"type": "string", "minLength": 2.0}}},
+     "uses minLength written as a float"),
 ])
 def test_outlines_names_what_its_translation_would_drop(schema, words):
     if missing_packages(("outlines_core",)):
         pytest.skip("outlines-core is not installed")
-    with pytest.raises(GrammarError, match=rf"^guided_json: the JSON schema {re.escape(words)}.* which "
-                                           rf"grammar backend outlines cannot enforce"):
+    with pytest.raises(GrammarError, match=rf"^guided_json: the JSON schema {re.escape(words)}"
+                                           rf".* which grammar backend outlines cannot enforce"):
         suite_grammar("outlines").check(Constraint("json_schema", json.dumps(schema),
                                                    source="guided_json"))
+    with pytest.raises(GrammarError, match=r"^guided_json: invalid JSON schema: minLength must "
+                                           r"be a non-negative integer \(at /properties/a\)"):
+        suite_grammar("outlines").check(Constraint("json_schema", json.dumps(
+            {"type": "object", "properties": {"a": {"type": "string", "minLength": 1.5}}}),
+            source="guided_json"))
 
 
 # -- the core's bitmask and the process boundary --------------------------------------------------

@@ -1,7 +1,8 @@
-"""Structured output through the real server on SmolLM2 (xgrammar), with the official `openai`
-client: JSON schema / JSON object / regex / choice outputs follow their constraint, streaming too;
-invalid constraints and two constraints are 400s naming the problem. The fake engine (no grammar
-backend) refuses every constraint instead of ignoring it."""
+"""Structured output through the real server on SmolLM2, one server per grammar backend
+(xgrammar, the default, and outlines), with the official `openai` client: JSON schema / JSON
+object / regex / choice outputs follow their constraint, streaming too; invalid constraints, a
+keyword or a type the backend cannot enforce and two constraints are 400s naming the problem.
+The fake engine (no grammar backend) refuses every constraint instead of ignoring it."""
 
 from __future__ import annotations
 
@@ -14,31 +15,41 @@ import pytest
 from core.config import ServerArgs
 from core.server.testing import FakeEngine, ServerThread, http_request
 
-pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 KEY = "sk-grammar"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
-PERSON = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
-          "properties": {"name": {"type": "string", "maxLength": 16},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+AGE_RANGE = {"minimum": 0, "maximum": 120}
+BACKENDS = {"xgrammar": "xgrammar", "outlines": "outlines_core"}  # backend: its package
 
 
-@pytest.fixture(scope="module")
-def srv():
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def srv(request):
     from core.engine import Engine
+    from core.plugins import get_registry
     from core.server.adapter import EngineAdapter
     from core.server.app import create_app
 
-    args = ServerArgs(api_key=KEY, max_total_tokens=4096)
+    pytest.importorskip(BACKENDS[request.param])
+    # auto picks xgrammar: name each backend, so that a missing one fails instead of another
+    args = ServerArgs(api_key=KEY, max_total_tokens=4096, grammar_backend=request.param)
     engine = Engine(server_args=args)
-    assert engine.plan.grammar_backend == "xgrammar"
+    assert engine.plan.grammar_backend == request.param
     try:
         with ServerThread(create_app(EngineAdapter(engine, "smollm2"), args)) as s:
+            s.grammar = request.param
+            s.caps = get_registry().get("grammar", request.param).caps
             yield s
     finally:
         engine.close()
+
+
+def person(srv) -> dict:
+    """A person's schema, its age range only where the backend enforces minimum / maximum."""
+    age = {"type": "integer", **({} if set(AGE_RANGE) & srv.caps.schema_lacks else AGE_RANGE)}
+    return {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+            "properties": {"name": {"type": "string", "maxLength": 16}, "age": age}}
 
 
 def client(srv) -> openai.OpenAI:
@@ -46,12 +57,13 @@ def client(srv) -> openai.OpenAI:
 
 
 def test_chat_json_schema_validates(srv):
+    schema = person(srv)
     r = client(srv).chat.completions.create(
         model="smollm2", messages=ASK, temperature=0, max_tokens=64,
         response_format={"type": "json_schema",
-                         "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+                         "json_schema": {"name": "person", "schema": schema, "strict": True}})
     assert r.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
 def test_completion_json_object_parses(srv):
@@ -81,16 +93,17 @@ def test_chat_choice_with_n_gives_each_sequence_its_own_matcher(srv):
 
 
 def test_streaming_with_a_schema(srv):
+    schema = person(srv)
     stream = client(srv).chat.completions.create(
         model="smollm2", messages=ASK, temperature=0, max_tokens=64, stream=True,
-        extra_body={"guided_json": PERSON})
+        extra_body={"guided_json": schema})
     text, reasons = "", []
     for chunk in stream:
         for c in chunk.choices:
             text += c.delta.content or ""
             reasons.append(c.finish_reason)
     assert reasons[-1] == "stop"
-    jsonschema.validate(json.loads(text), PERSON)
+    jsonschema.validate(json.loads(text), schema)
 
 
 def test_generate_takes_sglang_sampling_params(srv):
@@ -101,19 +114,28 @@ def test_generate_takes_sglang_sampling_params(srv):
     assert json.loads(raw)["text"] in ("yes", "no")
 
 
+def _by_caps(srv, words):
+    return words(srv) if callable(words) else words
+
+
 @pytest.mark.parametrize("extra,param,words", [
     ({"guided_json": {"type": "nonsense"}}, "guided_json", "invalid JSON schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}}}},
-     "response_format.json_schema.schema", "invalid JSON schema"),
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string",
+                                                                     "maxLength": "x"}}}}}},
+     "response_format.json_schema.schema",
+     "invalid JSON schema"),
     ({"regex": "a(b"}, "regex", "invalid regex"),
-    ({"guided_grammar": "root ::= missing"}, "guided_grammar", "invalid EBNF grammar"),
-    ({"json_schema": '{"type": "integer", "multipleOf": 2}'}, "json_schema",
-     "uses multipleOf, which grammar backend xgrammar cannot enforce"),
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar",
+     lambda s: "invalid EBNF grammar" if "ebnf" in s.caps.constraints else
+     f"grammar backend {s.grammar} does not support ebnf constraints"),
+    ({"json_schema": '{"type": "string", "contentEncoding": "base64"}'}, "json_schema",
+     lambda s: f"uses contentEncoding, which grammar backend {s.grammar} cannot enforce"),
     ({"regex": "a+", "guided_choice": ["a"]}, "guided_choice",
      "give one structured-output constraint"),
-])
+], ids=["schema", "schema-value", "regex", "ebnf", "lacked-keyword", "two"])
 def test_invalid_constraints_are_400_naming_them(srv, extra, param, words):
+    words = _by_caps(srv, words)
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as e:
             client(srv).chat.completions.create(model="smollm2", messages=ASK, max_tokens=4,

@@ -22,7 +22,7 @@ import outlines_core as oc
 from outlines_core.json_schema import build_regex_from_schema
 
 from core.grammar import Constraint, GrammarError
-from plugins.grammar.outlines.schema import prepared, problems, ref_depth
+from plugins.grammar.outlines.schema import INVALID, prepared, problems, ref_depth
 
 _WHAT = {"json_schema": "invalid JSON schema", "json_object": "invalid JSON object grammar",
          "regex": "invalid regex", "choice": "invalid choices"}
@@ -103,6 +103,9 @@ def _regex(c: Constraint) -> str:
     if c.kind == "json_schema":
         schema = json.loads(c.value)
         bad = problems(schema)
+        invalid = [b[len(INVALID):] for b in bad if b.startswith(INVALID)]
+        if invalid:
+            raise ValueError("; ".join(invalid))
         if bad:
             raise _Unenforced("; ".join(bad))
         # nested $refs are followed to their depth (recursive ones were refused just now)

@@ -32,6 +32,7 @@ _BY_TYPE = {"object": {"minProperties", "maxProperties", "additionalProperties"}
             "array": {"items", "minItems", "maxItems"}}
 _SAFE_KEY = re.compile(r"[A-Za-z0-9_ -]*")  # neither JSON nor regex escapes them
 _JSON_ESCAPED = re.compile(r'["\\\x00-\x1f]')
+INVALID = "invalid: "  # a problem that makes the schema invalid, not just unenforced
 
 
 def _types(s: dict) -> set[str]:
@@ -82,7 +83,8 @@ def _honoured(s: dict, branch: str) -> set[str]:
 
 
 def problems(root: Any) -> list[str]:
-    """What the translation of `root` would drop or get wrong ("" items never; [] when none)."""
+    """What the translation of `root` would drop or get wrong ([] when nothing); an item
+    starting with INVALID is an error in the schema itself."""
     found: list[str] = []
 
     def walk(s: Any, at: str, refs: tuple[str, ...]) -> None:
@@ -136,11 +138,13 @@ def problems(root: Any) -> list[str]:
             for key, t in (("additionalProperties", "object"), ("items", "array")):
                 if t in types and isinstance(s.get(key), dict):
                     walk(s[key], f"{at}/{key}", refs)
-            if "string" in types:
-                bad = [k for k in ("minLength", "maxLength")
-                       if k in s and not (isinstance(s[k], int) and s[k] >= 0)]
-                if bad:
-                    found.append(f"{bad[0]} that is not a non-negative integer (at {at or '/'})")
+            for k in ("minLength", "maxLength") if "string" in types else ():
+                v = s.get(k, 0)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or \
+                        v != int(v):
+                    found.append(f"{INVALID}{k} must be a non-negative integer (at {at or '/'})")
+                elif isinstance(v, float):  # 2.0: read as no bound
+                    found.append(f"{k} written as a float (at {at or '/'})")
 
     walk(root, "", ())
     return found
