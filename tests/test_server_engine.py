@@ -223,6 +223,63 @@ def test_cut_streams_free_their_kv(served):
     assert r.choices[0].finish_reason == "length"
 
 
+def test_echo_logprobs_and_prompt_logprobs_on_the_engine(served):
+    """Prompt logprobs come from the prefill's logits at each position: the logprob the engine
+    gives prompt token j+1 equals the one it gave the same token when it generated it after
+    tokens 0..j (decode path), and echo + logprobs covers the prompt the same way."""
+    _, srv = served
+    c = client(srv)
+    first = c.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=3,
+                                 temperature=0, logprobs=2,
+                                 extra_body={"return_token_ids": True})
+    ch = first.choices[0]
+    prompt_ids, out_ids = ch.model_extra["prompt_token_ids"], ch.model_extra["token_ids"]
+    assert len(out_ids) == 3
+    r = c.completions.create(model="smollm2", prompt=prompt_ids + out_ids, max_tokens=1,
+                             temperature=0, echo=True, logprobs=2,
+                             extra_body={"prompt_logprobs": 2})
+    lp = r.choices[0].logprobs
+    n = len(prompt_ids) + len(out_ids)
+    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None
+    assert r.choices[0].text.startswith(PROMPTS[0])
+    for j, want in enumerate(ch.logprobs.token_logprobs):
+        got = lp.token_logprobs[len(prompt_ids) + j]
+        assert abs(got - want) < 2e-3, (j, got, want)
+    plp = r.choices[0].model_extra.get("prompt_logprobs")
+    assert plp is None  # echo + logprobs already carries them (vLLM gives one or the other)
+    g = http_request(srv.url, "POST", "/generate",
+                     {"input_ids": prompt_ids, "return_logprob": True, "top_logprobs_num": 1,
+                      "logprob_start_len": 1, "sampling_params": {"max_new_tokens": 1,
+                                                                  "temperature": 0}},
+                     {"Authorization": f"Bearer {KEY}"}, timeout=120)
+    meta = json.loads(g[2])["meta_info"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == prompt_ids[1:]
+    for e, want in zip(meta["input_token_logprobs"], lp.token_logprobs[1:len(prompt_ids)],
+                       strict=True):
+        assert abs(e[0] - want) < 1e-4
+
+
+def test_logit_bias_on_the_engine(served):
+    _, srv = served
+    c = client(srv)
+    plain = c.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=4,
+                                 temperature=0, extra_body={"return_token_ids": True})
+    ids = plain.choices[0].model_extra["token_ids"]
+    forced = 1425 if ids[0] != 1425 else 1426
+    r = c.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                             logit_bias={str(forced): 100},
+                             extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == [forced] * 4
+    r = c.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=3,
+                                  temperature=0, logit_bias={str(forced): 100},
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == [forced] * 3
+    r = c.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=1, temperature=0,
+                             logit_bias={str(ids[0]): -100},
+                             extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"][0] != ids[0]
+
+
 def test_dead_engine_is_503(served):
     engine, srv = served  # last user of this engine: it is killed here
     engine.client.process.kill()
@@ -317,59 +374,3 @@ def test_sigterm_drains_and_leaves_no_process():
         time.sleep(0.1)
     assert not [p for p in children if _alive(p)], out[-2000:]
 
-
-def test_echo_logprobs_and_prompt_logprobs_on_the_engine(served):
-    """Prompt logprobs come from the prefill's logits at each position: the logprob the engine
-    gives prompt token j+1 equals the one it gave the same token when it generated it after
-    tokens 0..j (decode path), and echo + logprobs covers the prompt the same way."""
-    _, srv = served
-    c = client(srv)
-    first = c.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=3,
-                                 temperature=0, logprobs=2,
-                                 extra_body={"return_token_ids": True})
-    ch = first.choices[0]
-    prompt_ids, out_ids = ch.model_extra["prompt_token_ids"], ch.model_extra["token_ids"]
-    assert len(out_ids) == 3
-    r = c.completions.create(model="smollm2", prompt=prompt_ids + out_ids, max_tokens=1,
-                             temperature=0, echo=True, logprobs=2,
-                             extra_body={"prompt_logprobs": 2})
-    lp = r.choices[0].logprobs
-    n = len(prompt_ids) + len(out_ids)
-    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None
-    assert r.choices[0].text.startswith(PROMPTS[0])
-    for j, want in enumerate(ch.logprobs.token_logprobs):
-        got = lp.token_logprobs[len(prompt_ids) + j]
-        assert abs(got - want) < 2e-3, (j, got, want)
-    plp = r.choices[0].model_extra.get("prompt_logprobs")
-    assert plp is None  # echo + logprobs already carries them (vLLM gives one or the other)
-    g = http_request(srv.url, "POST", "/generate",
-                     {"input_ids": prompt_ids, "return_logprob": True, "top_logprobs_num": 1,
-                      "logprob_start_len": 1, "sampling_params": {"max_new_tokens": 1,
-                                                                  "temperature": 0}},
-                     {"Authorization": f"Bearer {KEY}"}, timeout=120)
-    meta = json.loads(g[2])["meta_info"]
-    assert [e[1] for e in meta["input_token_logprobs"]] == prompt_ids[1:]
-    for e, want in zip(meta["input_token_logprobs"], lp.token_logprobs[1:len(prompt_ids)],
-                       strict=True):
-        assert abs(e[0] - want) < 1e-4
-
-
-def test_logit_bias_on_the_engine(served):
-    _, srv = served
-    c = client(srv)
-    plain = c.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=4,
-                                 temperature=0, extra_body={"return_token_ids": True})
-    ids = plain.choices[0].model_extra["token_ids"]
-    forced = 1425 if ids[0] != 1425 else 1426
-    r = c.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=4, temperature=0,
-                             logit_bias={str(forced): 100},
-                             extra_body={"return_token_ids": True})
-    assert r.choices[0].model_extra["token_ids"] == [forced] * 4
-    r = c.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=3,
-                                  temperature=0, logit_bias={str(forced): 100},
-                                  extra_body={"return_token_ids": True})
-    assert r.choices[0].model_extra["token_ids"] == [forced] * 3
-    r = c.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=1, temperature=0,
-                             logit_bias={str(ids[0]): -100},
-                             extra_body={"return_token_ids": True})
-    assert r.choices[0].model_extra["token_ids"][0] != ids[0]
