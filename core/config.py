@@ -97,7 +97,7 @@ class ServerArgs:
     quantization: str | None = _f(None, "kernels", "quantization method")
     kv_cache_dtype: str = _f("auto", "kernels", "KV-cache storage dtype")
     grammar_backend: str = _f("auto", "kernels", "grammar backend for structured output "
-                              "(xgrammar, llguidance, or a plugin's; auto: the best installed; "
+                              "(xgrammar, llguidance, outlines, or a plugin's; auto: the best installed; "
                               "none: structured output off)")
     disable_cuda_graph: bool = _f(False, "kernels", "never capture CUDA graphs")
     cuda_graph_max_bs: int | None = _f(None, "kernels", "largest captured decode batch")

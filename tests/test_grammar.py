@@ -47,9 +47,8 @@ BACKENDS = sorted(get_registry().kind("grammar"))
 # the plugin is fixed, so that its line here goes too.
 _XG_LOOSE = "xgrammar 0.2.9 accepts a violating text: declare it in schema_lacks or refuse it"
 KNOWN = {f"xgrammar-{k}": _XG_LOOSE for k in (
-    "uniqueItems", "contains", "required-outside-properties", "propertyNames",
-    "dependentRequired", "anyOf-beside-type", "type-beside-enum", "maxLength-beside-const",
-    "oneOf", "allOf", "$ref-beside-maxLength")}
+    "required-outside-properties", "anyOf-beside-type", "type-beside-enum",
+    "maxLength-beside-const", "allOf", "$ref-beside-maxLength")}
 KNOWN["xgrammar-json_object"] = ("xgrammar's TokenizerInfo.from_huggingface takes added special "
                                  "tokens that are no stop token (<|im_start|>) for their text: "
                                  "allowed inside a JSON string")

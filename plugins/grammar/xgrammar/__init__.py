@@ -13,8 +13,11 @@ CORE_PLUGIN_API = ">=1.3,<2"
 
 CAPS = GrammarCaps(
     constraints={"json_schema", "json_object", "regex", "ebnf", "choice"},
+    # uniqueItems .. oneOf: found accepted and not enforced by the grammar conformance suite
+    # (core/testing/grammar_suite.py; oneOf runs as anyOf)
     schema_lacks={"multipleOf", "not", "if", "then", "else", "contentEncoding",
-                  "contentMediaType", "dependentSchemas"},
+                  "contentMediaType", "dependentSchemas", "uniqueItems", "contains",
+                  "propertyNames", "dependentRequired", "oneOf"},
     tokenizers={"hf"},
     requires=("xgrammar",),
     priority={d: 20 for d in DEVICE_TYPES},
