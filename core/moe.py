@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.quant import div_scalar
+
 SCORING_FUNCS = ("softmax", "sigmoid")
 # w13 layout: rows [0, I) are the gate projection, rows [I, 2I) the up projection.
 W13_LAYOUT = "gate_up"
@@ -172,14 +174,13 @@ def fp8_fake_quant_input(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
     """x [T, K] as form "fp8" quantizes it, dequantized to fp32: e4m3 with one scale per token,
     or per `bk` inputs of a token for block weights (amax / 448, correctly rounded on every
     device: CUDA's division by a Python float is a reciprocal multiply, see
-    plugins.quant.common.div_scalar)."""
+    core.quant.div_scalar)."""
     x = x.float()
     block = weights.extra.get("block")
     group = int(block[1]) if block is not None else x.shape[1]
     t, k = x.shape
     pad = (-k) % group
     g = torch.nn.functional.pad(x, (0, pad)).view(t, -1, group)
-    amax = g.abs().amax(-1, keepdim=True).clamp(min=1e-12)
-    s = amax / torch.full_like(amax, 448.0)
+    s = div_scalar(g.abs().amax(-1, keepdim=True).clamp(min=1e-12), 448.0)
     q = (g / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
     return q.view(t, -1)[:, :k]

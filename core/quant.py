@@ -315,3 +315,11 @@ def apply_ignore(model: nn.Module, scheme: QuantScheme, dense: Any) -> list[str]
             rebuild(dense)
             rebuilt.append(name)
     return rebuilt
+
+
+def div_scalar(x: torch.Tensor, d: float) -> torch.Tensor:
+    """x / d correctly rounded on every device. CUDA's `tensor / python_float` multiplies by the
+    reciprocal (1 ulp off for about half the values; CPU divides), and fp8 / int8 codes of bf16
+    and fp16 inputs sit on rounding ties often enough that 1 ulp of scale flips ~1e-4 to 1e-3 of
+    them: a scale computed this way is the same bit pattern on the CPU and the GPU."""
+    return x / torch.full_like(x, d)

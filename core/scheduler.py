@@ -18,12 +18,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from core.admission import CLIP_MAX_NEW_TOKENS, Admission, AdmissionError, check_fits
 from core.memory_pool import OutOfPages, PageAllocator, ReqToTokenPool, token_slots
 from core.model_runner import ModelRunner
 from core.overlap import InflightDecode, Overlap
 from core.radix_cache import NoPrefixCache, RadixCache
-from core.sampling import Sampler, SamplingParams, SamplingState
+from core.sampling import (
+    PROMPT_LOGITS_ROWS,
+    Sampler,
+    SamplingParams,
+    SamplingState,
+    token_logprobs,
+)
 
 __all__ = ["AdmissionError", "CLIP_MAX_NEW_TOKENS", "InflightDecode", "Req", "Scheduler",
            "SchedulerConfig", "check_fits"]
@@ -318,10 +326,6 @@ class Scheduler(Admission, Overlap):
     def _prompt_logprobs(self, r: Req, start: int, hidden: Any) -> None:
         """Logprobs of the prompt tokens that follow positions start.. (their hidden states
         from this extend), computed PROMPT_LOGITS_ROWS positions at a time."""
-        import torch
-
-        from core.sampling import PROMPT_LOGITS_ROWS, token_logprobs
-
         if start > len(r.prompt_lps):  # cannot happen: such requests take no cached prefix
             raise RuntimeError(f"request {r.rid}: prompt logprobs from position {start} but "
                                f"only {len(r.prompt_lps)} computed")

@@ -99,14 +99,18 @@ def usage(seqs: Sequence[SeqOut], prompt_lens: Sequence[int], cache_report: bool
     return u
 
 
-def echo_entries(s: SeqOut, top: int) -> list[dict[str, Any]]:
-    """completions' echo with logprobs: the prompt's tokens as logprob entries (the first has
-    none: null, as OpenAI gives it), up to `top` alternatives each."""
+def prompt_entries(s: SeqOut) -> list[dict[str, Any]]:
+    """The prompt's tokens as logprob entries: the first has none (logprob and top null, as
+    OpenAI and SGLang give it), then what the engine sent."""
     if not s.prompt_ids:
         return []
-    first = {"token_id": s.prompt_ids[0], "logprob": None, "top": None}
-    return [first, *({**e, "top": (e.get("top") or [])[:top]}
-                     for e in s.prompt_logprobs or ())]
+    return [{"token_id": s.prompt_ids[0], "logprob": None, "top": None},
+            *(s.prompt_logprobs or ())]
+
+
+def echo_entries(s: SeqOut, top: int) -> list[dict[str, Any]]:
+    """completions' echo with logprobs: prompt_entries with up to `top` alternatives each."""
+    return [e if e["top"] is None else {**e, "top": e["top"][:top]} for e in prompt_entries(s)]
 
 
 def completion_logprobs(entries: list[dict[str, Any]], piece: Piece, offset: int
@@ -251,8 +255,7 @@ def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
                                         for t, lp in e.get("top") or []] for e in s.logprobs]
     if req.prompt_logprobs is not None and s.prompt_logprobs is not None:
         # SGLang's input_token_logprobs from logprob_start_len (the first prompt token: null)
-        entries = [{"token_id": s.prompt_ids[0], "logprob": None, "top": None},
-                   *s.prompt_logprobs][req.logprob_start_len:]
+        entries = prompt_entries(s)[req.logprob_start_len:]
         meta["input_token_logprobs"] = [[e["logprob"], e["token_id"],
                                          token_text(piece(e["token_id"]))] for e in entries]
         meta["input_top_logprobs"] = [None if e["top"] is None else

@@ -7,18 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.quant import div_scalar
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 INT8_MAX = 127.0
 _TINY = 1e-12
 
-
-def div_scalar(x: torch.Tensor, d: float) -> torch.Tensor:
-    """x / d correctly rounded on every device. CUDA's `tensor / python_float` multiplies by the
-    reciprocal (1 ulp off for about half the values; CPU divides), and fp8 / int8 codes of bf16
-    and fp16 inputs sit on rounding ties often enough that 1 ulp of scale flips ~1e-4 to 1e-3 of
-    them: a scale computed this way is the same bit pattern on the CPU and the GPU."""
-    return x / torch.full_like(x, d)
 
 
 def per_token_scale(x: torch.Tensor, qmax: float, ub: torch.Tensor | None = None
