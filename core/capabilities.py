@@ -298,6 +298,10 @@ class QuantCaps(_Frozen):
     programs: tuple[str, ...] = ()  # executables on PATH, e.g. ("cc",) to build its kernels
     priority: Mapping[str, int] = field(default_factory=dict)
     description: str = ""
+    # Its weights load split over tensor-parallel ranks: the core hands a rank's loader the
+    # rank's rows (column-parallel) or inputs (row-parallel) of each checkpoint tensor
+    # (core.layers.linear.tp_narrow), which the method must take as a smaller whole weight.
+    tensor_parallel: bool = False
 
     _sets = ("devices", "cpu_isa", "config_names", "formats", "activation_schemes",
              "group_sizes", "dtypes", "weight_bits", "moe_runners", "needs_features")

@@ -217,7 +217,8 @@ def check_moe(caps: MoECaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str 
 
 
 def check_quant(caps: QuantCaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str | None,
-                requested: str | None, scheme: QuantScheme | None = None) -> list[str]:
+                requested: str | None, scheme: QuantScheme | None = None,
+                tp_size: int = 1) -> list[str]:
     """Reasons a quant method cannot load this checkpoint here.
 
     `requested` is the quantization_config name to load ("none" for a dense checkpoint); None
@@ -243,6 +244,9 @@ def check_quant(caps: QuantCaps, spec: ModelSpec, device: DeviceInfo, *, dtype: 
     reasons += _dtype_reason(dtype, caps.dtypes)
     if spec.is_moe and not caps.moe:
         reasons.append("cannot quantize MoE expert weights")
+    if tp_size > 1 and not caps.tensor_parallel:
+        reasons.append(f"its weights do not split over tensor-parallel ranks (--tp-size "
+                       f"{tp_size})")
     return reasons
 
 

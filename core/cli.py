@@ -49,7 +49,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "and rejection. Use --device-profile to plan for hardware "
                                    "that is not here.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    add_cli_args(p, groups=("model", "kernels", "scheduling"))
+    add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel"))
 
     p = sub.add_parser("serve", help="run the HTTP server",
                        description="Serve a model over HTTP. Flags override --config.")
@@ -61,7 +61,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text(s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily")
-    add_cli_args(p, groups=("model", "kernels", "scheduling"))
+    add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel"))
     return parser
 
 

@@ -78,14 +78,54 @@ class StartedWorker:
             self.process.join(timeout=5)
 
 
+def rank_specs(args: ServerArgs, plan: Plan, replica: int = 0) -> list[Any]:
+    """The RankSpecs of this node's ranks of one engine (core.distributed), rank 0 first;
+    empty when the engine is one process without torch.distributed (--tp-size 1 and no
+    --dist-init-addr)."""
+    if args.tp_size == 1 and args.nnodes == 1 and args.dist_init_addr is None:
+        return []
+    from core.distributed import RankSpec, free_loopback_port
+    from core.platform import load_platform
+    from core.plugins import get_registry
+
+    platform = load_platform(get_registry(), plan.device)
+    addr = args.dist_init_addr or f"127.0.0.1:{free_loopback_port()}"
+    here = args.tp_size // args.nnodes
+    first = args.node_rank * here
+    return [RankSpec(rank=first + i, world=args.tp_size, init_addr=addr,
+                     local_index=replica * here + i, backend=platform.dist_backend(),
+                     device=platform.torch_device(replica * here + i))
+            for i in range(here)]
+
+
+def start_ranks(specs: list[Any]) -> list[Any]:
+    """Spawn one process per RankSpec (core.worker.rank_main), daemonic: a parent that exits
+    normally takes them along, and a parent that is killed leaves rank 0 orphaned, which then
+    stops them."""
+    from core.worker import rank_main
+
+    ctx = mp.get_context("spawn")
+    procs = []
+    for spec in specs:
+        proc = ctx.Process(target=rank_main, args=(spec.to_json(),),
+                           name=f"core-engine-rank{spec.rank}", daemon=True)
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
 class EngineClient:
     """Starts the worker, submits requests, streams their outputs, shuts everything down."""
 
     def __init__(self, args: ServerArgs, plan: Plan, tokenizer: Any,
-                 start_timeout: float = 900.0, started: StartedWorker | None = None):
+                 start_timeout: float = 900.0, started: StartedWorker | None = None,
+                 replica: int = 0):
         """`args` with the model path filled in and `plan` resolved for them (core.worker.
         make_plan): the worker builds exactly this plan. `started`: a worker spawned earlier
-        (StartedWorker), sent the plan now, instead of a new one."""
+        (StartedWorker), sent the plan now, instead of a new one. `replica`: this engine's
+        place among --dp-size replicas (its ranks use devices replica * tp-size onwards).
+        With --tp-size N the worker is rank 0 and the client also spawns ranks 1..N-1 of
+        this node (core.worker.rank_main); they join rank 0 through torch.distributed."""
         from core.worker import args_to_json, plan_to_json, worker_main
 
         self.args = args
@@ -103,23 +143,29 @@ class EngineClient:
         # the worker's heartbeat (core.worker._Heartbeat): when it last came, and what it said
         self.last_heartbeat = time.monotonic()
         self.heartbeat: ipc.Heartbeat | None = None
+        self.ranks: list[Any] = []  # processes of this node's ranks 1.. (tensor parallel)
+        specs = rank_specs(args, plan, replica)
+        rank0 = specs[0].to_json() if specs else None
         if started is not None:
             self.process, parent_conn = started.process, started.conn
             try:
                 parent_conn.send_bytes(json.dumps({"args": args_to_json(args),
-                                                   "plan": plan_to_json(plan)}).encode())
+                                                   "plan": plan_to_json(plan),
+                                                   "rank": rank0}).encode())
             except OSError:
                 pass  # the worker died while importing: _wait_ready says how
         else:
             ctx = mp.get_context("spawn")
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             self.process = ctx.Process(target=worker_main,
-                                       args=(child_conn, args_to_json(args), plan_to_json(plan)),
+                                       args=(child_conn, args_to_json(args), plan_to_json(plan),
+                                             rank0),
                                        name="core-engine-worker", daemon=True)
             self.process.start()
             child_conn.close()
         self._chan = Channel(parent_conn)
         try:
+            self.ranks = start_ranks(specs[1:])
             self.info = self._wait_ready(start_timeout)
         except BaseException:
             self._stop_process()
@@ -152,6 +198,9 @@ class EngineClient:
                     f"engine worker exited during start-up (exit code {self.process.exitcode}); "
                     f"a script that starts an engine must do so under "
                     f"`if __name__ == '__main__':` (the worker is spawned, re-importing it)")
+            dead = self.rank_failure()
+            if dead is not None:
+                raise EngineError(f"engine failed to start: {dead}")
             waited += 0.5
         raise EngineError(f"engine did not start within {timeout:.0f} s")
 
@@ -161,13 +210,22 @@ class EngineClient:
                 self._chan.send(ipc.Shutdown())
         except ChannelClosed:
             pass
-        self.process.join(timeout=15)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=5)
+        for proc in (self.process, *self.ranks):  # the ranks end with rank 0's shutdown
+            proc.join(timeout=15)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+    def rank_failure(self) -> str | None:
+        """Why a tensor-parallel rank other than 0 is gone (None while they all run)."""
+        for i, proc in enumerate(self.ranks, start=1):
+            if not proc.is_alive():
+                return (f"tensor-parallel rank {i} exited (exit code {proc.exitcode}); the "
+                        f"engine cannot run without it")
+        return None
 
     def close(self) -> None:
         """Stop the worker (gracefully, then by force) and the reader thread; idempotent."""
@@ -181,8 +239,9 @@ class EngineClient:
         atexit.unregister(self._atexit)
 
     def health(self) -> bool:
-        """True while the worker process is alive and its pipe is open."""
-        return not self._closed and self.dead_reason is None and self.process.is_alive()
+        """True while the worker process (and every rank) is alive and its pipe is open."""
+        return (not self._closed and self.dead_reason is None and self.process.is_alive()
+                and self.rank_failure() is None)
 
     def heartbeat_age(self) -> float:
         """Seconds since the worker's last heartbeat (sent every second from a thread of the

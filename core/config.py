@@ -18,6 +18,7 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "random", "lof", "priority")
 EVICTION_POLICIES = ("lru", "lfu")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 DISABLE_FUSED_OPS_ENV = "CORE_DISABLE_FUSED_OPS"  # =1: --layer-ops torch unless the flag is given
 
 
@@ -101,8 +102,19 @@ class ServerArgs:
                               "none: structured output off)")
     disable_cuda_graph: bool = _f(False, "kernels", "never capture CUDA graphs")
     cuda_graph_max_bs: int | None = _f(None, "kernels", "largest captured decode batch")
-    tp_size: int = _f(1, "kernels", "tensor-parallel size (only 1 until tensor parallelism "
-                      "lands; other values are refused)")
+    # parallelism (core.distributed)
+    tp_size: int = _f(1, "parallel", "tensor-parallel ranks per engine (heads, MLP and vocab "
+                      "split; one all-reduce per row-parallel output)")
+    dp_size: int = _f(1, "parallel", "data-parallel engine replicas behind the one HTTP server")
+    ep_size: int = _f(1, "parallel", "expert-parallel size: MoE experts placed whole on ranks "
+                      "(equal to --tp-size, or 1: experts' intermediate dim split over TP)")
+    load_balance_method: str = _f("round_robin", "parallel", "how --dp-size picks a replica "
+                                  "per request", choices=LOAD_BALANCE_METHODS)
+    nnodes: int = _f(1, "parallel", "machines one tensor-parallel group spans")
+    node_rank: int = _f(0, "parallel", "this machine's rank (0 serves HTTP; others only run "
+                        "their ranks)")
+    dist_init_addr: str | None = _f(None, "parallel", "host:port of rank 0's torch.distributed "
+                                    "rendezvous (default: a free loopback port, one node)")
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
@@ -113,6 +125,7 @@ GROUP_TITLES = {
     "http": "HTTP server",
     "scheduling": "memory and scheduling",
     "kernels": "kernels and devices",
+    "parallel": "parallelism (tensor, expert, data; several nodes)",
 }
 
 
@@ -187,7 +200,8 @@ def validate(args: ServerArgs) -> None:
             raise ValueError(f"--{f.name.replace('_', '-')}: {value!r} is not one of "
                              f"{', '.join(choices)}")
     positive = ("max_total_tokens", "max_running_requests", "max_queued_requests", "page_size",
-                "context_length", "cuda_graph_max_bs", "max_prefill_tokens", "tp_size")
+                "context_length", "cuda_graph_max_bs", "max_prefill_tokens", "tp_size",
+                "dp_size", "ep_size", "nnodes")
     for name in positive:
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -205,10 +219,35 @@ def validate(args: ServerArgs) -> None:
         raise ValueError("give --api-key or --api-key-file, not both")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    _validate_parallel(args)
     # Accepted by SGLang, not (yet) implemented here: refused, never silently ignored.
-    if args.tp_size != 1:
-        raise ValueError(f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; "
-                         "an engine runs on one device (--tp-size 1)")
     if args.revision is not None:
         raise ValueError(f"--revision {args.revision}: models load from a local path here, so "
                          "there is no revision to choose; drop the flag")
+
+
+def _validate_parallel(args: ServerArgs) -> None:
+    """The parallel flags' own consistency; what the model allows is the resolver's check."""
+    if args.ep_size not in (1, args.tp_size):
+        raise ValueError(f"--ep-size {args.ep_size}: expert parallelism runs over the tensor-"
+                         f"parallel ranks, so it is 1 or equal to --tp-size ({args.tp_size})")
+    if args.nnodes > 1:
+        if args.tp_size % args.nnodes:
+            raise ValueError(f"--tp-size {args.tp_size} does not split over --nnodes "
+                             f"{args.nnodes} (each node runs tp-size / nnodes ranks)")
+        if args.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address, "
+                             "which every node can reach)")
+        if args.dp_size != 1:
+            raise ValueError("--dp-size with --nnodes > 1 is not supported: run one server "
+                             "per data-parallel replica")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} "
+                         f"(--nnodes {args.nnodes})")
+    if args.dist_init_addr is not None:
+        host, sep, port = args.dist_init_addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--dist-init-addr {args.dist_init_addr!r}: expected host:port")
+        if args.dp_size != 1:
+            raise ValueError("--dist-init-addr names one rendezvous; with --dp-size each "
+                             "replica picks its own loopback port, so leave it out")

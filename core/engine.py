@@ -3,7 +3,8 @@
 
 The plan is resolved here, once (and kept as `engine.plan`); the worker process that
 `core.client.EngineClient` owns is given it as data and runs the model. The tokenizer is loaded
-here for the client's text work; the worker loads its own (for EOS ids and stop strings).
+here for the client's text work; the worker loads its own (for EOS ids and stop strings). With
+`dp_size` > 1 the client is a `core.router.ReplicaSet`: that many workers, the same interface.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from core.client import Chunk, EngineClient, EngineError, StartedWorker
 from core.config import ServerArgs, apply_environment, make_server_args
+from core.router import ReplicaSet
 from core.sampling import SamplingParams, expand_n
 
 __all__ = ["Engine", "EngineClient", "EngineError", "expand_n"]
@@ -55,16 +57,21 @@ class Engine:
                 raise ValueError("pass either server_args or keyword arguments, not both")
             args = apply_environment(server_args if model_path is None else
                                      server_args.replace(model_path=model_path))
-        # the worker imports torch / transformers while this process resolves the plan
-        started = StartedWorker()
+        # the workers import torch / transformers while this process resolves the plan
+        started = [StartedWorker() for _ in range(args.dp_size)]
         try:
             self.args, self.plan, self.spec, _ = make_plan(args)
             log.info("%s", explain(self.plan))
             self.tokenizer = _load_tokenizer(self.args)
         except BaseException:
-            started.cancel()
+            for worker in started:
+                worker.cancel()
             raise
-        self.client = EngineClient(self.args, self.plan, self.tokenizer, started=started)
+        self.client: EngineClient | ReplicaSet
+        if args.dp_size > 1:  # data parallelism: one worker per replica, a router in front
+            self.client = ReplicaSet(self.args, self.plan, self.tokenizer, started=started)
+        else:
+            self.client = EngineClient(self.args, self.plan, self.tokenizer, started=started[0])
         self.info: dict[str, Any] = self.client.info.to_dict()  # core.ipc.EngineInfo's fields
         for note in self.info["notes"]:  # KV sizing, graph capture: found at startup
             log.info("engine: %s", note)
@@ -177,11 +184,13 @@ class Engine:
 
     def failure(self) -> str | None:
         """Why the worker is gone (it died or exited), or None while it runs."""
+        if isinstance(self.client, ReplicaSet):  # any replica's (core.router says why)
+            return self.client.failure()
         if self.client.dead_reason is not None:
             return self.client.dead_reason
         if not self.client.process.is_alive():
             return f"engine worker exited (exit code {self.client.process.exitcode})"
-        return None
+        return self.client.rank_failure()
 
     def check_accounting(self) -> None:
         self.client.check_accounting()

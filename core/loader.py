@@ -249,9 +249,13 @@ def _instantiate(registry: Any, kind: str, name: str) -> Any:
     return reg.load()()
 
 
-def load_model(args: Any, plan: Any, registry: Any, tokenizer: bool = True) -> LoadedModel:
+def load_model(args: Any, plan: Any, registry: Any, tokenizer: bool = True,
+               device: Any = None, tp: Any = None) -> LoadedModel:
     """Build plan.model_impl's class for args.model_path and fill it in the plan's dtype
-    (and load its tokenizer, unless `tokenizer` is False: LoadedModel.tokenizer is then None)."""
+    (and load its tokenizer, unless `tokenizer` is False: LoadedModel.tokenizer is then None).
+    `device`: where the weights go (default: the plan's device type, index 0); `tp`: this
+    rank's tensor-parallel group (core.distributed.TPGroup), whose slice of every weight it
+    loads."""
     model_path = args.model_path or default_model_path()
     source = find_weights(model_path, args.load_format)
     with contextlib.ExitStack() as stack:
@@ -260,11 +264,12 @@ def load_model(args: Any, plan: Any, registry: Any, tokenizer: bool = True) -> L
             # transformers' config and tokenizer share one GGUFReader where their cache
             # (core.gguf_cache) misses; the weights come from the header's tensor table
             stack.enter_context(shared_gguf_reader(source.files[0]))
-        return _load(args, plan, registry, model_path, source, reader, tokenizer)
+        return _load(args, plan, registry, model_path, source, reader, tokenizer, device, tp)
 
 
 def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSource,
-          reader: Any, with_tokenizer: bool = True) -> LoadedModel:
+          reader: Any, with_tokenizer: bool = True, device: Any = None, tp: Any = None
+          ) -> LoadedModel:
     notes: list[str] = []
     if args.load_format == "auto":
         notes.append(f"load format: {source.load_format} (found in {source.directory})")
@@ -282,12 +287,13 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
         raise ValueError(f"no models plugin named {plan.model_impl!r} is registered")
     model_cls = reg.load()
     dtype = getattr(torch, plan.dtype)
-    device = torch.device(plan.device.device_type)
+    device = torch.device(device if device is not None else plan.device.device_type)
     scheme = quant_scheme(config, plan)
     quant = make_quant_method(registry, plan.quant_method, scheme)
     moe = _instantiate(registry, "moe", plan.moe_runner) if plan.moe_runner else None
     ctx = ModelContext(dtype=dtype, device=device, quant_method=quant, moe_runner=moe,
-                       ops=make_layer_ops(registry, plan.layer_ops, dtype, device))
+                       ops=make_layer_ops(registry, plan.layer_ops, dtype, device),
+                       **({"tp": tp} if tp is not None else {}))
     model = model_cls(config, ctx)
     model.eval()
     dense = apply_ignore(model, scheme, DenseLinearMethod(scheme))

@@ -80,6 +80,7 @@ class ModelSpec:
     quant_method: str = "none"  # quantization_config["quant_method"], or "none"
     tie_word_embeddings: bool = False
     rope_scaling: dict[str, Any] | None = None
+    intermediate_size: int | None = None  # the dense MLP's (None: not in the config)
     unread: tuple[str, ...] = ()
     source: str = ""
 
@@ -410,6 +411,8 @@ def spec_from_config(config: dict[str, Any] | PretrainedConfig, source: str = ""
         quant_method=quant_method,
         tie_word_embeddings=bool(tie),
         rope_scaling=_rope_scaling(raw),
+        intermediate_size=int(f.get("intermediate_size")) if f.get("intermediate_size")
+        else None,
         unread=tuple(notes),
         source=source,
     )

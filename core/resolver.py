@@ -143,7 +143,7 @@ def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry:
                                [conflict], loaders)
     slot = Slot("quant_method", "quant", registry, device.target,
                  lambda caps, _: check_quant(caps, spec, device, dtype=dtype, requested=ckpt,
-                                             scheme=scheme),
+                                             scheme=scheme, tp_size=args.tp_size),
                  pick, "--quantization")
     slots.append(slot)
     if pick is None and not slot.ranked():
@@ -426,6 +426,11 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     except ResolveError as exc:
         errors.append(exc)
 
+    try:
+        _parallel(spec, device, args, notes)
+    except ResolveError as exc:
+        errors.append(exc)
+
     if errors:
         raise merge_errors(errors, tuple(c for s in slots for c in s.candidates))
     assert quant is not None and prefill is not None and decode is not None and ops is not None
@@ -441,6 +446,47 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
                 cuda_graph=cuda_graph, model_impl=model_impl, notes=tuple(notes),
                 candidates=candidates, layer_ops=ops, quant_format=scheme.format,
                 grammar_backend=grammar)
+
+
+def _parallel(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, notes: list[str]) -> None:
+    """Whether the model splits over --tp-size ranks (heads, KV heads, MLP and expert widths;
+    the vocabulary is padded), and the devices the ranks and replicas need; a refusal names
+    the sizes and the --tp-size values that would work."""
+    from core.distributed import fitting_tp_sizes, tp_problems
+
+    tp, ep = args.tp_size, args.ep_size
+    sizes = {"intermediate_size": spec.intermediate_size or 0}
+    if spec.moe is not None:
+        sizes["moe_intermediate_size"] = spec.moe.intermediate_size or 0
+        sizes["shared_expert_intermediate_size"] = spec.moe.shared_expert_intermediate_size or 0
+        if spec.moe.moe_layers and len(spec.moe.moe_layers) == spec.num_layers:
+            sizes.pop("intermediate_size")  # no dense layer: its width is never built
+    if tp > 1:
+        reasons = []
+        if spec.attention_kind == "MLA":
+            reasons.append("MLA attention (a latent KV cache) is not split over ranks here")
+        problems = tp_problems(spec.num_heads, spec.num_kv_heads, sizes, tp,
+                               spec.moe.num_experts if spec.moe else None, ep)
+        reasons += problems
+        if reasons:
+            fits = fitting_tp_sizes(spec.num_heads, spec.num_kv_heads, sizes)
+            raise ResolveError(
+                f"{spec.architecture} does not split over --tp-size {tp}", reasons,
+                [f"--tp-size {', '.join(map(str, fits))} (of 1..8) would split "
+                 f"{spec.num_heads} heads / {spec.num_kv_heads} KV heads"])
+        kv_note = ("" if spec.num_kv_heads >= tp else
+                   f"; {spec.num_kv_heads} KV heads replicated onto {tp} ranks")
+        notes.append(f"tensor parallel over {tp} ranks: {spec.num_heads // tp} heads per rank"
+                     f"{kv_note}; vocab {spec.vocab_size} in shards of "
+                     f"{-(-spec.vocab_size // tp)}")
+    if ep > 1:
+        raise ResolveError(f"--ep-size {ep}: expert parallelism is not implemented yet",
+                           ["experts are split over the tensor-parallel ranks instead "
+                            "(--tp-size N with --ep-size 1)"])
+    need = tp // args.nnodes * args.dp_size
+    if device.count and need > device.count and device.dist_backend != "gloo":
+        raise ResolveError(f"--tp-size {tp} x --dp-size {args.dp_size} needs {need} devices per "
+                           f"node; {device.describe()}", [f"this node has {device.count}"])
 
 
 def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, decode: str,

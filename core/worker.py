@@ -36,6 +36,8 @@ from core.ipc import (
     Shutdown,
     StepOutput,
     TokenLogprob,
+    decode,
+    encode,
 )
 from core.plan import Plan
 
@@ -138,15 +140,17 @@ def kv_dtype_of(plan: Plan) -> Any:
 
 
 def build_kv(plan: Plan, spec: Any, mem: MemoryPlan, kv_dtype: Any, device: Any,
-             max_context: int, loaded: Any) -> tuple[Any, Any]:
-    """Phase 2: the paged KV pool (writing through the layer ops' store) and the request table."""
+             max_context: int, loaded: Any, kv_heads: int | None = None) -> tuple[Any, Any]:
+    """Phase 2: the paged KV pool (writing through the layer ops' store) and the request table.
+    kv_heads: the KV heads this rank holds (default: the model's)."""
     from core.kv_cache import KVPool, checkpoint_kv_scales
     from core.memory_pool import ReqToTokenPool
 
     page = plan.page_size
     k_scale, v_scale = checkpoint_kv_scales(loaded.model, kv_dtype, loaded.notes)
     # One extra page: page 0 is the padding sink, so `kv_tokens` stay usable.
-    kv_pool = KVPool(mem.kv_tokens + page, spec.num_layers, spec.num_kv_heads, spec.head_dim,
+    kv_heads = spec.num_kv_heads if kv_heads is None else kv_heads
+    kv_pool = KVPool(mem.kv_tokens + page, spec.num_layers, kv_heads, spec.head_dim,
                      kv_dtype, device, page, spec.v_head_dim, k_scale=k_scale, v_scale=v_scale,
                      store=loaded.ops.store_kv() if loaded.ops is not None else None)
     return kv_pool, ReqToTokenPool(mem.max_running, max_context, device)
@@ -154,14 +158,17 @@ def build_kv(plan: Plan, spec: Any, mem: MemoryPlan, kv_dtype: Any, device: Any,
 
 def build_runner(plan: Plan, spec: Any, registry: Any, platform: Any, loaded: Any,
                  kv_pool: Any, req_to_token: Any, kv_dtype: Any, device: Any, max_context: int,
-                 mem: MemoryPlan) -> tuple[Any, str]:
+                 mem: MemoryPlan, heads: int | None = None, kv_heads: int | None = None
+                 ) -> tuple[Any, str]:
     """Phase 3: attention backends, the model runner (the platform's post-load transform runs
-    here), decode graphs, startup compilation. Returns (runner, graph note)."""
+    here), decode graphs, startup compilation. Returns (runner, graph note). heads, kv_heads:
+    what this rank holds (default: the model's)."""
     from core.attention import BackendContext
     from core.graphs import capture_graphs
     from core.model_runner import ModelRunner, make_backends
 
-    ctx = BackendContext(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+    ctx = BackendContext(num_heads=spec.num_heads if heads is None else heads,
+                         num_kv_heads=spec.num_kv_heads if kv_heads is None else kv_heads,
                          head_dim=spec.head_dim, num_layers=spec.num_layers,
                          dtype=loaded.dtype, kv_dtype=kv_dtype, device=device,
                          page_size=plan.page_size, max_context_len=max_context)
@@ -220,11 +227,56 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any
     return scheduler, eos, overlap_note
 
 
-def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
-                      loaded: Any = None) -> EngineCore:
-    """Load (unless given), then the four phases: memory, KV, runner, scheduler."""
+@dataclass
+class Ranks:
+    """This worker's place among the tensor-parallel ranks of its engine (None of it when the
+    engine is one process without torch.distributed)."""
+
+    spec: Any  # core.distributed.RankSpec
+    tp: Any  # core.distributed.TPGroup
+    comm: Any  # torch.device of the worker's own collectives (core.distributed.comm_device)
+    ranks_here: int  # ranks on this node (they share its cores on a CPU target)
+
+    def share(self, msgs: list[Message] | None) -> list[Message]:
+        """Rank 0's messages of this loop turn, on every rank (rank 0 passes them, the others
+        None): JSON lines in one broadcast."""
+        from core.distributed import broadcast_bytes
+
+        data = None if msgs is None else b"\n".join(encode(m) for m in msgs)
+        got = broadcast_bytes(data, self.comm)
+        return [] if not got else [decode(line) for line in got.split(b"\n")]
+
+
+def join_ranks(spec: Any, payload: bytes | None) -> tuple[Ranks, bytes]:
+    """Join the process group of `spec` and share rank 0's args and plan (`payload`, JSON;
+    None on the other ranks, which may be on another node and know nothing yet)."""
     import torch
 
+    from core.distributed import TPGroup, broadcast_bytes, comm_device, init_process_group
+
+    device = torch.device(spec.device)
+    init_process_group(spec, device)
+    comm = comm_device(spec.backend, device)
+    payload = broadcast_bytes(payload, comm)
+    got = json.loads(payload)
+    ranks_here = int(got["ranks_here"])
+    tp = TPGroup(rank=spec.rank, size=spec.world, group=torch.distributed.group.WORLD)
+    return Ranks(spec, tp, comm, ranks_here), payload
+
+
+def local_heads(spec: Any, tp: Any) -> tuple[int, int]:
+    """(query heads, KV heads) one rank holds."""
+    return tp.split(spec.num_heads, "attention heads")[1], tp.kv_heads(spec.num_kv_heads)[1]
+
+
+def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
+                      loaded: Any = None, ranks: Ranks | None = None) -> EngineCore:
+    """Load (unless given), then the four phases: memory, KV, runner, scheduler. `ranks`:
+    this worker's tensor-parallel place (its device index, its slice of the model, a KV pool
+    for its heads, sized the same on every rank)."""
+    import torch
+
+    from core.distributed import SINGLE, all_min, share_threads
     from core.kv_cache import KVPool
     from core.loader import load_model
     from core.platform import load_platform
@@ -233,19 +285,33 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
         raise ValueError(f"cannot run on a simulated device ({plan.device.describe()}); "
                          f"drop --device-profile to run here")
     platform = load_platform(registry, plan.device)
-    device = torch.device(platform.torch_device(0))
+    index = ranks.spec.local_index if ranks is not None else 0
+    tp = ranks.tp if ranks is not None else SINGLE
+    device = torch.device(platform.torch_device(index))
+    if ranks is not None:
+        share_threads(ranks.ranks_here)
     if loaded is None:
-        loaded = load_model(args, plan, registry)
+        loaded = load_model(args, plan, registry, device=device, tp=tp)
     cfg = loaded.hf_config
     max_context = int(getattr(cfg, "max_position_embeddings", None) or spec.context_length)
     kv_dtype = kv_dtype_of(plan)
-    per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+    heads, kv_heads = local_heads(spec, tp)
+    per_token = KVPool.bytes_per_token(spec.num_layers, kv_heads, spec.head_dim,
                                        kv_dtype, spec.v_head_dim)
     mem = plan_memory(args, plan, spec, cfg, loaded.dtype.itemsize, per_token,
-                      platform.memory(0)[0] if args.max_total_tokens is None else 0, platform)
-    kv_pool, req_to_token = build_kv(plan, spec, mem, kv_dtype, device, max_context, loaded)
+                      platform.memory(index)[0] if args.max_total_tokens is None else 0,
+                      platform)
+    notes: tuple[str, ...] = ()
+    if ranks is not None:  # every rank schedules alike: one pool size, the smallest
+        mem = dataclasses.replace(mem, kv_tokens=all_min(mem.kv_tokens, ranks.comm))
+        notes = (f"tensor parallel: rank {tp.rank} of {tp.size} ({ranks.spec.backend}), "
+                 f"{heads} of {spec.num_heads} heads and {kv_heads} of {spec.num_kv_heads} "
+                 f"KV heads per rank",)
+    kv_pool, req_to_token = build_kv(plan, spec, mem, kv_dtype, device, max_context, loaded,
+                                     kv_heads)
     runner, graph_note = build_runner(plan, spec, registry, platform, loaded, kv_pool,
-                                      req_to_token, kv_dtype, device, max_context, mem)
+                                      req_to_token, kv_dtype, device, max_context, mem,
+                                      heads, kv_heads)
     scheduler, eos, overlap_note = build_scheduler(args, plan, runner, req_to_token, mem,
                                                    platform, loaded, max_context, device,
                                                    registry)
@@ -254,7 +320,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
         page_size=plan.page_size, max_running_requests=mem.max_running,
         vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(sorted(eos)),
         chunked_prefill_size=mem.chunked_prefill_size, kv_bytes_per_token=per_token,
-        notes=(*loaded.notes, *runner.notes, *mem.notes, graph_note, overlap_note),
+        notes=(*loaded.notes, *notes, *runner.notes, *mem.notes, graph_note, overlap_note),
         cuda_graph_batch_sizes=tuple(sorted(runner.graph_runner.graphs))
         if runner.graph_runner is not None else (),
         device=str(device), pid=os.getpid())
@@ -325,10 +391,44 @@ class _Heartbeat:
                 return
 
 
-def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S) -> None:
-    """The worker loop: drain messages, run a step when there is work, send its outputs."""
+def _apply(core: EngineCore, msg: Message, send: Any) -> bool:
+    """Carry out one client message on this rank's scheduler; `send` answers the client (rank
+    0), None on the other ranks, which apply the same messages silently. False: shut down."""
     from core.scheduler import AdmissionError
 
+    sched = core.scheduler
+    if isinstance(msg, AddRequest):
+        try:  # validated by the client: only what depends on the scheduler's state
+            sched.admit(msg.rid, list(msg.input_ids), msg.params, msg.priority)
+        except ValueError as exc:
+            if send is not None:
+                status = exc.status if isinstance(exc, AdmissionError) else 400
+                send(StepOutput((OutputItem(
+                    msg.rid, (), None, Finish("abort", message=str(exc), status_code=status),
+                    len(msg.input_ids), 0, 0),)))
+    elif isinstance(msg, Abort):
+        sched.abort(msg.rid)
+    elif isinstance(msg, Rpc):
+        try:
+            reply = Reply(msg.id, True, _rpc(core, msg.op))
+        except (ValueError, AssertionError) as exc:
+            reply = Reply(msg.id, False, error=f"{type(exc).__name__}: {exc}")
+        if send is not None:
+            send(reply)
+    elif isinstance(msg, Shutdown):
+        return False
+    else:
+        raise ValueError(f"the worker does not take {type(msg).__name__} messages")
+    return True
+
+
+def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S,
+          ranks: Ranks | None = None) -> None:
+    """The worker loop: drain messages, run a step when there is work, send its outputs.
+    With tensor-parallel ranks, each turn's messages (possibly none) are broadcast to the
+    others before anything is applied, so every rank's scheduler takes the same steps; the
+    broadcast comes at least every idle poll (0.5 s), which also tells the ranks rank 0
+    lives."""
     sched = core.scheduler
     parent = os.getppid()
     lock = threading.Lock()  # the heartbeat thread sends on the same pipe
@@ -344,42 +444,43 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S) -> 
     try:
         while True:
             timeout = 0.0 if sched.has_work else 0.5
+            msgs: list[Message] = []
             while chan.poll(timeout):
                 timeout = 0.0
-                msg = chan.recv()
-                if isinstance(msg, AddRequest):
-                    try:  # validated by the client: only what depends on the scheduler's state
-                        sched.admit(msg.rid, list(msg.input_ids), msg.params, msg.priority)
-                    except ValueError as exc:
-                        status = exc.status if isinstance(exc, AdmissionError) else 400
-                        send(StepOutput((OutputItem(
-                            msg.rid, (), None, Finish("abort", message=str(exc),
-                                                      status_code=status),
-                            len(msg.input_ids), 0, 0),)))
-                elif isinstance(msg, Abort):
-                    sched.abort(msg.rid)
-                elif isinstance(msg, Rpc):
-                    try:
-                        send(Reply(msg.id, True, _rpc(core, msg.op)))
-                    except (ValueError, AssertionError) as exc:
-                        send(Reply(msg.id, False, error=f"{type(exc).__name__}: {exc}"))
-                elif isinstance(msg, Shutdown):
+                msgs.append(chan.recv())
+            orphaned = not sched.has_work and not msgs and os.getppid() != parent
+            if orphaned:  # the client died without a shutdown: the ranks stop too
+                msgs.append(Shutdown())
+            if ranks is not None:
+                ranks.share(msgs)
+            for msg in msgs:
+                if not _apply(core, msg, send):
                     return
-                else:
-                    raise ValueError(f"the worker does not take {type(msg).__name__} messages")
             if sched.has_work:
                 beat.step_started = time.monotonic()
                 touched = sched.step()
                 beat.step_started = None
                 if touched:
                     send(StepOutput(tuple(_item(r) for r in touched)))
-            elif os.getppid() != parent:  # orphaned: the client died without a shutdown
-                return
             now = time.monotonic()
             if now - published >= SNAPSHOT_S:
                 beat.stats, published = _rpc(core, "stats"), now
     finally:
         beat.stop()
+
+
+def follow(core: EngineCore, ranks: Ranks) -> None:
+    """The loop of a rank other than 0: apply rank 0's messages of each turn, take the same
+    step (its outputs are rank 0's to send: they are made and dropped, so per-request state
+    moves on alike)."""
+    sched = core.scheduler
+    while True:
+        for msg in ranks.share(None):
+            if not _apply(core, msg, None):
+                return
+        if sched.has_work:
+            for r in sched.step():
+                _item(r)
 
 
 def plan_from_parent(args_json: str, plan_json: str) -> tuple[ServerArgs, Plan, Any, Any]:
@@ -393,14 +494,25 @@ def plan_from_parent(args_json: str, plan_json: str) -> tuple[ServerArgs, Plan, 
     return args, plan, load_model_spec(args.model_path), get_registry()
 
 
-def worker_main(conn: Any, args_json: str, plan_json: str) -> None:
-    """Entry of the spawned worker process: the parent's args (model path filled in) and its
-    resolved plan, both JSON."""
+def worker_main(conn: Any, args_json: str, plan_json: str, rank_json: str | None = None
+                ) -> None:
+    """Entry of the spawned worker process (rank 0 of its engine): the parent's args (model
+    path filled in) and its resolved plan, both JSON; `rank_json` (core.distributed.RankSpec)
+    when the engine spans tensor-parallel ranks, which rank 0 then joins and sends the args
+    and plan."""
     # Ctrl-C reaches the whole process group: the client decides when the worker stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     chan = Channel(conn)
+    ranks = None
     try:
-        core = build_engine_core(*plan_from_parent(args_json, plan_json))
+        args, plan, spec, registry = plan_from_parent(args_json, plan_json)
+        if rank_json is not None:
+            from core.distributed import RankSpec
+
+            payload = json.dumps({"args": args_json, "plan": plan_json,
+                                  "ranks_here": args.tp_size // args.nnodes}).encode()
+            ranks, _ = join_ranks(RankSpec.from_json(rank_json), payload)
+        core = build_engine_core(args, plan, spec, registry, ranks=ranks)
     except Exception as exc:  # noqa: BLE001 - reported to the client, which raises it
         try:
             chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -409,7 +521,7 @@ def worker_main(conn: Any, args_json: str, plan_json: str) -> None:
         return
     chan.send(Ready(core.info))
     try:
-        serve(core, chan)
+        serve(core, chan, ranks=ranks)
     except ChannelClosed:
         return
     except Exception as exc:  # noqa: BLE001 - a scheduler bug: tell the client, then exit
@@ -418,6 +530,28 @@ def worker_main(conn: Any, args_json: str, plan_json: str) -> None:
             chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         except ChannelClosed:
             pass
+
+
+def rank_main(rank_json: str) -> None:
+    """Entry of a tensor-parallel rank other than 0 (spawned by the client on node 0, or by
+    `core serve --node-rank N` on another node): join the group, take rank 0's args and plan
+    from it, build this rank's engine core, and follow rank 0's loop. A failure ends the
+    process with the reason on stderr; rank 0 sees its collectives fail and reports it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from core.distributed import RankSpec
+
+    spec = RankSpec.from_json(rank_json)
+    try:
+        ranks, payload = join_ranks(spec, None)
+        got = json.loads(payload)
+        args, plan, model_spec, registry = plan_from_parent(got["args"], got["plan"])
+        core = build_engine_core(args, plan, model_spec, registry, ranks=ranks)
+        follow(core, ranks)
+    except Exception as exc:  # noqa: BLE001 - the reason, then a non-zero exit
+        print(f"core: tensor-parallel rank {spec.rank} stopped: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        traceback.print_exc()
+        sys.exit(1)
 
 
 def worker_prestarted(conn: Any) -> None:
@@ -433,7 +567,7 @@ def worker_prestarted(conn: Any) -> None:
         message = json.loads(conn.recv_bytes().decode())
     except (EOFError, OSError):
         return  # the parent gave up before sending a plan (its resolution failed)
-    worker_main(conn, message["args"], message["plan"])
+    worker_main(conn, message["args"], message["plan"], message.get("rank"))
 
 
 def args_to_json(args: ServerArgs) -> str:

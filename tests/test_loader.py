@@ -154,8 +154,8 @@ def test_context_length_note_and_flags_with_no_effect_are_refused(tmp_path, regi
     assert any("context length 64" in n for n in loaded.notes)
     with pytest.raises(ValueError, match="--revision main: models load from a local path"):
         make_server_args(model_path=str(path), revision="main")
-    with pytest.raises(ValueError, match="--tp-size 2: tensor parallelism is not implemented"):
-        make_server_args(model_path=str(path), tp_size=2)
+    with pytest.raises(ValueError, match="--ep-size 2: expert parallelism runs over the"):
+        make_server_args(model_path=str(path), ep_size=2)
 
 
 def test_unknown_model_impl(tmp_path, registry):

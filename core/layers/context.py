@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.distributed import SINGLE, TPGroup
 from core.layers.linear import UnquantizedLinearMethod
 from core.layers.ops_ref import TorchLayerOps
 
@@ -17,6 +18,8 @@ class ModelContext:
     quant_method: creates / post-processes / applies linear weights (the `unquantized` method's
     instance by default). moe_runner: the chosen MoE runner instance (None for dense models).
     ops: the layer ops (core.layer_ops; the PyTorch reference by default), every op provided.
+    tp: this rank's tensor-parallel group (core.distributed; one rank by default): layers built
+    with it hold this rank's slice and reduce or gather across ranks where the math needs it.
     """
 
     dtype: torch.dtype = torch.float32
@@ -24,3 +27,4 @@ class ModelContext:
     quant_method: object = field(default_factory=UnquantizedLinearMethod)
     moe_runner: object | None = None
     ops: object = field(default_factory=TorchLayerOps)
+    tp: TPGroup = SINGLE

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.distributed import SINGLE
 from core.quant import load_shard
 
 # A platform's dense product over its own weight layout, called as matmul(x, weight=W, bias=b)
@@ -81,17 +82,54 @@ class DenseLinearMethod:
 UnquantizedLinearMethod = DenseLinearMethod  # the name layers and tests have used
 
 
+def tp_narrow(loaded: object, dim: int, start: int, length: int) -> object:
+    """The part [start, start + length) along `dim` (0: output rows, 1: inputs) of a checkpoint
+    tensor, or of anything that can narrow itself (GGUF blocks); what a tensor-parallel rank
+    loads of a weight."""
+    if isinstance(loaded, torch.Tensor):
+        if loaded.dim() <= dim:
+            return loaded  # a scalar or 1-D tensor along no such dim: the whole of it
+        return loaded.narrow(dim, start, length)
+    narrow = getattr(loaded, "narrow", None)
+    if narrow is None:
+        raise ValueError(f"{type(loaded).__name__} cannot be split for tensor parallelism")
+    return narrow(dim, start, length)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), possibly several HF projections stacked along the output dim.
 
     `output_sizes` lists the stacked shards (e.g. [q, k, v] or [gate, up]); `shard_names` names
     them so that `weight_loader(param, tensor, shard)` can place an HF tensor at its offset.
+
+    Tensor parallelism (ctx.tp): `parallel="column"` keeps this rank's rows of every shard (an
+    even split, or `shard_rows`: (start, length) per shard in the checkpoint's rows, for
+    replicated KV heads); `parallel="row"` keeps this rank's inputs (`in_part`, default an
+    even split) and sums the ranks' partial outputs with one all-reduce (`reduce=False`
+    leaves that to the caller, who reduces once for several); the bias is added by rank 0
+    only. Sizes given are the model's; the layer's own are this rank's.
     """
 
     def __init__(self, input_size: int, output_sizes: int | Sequence[int], bias: bool,
-                 ctx, shard_names: Sequence[str] | None = None):
+                 ctx, shard_names: Sequence[str] | None = None, parallel: str | None = None,
+                 shard_rows: Sequence[tuple[int, int]] | None = None,
+                 in_part: tuple[int, int] | None = None, reduce: bool = True):
         super().__init__()
         sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        tp = getattr(ctx, "tp", SINGLE)
+        self.tp, self.parallel, self.reduce = tp, parallel, reduce
+        self._rows: list[tuple[int, int]] | None = None
+        self._in_part: tuple[int, int] | None = None
+        if parallel == "column":
+            self._rows = list(shard_rows) if shard_rows is not None else [
+                tp.split(n, "output size") for n in sizes]
+            sizes = [n for _, n in self._rows]
+        elif parallel == "row":
+            self._in_part = in_part if in_part is not None else tp.split(input_size,
+                                                                         "input size")
+            input_size = self._in_part[1]
+        elif parallel is not None:
+            raise ValueError(f"parallel must be 'column', 'row' or None, not {parallel!r}")
         self.input_size = input_size
         self.output_sizes = sizes
         self.output_size = sum(sizes)
@@ -127,12 +165,26 @@ class Linear(nn.Module):
         given once per shard by a checkpoint."""
         return self.shard_names
 
+    def _tp_part(self, param: nn.Parameter, loaded: object, shard: str | None) -> object:
+        """This rank's part of a checkpoint tensor (the whole of it without parallelism)."""
+        if self._rows is not None:
+            i = self.shard_names.index(shard) if (shard is not None and self.shard_names) else 0
+            start, length = self._rows[i]
+            return tp_narrow(loaded, 0, start, length)
+        if self._in_part is not None:
+            if param is getattr(self, "bias", None):  # added once, by rank 0
+                return loaded if self.tp.rank == 0 else torch.zeros_like(loaded)
+            return tp_narrow(loaded, 1, *self._in_part)
+        return loaded
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: str | None = None) -> None:
         """Copy an HF tensor into `param` (the whole of it, or one shard's part: its rows, or
         what core.quant.mark says the shard owns of a quantized parameter). A quant method
         with its own `weight_loader(layer, param, loaded, shard)` takes the tensor instead
-        (one that reads the file's blocks as they are: GGUF)."""
+        (one that reads the file's blocks as they are: GGUF). Under tensor parallelism the
+        tensor is first cut to this rank's part."""
+        loaded = self._tp_part(param, loaded, shard)
         own = getattr(self.quant_method, "weight_loader", None)
         if own is not None:
             own(self, param, loaded, shard)
@@ -144,12 +196,20 @@ class Linear(nn.Module):
             load_shard(param, loaded, self.shard_slice(shard), self.shard_names.index(shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        y = self.quant_method.apply(self, x)
+        return self.tp.all_reduce(y) if self._reduces() else y
+
+    def _reduces(self) -> bool:
+        return self._in_part is not None and self.reduce and self.tp.active
 
     def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """x -> y as a plain callable; quant methods may offer `bind(layer)` for a faster one."""
         bind = getattr(self.quant_method, "bind", None)
-        return bind(self) if bind is not None else partial(self.quant_method.apply, self)
+        f = bind(self) if bind is not None else partial(self.quant_method.apply, self)
+        if self._reduces():
+            reduce = self.tp.all_reduce
+            return lambda x: reduce(f(x))
+        return f
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}"

@@ -8,7 +8,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from core.layers.linear import DenseLinearMethod, Linear
+from core.distributed import SINGLE
+from core.layers.linear import DenseLinearMethod, Linear, tp_narrow
 from core.moe import MoELayerParams, MoEWeights
 
 # HF expert projection names -> our stacked tensors (w13 = [gate | up], w2 = down).
@@ -23,6 +24,11 @@ class MoE(nn.Module):
 
     Weights: w13_weight [E, 2I, H], w2_weight [E, H, I] (created by the quant method); the
     router is `gate` (dense whatever the experts' quantization).
+
+    Tensor parallelism (ctx.tp): every rank holds every expert's slice [i0, i0 + I / tp) of the
+    intermediate dim (gate and up rows, down columns), routes all tokens alike (the router is
+    replicated), and the ranks' partial outputs are summed with one all-reduce (a shared
+    expert's partial output, added by the runner before it, is summed with them).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
@@ -33,6 +39,12 @@ class MoE(nn.Module):
         super().__init__()
         if ctx.moe_runner is None:
             raise ValueError("this model has MoE layers but no MoE runner was chosen")
+        self.tp = getattr(ctx, "tp", SINGLE)
+        self.full_intermediate_size = intermediate_size
+        self._i_part = self.tp.split(intermediate_size, "MoE intermediate size") \
+            if self.tp.active else None
+        if self._i_part is not None:
+            intermediate_size = self._i_part[1]
         self.params = MoELayerParams(
             layer_id=layer_id, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
             intermediate_size=intermediate_size, renormalize=renormalize,
@@ -68,6 +80,7 @@ class MoE(nn.Module):
                       shard: str | None = None) -> None:
         """Copy one expert's projection (shard "3.gate" / "3.up" / "3.down") or, with no
         shard, a fused tensor holding every expert ([E, 2I, H] gate|up, or [E, H, I] down)."""
+        loaded = self._tp_part(param, loaded, shard)
         if shard is None:
             target = param.data
         else:
@@ -87,6 +100,23 @@ class MoE(nn.Module):
                                  f"{tuple(loaded.shape)}")
             loaded = loaded.reshape(target.shape)  # a scalar scale saved as [] or [1]
         target.copy_(loaded)
+
+    def _tp_part(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None
+                 ) -> torch.Tensor:
+        """This rank's intermediate slice of one expert's projection, or of a fused tensor
+        of every expert (gate | up stacked on dim 1 of w13; down's inputs on w2's last dim)."""
+        if self._i_part is None:
+            return loaded
+        i0, n = self._i_part
+        if shard is not None:
+            proj = shard.split(".")[1]
+            return tp_narrow(loaded, 0 if proj in ("gate", "up") else 1, i0, n)
+        if param is self.w13_weight:  # [E, 2I, H]
+            full = self.full_intermediate_size
+            return torch.cat([loaded.narrow(1, i0, n), loaded.narrow(1, full + i0, n)], dim=1)
+        if param is self.w2_weight:  # [E, H, I]
+            return loaded.narrow(2, i0, n)
+        raise ValueError("only dense expert weights can be split for tensor parallelism")
 
     def expert_weight_loader(self, loaded: torch.Tensor, expert_id: int, proj: str) -> None:
         """Place one HF expert projection (gate_proj/up_proj/down_proj or w1/w3/w2)."""
@@ -114,4 +144,5 @@ class MoE(nn.Module):
     def forward(self, hidden: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H] (+ the shared experts' output [T, H]) -> [T, H]."""
         router_logits = self.gate(hidden)  # [T, E]
-        return self.runner.forward(hidden, router_logits, self.weights(), self.params, shared)
+        out = self.runner.forward(hidden, router_logits, self.weights(), self.params, shared)
+        return self.tp.all_reduce(out) if self._i_part is not None else out

@@ -35,14 +35,20 @@ class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int,
                  bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                               bias[0], ctx, shard_names=("q", "k", "v"))
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias[1], ctx)
+        tp = ctx.tp  # this rank's heads: an even share of q heads, its KV heads (or a replica)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = D = head_dim_of(config)
+        q0, self.num_heads = tp.split(heads, "attention heads")
+        k0, self.num_kv_heads = tp.kv_heads(kv_heads)
+        self.q_size = self.num_heads * D
+        self.kv_size = self.num_kv_heads * D
+        self.qkv_proj = Linear(config.hidden_size, [heads * D, kv_heads * D, kv_heads * D],
+                               bias[0], ctx, shard_names=("q", "k", "v"), parallel="column",
+                               shard_rows=[(q0 * D, self.q_size), (k0 * D, self.kv_size),
+                                           (k0 * D, self.kv_size)])
+        self.o_proj = Linear(heads * D, config.hidden_size, bias[1], ctx, parallel="row",
+                             in_part=(q0 * D, self.q_size))
         if qk_norm:
             eps = config.rms_norm_eps
             self.q_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device, ctx.ops)
@@ -54,14 +60,17 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     """Holds the gated MLP's weights; the computation is in DecoderLayer.forward."""
 
-    def __init__(self, config: PretrainedConfig, ctx: ModelContext):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext, reduce: bool = True):
+        """reduce=False: the down projection's partial sums are left to the caller (a MoE
+        block reduces its shared expert together with its routed experts)."""
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, ctx,
-                                   shard_names=("gate", "up"))
+                                   shard_names=("gate", "up"), parallel="column")
         self.act = GatedAct(getattr(config, "hidden_act", "silu"), ctx.ops)
-        self.down_proj = Linear(inter, config.hidden_size, bias, ctx)
+        self.down_proj = Linear(inter, config.hidden_size, bias, ctx, parallel="row",
+                                reduce=reduce)
 
     def bound_parts(self) -> tuple:
         """(gate_up, down, act) callables for DecoderLayer's hot path: down(act(gate_up(x)))."""
@@ -135,7 +144,8 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, owner: type):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype,
-                                           ctx.device, quant_method=ctx.quant_method)
+                                           ctx.device, quant_method=ctx.quant_method,
+                                           tp=ctx.tp)
         self.layers = nn.ModuleList(
             DecoderLayer(config, ctx, i, owner.attention_bias(config), owner.qk_norm,
                          owner.sliding_window(config, i), owner.make_mlp(config, ctx, i))
@@ -191,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
                               else None,
                               final_logit_softcap=getattr(config, "final_logit_softcapping",
                                                           None),
-                              quant_method=ctx.quant_method)
+                              quant_method=ctx.quant_method, tp=ctx.tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:

@@ -52,11 +52,12 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 def shared_expert(config: PretrainedConfig, ctx: ModelContext, intermediate_size: int
                   ) -> DecoderMLP:
     """The shared expert: the dense gated MLP at its own width (HF names gate_proj / up_proj /
-    down_proj, stacked like a dense layer's)."""
+    down_proj, stacked like a dense layer's). Under tensor parallelism its down projection
+    is not reduced on its own: the block reduces it with the routed experts' sum."""
     narrow = copy.copy(config)
     narrow.intermediate_size = intermediate_size
     narrow.mlp_bias = False
-    return DecoderMLP(narrow, ctx)
+    return DecoderMLP(narrow, ctx, reduce=False)
 
 
 class SparseMoeBlock(MoE):

@@ -19,6 +19,7 @@ CAPS = QuantCaps(
     moe=True,
     priority={"cpu": 10, "cuda": 10, "rocm": 10, "xpu": 10, "npu": 10},
     description="dense weights, F.linear (GGUF is dequantized at load)",
+    tensor_parallel=True,
 )
 
 
