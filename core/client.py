@@ -78,17 +78,17 @@ class StartedWorker:
             self.process.join(timeout=5)
 
 
-def rank_specs(args: ServerArgs, plan: Plan, replica: int = 0) -> list[Any]:
-    """The RankSpecs of this node's ranks of one engine (core.distributed), rank 0 first;
-    empty when the engine is one process without torch.distributed (--tp-size 1 and no
-    --dist-init-addr)."""
+def rank_specs(args: ServerArgs, device: Any, replica: int = 0) -> list[Any]:
+    """The RankSpecs of this node's ranks of one engine (core.distributed) on `device` (a
+    DeviceInfo: the plan's), this node's first rank first; empty when the engine is one
+    process without torch.distributed (--tp-size 1, one node, no --dist-init-addr)."""
     if args.tp_size == 1 and args.nnodes == 1 and args.dist_init_addr is None:
         return []
     from core.distributed import RankSpec, free_loopback_port
     from core.platform import load_platform
     from core.plugins import get_registry
 
-    platform = load_platform(get_registry(), plan.device)
+    platform = load_platform(get_registry(), device)
     addr = args.dist_init_addr or f"127.0.0.1:{free_loopback_port()}"
     here = args.tp_size // args.nnodes
     first = args.node_rank * here
@@ -112,6 +112,35 @@ def start_ranks(specs: list[Any]) -> list[Any]:
         proc.start()
         procs.append(proc)
     return procs
+
+
+def serve_node(args: ServerArgs) -> int:
+    """`core serve --node-rank N` (N > 0): run this node's tensor-parallel ranks of the
+    engine node 0 serves (no HTTP here; the args and plan come from rank 0 once the group
+    forms) until they end; SIGTERM / SIGINT stop them. Exit status 0 when every rank ended
+    cleanly (node 0 shut the engine down), 1 otherwise."""
+    import signal
+
+    from core.devices import select_device
+    from core.plugins import get_registry
+
+    device = select_device(get_registry(), args.device, None)
+    procs = start_ranks(rank_specs(args, device))
+    print(f"core serve: node {args.node_rank} of {args.nnodes}: {len(procs)} rank(s) joining "
+          f"{args.dist_init_addr}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while any(p.is_alive() for p in procs) and not stop.wait(0.5):
+        pass
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
 
 
 class EngineClient:
@@ -144,7 +173,7 @@ class EngineClient:
         self.last_heartbeat = time.monotonic()
         self.heartbeat: ipc.Heartbeat | None = None
         self.ranks: list[Any] = []  # processes of this node's ranks 1.. (tensor parallel)
-        specs = rank_specs(args, plan, replica)
+        specs = rank_specs(args, plan.device, replica)
         rank0 = specs[0].to_json() if specs else None
         if started is not None:
             self.process, parent_conn = started.process, started.conn

@@ -471,9 +471,9 @@ def _parallel(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, notes: list
         if reasons:
             fits = fitting_tp_sizes(spec.num_heads, spec.num_kv_heads, sizes)
             raise ResolveError(
-                f"{spec.architecture} does not split over --tp-size {tp}", reasons,
-                [f"--tp-size {', '.join(map(str, fits))} (of 1..8) would split "
-                 f"{spec.num_heads} heads / {spec.num_kv_heads} KV heads"])
+                f"{spec.architecture} does not split over --tp-size {tp}",
+                [*reasons, f"--tp-size values (of 1..8) that split its {spec.num_heads} heads,"
+                 f" {spec.num_kv_heads} KV heads and MLP widths: {', '.join(map(str, fits))}"])
         kv_note = ("" if spec.num_kv_heads >= tp else
                    f"; {spec.num_kv_heads} KV heads replicated onto {tp} ranks")
         notes.append(f"tensor parallel over {tp} ranks: {spec.num_heads // tp} heads per rank"

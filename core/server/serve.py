@@ -261,6 +261,11 @@ def serve_main(args: ServerArgs) -> int:
     from core.server.adapter import start_engine
     from core.server.auth import resolve_api_key
 
+    if args.node_rank > 0:  # another node's ranks of node 0's engine: no HTTP here
+        from core.client import serve_node
+
+        return serve_node(args)
+
     try:  # before the model loads: a bad key is a usage error
         resolve_api_key(args.api_key, args.api_key_file)
     except ValueError as e:
