@@ -519,6 +519,9 @@ def _start_all(args: ServerArgs, plan: Plan, tokenizer: Any,
     if errors:
         for c in clients:
             c.close()
+        for i, _ in errors:  # a client that failed before taking its prestarted worker
+            if started is not None and started[i].process.is_alive():
+                started[i].cancel()
         i, exc = errors[0]
         if isinstance(exc, EngineError):
             raise EngineError(f"data-parallel replica {i} of {n}: {exc}") from exc

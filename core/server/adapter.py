@@ -8,6 +8,10 @@ Liveness (`health`) is the worker process being alive with a fresh heartbeat, wh
 sends from its own thread every second: a long scheduler step (a big prefill on a CPU) does not
 make a healthy engine read as dead. `stats` asks the scheduler (answered between steps) and falls
 back to the figures of the last heartbeat when a step is running.
+
+With --dp-size N the engine is N replicas behind core.router.ReplicaSet: liveness is every
+replica's, `stats` are their sums plus `replicas`, one entry per replica (dp_rank, alive,
+in_flight and routed: the router's counts, and that replica's own figures).
 """
 
 from __future__ import annotations
@@ -99,7 +103,17 @@ class EngineAdapter:
     def describe_plan(self) -> str:
         from core.resolver import explain
 
-        return explain(self.plan) if self.plan is not None else ""
+        if self.plan is None:
+            return ""
+        text = explain(self.plan)
+        args = self.engine.args
+        if args.dp_size > 1:  # a row of the plan's table (its first block)
+            lines = text.split("\n")
+            end = lines.index("") if "" in lines else len(lines)
+            lines.insert(end, f"  {'data parallel':<18} {args.dp_size} replicas, "
+                              f"{args.load_balance_method}")
+            text = "\n".join(lines)
+        return text
 
     def model_info(self) -> dict[str, Any]:
         args = self.engine.args
@@ -112,7 +126,9 @@ class EngineAdapter:
                 "page_size": self.info["page_size"],
                 "max_running_requests": self.info["max_running_requests"],
                 "eos_token_ids": self.info.get("eos_token_ids"),
-                "device": self.info.get("device")}
+                "device": self.info.get("device"),
+                **({"dp_size": args.dp_size, "load_balance_method": args.load_balance_method}
+                   if args.dp_size > 1 else {})}
 
     def validate_sampling(self, sampling: dict[str, Any]) -> None:
         from core.sampling import SamplingParams
@@ -243,16 +259,13 @@ class EngineAdapter:
             if not s:
                 raise
             s = {**s, "stale": True}
-        total, free = s.get("total_pages", 0), s.get("free_pages", 0)
-        # pages held by requests; reusable prefix-cache pages count as free (as SGLang counts)
-        evictable = s.get("evictable_pages", s.get("cached_pages", 0))
-        cached, computed = s.get("cached_tokens", 0), s.get("prefill_tokens", 0)
-        return {"num_running_reqs": s.get("running", 0), "num_queued_reqs": s.get("waiting", 0),
-                "kv_pages_used": total - free - evictable, "kv_pages_total": total,
-                "kv_pages_cached": s.get("cached_pages", 0),
-                "prefix_cache_hit_rate": cached / (cached + computed) if cached + computed
-                else 0.0,
-                "engine": s}
+        out = {**_figures(s), "engine": s}
+        if "replicas" in s:  # data parallel (core.router.merge_stats)
+            out["replicas"] = [
+                {"dp_rank": r["dp_rank"], "alive": r["alive"], "in_flight": r["in_flight"],
+                 "routed": r["routed"], **(_figures(r) if "running" in r else {}),
+                 **({"stale": True} if r.get("stale") else {})} for r in s["replicas"]]
+        return out
 
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
@@ -271,8 +284,22 @@ class EngineAdapter:
         self._rpc.shutdown(wait=False, cancel_futures=True)
 
 
+def _figures(s: dict[str, Any]) -> dict[str, Any]:
+    """The server's names for a scheduler's figures (core.scheduler.Scheduler.stats)."""
+    total, free = s.get("total_pages", 0), s.get("free_pages", 0)
+    # pages held by requests; reusable prefix-cache pages count as free (as SGLang counts)
+    evictable = s.get("evictable_pages", s.get("cached_pages", 0))
+    cached, computed = s.get("cached_tokens", 0), s.get("prefill_tokens", 0)
+    return {"num_running_reqs": s.get("running", 0), "num_queued_reqs": s.get("waiting", 0),
+            "kv_pages_used": total - free - evictable, "kv_pages_total": total,
+            "kv_pages_cached": s.get("cached_pages", 0),
+            "prefix_cache_hit_rate": cached / (cached + computed) if cached + computed
+            else 0.0}
+
+
 def start_engine(args: ServerArgs) -> EngineAdapter:
-    """Resolve the plan, load the model in the worker process, wrap it for the server."""
+    """Resolve the plan, load the model in the worker process (with --dp-size N, N workers
+    started together behind core.router.ReplicaSet), wrap it for the server."""
     from core.engine import Engine
 
     engine = Engine(server_args=args)

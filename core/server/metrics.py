@@ -3,6 +3,12 @@
 Counters and histograms are kept here, in the HTTP process; gauges for the engine's live figures
 (running / queued requests, KV pages, prefix-cache hit rate) are read from `EngineLike.stats()`
 at scrape time.
+
+Data parallel (--dp-size N, stats with `replicas`): each engine gauge has one sample per replica,
+labelled dp_rank="0".."N-1" (as vLLM's `engine` and SGLang's `dp_rank` labels), and no unlabelled
+total, which `sum()` would count twice: `sum without (dp_rank) (...)` is the engine's. Beside them,
+`engine_replica_up` and `dp_routed_requests_total` (requests the router sent there) per replica;
+`engine_up` stays one sample, 1 while every replica answers.
 """
 
 from __future__ import annotations
@@ -110,8 +116,18 @@ class ServerMetrics:
                   ("kv_pages_used", "KV-cache pages held by requests and the prefix cache"),
                   ("kv_pages_total", "KV-cache pages in the pool"),
                   ("prefix_cache_hit_rate", "fraction of prompt tokens found in the prefix cache"))
+        replicas = stats.get("replicas")
+        if isinstance(replicas, list):  # data parallel: per replica, labelled dp_rank
+            ranks = [({"dp_rank": str(r.get("dp_rank", i))}, r) for i, r in enumerate(replicas)]
+            metric("engine_replica_up", "gauge", "1 while the data-parallel replica's worker is "
+                   "alive", [(lab, int(bool(r.get("alive")))) for lab, r in ranks])
+            metric("dp_routed_requests_total", "counter", "requests the router sent to the "
+                   "data-parallel replica", [(lab, r.get("routed", 0)) for lab, r in ranks])
+        else:
+            ranks = [({}, stats)]
         for key, help in gauges:
-            v = stats.get(key)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                metric(key, "gauge", help, [({}, v)])
+            samples = [(lab, v) for lab, r in ranks
+                       if isinstance(v := r.get(key), (int, float)) and not isinstance(v, bool)]
+            if samples:
+                metric(key, "gauge", help, samples)
         return "\n".join(out) + "\n"

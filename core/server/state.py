@@ -59,9 +59,12 @@ class ServerState:
         self.probe: asyncio.Task | None = None  # /health_generate's one engine request
         self.probe_result: tuple[float, int, dict[str, Any]] | None = None  # (when, status, body)
         # the server's own bound on work it accepts; the engine enforces its queue limit too.
-        # Without --max-running-requests the engine's own default counts.
+        # Without --max-running-requests the engine's own default counts. Both limits are per
+        # engine: --dp-size replicas hold that many times as much.
+        dp = args.dp_size
         mq = args.max_queued_requests
         mr = args.max_running_requests or _engine_max_running(engine)
+        mq, mr = (None if mq is None else dp * mq), (None if mr is None else dp * mr)
         self.max_running, self.max_queued = mr, mq
         self.max_sequences = mr + mq if mr is not None and mq is not None else None
 
