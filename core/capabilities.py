@@ -251,6 +251,9 @@ class MoECaps(_Frozen):
     requires: tuple[str, ...] = ()
     priority: Mapping[str, int] = field(default_factory=dict)
     description: str = ""
+    # Runs one expert-parallel rank's share: weights of experts [expert_offset, + local) only,
+    # routing over all of them (MoELayerParams.expert_offset / num_local_experts, core.moe).
+    expert_parallel: bool = False
 
     _sets = ("devices", "cpu_isa", "dtypes", "quant_methods", "activations", "scoring_funcs")
     _maps = ("capability", "priority")

@@ -185,7 +185,7 @@ def check_attention(caps: AttentionCaps, spec: ModelSpec, device: DeviceInfo, *,
 
 def check_moe(caps: MoECaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str | None,
               quant_method: str | None, quant_caps: QuantCaps | None = None,
-              runner: str | None = None) -> list[str]:
+              runner: str | None = None, ep_size: int = 1) -> list[str]:
     """Reasons a MoE runner cannot run this model's experts (dense models: no reasons)."""
     reasons = check_device(caps, device)
     reasons += _dtype_reason(dtype, caps.dtypes)
@@ -213,6 +213,8 @@ def check_moe(caps: MoECaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str 
         reasons.append(f"{moe.num_experts} experts exceed the limit of {caps.max_experts}")
     if caps.max_top_k is not None and moe.top_k > caps.max_top_k:
         reasons.append(f"top-k {moe.top_k} exceeds the limit of {caps.max_top_k}")
+    if ep_size > 1 and not caps.expert_parallel:
+        reasons.append(f"does not run a rank's share of the experts (--ep-size {ep_size})")
     return reasons
 
 

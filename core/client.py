@@ -92,9 +92,10 @@ def rank_specs(args: ServerArgs, device: Any, replica: int = 0) -> list[Any]:
     addr = args.dist_init_addr or f"127.0.0.1:{free_loopback_port()}"
     here = args.tp_size // args.nnodes
     first = args.node_rank * here
+    count = max(device.count, 1)
     return [RankSpec(rank=first + i, world=args.tp_size, init_addr=addr,
-                     local_index=replica * here + i, backend=platform.dist_backend(),
-                     device=platform.torch_device(replica * here + i))
+                     local_index=(replica * here + i) % count, backend=platform.dist_backend(),
+                     device=platform.torch_device((replica * here + i) % count))
             for i in range(here)]
 
 
@@ -175,12 +176,16 @@ class EngineClient:
         self.ranks: list[Any] = []  # processes of this node's ranks 1.. (tensor parallel)
         specs = rank_specs(args, plan.device, replica)
         rank0 = specs[0].to_json() if specs else None
+        # the device of this replica's first rank (devices are shared round-robin when there
+        # are fewer than ranks x replicas: a CPU, or --dp-size 2 on one GPU)
+        index = replica * (args.tp_size // args.nnodes) % max(plan.device.count, 1)
         if started is not None:
             self.process, parent_conn = started.process, started.conn
             try:
                 parent_conn.send_bytes(json.dumps({"args": args_to_json(args),
                                                    "plan": plan_to_json(plan),
-                                                   "rank": rank0}).encode())
+                                                   "rank": rank0,
+                                                   "device_index": index}).encode())
             except OSError:
                 pass  # the worker died while importing: _wait_ready says how
         else:
@@ -188,7 +193,7 @@ class EngineClient:
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             self.process = ctx.Process(target=worker_main,
                                        args=(child_conn, args_to_json(args), plan_to_json(plan),
-                                             rank0),
+                                             rank0, index),
                                        name="core-engine-worker", daemon=True)
             self.process.start()
             child_conn.close()

@@ -167,8 +167,9 @@ def init_process_group(spec: RankSpec, device: Any = None, timeout_s: float = 60
 
 
 def share_threads(ranks_here: int) -> None:
-    """Ranks of one node share its cores (a CPU target): each takes an even share of
-    torch's threads instead of all of them (N ranks x all cores would thrash)."""
+    """Engine processes sharing one device (ranks and replicas on a CPU target) share its
+    cores: each takes an even share of torch's threads instead of all of them (N processes
+    x all cores would thrash)."""
     if ranks_here > 1:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)

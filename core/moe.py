@@ -56,6 +56,12 @@ class MoELayerParams:
     grouped_topk: tuple[int, int] | None = None
     routed_scaling_factor: float = 1.0  # multiplies the routed weights (after renormalize)
     activation: str = "silu"  # act(gate) * up
+    # Expert parallelism (a runner with MoECaps.expert_parallel): the weights hold experts
+    # [expert_offset, expert_offset + num_local_experts) only; routing is over all
+    # num_experts, and the runner sums only its local experts' terms (the other ranks add
+    # theirs; `shared`, when given, is added once, here). None: every expert is local.
+    expert_offset: int = 0
+    num_local_experts: int | None = None
 
     def __post_init__(self) -> None:
         if self.scoring_func not in SCORING_FUNCS:
@@ -63,6 +69,11 @@ class MoELayerParams:
                              f"{self.scoring_func!r}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts}")
+        local = self.num_local_experts
+        if local is not None and not (0 <= self.expert_offset and local >= 1
+                                      and self.expert_offset + local <= self.num_experts):
+            raise ValueError(f"local experts [{self.expert_offset}, +{local}) are not within "
+                             f"the {self.num_experts} experts")
 
 
 @dataclass(frozen=True)

@@ -382,7 +382,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
                       lambda caps, name: check_moe(caps, spec, device, dtype=dtype,
                                                    quant_method=quant, runner=name,
                                                    quant_caps=quant_reg.caps if quant_reg
-                                                   else None),
+                                                   else None, ep_size=args.ep_size),
                       user, "--moe-runner-backend")
         slots.append(mslot)
         try:
@@ -479,10 +479,13 @@ def _parallel(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, notes: list
         notes.append(f"tensor parallel over {tp} ranks: {spec.num_heads // tp} heads per rank"
                      f"{kv_note}; vocab {spec.vocab_size} in shards of "
                      f"{-(-spec.vocab_size // tp)}")
+    if ep > 1 and spec.moe is None:
+        raise ResolveError(f"--ep-size {ep} has no effect: {spec.architecture} has no experts",
+                           ["drop --ep-size (dense models split over --tp-size only)"])
     if ep > 1:
-        raise ResolveError(f"--ep-size {ep}: expert parallelism is not implemented yet",
-                           ["experts are split over the tensor-parallel ranks instead "
-                            "(--tp-size N with --ep-size 1)"])
+        notes.append(f"expert parallel over {ep} ranks: {spec.moe.num_experts // ep} whole "
+                     f"experts per rank, their outputs summed with the attention's all-reduce "
+                     f"pattern (every rank holds every token)")
     need = tp // args.nnodes * args.dp_size
     if device.count and need > device.count and device.dist_backend != "gloo":
         raise ResolveError(f"--tp-size {tp} x --dp-size {args.dp_size} needs {need} devices per "

@@ -235,7 +235,6 @@ class Ranks:
     spec: Any  # core.distributed.RankSpec
     tp: Any  # core.distributed.TPGroup
     comm: Any  # torch.device of the worker's own collectives (core.distributed.comm_device)
-    ranks_here: int  # ranks on this node (they share its cores on a CPU target)
 
     def share(self, msgs: list[Message] | None) -> list[Message]:
         """Rank 0's messages of this loop turn, on every rank (rank 0 passes them, the others
@@ -259,9 +258,9 @@ def join_ranks(spec: Any, payload: bytes | None) -> tuple[Ranks, bytes]:
     comm = comm_device(spec.backend, device)
     payload = broadcast_bytes(payload, comm)
     got = json.loads(payload)
-    ranks_here = int(got["ranks_here"])
-    tp = TPGroup(rank=spec.rank, size=spec.world, group=torch.distributed.group.WORLD)
-    return Ranks(spec, tp, comm, ranks_here), payload
+    ep = json.loads(got["args"]).get("ep_size", 1) > 1
+    tp = TPGroup(rank=spec.rank, size=spec.world, ep=ep, group=torch.distributed.group.WORLD)
+    return Ranks(spec, tp, comm), payload
 
 
 def local_heads(spec: Any, tp: Any) -> tuple[int, int]:
@@ -270,10 +269,12 @@ def local_heads(spec: Any, tp: Any) -> tuple[int, int]:
 
 
 def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
-                      loaded: Any = None, ranks: Ranks | None = None) -> EngineCore:
+                      loaded: Any = None, ranks: Ranks | None = None,
+                      device_index: int = 0) -> EngineCore:
     """Load (unless given), then the four phases: memory, KV, runner, scheduler. `ranks`:
     this worker's tensor-parallel place (its device index, its slice of the model, a KV pool
-    for its heads, sized the same on every rank)."""
+    for its heads, sized the same on every rank); `device_index`: the device of a worker
+    without ranks (a data-parallel replica's)."""
     import torch
 
     from core.distributed import SINGLE, all_min, share_threads
@@ -285,11 +286,14 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
         raise ValueError(f"cannot run on a simulated device ({plan.device.describe()}); "
                          f"drop --device-profile to run here")
     platform = load_platform(registry, plan.device)
-    index = ranks.spec.local_index if ranks is not None else 0
+    index = ranks.spec.local_index if ranks is not None else device_index
     tp = ranks.tp if ranks is not None else SINGLE
     device = torch.device(platform.torch_device(index))
-    if ranks is not None:
-        share_threads(ranks.ranks_here)
+    # The engine processes of this node (ranks x replicas) and how many share one device
+    # (all of them on a CPU target): they split its cores and its free memory.
+    here = args.tp_size // args.nnodes * args.dp_size
+    sharing = max(1, -(-here // max(plan.device.count, 1)))
+    share_threads(sharing)
     if loaded is None:
         loaded = load_model(args, plan, registry, device=device, tp=tp)
     cfg = loaded.hf_config
@@ -299,8 +303,8 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     per_token = KVPool.bytes_per_token(spec.num_layers, kv_heads, spec.head_dim,
                                        kv_dtype, spec.v_head_dim)
     mem = plan_memory(args, plan, spec, cfg, loaded.dtype.itemsize, per_token,
-                      platform.memory(index)[0] if args.max_total_tokens is None else 0,
-                      platform)
+                      platform.memory(index)[0] // sharing if args.max_total_tokens is None
+                      else 0, platform)
     notes: tuple[str, ...] = ()
     if ranks is not None:  # every rank schedules alike: one pool size, the smallest
         mem = dataclasses.replace(mem, kv_tokens=all_min(mem.kv_tokens, ranks.comm))
@@ -494,12 +498,12 @@ def plan_from_parent(args_json: str, plan_json: str) -> tuple[ServerArgs, Plan, 
     return args, plan, load_model_spec(args.model_path), get_registry()
 
 
-def worker_main(conn: Any, args_json: str, plan_json: str, rank_json: str | None = None
-                ) -> None:
+def worker_main(conn: Any, args_json: str, plan_json: str, rank_json: str | None = None,
+                device_index: int = 0) -> None:
     """Entry of the spawned worker process (rank 0 of its engine): the parent's args (model
     path filled in) and its resolved plan, both JSON; `rank_json` (core.distributed.RankSpec)
     when the engine spans tensor-parallel ranks, which rank 0 then joins and sends the args
-    and plan."""
+    and plan; `device_index`: the device it runs on otherwise (a data-parallel replica's)."""
     # Ctrl-C reaches the whole process group: the client decides when the worker stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     chan = Channel(conn)
@@ -509,10 +513,10 @@ def worker_main(conn: Any, args_json: str, plan_json: str, rank_json: str | None
         if rank_json is not None:
             from core.distributed import RankSpec
 
-            payload = json.dumps({"args": args_json, "plan": plan_json,
-                                  "ranks_here": args.tp_size // args.nnodes}).encode()
+            payload = json.dumps({"args": args_json, "plan": plan_json}).encode()
             ranks, _ = join_ranks(RankSpec.from_json(rank_json), payload)
-        core = build_engine_core(args, plan, spec, registry, ranks=ranks)
+        core = build_engine_core(args, plan, spec, registry, ranks=ranks,
+                                 device_index=device_index)
     except Exception as exc:  # noqa: BLE001 - reported to the client, which raises it
         try:
             chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -567,7 +571,8 @@ def worker_prestarted(conn: Any) -> None:
         message = json.loads(conn.recv_bytes().decode())
     except (EOFError, OSError):
         return  # the parent gave up before sending a plan (its resolution failed)
-    worker_main(conn, message["args"], message["plan"], message.get("rank"))
+    worker_main(conn, message["args"], message["plan"], message.get("rank"),
+                message.get("device_index", 0))
 
 
 def args_to_json(args: ServerArgs) -> str:

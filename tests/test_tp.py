@@ -113,22 +113,30 @@ def test_resolver_picks_a_splittable_quant_method_and_says_why_others_are_out():
     assert any("tensor parallel over 3 ranks: 3 heads per rank" in n for n in plan.notes)
 
 
-def test_expert_parallel_is_refused_until_it_exists(tmp_path):
+def test_expert_parallel_plan_and_refusals(tmp_path):
     path = write(tiny_moe_hf_model("qwen3_moe"), tmp_path / "moe")
-    with pytest.raises(ResolveError, match="--ep-size 2: expert parallelism is not implemented"):
-        make_plan(make_server_args(model_path=str(path), tp_size=2, ep_size=2, device="cpu"))
+    _, plan, _, _ = make_plan(make_server_args(model_path=str(path), tp_size=2, ep_size=2,
+                                               device="cpu"))
+    assert plan.moe_runner == "torch_native"
+    assert any("expert parallel over 2 ranks: 4 whole experts per rank" in n
+               for n in plan.notes)
+    dense = write(tiny_hf_model("llama"), tmp_path / "dense")
+    with pytest.raises(ResolveError, match="--ep-size 2 has no effect: LlamaForCausalLM has no"):
+        make_plan(make_server_args(model_path=str(dense), tp_size=2, ep_size=2, device="cpu"))
 
 
 # ---- greedy equality, per architecture ----
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_moe"])
-def test_tp2_greedy_equals_tp1_and_transformers(arch, tmp_path):
+@pytest.mark.parametrize("arch,ep", [("llama", 1), ("qwen3", 1), ("qwen2_moe", 1),
+                                     ("qwen3_moe", 2)])
+def test_tp2_greedy_equals_tp1_and_transformers(arch, ep, tmp_path):
+    """ep 2: the experts placed whole on the two ranks instead of split."""
     hf = tiny_moe_hf_model(arch) if arch.endswith("moe") else tiny_hf_model(arch)
     path = write(hf, tmp_path / arch)
     want = hf_greedy(hf, PROMPT, N_TOKENS)
     got = {}
     for tp in (1, 2):
-        with engine(path, tp) as eng:
+        with engine(path, tp, **({"ep_size": ep} if tp == 2 else {})) as eng:
             got[tp] = eng.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
             if tp == 2:
                 assert any("tensor parallel: rank 0 of 2 (gloo)" in n

@@ -19,7 +19,7 @@ def _vocab_part(module: nn.Module, loaded: object) -> object:
     """This rank's rows of a [vocab, hidden] checkpoint tensor; the last shard's rows past the
     vocabulary are zeros (a dense tensor then: quantized blocks cannot be padded)."""
     tp = module.tp
-    if not tp.active:
+    if tp.size == 1:
         return loaded
     start, rows = tp.vocab_part(module.vocab_size)
     have = max(0, min(rows, module.vocab_size - start))

@@ -167,6 +167,8 @@ class Linear(nn.Module):
 
     def _tp_part(self, param: nn.Parameter, loaded: object, shard: str | None) -> object:
         """This rank's part of a checkpoint tensor (the whole of it without parallelism)."""
+        if self.tp.size == 1:  # one rank (possibly in a group): its part is the whole
+            return loaded
         if self._rows is not None:
             i = self.shard_names.index(shard) if (shard is not None and self.shard_names) else 0
             start, length = self._rows[i]

@@ -28,7 +28,11 @@ class MoE(nn.Module):
     Tensor parallelism (ctx.tp): every rank holds every expert's slice [i0, i0 + I / tp) of the
     intermediate dim (gate and up rows, down columns), routes all tokens alike (the router is
     replicated), and the ranks' partial outputs are summed with one all-reduce (a shared
-    expert's partial output, added by the runner before it, is summed with them).
+    expert's partial output, added by the runner before it, is summed with them). With
+    expert parallelism (ctx.tp.ep) a rank instead holds experts [e0, e0 + E / tp) whole, the
+    runner computes only their terms (MoELayerParams.expert_offset), and the same all-reduce
+    sums the ranks' terms: every rank holds every token after the attention's all-reduce, so
+    no all-to-all is needed.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
@@ -41,15 +45,19 @@ class MoE(nn.Module):
             raise ValueError("this model has MoE layers but no MoE runner was chosen")
         self.tp = getattr(ctx, "tp", SINGLE)
         self.full_intermediate_size = intermediate_size
-        self._i_part = self.tp.split(intermediate_size, "MoE intermediate size") \
-            if self.tp.active else None
-        if self._i_part is not None:
+        self._i_part = self._e_part = None
+        if self.tp.active and self.tp.ep:
+            self._e_part = self.tp.split(num_experts, "experts")
+        elif self.tp.active:
+            self._i_part = self.tp.split(intermediate_size, "MoE intermediate size")
             intermediate_size = self._i_part[1]
+        e0, local = self._e_part or (0, None)
         self.params = MoELayerParams(
             layer_id=layer_id, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
             intermediate_size=intermediate_size, renormalize=renormalize,
             scoring_func=scoring_func, grouped_topk=grouped_topk,
-            routed_scaling_factor=routed_scaling_factor, activation=activation)
+            routed_scaling_factor=routed_scaling_factor, activation=activation,
+            expert_offset=e0, num_local_experts=local)
         self.num_experts = num_experts
         self.top_k = top_k
         self.intermediate_size = intermediate_size
@@ -60,7 +68,7 @@ class MoE(nn.Module):
         # this module as a Linear. The quant method's MoE duties are create_moe_weights and,
         # optionally, moe_weights(layer) -> MoEWeights.
         self.expert_quant_method = ctx.quant_method
-        self.expert_quant_method.create_moe_weights(self, num_experts, hidden_size,
+        self.expert_quant_method.create_moe_weights(self, local or num_experts, hidden_size,
                                                     intermediate_size, ctx.dtype, ctx.device)
         self._weights: MoEWeights | None = None
 
@@ -85,7 +93,13 @@ class MoE(nn.Module):
             target = param.data
         else:
             expert, proj = shard.split(".")
-            target = param.data[int(expert)]
+            expert = int(expert)
+            if self._e_part is not None:  # expert parallel: only this rank's experts
+                e0, local = self._e_part
+                if not e0 <= expert < e0 + local:
+                    return  # another rank's (the loader still counts it as given)
+                expert -= e0
+            target = param.data[expert]
             if proj in ("gate", "up"):  # rows of [gate | up], in the tensor's output grain
                 per = getattr(param, "quant_out_per_row", 1)
                 i = self.intermediate_size
@@ -104,7 +118,12 @@ class MoE(nn.Module):
     def _tp_part(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None
                  ) -> torch.Tensor:
         """This rank's intermediate slice of one expert's projection, or of a fused tensor
-        of every expert (gate | up stacked on dim 1 of w13; down's inputs on w2's last dim)."""
+        of every expert (gate | up stacked on dim 1 of w13; down's inputs on w2's last dim);
+        under expert parallelism, a fused tensor's experts of this rank."""
+        if self.tp.size == 1:
+            return loaded
+        if self._e_part is not None:
+            return loaded if shard is not None else loaded.narrow(0, *self._e_part)
         if self._i_part is None:
             return loaded
         i0, n = self._i_part
@@ -145,4 +164,4 @@ class MoE(nn.Module):
         """hidden [T, H] (+ the shared experts' output [T, H]) -> [T, H]."""
         router_logits = self.gate(hidden)  # [T, E]
         out = self.runner.forward(hidden, router_logits, self.weights(), self.params, shared)
-        return self.tp.all_reduce(out) if self._i_part is not None else out
+        return self.tp.all_reduce(out) if self.tp.active else out

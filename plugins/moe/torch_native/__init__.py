@@ -15,6 +15,7 @@ CAPS = MoECaps(
     shared_experts=True,
     cuda_graph=False,
     deterministic=True,
+    expert_parallel=True,
     priority={"cpu": 10, "cuda": 1, "rocm": 1, "xpu": 1, "npu": 1},
     description="per-expert loop in PyTorch (reference runner)",
 )

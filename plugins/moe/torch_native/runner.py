@@ -36,9 +36,14 @@ class TorchNativeMoE(MoERunner):
         w13, w2 = weights.w13, weights.w2
         route_w, ids = route(router_logits, layer)
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        first = layer.expert_offset  # expert parallel: this rank's experts only
+        last = first + (layer.num_local_experts or layer.num_experts)
         # One host sync for the set of active experts, then no more.
-        for e in ids.unique().tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
+        for g in ids.unique().tolist():
+            if not first <= g < last:
+                continue  # another rank's expert
+            e = g - first  # its index in this rank's weights
+            tok, slot = (ids == g).nonzero(as_tuple=True)
             x = hidden[tok]  # [n, H]
             if weights.form == "fp8":  # W8A8 in fp32: dequantized expert, fake-quantized x
                 gate, up = (fp8_fake_quant_input(x, weights)
