@@ -250,10 +250,12 @@ def measure_shared_prefix(engine: Any, a: argparse.Namespace) -> dict[str, Any]:
 
 def bench_engine(model_dir: str, a: argparse.Namespace, *, graphs: bool = True,
                  radix: bool = True, batch1: bool = False, offline: bool = False,
-                 shared_prefix: bool = False) -> dict[str, Any]:
+                 shared_prefix: bool = False, engine_flags: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    """engine_flags: more core.Engine flags (bench_parallel's --tp-size / --dp-size)."""
     from core import Engine
 
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(engine_flags or {})
     if not graphs:
         extra["disable_cuda_graph"] = True
     if not radix:
