@@ -486,10 +486,15 @@ def _parallel(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, notes: list
         notes.append(f"expert parallel over {ep} ranks: {spec.moe.num_experts // ep} whole "
                      f"experts per rank, their outputs summed with the attention's all-reduce "
                      f"pattern (every rank holds every token)")
-    need = tp // args.nnodes * args.dp_size
-    if device.count and need > device.count and device.dist_backend != "gloo":
-        raise ResolveError(f"--tp-size {tp} x --dp-size {args.dp_size} needs {need} devices per "
-                           f"node; {device.describe()}", [f"this node has {device.count}"])
+    here = tp // args.nnodes
+    if device.count and device.dist_backend != "gloo":  # one accelerator per rank
+        if here > device.count:
+            raise ResolveError(f"--tp-size {tp} needs {here} devices per node; "
+                               f"{device.describe()}", [f"this node has {device.count}"])
+        if here * args.dp_size > device.count:
+            notes.append(f"{args.dp_size} data-parallel replicas x {here} rank(s) on "
+                         f"{device.count} device(s): replicas share devices round-robin and "
+                         f"split their free memory")
 
 
 def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, decode: str,
