@@ -19,6 +19,11 @@ with (T tokens, E experts, H hidden size, I expert intermediate size, k = layer.
 It returns sum_j w_j * down_e_j(act(gate_e_j(x)) * up_e_j(x)) (+ shared) for the k experts e_j
 and weights w_j that `select_experts` gives, in hidden's dtype.
 
+Expert parallelism (a runner declaring `MoECaps.expert_parallel`): `layer.num_local_experts`
+set means the weights hold experts [layer.expert_offset, + num_local_experts) only; routing is
+still over all E (router_logits [T, E]) and the runner returns the sum of its local experts'
+terms (+ shared); the other ranks' terms are added by the layer's all-reduce.
+
 A runner may assume: inputs are not modified by anyone during the call and must not be
 modified by it; the weights are on hidden's device; E, H, I and the weight form match the caps it
 declared (the resolver checked them). With `MoECaps.cuda_graph` it promises that a decode-sized

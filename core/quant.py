@@ -37,6 +37,12 @@ contiguous in the last dim; the layer keeps `input_size`, `output_size`, `output
 What it must not do: read the environment or pick kernels by device type at apply time (choose
 once, at process time). Layers a checkpoint leaves dense (`QuantScheme.ignore`: lm_head, routers,
 listed modules) are rebuilt dense by `apply_ignore` before loading.
+Tensor parallelism (`QuantCaps.tensor_parallel`, checked by the conformance suite's
+test_quant_linear_tensor_parallel): a rank's layer is created at its own sizes (`output_size`
+of its rows, `input_size` of its inputs) and is handed, per checkpoint tensor, the rank's part
+of it (core.layers.linear.tp_narrow: rows of a column-parallel layer, inputs of a row-parallel
+one, along dims 0 and 1 of the checkpoint's [out, in]); a method that declares it takes those
+parts as a smaller whole weight. Undeclared, the resolver refuses the method at --tp-size > 1.
 
 `parse_quant_config` turns a HF `quantization_config` (fp8, fbgemm_fp8, compressed-tensors, awq,
 gptq, gguf) into a `QuantScheme`, which the resolver checks against `QuantCaps` and the chosen

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import inspect
 import queue
 import threading
 import uuid
@@ -236,12 +235,6 @@ def _add(a: Any, b: Any) -> Any:
             base[k] = _add(base.get(k), v)
         return base
     return a if a is not None else b
-
-
-def _replica_kwarg(i: int) -> dict[str, int]:
-    """replica=i where EngineClient takes it (its device offset)."""
-    params = inspect.signature(EngineClient.__init__).parameters
-    return {"replica": i} if "replica" in params else {}
 
 
 class ReplicaSet:
@@ -505,7 +498,7 @@ def _start_all(args: ServerArgs, plan: Plan, tokenizer: Any,
 
     def start(i: int) -> EngineClient:
         return EngineClient(args, plan, tokenizer, start_timeout=timeout,
-                            started=None if started is None else started[i], **_replica_kwarg(i))
+                            started=None if started is None else started[i], replica=i)
 
     with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="core-start") as pool:
         futs = [pool.submit(start, i) for i in range(n)]

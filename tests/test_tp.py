@@ -134,15 +134,19 @@ def test_tp2_greedy_equals_tp1_and_transformers(arch, ep, tmp_path):
     hf = tiny_moe_hf_model(arch) if arch.endswith("moe") else tiny_hf_model(arch)
     path = write(hf, tmp_path / arch)
     want = hf_greedy(hf, PROMPT, N_TOKENS)
-    got = {}
+    got, sampled = {}, {}
     for tp in (1, 2):
         with engine(path, tp, **({"ep_size": ep} if tp == 2 else {})) as eng:
             got[tp] = eng.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
+            if arch == "llama":  # seeded sampling: every rank draws the same tokens
+                sampled[tp] = eng.generate(input_ids=PROMPT, sampling_params={
+                    **GREEDY, "temperature": 1.0, "top_p": 0.9, "seed": 7})["output_ids"]
             if tp == 2:
                 assert any("tensor parallel: rank 0 of 2 (gloo)" in n
                            for n in eng.client.info.notes)
     assert got[2] == got[1]
     assert got[2] == want
+    assert sampled.get(2) == sampled.get(1)
 
 
 def test_smollm2_tp3_greedy_equals_transformers():
@@ -292,4 +296,32 @@ def test_core_serve_tp2_answers_and_sigterm_leaves_nothing(tiny_llama):
     deadline = time.monotonic() + 10
     while any(alive(int(p)) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert not any(alive(int(p)) for p in children)
+
+
+def test_a_killed_server_leaves_no_rank_behind(tiny_llama):
+    """SIGKILL: no shutdown message; rank 0 finds itself orphaned and stops rank 1 too."""
+    _, path = tiny_llama
+    proc = subprocess.Popen([sys.executable, "-m", "core.cli", "serve", "--model-path",
+                             str(path), "--tp-size", "2", "--device", "cpu", "--port",
+                             str(free_loopback_port()), "--max-total-tokens", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "listening on" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the server exited during start-up"
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        assert len(children) >= 2
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 20
+    while any(alive(int(p)) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not any(alive(int(p)) for p in children)

@@ -123,6 +123,7 @@ class Linear(nn.Module):
         if parallel == "column":
             self._rows = list(shard_rows) if shard_rows is not None else [
                 tp.split(n, "output size") for n in sizes]
+            self._full_sizes = sizes
             sizes = [n for _, n in self._rows]
         elif parallel == "row":
             self._in_part = in_part if in_part is not None else tp.split(input_size,
@@ -170,7 +171,14 @@ class Linear(nn.Module):
         if self.tp.size == 1:  # one rank (possibly in a group): its part is the whole
             return loaded
         if self._rows is not None:
-            i = self.shard_names.index(shard) if (shard is not None and self.shard_names) else 0
+            if shard is None and len(self._rows) > 1:  # a stacked tensor: each shard's rows
+                if not isinstance(loaded, torch.Tensor):
+                    raise ValueError("a stacked tensor splits over tensor-parallel ranks only "
+                                     "as a dense tensor")
+                offsets = [sum(self._full_sizes[:i]) for i in range(len(self._rows))]
+                return torch.cat([loaded.narrow(0, o + start, n)
+                                  for o, (start, n) in zip(offsets, self._rows, strict=True)])
+            i = self.shard_names.index(shard) if shard is not None else 0
             start, length = self._rows[i]
             return tp_narrow(loaded, 0, start, length)
         if self._in_part is not None:

@@ -3,7 +3,9 @@
 Axes: token counts (1..64 small, 1..4096 full), experts 8 / 60 / 64 / 128, top-k 1 / 2 / 4 / 8,
 routing (random; every token on one expert; all tokens on a few experts, so most experts get
 none), renormalize on / off, softmax and sigmoid scoring, grouped top-k, a shared-expert output
-to add, the SiLU (and, where declared, GELU) activation, and each declared compute dtype. Widths
+to add, the SiLU (and, where declared, GELU) activation, expert-parallel shares (where
+declared: the experts split in 2 or 4, each share run alone, the shares' outputs summed), and
+each declared compute dtype. Widths
 that are not multiples of the usual tiles (hidden 40, intermediate 48) exercise the masks.
 
 Small cases (the default) keep CPU runs, the Triton interpreter included, to seconds per
@@ -39,6 +41,7 @@ class MoECase:
     groups: tuple[int, int] | None = None  # grouped top-k: (num_groups, topk_groups)
     shared: bool = False
     activation: str = "silu"
+    ep: int = 1  # expert parallel: the experts in `ep` shares, run one by one and summed
 
     @property
     def id(self) -> str:
@@ -51,6 +54,8 @@ class MoECase:
             parts.append("shared")
         if self.activation != "silu":
             parts.append(self.activation)
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         return "-".join(parts)
 
     def seed(self, base: int = 0) -> int:
@@ -89,7 +94,8 @@ def _fits(case: MoECase, caps: MoECaps) -> bool:
             and (not case.shared or caps.shared_experts)
             and (caps.max_experts is None or case.experts <= caps.max_experts)
             and (caps.max_top_k is None or case.top_k <= caps.max_top_k)
-            and case.activation in caps.activations)
+            and case.activation in caps.activations
+            and (case.ep == 1 or caps.expert_parallel))
 
 
 def all_cases(full: bool = False) -> list[MoECase]:
@@ -98,12 +104,14 @@ def all_cases(full: bool = False) -> list[MoECase]:
         cases = [MoECase(t, e, k, h, i, routing=r, renormalize=n, scoring=s, groups=g, shared=sh)
                  for t, e, k, h, i, r, n, s, g, sh in _SMALL]
         cases.append(replace(cases[1], activation="gelu"))
+        cases += [replace(cases[1], ep=2), replace(cases[2], ep=4)]  # expert parallel shares
         return cases
     cases = []
     for (e, k, h, i, s, g, sh, n), t in itertools.product(_FULL_SHAPES, _FULL_TOKENS):
         cases.append(MoECase(t, e, k, h, i, renormalize=n, scoring=s, groups=g, shared=sh))
     for t, routing in itertools.product((1, 64, 4096), ("one_expert", "few_experts")):
         cases.append(MoECase(t, 128, 8, 2048, 768, routing=routing))
+    cases += [MoECase(t, 128, 8, 2048, 768, ep=4) for t in (1, 512)]
     return cases
 
 
@@ -128,6 +136,9 @@ def not_covered(caps: MoECaps, excluded: dict[str, str] | None = None
     out += [(f"dtype-{d}", why) for d, why in (excluded or {}).items() if d in caps.dtypes]
     if "sigmoid" not in caps.scoring_funcs:
         out.append(("scoring-sigmoid", "sigmoid router scoring not declared"))
+    if not caps.expert_parallel:
+        out.append(("expert-parallel", "expert parallelism (a rank's share of the experts) not "
+                                       "declared"))
     if not caps.grouped_topk:
         out.append(("grouped-topk", "grouped top-k routing not declared"))
     if not caps.shared_experts:

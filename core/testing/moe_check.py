@@ -18,6 +18,7 @@ decode-sized call in a CUDA graph and replays it on new inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -125,8 +126,44 @@ def check_result(name: str, case: MoECase, result: torch.Tensor, out: torch.Tens
                              f"was not fully written)")
 
 
+def _share(inputs: MoEInputs, rank: int, shares: int) -> MoEInputs:
+    """Expert-parallel share `rank` of `shares`: its experts' weights, MoELayerParams saying
+    which they are, and the shared output on share 0 only (added once over the shares)."""
+    E = inputs.layer.num_experts
+    n = E // shares
+    w = MoEWeights(inputs.weights.w13[rank * n:(rank + 1) * n].contiguous(),
+                   inputs.weights.w2[rank * n:(rank + 1) * n].contiguous())
+    layer = dataclasses.replace(inputs.layer, expert_offset=rank * n, num_local_experts=n)
+    return dataclasses.replace(inputs, weights=w, layer=layer,
+                               shared=inputs.shared if rank == 0 else None)
+
+
+def check_ep_case(reg: Registration, case: MoECase, device: torch.device, seed: int = 0
+                  ) -> None:
+    """An expert-parallel case: every share run alone (into a poisoned `out`), their sum
+    equal to the whole layer's fp32 reference."""
+    device = torch.device(device)
+    inputs = build_inputs(case, device, case.seed(seed))
+    runner = reg.load()()
+    total = torch.zeros(case.tokens, case.hidden, dtype=torch.float32, device=device)
+    for rank in range(case.ep):
+        part = _share(inputs, rank, case.ep)
+        out = torch.full((case.tokens, case.hidden), float("nan"), dtype=inputs.hidden.dtype,
+                         device=device)
+        result = runner.forward(part.hidden, part.logits, part.weights, part.layer, part.shared,
+                                out=out)
+        check_result(f"{reg.name} (expert share {rank} of {case.ep})", case, result, out, part)
+        total += result.float()
+    _check_close(total, reference_moe(inputs), case,
+                 f"{reg.name}: the sum of its {case.ep} expert-parallel shares differs from "
+                 f"the fp32 reference")
+
+
 def check_case(reg: Registration, case: MoECase, device: torch.device, seed: int = 0) -> None:
     """Run `case` on the runner `reg` and check it; AssertionError says what is wrong."""
+    if case.ep > 1:
+        check_ep_case(reg, case, device, seed)
+        return
     device = torch.device(device)
     inputs = build_inputs(case, device, case.seed(seed))
     runner = reg.load()()

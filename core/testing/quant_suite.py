@@ -41,7 +41,8 @@ from core.testing.attention_suite import (
 from core.testing.quant_refs import RefCase, all_cases, fake_quant_acts
 
 __all__ = ["pytest_generate_tests", "test_quant_linear_conformance",
-           "test_quant_checkpoint_conformance", "test_quant_moe_experts_conformance"]
+           "test_quant_checkpoint_conformance", "test_quant_moe_experts_conformance",
+           "test_quant_linear_tensor_parallel"]
 
 # fp32: the 8-bit tensor-core dots of GPUs accumulate a K step in less than fp32 (Hopper's fp8
 # MMA keeps ~22 mantissa bits), hence not 1e-6; a wrong scale or layout is off by >1e-2.
@@ -87,6 +88,39 @@ def quant_params(config: pytest.Config) -> list:
     return params
 
 
+# A dense checkpoint's weight as it is (the `unquantized` method's format).
+DENSE = RefCase("dense", "dense", None, lambda w: ({"weight": w.clone()}, w), "none")
+
+
+def _tp_params(config: pytest.Config) -> list:
+    """The tensor-parallel check's cases: every method declaring QuantCaps.tensor_parallel,
+    with its formats' cases (the dense one for a method that loads dense checkpoints); the
+    others are refused at --tp-size > 1 by the resolver, so there is nothing to check."""
+    registry, methods, named = named_plugins(config, "quant", "conformance_quant",
+                                             "quant method")
+    devices = config.getoption("conformance_device", default=None) or default_devices()
+    params = []
+    for device_name in devices:
+        device = torch.device(device_name)
+        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
+        missing = _device_missing(device)
+        info = _device_info(registry, device) if not missing else None
+        for name in named or sorted(methods):
+            reg = methods[name]
+            if not reg.caps.tensor_parallel or missing or unavailable_reasons(reg, device,
+                                                                             info):
+                continue
+            cases = [c for c in all_cases() if _serves(reg.caps, c)]
+            if "dense" in reg.caps.formats and "none" in reg.caps.config_names:
+                cases.append(DENSE)
+            params += [pytest.param(name, c, device_name, d, marks=marks,
+                                    id=f"{name}-{c.name}-{device_name}-{d}-tp")
+                       for c in cases for d in sorted(reg.caps.dtypes)]
+    return params or [pytest.param(None, None, None, None, id="no-tensor-parallel",
+                                   marks=pytest.mark.skip(reason="no selected quant method "
+                                                          "declares QuantCaps.tensor_parallel"))]
+
+
 def _moe_applies(param) -> bool:
     name, case = param.values[0], param.values[1]
     if name is None:
@@ -98,6 +132,8 @@ def _moe_applies(param) -> bool:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "quant_case" in metafunc.fixturenames:
         params = quant_params(metafunc.config)
+        if metafunc.function.__name__ == "test_quant_linear_tensor_parallel":
+            params = _tp_params(metafunc.config)
         if metafunc.function.__name__ == "test_quant_moe_experts_conformance":
             # Methods with MoE experts (QuantCaps.moe), dynamic activations, channel or block
             # weights; the others have nothing to check here.
@@ -160,6 +196,54 @@ def test_quant_linear_conformance(quant_name, quant_case, quant_device, quant_dt
         x3 = torch.randn(2, 3, k, generator=gen).to(dtype)
         y3 = layer(x3.to(device))
         assert y3.shape == (2, 3, sum(shards))
+
+
+def test_quant_linear_tensor_parallel(quant_name, quant_case, quant_device, quant_dtype,
+                                     request):
+    """A method declaring QuantCaps.tensor_parallel: each of 2 ranks loads its part of the same
+    checkpoint tensors (rows of a column-parallel [q, k, v] layer, inputs of a row-parallel
+    one) and the ranks' outputs, concatenated (column) or summed (row, the all-reduce left
+    out), equal the whole layer's. No process group: the checks run the ranks one by one."""
+    from core.distributed import TPGroup
+
+    case, device, dtype = quant_case, torch.device(quant_device), getattr(torch, quant_dtype)
+    gen = torch.Generator().manual_seed(request.config.getoption("conformance_seed",
+                                                                 default=0))
+    k = 2 * max(256, case.k_multiple)
+    shards = [2 * case.n_multiple * 2, case.n_multiple * 2, case.n_multiple * 2]
+    whole = [case.build(_weights(n, k, dtype, gen)) for n in shards]
+    x = torch.randn(8, k, generator=gen).to(dtype).to(device)
+
+    def layer(tp: TPGroup, parallel: str | None, out_sizes: list[int], in_size: int):
+        ctx = ModelContext(dtype=dtype, device=device, quant_method=_method(quant_name, case),
+                           tp=tp)
+        names = ["q", "k", "v"] if len(out_sizes) == 3 else None
+        return Linear(in_size, out_sizes if names else out_sizes[0], True, ctx,
+                      shard_names=names, parallel=parallel, reduce=False)
+
+    def fill(lin: Linear, parts: list, names: list | None, bias: torch.Tensor) -> Linear:
+        for shard, (tensors, _) in zip(names or [None], parts, strict=True):
+            for suffix, t in tensors.items():
+                lin.weight_loader(getattr(lin, suffix), t.to(device), shard)
+        lin.weight_loader(lin.bias, bias.to(device), None)
+        process_weights_after_loading(lin)
+        return lin
+
+    b = (torch.randn(sum(shards), generator=gen) * 0.1).to(dtype)
+    ref = fill(layer(TPGroup(), None, shards, k), whole, ["q", "k", "v"], b)(x)
+    cols = [fill(layer(TPGroup(r, 2), "column", shards, k), whole, ["q", "k", "v"], b)(x)
+            for r in range(2)]
+    # rank r's output holds its rows of q, then of k, then of v
+    parts = [torch.cat([c.split([n // 2 for n in shards], dim=-1)[i] for c in cols], dim=-1)
+             for i in range(3)]
+    _check(torch.cat(parts, dim=-1).float(), ref.float().cpu(), dtype, "column-parallel")
+    n = shards[0]
+    whole_row = whole[0]
+    b_row = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+    ref = fill(layer(TPGroup(), None, [n], k), [whole_row], None, b_row)(x)
+    total = sum(fill(layer(TPGroup(r, 2), "row", [n], k), [whole_row], None, b_row)(
+        x[:, r * k // 2:(r + 1) * k // 2]).float() for r in range(2))
+    _check(total, ref.float().cpu(), dtype, "row-parallel (the bias added by rank 0 only)")
 
 
 # ---- a small checkpoint in the real file layout, through the loader ----
