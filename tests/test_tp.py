@@ -264,23 +264,35 @@ def test_two_nodes_on_loopback(tiny_llama):
     assert "node 1 of 2: 1 rank(s) joining" in log
 
 
-def test_core_serve_tp2_answers_and_sigterm_leaves_nothing(tiny_llama):
-    _, path = tiny_llama
-    port = free_loopback_port()
+def serve_tp2(path: Path, port: int) -> tuple[subprocess.Popen, list[str]]:
+    """`core serve --tp-size 2` on the CPU, once listening; (process, its child pids)."""
     proc = subprocess.Popen([sys.executable, "-m", "core.cli", "serve", "--model-path",
-                             str(path), "--tp-size", "2", "--device", "cpu", "--port",
-                             str(port), "--max-total-tokens", "512", "--served-model-name", "tiny"],
+                             str(path), "--tp-size", "2", "--device", "cpu", "--port", str(port),
+                             "--max-total-tokens", "512", "--served-model-name", "tiny"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
         line = ""
         while "listening on" not in line and time.monotonic() < deadline:
             line = proc.stdout.readline()
-            assert line or proc.poll() is None, "the server exited during start-up"
+            if not line and proc.poll() is not None:
+                raise AssertionError("the server exited during start-up")
         assert "listening on" in line
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                   text=True).stdout.split()
         assert len(children) >= 2  # rank 0 (the worker) and rank 1
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, children
+
+
+def test_core_serve_tp2_answers_and_sigterm_leaves_nothing(tiny_llama):
+    _, path = tiny_llama
+    port = free_loopback_port()
+    proc, children = serve_tp2(path, port)
+    try:
         body = b'{"model": "tiny", "prompt": [256, 72, 101], "max_tokens": 8, "temperature": 0}'
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -302,19 +314,8 @@ def test_core_serve_tp2_answers_and_sigterm_leaves_nothing(tiny_llama):
 def test_a_killed_server_leaves_no_rank_behind(tiny_llama):
     """SIGKILL: no shutdown message; rank 0 finds itself orphaned and stops rank 1 too."""
     _, path = tiny_llama
-    proc = subprocess.Popen([sys.executable, "-m", "core.cli", "serve", "--model-path",
-                             str(path), "--tp-size", "2", "--device", "cpu", "--port",
-                             str(free_loopback_port()), "--max-total-tokens", "512"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, children = serve_tp2(path, free_loopback_port())
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while "listening on" not in line and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "the server exited during start-up"
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                  text=True).stdout.split()
-        assert len(children) >= 2
         proc.kill()
         proc.wait()
     finally:
