@@ -405,7 +405,9 @@ class ToolParserCaps(_Frozen):
     key its calls hold the arguments under ("arguments", "parameters"); `tool_choice: required`
     constrains calls to that shape. prompts: it can offer tools in a system message (its
     tools_prompt), for chat templates that ignore `tools`; the best-priority parser that
-    prompts is auto's choice for a template with no tool markup. Parsers are pure Python text
+    prompts is auto's choice for a template with no tool markup. parallel_calls: its format
+    holds several calls in one answer (OpenAI's parallel_tool_calls; False: one call per answer,
+    and the conformance suite skips its several-call cases). Parsers are pure Python text
     work: no device, no package beyond `requires`.
     """
 
@@ -414,6 +416,7 @@ class ToolParserCaps(_Frozen):
     aliases: frozenset[str] = frozenset()
     arguments_key: str = "arguments"
     prompts: bool = False
+    parallel_calls: bool = True
     requires: tuple[str, ...] = ()
     priority: int = 0
     description: str = ""
@@ -424,7 +427,8 @@ class ToolParserCaps(_Frozen):
         aka = f" aliases={','.join(sorted(self.aliases))}" if self.aliases else ""
         return (f"markers={','.join(self.markers) or '-'} families="
                 f"{','.join(sorted(self.families)) or '-'}{aka} arguments_key="
-                f"{self.arguments_key}{' prompts' if self.prompts else ''}")
+                f"{self.arguments_key}{' prompts' if self.prompts else ''}"
+                f"{'' if self.parallel_calls else ' one-call'}")
 
 
 KINDS = ("hardware", "attention", "moe", "quant", "models", "layer_ops", "grammar",

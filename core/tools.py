@@ -7,28 +7,40 @@ chat template once the tokenizer is loaded (`--tool-call-parser NAME|auto|none`,
 in its format for chat templates that ignore them. It implements ToolParser:
 
     parse(text, final) -> list[str | ToolCall]
-        text is the whole output so far; the items are its pieces in order: text that is
-        content, and calls. final=True (the finished output): every ToolCall is complete and
-        well formed (arguments a JSON object); a call that is not stays a str, verbatim,
-        markup included. final=False (streaming): the last call may be incomplete, and text at
-        the end that may open a call (the start of a marker) is held back (left out). Whatever
-        it returns for a text must be a prefix of what it returns for a longer one: content
-        only grows at its end, a call's name once set stays, its arguments only grow.
+        text is the whole output so far (the parser gets no tools and no tokenizer); the items
+        are its pieces in order: text that is content, and calls. It never raises, whatever
+        the text. final=True (the finished output): every ToolCall is complete and well formed
+        (arguments a JSON object); a call that is not (truncated, arguments not an object)
+        stays a str, verbatim, markup included: with no call the pieces join to the text.
+        final=False (streaming): the last call may be incomplete, and text at the end that may
+        open a call (the start of a marker) is held back (left out). Whatever it returns for a
+        text must be a prefix of what it returns for a longer one: content only grows at its
+        end, a call's name once set stays, its arguments and raw only grow (a call counts once
+        its name is read and its arguments have begun; until then it may still turn out to
+        be text). Only a call that turns out malformed breaks this: it becomes text (with the
+        calls before it, where the format says so, as llama3's does).
     tools_prompt(tools) -> str       a system message offering `tools` (the request's, in
                                      OpenAI's shape) and saying how to call them in this
                                      format; used when the chat template never reads `tools`
     format_calls(calls) -> str       assistant calls ([{"name", "arguments": dict}]) as the
-                                     model writes them (replayed to such a template)
+                                     model writes them (replayed to such a template); parse
+                                     reads that text back as those calls, alone or after
+                                     content and a newline (how a turn with content replays)
     format_response(content, name) -> str   a tool result as such a template's user turn holds it
 
 ToolCall(name, arguments, raw, complete): name None while not yet read; arguments the JSON text
 of the arguments object exactly as the model wrote it (so the streamed fragments join to the
 final string), "" until it starts; raw the call's text with its markup; complete: the call's
 text has ended. The core (core.server.tools) strips the content, drops calls to functions the
-request did not offer back into content, keeps the first call only without parallel tool
-calls, assigns ids (`call_...`) and sends the OpenAI shapes; streaming it re-parses the growing
-text and sends what was added. The helpers below (scan_object, call_at, held_back) are for
-parsers: JSON objects scanned as they grow, markers split across tokens.
+request did not offer back into content (their raw text; the parser reads every call), keeps
+the first call only without parallel tool calls, assigns ids (`call_...`) and sends the
+OpenAI shapes; streaming it re-parses the growing text and sends what was added. The helpers
+below (scan_object, call_at, held_back) are for parsers: JSON objects scanned as they grow,
+markers split across tokens.
+
+ToolParserCaps.parallel_calls says whether the format holds several calls in one answer. The
+conformance suite (core/testing/tool_parser_suite.py; `pytest --conformance-tool-parser NAME
+-rs`) checks all of the above on a parser, writing its texts with the parser's format_calls.
 """
 
 from __future__ import annotations

@@ -242,6 +242,30 @@ def test_llama3_anything_else_is_content(text):
     assert (content, calls, finish) == (text, [], "stop")
 
 
+def test_llama3_reads_bare_calls_first_and_writes_the_tag():
+    p = parser("llama3")
+    # the tag's text inside an argument string is no tag: the answer is a bare call
+    text = '{"name": "get_weather", "parameters": {"city": "<|python_tag|>"}}'
+    assert agree(p, TREQ, text) == (None, [("get_weather", '{"city": "<|python_tag|>"}')])
+    # a JSON answer that is no call, then the tag and a call
+    assert agree(p, TREQ, '{"a": 1}<|python_tag|>' + L_CALL) == (
+        '{"a": 1}', [("get_weather", '{"city": "Paris"}')])
+    # format_calls writes the tag, so calls after content (a replayed turn) read back
+    calls = [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    assert p.format_calls(calls) == "<|python_tag|>" + L_CALL
+    assert agree(p, TREQ, "Checking.\n" + p.format_calls(calls)) == (
+        "Checking.", [("get_weather", '{"city": "Paris"}')])
+    assert p.parse("  \n", False) == [""]  # leading spaces may come before a call
+    assert p.parse("  \n", True) == ["  \n"]
+
+
+def test_hermes_closing_tag_inside_an_argument_string():
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call> x"}}\n'
+            '</tool_call>')
+    assert agree(parser("hermes"), TREQ, text) == (
+        None, [("get_weather", '{"city": "</tool_call> x"}')])
+
+
 def test_llama3_streaming_holds_a_json_answer_until_known():
     p = parser("llama3")
     s = ToolStream(p, TREQ)

@@ -8,10 +8,11 @@ vLLM: `hermes`):
     </tool_call>
 
 Text outside the tags is content. A block whose JSON is not a call (not an object, no name,
-arguments not an object, other keys) stays in the content as written, tags included. The last
-block may lack its closing tag (the model stopped right after the JSON). Its tools prompt lists
-the functions inside `<tools></tools>` and asks for one `<tool_call>` block per call; tool results
-go back inside `<tool_response></tool_response>`.
+arguments not an object, other keys) stays in the content as written, tags included. A block
+ends at the first closing tag after its JSON object (an argument may hold `</tool_call>` in a
+string). The last block may lack its closing tag (the model stopped right after the JSON).
+Its tools prompt lists the functions inside `<tools></tools>` and asks for one `<tool_call>`
+block per call; tool results go back inside `<tool_response></tool_response>`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from core.capabilities import ToolParserCaps
 from core.hookspecs import hookimpl
-from core.tools import Piece, ToolCall, call_at, held_back, skip_ws
+from core.tools import Piece, ToolCall, call_at, held_back, skip_ws, value_end
 
 CORE_PLUGIN_API = ">=1.5,<2"
 
@@ -39,6 +40,22 @@ CAPS = ToolParserCaps(
 )
 
 
+def _close(text: str, body: int) -> int:
+    """Where the block whose JSON starts at text[body] closes: the first closing tag after the
+    JSON object (a string in the arguments may hold the tag's text); -1 while the object is
+    open. Where the body is no JSON object, the first closing tag after it."""
+    start = body
+    if text[body:body + 1] == "{":
+        try:
+            end = value_end(text, body)
+        except ValueError:  # not JSON: the block ends at its first closing tag
+            end = body
+        if end is None:
+            return -1
+        start = end
+    return text.find(CLOSE, start)
+
+
 class HermesToolParser:
     """See the module docstring."""
 
@@ -53,7 +70,7 @@ class HermesToolParser:
                 return out
             out.append(text[pos:k])
             body = skip_ws(text, k + len(OPEN))
-            close = text.find(CLOSE, body)
+            close = _close(text, body)
             if close < 0:  # the last block, still open
                 out.append(self._open_block(text, k, body, final))
                 return out

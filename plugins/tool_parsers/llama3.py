@@ -6,9 +6,11 @@ token: it shows only when special tokens are not skipped), several separated by 
     <|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}
 
 Text before `<|python_tag|>` is content; without the tag an answer is calls only when it starts
-with `{` (after spaces) and is nothing but calls. An answer that is not (a JSON answer that is
-no call, a malformed call, text after the calls) is content as written. While streaming, an
-answer starting with `{` is held back until it is known to be a call.
+with `{` (after spaces) and is nothing but calls (read so first: an argument may hold the tag's
+text in a string). An answer that is not (a JSON answer that is no call, a malformed call, text
+after the calls) is content as written. While streaming, an answer starting with `{` is held
+back until it is known to be a call, and so are leading spaces. format_calls writes the tag
+first, so that calls replayed after an assistant message's content read back as calls.
 """
 
 from __future__ import annotations
@@ -41,18 +43,20 @@ class Llama3ToolParser:
     """See the module docstring."""
 
     def parse(self, text: str, final: bool) -> list[Piece]:
+        j = skip_ws(text, 0)
+        if j == len(text) and not final:
+            return [""]  # spaces may come before a call
+        if j < len(text) and text[j] == "{":
+            calls = self._calls(text, j, final)
+            if calls is not None:
+                return calls
         k = text.find(TAG)
-        if k >= 0:
-            prefix, start = text[:k], k + len(TAG)
-        else:
-            j = skip_ws(text, 0)
-            if j == len(text) or text[j] != "{":
-                return [text if final else text[:len(text) - held_back(text, TAG)]]
-            prefix, start = "", 0
-        calls = self._calls(text, start, final)
+        if k < 0:
+            return [text if final else text[:len(text) - held_back(text, TAG)]]
+        calls = self._calls(text, k + len(TAG), final)
         if calls is None:
             return [text]
-        return [prefix, *calls]
+        return [text[:k], *calls]
 
     def _calls(self, text: str, start: int, final: bool) -> list[Piece] | None:
         out: list[Piece] = []
@@ -83,8 +87,8 @@ class Llama3ToolParser:
                 + lines)
 
     def format_calls(self, calls: Sequence[dict[str, Any]]) -> str:
-        return "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]},
-                                    ensure_ascii=False) for c in calls)
+        return TAG + "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]},
+                                          ensure_ascii=False) for c in calls)
 
     def format_response(self, content: str, name: str | None) -> str:
         return content
