@@ -1,5 +1,6 @@
-"""Tool calling without a model: the tool-call parsers on canned model outputs (every registered
-parser, then hermes and llama3 case by case), the streamed deltas against the final message, the
+"""Tool calling without a model: the tool-call parsers on canned model outputs (hermes and llama3
+case by case; what holds for every parser is the conformance suite, run over every registered
+one by tests/test_tool_parser_conformance.py), the streamed deltas against the final message, the
 request fields and the constraints of tool_choice required / named, the prompt for a template
 that ignores tools (SmolLM2's), the resolver's choice, and `auto` end to end through the server
 on the fake engine with the official `openai` client. The real model: tests/test_tools_server.py.
@@ -28,7 +29,7 @@ from core.server.tools import (
     parse_tools,
     tool_constraint,
 )
-from core.tools import ToolCall, make_tool_parser, template_reads_tools
+from core.tools import make_tool_parser, template_reads_tools
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -88,41 +89,6 @@ def agree(p, treq: ToolRequest, text: str) -> tuple[str | None, list[tuple[str, 
 
 
 # -- every registered parser ---------------------------------------------------------------------
-
-@pytest.mark.parametrize("name", PARSERS)
-def test_parser_reads_back_the_calls_it_writes(name):
-    p = parser(name)
-    calls = [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},
-             {"name": "get_time", "arguments": {}}]
-    text = p.format_calls(calls)
-    content, got = agree(p, TREQ, text)
-    assert content is None
-    assert [(n, json.loads(a)) for n, a in got] == [(c["name"], c["arguments"]) for c in calls]
-
-
-@pytest.mark.parametrize("name", PARSERS)
-def test_parser_leaves_plain_text_alone(name):
-    text = "The weather in Paris is mild; take a coat {maybe}."
-    assert agree(parser(name), TREQ, text) == (text, [])
-
-
-@pytest.mark.parametrize("name", PARSERS)
-def test_parser_partial_results_only_grow(name):
-    p = parser(name)
-    text = p.format_calls([{"name": "get_weather", "arguments": {"city": "Rome"}}])
-    prev_content, prev_calls = "", []
-    for i in range(len(text) + 1):
-        pieces = p.parse(text[:i], False)
-        content = "".join(x for x in pieces if isinstance(x, str))
-        calls = [x for x in pieces if isinstance(x, ToolCall)]
-        assert content.startswith(prev_content.rstrip()) or not prev_content.strip(), i
-        for old, new in zip(prev_calls, calls, strict=False):
-            if old.name is not None:
-                assert new.name == old.name
-            assert new.arguments.startswith(old.arguments), (i, old, new)
-        assert len(calls) >= len(prev_calls)
-        prev_content, prev_calls = content, calls
-
 
 @pytest.mark.parametrize("name", PARSERS)
 def test_parser_offers_tools_deterministically(name):

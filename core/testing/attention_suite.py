@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from core.capabilities import DeviceInfo
-from core.plugins import Registration, Registry, get_registry
+from core.plugins import Registration
 from core.testing.attention_cases import conformance_cases, not_covered
 from core.testing.attention_check import (
     REFERENCE,
@@ -31,6 +31,7 @@ from core.testing.attention_check import (
     excluded_dtype_reasons,
     unavailable_reasons,
 )
+from core.testing.conformance import named_plugins  # noqa: F401 - shared by every suite
 from core.testing.paged_batch import AttentionCase
 
 __all__ = ["pytest_generate_tests", "test_attention_backend_conformance"]
@@ -65,21 +66,6 @@ def _device_missing(device: torch.device) -> str:
     except (RuntimeError, AssertionError) as exc:  # torch raises either for absent devices
         return str(exc).splitlines()[0]
     return ""
-
-
-def named_plugins(config: pytest.Config, kind: str, option: str, label: str
-                  ) -> tuple[Registry, dict[str, Registration], list[str]]:
-    """(registry, its `kind` plugins, the names the suite option selected): each name once
-    (an addopts default plus the command line is still one run); UsageError for an
-    unregistered name. Shared by every suite."""
-    registry = get_registry()
-    plugins = registry.kind(kind)
-    named = list(dict.fromkeys(config.getoption(option, default=None) or []))
-    unknown = [n for n in named if n not in plugins]
-    if unknown:
-        raise pytest.UsageError(f"{label}(s) {', '.join(unknown)} not registered "
-                                f"(registered: {', '.join(sorted(plugins)) or 'none'})")
-    return registry, plugins, named
 
 
 def conformance_params(config: pytest.Config) -> list:

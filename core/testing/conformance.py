@@ -18,11 +18,12 @@ A MoE runner is checked the same way, with `--conformance-moe NAME`, which adds
 core/testing/moe_suite.py (a Triton runner on a CPU: set TRITON_INTERPRET=1), and a layer-ops
 plugin with `--conformance-layer-ops NAME` (core/testing/layer_ops_suite.py), a quant method
 with `--conformance-quant NAME` (core/testing/quant_suite.py), a grammar backend with
-`--conformance-grammar NAME` (core/testing/grammar_suite.py), and a hardware
-target's Platform with `--conformance-platform TARGET` (core/testing/platform_suite.py).
-Options: --conformance-backend NAME (repeatable), --conformance-moe NAME (repeatable),
---conformance-layer-ops NAME (repeatable), --conformance-quant NAME (repeatable),
---conformance-grammar NAME (repeatable), --conformance-platform TARGET (repeatable),
+`--conformance-grammar NAME` (core/testing/grammar_suite.py), a tool-call parser with
+`--conformance-tool-parser NAME` (core/testing/tool_parser_suite.py; no torch, seconds), and a
+hardware target's Platform with `--conformance-platform TARGET` (core/testing/platform_suite.py).
+Options (each NAME option repeatable or a comma list): --conformance-backend NAME,
+--conformance-moe NAME, --conformance-layer-ops NAME, --conformance-quant NAME,
+--conformance-grammar NAME, --conformance-tool-parser NAME, --conformance-platform TARGET,
 --conformance-device DEV (repeatable; default cpu plus cuda when present), --conformance-full,
 --conformance-seed N.
 """
@@ -31,8 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from core.plugins import Registration, Registry
 
 PLUGIN = "core.testing.conformance"
 HERE = Path(__file__).resolve().parent
@@ -70,11 +75,33 @@ SUITES = (
           "needs the compressed-tensors package)"),
     Suite("--conformance-grammar", "grammar_suite", "NAME",
           "run the grammar-backend conformance suite on this registered backend (repeatable)"),
+    Suite("--conformance-tool-parser", "tool_parser_suite", "NAME",
+          "run the tool-call-parser conformance suite on this registered parser (repeatable, "
+          "or a comma list)"),
     Suite("--conformance-platform", "platform_suite", "TARGET",
           "run the Platform conformance suite on this registered hardware target "
           "(repeatable)"),
 )
 SUITE_MODULES = tuple(f"core.testing.{suite.module}" for suite in SUITES)
+
+
+def named_plugins(config: pytest.Config, kind: str, option: str, label: str
+                  ) -> tuple[Registry, dict[str, Registration], list[str]]:
+    """(registry, its `kind` plugins, the names the suite option selected): each name once
+    (an addopts default plus the command line is still one run), an option given several
+    times or as a comma list (`--conformance-moe a,b`); UsageError for an unregistered name.
+    Shared by every suite (the registry is imported here, not when pytest loads the plugin)."""
+    from core.plugins import get_registry
+
+    registry = get_registry()
+    plugins = registry.kind(kind)
+    given = config.getoption(option, default=None) or []
+    named = list(dict.fromkeys(n.strip() for v in given for n in v.split(",") if n.strip()))
+    unknown = [n for n in named if n not in plugins]
+    if unknown:
+        raise pytest.UsageError(f"{label}(s) {', '.join(unknown)} not registered "
+                                f"(registered: {', '.join(sorted(plugins)) or 'none'})")
+    return registry, plugins, named
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
