@@ -13,6 +13,7 @@ logits (the scheduler computes them; such a request does not reuse a cached pref
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -233,6 +234,18 @@ class SampleOutput:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
+class MaskJob:
+    """The grammar masks of one step's constrained rows, filled on a host thread while the
+    step's forward runs (Sampler.start_masks); `wait()` gives (bitmask, rows)."""
+
+    def __init__(self, future: Any, bitmask: torch.Tensor, rows: list[int]):
+        self.future, self.bitmask, self.rows = future, bitmask, rows
+
+    def wait(self) -> tuple[torch.Tensor, list[int]]:
+        self.future.result()  # re-raises a backend's error here, in the scheduler's thread
+        return self.bitmask, self.rows
+
+
 class Sampler:
     """Batched sampling over [B, V] fp32 logits with per-request states."""
 
@@ -240,13 +253,43 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._pool: Any = None  # one host thread for grammar masks, made on first use
+        # seconds spent filling grammar masks, and of those the scheduler waited for (the
+        # rest ran behind the forward); mask_fills: masks filled
+        self.mask_stats = {"mask_fill_s": 0.0, "mask_wait_s": 0.0, "mask_fills": 0}
+
+    def start_masks(self, states: list[SamplingState], vocab_size: int) -> MaskJob | None:
+        """Begin filling the constrained rows' grammar masks on a host thread (None: no row is
+        constrained). Call before the step's forward and pass the job to `sample`; nothing may
+        touch those matchers until then (the scheduler accepts tokens after sampling)."""
+        rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        if not rows:
+            return None
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="core-grammar-mask")
+        bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32)
+        matchers = [states[i].matcher for i in rows]
+        return MaskJob(self._pool.submit(self._fill, matchers, bitmask), bitmask, rows)
+
+    def _fill(self, matchers: list[Any], bitmask: torch.Tensor) -> float:
+        t = time.perf_counter()
+        for j, m in enumerate(matchers):
+            m.fill_bitmask(bitmask, j)
+        took = time.perf_counter() - t
+        self.mask_stats["mask_fill_s"] += took
+        self.mask_stats["mask_fills"] += len(matchers)
+        return took
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, states: list[SamplingState],
+               masks: MaskJob | None = None) -> SampleOutput:
+        """masks: the step's grammar masks begun by start_masks (else filled here)."""
         B, V = logits.shape
         want_lp = [i for i, s in enumerate(states) if s.params.logprobs]
         raw = logits[want_lp].clone() if want_lp else None
-        tokens = self.launch(logits, states)
+        tokens = self.launch(logits, states, masks)
         token_list = tokens.tolist()  # the step's one host sync
         for s, t in zip(states, token_list, strict=True):
             s.observe(t)
@@ -258,11 +301,18 @@ class Sampler:
         return SampleOutput(token_list, lps)
 
     @torch.inference_mode()
-    def launch(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    def launch(self, logits: torch.Tensor, states: list[SamplingState],
+               masks: MaskJob | None = None) -> torch.Tensor:
         """The chosen tokens [B] as a device tensor, without waiting for them (no host sync).
         Penalty states are not updated: callers that defer the host copy (the overlap
         scheduler) use it only for `deferrable` states and call `observe` once tokens land."""
-        self._constrain(logits, states)
+        if masks is not None:
+            t = time.perf_counter()
+            bitmask, rows = masks.wait()
+            self.mask_stats["mask_wait_s"] += time.perf_counter() - t
+            apply_bitmask(logits, bitmask, rows)
+        else:
+            self._constrain(logits, states)
         self._penalize(logits, states)
         greedy = [s.params.greedy for s in states]
         if all(greedy):
@@ -279,16 +329,14 @@ class Sampler:
         return (state.counts is None and state.seen is None and not p.logprobs
                 and produced >= p.min_new_tokens and state.matcher is None)
 
-    @staticmethod
-    def _constrain(logits: torch.Tensor, states: list[SamplingState]) -> None:
-        """Mask what each constrained request's grammar forbids next (filled on the host)."""
+    def _constrain(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+        """Mask what each constrained request's grammar forbids next, filled on the host in
+        this thread (no forward to hide it behind: all of it is waited for)."""
         rows = [i for i, s in enumerate(states) if s.matcher is not None]
         if not rows:
             return
-        words = -(-logits.shape[1] // 32)
-        bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
-        for j, i in enumerate(rows):
-            states[i].matcher.fill_bitmask(bitmask, j)
+        bitmask = torch.full((len(rows), -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
+        self.mask_stats["mask_wait_s"] += self._fill([states[i].matcher for i in rows], bitmask)
         apply_bitmask(logits, bitmask, rows)
 
     def _penalize(self, logits: torch.Tensor, states: list[SamplingState]) -> None:

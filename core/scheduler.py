@@ -287,8 +287,10 @@ class Scheduler(Admission, Overlap):
             self._launch_decode([r.output_ids[-1] for r in self.running])
             return []
         batch = self.running
+        # grammar masks fill on a host thread while the forward runs (core.sampling)
+        masks = self.sampler.start_masks([r.state for r in batch], self.vocab_size)
         logits = self._forward_decode([r.output_ids[-1] for r in batch])
-        self._sample(batch, logits)
+        self._sample(batch, logits, masks)
         self.running = [r for r in batch if r.finish is None]
         return list(batch)
 
@@ -340,8 +342,8 @@ class Scheduler(Admission, Overlap):
 
     # -- sampling and stop conditions ------------------------------------------------------------
 
-    def _sample(self, reqs: list[Req], logits) -> None:
-        out = self.sampler.sample(logits, [r.state for r in reqs])
+    def _sample(self, reqs: list[Req], logits, masks: Any = None) -> None:
+        out = self.sampler.sample(logits, [r.state for r in reqs], masks)
         for r, tok, lp in zip(reqs, out.tokens, out.logprobs, strict=True):
             self._accept(r, tok, lp)
 
@@ -407,4 +409,6 @@ class Scheduler(Admission, Overlap):
                 "cached_pages": self.cache.evictable_pages + self.cache.protected_pages,
                 "evictable_pages": self.cache.evictable_pages,  # reusable: the server counts
                 # them as free in its kv_pages_used (as SGLang does)
-                "new_token_ratio": round(self.new_token_ratio, 4)}
+                "new_token_ratio": round(self.new_token_ratio, 4),
+                # grammar masks: seconds filled, seconds the step waited on them, count
+                **self.sampler.mask_stats}
