@@ -50,6 +50,14 @@ class GrammarError(ValueError):
     """A constraint that cannot be compiled or enforced; the message names the problem."""
 
 
+class GrammarBackendError(GrammarError):
+    """The backend itself failed on a constraint (its library raised something other than a
+    refusal: a bug, or a version it was not written for). The request ends with a 500; the
+    engine keeps serving the others."""
+
+    status = 500
+
+
 @dataclass(frozen=True)
 class Constraint:
     """One request's structured-output constraint, as data (it crosses the process boundary).
@@ -197,7 +205,14 @@ class Grammar:
             self._cache.move_to_end(key)
             return got
         self.check(c)
-        got = self.backend.compile(c)
+        try:
+            got = self.backend.compile(c)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the library's failure, not the request's
+            raise GrammarBackendError(f"grammar backend {self.name} failed to compile the "
+                                      f"{c.where} constraint: {type(exc).__name__}: "
+                                      f"{exc}") from exc
         self.compiled += 1
         self._cache[key] = got
         if len(self._cache) > self._cache_size:

@@ -398,15 +398,13 @@ class _Heartbeat:
 def _apply(core: EngineCore, msg: Message, send: Any) -> bool:
     """Carry out one client message on this rank's scheduler; `send` answers the client (rank
     0), None on the other ranks, which apply the same messages silently. False: shut down."""
-    from core.scheduler import AdmissionError
-
     sched = core.scheduler
     if isinstance(msg, AddRequest):
         try:  # validated by the client: only what depends on the scheduler's state
             sched.admit(msg.rid, list(msg.input_ids), msg.params, msg.priority)
         except ValueError as exc:
-            if send is not None:
-                status = exc.status if isinstance(exc, AdmissionError) else 400
+            if send is not None:  # a refusal (400), or a status the error carries
+                status = getattr(exc, "status", 400)
                 send(StepOutput((OutputItem(
                     msg.rid, (), None, Finish("abort", message=str(exc), status_code=status),
                     len(msg.input_ids), 0, 0),)))

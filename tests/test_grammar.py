@@ -480,3 +480,34 @@ def test_compact_json_in_real_tokens_is_accepted_by_every_backend(name, smollm_t
         assert all(m.accept(t) for t in tok.encode(text)), (name, c.kind)
         assert m.accept(min(tok.eos_token_ids)) and m.is_terminated()
         m.close()
+
+
+def test_a_backend_that_crashes_on_compile_is_a_500_for_that_request_only():
+    """A library raising something other than a refusal (a version mismatch: llguidance 1.6
+    under code written for 1.9 raised TypeError) fails the one request with status 500,
+    naming the backend; it is not the engine's death (the worker maps `status`)."""
+    from core.grammar import GrammarBackendError
+
+    class Crashing:
+        def validate(self, c):
+            pass
+
+        def compile(self, c):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted")
+
+    g = Grammar("crashy", GrammarCaps(constraints=frozenset({"json_object", "regex"})),
+                Crashing(), 64)
+    with pytest.raises(GrammarBackendError) as info:
+        g.compiled_for(Constraint("regex", "a+"))
+    assert info.value.status == 500 and isinstance(info.value, GrammarError)
+    assert "grammar backend crashy failed to compile the regex constraint: TypeError" in str(
+        info.value)
+
+    class Refusing(Crashing):
+        def compile(self, c):
+            raise GrammarError("regex: unsupported look-behind")
+
+    with pytest.raises(GrammarError) as info:  # a refusal stays a refusal (400)
+        Grammar("strict", GrammarCaps(constraints=frozenset({"regex"})), Refusing(),
+                64).compiled_for(Constraint("regex", "(?<=a)b"))
+    assert getattr(info.value, "status", 400) == 400
