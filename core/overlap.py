@@ -4,6 +4,11 @@ While the device runs a step, the host lands the previous one (stop checks, outp
 batch whose every request can be sampled without the host (no penalties or stop masks that need
 the last token, no logprobs) chains; the device->host copy and its wait are the Platform's. A
 mixin of core.scheduler.Scheduler.
+
+Structured output chains too: its mask for step N+1 needs token N accepted by the grammar, but
+the forward of step N+1 does not. So a batch with grammar rows launches forward N+1, lands step
+N (the grammar accepts its tokens) and fills the masks while the device computes, then samples
+N+1: the host's landing and mask work hide behind the forward instead of following it.
 """
 
 from __future__ import annotations
@@ -55,10 +60,28 @@ class Overlap:
     def _chain_decode(self) -> list[Req]:
         prev = self.inflight
         self.counters["overlapped_steps"] += 1
+        if any(r.state.matcher is not None for r in self.running):
+            return self._chain_constrained(prev)
         self._launch_decode(prev.tokens)  # replaces self.inflight
         self.inflight, launched = prev, self.inflight
         touched = self._land()
         self.inflight = launched
+        return touched
+
+    def _chain_constrained(self, prev: InflightDecode) -> list[Req]:
+        """Forward N+1 first, then land step N (its tokens reach the grammars), then the
+        masks of N+1 (filled while the forward runs) and its sampling."""
+        batch = self.running
+        logits = self._forward_decode(prev.tokens)
+        touched = self._land()  # self.inflight was prev; the matchers now follow token N
+        # rows that finished on landing keep computing this step; their token is dropped at
+        # the next landing, so their grammar (terminated) is not asked for a mask
+        live = [r.finish is None for r in batch]
+        states = [r.state for r in batch]
+        masks = self.sampler.start_masks(states, self.vocab_size, live)
+        tokens = self.sampler.launch(logits, states, masks)
+        host, waiter = self.runner.platform.copy_to_host(tokens)
+        self.inflight = InflightDecode(list(batch), tokens, host, waiter)
         return touched
 
     def _land(self) -> list[Req]:

@@ -258,11 +258,14 @@ class Sampler:
         # rest ran behind the forward); mask_fills: masks filled
         self.mask_stats = {"mask_fill_s": 0.0, "mask_wait_s": 0.0, "mask_fills": 0}
 
-    def start_masks(self, states: list[SamplingState], vocab_size: int) -> MaskJob | None:
+    def start_masks(self, states: list[SamplingState], vocab_size: int,
+                    live: list[bool] | None = None) -> MaskJob | None:
         """Begin filling the constrained rows' grammar masks on a host thread (None: no row is
         constrained). Call before the step's forward and pass the job to `sample`; nothing may
-        touch those matchers until then (the scheduler accepts tokens after sampling)."""
-        rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        touch those matchers until then (the scheduler accepts tokens after sampling).
+        live[i] False: row i is not masked (a finished request whose token will be dropped)."""
+        rows = [i for i, s in enumerate(states) if s.matcher is not None
+                and (live is None or live[i])]
         if not rows:
             return None
         if self._pool is None:
@@ -323,11 +326,12 @@ class Sampler:
     def deferrable(state: SamplingState, produced: int) -> bool:
         """Can this request's next token be drawn before its previous one reached the host?
         Yes unless something in the draw depends on the previous token: penalties (their
-        counts), min_new_tokens still masking stop tokens, a grammar (its mask follows the
-        accepted token), or logprobs (kept simple: sync)."""
+        counts), min_new_tokens still masking stop tokens, or logprobs (kept simple: sync).
+        A grammar's mask does too, but the overlap schedule lands the previous step before
+        it samples a constrained batch (core.overlap), so a grammar defers."""
         p = state.params
         return (state.counts is None and state.seen is None and not p.logprobs
-                and produced >= p.min_new_tokens and state.matcher is None)
+                and produced >= p.min_new_tokens)
 
     def _constrain(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
         """Mask what each constrained request's grammar forbids next, filled on the host in

@@ -6,6 +6,8 @@ accounting is checked after each one.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from model_fixtures import write_tiny_model
 
@@ -351,3 +353,31 @@ def test_startup_warmup_forwards_leave_no_trace(tiny, alone):
     core.scheduler.check_accounting()
     assert {rid: ids for rid, (ids, _) in got.items()} == \
         {rid: ids for rid, (ids, _) in alone.items()}
+
+
+def test_overlap_schedule_chains_constrained_batches_with_the_same_tokens(tiny):
+    """Structured output under the overlap schedule: forward N+1 is launched before step N
+    lands; the masks of N+1 follow token N all the same (core.overlap), so every output
+    equals the synchronous schedule's, the grammars end their requests, and the steps chain."""
+    regex = {"kind": "regex", "value": "[a-z]{3,12}( [a-z]{2,9}){2,5}\\."}
+    schema = {"kind": "json_schema", "value": json.dumps({
+        "type": "object", "properties": {"a": {"type": "integer"},
+                                         "b": {"type": "array", "items": {"type": "string"}}},
+        "required": ["a", "b"]})}
+    reqs = [("g0", _prompts()[0], {**greedy(60), "ignore_eos": False, "constraint": regex}),
+            ("g1", _prompts()[1], {**greedy(60), "ignore_eos": False, "constraint": schema}),
+            ("g2", _prompts()[2], {**greedy(60), "ignore_eos": False,
+                                   "constraint": {"kind": "json_object", "value": ""}}),
+            ("u", _prompts()[3], greedy(30))]  # an unconstrained row in the same batch
+    plain = make_core(tiny).scheduler
+    assert plain.grammar is not None, "no grammar backend installed here"
+    want = drive(plain, reqs)
+    sched = overlap_core(tiny).scheduler
+    got = drive(sched, reqs)
+    assert got == want
+    assert sched.counters["overlapped_steps"] > 10
+    assert sched.inflight is None and not sched.has_work
+    sched.check_accounting()
+    assert want["u"][1]["type"] == "length"
+    # the grammars end requests themselves (a complete match), also under overlap
+    assert [want[g][1]["type"] for g in ("g0", "g1", "g2")].count("stop") >= 1, want
