@@ -224,19 +224,25 @@ class Grammar:
         return self.backend.matcher(self.compiled_for(c))
 
 
-def apply_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:
+def apply_bitmask(logits: Any, bitmask: Any, rows: list[int], to_device: Any = None) -> None:
     """logits[rows[i]] = -inf where bitmask[i] forbids the token (plain PyTorch, any device).
 
     logits [B, V]; bitmask [len(rows), ceil(V / 32)] int32 (bit j of word w: token 32 w + j).
+    to_device(host tensor) -> the same on logits' device: the Platform's copy (pinned on a
+    GPU, so the host does not wait for the queued forward); default: a plain `.to`.
     """
     import torch
 
+    move = to_device or (lambda t: t.to(logits.device, non_blocking=True))
     V = logits.shape[1]
-    words = bitmask.to(logits.device, non_blocking=True)
+    words = bitmask if bitmask.device == logits.device else move(bitmask)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((words[:, :, None] >> shifts) & 1).bool()  # [b, W, 32]
     allowed = allowed.reshape(len(rows), -1)[:, :V]  # [b, V]
-    idx = torch.tensor(rows, device=logits.device)
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):  # every row
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    idx = move(torch.tensor(rows))
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 

@@ -77,9 +77,8 @@ class Overlap:
         # rows that finished on landing keep computing this step; their token is dropped at
         # the next landing, so their grammar (terminated) is not asked for a mask
         live = [r.finish is None for r in batch]
-        states = [r.state for r in batch]
-        masks = self.sampler.start_masks(states, self.vocab_size, live)
-        tokens = self.sampler.launch(logits, states, masks)
+        # the masks fill in this thread, now, while the device computes the forward
+        tokens = self.sampler.launch(logits, [r.state for r in batch], live=live)
         host, waiter = self.runner.platform.copy_to_host(tokens)
         self.inflight = InflightDecode(list(batch), tokens, host, waiter)
         return touched

@@ -249,23 +249,23 @@ class MaskJob:
 class Sampler:
     """Batched sampling over [B, V] fp32 logits with per-request states."""
 
-    def __init__(self, device: torch.device, seed: int = 0):
+    def __init__(self, device: torch.device, seed: int = 0, to_device: Any = None):
+        """to_device(host, device): the Platform's host-to-device copy (grammar masks go
+        through it: pinned and non-blocking on a GPU); None: a plain `.to`."""
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._move = (lambda t: to_device(t, device)) if to_device is not None else None
         self._pool: Any = None  # one host thread for grammar masks, made on first use
         # seconds spent filling grammar masks, and of those the scheduler waited for (the
         # rest ran behind the forward); mask_fills: masks filled
         self.mask_stats = {"mask_fill_s": 0.0, "mask_wait_s": 0.0, "mask_fills": 0}
 
-    def start_masks(self, states: list[SamplingState], vocab_size: int,
-                    live: list[bool] | None = None) -> MaskJob | None:
+    def start_masks(self, states: list[SamplingState], vocab_size: int) -> MaskJob | None:
         """Begin filling the constrained rows' grammar masks on a host thread (None: no row is
         constrained). Call before the step's forward and pass the job to `sample`; nothing may
-        touch those matchers until then (the scheduler accepts tokens after sampling).
-        live[i] False: row i is not masked (a finished request whose token will be dropped)."""
-        rows = [i for i, s in enumerate(states) if s.matcher is not None
-                and (live is None or live[i])]
+        touch those matchers until then (the scheduler accepts tokens after sampling)."""
+        rows = [i for i, s in enumerate(states) if s.matcher is not None]
         if not rows:
             return None
         if self._pool is None:
@@ -305,17 +305,18 @@ class Sampler:
 
     @torch.inference_mode()
     def launch(self, logits: torch.Tensor, states: list[SamplingState],
-               masks: MaskJob | None = None) -> torch.Tensor:
+               masks: MaskJob | None = None, live: list[bool] | None = None) -> torch.Tensor:
         """The chosen tokens [B] as a device tensor, without waiting for them (no host sync).
         Penalty states are not updated: callers that defer the host copy (the overlap
-        scheduler) use it only for `deferrable` states and call `observe` once tokens land."""
+        scheduler) use it only for `deferrable` states and call `observe` once tokens land.
+        live[i] False: row i gets no grammar mask (a finished request; its token is dropped)."""
         if masks is not None:
             t = time.perf_counter()
             bitmask, rows = masks.wait()
             self.mask_stats["mask_wait_s"] += time.perf_counter() - t
-            apply_bitmask(logits, bitmask, rows)
+            apply_bitmask(logits, bitmask, rows, self._move)
         else:
-            self._constrain(logits, states)
+            self._constrain(logits, states, live)
         self._penalize(logits, states)
         greedy = [s.params.greedy for s in states]
         if all(greedy):
@@ -333,15 +334,17 @@ class Sampler:
         return (state.counts is None and state.seen is None and not p.logprobs
                 and produced >= p.min_new_tokens)
 
-    def _constrain(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+    def _constrain(self, logits: torch.Tensor, states: list[SamplingState],
+                   live: list[bool] | None = None) -> None:
         """Mask what each constrained request's grammar forbids next, filled on the host in
-        this thread (no forward to hide it behind: all of it is waited for)."""
-        rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        this thread (counted as waited for: on a device, the queued forward runs meanwhile)."""
+        rows = [i for i, s in enumerate(states) if s.matcher is not None
+                and (live is None or live[i])]
         if not rows:
             return
         bitmask = torch.full((len(rows), -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
         self.mask_stats["mask_wait_s"] += self._fill([states[i].matcher for i in rows], bitmask)
-        apply_bitmask(logits, bitmask, rows)
+        apply_bitmask(logits, bitmask, rows, self._move)
 
     def _penalize(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
         for i, s in enumerate(states):

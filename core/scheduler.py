@@ -287,8 +287,11 @@ class Scheduler(Admission, Overlap):
             self._launch_decode([r.output_ids[-1] for r in self.running])
             return []
         batch = self.running
-        # grammar masks fill on a host thread while the forward runs (core.sampling)
-        masks = self.sampler.start_masks([r.state for r in batch], self.vocab_size)
+        # Grammar masks: where the forward runs on the host (no overlap schedule: a CPU) they
+        # fill on a host thread meanwhile; where it runs on a device they fill in this thread
+        # after the forward's launch, while the device computes (at sampling).
+        masks = None if self.cfg.overlap else self.sampler.start_masks(
+            [r.state for r in batch], self.vocab_size)
         logits = self._forward_decode([r.output_ids[-1] for r in batch])
         self._sample(batch, logits, masks)
         self.running = [r for r in batch if r.finish is None]

@@ -221,7 +221,8 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any
             registry = get_registry()
         grammar = make_grammar(registry, plan.grammar_backend, tok, int(cfg.vocab_size),
                                sorted(eos))
-    scheduler = Scheduler(runner, allocator, req_to_token, cache, Sampler(device, args.seed),
+    scheduler = Scheduler(runner, allocator, req_to_token, cache,
+                          Sampler(device, args.seed, to_device=platform.to_device),
                           sched_cfg, eos, int(cfg.vocab_size),
                           decode_text=tok.decode if tok is not None else None, grammar=grammar)
     return scheduler, eos, overlap_note
