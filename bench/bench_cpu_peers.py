@@ -55,6 +55,8 @@ for _p in (str(BENCH_DIR), str(REPO), str(REPO / "tests")):  # this checkout; hf
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from cli_lists import choice_list  # noqa: E402
+
 PEERS = ("ours", "llama.cpp", "hf")
 LABELS = {"ours": "ours", "llama.cpp": "llama.cpp", "hf": "HF"}
 ID_RANGE = (100, 40000)
@@ -490,11 +492,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    a.peers = [x.strip() for x in a.peers.split(",") if x.strip()]
-    bad = [x for x in a.peers if x not in PEERS]
-    if bad or not a.peers:
-        p.error(f"--peers: unknown {', '.join(bad) or '(none given)'}; choose from "
-                f"{', '.join(PEERS)}")
+    a.peers = choice_list(p, "--peers", a.peers, PEERS)
     if a.threads < 1:
         p.error("--threads must be >= 1")
     if a.reps is None:

@@ -38,16 +38,7 @@ from bench_serving import (  # noqa: E402
     parse_args,
     weight_bytes,
 )
-
-
-def sizes(text: str, flag: str) -> list[int]:
-    try:
-        out = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise SystemExit(f"{flag}: expected a comma list of integers, got {text!r}") from None
-    if not out or out[0] < 1:
-        raise SystemExit(f"{flag}: sizes must be >= 1, got {text!r}")
-    return out
+from cli_lists import int_list  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                    "Llama-3.1-8B on the GPU, a tiny Llama on the CPU)")
     own, rest = p.parse_known_args(argv)
     a = parse_args([*rest, "--skip-hf"])
-    tps, dps = sizes(own.tp_sizes, "--tp-sizes"), sizes(own.dp_sizes, "--dp-sizes")
+    tps = int_list(p, "--tp-sizes", own.tp_sizes)
+    dps = int_list(p, "--dp-sizes", own.dp_sizes)
     gpu = a.scenario == "gpu"
     if gpu and not torch.cuda.is_available():
         print("skipped: the gpu scenario needs CUDA (try --scenario cpu)")

@@ -52,6 +52,7 @@ for _p in (str(BENCH_DIR), str(REPO)):  # bench this checkout, whatever else is 
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from cli_lists import choice_list  # noqa: E402
 from serving_online import bench_online, latency_stats  # noqa: E402
 from serving_report import jsonable, ratio, summarize, summary_table  # noqa: E402
 
@@ -430,11 +431,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="add per-request records to the online, offline and shared-prefix results")
     p.add_argument("--out", default=None, help="write the JSON report here")
     a = p.parse_args(argv)
-    a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    bad = [m for m in a.modes if m not in MODES]
-    if bad or not a.modes:
-        p.error(f"--modes: unknown {', '.join(bad) or '(none given)'}; choose from "
-                f"{', '.join(MODES)}")
+    a.modes = choice_list(p, "--modes", a.modes, MODES)
     gpu = a.scenario == "gpu"
     for k, (g_val, c_val) in DEFAULTS.items():
         if getattr(a, k) is None:
