@@ -183,6 +183,7 @@ class Grammar:
         self._cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
         self._cache_size = cache_size
         self.compiled = 0  # cache misses (tests and stats)
+        self._pool: Any = None  # the compile thread (submit), made on first use
 
     def check(self, c: Constraint) -> None:
         """Raise GrammarError when this backend cannot enforce `c` (never run it loosely)."""
@@ -198,26 +199,54 @@ class Grammar:
                                    f"grammar backend {self.name} cannot enforce")
         self.backend.validate(c)
 
-    def compiled_for(self, c: Constraint) -> Any:
+    def cached(self, c: Constraint) -> Any:
+        """The compiled grammar of `c` if the cache holds it (marked recently used), else None."""
         key = (self.name, *c.key())
         got = self._cache.get(key)
         if got is not None:
             self._cache.move_to_end(key)
-            return got
+        return got
+
+    def compile(self, c: Constraint) -> Any:
+        """Check and compile `c` (no cache; safe on another thread: it touches no state here).
+        GrammarError for a refusal; GrammarBackendError when the library itself fails."""
         self.check(c)
         try:
-            got = self.backend.compile(c)
+            return self.backend.compile(c)
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - the library's failure, not the request's
             raise GrammarBackendError(f"grammar backend {self.name} failed to compile the "
                                       f"{c.where} constraint: {type(exc).__name__}: "
                                       f"{exc}") from exc
+
+    def store(self, c: Constraint, compiled: Any) -> None:
+        """Keep a compiled grammar (least recently used out first)."""
         self.compiled += 1
-        self._cache[key] = got
+        self._cache[(self.name, *c.key())] = compiled
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
+
+    def submit(self, c: Constraint) -> Any:
+        """Compile `c` on the grammar's host thread; a concurrent.futures.Future of the
+        compiled grammar (the caller stores it: the cache is the scheduler thread's)."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="core-grammar-compile")
+        return self._pool.submit(self.compile, c)
+
+    def compiled_for(self, c: Constraint) -> Any:
+        """The compiled grammar of `c`: cached, or compiled now and stored."""
+        got = self.cached(c)
+        if got is None:
+            got = self.compile(c)
+            self.store(c, got)
         return got
+
+    def matcher_of(self, compiled: Any) -> GrammarMatcher:
+        """A fresh matcher for one sequence over a compiled grammar."""
+        return self.backend.matcher(compiled)
 
     def matcher(self, c: Constraint) -> GrammarMatcher:
         """A fresh matcher for one sequence (compiles on a cache miss; GrammarError)."""

@@ -5,7 +5,7 @@ pickled. `decode` checks the object's shape (its "type", every field's JSON type
 typed message, or raises ValueError naming what is wrong. Shape only: what a request asks for is
 validated once, at the edge (core.client.EngineClient.prepare), and the worker trusts it.
 
-client -> worker: AddRequest, Abort, Rpc, Shutdown
+client -> worker: AddRequest, Abort, Rpc, Shutdown (rank 0 -> ranks also: GrammarReady)
 worker -> client: Ready (once, with EngineInfo), Fatal, StepOutput (once per step), Reply,
                   Heartbeat (every second, from a thread of the worker)
 """
@@ -119,6 +119,25 @@ class Shutdown(_Flat):
     def from_dict(cls, d: dict[str, Any]) -> Shutdown:
         _fields(d, "shutdown message", {})
         return cls()
+
+
+@dataclass(frozen=True)
+class GrammarReady(_Flat):
+    """Rank 0 to the other tensor-parallel ranks (inside a turn's broadcast, never from the
+    client): these grammar compiles (the scheduler's ids) are done, so every rank moves their
+    requests on at the same point of its schedule."""
+
+    TYPE: ClassVar[str] = "grammar_ready"
+    ids: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.TYPE, "ids": list(self.ids)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GrammarReady:
+        got = _fields(d, "grammar_ready message", {
+            "ids": (_list_of(_is_int), "a list of integers")})
+        return cls(tuple(got["ids"]))
 
 
 # -- worker -> client ------------------------------------------------------------------------------
@@ -346,9 +365,10 @@ class Heartbeat(_Flat):
             "stats": (_opt(_of(dict)), "an object or null"), "step_s": (_is_num, "a number")}))
 
 
-Message = (AddRequest | Abort | Rpc | Shutdown | Ready | Fatal | StepOutput | Reply | Heartbeat)
-MESSAGES: dict[str, Any] = {m.TYPE: m for m in (AddRequest, Abort, Rpc, Shutdown, Ready, Fatal,
-                                                StepOutput, Reply, Heartbeat)}
+Message = (AddRequest | Abort | Rpc | Shutdown | GrammarReady | Ready | Fatal | StepOutput | Reply
+           | Heartbeat)
+MESSAGES: dict[str, Any] = {m.TYPE: m for m in (AddRequest, Abort, Rpc, Shutdown, GrammarReady,
+                                                Ready, Fatal, StepOutput, Reply, Heartbeat)}
 
 
 def encode(msg: Message) -> bytes:

@@ -73,6 +73,7 @@ class Req:
     kv_len: int = 0  # tokens whose K/V is in the pool
     fill_len: int = 0  # tokens to cache before the next sample (prompt + output at admission)
     cached_tokens: int = -1  # prefix-cache hit of the first admission (reported)
+    compile_id: int | None = None  # its grammar's compile while it is in `compiling`
     finish: dict | None = None
     # output not yet reported: new ids and their logprobs
     pending_ids: list[int] = field(default_factory=list)
@@ -119,6 +120,16 @@ class Scheduler(Admission, Overlap):
         self.decode_text = decode_text  # for stop strings; None disables them
         self.grammar = grammar  # core.grammar.Grammar for constrained requests; None: off
         self.waiting: list[Req] = []
+        # constrained requests whose grammar is being compiled on the grammar's thread (off
+        # the step); they join `waiting` when it is done (grammar_done)
+        self.compiling: list[Req] = []
+        self._compiles: dict[int, tuple[Any, Any, list[Req]]] = {}  # id: (constraint, future,
+        self._compile_ids: dict[tuple[str, str], int] = {}  # reqs); constraint key: id
+        self._next_compile = 0
+        # True under tensor parallelism: rank 0 says which compiles are done (GrammarReady,
+        # broadcast), so every rank moves the same requests at the same step; else each
+        # step polls
+        self.grammar_by_message = False
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
         self.by_id: dict[str, Req] = {}
@@ -176,7 +187,7 @@ class Scheduler(Admission, Overlap):
             # waiting requests that free running slots will take at the next step are about to
             # run, not queued: a burst of max_running + max_queued is accepted whole
             slots = self.cfg.max_running_requests - len(self.running) - (self.chunked is not None)
-            queued = len(self.waiting) - max(slots, 0)
+            queued = len(self.waiting) + len(self.compiling) - max(slots, 0)
             if cap is not None and queued >= cap:
                 raise AdmissionError(f"the queue is full: {queued} requests waiting "
                                      f"(--max-queued-requests {cap})", status=503)
@@ -185,29 +196,91 @@ class Scheduler(Admission, Overlap):
             raise
         stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos))
         state = SamplingState(p, input_ids, stop_ids, self.vocab_size, self.runner.device)
-        if p.constraint is not None:
-            state.matcher = self._matcher(p)
+        compiled = self._grammar_for(p) if p.constraint is not None else None
+        if compiled is not None:
+            state.matcher = self.grammar.matcher_of(compiled)
         req = Req(rid, list(input_ids), p, state, self._seq, priority or 0)
         self._seq += 1
         self.by_id[rid] = req
-        self.waiting.append(req)
+        if p.constraint is not None and compiled is None:
+            self._compile(req)
+        else:
+            self.waiting.append(req)
 
-    def _matcher(self, p: SamplingParams) -> Any:
-        """The constrained request's own grammar matcher (compiled, or from the cache)."""
+    def _grammar_for(self, p: SamplingParams) -> Any:
+        """The constraint's compiled grammar from the cache, or None (to be compiled); a
+        constraint the backend refuses outright is an error now."""
         try:
             if self.grammar is None:
                 raise AdmissionError("structured output is off in this engine "
                                      "(--grammar-backend none, or no grammar backend fits)")
-            return self.grammar.matcher(p.constraint)
+            self.grammar.check(p.constraint)
+            return self.grammar.cached(p.constraint)
         except ValueError:
             self.counters["rejected"] += 1
             raise
+
+    def _compile(self, req: Req) -> None:
+        """Park `req` in `compiling` on its grammar's compile (one per constraint at a time)."""
+        key = req.params.constraint.key()
+        cid = self._compile_ids.get(key)
+        if cid is None:
+            cid = self._compile_ids[key] = self._next_compile
+            self._next_compile += 1
+            self._compiles[cid] = (req.params.constraint,
+                                   self.grammar.submit(req.params.constraint), [])
+        self._compiles[cid][2].append(req)
+        req.compile_id = cid
+        self.compiling.append(req)
+
+    def grammar_ready(self) -> list[int]:
+        """The ids of the compiles that are done (in start order)."""
+        return [cid for cid, (_, fut, _) in self._compiles.items() if fut.done()]
+
+    def grammar_done(self, ids: list[int]) -> None:
+        """Move the requests of these finished compiles on: to `waiting` with their matcher,
+        or finished with the compile's error (400 for a refusal, 500 for a backend failure).
+        Waits for a compile not yet done here (a rank told by rank 0)."""
+        for cid in ids:
+            constraint, fut, reqs = self._compiles.pop(cid)
+            del self._compile_ids[constraint.key()]
+            try:
+                compiled = fut.result()
+            except ValueError as exc:
+                compiled, error = None, exc
+            else:
+                self.grammar.store(constraint, compiled)
+            for req in reqs:
+                if req.compile_id != cid or req not in self.compiling:
+                    continue  # aborted while compiling
+                self.compiling.remove(req)
+                req.compile_id = None
+                if compiled is not None:
+                    req.state.matcher = self.grammar.matcher_of(compiled)
+                    self.waiting.append(req)
+                    continue
+                self.counters["rejected"] += 1
+                req.finish = {"type": "abort", "message": str(error),
+                              "status_code": getattr(error, "status", 400)}
+                self._done(req)
+                self._finished_out.append(req)
+
+    def poll_timeout(self) -> float:
+        """How long the worker may wait for messages before the next step: 0 with work to do,
+        a moment while only grammar compiles are pending, else half a second."""
+        if self.waiting or self.running or self.chunked or self._finished_out \
+                or self.inflight is not None:
+            return 0.0
+        return 0.002 if self.compiling else 0.5
 
     def abort(self, rid: str) -> bool:
         req = self.by_id.get(rid)
         if req is None or req.finish is not None:
             return False
-        if req in self.waiting:
+        if req in self.compiling:  # its compile goes on (the cache keeps its result)
+            self.compiling.remove(req)
+            req.compile_id = None
+        elif req in self.waiting:
             self.waiting.remove(req)
         else:
             if req is self.chunked:
@@ -226,7 +299,7 @@ class Scheduler(Admission, Overlap):
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self._finished_out
-                    or self.inflight is not None)
+                    or self.inflight is not None or self.compiling)
 
     def step(self) -> list[Req]:
         """Run one scheduling step; return the requests with new output (or just finished).
@@ -239,6 +312,8 @@ class Scheduler(Admission, Overlap):
         logprobs) lands the in-flight step first and runs as without overlap.
         """
         self.counters["steps"] += 1
+        if self._compiles and not self.grammar_by_message:
+            self.grammar_done(self.grammar_ready())
         touched: list[Req] = self._finished_out
         self._finished_out = []
         if self.inflight is not None:
@@ -406,6 +481,7 @@ class Scheduler(Admission, Overlap):
         return {**self.counters,
                 "running": len(self.running) + (1 if self.chunked else 0),
                 "waiting": len(self.waiting),
+                "compiling": len(self.compiling),
                 "free_pages": self.allocator.free_pages,
                 "total_pages": self.allocator.total_pages,
                 "page_size": self.cfg.page_size,

@@ -27,6 +27,7 @@ from core.ipc import (
     EngineInfo,
     Fatal,
     Finish,
+    GrammarReady,
     Heartbeat,
     Message,
     OutputItem,
@@ -411,6 +412,8 @@ def _apply(core: EngineCore, msg: Message, send: Any) -> bool:
                     len(msg.input_ids), 0, 0),)))
     elif isinstance(msg, Abort):
         sched.abort(msg.rid)
+    elif isinstance(msg, GrammarReady):
+        sched.grammar_done(list(msg.ids))
     elif isinstance(msg, Rpc):
         try:
             reply = Reply(msg.id, True, _rpc(core, msg.op))
@@ -435,6 +438,8 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S,
     sched = core.scheduler
     parent = os.getppid()
     lock = threading.Lock()  # the heartbeat thread sends on the same pipe
+    if ranks is not None:  # rank 0 says when compiles are done, so all ranks agree
+        sched.grammar_by_message = True
 
     def send(msg: Message) -> None:
         with lock:
@@ -446,11 +451,15 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S,
     beat.start()
     try:
         while True:
-            timeout = 0.0 if sched.has_work else 0.5
+            timeout = sched.poll_timeout()
             msgs: list[Message] = []
             while chan.poll(timeout):
                 timeout = 0.0
                 msgs.append(chan.recv())
+            if ranks is not None:
+                done = sched.grammar_ready()
+                if done:
+                    msgs.append(GrammarReady(tuple(done)))
             orphaned = not sched.has_work and not msgs and os.getppid() != parent
             if orphaned:  # the client died without a shutdown: the ranks stop too
                 msgs.append(Shutdown())
@@ -477,6 +486,7 @@ def follow(core: EngineCore, ranks: Ranks) -> None:
     step (its outputs are rank 0's to send: they are made and dropped, so per-request state
     moves on alike)."""
     sched = core.scheduler
+    sched.grammar_by_message = True
     while True:
         for msg in ranks.share(None):
             if not _apply(core, msg, None):

@@ -111,6 +111,9 @@ class _AdmitOnly:
     def admit(self, rid, input_ids, params, priority=None):
         self.admitted.append((rid, input_ids, params, priority))
 
+    def poll_timeout(self):
+        return 0.5
+
     def stats(self):
         return {}
 

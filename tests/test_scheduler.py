@@ -381,3 +381,67 @@ def test_overlap_schedule_chains_constrained_batches_with_the_same_tokens(tiny):
     assert want["u"][1]["type"] == "length"
     # the grammars end requests themselves (a complete match), also under overlap
     assert [want[g][1]["type"] for g in ("g0", "g1", "g2")].count("stop") >= 1, want
+
+
+def test_grammars_compile_off_the_step(tiny):
+    """A constraint not in the cache compiles on the grammar's thread: the request waits in
+    `compiling` while the others keep decoding, then runs exactly as if compiled inline; two
+    requests with one constraint share a compile; a failed compile ends its requests with the
+    error's status; an abort while compiling leaves nothing behind."""
+    from concurrent.futures import Future
+
+    from core.grammar import GrammarError
+
+    regex = {"kind": "regex", "value": "[a-z]{4,9}( [a-z]{3,8}){2,4}\\."}
+    want = drive(make_core(tiny).scheduler, [("b", _prompts()[1], {**greedy(40),
+                                                                    "ignore_eos": False,
+                                                                    "constraint": regex})])["b"]
+    sched = make_core(tiny).scheduler
+    grammar = sched.grammar
+    futures = []
+    real_submit = grammar.submit
+
+    def held_submit(c):  # a compile we finish by hand
+        fut = Future()
+        futures.append((c, fut))
+        return fut
+
+    grammar.submit = held_submit
+    sched.add_request("a", _prompts()[0], greedy(30))
+    sched.add_request("b", _prompts()[1], {**greedy(40), "ignore_eos": False,
+                                           "constraint": regex})
+    sched.add_request("b2", _prompts()[1], {**greedy(40), "ignore_eos": False,
+                                            "constraint": regex})
+    assert len(futures) == 1 and [r.rid for r in sched.compiling] == ["b", "b2"]
+    for _ in range(5):
+        sched.step()
+    a = sched.by_id["a"]
+    assert len(a.output_ids) >= 4  # decoding went on while the grammar compiled
+    assert sched.stats()["compiling"] == 2
+    sched.abort("b2")  # aborted while compiling
+    futures[0][1].set_result(grammar.compile(futures[0][0]))
+    got = {}
+    while sched.has_work:
+        for r in sched.step():
+            if r.finish is not None:
+                got[r.rid] = (list(r.output_ids), r.finish)
+    assert got["b"] == want
+    assert got["b2"][1]["type"] == "abort" and not sched.compiling
+    sched.check_accounting()
+    # the compiled grammar was cached: the same constraint runs at once now
+    sched.add_request("c", _prompts()[2], {**greedy(8), "constraint": regex})
+    assert not sched.compiling and len(futures) == 1
+    # a compile that fails ends its request with the error's status
+    sched.add_request("d", _prompts()[2], {**greedy(8), "constraint": {
+        "kind": "regex", "value": "x+y+"}})
+    futures[1][1].set_exception(GrammarError("regex: the backend refused it"))
+    out = {}
+    while sched.has_work:
+        for r in sched.step():
+            if r.finish is not None:
+                out[r.rid] = r.finish
+    assert out["d"] == {"type": "abort", "message": "regex: the backend refused it",
+                        "status_code": 400}
+    assert out["c"]["type"] in ("length", "stop")
+    grammar.submit = real_submit
+    sched.check_accounting()

@@ -6,6 +6,7 @@ the reason, several nodes on loopback)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,19 +135,27 @@ def test_tp2_greedy_equals_tp1_and_transformers(arch, ep, tmp_path):
     hf = tiny_moe_hf_model(arch) if arch.endswith("moe") else tiny_hf_model(arch)
     path = write(hf, tmp_path / arch)
     want = hf_greedy(hf, PROMPT, N_TOKENS)
-    got, sampled = {}, {}
+    got, sampled, constrained = {}, {}, {}
     for tp in (1, 2):
         with engine(path, tp, **({"ep_size": ep} if tp == 2 else {})) as eng:
             got[tp] = eng.generate(input_ids=PROMPT, sampling_params=GREEDY)["output_ids"]
             if arch == "llama":  # seeded sampling: every rank draws the same tokens
                 sampled[tp] = eng.generate(input_ids=PROMPT, sampling_params={
                     **GREEDY, "temperature": 1.0, "top_p": 0.9, "seed": 7})["output_ids"]
+                # structured output: the compile ends on every rank at rank 0's word
+                constrained[tp] = eng.generate(input_ids=PROMPT, sampling_params={
+                    "max_new_tokens": 60, "temperature": 0, "constraint": {
+                        "kind": "regex", "value": "[a-z]{3,9}( [a-z]{2,8}){1,4}\\."}})
             if tp == 2:
                 assert any("tensor parallel: rank 0 of 2 (gloo)" in n
                            for n in eng.client.info.notes)
     assert got[2] == got[1]
     assert got[2] == want
     assert sampled.get(2) == sampled.get(1)
+    if constrained:
+        assert constrained[2]["output_ids"] == constrained[1]["output_ids"]
+        assert re.fullmatch(r"[a-z]{3,9}( [a-z]{2,8}){1,4}\.", constrained[2]["text"]), \
+            constrained[2]["text"]
 
 
 def test_smollm2_tp3_greedy_equals_transformers():
