@@ -229,6 +229,9 @@ class _LongStepScheduler:
     def has_work(self):
         return self.todo > 0
 
+    def poll_timeout(self):
+        return 0.0 if self.todo > 0 else 0.5
+
     def step(self):
         time.sleep(self.step_s)
         self.todo -= 1
