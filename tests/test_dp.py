@@ -420,3 +420,54 @@ def test_a_killed_replica_is_the_engines_failure_and_close_leaves_nothing(served
     assert not any(_alive(pid) for pid in pids)
     assert not any(p in mp.active_children() for p in procs)
     assert not any(c.process.is_alive() for c in rs.replicas)
+
+
+def test_core_serve_dp2_answers_labels_its_replicas_and_sigterm_leaves_nothing(tiny_path):
+    """The command line itself: `core serve --dp-size 2` on the CPU."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from core.distributed import free_loopback_port
+
+    port = free_loopback_port()
+    proc = subprocess.Popen([sys.executable, "-m", "core.cli", "serve", "--model-path",
+                             tiny_path, "--dp-size", "2", "--device", "cpu", "--port", str(port),
+                             "--max-total-tokens", str(POOL), "--served-model-name", "tiny",
+                             "--load-balance-method", "round_robin"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "listening on" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                raise AssertionError("the server exited during start-up")
+        assert "listening on" in line
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        assert len(children) >= 2  # one worker per replica
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(2):  # round robin: one request on each replica
+            body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4,
+                               "temperature": 0}).encode()
+            req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert resp.status == 200
+                assert json.loads(resp.read())["usage"]["completion_tokens"] == 4
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+            metrics = resp.read().decode()
+        for rank in ("0", "1"):
+            assert f'core_dp_routed_requests_total{{dp_rank="{rank}"}} 1' in metrics, metrics
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(int(p)) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(int(p)) for p in children)
