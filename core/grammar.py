@@ -58,6 +58,33 @@ class GrammarBackendError(GrammarError):
     status = 500
 
 
+def _check_structural_tag(value: str, where: str) -> None:
+    """SGLang's / vLLM's structural tag: {"structures": [{"begin", "schema", "end"}, ...],
+    "triggers": [...]}: outside a structure the text is free; a trigger opens one of the
+    structures that begin with it, whose body follows its JSON schema, then its end."""
+    try:
+        tag = json.loads(value)
+    except ValueError as exc:
+        raise GrammarError(f"{where}: invalid structural tag: not JSON ({exc})") from None
+    bad = None
+    if not isinstance(tag, dict) or set(tag) != {"structures", "triggers"}:
+        bad = "an object with exactly structures and triggers"
+    elif not isinstance(tag["structures"], list) or not tag["structures"]:
+        bad = "structures: a non-empty array"
+    elif not all(isinstance(t, dict) and set(t) == {"begin", "schema", "end"}
+                 and isinstance(t["begin"], str) and t["begin"] and isinstance(t["end"], str)
+                 and isinstance(t["schema"], (dict, bool)) for t in tag["structures"]):
+        bad = "each structure: {begin: non-empty string, schema: JSON schema, end: string}"
+    elif not isinstance(tag["triggers"], list) or not tag["triggers"] or not all(
+            isinstance(x, str) and x for x in tag["triggers"]):
+        bad = "triggers: a non-empty array of non-empty strings"
+    elif not all(any(t["begin"].startswith(x) for x in tag["triggers"])
+                 for t in tag["structures"]):
+        bad = "every structure's begin must start with one of the triggers"
+    if bad:
+        raise GrammarError(f"{where}: invalid structural tag: expected {bad}")
+
+
 @dataclass(frozen=True)
 class Constraint:
     """One request's structured-output constraint, as data (it crosses the process boundary).
@@ -99,7 +126,9 @@ class Constraint:
                              f"got {self.kind!r:.40}")
         if not isinstance(self.value, str) or not isinstance(self.source, str):
             raise ValueError("constraint value and source must be strings")
-        if self.kind in ("json_schema", "structural_tag"):
+        if self.kind == "structural_tag":
+            _check_structural_tag(self.value, self.where)
+        elif self.kind == "json_schema":
             try:
                 v = json.loads(self.value)
             except ValueError as exc:

@@ -133,14 +133,42 @@ def _by_caps(srv, words):
      lambda s: f"uses contentEncoding, which grammar backend {s.grammar} cannot enforce"),
     ({"regex": "a+", "guided_choice": ["a"]}, "guided_choice",
      "give one structured-output constraint"),
-], ids=["schema", "schema-value", "regex", "ebnf", "lacked-keyword", "two"])
+    ({"response_format": {"type": "structural_tag", "structures": [
+        {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<g>"]}},
+     "response_format", "every structure's begin must start with one of the triggers"),
+    ({"response_format": {"type": "structural_tag", "structures": [
+        {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}},
+     "response_format", lambda s: "does not support structural_tag" if "structural_tag" not in
+     s.caps.constraints else "__accepted__"),
+], ids=["schema", "schema-value", "regex", "ebnf", "lacked-keyword", "two", "tag-trigger",
+        "tag-unsupported"])
 def test_invalid_constraints_are_400_naming_them(srv, extra, param, words):
     words = _by_caps(srv, words)
+    if words == "__accepted__":
+        pytest.skip(f"{srv.grammar} declares structural_tag: test_structural_tag covers it")
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as e:
             client(srv).chat.completions.create(model="smollm2", messages=ASK, max_tokens=4,
                                                 stream=stream, extra_body=extra)
         assert e.value.body["param"] == param and words in e.value.body["message"], e.value.body
+
+
+def test_structural_tag_is_served(srv):
+    """SGLang's / vLLM's response_format structural_tag reaches the grammar (xgrammar): the
+    request is served, and any tagged part of the answer is JSON of its schema (what the
+    grammar enforces after the trigger is tested token by token in tests/test_grammar.py)."""
+    if "structural_tag" not in srv.caps.constraints:
+        pytest.skip(f"{srv.grammar} does not declare structural_tag (a 400, tested above)")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    fmt = {"type": "structural_tag", "triggers": ["<tool>"], "structures": [
+        {"begin": "<tool>", "schema": schema, "end": "</tool>"}]}
+    r = client(srv).completions.create(model="smollm2", prompt="Call the tool for Paris:",
+                                       temperature=0, max_tokens=48,
+                                       extra_body={"response_format": fmt})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    for m in re.finditer(r"<tool>(.*?)</tool>", r.choices[0].text, re.S):
+        jsonschema.validate(json.loads(m.group(1)), schema)
 
 
 def test_a_fake_engine_refuses_constraints_instead_of_ignoring_them():

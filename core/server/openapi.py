@@ -88,7 +88,19 @@ def _structured() -> dict[str, Any]:
         {"type": "object", "required": ["type"], "additionalProperties": False,
          "properties": {"type": {"enum": ["text", "json_object"]}}},
         {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
-         "properties": {"type": {"const": "json_schema"}, "json_schema": rf_schema}}],
+         "properties": {"type": {"const": "json_schema"}, "json_schema": rf_schema}},
+        {"type": "object", "required": ["type", "structures", "triggers"],
+         "additionalProperties": False, "description": "free text; a trigger opens one of the "
+         "structures that begin with it (its JSON schema, then its end); grammar backends "
+         "that declare structural_tag (xgrammar)",
+         "properties": {"type": {"const": "structural_tag"},
+                        "structures": {"type": "array", "minItems": 1, "items": {
+                            "type": "object", "required": ["begin", "schema", "end"],
+                            "additionalProperties": False,
+                            "properties": {"begin": {**_STR, "minLength": 1}, "end": _STR,
+                                           "schema": {"oneOf": [{"type": "object"}, _BOOL]}}}},
+                        "triggers": {"type": "array", "minItems": 1,
+                                     "items": {**_STR, "minLength": 1}}}}],
         "description": _GRAMMAR_DOC}
     outputs = {"type": "object", "additionalProperties": False, "description": _GRAMMAR_DOC,
                "properties": {"json": schema, "regex": text, "choice": choice,

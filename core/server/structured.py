@@ -64,6 +64,14 @@ def _response_format(v: Any) -> dict[str, str] | None:
     if not isinstance(v, dict) or not isinstance(v.get("type"), str):
         raise invalid(p, f"{p} must be an object with a type", code="invalid_type")
     kind = v["type"]
+    if kind == "structural_tag":  # SGLang's / vLLM's: structures + triggers (xgrammar)
+        extra = sorted(set(v) - {"type", "structures", "triggers"})
+        if extra:
+            raise invalid(f"{p}.{extra[0]}", f"unknown parameter {p}.{extra[0]} for type "
+                          "'structural_tag' (it takes structures and triggers)",
+                          code="unknown_parameter")
+        return {"kind": "structural_tag", "source": p, "value": json.dumps(
+            {"structures": v.get("structures"), "triggers": v.get("triggers")})}
     extra = sorted(set(v) - {"type", "json_schema"})
     if extra or ("json_schema" in v and kind != "json_schema"):
         bad = extra[0] if extra else "json_schema"
@@ -75,7 +83,7 @@ def _response_format(v: Any) -> dict[str, str] | None:
         return {"kind": "json_object", "value": "", "source": p}
     if kind != "json_schema":
         raise invalid(f"{p}.type", f"{p}.type {kind!r:.40} is not supported (text, json_object, "
-                      "json_schema)", code="unsupported")
+                      "json_schema, structural_tag)", code="unsupported")
     js = v.get("json_schema")
     if not isinstance(js, dict):
         raise invalid(f"{p}.json_schema", f"{p}.json_schema must be an object with the schema",

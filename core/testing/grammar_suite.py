@@ -398,6 +398,14 @@ CASES = (
     GrammarCase("json_schema-nullable-ref", _schema({
         "$defs": {"b": {"type": "boolean"}}, "anyOf": [{"$ref": "#/$defs/b"}, {"type": "null"}]}),
         finite("true", "false", "null")),
+    GrammarCase("structural_tag", Constraint("structural_tag", json.dumps({
+        "structures": [{"begin": "<f>", "schema": {"type": "object", "properties": {
+            "a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
+            "end": "</f>"}], "triggers": ["<f>"]}), source="response_format"),
+        # free text in which "<f>" opens the tagged JSON (whitespace as JSON allows it)
+        regular(r'(?:(?:(?!<f>)[\x00-\xff])|<f>\s*\{\s*"a"\s*:\s*-?(?:0|[1-9][0-9]*)\s*\}\s*'
+                r'</f>)*',
+                "hi", 'x <f>{"a":1}</f> y', '<f>{"a": -20}</f><f>{"a":0}</f>', exact=False)),
     GrammarCase("json_object", Constraint("json_object", source="response_format"),
                 json_objects("{}", '{"a":1}', '{"k":"v\\n\\"é","n":[1,2,{"x":null}],'
                              '"t":true,"f":false}', '{"neg":-3.5,"s":""}')),

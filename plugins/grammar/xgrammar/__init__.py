@@ -12,7 +12,7 @@ from core.hookspecs import hookimpl
 CORE_PLUGIN_API = ">=1.3,<2"
 
 CAPS = GrammarCaps(
-    constraints={"json_schema", "json_object", "regex", "ebnf", "choice"},
+    constraints={"json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag"},
     # uniqueItems .. oneOf: found accepted and not enforced by the grammar conformance suite
     # (core/testing/grammar_suite.py; oneOf runs as anyOf)
     schema_lacks={"multipleOf", "not", "if", "then", "else", "contentEncoding",

@@ -13,7 +13,8 @@ from core.grammar import Constraint, GrammarError
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " (and "Check failed: ...: ")
 _NOISE = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 _WHAT = {"json_schema": "invalid JSON schema", "json_object": "invalid JSON object grammar",
-         "regex": "invalid regex", "ebnf": "invalid EBNF grammar", "choice": "invalid choices"}
+         "regex": "invalid regex", "ebnf": "invalid EBNF grammar", "choice": "invalid choices",
+         "structural_tag": "invalid structural tag"}
 
 
 def _clean(exc: Exception) -> str:
@@ -74,6 +75,12 @@ class XGrammarBackend:
                       strict_mode=False)
         if c.kind == "regex":
             return (x.compile_regex if compiler else x.from_regex)(c.value)
+        if c.kind == "structural_tag":  # SGLang's / vLLM's shape: structures + triggers
+            tag = json.loads(c.value)
+            items = [xgr.StructuralTagItem(begin=t["begin"], schema=json.dumps(t["schema"]),
+                                           end=t["end"]) for t in tag["structures"]]
+            fn = x.compile_structural_tag if compiler else x.from_structural_tag
+            return fn(items, list(tag["triggers"]))
         text = c.value if c.kind == "ebnf" else _choice_ebnf(c.choices())
         return (x.compile_grammar if compiler else x.from_ebnf)(text)
 
