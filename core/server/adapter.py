@@ -290,7 +290,9 @@ def _figures(s: dict[str, Any]) -> dict[str, Any]:
     # pages held by requests; reusable prefix-cache pages count as free (as SGLang counts)
     evictable = s.get("evictable_pages", s.get("cached_pages", 0))
     cached, computed = s.get("cached_tokens", 0), s.get("prefill_tokens", 0)
-    return {"num_running_reqs": s.get("running", 0), "num_queued_reqs": s.get("waiting", 0),
+    # queued: waiting for a slot, or for their grammar to compile (the scheduler's compiling)
+    return {"num_running_reqs": s.get("running", 0),
+            "num_queued_reqs": s.get("waiting", 0) + s.get("compiling", 0),
             "kv_pages_used": total - free - evictable, "kv_pages_total": total,
             "kv_pages_cached": s.get("cached_pages", 0),
             "prefix_cache_hit_rate": cached / (cached + computed) if cached + computed
