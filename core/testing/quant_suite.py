@@ -59,11 +59,21 @@ def _serves(caps, case: RefCase) -> bool:
     return str(case.config["quant_method"]) in caps.config_names
 
 
-def quant_params(config: pytest.Config) -> list:
+# A dense checkpoint's weight as it is (the `unquantized` method's format).
+DENSE = RefCase("dense", "dense", None, lambda w: ({"weight": w.clone()}, w), "none")
+
+
+def quant_params(config: pytest.Config, tensor_parallel: bool = False) -> list:
+    """pytest.param objects (method, case, device, dtype) the options select. With
+    `tensor_parallel`: the tensor-parallel check's, for the methods that declare
+    QuantCaps.tensor_parallel only (the others are refused at --tp-size > 1 by the resolver,
+    so there is nothing to check), the dense case added for a method that loads dense
+    checkpoints."""
     registry, methods, named = named_plugins(config, "quant", "conformance_quant",
                                              "quant method")
     devices = config.getoption("conformance_device", default=None) or default_devices()
     cases = all_cases()
+    suffix = "-tp" if tensor_parallel else ""
     params = []
     for device_name in devices:
         device = torch.device(device_name)
@@ -72,53 +82,29 @@ def quant_params(config: pytest.Config) -> list:
         info = _device_info(registry, device) if not missing else None
         for name in named or sorted(methods):
             reg = methods[name]
+            if tensor_parallel and not reg.caps.tensor_parallel:
+                continue
             mine = [c for c in cases if _serves(reg.caps, c)]
+            if tensor_parallel and "dense" in reg.caps.formats \
+                    and "none" in reg.caps.config_names:
+                mine.append(DENSE)
             why = [missing] if missing else unavailable_reasons(reg, device, info)
             if why or not mine:
-                if named:
+                if named and not tensor_parallel:
                     reason = "; ".join(why) or "declares no format the suite has cases for"
                     params.append(pytest.param(None, None, None, None, id=f"{name}-{device_name}",
                                                marks=[*marks, pytest.mark.skip(reason=reason)]))
                 continue
             for case in mine:
                 for dtype in sorted(reg.caps.dtypes):
-                    params.append(pytest.param(name, case, device_name, dtype,
-                                               id=f"{name}-{case.name}-{device_name}-{dtype}",
-                                               marks=marks))
-    return params
-
-
-# A dense checkpoint's weight as it is (the `unquantized` method's format).
-DENSE = RefCase("dense", "dense", None, lambda w: ({"weight": w.clone()}, w), "none")
-
-
-def _tp_params(config: pytest.Config) -> list:
-    """The tensor-parallel check's cases: every method declaring QuantCaps.tensor_parallel,
-    with its formats' cases (the dense one for a method that loads dense checkpoints); the
-    others are refused at --tp-size > 1 by the resolver, so there is nothing to check."""
-    registry, methods, named = named_plugins(config, "quant", "conformance_quant",
-                                             "quant method")
-    devices = config.getoption("conformance_device", default=None) or default_devices()
-    params = []
-    for device_name in devices:
-        device = torch.device(device_name)
-        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
-        missing = _device_missing(device)
-        info = _device_info(registry, device) if not missing else None
-        for name in named or sorted(methods):
-            reg = methods[name]
-            if not reg.caps.tensor_parallel or missing or unavailable_reasons(reg, device,
-                                                                             info):
-                continue
-            cases = [c for c in all_cases() if _serves(reg.caps, c)]
-            if "dense" in reg.caps.formats and "none" in reg.caps.config_names:
-                cases.append(DENSE)
-            params += [pytest.param(name, c, device_name, d, marks=marks,
-                                    id=f"{name}-{c.name}-{device_name}-{d}-tp")
-                       for c in cases for d in sorted(reg.caps.dtypes)]
-    return params or [pytest.param(None, None, None, None, id="no-tensor-parallel",
+                    params.append(pytest.param(
+                        name, case, device_name, dtype, marks=marks,
+                        id=f"{name}-{case.name}-{device_name}-{dtype}{suffix}"))
+    if tensor_parallel and not params:
+        params.append(pytest.param(None, None, None, None, id="no-tensor-parallel",
                                    marks=pytest.mark.skip(reason="no selected quant method "
-                                                          "declares QuantCaps.tensor_parallel"))]
+                                                          "declares QuantCaps.tensor_parallel")))
+    return params
 
 
 def _moe_applies(param) -> bool:
@@ -131,9 +117,8 @@ def _moe_applies(param) -> bool:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "quant_case" in metafunc.fixturenames:
-        params = quant_params(metafunc.config)
-        if metafunc.function.__name__ == "test_quant_linear_tensor_parallel":
-            params = _tp_params(metafunc.config)
+        params = quant_params(metafunc.config, tensor_parallel=metafunc.function.__name__
+                              == "test_quant_linear_tensor_parallel")
         if metafunc.function.__name__ == "test_quant_moe_experts_conformance":
             # Methods with MoE experts (QuantCaps.moe), dynamic activations, channel or block
             # weights; the others have nothing to check here.
