@@ -144,7 +144,65 @@ def serve_node(args: ServerArgs) -> int:
     return 0 if all(p.exitcode == 0 for p in procs) else 1
 
 
-class EngineClient:
+class RequestStreams:
+    """What EngineClient and core.router.ReplicaSet both offer callers on top of their own
+    `prepare`, `submit_prepared`, `abort` and `health`: submit, the synchronous stream of a
+    request submitted without a sink, and the asyncio pair. `_take_queue(rid)` hands over that
+    request's queue (None: unknown or streamed already); `_abortable(rid)` says whether an
+    early-stopped stream can still abort its request."""
+
+    def submit(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
+               *, input_ids: list[int] | None = None, rid: str | None = None,
+               priority: int | None = None, sink: Callable[[Chunk], None] | None = None,
+               index: int = 0) -> str:
+        """Queue one request (n = 1); returns its id. Without a sink, read it with stream(id)."""
+        ids, p = self.prepare(prompt, input_ids, params)
+        return self.submit_prepared(ids, p, rid=rid, priority=priority, sink=sink, index=index)
+
+    def stream(self, rid: str, timeout: float | None = None) -> Iterator[Chunk]:
+        """Incremental outputs of a request submitted without a sink, until it finishes."""
+        q = self._take_queue(rid)
+        if q is None:
+            raise KeyError(f"no streamable request {rid!r} (unknown, or streamed already)")
+        while True:
+            chunk = q.get(timeout=timeout)
+            if "error" in chunk:
+                raise EngineError(chunk["error"])
+            yield chunk
+            if chunk["finish_reason"] is not None:
+                return
+
+    async def submit_async(self, prompt: str | None = None,
+                           params: SamplingParams | dict | None = None, **kw: Any
+                           ) -> tuple[str, asyncio.Queue]:
+        """Like submit, for an event loop: returns (id, asyncio.Queue of chunks)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        rid = self.submit(prompt, params, sink=lambda c: loop.call_soon_threadsafe(
+            q.put_nowait, c), **kw)
+        return rid, q
+
+    async def stream_async(self, prompt: str | None = None,
+                           params: SamplingParams | dict | None = None, **kw: Any
+                           ) -> AsyncIterator[Chunk]:
+        """Submit and yield chunks; aborts the request if the consumer stops early."""
+        rid, q = await self.submit_async(prompt, params, **kw)
+        finished = False
+        try:
+            while True:
+                chunk = await q.get()
+                if "error" in chunk:
+                    raise EngineError(chunk["error"])
+                finished = chunk["finish_reason"] is not None
+                yield chunk
+                if finished:
+                    return
+        finally:
+            if not finished and self._abortable(rid):
+                self.abort(rid)
+
+
+class EngineClient(RequestStreams):
     """Starts the worker, submits requests, streams their outputs, shuts everything down."""
 
     def __init__(self, args: ServerArgs, plan: Plan, tokenizer: Any,
@@ -308,14 +366,6 @@ class EngineClient:
         """ValueError naming the problem when the engine cannot enforce this constraint."""
         self._checks.check_constraint(constraint, self.info)
 
-    def submit(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
-               *, input_ids: list[int] | None = None, rid: str | None = None,
-               priority: int | None = None, sink: Callable[[Chunk], None] | None = None,
-               index: int = 0) -> str:
-        """Queue one request (n = 1); returns its id. Without a sink, read it with stream(id)."""
-        ids, p = self.prepare(prompt, input_ids, params)
-        return self.submit_prepared(ids, p, rid=rid, priority=priority, sink=sink, index=index)
-
     def submit_prepared(self, ids: list[int], p: SamplingParams, *, rid: str | None = None,
                         priority: int | None = None, sink: Callable[[Chunk], None] | None = None,
                         index: int = 0) -> str:
@@ -339,18 +389,11 @@ class EngineClient:
             raise
         return rid
 
-    def stream(self, rid: str, timeout: float | None = None) -> Iterator[Chunk]:
-        """Incremental outputs of a request submitted without a sink, until it finishes."""
-        q = self._sync_queues.pop(rid, None)
-        if q is None:
-            raise KeyError(f"no streamable request {rid!r} (unknown, or streamed already)")
-        while True:
-            chunk = q.get(timeout=timeout)
-            if "error" in chunk:
-                raise EngineError(chunk["error"])
-            yield chunk
-            if chunk["finish_reason"] is not None:
-                return
+    def _take_queue(self, rid: str) -> queue.Queue | None:
+        return self._sync_queues.pop(rid, None)
+
+    def _abortable(self, rid: str) -> bool:
+        return self.health()
 
     def abort(self, rid: str) -> None:
         """Stop a request; its stream ends with finish_reason {"type": "abort"}."""
@@ -358,37 +401,6 @@ class EngineClient:
             known = rid in self._reqs
         if known:
             self._send(ipc.Abort(rid))
-
-    # -- asyncio ---------------------------------------------------------------------------------
-
-    async def submit_async(self, prompt: str | None = None,
-                           params: SamplingParams | dict | None = None, **kw: Any
-                           ) -> tuple[str, asyncio.Queue]:
-        """Like submit, for an event loop: returns (id, asyncio.Queue of chunks)."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        rid = self.submit(prompt, params, sink=lambda c: loop.call_soon_threadsafe(
-            q.put_nowait, c), **kw)
-        return rid, q
-
-    async def stream_async(self, prompt: str | None = None,
-                           params: SamplingParams | dict | None = None, **kw: Any
-                           ) -> AsyncIterator[Chunk]:
-        """Submit and yield chunks; aborts the request if the consumer stops early."""
-        rid, q = await self.submit_async(prompt, params, **kw)
-        finished = False
-        try:
-            while True:
-                chunk = await q.get()
-                if "error" in chunk:
-                    raise EngineError(chunk["error"])
-                finished = chunk["finish_reason"] is not None
-                yield chunk
-                if finished:
-                    return
-        finally:
-            if not finished and self.health():
-                self.abort(rid)
 
     # -- control ---------------------------------------------------------------------------------
 

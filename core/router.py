@@ -38,17 +38,16 @@ dead one's requests end with an error chunk (its client's reader says why), so n
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import queue
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from core import ipc
-from core.client import Chunk, EngineClient, EngineError, StartedWorker
+from core.client import Chunk, EngineClient, EngineError, RequestStreams, StartedWorker
 from core.config import ServerArgs
 from core.plan import Plan
 from core.sampling import SamplingParams
@@ -237,7 +236,7 @@ def _add(a: Any, b: Any) -> Any:
     return a if a is not None else b
 
 
-class ReplicaSet:
+class ReplicaSet(RequestStreams):
     """N engine replicas (worker processes) behind EngineClient's interface; see the module
     docstring for how a request finds its replica and what a dead one means."""
 
@@ -331,14 +330,6 @@ class ReplicaSet:
     def check_constraint(self, constraint: Any) -> None:
         self.replicas[0].check_constraint(constraint)
 
-    def submit(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
-               *, input_ids: list[int] | None = None, rid: str | None = None,
-               priority: int | None = None, sink: Callable[[Chunk], None] | None = None,
-               index: int = 0) -> str:
-        """Queue one request (n = 1) on the replica the policy picks; returns its id."""
-        ids, p = self.prepare(prompt, input_ids, params)
-        return self.submit_prepared(ids, p, rid=rid, priority=priority, sink=sink, index=index)
-
     def submit_prepared(self, ids: list[int], p: SamplingParams, *, rid: str | None = None,
                         priority: int | None = None, sink: Callable[[Chunk], None] | None = None,
                         index: int = 0) -> str:
@@ -386,55 +377,19 @@ class ReplicaSet:
             if i is not None:
                 self._loads[i] -= 1
 
-    def stream(self, rid: str, timeout: float | None = None) -> Iterator[Chunk]:
-        """Incremental outputs of a request submitted without a sink, until it finishes."""
+    def _take_queue(self, rid: str) -> queue.Queue | None:
         with self._lock:
-            q = self._sync_queues.pop(rid, None)
-        if q is None:
-            raise KeyError(f"no streamable request {rid!r} (unknown, or streamed already)")
-        while True:
-            chunk = q.get(timeout=timeout)
-            if "error" in chunk:
-                raise EngineError(chunk["error"])
-            yield chunk
-            if chunk["finish_reason"] is not None:
-                return
+            return self._sync_queues.pop(rid, None)
+
+    def _abortable(self, rid: str) -> bool:
+        i = self.owner(rid)
+        return i is not None and self.replicas[i].health()
 
     def abort(self, rid: str) -> None:
         """Stop a request on the replica that holds it (no-op when unknown or finished)."""
         i = self.owner(rid)
         if i is not None:
             self.replicas[i].abort(rid)
-
-    async def submit_async(self, prompt: str | None = None,
-                           params: SamplingParams | dict | None = None, **kw: Any
-                           ) -> tuple[str, asyncio.Queue]:
-        """Like submit, for an event loop: returns (id, asyncio.Queue of chunks)."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        rid = self.submit(prompt, params, sink=lambda c: loop.call_soon_threadsafe(
-            q.put_nowait, c), **kw)
-        return rid, q
-
-    async def stream_async(self, prompt: str | None = None,
-                           params: SamplingParams | dict | None = None, **kw: Any
-                           ) -> AsyncIterator[Chunk]:
-        """Submit and yield chunks; aborts the request if the consumer stops early."""
-        rid, q = await self.submit_async(prompt, params, **kw)
-        finished = False
-        try:
-            while True:
-                chunk = await q.get()
-                if "error" in chunk:
-                    raise EngineError(chunk["error"])
-                finished = chunk["finish_reason"] is not None
-                yield chunk
-                if finished:
-                    return
-        finally:
-            i = self.owner(rid)
-            if not finished and i is not None and self.replicas[i].health():
-                self.abort(rid)
 
     # -- control -----------------------------------------------------------------------------
 
