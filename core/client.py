@@ -115,6 +115,17 @@ def start_ranks(specs: list[Any]) -> list[Any]:
     return procs
 
 
+def reap(proc: Any, wait: float, grace: float = 5.0) -> None:
+    """Let `proc` end by itself for `wait` s, then SIGTERM it (`grace` s), then SIGKILL it."""
+    proc.join(timeout=wait)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout=grace)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=5)
+
+
 def serve_node(args: ServerArgs) -> int:
     """`core serve --node-rank N` (N > 0): run this node's tensor-parallel ranks of the
     engine node 0 serves (no HTTP here; the args and plan come from rank 0 once the group
@@ -135,12 +146,7 @@ def serve_node(args: ServerArgs) -> int:
     while any(p.is_alive() for p in procs) and not stop.wait(0.5):
         pass
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
+        reap(p, wait=0.0, grace=10.0)
     return 0 if all(p.exitcode == 0 for p in procs) else 1
 
 
@@ -303,13 +309,7 @@ class EngineClient(RequestStreams):
         except ChannelClosed:
             pass
         for proc in (self.process, *self.ranks):  # the ranks end with rank 0's shutdown
-            proc.join(timeout=15)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+            reap(proc, wait=15.0)
 
     def rank_failure(self) -> str | None:
         """Why a tensor-parallel rank other than 0 is gone (None while they all run)."""
