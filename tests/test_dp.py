@@ -424,30 +424,16 @@ def test_a_killed_replica_is_the_engines_failure_and_close_leaves_nothing(served
 
 def test_core_serve_dp2_answers_labels_its_replicas_and_sigterm_leaves_nothing(tiny_path):
     """The command line itself: `core serve --dp-size 2` on the CPU."""
-    import subprocess
-    import sys
     import urllib.request
+
+    from test_tp import start_serve
 
     from core.distributed import free_loopback_port
 
     port = free_loopback_port()
-    proc = subprocess.Popen([sys.executable, "-m", "core.cli", "serve", "--model-path",
-                             tiny_path, "--dp-size", "2", "--device", "cpu", "--port", str(port),
-                             "--max-total-tokens", str(POOL), "--served-model-name", "tiny",
-                             "--load-balance-method", "round_robin"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    children: list[str] = []
+    proc, children = start_serve(tiny_path, port, "--dp-size", "2", "--max-total-tokens",
+                                 str(POOL), "--load-balance-method", "round_robin")
     try:
-        deadline = time.monotonic() + 120
-        line = ""
-        while "listening on" not in line and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                raise AssertionError("the server exited during start-up")
-        assert "listening on" in line
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                  text=True).stdout.split()
-        assert len(children) >= 2  # one worker per replica
         url = f"http://127.0.0.1:{port}"
         for _ in range(2):  # round robin: one request on each replica
             body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 4,

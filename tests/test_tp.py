@@ -273,11 +273,13 @@ def test_two_nodes_on_loopback(tiny_llama):
     assert "node 1 of 2: 1 rank(s) joining" in log
 
 
-def serve_tp2(path: Path, port: int) -> tuple[subprocess.Popen, list[str]]:
-    """`core serve --tp-size 2` on the CPU, once listening; (process, its child pids)."""
+def start_serve(path: Path | str, port: int, *flags: str
+                ) -> tuple[subprocess.Popen, list[str]]:
+    """`core serve` on the CPU with `flags` (two engine processes or more: ranks or replicas),
+    once listening; (process, its child pids)."""
     proc = subprocess.Popen([sys.executable, "-m", "core.cli", "serve", "--model-path",
-                             str(path), "--tp-size", "2", "--device", "cpu", "--port", str(port),
-                             "--max-total-tokens", "512", "--served-model-name", "tiny"],
+                             str(path), "--device", "cpu", "--port", str(port),
+                             "--served-model-name", "tiny", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -289,12 +291,16 @@ def serve_tp2(path: Path, port: int) -> tuple[subprocess.Popen, list[str]]:
         assert "listening on" in line
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                   text=True).stdout.split()
-        assert len(children) >= 2  # rank 0 (the worker) and rank 1
+        assert len(children) >= 2  # rank 0 (the worker) and rank 1, or a worker per replica
     except BaseException:
         proc.kill()
         proc.wait()
         raise
     return proc, children
+
+
+def serve_tp2(path: Path, port: int) -> tuple[subprocess.Popen, list[str]]:
+    return start_serve(path, port, "--tp-size", "2", "--max-total-tokens", "512")
 
 
 def test_core_serve_tp2_answers_and_sigterm_leaves_nothing(tiny_llama):
