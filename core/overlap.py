@@ -49,38 +49,33 @@ class Overlap:
             return False
         return self._ensure_pages(self._decode_pages_needed())
 
-    def _launch_decode(self, input_ids: Any) -> None:
-        """Pages, forward and sampling of one decode step for self.running, left in flight."""
+    def _launch_decode(self, input_ids: Any, land_first: bool = False) -> list[Req]:
+        """Pages, forward and sampling of one decode step for self.running, left in flight.
+        land_first (a batch with grammars): the in-flight step lands between the forward and
+        the sampling, so its tokens reach the grammars before the masks are filled (in this
+        thread, while the device computes the forward); returns what landing touched. Rows
+        that finished on landing keep computing this step (their token is dropped at the next
+        landing), so their terminated grammar is not asked for a mask."""
         batch = self.running
         logits = self._forward_decode(input_ids)
-        tokens = self.sampler.launch(logits, [r.state for r in batch])
+        touched, live = [], None
+        if land_first:
+            touched = self._land()
+            live = [r.finish is None for r in batch]
+        tokens = self.sampler.launch(logits, [r.state for r in batch], live=live)
         host, waiter = self.runner.platform.copy_to_host(tokens)
         self.inflight = InflightDecode(list(batch), tokens, host, waiter)
+        return touched
 
     def _chain_decode(self) -> list[Req]:
         prev = self.inflight
         self.counters["overlapped_steps"] += 1
         if any(r.state.matcher is not None for r in self.running):
-            return self._chain_constrained(prev)
+            return self._launch_decode(prev.tokens, land_first=True)
         self._launch_decode(prev.tokens)  # replaces self.inflight
         self.inflight, launched = prev, self.inflight
         touched = self._land()
         self.inflight = launched
-        return touched
-
-    def _chain_constrained(self, prev: InflightDecode) -> list[Req]:
-        """Forward N+1 first, then land step N (its tokens reach the grammars), then the
-        masks of N+1 (filled while the forward runs) and its sampling."""
-        batch = self.running
-        logits = self._forward_decode(prev.tokens)
-        touched = self._land()  # self.inflight was prev; the matchers now follow token N
-        # rows that finished on landing keep computing this step; their token is dropped at
-        # the next landing, so their grammar (terminated) is not asked for a mask
-        live = [r.finish is None for r in batch]
-        # the masks fill in this thread, now, while the device computes the forward
-        tokens = self.sampler.launch(logits, [r.state for r in batch], live=live)
-        host, waiter = self.runner.platform.copy_to_host(tokens)
-        self.inflight = InflightDecode(list(batch), tokens, host, waiter)
         return touched
 
     def _land(self) -> list[Req]:
