@@ -78,6 +78,13 @@ class StartedWorker:
             self.process.join(timeout=5)
 
 
+def device_index(args: ServerArgs, device: Any, replica: int, local_rank: int = 0) -> int:
+    """The device of one engine process on this node: replica r's ranks take devices
+    r x (ranks per node) onwards, round-robin when there are fewer devices than ranks x
+    replicas (a CPU, or --dp-size 2 on one GPU)."""
+    return (replica * (args.tp_size // args.nnodes) + local_rank) % max(device.count, 1)
+
+
 def rank_specs(args: ServerArgs, device: Any, replica: int = 0) -> list[Any]:
     """The RankSpecs of this node's ranks of one engine (core.distributed) on `device` (a
     DeviceInfo: the plan's), this node's first rank first; empty when the engine is one
@@ -92,11 +99,10 @@ def rank_specs(args: ServerArgs, device: Any, replica: int = 0) -> list[Any]:
     addr = args.dist_init_addr or f"127.0.0.1:{free_loopback_port()}"
     here = args.tp_size // args.nnodes
     first = args.node_rank * here
-    count = max(device.count, 1)
-    return [RankSpec(rank=first + i, world=args.tp_size, init_addr=addr,
-                     local_index=(replica * here + i) % count, backend=platform.dist_backend(),
-                     device=platform.torch_device((replica * here + i) % count))
-            for i in range(here)]
+    indices = [device_index(args, device, replica, i) for i in range(here)]
+    return [RankSpec(rank=first + i, world=args.tp_size, init_addr=addr, local_index=index,
+                     backend=platform.dist_backend(), device=platform.torch_device(index))
+            for i, index in enumerate(indices)]
 
 
 def start_ranks(specs: list[Any]) -> list[Any]:
@@ -240,9 +246,7 @@ class EngineClient(RequestStreams):
         self.ranks: list[Any] = []  # processes of this node's ranks 1.. (tensor parallel)
         specs = rank_specs(args, plan.device, replica)
         rank0 = specs[0].to_json() if specs else None
-        # the device of this replica's first rank (devices are shared round-robin when there
-        # are fewer than ranks x replicas: a CPU, or --dp-size 2 on one GPU)
-        index = replica * (args.tp_size // args.nnodes) % max(plan.device.count, 1)
+        index = device_index(args, plan.device, replica)  # of this replica's first rank
         if started is not None:
             self.process, parent_conn = started.process, started.conn
             try:
