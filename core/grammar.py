@@ -237,9 +237,9 @@ class Grammar:
         return got
 
     def compile(self, c: Constraint) -> Any:
-        """Check and compile `c` (no cache; safe on another thread: it touches no state here).
-        GrammarError for a refusal; GrammarBackendError when the library itself fails."""
-        self.check(c)
+        """Compile `c`, which `check` passed (no cache; safe on another thread: it touches no
+        state here). GrammarError for a refusal; GrammarBackendError when the library itself
+        fails."""
         try:
             return self.backend.compile(c)
         except ValueError:
@@ -257,8 +257,9 @@ class Grammar:
             self._cache.popitem(last=False)
 
     def submit(self, c: Constraint) -> Any:
-        """Compile `c` on the grammar's host thread; a concurrent.futures.Future of the
-        compiled grammar (the caller stores it: the cache is the scheduler thread's)."""
+        """Compile `c` (which `check` passed) on the grammar's host thread; a
+        concurrent.futures.Future of the compiled grammar (the caller stores it: the cache is
+        the scheduler thread's)."""
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -269,6 +270,7 @@ class Grammar:
         """The compiled grammar of `c`: cached, or compiled now and stored."""
         got = self.cached(c)
         if got is None:
+            self.check(c)
             got = self.compile(c)
             self.store(c, got)
         return got
