@@ -208,7 +208,8 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any
         enable_priority_scheduling=args.enable_priority_scheduling,
         priority_preemption_threshold=args.priority_scheduling_preemption_threshold,
         schedule_conservativeness=args.schedule_conservativeness, seed=args.seed,
-        overlap=overlap)
+        overlap=overlap,
+        jump_forward=args.enable_jump_forward and plan.grammar_backend is not None)
     tok, cfg = loaded.tokenizer, loaded.hf_config
     eos = set(tok.eos_token_ids) if tok is not None else set()
     cfg_eos = getattr(cfg, "eos_token_id", None)
