@@ -18,6 +18,11 @@ weight); `tests/test_layer_ops.py` holds each registered plugin to it.
     rotary_qk(head_dim)         -> f(qkv, cos, sin, num_q, num_k) -> (q [T, num_q*D], k [T, num_k*D])
                                    rotary on the q and k heads at the front of a fused projection;
                                    cos/sin [T, 1, D] as RotaryEmbedding.cos_sin gives them
+    qk_norm_rotary(head_dim, q_weight, k_weight, eps)
+                                -> f(qkv, cos, sin, num_q, num_k) -> (q [T, num_q*D], k [T, num_k*D])
+                                   Qwen3's RMSNorm over each q head (q_weight [D]) and each k
+                                   head (k_weight [D]), then rotary, as rotary_qk returns them
+                                   (one kernel for q and k of the batch, where fused)
     store_kv()                  -> f(k, v [T, Hkv, D], loc [T], k_buf, v_buf) -> bool
                                    k_buf[loc] = k, v_buf[loc] = v (cast); False: not taken here
                                    (the pool writes them itself)
@@ -31,7 +36,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv")
+OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary")
+# Ops added after the first layer-ops API: a plugin may lack the method altogether; then the
+# layers compose them from the plugin's other ops (rms_norm, then the reference rotary).
+OPTIONAL_OPS = ("qk_norm_rotary",)
 
 
 @runtime_checkable
@@ -45,6 +53,24 @@ class LayerOps(Protocol):
     def rotary_qk(self, head_dim: int) -> Callable | None: ...
 
     def store_kv(self) -> Callable | None: ...
+
+    # optional (OPTIONAL_OPS): def qk_norm_rotary(self, head_dim, q_weight, k_weight, eps)
+
+
+def qk_norm_rotary(ops: Any, head_dim: int, q_weight: Any, k_weight: Any, eps: float,
+                   norms: Any = None) -> Callable:
+    """`ops`' qk_norm_rotary where it provides one for these arguments, else the reference's
+    math over the rms_norm of `norms` (default `ops`): a plugin without the fused op keeps its
+    norm kernel."""
+    from core.layers.ops_ref import compose_qk_norm_rotary
+
+    fn = getattr(ops, "qk_norm_rotary", None)
+    got = fn(head_dim, q_weight, k_weight, eps) if fn is not None else None
+    if got is not None:
+        return got
+    norms = ops if norms is None else norms
+    return compose_qk_norm_rotary(norms.rms_norm(q_weight, eps), norms.rms_norm(k_weight, eps),
+                                  head_dim)
 
 
 class WithReference:
@@ -73,3 +99,8 @@ class WithReference:
 
     def store_kv(self) -> Callable:
         return self._pick("store_kv")
+
+    def qk_norm_rotary(self, head_dim: int, q_weight: Any, k_weight: Any, eps: float
+                       ) -> Callable:
+        # not fused by the plugin: its norms where it has them (else the reference's), rotary
+        return qk_norm_rotary(self.ops, head_dim, q_weight, k_weight, eps, norms=self)

@@ -18,7 +18,8 @@ from core.testing.layer_ops_suite import layer_ops_params  # noqa: E402
 def test_the_suite_covers_every_op_of_both_built_in_plugins(pytestconfig):
     ids = {p.id for p in layer_ops_params(pytestconfig)}
     gpu = torch.cuda.is_available()
-    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv"):
+    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv",
+               "qk_norm_rotary"):
         assert f"torch-cpu-float32-{op}" in ids
         if gpu:  # the GPU kernels run on the GPU, in every dtype they declare
             assert f"triton-cuda-bfloat16-{op}" in ids and f"triton-cuda-float16-{op}" in ids
@@ -38,6 +39,9 @@ def test_the_suite_fails_a_wrong_op():
             return lambda x: torch.nn.functional.gelu(x[:, :x.shape[1] // 2]) * \
                 x[:, x.shape[1] // 2:]
 
+        def qk_norm_rotary(self, head_dim, q_weight, k_weight, eps):  # k normed with q's weight
+            return super().qk_norm_rotary(head_dim, q_weight, q_weight, eps)
+
         def store_kv(self):  # writes K into V's buffer too
             def store(k, v, loc, kb, vb):
                 kb[loc], vb[loc] = k, k
@@ -45,6 +49,38 @@ def test_the_suite_fails_a_wrong_op():
             return store
 
     cpu = torch.device("cpu")
-    for op in ("silu_and_mul", "store_kv"):
+    for op in ("silu_and_mul", "store_kv", "qk_norm_rotary"):
         with pytest.raises(AssertionError):
             _check(op, Wrong(), TorchLayerOps(), torch.float32, cpu)
+
+
+def test_a_plugin_without_the_fused_qk_norm_keeps_its_own_norms():
+    """qk_norm_rotary is optional (core.layer_ops.OPTIONAL_OPS): a plugin without it (cpu_c, a
+    third party's written before it) gets the reference's math over its own rms_norm."""
+    from core.layer_ops import WithReference, qk_norm_rotary
+    from core.layers.ops_ref import TorchLayerOps
+
+    calls = []
+
+    class NormsOnly:
+        def rms_norm(self, weight, eps):
+            ref = TorchLayerOps().rms_norm(weight, eps)
+
+            def norm(x):
+                calls.append(x.shape)
+                return ref(x)
+            return norm
+
+    d, hq, hk, t = 16, 3, 1, 2
+    qw, kw = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    qkv = torch.randn(t, (hq + 2 * hk) * d)
+    ang = torch.rand(t, d // 2)
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]
+    sin = torch.cat([-ang.sin(), ang.sin()], -1)[:, None]
+    want = TorchLayerOps().qk_norm_rotary(d, qw, kw, 1e-6)(qkv, cos, sin, hq, hk)
+    for ops in (NormsOnly(), WithReference(NormsOnly(), TorchLayerOps())):
+        calls.clear()
+        got = qk_norm_rotary(ops, d, qw, kw, 1e-6)(qkv, cos, sin, hq, hk)
+        assert len(calls) == 2  # the plugin's norm, once for q and once for k
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)

@@ -42,6 +42,23 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: in
     return qk[:, :num_q].reshape(T, q_size), qk[:, num_q:].reshape(T, qk_size - q_size)
 
 
+def qk_norm_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int,
+                   num_k: int, q_norm: Callable, k_norm: Callable, head_dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3: RMSNorm over each q and k head (q_norm / k_norm, rms_norm callables over the last
+    dim), then rotary; returns (q [T, num_q * D], k [T, num_k * D]) as rotary_qk does."""
+    T, D = qkv.shape[0], head_dim
+    q_size, qk_size = num_q * D, (num_q + num_k) * D
+    q = apply_rotary(q_norm(qkv[:, :q_size].reshape(T, num_q, D)), cos, sin)
+    k = apply_rotary(k_norm(qkv[:, q_size:qk_size].reshape(T, num_k, D)), cos, sin)
+    return q.reshape(T, q_size), k.reshape(T, qk_size - q_size)
+
+
+def compose_qk_norm_rotary(q_norm: Callable, k_norm: Callable, head_dim: int) -> Callable:
+    """qk_norm_rotary over the given norm callables (any plugin's rms_norm)."""
+    return partial(qk_norm_rotary, q_norm=q_norm, k_norm=k_norm, head_dim=head_dim)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.Tensor,
              v_buf: torch.Tensor) -> bool:
     k_buf[loc] = k.to(k_buf.dtype)
@@ -74,3 +91,8 @@ class TorchLayerOps:
 
     def store_kv(self) -> Callable:
         return store_kv
+
+    def qk_norm_rotary(self, head_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       eps: float) -> Callable:
+        return compose_qk_norm_rotary(self.rms_norm(q_weight, eps), self.rms_norm(k_weight, eps),
+                                      head_dim)

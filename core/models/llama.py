@@ -10,6 +10,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from core.forward_batch import ForwardBatch
+from core.layer_ops import qk_norm_rotary
 from core.layers import (
     GatedAct,
     Linear,
@@ -19,7 +20,6 @@ from core.layers import (
     RMSNorm,
     RotaryEmbedding,
     VocabEmbedding,
-    apply_rotary,
     rope_parameters,
 )
 from core.models.weights import load_named_weights
@@ -99,6 +99,7 @@ class DecoderLayer(nn.Module):
                                                 ctx.ops)
         # q and k heads rotated by the layer ops (one kernel writing both, where fused)
         self.rotary_qk = ctx.ops.rotary_qk(self.self_attn.head_dim)
+        self.ops = ctx.ops
         self._hot: tuple | None = None
 
     def reset_bindings(self) -> None:
@@ -106,35 +107,30 @@ class DecoderLayer(nn.Module):
 
     def _bind(self) -> tuple:
         a, m = self.self_attn, self.mlp
-        qk_norm = hasattr(a, "q_norm")
         D = a.head_dim
+        if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each q and k head, then rotary
+            rotate = qk_norm_rotary(self.ops, D, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+        else:
+            rotate = self.rotary_qk
         self._hot = (
             self.input_layernorm.bound(), self.input_layernorm.bound_add(), a.qkv_proj.bound(),
             a.o_proj.bound(), self.post_attention_layernorm.bound_add(), *m.bound_parts(),
-            a.q_norm.bound() if qk_norm else None, a.k_norm.bound() if qk_norm else None,
-            self.rotary_qk, a.attn.params, a.num_heads, a.num_kv_heads, D)
+            rotate, a.attn.params, a.num_heads, a.num_kv_heads, D)
         return self._hot
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] (the previous layer's output), residual [T, hidden] or None at the
         first layer -> (this layer's output, the residual stream before it)."""
-        (norm1, add_norm1, qkv_proj, o_proj, add_norm2, gate_up_proj, down_proj, act, q_norm,
-         k_norm, rotary_qk, params, H, Hkv, D) = self._hot or self._bind()
+        (norm1, add_norm1, qkv_proj, o_proj, add_norm2, gate_up_proj, down_proj, act, rotate,
+         params, H, Hkv, D) = self._hot or self._bind()
         if residual is None:
             residual, x = h, norm1(h)
         else:
             x, residual = add_norm1(h, residual)  # norm(h + residual), h + residual
         qkv = qkv_proj(x)  # [T, (H + 2 Hkv) * D]
-        T = qkv.shape[0]
-        q_size, qk_size = H * D, (H + Hkv) * D
-        v = qkv[:, qk_size:]
-        if q_norm is None:
-            q, k = rotary_qk(qkv, cos, sin, H, Hkv)  # [T, H * D], [T, Hkv * D]
-        else:  # Qwen3: RMSNorm over each head before rotary
-            q = apply_rotary(q_norm(qkv[:, :q_size].reshape(T, H, D)), cos, sin)
-            k = apply_rotary(k_norm(qkv[:, q_size:qk_size].reshape(T, Hkv, D)), cos, sin)
-            q, k = q.view(T, q_size), k.view(T, qk_size - q_size)
+        v = qkv[:, (H + Hkv) * D:]
+        q, k = rotate(qkv, cos, sin, H, Hkv)  # [T, H * D], [T, Hkv * D] (q/k norm first: Qwen3)
         h = o_proj(batch.attn_backend.forward(q, k, v, params, batch))
         x, residual = add_norm2(h, residual)
         return down_proj(act(gate_up_proj(x))), residual

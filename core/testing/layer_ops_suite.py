@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.layer_ops import OPS
+from core.layer_ops import OPS, OPTIONAL_OPS
 from core.layers.ops_ref import TorchLayerOps
 from core.plugins import get_registry
 from core.testing.attention_check import excluded_dtype_reasons, unavailable_reasons
@@ -83,7 +83,9 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
 
-    fn = getattr(ops, op)
+    fn = getattr(ops, op, None)
+    if fn is None:  # an optional op (core.layer_ops.OPTIONAL_OPS) the plugin leaves out
+        pytest.skip(f"{op} not provided: the layers compose it from the plugin's other ops")
     if op in ("rms_norm", "add_rms_norm"):
         for n, t in ((96, 5), (576, 3), (4096, 2), (64, 0)):
             w = (torch.rand(n, generator=g) + 0.5).to(dtype=dtype, device=device)
@@ -121,6 +123,33 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
             rq, rk = ref.rotary_qk(d)(qkv, cos, sin, hq, hk)
             _close(q, rq, dtype, f"rotary q d={d}")
             _close(k, rk, dtype, f"rotary k d={d}")
+    elif op == "qk_norm_rotary":
+        ran = False
+        # Qwen3-30B-A3B's heads (32 q, 4 kv of 128), odd head counts, a head size the
+        # kernels may refuse (80), a lone token and a batch; qkv as the projection gives it
+        for d, hq, hk, t in ((128, 32, 4, 1), (64, 5, 3, 4), (128, 4, 1, 3), (80, 2, 2, 2),
+                             (64, 2, 1, 0)):
+            qw = (torch.rand(d, generator=g) + 0.5).to(dtype=dtype, device=device)
+            kw = (torch.rand(d, generator=g) + 0.5).to(dtype=dtype, device=device)
+            f = fn(d, qw, kw, 1e-6)
+            if f is None:
+                continue  # not fused at this head size: the layers compose it
+            ran = True
+            pos = torch.arange(t, dtype=torch.float32) * 7 + 1
+            ang = pos[:, None] / 1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+            cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(dtype=dtype, device=device)
+            sin = torch.cat([-ang.sin(), ang.sin()], -1)[:, None].to(dtype=dtype, device=device)
+            # scaled like real activations (the norm divides the scale out)
+            qkv = rnd(t, (hq + 2 * hk) * d, scale=3.0)
+            qkv0 = qkv.clone()
+            q, k = f(qkv, cos, sin, hq, hk)
+            rq, rk = ref.qk_norm_rotary(d, qw, kw, 1e-6)(qkv, cos, sin, hq, hk)
+            _close(q, rq, dtype, f"qk_norm_rotary q d={d} heads={hq}/{hk} t={t}")
+            _close(k, rk, dtype, f"qk_norm_rotary k d={d} heads={hq}/{hk} t={t}")
+            assert q.is_contiguous() and k.is_contiguous(), "q / k must be contiguous"
+            assert torch.equal(qkv, qkv0), "qk_norm_rotary changed its input"
+        if not ran:
+            pytest.skip(f"{op} not provided for {dtype}: the layers compose it")
     elif op == "store_kv":
         f = fn()
         if f is None:
@@ -144,6 +173,6 @@ def test_layer_ops_conformance(plugin, device, dtype, op):
     reg = get_registry().get("layer_ops", plugin)
     dev, dt = torch.device(device), getattr(torch, dtype)
     ops = reg.load()(dtype=dt, device=dev)
-    missing = [m for m in OPS if not hasattr(ops, m)]
+    missing = [m for m in OPS if not hasattr(ops, m) and m not in OPTIONAL_OPS]
     assert not missing, f"{plugin} lacks {missing} (core/layer_ops.py: return None instead)"
     _check(op, ops, TorchLayerOps(dt, dev), dt, dev)

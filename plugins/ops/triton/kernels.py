@@ -11,6 +11,9 @@ even inside a CUDA graph, ~1.5 ms a step on an H200 against a 3.8 ms weights roo
 - `rotary_qk`: rotary embedding of the q and k heads of a fused qkv output, written to two
   contiguous tensors (no strided copies afterwards);
 - `store_kv`: both K and V of a step into the paged pool in one kernel.
+- `qk_norm_rotary`: Qwen3's RMSNorm over each q and k head (its own weight for q and for k),
+  then rotary, for every head of the batch in one kernel (in PyTorch: two copies, two norms and
+  six element-wise ops a layer).
 
 The `triton` layer-ops plugin (plugins/ops/triton/__init__.py) serves them to the layers on CUDA
 and ROCm; tests call the functions directly under TRITON_INTERPRET=1 on the CPU. Triton is
@@ -89,6 +92,42 @@ def _kernels() -> Any:
         tl.store(k_ptr + k_off + HALF + d, o2, mask=kmask)
 
     @triton.jit
+    def qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_xt,
+                              stride_ct, stride_st, NQ, NH, eps, HB: tl.constexpr,
+                              HALF: tl.constexpr):
+        # program (t, b): heads [b * HB, + HB) of token t of a [T, NH, 2*HALF] view; each head
+        # is RMS-normed (fp32, cast back, times its weight) and then rotated, as the reference
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        hm = h < NH
+        base = x_ptr + t * stride_xt + h * (2 * HALF)
+        x1 = tl.load(base + d, mask=hm, other=0.0)
+        x2 = tl.load(base + HALF + d, mask=hm, other=0.0)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        var = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF)
+        r = tl.rsqrt(var + eps)[:, None]
+        is_q = h < NQ
+        w1 = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + d), tl.load(kw_ptr + HALF + d)).to(tl.float32)
+        n1 = (w1 * (f1 * r).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        n2 = (w2 * (f2 * r).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)  # sin carries rotate_half's sign
+        s2 = tl.load(sin_ptr + t * stride_st + HALF + d).to(tl.float32)
+        o1 = (n1 * c1 + n2 * s1).to(x1.dtype)
+        o2 = (n2 * c2 + n1 * s2).to(x1.dtype)
+        q_off = t * (NQ * 2 * HALF) + h * (2 * HALF)
+        k_off = t * ((NH - NQ) * 2 * HALF) + (h - NQ) * (2 * HALF)
+        qmask = hm & is_q
+        tl.store(q_ptr + q_off + d, o1, mask=qmask)
+        tl.store(q_ptr + q_off + HALF + d, o2, mask=qmask)
+        kmask = hm & (h >= NQ)
+        tl.store(k_ptr + k_off + d, o1, mask=kmask)
+        tl.store(k_ptr + k_off + HALF + d, o2, mask=kmask)
+
+    @triton.jit
     def store_kv_kernel(k_ptr, v_ptr, loc_ptr, kbuf_ptr, vbuf_ptr, stride_k, stride_v, N,
                         BLOCK: tl.constexpr):
         # one token per program: its K row and V row ([kv_heads * head_dim] each) into its slot
@@ -109,6 +148,7 @@ def _kernels() -> Any:
     k.rms_norm = rms_norm_kernel
     k.silu_mul = silu_mul_kernel
     k.rotary = rotary_kernel
+    k.qk_norm_rotary = qk_norm_rotary_kernel
     k.store_kv = store_kv_kernel
     return k
 
@@ -174,6 +214,28 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: in
         k.rotary[(T,)](qkv, cos, sin, q, k_out, qkv.stride(0), cos.stride(0), sin.stride(0),
                        num_q, heads, HEADS=k.triton.next_power_of_2(heads), HALF=head_dim // 2,
                        num_warps=4)
+    return q, k_out
+
+
+QK_NORM_HEADS = 4  # heads per program of qk_norm_rotary: several programs even at batch 1
+
+
+def qk_norm_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int,
+                   num_k: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over each q head (q_weight) and k head (k_weight) at the front of a
+    [T, (num_q + num_k + ...) * D] projection (rows contiguous), then rotary (cos / sin as for
+    rotary_qk). Returns q [T, num_q * D] and k [T, num_k * D], contiguous."""
+    T = qkv.shape[0]
+    q = torch.empty(T, num_q * head_dim, dtype=qkv.dtype, device=qkv.device)
+    k_out = torch.empty(T, num_k * head_dim, dtype=qkv.dtype, device=qkv.device)
+    if T:
+        k = _kernels()
+        heads = num_q + num_k
+        grid = (T, k.triton.cdiv(heads, QK_NORM_HEADS))
+        k.qk_norm_rotary[grid](qkv, q_weight, k_weight, cos, sin, q, k_out, qkv.stride(0),
+                               cos.stride(0), sin.stride(0), num_q, heads, eps,
+                               HB=QK_NORM_HEADS, HALF=head_dim // 2, num_warps=2)
     return q, k_out
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from core.layers import ops_ref
 from plugins.ops.triton import kernels
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -19,6 +20,18 @@ def _store(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.Ten
         return False
     kernels.store_kv(k, v, loc, k_buf, v_buf)
     return True
+
+
+def _qk_norm_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int,
+                    num_k: int, *, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                    head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        return ops_ref.qk_norm_rotary(qkv, cos, sin, num_q, num_k,
+                                      partial(ops_ref.rms_norm, weight=q_weight, eps=eps),
+                                      partial(ops_ref.rms_norm, weight=k_weight, eps=eps),
+                                      head_dim)
+    return kernels.qk_norm_rotary(qkv, cos, sin, num_q, num_k, q_weight, k_weight, eps,
+                                  head_dim)
 
 
 class TritonLayerOps:
@@ -50,3 +63,13 @@ class TritonLayerOps:
 
     def store_kv(self) -> Callable:
         return _store
+
+    def qk_norm_rotary(self, head_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       eps: float) -> Callable | None:
+        half = head_dim // 2
+        if (head_dim % 2 or half & (half - 1) or self.dtype not in _DTYPES
+                or q_weight.dtype != self.dtype or k_weight.dtype != self.dtype
+                or q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,)):
+            return None
+        return partial(_qk_norm_rotary, q_weight=q_weight, k_weight=k_weight, eps=eps,
+                       head_dim=head_dim)
