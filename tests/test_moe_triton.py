@@ -93,6 +93,7 @@ def test_tiny_qwen3_moe_through_triton_matches_torch_native(tmp_path, registry):
 def test_fused_routing_matches_torch(T, E, k, scoring, renorm, block_m):
     """One-launch top-k and alignment give exactly what select_experts and the PyTorch
     alignment give (same experts, same order, same padding)."""
+    from plugins.moe.triton import routing
     from plugins.moe.triton.routing import fused_align, fused_topk
     from plugins.moe.triton.runner import align_by_expert
 
@@ -101,9 +102,29 @@ def test_fused_routing_matches_torch(T, E, k, scoring, renorm, block_m):
     ref_w, ref_ids = select_experts(logits, k, renorm, None, scoring)
     assert torch.equal(ids.long(), ref_ids)
     torch.testing.assert_close(weights, ref_w)
-    for got, want in zip(fused_align(ids, E, block_m), align_by_expert(ref_ids, E, block_m),
-                         strict=True):
+    want_align = align_by_expert(ref_ids, E, block_m)
+    for got, want in zip(fused_align(ids, E, block_m), want_align, strict=True):
         assert torch.equal(got.long(), want.long())
+    # decode-sized steps: routing and alignment in one launch, the same outputs
+    assert routing.can_route_align(T, E, k)
+    rw, rids, *aligned = routing.route_and_align(logits, k, renorm, scoring, 1.0, block_m)
+    assert torch.equal(rids.long(), ref_ids)
+    torch.testing.assert_close(rw, ref_w)
+    for got, want in zip(aligned, want_align, strict=True):
+        assert torch.equal(got.long(), want.long())
+
+
+def test_route_and_align_scales_and_takes_strided_logits():
+    from plugins.moe.triton import routing
+
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    wide = torch.cat([logits, logits], 1)[:, :40]  # rows strided by 80
+    w, ids, *_ = routing.route_and_align(wide, 4, False, "softmax", 2.5, 16)
+    ref_w, ref_ids = select_experts(logits, 4, False, None, "softmax", 2.5)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w, ref_w)
+    assert not routing.can_route_align(routing.MAX_ROUTE_TOKENS + 1, 128, 1)
+    assert not routing.can_route_align(16, 128, 9)  # 144 rows: over MAX_ALIGN_ROWS
 
 
 def test_fp32_tilings_fit_shared_memory():

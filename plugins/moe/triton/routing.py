@@ -8,7 +8,10 @@ at batch 1 their launches cost more than the expert GEMMs. Here:
   values), optional renormalization and scaling -> ids [T, k] int32, weights [T, k] fp32;
 - align_kernel, one program for the whole step (N = T * k rows, small N only): per-expert
   counts, padded offsets, each row's stable rank among its expert's rows, then sorted_ids,
-  block_expert and total exactly as `runner.align_by_expert` writes them.
+  block_expert and total exactly as `runner.align_by_expert` writes them;
+- route_align_kernel, both in one program for decode-sized steps (T <= MAX_ROUTE_TOKENS): every
+  token's top-k as topk_kernel computes it, the ids stored, a barrier, then the alignment over
+  them, so a decode step's routing is one launch.
 Grouped top-k stays on the PyTorch path (core.moe.select_experts).
 """
 
@@ -22,6 +25,8 @@ import triton.language as tl
 MAX_ALIGN_ROWS = 128
 MAX_ALIGN_EXPERTS = 256
 MAX_TOPK_EXPERTS = 4096  # one program holds a token's E scores
+# route_align_kernel holds every token's E scores in one program besides the alignment's tiles
+MAX_ROUTE_TOKENS = 16
 
 
 @triton.jit
@@ -56,9 +61,9 @@ def topk_kernel(logits_ptr, ids_ptr, weights_ptr, num_experts, stride_l, scale,
 
 
 @triton.jit
-def align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, num_rows, num_experts,
-                 worst, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr):
+def _align(ids_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, num_rows, num_experts, worst,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+           BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr):
     rows = tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     ids = tl.load(ids_ptr + rows, mask=row_ok, other=-1)
@@ -91,6 +96,60 @@ def align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, num_rows,
     tl.store(total_ptr, tl.sum(padded, axis=0).to(tl.int64))
 
 
+@triton.jit
+def align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, num_rows, num_experts,
+                 worst, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr):
+    _align(ids_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, num_rows, num_experts, worst,
+           BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_W, BLOCK_B)
+
+
+@triton.jit
+def route_align_kernel(logits_ptr, ids_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
+                       total_ptr, num_tokens, num_experts, stride_l, scale, worst,
+                       TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SIGMOID: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
+                       BLOCK_B: tl.constexpr):
+    # top-k of every token at once: scores [BLOCK_T, BLOCK_E], the math of topk_kernel per row
+    toks = tl.arange(0, BLOCK_T)
+    offs = tl.arange(0, BLOCK_E)
+    t_ok = toks < num_tokens
+    mask = t_ok[:, None] & (offs[None, :] < num_experts)
+    x = tl.load(logits_ptr + toks[:, None] * stride_l + offs[None, :], mask=mask,
+                other=-float("inf")).to(tl.float32)
+    if SIGMOID:
+        scores = tl.where(mask, tl.sigmoid(x), -float("inf"))
+    else:
+        top = tl.max(x, axis=1)
+        top = tl.where(t_ok, top, 0.0)  # padded tokens: no inf - inf
+        e = tl.where(mask, tl.exp(x - top[:, None]), 0.0)
+        total = tl.sum(e, axis=1)
+        total = tl.where(t_ok, total, 1.0)
+        scores = tl.where(mask, e / total[:, None], -float("inf"))
+    ks = tl.arange(0, BLOCK_K)
+    chosen = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
+    weights = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(scores, axis=1)
+        idx = tl.min(tl.where(scores == best[:, None], offs[None, :], BLOCK_E), axis=1)
+        chosen = tl.where(ks[None, :] == j, idx[:, None], chosen)
+        weights = tl.where(ks[None, :] == j, best[:, None], weights)
+        scores = tl.where(offs[None, :] == idx[:, None], -float("inf"), scores)
+    if RENORM:
+        wsum = tl.sum(tl.where(ks[None, :] < TOP_K, weights, 0.0), axis=1)
+        wsum = tl.where(t_ok, wsum, 1.0)
+        weights = weights / wsum[:, None]
+    weights = weights * scale
+    ok = t_ok[:, None] & (ks[None, :] < TOP_K)
+    flat = toks[:, None] * TOP_K + ks[None, :]
+    tl.store(ids_ptr + flat, chosen, mask=ok)
+    tl.store(weights_ptr + flat, weights, mask=ok)
+    tl.debug_barrier()  # one program: the ids just stored are read back, flat, below
+    _align(ids_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, num_tokens * TOP_K,
+           num_experts, worst, BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_W, BLOCK_B)
+
+
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str,
                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] fp32, ids [T, k] int32) in one launch; see core.moe.select_experts."""
@@ -104,18 +163,52 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scori
     return weights, ids
 
 
+def _align_buffers(n: int, num_experts: int, block_m: int, device: torch.device
+                   ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    worst = n + min(n, num_experts) * (block_m - 1)
+    worst = (worst + block_m - 1) // block_m * block_m
+    sorted_ids = torch.empty(worst, dtype=torch.int32, device=device)
+    block_expert = torch.empty(worst // block_m, dtype=torch.int32, device=device)
+    total = torch.empty(1, dtype=torch.int64, device=device)
+    blocks = {"BLOCK_M": block_m, "BLOCK_N": max(16, triton.next_power_of_2(n)),
+              "BLOCK_E": max(16, triton.next_power_of_2(num_experts)), "BLOCK_W": 256,
+              "BLOCK_B": max(16, triton.next_power_of_2(worst // block_m))}
+    return worst, sorted_ids, block_expert, total, blocks
+
+
 def fused_align(ids: torch.Tensor, num_experts: int, block_m: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`runner.align_by_expert` in one launch, for N <= MAX_ALIGN_ROWS rows."""
     flat = ids.reshape(-1)
     n = flat.numel()
-    worst = n + min(n, num_experts) * (block_m - 1)
-    worst = (worst + block_m - 1) // block_m * block_m
-    sorted_ids = torch.empty(worst, dtype=torch.int32, device=flat.device)
-    block_expert = torch.empty(worst // block_m, dtype=torch.int32, device=flat.device)
-    total = torch.empty(1, dtype=torch.int64, device=flat.device)
-    align_kernel[(1,)](flat, sorted_ids, block_expert, total, n, num_experts, worst,
-                       BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)),
-                       BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-                       BLOCK_W=256, BLOCK_B=max(16, triton.next_power_of_2(worst // block_m)))
+    worst, sorted_ids, block_expert, total, blocks = _align_buffers(n, num_experts, block_m,
+                                                                    flat.device)
+    align_kernel[(1,)](flat, sorted_ids, block_expert, total, n, num_experts, worst, **blocks)
     return sorted_ids, block_expert, total
+
+
+def can_route_align(num_tokens: int, num_experts: int, top_k: int) -> bool:
+    """route_and_align takes this step (one program: a decode-sized step)."""
+    return (num_tokens <= MAX_ROUTE_TOKENS and num_tokens * top_k <= MAX_ALIGN_ROWS
+            and num_experts <= MAX_ALIGN_EXPERTS)
+
+
+def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                    scoring_func: str, scale: float, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                               torch.Tensor]:
+    """fused_topk then fused_align in one launch (see can_route_align):
+    (weights [T, k] fp32, ids [T, k] int32, sorted_ids, block_expert, total)."""
+    T, E = router_logits.shape
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    device = logits.device
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=device)
+    worst, sorted_ids, block_expert, total, blocks = _align_buffers(T * top_k, E, block_m,
+                                                                    device)
+    route_align_kernel[(1,)](logits, ids, weights, sorted_ids, block_expert, total, T, E,
+                             logits.stride(0), float(scale), worst, TOP_K=top_k,
+                             BLOCK_T=max(2, triton.next_power_of_2(T)),
+                             BLOCK_K=triton.next_power_of_2(top_k),
+                             SIGMOID=scoring_func == "sigmoid", RENORM=renormalize, **blocks)
+    return weights, ids, sorted_ids, block_expert, total

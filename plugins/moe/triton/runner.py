@@ -90,11 +90,6 @@ class TritonMoE(MoERunner):
         inter = two_i // 2
         k = layer.top_k
         n = T * k
-        if layer.grouped_topk is None and E <= routing.MAX_TOPK_EXPERTS:
-            route_w, ids = routing.fused_topk(router_logits, k, layer.renormalize,
-                                              layer.scoring_func, layer.routed_scaling_factor)
-        else:
-            route_w, ids = route(router_logits, layer)  # [T, k] fp32, [T, k] int64
         arch = _arch(hidden.device)
         block_m, block_n, block_k, warps, stages = self.tiling or tuning.fit_dtype(
             tuning.pick(arch, n / E), hidden.element_size(), arch)
@@ -106,10 +101,21 @@ class TritonMoE(MoERunner):
                 raise ValueError(f"intermediate size {inter} is not a multiple of the fp8 "
                                  f"scale block {scale_n}")
             w13_s, w2_s = weights.extra["w13_scale"], weights.extra["w2_scale"]
-        if n <= routing.MAX_ALIGN_ROWS and E <= routing.MAX_ALIGN_EXPERTS:
-            sorted_ids, block_expert, total = routing.fused_align(ids, E, block_m)
+        if layer.grouped_topk is None and routing.can_route_align(T, E, k):  # decode: 1 launch
+            route_w, ids, sorted_ids, block_expert, total = routing.route_and_align(
+                router_logits, k, layer.renormalize, layer.scoring_func,
+                layer.routed_scaling_factor, block_m)
         else:
-            sorted_ids, block_expert, total = align_by_expert(ids.long(), E, block_m)
+            if layer.grouped_topk is None and E <= routing.MAX_TOPK_EXPERTS:
+                route_w, ids = routing.fused_topk(router_logits, k, layer.renormalize,
+                                                  layer.scoring_func,
+                                                  layer.routed_scaling_factor)
+            else:
+                route_w, ids = route(router_logits, layer)  # [T, k] fp32, [T, k] int64
+            if n <= routing.MAX_ALIGN_ROWS and E <= routing.MAX_ALIGN_EXPERTS:
+                sorted_ids, block_expert, total = routing.fused_align(ids, E, block_m)
+            else:
+                sorted_ids, block_expert, total = align_by_expert(ids.long(), E, block_m)
         # The grid covers the worst case (graph safe); under the interpreter (CPU tensors, tests
         # only) a host read of the real count spares it the idle programs.
         blocks = (sorted_ids.numel() if hidden.device.type != "cpu" else int(total)) // block_m
