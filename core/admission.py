@@ -113,9 +113,12 @@ class Admission:
         current new-token ratio)."""
         return min(req.remaining_new(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
 
+    def _holding(self) -> list[Req]:
+        """The requests that hold a row and KV pages: running, jumped, the chunked one."""
+        return self.running + self.jumped + ([self.chunked] if self.chunked else [])
+
     def _reserved_tokens(self) -> float:
-        held = self.running + ([self.chunked] if self.chunked else [])
-        return sum(min(r.remaining_new(), CLIP_MAX_NEW_TOKENS) for r in held) \
+        return sum(min(r.remaining_new(), CLIP_MAX_NEW_TOKENS) for r in self._holding()) \
             * self.new_token_ratio
 
     def _admit(self) -> list[tuple[Req, int]]:
@@ -125,11 +128,23 @@ class Admission:
         rem_input = self.cfg.max_prefill_tokens
         rem_chunk = chunk if chunk else float("inf")
         items: list[tuple[Req, int]] = []
+        for r in list(self.jumped):  # jump-forward: the forced tokens (and the sampled one)
+            n = len(r.all_ids) - r.kv_len
+            if not self._grow(r, n):
+                self._retract(r)  # decode holds the pool: recomputed from the queue later
+                continue
+            self.jumped.remove(r)
+            r.fill_len = r.kv_len + n
+            items.append((r, n))
+            rem_input -= n
+            rem_chunk -= n
         if self.chunked is not None:
             r = self.chunked
-            n = min(r.fill_len - r.kv_len, rem_chunk)
+            n = int(min(r.fill_len - r.kv_len, rem_chunk))
+            if n <= 0:  # jumps took this step's chunk
+                return items
             if not self._grow(r, n):
-                return []  # decode holds the pool; the chunk waits (or gets retracted)
+                return items  # decode holds the pool; the chunk waits (or gets retracted)
             items.append((r, n))
             rem_input -= n
             rem_chunk -= n
@@ -197,15 +212,18 @@ class Admission:
     def _pick_victim(self) -> Req | None:
         if self.chunked is not None:
             return self.chunked
-        if len(self.running) <= 1:
+        held = self.running + self.jumped
+        if len(held) <= 1:
             return None
         # Like SGLang: retract the request with the fewest outputs (least work lost), and among
         # those the longest prompt (most memory back).
-        return min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids), -r.seq))
+        return min(held, key=lambda r: (len(r.output_ids), -len(r.prompt_ids), -r.seq))
 
     def _retract(self, req: Req, preempted: bool = False) -> None:
         if req is self.chunked:
             self.chunked = None
+        elif req in self.jumped:
+            self.jumped.remove(req)
         else:
             self.running.remove(req)
         self._release(req)

@@ -369,13 +369,16 @@ class GrammarCaps(_Frozen):
     constraints: which of CONSTRAINT_TYPES it compiles. schema_lacks: JSON-schema keywords it
     would accept but not enforce (a request whose schema uses one is refused, never run
     loosely). tokenizers: tokenizer kinds it can build a vocabulary from ("hf": a transformers
-    tokenizer, what core.tokenizer wraps). Grammar work runs on the host, so devices is "*" for
-    a backend whose bitmask the core applies on any device.
+    tokenizer, what core.tokenizer wraps). jump_forward: its matchers implement
+    `jump_forward()` (the tokens the grammar forces next; --enable-jump-forward needs it).
+    Grammar work runs on the host, so devices is "*" for a backend whose bitmask the core
+    applies on any device.
     """
 
     constraints: frozenset[str] = frozenset()
     schema_lacks: frozenset[str] = frozenset()
     tokenizers: frozenset[str] = frozenset(("hf",))
+    jump_forward: bool = False
     devices: frozenset[str] = frozenset(("*",))
     capability: Mapping[str, CapabilityRange] = field(default_factory=dict)
     cpu_isa: frozenset[str] = frozenset()
@@ -389,8 +392,9 @@ class GrammarCaps(_Frozen):
     def summary(self) -> str:
         lacks = f" schema_lacks={','.join(sorted(self.schema_lacks))}" if self.schema_lacks \
             else ""
+        jf = " jump_forward" if self.jump_forward else ""
         return (f"constraints={','.join(c for c in CONSTRAINT_TYPES if c in self.constraints)}"
-                f"{lacks} tokenizers={','.join(sorted(self.tokenizers))}")
+                f"{lacks} tokenizers={','.join(sorted(self.tokenizers))}{jf}")
 
 
 @dataclass(frozen=True)

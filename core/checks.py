@@ -289,15 +289,17 @@ def check_layer_ops(caps: LayerOpsCaps, device: DeviceInfo, *, dtype: str | None
     return reasons
 
 
-def check_grammar(caps: GrammarCaps, device: DeviceInfo, *, tokenizer: str = "hf"
-                  ) -> list[str]:
+def check_grammar(caps: GrammarCaps, device: DeviceInfo, *, tokenizer: str = "hf",
+                  jump_forward: bool = False) -> list[str]:
     """Reasons a grammar backend cannot constrain this engine's decoding (its package, the
-    tokenizer kind it builds a vocabulary from)."""
+    tokenizer kind it builds a vocabulary from, jump-forward when it is asked for)."""
     reasons = check_device(caps, device)
     if tokenizer not in caps.tokenizers:
         reasons.append(f"cannot read a {tokenizer} tokenizer (reads {_join(caps.tokenizers)})")
     if not caps.constraints:
         reasons.append("declares no constraint types")
+    if jump_forward and not caps.jump_forward:
+        reasons.append("cannot jump forward (--enable-jump-forward)")
     return reasons
 
 

@@ -100,6 +100,9 @@ class ServerArgs:
     grammar_backend: str = _f("auto", "kernels", "grammar backend for structured output "
                               "(xgrammar, llguidance, outlines, or a plugin's; auto: the best installed; "
                               "none: structured output off)")
+    enable_jump_forward: bool = _f(False, "kernels", "append the tokens a grammar forces and "
+                                   "compute them in one extend, not one decode step each "
+                                   "(needs a grammar backend that can jump forward)")
     disable_cuda_graph: bool = _f(False, "kernels", "never capture CUDA graphs")
     cuda_graph_max_bs: int | None = _f(None, "kernels", "largest captured decode batch")
     # parallelism (core.distributed)

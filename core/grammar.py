@@ -25,6 +25,13 @@ A GrammarMatcher holds one sequence's position in its grammar:
     reset()                     back to the start (nothing accepted)
     close()                     free what it holds; the core calls it when the request finishes
                                 or is aborted, and never uses the matcher again
+    jump_forward() -> [int]     optional, declared by GrammarCaps.jump_forward: token ids the
+                                grammar forces from here on (every completion the grammar
+                                allows starts with their text), NOT accepted (the core accepts
+                                each); [] when the next token is a choice, or the grammar is
+                                complete. Without stop tokens. Need not be the tokenizer's own
+                                split of the forced text, but must not end on a token that a
+                                longer allowed token extends.
 
 How the engine uses it: the client checks a request's Constraint (`Grammar.check`); the worker
 compiles it at admission (`Grammar.matcher`, cached by backend + constraint) and keeps the matcher
@@ -32,6 +39,11 @@ with the request's sampling state; each step that samples a constrained request 
 the bitmask, the sampler masks the logits (`apply_bitmask`) before drawing, the token is accepted,
 and a terminated grammar finishes the request (finish_reason stop). A constrained request keeps its
 matcher across retraction: its output is kept and recomputed, so the state stays true.
+
+Jump-forward (--enable-jump-forward, a backend declaring it): after each sampled token the core
+asks `jump_forward()`, accepts the forced tokens, appends them to the output (no logprobs: a
+request asking for logprobs is never jumped) and computes them in one extend instead of one
+decode step each, then samples the next free token (core.scheduler).
 """
 
 from __future__ import annotations
@@ -163,6 +175,24 @@ class GrammarMatcher(Protocol):
     def reset(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+MAX_JUMP_TOKENS = 256  # forced tokens appended at once (the rest after the next extend)
+
+
+def forced_tokens(matcher: GrammarMatcher, limit: int) -> list[int]:
+    """The tokens `matcher` forces next (at most `limit`), accepted into it; [] for a matcher
+    without jump-forward. Stops at a token the matcher refuses (a backend bug: the rest is
+    not forced after all)."""
+    jump = getattr(matcher, "jump_forward", None)
+    if jump is None or limit <= 0:
+        return []
+    out = []
+    for tok in jump()[:min(limit, MAX_JUMP_TOKENS)]:
+        if not matcher.accept(int(tok)):
+            break
+        out.append(int(tok))
+    return out
 
 
 @runtime_checkable

@@ -9,6 +9,10 @@ Structured output chains too: its mask for step N+1 needs token N accepted by th
 the forward of step N+1 does not. So a batch with grammar rows launches forward N+1, lands step
 N (the grammar accepts its tokens) and fills the masks while the device computes, then samples
 N+1: the host's landing and mask work hide behind the forward instead of following it.
+
+A request that jumps forward on landing (its grammar forced tokens after the landed one) leaves
+the batch; the step launched before that landing computed a token it drops (its epoch, the
+count of its jumps, changed), and it waits for the extend of its forced tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class InflightDecode:
     tokens: Any  # torch.Tensor [B] on the device (the next step's input ids)
     host: Any  # torch.Tensor [B] on the host, filled by a non-blocking copy
     waiter: Any  # the platform's waiter for that copy (synchronize()), or None: already done
+    epochs: list[int]  # each request's jump count at the launch: a jump since drops its token
 
 
 class Overlap:
@@ -38,7 +43,7 @@ class Overlap:
     def _deferrable(self) -> bool:
         """The running batch may decode without the host seeing its last tokens first."""
         return (self.cfg.overlap and not self.waiting and self.chunked is None
-                and bool(self.running)
+                and not self.jumped and bool(self.running)
                 and all(self.sampler.deferrable(r.state, len(r.output_ids))
                         for r in self.running))
 
@@ -57,14 +62,15 @@ class Overlap:
         that finished on landing keep computing this step (their token is dropped at the next
         landing), so their terminated grammar is not asked for a mask."""
         batch = self.running
+        epochs = [r.jumps for r in batch]
         logits = self._forward_decode(input_ids)
         touched, live = [], None
         if land_first:
             touched = self._land()
-            live = [r.finish is None for r in batch]
+            live = [r.finish is None and r.jumps == e for r, e in zip(batch, epochs, strict=True)]
         tokens = self.sampler.launch(logits, [r.state for r in batch], live=live)
         host, waiter = self.runner.platform.copy_to_host(tokens)
-        self.inflight = InflightDecode(list(batch), tokens, host, waiter)
+        self.inflight = InflightDecode(list(batch), tokens, host, waiter, epochs)
         return touched
 
     def _chain_decode(self) -> list[Req]:
@@ -79,15 +85,15 @@ class Overlap:
         return touched
 
     def _land(self) -> list[Req]:
-        """Read the in-flight step's tokens and apply them (requests already finished or
-        aborted since its launch drop theirs)."""
+        """Read the in-flight step's tokens and apply them (requests finished, aborted or
+        jumped forward since its launch drop theirs)."""
         inf, self.inflight = self.inflight, None
         if inf.waiter is not None:
             inf.waiter.synchronize()
-        live = [(r, t) for r, t in zip(inf.batch, inf.host.tolist(), strict=True)
-                if r.finish is None]
+        live = [(r, t) for r, t, e in zip(inf.batch, inf.host.tolist(), inf.epochs, strict=True)
+                if r.finish is None and r.jumps == e]
         for r, t in live:
             r.state.observe(t)
             self._accept(r, t, None)
-        self.running = [r for r in self.running if r.finish is None]
+        self.running = self._decoding(self.running)
         return [r for r, _ in live]

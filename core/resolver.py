@@ -231,22 +231,35 @@ def _grammar_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slot
     under auto (none fitting turns structured output off, with the reasons noted: a server
     without a grammar library still serves, and refuses constrained requests), or none."""
     raw = (args.grammar_backend or "auto").strip()
+    jump = args.enable_jump_forward
     if raw == GRAMMAR_OFF:
+        if jump:
+            raise ResolveError("--enable-jump-forward needs structured output, which "
+                               "--grammar-backend none turns off")
         notes.append("structured output off: --grammar-backend none")
         return None
     user = None if raw == "auto" else raw
     slot = Slot("grammar_backend", "grammar", registry, device.target,
-                lambda caps, _: check_grammar(caps, device), user, "--grammar-backend")
+                lambda caps, _: check_grammar(caps, device, jump_forward=jump), user,
+                "--grammar-backend")
     slots.append(slot)
     if user is not None:
-        return slot.options()[0].name
-    ranked = slot.ranked()
-    if not ranked:
-        why = "; ".join(slot.all_reasons())
-        notes.append(f"structured output off: no grammar backend fits ({why})")
-        return None
-    notes.append(f"grammar backend {ranked[0].name} (--grammar-backend auto)")
-    return ranked[0].name
+        name = slot.options()[0].name
+    else:
+        ranked = slot.ranked()
+        if not ranked:
+            why = "; ".join(slot.all_reasons())
+            if jump:  # asked for: never dropped with structured output as a side effect
+                raise ResolveError("--enable-jump-forward: no grammar backend that can jump "
+                                   "forward fits", slot.all_reasons())
+            notes.append(f"structured output off: no grammar backend fits ({why})")
+            return None
+        name = ranked[0].name
+        notes.append(f"grammar backend {name} (--grammar-backend auto)")
+    if jump:
+        notes.append(f"jump-forward on: forced tokens of {name}'s grammars are computed in "
+                     f"one extend (--enable-jump-forward)")
+    return name
 
 
 def tool_parser_named(registry: Registry, name: str) -> str | None:

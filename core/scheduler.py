@@ -9,6 +9,9 @@ from prompt + generated tokens; their output so far is kept, so nothing is lost 
 With priority scheduling, a waiting request that cannot be admitted preempts running requests
 whose priority is lower than its own by at least --priority-scheduling-preemption-threshold
 (retracted the same way, lowest priority first).
+With jump-forward, the tokens a request's grammar forces after its sampled token join its output
+at once; the request leaves the decode batch for one extend of those tokens (`jumped`, keeping
+its KV), whose last position samples its next token, and rejoins the batch.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 from core.admission import CLIP_MAX_NEW_TOKENS, Admission, AdmissionError, check_fits
+from core.grammar import forced_tokens
 from core.memory_pool import OutOfPages, PageAllocator, ReqToTokenPool, token_slots
 from core.model_runner import ModelRunner
 from core.overlap import InflightDecode, Overlap
@@ -52,6 +56,7 @@ class SchedulerConfig:
     schedule_conservativeness: float = 1.0
     seed: int = 0
     overlap: bool = False  # launch decode step N+1 before the host sees step N's tokens
+    jump_forward: bool = False  # append grammar-forced tokens, computed by one extend
 
 
 @dataclass
@@ -74,6 +79,7 @@ class Req:
     fill_len: int = 0  # tokens to cache before the next sample (prompt + output at admission)
     cached_tokens: int = -1  # prefix-cache hit of the first admission (reported)
     compile_id: int | None = None  # its grammar's compile while it is in `compiling`
+    jumps: int = 0  # jump-forwards so far (an overlap step launched before one drops its token)
     finish: dict | None = None
     # output not yet reported: new ids and their logprobs
     pending_ids: list[int] = field(default_factory=list)
@@ -132,6 +138,9 @@ class Scheduler(Admission, Overlap):
         self.grammar_by_message = False
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
+        # jump-forward: requests whose grammar-forced tokens joined their output and wait for
+        # the extend that computes them (they keep their row and pages)
+        self.jumped: list[Req] = []
         self.by_id: dict[str, Req] = {}
         self._seq = 0
         self._rng = random.Random(cfg.seed)
@@ -141,7 +150,8 @@ class Scheduler(Admission, Overlap):
         self.new_token_ratio = self.init_ratio
         self.counters = {"retractions": 0, "rejected": 0, "prefill_tokens": 0,
                          "decode_tokens": 0, "cached_tokens": 0, "finished": 0, "aborted": 0,
-                         "steps": 0, "overlapped_steps": 0, "preemptions": 0}
+                         "steps": 0, "overlapped_steps": 0, "preemptions": 0,
+                         "jumps": 0, "jump_tokens": 0}
         self._finished_out: list[Req] = []  # finished outside a step (aborts, rejections)
         self.inflight: InflightDecode | None = None  # overlap: the step whose tokens are out
 
@@ -186,7 +196,8 @@ class Scheduler(Admission, Overlap):
             cap = self.cfg.max_queued_requests
             # waiting requests that free running slots will take at the next step are about to
             # run, not queued: a burst of max_running + max_queued is accepted whole
-            slots = self.cfg.max_running_requests - len(self.running) - (self.chunked is not None)
+            slots = (self.cfg.max_running_requests - len(self.running) - len(self.jumped)
+                     - (self.chunked is not None))
             queued = len(self.waiting) + len(self.compiling) - max(slots, 0)
             if cap is not None and queued >= cap:
                 raise AdmissionError(f"the queue is full: {queued} requests waiting "
@@ -268,7 +279,7 @@ class Scheduler(Admission, Overlap):
     def poll_timeout(self) -> float:
         """How long the worker may wait for messages before the next step: 0 with work to do,
         a moment while only grammar compiles are pending, else half a second."""
-        if self.waiting or self.running or self.chunked or self._finished_out \
+        if self.waiting or self.running or self.chunked or self.jumped or self._finished_out \
                 or self.inflight is not None:
             return 0.0
         return 0.002 if self.compiling else 0.5
@@ -287,6 +298,8 @@ class Scheduler(Admission, Overlap):
                 self.chunked = None
             elif req in self.running:
                 self.running.remove(req)
+            elif req in self.jumped:
+                self.jumped.remove(req)
             self._release(req)
         req.finish = {"type": "abort", "message": "aborted by the client"}
         self.counters["aborted"] += 1
@@ -298,8 +311,8 @@ class Scheduler(Admission, Overlap):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._finished_out
-                    or self.inflight is not None or self.compiling)
+        return bool(self.waiting or self.running or self.chunked or self.jumped
+                    or self._finished_out or self.inflight is not None or self.compiling)
 
     def step(self) -> list[Req]:
         """Run one scheduling step; return the requests with new output (or just finished).
@@ -369,7 +382,7 @@ class Scheduler(Admission, Overlap):
             [r.state for r in batch], self.vocab_size)
         logits = self._forward_decode([r.output_ids[-1] for r in batch])
         self._sample(batch, logits, masks)
-        self.running = [r for r in batch if r.finish is None]
+        self.running = self._decoding(batch)
         return list(batch)
 
     def _extend_step(self) -> list[Req]:
@@ -400,7 +413,7 @@ class Scheduler(Admission, Overlap):
             self.chunked = None
         if done:
             self._sample(done, logits)
-            self.running += [r for r in done if r.finish is None]
+            self.running += self._decoding(done)
         return done
 
     def _prompt_logprobs(self, r: Req, start: int, hidden: Any) -> None:
@@ -426,7 +439,8 @@ class Scheduler(Admission, Overlap):
             self._accept(r, tok, lp)
 
     def _accept(self, r: Req, tok: int, lp: Any) -> None:
-        """A sampled token joins r's output; finish (and hand back its KV) if it stops."""
+        """A sampled token joins r's output; finish (and hand back its KV) if it stops; with
+        jump-forward, the tokens its grammar forces next join too (`_jump`)."""
         r.output_ids.append(tok)
         r.pending_ids.append(tok)
         if r.params.logprobs:
@@ -436,10 +450,37 @@ class Scheduler(Admission, Overlap):
             r.finish = {"type": "abort", "message": f"the grammar refused sampled token {tok}"}
         else:
             r.finish = self._check_finish(r, tok)
+            if r.finish is None and m is not None and self.cfg.jump_forward \
+                    and not r.params.logprobs:
+                self._jump(r)
         if r.finish is not None:
             self._release(r)
             self.counters["finished"] += 1
             self._done(r)
+
+    def _jump(self, r: Req) -> None:
+        """Jump-forward: the tokens r's grammar forces after its last token join its output
+        (stop checks per token, as if sampled); r then waits in `jumped` for the extend that
+        computes them. A request asking for logprobs is never jumped (forced tokens have no
+        model logprobs)."""
+        forced = forced_tokens(r.state.matcher, r.remaining_new())
+        for tok in forced:
+            r.output_ids.append(tok)
+            r.pending_ids.append(tok)
+            r.state.observe(tok)
+            r.finish = self._check_finish(r, tok)
+            if r.finish is not None:
+                break
+        if forced:
+            r.jumps += 1
+            self.counters["jumps"] += 1
+            self.counters["jump_tokens"] += len(forced)
+        if forced and r.finish is None:
+            self.jumped.append(r)
+
+    def _decoding(self, reqs: list[Req]) -> list[Req]:
+        """Those of `reqs` that go on decoding: not finished, not waiting for a jump's extend."""
+        return [r for r in reqs if r.finish is None and r not in self.jumped]
 
     def _check_finish(self, r: Req, tok: int) -> dict | None:
         p = r.params
@@ -466,20 +507,19 @@ class Scheduler(Admission, Overlap):
     # -- introspection ---------------------------------------------------------------------------
 
     def in_use_pages(self) -> list[int]:
-        held = self.running + ([self.chunked] if self.chunked else [])
-        return [p for r in held for p in r.pages[r.num_shared:]]
+        return [p for r in self._holding() for p in r.pages[r.num_shared:]]
 
     def check_accounting(self) -> None:
         """Assert free + cached + in use == total pages, with no page owned twice."""
         self.allocator.check_accounting(self.cache.cached_pages(), self.in_use_pages())
-        rows = len(self.running) + (1 if self.chunked else 0)
+        rows = len(self._holding())
         assert self.req_to_token.free_rows + rows == self.req_to_token.max_reqs, \
             f"request rows leaked: {self.req_to_token.free_rows} free + {rows} held != " \
             f"{self.req_to_token.max_reqs}"
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters,
-                "running": len(self.running) + (1 if self.chunked else 0),
+                "running": len(self._holding()),
                 "waiting": len(self.waiting),
                 "compiling": len(self.compiling),
                 "free_pages": self.allocator.free_pages,

@@ -121,6 +121,24 @@ def test_none_turns_structured_output_off(model_spec, registry):
     assert "structured output off" in explain(plan)
 
 
+def test_jump_forward_needs_a_backend_that_can_jump(model_spec, registry):
+    """--enable-jump-forward has its effect (the plan says so) or is refused with the reason:
+    never dropped, nor bought by turning structured output off."""
+    spec = model_spec("llama-3.1-8b")
+    plan = resolve(spec, CPU, ServerArgs(enable_jump_forward=True), registry)
+    assert plan.grammar_backend == "xgrammar"
+    assert any(n.startswith("jump-forward on") for n in plan.notes), plan.notes
+    assert not any(n.startswith("jump-forward") for n in resolve(
+        spec, CPU, ServerArgs(), registry).notes)
+    with pytest.raises(ResolveError) as e:
+        resolve(spec, CPU, ServerArgs(grammar_backend="outlines", enable_jump_forward=True),
+                registry)
+    assert "cannot jump forward (--enable-jump-forward)" in str(e.value)
+    with pytest.raises(ResolveError, match="--grammar-backend none turns off"):
+        resolve(spec, CPU, ServerArgs(grammar_backend="none", enable_jump_forward=True),
+                registry)
+
+
 def test_a_named_backend_that_cannot_run_is_an_error(model_spec, registry):
     with pytest.raises(ResolveError) as e:
         resolve(model_spec("llama-3.1-8b"), CPU, ServerArgs(grammar_backend="needs_missing"),

@@ -445,3 +445,93 @@ def test_grammars_compile_off_the_step(tiny):
     assert out["c"]["type"] in ("length", "stop")
     grammar.submit = real_submit
     sched.check_accounting()
+
+
+# -- jump-forward ---------------------------------------------------------------------------------
+
+JUMP_SCHEMA = {"type": "object", "properties": {
+    "identifier_of_the_thing": {"type": "integer"},
+    "category_of_the_thing": {"enum": ["alphabetical", "numerical"]},
+    "description": {"type": "string", "maxLength": 12}},
+    "required": ["identifier_of_the_thing", "category_of_the_thing", "description"],
+    "additionalProperties": False}
+
+
+def _jump_requests():
+    choice = {"kind": "choice", "value": json.dumps(["the quick brown fox jumps",
+                                                     "the quick brown cat sleeps"])}
+    schema = {"kind": "json_schema", "value": json.dumps(JUMP_SCHEMA)}
+    regex = {"kind": "regex", "value": "id-[0-9]{2}-fixed-suffix-[a-z]{2,5}\\."}
+    return [("c", _prompts()[0], {**greedy(60), "ignore_eos": False, "constraint": choice}),
+            ("s", _prompts()[1], {**greedy(90), "ignore_eos": False, "constraint": schema}),
+            ("s2", _prompts()[5], {**greedy(90), "ignore_eos": False, "constraint": schema}),
+            ("x", _prompts()[2], {**greedy(40), "ignore_eos": False, "constraint": regex}),
+            ("x-short", _prompts()[3], {**greedy(7), "ignore_eos": False, "constraint": regex}),
+            ("u", _prompts()[4], greedy(30))]  # an unconstrained row beside them
+
+
+JUMP_SCENARIOS = {"default": {}, "overlap": {}, "page16-chunk16-no-radix": {
+    "page_size": 16, "chunked_prefill_size": 16, "disable_radix_cache": True},
+    "retraction": {"max_total_tokens": 200, "schedule_conservativeness": 0.05}}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("name", sorted(JUMP_SCENARIOS))
+def test_jump_forward_keeps_greedy_outputs_with_fewer_decode_steps(tiny, backend, name):
+    """The fixture's byte-level vocabulary has one tokenization of every text, so the tokens a
+    grammar forces are the ones greedy decoding would pick under the mask: outputs must equal
+    the run without jump-forward exactly, while the forced tokens are computed by extends
+    instead of decode steps (overlap, chunked prefill, no prefix cache, retraction)."""
+    from core.checks import missing_packages
+    from core.plugins import get_registry
+
+    missing = missing_packages(get_registry().get("grammar", backend).caps.requires)
+    if missing:
+        pytest.skip(f"package {missing[0]} is not installed")
+    kw = {"grammar_backend": backend, **JUMP_SCENARIOS[name]}
+    plain = make_core(tiny, **kw).scheduler
+    want = drive(plain, _jump_requests())
+    core = make_core(tiny, enable_jump_forward=True, **kw)
+    sched = core.scheduler
+    assert sched.cfg.jump_forward
+    if name == "overlap":
+        sched.cfg.overlap = True
+    got = drive(sched, _jump_requests())
+    assert got == want
+    sched.check_accounting()
+    assert sched.inflight is None and not sched.jumped and not sched.has_work
+    c = sched.counters
+    assert c["jumps"] >= 5 and c["jump_tokens"] >= 60, c
+    # each forced token is one decode step fewer (a jump's extend samples the next token)
+    assert c["decode_tokens"] <= plain.counters["decode_tokens"] - c["jump_tokens"] + \
+        c["retractions"] * 90, (c, plain.counters)
+    if name == "retraction":
+        assert c["retractions"] > 0
+    if name == "overlap":
+        assert c["overlapped_steps"] > 5
+    assert want["x-short"][1] == {"type": "length", "length": 7}  # a jump stops at the limit
+    assert want["c"][1]["type"] == "stop"
+
+
+def test_jump_forward_abort_and_logprobs(tiny):
+    """A request aborted while it waits for its jump's extend gives everything back; one that
+    asks for logprobs is never jumped (forced tokens have no model logprobs) and gets one per
+    token."""
+    pytest.importorskip("xgrammar")
+    sched = make_core(tiny, enable_jump_forward=True, grammar_backend="xgrammar").scheduler
+    choice = {"kind": "choice", "value": json.dumps(["abcdefghijklmnop", "abcdefghijklmnoq"])}
+    sched.add_request("a", _prompts()[0], {**greedy(30), "constraint": choice})
+    sched.add_request("u", _prompts()[1], greedy(10))
+    while not sched.by_id["a"].output_ids:  # its grammar compiles, then it prefills
+        sched.step()
+    # it sampled "a", and jumped ahead "bcdefghijklmno" (then a choice of two)
+    assert [r.rid for r in sched.jumped] == ["a"] and sched.by_id["a"].output_ids[1:] == \
+        list(b"bcdefghijklmno")
+    assert sched.abort("a") and not sched.jumped
+    while sched.has_work:
+        sched.step()
+    sched.check_accounting()
+    lp = drive(sched, [("l", _prompts()[0], {**greedy(30), "constraint": choice,
+                                             "logprobs": True, "top_logprobs": 0})])
+    text = bytes(t for t in lp["l"][0] if t < 256)  # the grammar's stop token ends it
+    assert sched.counters["jumps"] == 1 and text in (b"abcdefghijklmnop", b"abcdefghijklmnoq")

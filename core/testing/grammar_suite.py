@@ -28,10 +28,14 @@ language, each walked twice (shortest and longest allowed tokens), at every pref
   it prefers, as llguidance does for a canonical tokenizer);
 - every allowed token is accepted (a replay on a second matcher), every other token refused
   with the state unchanged, and is_terminated stays False until a stop token is accepted;
-- after the stop token the matcher is terminated and refuses everything; reset() restarts it.
+- after the stop token the matcher is terminated and refuses everything; reset() restarts it;
+- where the backend declares jump_forward (GrammarCaps): jump_forward() leaves the matcher as it
+  was, returns ordinary tokens only, which the matcher accepts in order, and whose bytes every
+  continuation of the prefix starts with (languages the suite cannot enumerate: keep it valid).
 Per backend: fill_bitmask writes its own row, all of it; matchers of one compiled grammar are
 independent (n > 1) and close() of one leaves the others working; invalid constraints of every
-declared type raise GrammarError from validate and from compile, naming the request field.
+declared type raise GrammarError from validate and from compile, naming the request field; a
+backend declaring jump_forward jumps somewhere along the cases' words (it is not always []).
 Per JSON-schema keyword (KEYWORDS): one the backend does not declare in schema_lacks is either
 refused by the backend (GrammarError) or enforced (a text violating it refused, one satisfying
 it accepted); one it declares is refused by the core (core.grammar.Grammar.check), wherever in
@@ -531,7 +535,7 @@ KEYWORDS = (
 
 # -- parametrization ------------------------------------------------------------------------------
 
-CHECKS = ("rows", "matchers", "invalid")
+CHECKS = ("rows", "matchers", "invalid", "jump_forward")
 
 
 def _skip(id: str, reason: str):
@@ -642,6 +646,28 @@ def check_mask(v: SuiteVocab, lang: Language, prefix: bytes, got: set[int], what
     assert got or not lang.state(prefix)[0], f"{what}: after {prefix!r} the mask is empty"
 
 
+def check_jump(v: SuiteVocab, lang: Language, prefix: bytes, m, probe, path: list[int],
+               got: set[int], what: str) -> bytes:
+    """jump_forward() at `prefix` (m walked `path` to it): sound, and side-effect free; the
+    forced bytes it spells."""
+    jump = list(m.jump_forward())
+    assert allowed(m, v.size) == got, f"{what}: jump_forward() moved the matcher at {prefix!r}"
+    odd = [t for t in jump if t not in v.bytes_of]
+    assert not odd, f"{what}: jump_forward() at {prefix!r} returned stop/special tokens {odd}"
+    text = b"".join(v.bytes_of[t] for t in jump)
+    if lang.exact:
+        forced = _forced(lang, prefix, limit=len(text))
+        assert forced == text, (f"{what}: after {prefix!r} jump_forward() gives {text!r}, but "
+                                f"the grammar forces only {forced!r}")
+    else:
+        assert lang.state(prefix + text)[0], \
+            f"{what}: after {prefix!r} jump_forward() gives {text!r}, which leaves the language"
+    _replay(probe, path)
+    for t in jump:
+        assert probe.accept(t), f"{what}: after {prefix!r} the jump's token {t} is refused"
+    return text
+
+
 def _show(v: SuiteVocab, tokens: list[int]) -> str:
     names = [repr(v.bytes_of[t].decode("utf-8", "replace")) if t in v.bytes_of else f"<{t}>"
              for t in tokens[:8]]
@@ -672,6 +698,8 @@ def check_case(grammar: Grammar, case: GrammarCase) -> None:
                 got = allowed(m, v.size)
                 check_mask(v, lang, prefix, got, what)
                 assert not m.is_terminated(), f"{what}: terminated after {prefix!r}"
+                if grammar.caps.jump_forward:
+                    check_jump(v, lang, prefix, m, probe, path, got, what)
                 for t in every:
                     if t not in got and not _sound(v, lang, prefix, t):
                         assert not m.accept(t), f"{what}: after {prefix!r} accepts token {t}"
@@ -750,8 +778,39 @@ def check_protocol(grammar: Grammar, check: str) -> None:
                         f"request field (Constraint.where) and the problem, got {msg!r}"
         if not tried:
             pytest.skip(f"{grammar.name}: no declared constraint type has invalid values")
+    elif check == "jump_forward":
+        if not grammar.caps.jump_forward:
+            pytest.skip(f"{grammar.name} does not declare jump_forward")
+        jumped = b""
+        for case in CASES:
+            if case.constraint.kind not in kinds or case.keywords & grammar.caps.schema_lacks:
+                continue
+            m = grammar.matcher(case.constraint)
+            for t in _longest_path(v, case.language.words[0], m):
+                jumped += b"".join(v.bytes_of[j] for j in m.jump_forward())
+                assert m.accept(t)
+            m.close()
+        assert jumped, (f"{grammar.name} declares jump_forward, but jump_forward() returned no "
+                        f"token along the cases' words")
     else:
         raise ValueError(check)
+
+
+def _longest_path(v: SuiteVocab, word: bytes, m) -> list[int]:
+    """Tokens spelling `word` (longest allowed first) from m's state; m is not moved."""
+    path: list[int] = []
+    probe_prefix = b""
+    while probe_prefix != word:
+        rest = word[len(probe_prefix):]
+        got = allowed(m, v.size)
+        fits = [t for t in got if t in v.bytes_of and rest.startswith(v.bytes_of[t])]
+        assert fits, f"no allowed token toward {word!r} after {probe_prefix!r}"
+        t = max(fits, key=lambda t: (len(v.bytes_of[t]), t))
+        path.append(t)
+        probe_prefix += v.bytes_of[t]
+        assert m.accept(t)
+    m.reset()
+    return path
 
 
 _BACKEND_COMPILED: dict[tuple[str, str], object] = {}

@@ -75,6 +75,11 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self.done
 
+    def jump_forward(self) -> list[int]:
+        # llguidance's fast-forward tokens: forced, and in the tokenizer's canonical split
+        # (it holds back a tail that a later byte could re-tokenize); the matcher is not moved
+        return [] if self.done else list(self.m.compute_ff_tokens())
+
     def reset(self) -> None:
         self.m.reset()
         self.done = False

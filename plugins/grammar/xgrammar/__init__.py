@@ -9,7 +9,7 @@ chosen. schema_lacks lists the JSON-schema keywords xgrammar 0.2 accepts without
 from core.capabilities import DEVICE_TYPES, GrammarCaps
 from core.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.3,<2"
+CORE_PLUGIN_API = ">=1.6,<2"
 
 CAPS = GrammarCaps(
     constraints={"json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag"},
@@ -19,6 +19,7 @@ CAPS = GrammarCaps(
                   "contentMediaType", "dependentSchemas", "uniqueItems", "contains",
                   "propertyNames", "dependentRequired", "oneOf"},
     tokenizers={"hf"},
+    jump_forward=True,
     requires=("xgrammar",),
     priority={d: 20 for d in DEVICE_TYPES},
     description="xgrammar: pushdown-automaton grammars with a precomputed token-mask cache",

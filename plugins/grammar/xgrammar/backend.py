@@ -44,6 +44,11 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self.m.is_terminated())
 
+    def jump_forward(self) -> list[int]:
+        # greedy longest tokens over the forced text, the last one dropped where a longer
+        # token extends it; no stop or special tokens; the matcher is not moved
+        return list(self.m.find_jump_forward_tokens())
+
     def reset(self) -> None:
         self.m.reset()
 
