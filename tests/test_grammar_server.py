@@ -1,5 +1,6 @@
 """Structured output through the real server on SmolLM2, one server per grammar backend
-(xgrammar, the default, and outlines), with the official `openai` client: JSON schema / JSON
+(xgrammar, the default, outlines, and llguidance with jump-forward on), with the official
+`openai` client: JSON schema / JSON
 object / regex / choice outputs follow their constraint, streaming too; invalid constraints, a
 keyword or a type the backend cannot enforce and two constraints are 400s naming the problem.
 The fake engine (no grammar backend) refuses every constraint instead of ignoring it."""
@@ -21,7 +22,10 @@ KEY = "sk-grammar"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 AGE_RANGE = {"minimum": 0, "maximum": 120}
-BACKENDS = {"xgrammar": "xgrammar", "outlines": "outlines_core"}  # backend: its package
+# server: (backend, its package, jump-forward)
+BACKENDS = {"xgrammar": ("xgrammar", "xgrammar", False),
+            "outlines": ("outlines", "outlines_core", False),
+            "llguidance-jump": ("llguidance", "llguidance", True)}
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
@@ -31,15 +35,17 @@ def srv(request):
     from core.server.adapter import EngineAdapter
     from core.server.app import create_app
 
-    pytest.importorskip(BACKENDS[request.param])
+    name, package, jump = BACKENDS[request.param]
+    pytest.importorskip(package)
     # auto picks xgrammar: name each backend, so that a missing one fails instead of another
-    args = ServerArgs(api_key=KEY, max_total_tokens=4096, grammar_backend=request.param)
+    args = ServerArgs(api_key=KEY, max_total_tokens=4096, grammar_backend=name,
+                      enable_jump_forward=jump)
     engine = Engine(server_args=args)
-    assert engine.plan.grammar_backend == request.param
+    assert engine.plan.grammar_backend == name
     try:
         with ServerThread(create_app(EngineAdapter(engine, "smollm2"), args)) as s:
-            s.grammar = request.param
-            s.caps = get_registry().get("grammar", request.param).caps
+            s.grammar, s.engine = name, engine
+            s.caps = get_registry().get("grammar", name).caps
             yield s
     finally:
         engine.close()
@@ -104,6 +110,21 @@ def test_streaming_with_a_schema(srv):
             reasons.append(c.finish_reason)
     assert reasons[-1] == "stop"
     jsonschema.validate(json.loads(text), schema)
+
+
+def test_jump_forward_computes_forced_tokens_in_extends(srv):
+    """On the jump-forward server the schemas' forced keys and punctuation were appended and
+    computed by extends (the engine's counters), and what it answers still validates."""
+    if not srv.engine.args.enable_jump_forward:
+        pytest.skip(f"jump-forward is off on the {srv.grammar} server")
+    before = srv.engine.stats()
+    schema = person(srv)
+    r = client(srv).completions.create(model="smollm2", prompt="A person as JSON:",
+                                       temperature=0, max_tokens=64,
+                                       extra_body={"guided_json": schema})
+    jsonschema.validate(json.loads(r.choices[0].text), schema)
+    after = srv.engine.stats()
+    assert after["jumps"] > before["jumps"] and after["jump_tokens"] >= before["jump_tokens"] + 3
 
 
 def test_generate_takes_sglang_sampling_params(srv):
