@@ -211,6 +211,18 @@ _SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+def subschemas(s: Any) -> list[Any]:
+    """The direct subschemas of a JSON schema (values of its subschema keywords)."""
+    if not isinstance(s, dict):
+        return []
+    out = [s.get(k) for k in _SUB_ONE if k in s]
+    for k in _SUB_LIST:
+        out += s.get(k) if isinstance(s.get(k), list) else []
+    for k in _SUB_MAP:
+        out += list(s.get(k).values()) if isinstance(s.get(k), dict) else []
+    return out
+
+
 def schema_keywords(schema: Any) -> set[str]:
     """The keywords a JSON schema uses anywhere (property names are not keywords)."""
     seen: set[str] = set()
@@ -219,14 +231,8 @@ def schema_keywords(schema: Any) -> set[str]:
         if not isinstance(s, dict):
             return
         seen.update(k for k in s if isinstance(k, str))
-        for k in _SUB_ONE:
-            walk(s.get(k))
-        for k in _SUB_LIST:
-            for x in s.get(k) if isinstance(s.get(k), list) else ():
-                walk(x)
-        for k in _SUB_MAP:
-            for x in s.get(k).values() if isinstance(s.get(k), dict) else ():
-                walk(x)
+        for x in subschemas(s):
+            walk(x)
 
     walk(schema)
     return seen

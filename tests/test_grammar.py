@@ -41,20 +41,10 @@ BUILT_IN = ("xgrammar", "llguidance", "outlines")
 # every grammar backend registered in this environment; one whose package is missing is skipped
 BACKENDS = sorted(get_registry().kind("grammar"))
 
-# What the suite finds wrong in xgrammar 0.2.9 as plugins/grammar/xgrammar declares it: JSON
-# schema keywords it accepts without enforcing (its schema_lacks or its validate must refuse
-# them), and control tokens it lets through as text. Strict xfails: each fails the run once
-# the plugin is fixed, so that its line here goes too.
-_XG_LOOSE = "xgrammar 0.2.9 accepts a violating text: declare it in schema_lacks or refuse it"
-KNOWN = {f"xgrammar-{k}": _XG_LOOSE for k in (
-    "required-outside-properties", "anyOf-beside-type", "type-beside-enum",
-    "maxLength-beside-const", "allOf", "$ref-beside-maxLength")}
-KNOWN["xgrammar-json_object"] = ("xgrammar's TokenizerInfo.from_huggingface takes added special "
-                                 "tokens that are no stop token (<|im_start|>) for their text: "
-                                 "allowed inside a JSON string")
-# the same, in a structural tag's free text (the case passes once those tokens are left out)
-KNOWN["xgrammar-structural_tag"] = KNOWN["xgrammar-json_object"].replace(
-    "inside a JSON string", "in the free text around the tags")
+# What the suite finds wrong in a built-in backend: strict xfails (each fails the run once the
+# plugin is fixed, so that its line here goes too). None now: xgrammar 0.2.9's loose schema
+# combinations are refused by its plugin's validate, and its special tokens blanked.
+KNOWN: dict[str, str] = {}
 
 
 def pytest_generate_tests(metafunc):
@@ -352,7 +342,7 @@ def _declared() -> list:
 
 
 # declared though enforced: declaring it refuses schemas for nothing
-KNOWN_OVER = {("xgrammar", "multipleOf"): "xgrammar 0.2.9 enforces multipleOf"}
+KNOWN_OVER: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("name,keyword", [

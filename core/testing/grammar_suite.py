@@ -464,6 +464,8 @@ KEYWORDS = (
     _kw("exclusiveMinimum", {"type": "integer", "exclusiveMinimum": 5}, "5", "6"),
     _kw("exclusiveMaximum", {"type": "number", "exclusiveMaximum": 5}, "5", "4.5"),
     _kw("multipleOf", {"type": "integer", "multipleOf": 3}, "4", "6"),
+    _kw("multipleOf", {"type": "number", "multipleOf": 0.5}, ("0.3", "1.25"), ("1.5", "2"),
+        id="multipleOf-number"),
     _kw("items", {"type": "array", "items": {"type": "integer"}}, '["a"]', "[1,2]"),
     _kw("minItems", {"type": "array", "items": _INT, "minItems": 2}, "[1]", "[1,2]"),
     _kw("maxItems", {"type": "array", "items": {"type": "integer"}, "maxItems": 1}, "[1,2]",

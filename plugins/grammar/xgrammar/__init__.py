@@ -3,7 +3,9 @@ xgrammar into a token-mask matcher (the core applies its bitmask to the logits).
 
 Declared here without importing xgrammar; `backend.py` imports it, only when this backend is
 chosen. schema_lacks lists the JSON-schema keywords xgrammar 0.2 accepts without enforcing
-(checked against its matcher): a schema using one is refused rather than run loosely.
+(checked against its matcher): a schema using one is refused rather than run loosely; the
+combinations it runs loosely (anyOf / enum / const / $ref beside other keywords, allOf of
+several schemas, required names outside properties) are refused by its validate.
 """
 
 from core.capabilities import DEVICE_TYPES, GrammarCaps
@@ -15,7 +17,7 @@ CAPS = GrammarCaps(
     constraints={"json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag"},
     # uniqueItems .. oneOf: found accepted and not enforced by the grammar conformance suite
     # (core/testing/grammar_suite.py; oneOf runs as anyOf)
-    schema_lacks={"multipleOf", "not", "if", "then", "else", "contentEncoding",
+    schema_lacks={"not", "if", "then", "else", "contentEncoding",
                   "contentMediaType", "dependentSchemas", "uniqueItems", "contains",
                   "propertyNames", "dependentRequired", "oneOf"},
     tokenizers={"hf"},

@@ -8,7 +8,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from core.grammar import Constraint, GrammarError
+from core.grammar import Constraint, GrammarError, subschemas
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " (and "Check failed: ...: ")
 _NOISE = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -27,6 +27,58 @@ def _choice_ebnf(choices: list[str]) -> str:
 
 
 COMPACT = (",", ":")  # JSON item and key separators
+
+# keywords that assert nothing (may sit beside anything)
+_NOTES = {"title", "description", "default", "examples", "$comment", "$defs", "definitions",
+          "$schema", "$id", "deprecated", "readOnly", "writeOnly"}
+_JSON_TYPES = {"string": (str,), "boolean": (bool,), "null": (type(None),),
+               "object": (dict,), "array": (list,)}
+
+
+def _of_type(value: Any, types: Any) -> bool:
+    """Whether a JSON value is of one of the schema `type`s."""
+    for t in types if isinstance(types, list) else [types]:
+        if t in ("integer", "number") and isinstance(value, (int, float)) \
+                and not isinstance(value, bool):
+            if t == "number" or float(value).is_integer():
+                return True
+        elif isinstance(value, _JSON_TYPES.get(t, ())):
+            return True
+    return False
+
+
+def _loose(schema: Any, where: str = "the schema") -> str | None:
+    """What xgrammar 0.2.9 would accept without enforcing in `schema` (checked by the grammar
+    conformance suite): it compiles only one of anyOf / enum / const / $ref when other
+    keywords assert beside them, one schema of allOf, multipleOf only on integers, and never
+    a required name that properties does not define. None when it enforces all of it."""
+    if not isinstance(schema, dict):
+        return None
+    asserts = set(schema) - _NOTES
+    for key in ("anyOf", "$ref", "enum", "const"):
+        if key not in schema:
+            continue
+        others = sorted(asserts - {key})
+        if key in ("enum", "const") and others == ["type"]:
+            values = schema["enum"] if key == "enum" else [schema["const"]]
+            if all(_of_type(v, schema["type"]) for v in values if isinstance(values, list)):
+                continue  # every value is of the type: the values alone are exact
+        if others:
+            return f"{key} beside {', '.join(others)} in {where}"
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        return f"multipleOf on a non-integer type in {where}"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"allOf of {len(schema['allOf'])} schemas in {where}"
+    required, props = schema.get("required"), schema.get("properties") or {}
+    if isinstance(required, list) and isinstance(props, dict):
+        extra = [r for r in required if r not in props]
+        if extra:
+            return f"required {', '.join(map(str, extra))} outside properties in {where}"
+    for sub in subschemas(schema):
+        why = _loose(sub, "a subschema")
+        if why:
+            return why
+    return None
 
 
 class XGrammarMatcher:
@@ -90,6 +142,10 @@ class XGrammarBackend:
         return (x.compile_grammar if compiler else x.from_ebnf)(text)
 
     def validate(self, constraint: Constraint) -> None:
+        loose = _loose(constraint.schema()) if constraint.kind == "json_schema" else None
+        if loose:
+            raise GrammarError(f"{constraint.where}: the JSON schema uses {loose}, which grammar "
+                               f"backend xgrammar cannot enforce")
         try:
             self._grammar(constraint)
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -98,15 +154,34 @@ class XGrammarBackend:
 
     def compile(self, constraint: Constraint) -> Any:
         if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer.hf,
-                                                      vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=2)
         try:
             return self._grammar(constraint, self._compiler)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"{constraint.where}: {_WHAT[constraint.kind]}: "
                                f"{_clean(exc)}") from None
+
+    def _tokenizer_info(self) -> Any:
+        """xgrammar's view of the vocabulary, with the special tokens that are no stop token
+        (<|im_start|>, tool and reserved markers) blanked: xgrammar reads a blank token as a
+        control token, never allowed; from_huggingface would take their text for output text
+        (allowed inside JSON strings and free text)."""
+        hf = self.tokenizer.hf
+        base = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self.stop or None)
+        special = set(getattr(hf, "all_special_ids", ()))
+        special |= {i for i, t in getattr(hf, "added_tokens_decoder", {}).items()
+                    if getattr(t, "special", False)}
+        special -= set(self.stop)
+        if not special:
+            return base
+        vocab = [""] * self.vocab_size
+        for text, i in hf.get_vocab().items():
+            if i < self.vocab_size and i not in special:
+                vocab[i] = text
+        return xgr.TokenizerInfo(vocab, vocab_type=base.vocab_type, vocab_size=self.vocab_size,
+                                 stop_token_ids=list(base.stop_token_ids),
+                                 add_prefix_space=base.add_prefix_space)
 
     def matcher(self, compiled: Any) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))
