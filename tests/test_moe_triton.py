@@ -188,3 +188,25 @@ def test_block_fp8_experts_match_the_block_reference():
             ref[t] += wt * (fq(h) @ W2[e].t())[0]
     err = ((y.float().cpu() - ref).norm() / ref.norm()).item()
     assert err < (2e-2 if gpu else 2e-3), err
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_decode_sum_in_the_down_kernel_equals_the_separate_sum(with_shared, monkeypatch):
+    """Decode-sized steps sum each token's k rows (+ shared) in the down kernel's last programs;
+    the result is bitwise the runner's separate sum, and the column counts are left at zero."""
+    from core.moe import MoELayerParams, MoEWeights
+    from plugins.moe.triton import runner as triton_runner
+
+    g = torch.Generator().manual_seed(5)
+    T, E, k, H, inter = 3, 8, 2, 64, 32
+    x = torch.randn(T, H, generator=g).half().to(DEVICE)
+    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    w = MoEWeights((torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5).half().to(DEVICE),
+                   (torch.randn(E, H, inter, generator=g) * inter ** -0.5).half().to(DEVICE))
+    layer = MoELayerParams(0, E, k, H, inter)
+    shared = torch.randn(T, H, generator=g).half().to(DEVICE) if with_shared else None
+    runner = triton_runner.TritonMoE()
+    fused = runner.forward(x, logits, w, layer, shared)
+    assert not triton_runner._LOCKS[x.device].any()
+    monkeypatch.setattr(triton_runner, "FUSE_SUM_TOKENS", 0)
+    assert torch.equal(fused, runner.forward(x, logits, w, layer, shared))

@@ -8,11 +8,15 @@ the worst case without a host sync.
 
 - gate_up_kernel: inter[a, :] = silu(x[a // k] @ Wg[e].T) * (x[a // k] @ Wu[e].T), both halves of
   w13 in one program (two accumulators over the same A tile);
-- down_kernel: partial[a, :] = w_route[a] * (inter[a] @ W2[e].T).
+- down_kernel: partial[a, :] = w_route[a] * (inter[a] @ W2[e].T); with FUSE_SUM (decode-sized
+  steps) the last program of each column of output tiles (an atomic count per column, reset by
+  that program) also sums each token's k rows in slot order (+ shared) into the output, which
+  spares the separate reduction launch.
 With FP8_BLOCK (form "fp8" of core.moe with block scales), W is e4m3 with a scale per
 SCALE_N x BLOCK_K block and each A tile is quantized per row in the kernel (one scale per
 BLOCK_K inputs, as the fp8 linears do); every K step is rescaled once into the fp32 accumulator.
-The k partial rows of a token are summed by the runner in a fixed order (no atomics).
+The k partial rows of a token are summed in a fixed order (by the runner, or by down_kernel's
+FUSE_SUM tail: its atomics only count, they add nothing).
 """
 
 from __future__ import annotations
@@ -82,16 +86,11 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, tota
 
 
 @triton.jit
-def down_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
-                num_rows, hidden, inter,
-                stride_am, stride_we, stride_wn, stride_om,
-                ws_ptr, stride_se, stride_sn, stride_sk,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                PRECISION: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
-        return
+def _down_tile(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_ptr, pid_m, pid_n,
+               num_rows, hidden, inter, stride_am, stride_we, stride_wn, stride_om,
+               ws_ptr, stride_se, stride_sn, stride_sk,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PRECISION: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_N: tl.constexpr):
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row = tl.load(sorted_ids_ptr + offs_m)
@@ -122,6 +121,52 @@ def down_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_p
     acc = acc * route[:, None]
     o_ptrs = out_ptr + row64[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def down_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
+                num_rows, hidden, inter,
+                stride_am, stride_we, stride_wn, stride_om,
+                ws_ptr, stride_se, stride_sn, stride_sk,
+                sum_ptr, shared_ptr, lock_ptr, top_k, stride_sum, stride_shared,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                PRECISION: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_N: tl.constexpr,
+                FUSE_SUM: tl.constexpr = False, HAS_SHARED: tl.constexpr = False):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    busy = pid_m * BLOCK_M < tl.load(total_ptr)
+    if not FUSE_SUM:
+        if not busy:
+            return
+        _down_tile(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_ptr, pid_m,
+                   pid_n, num_rows, hidden, inter, stride_am, stride_we, stride_wn, stride_om,
+                   ws_ptr, stride_se, stride_sn, stride_sk, BLOCK_M, BLOCK_N, BLOCK_K,
+                   PRECISION, FP8_BLOCK, SCALE_N)
+    else:
+        # decode: the last program of each column of output tiles sums every token's k rows
+        # in slot order (+ shared) into sum_ptr [T, hidden]; idle programs only count
+        if busy:
+            _down_tile(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_ptr,
+                       pid_m, pid_n, num_rows, hidden, inter, stride_am, stride_we, stride_wn,
+                       stride_om, ws_ptr, stride_se, stride_sn, stride_sk, BLOCK_M, BLOCK_N,
+                       BLOCK_K, PRECISION, FP8_BLOCK, SCALE_N)
+        tl.debug_barrier()  # every thread's rows are written before the count moves
+        done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
+        if done == tl.num_programs(0) - 1:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hidden
+            for t in range(0, num_rows // top_k):
+                acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for j in range(0, top_k):
+                    part = tl.load(out_ptr + (t * top_k + j) * stride_om + offs_n, mask=n_mask,
+                                   other=0.0, cache_modifier=".cg")
+                    acc += part.to(tl.float32)
+                y = acc.to(sum_ptr.dtype.element_ty)
+                if HAS_SHARED:  # rounded like the PyTorch path: the sum, then + shared
+                    sh = tl.load(shared_ptr + t * stride_shared + offs_n, mask=n_mask, other=0.0)
+                    y = (y.to(tl.float32) + sh.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+                tl.store(sum_ptr + t * stride_sum + offs_n, y, mask=n_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next call (graph replays too)
 
 
 def grid(num_blocks: int, n: int, block_n: int) -> tuple[int, int]:

@@ -25,6 +25,9 @@ import triton.language as tl
 MAX_ALIGN_ROWS = 128
 MAX_ALIGN_EXPERTS = 256
 MAX_TOPK_EXPERTS = 4096  # one program holds a token's E scores
+# One warp: these programs are chains of small reductions over a few thousand elements at most,
+# and a warp reduces by shuffles alone (more warps add a shared-memory round trip to each).
+_ROUTE_WARPS = 1
 # route_align_kernel holds every token's E scores in one program besides the alignment's tiles
 MAX_ROUTE_TOKENS = 16
 
@@ -159,7 +162,8 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scori
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     topk_kernel[(T,)](logits, ids, weights, E, logits.stride(0), float(scale), TOP_K=top_k,
                       BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
-                      SIGMOID=scoring_func == "sigmoid", RENORM=renormalize)
+                      SIGMOID=scoring_func == "sigmoid", RENORM=renormalize,
+                      num_warps=1 if E <= 1024 else 4)
     return weights, ids
 
 
@@ -183,7 +187,8 @@ def fused_align(ids: torch.Tensor, num_experts: int, block_m: int
     n = flat.numel()
     worst, sorted_ids, block_expert, total, blocks = _align_buffers(n, num_experts, block_m,
                                                                     flat.device)
-    align_kernel[(1,)](flat, sorted_ids, block_expert, total, n, num_experts, worst, **blocks)
+    align_kernel[(1,)](flat, sorted_ids, block_expert, total, n, num_experts, worst, **blocks,
+                       num_warps=_ROUTE_WARPS)
     return sorted_ids, block_expert, total
 
 
@@ -210,5 +215,6 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                              logits.stride(0), float(scale), worst, TOP_K=top_k,
                              BLOCK_T=max(2, triton.next_power_of_2(T)),
                              BLOCK_K=triton.next_power_of_2(top_k),
-                             SIGMOID=scoring_func == "sigmoid", RENORM=renormalize, **blocks)
+                             SIGMOID=scoring_func == "sigmoid", RENORM=renormalize, **blocks,
+                             num_warps=_ROUTE_WARPS)
     return weights, ids, sorted_ids, block_expert, total

@@ -44,6 +44,22 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert, padded_end[-1:]
 
 
+# Steps of up to this many tokens sum each token's k rows in the down kernel (one launch less).
+FUSE_SUM_TOKENS = 16
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-device int32 counts, one per column of down tiles, zero between calls (each call's
+    last program of a column resets it). One table serves every layer: a stream runs its calls
+    in order. Made on the first (eager, warm-up) call, before any graph is captured."""
+    t = _LOCKS.get(device)
+    if t is None or t.numel() < tiles:
+        t = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _LOCKS[device] = t
+    return t
+
+
 def _scale_strides(scale: torch.Tensor, fp8: bool) -> tuple[int, int, int]:
     """(expert, output-block, K-block) strides of an fp8 block scale [E, N/bn, K/bk]."""
     return (scale.stride(0), scale.stride(1), scale.stride(2)) if fp8 else (0, 0, 0)
@@ -132,13 +148,21 @@ class TritonMoE(MoERunner):
             x.stride(0), w13.stride(0), w13.stride(1), inter_rows.stride(0),
             w13_s, *_scale_strides(w13_s, fp8), **launch)
         partial = torch.empty(n, H, dtype=hidden.dtype, device=hidden.device)
+        if out is None:
+            out = torch.empty_like(hidden)
+        # decode-sized steps: the down kernel's last programs sum the k rows (+ shared) too
+        fuse = T <= FUSE_SUM_TOKENS and out.stride(-1) == 1 and (
+            shared is None or shared.stride(-1) == 1)
+        tiles_n = kernels.grid(blocks, H, block_n)[1]
+        locks = _locks(hidden.device, tiles_n) if fuse else partial
         kernels.down_kernel[kernels.grid(blocks, H, block_n)](
             inter_rows, w2, partial, route_w.reshape(-1), sorted_ids, block_expert, total, n,
             H, inter, inter_rows.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
-            w2_s, *_scale_strides(w2_s, fp8), **launch)
-
-        if out is None:
-            out = torch.empty_like(hidden)
+            w2_s, *_scale_strides(w2_s, fp8), out, shared if shared is not None else out,
+            locks, k, out.stride(0), shared.stride(0) if shared is not None else 0,
+            FUSE_SUM=fuse, HAS_SHARED=shared is not None, **launch)
+        if fuse:
+            return out
         rows = partial.view(T, k, H)
         if k == 1:
             out.copy_(rows[:, 0])
