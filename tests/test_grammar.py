@@ -42,9 +42,11 @@ BUILT_IN = ("xgrammar", "llguidance", "outlines")
 BACKENDS = sorted(get_registry().kind("grammar"))
 
 # What the suite finds wrong in a built-in backend: strict xfails (each fails the run once the
-# plugin is fixed, so that its line here goes too). None now: xgrammar 0.2.9's loose schema
-# combinations are refused by its plugin's validate, and its special tokens blanked.
-KNOWN: dict[str, str] = {}
+# plugin is fixed, so that its line here goes too). xgrammar 0.2.9's loose schema combinations
+# are refused by its plugin's validate, its special tokens blanked, and raw control bytes
+# masked for JSON; what is left is narrower than the schema, never looser:
+KNOWN = {"xgrammar-json_schema-short-string": "xgrammar 0.2.9 allows no escape (\\n, \\u..) in "
+         "a string with maxLength / minLength: valid text refused, never invalid text allowed"}
 
 
 def pytest_generate_tests(metafunc):

@@ -394,6 +394,14 @@ CASES = (
         "type": "object", "properties": {"ok": {"type": "boolean"}, "c": {"enum": ["x", 1]}},
         "required": ["ok", "c"], "additionalProperties": False}),
         finite(*(f'{{"ok":{b},"c":{c}}}' for b in ("true", "false") for c in ('"x"', "1")))),
+    # a string of at most 3 characters: escapes and UTF-8 characters count one each, raw
+    # control bytes are never JSON (xgrammar 0.2.9 let them into a maxLength string)
+    GrammarCase("json_schema-short-string", _schema({
+        "type": "object", "properties": {"s": {"type": "string", "maxLength": 3}},
+        "required": ["s"], "additionalProperties": False}),
+        regular(r'\{"s":"(?:[\x20\x21\x23-\x5b\x5d-\x7f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4}'
+                r'|[\xc2-\xf4][\x80-\xbf]{1,3}){0,3}"\}',
+                '{"s":""}', '{"s":"ab"}', '{"s":"a\\nb"}', '{"s":"é!"}', exact=False)),
     GrammarCase("json_schema-integer", _schema({"type": "integer"}),  # "-0": either way
                 regular(r"-?(?:0|[1-9][0-9]*)", "0", "-12", "1200", "7", exact=False)),
     GrammarCase("json_schema-array", _schema({

@@ -82,16 +82,23 @@ def _loose(schema: Any, where: str = "the schema") -> str | None:
 
 
 class XGrammarMatcher:
-    """One sequence's xgrammar GrammarMatcher under core.grammar.GrammarMatcher."""
+    """One sequence's xgrammar GrammarMatcher under core.grammar.GrammarMatcher. keep: the
+    bitmask row of tokens a JSON constraint may ever allow (None: any), ANDed into each row."""
 
-    def __init__(self, matcher: Any):
-        self.m = matcher
+    def __init__(self, matcher: Any, keep: Any = None):
+        self.m, self.keep = matcher, keep
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
+        if self.keep is not None:
+            bitmask[row] &= self.keep
 
     def accept(self, token: int) -> bool:
-        return bool(self.m.accept_token(int(token)))
+        token = int(token)
+        if self.keep is not None and 0 <= token < 32 * len(self.keep) and \
+                not (int(self.keep[token // 32]) >> (token % 32)) & 1:
+            return False
+        return bool(self.m.accept_token(token))
 
     def is_terminated(self) -> bool:
         return bool(self.m.is_terminated())
@@ -116,6 +123,7 @@ class XGrammarBackend:
     def __init__(self, *, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
         self.tokenizer, self.vocab_size, self.stop = tokenizer, vocab_size, list(stop_token_ids)
         self._compiler: Any = None  # built on the first compile: validate needs no vocabulary
+        self._no_control: Any = None  # the JSON keep row, built with the compiler
 
     def _grammar(self, c: Constraint, compiler: Any = None) -> Any:
         """xgrammar's Grammar (no compiler) or CompiledGrammar for `c`; JSON without free
@@ -155,11 +163,34 @@ class XGrammarBackend:
     def compile(self, constraint: Constraint) -> Any:
         if self._compiler is None:
             self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=2)
+            self._no_control = self._keep_row(lambda b: not any(c < 0x20 for c in b))
         try:
-            return self._grammar(constraint, self._compiler)
+            compiled = self._grammar(constraint, self._compiler)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(f"{constraint.where}: {_WHAT[constraint.kind]}: "
                                f"{_clean(exc)}") from None
+        # compact JSON holds no raw control byte anywhere, but xgrammar 0.2.9 lets them into
+        # strings with maxLength / minLength: such tokens are masked for JSON constraints
+        json = constraint.kind in ("json_schema", "json_object")
+        return compiled, self._no_control if json else None
+
+    def _keep_row(self, ok: Any) -> Any:
+        """A bitmask row [ceil(V / 32)] int32 allowing every token whose bytes pass ok(bytes)
+        (special and padding ids too: the grammar decides those)."""
+        import torch
+
+        keep = torch.ones(self.vocab_size, dtype=torch.bool)
+        n = min(self.vocab_size, len(self.tokenizer.hf))
+        for i in range(n):
+            b = self.tokenizer.token_bytes(i)
+            if b and not ok(b):
+                keep[i] = False
+        words = -(-self.vocab_size // 32)
+        bits = torch.zeros(words * 32, dtype=torch.int64)
+        bits[:self.vocab_size] = keep.to(torch.int64)
+        weights = 2 ** torch.arange(32, dtype=torch.int64)
+        row = (bits.view(words, 32) * weights).sum(1)
+        return torch.where(row >= 2**31, row - 2**32, row).to(torch.int32)
 
     def _tokenizer_info(self) -> Any:
         """xgrammar's view of the vocabulary, with the special tokens that are no stop token
@@ -184,4 +215,5 @@ class XGrammarBackend:
                                  add_prefix_space=base.add_prefix_space)
 
     def matcher(self, compiled: Any) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled))
+        grammar, keep = compiled
+        return XGrammarMatcher(xgr.GrammarMatcher(grammar), keep)
