@@ -7,11 +7,20 @@ the client and again in the engine worker. The first load saves the results with
 transformers version; later loads read those (config.json, tokenizer.json). A changed file,
 or another transformers, misses the cache; a broken entry is rebuilt. $CORE_GGUF_CACHE (else
 ~/.cache/core-serve/gguf) is the location; CORE_GGUF_CACHE=off turns it off.
+
+Beside those, parts that let a later start run without importing transformers at all (a
+second or more of every start, in the client and in the worker): the model spec
+(core.model_spec), the config's attributes (core.loader) and what the tokenizer wrapper reads
+off transformers' tokenizer (core.tokenizer), each one JSON file written by `cached_json`
+from the objects transformers built. The key names the transformers version from its
+distribution's metadata, so finding the entry imports nothing.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -32,18 +41,39 @@ def entry(gguf_path: str) -> Path | None:
     root = _root()
     if root is None:
         return None
-    import transformers
-
     st = os.stat(gguf_path)
-    key = f"{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    key = f"{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_transformers_version()}"
     name = os.path.basename(gguf_path).removesuffix(".gguf")
     return root / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+def _transformers_version() -> str:
+    """transformers' version as its metadata says (what `transformers.__version__` reads),
+    without importing it; "none" when it is not installed."""
+    return package_versions("transformers")
+
+
+@functools.cache
+def package_versions(*names: str) -> str:
+    """The installed versions of these distributions ("none" for a missing one), joined by
+    "-", read from their metadata (nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in names:
+        try:
+            out.append(version(name))
+        except PackageNotFoundError:
+            out.append("none")
+    return "-".join(out)
+
+
 def cached(gguf_path: str, part: str, marker: str, build: Callable[[], Any],
-           load: Callable[[str], Any]) -> Any:
-    """`load(dir)` of the cached `part` ("config" / "tokenizer"), or `build()` saved there.
-    `marker` is the file whose presence says the part was saved whole."""
+           load: Callable[[str], Any],
+           save: Callable[[Any, str], None] | None = None) -> Any:
+    """`load(dir)` of the cached `part` ("config" / "tokenizer"), or `build()` saved there
+    (by `save(obj, dir)`, else obj.save_pretrained(dir)). `marker` is the file whose presence
+    says the part was saved whole."""
     where = entry(gguf_path)
     if where is not None:
         target = where / part
@@ -57,7 +87,10 @@ def cached(gguf_path: str, part: str, marker: str, build: Callable[[], Any],
         try:
             where.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=where, prefix=f".{part}-"))
-            obj.save_pretrained(str(tmp))
+            if save is not None:
+                save(obj, str(tmp))
+            else:
+                obj.save_pretrained(str(tmp))
             if (tmp / marker).is_file():
                 try:
                     os.replace(tmp, where / part)  # atomic; a racing writer's copy is as good
@@ -67,3 +100,29 @@ def cached(gguf_path: str, part: str, marker: str, build: Callable[[], Any],
         except OSError:
             pass  # a read-only home: no cache, still loads
     return obj
+
+
+def cached_json(gguf_path: str, part: str, build: Callable[[], Any]) -> Any:
+    """The JSON value cached as `part` of this file's entry, or `build()` (a JSON value)
+    saved there. A build that raises is not cached (the error propagates)."""
+
+    def save(value: Any, where: str) -> None:
+        with open(os.path.join(where, "value.json"), "w", encoding="utf-8") as fh:
+            json.dump(value, fh)
+
+    def load(where: str) -> Any:
+        with open(os.path.join(where, "value.json"), encoding="utf-8") as fh:
+            return json.load(fh)
+
+    return cached(gguf_path, part, "value.json", build, load, save)
+
+
+def source_digest(*modules: str) -> str:
+    """A short digest of these modules' source files (names like "core.model_spec", under
+    this package's parent): a cached part derived by their code is keyed by it, so an edit
+    of the code misses the cache instead of reading what the old code derived."""
+    h = hashlib.sha256()
+    top = Path(__file__).resolve().parent.parent
+    for name in modules:
+        h.update((top / (name.replace(".", os.sep) + ".py")).read_bytes())
+    return h.hexdigest()[:12]

@@ -10,6 +10,7 @@ assumed is said in `ModelSpec.unread`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -445,9 +446,43 @@ def load_model_spec(path: str) -> ModelSpec:
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path not found: {path}")
     if path.endswith(".gguf"):
-        from core.gguf_metadata import gguf_to_hf_config, read_gguf_metadata
-
-        return spec_from_config(gguf_to_hf_config(read_gguf_metadata(path)), source=path)
+        return _gguf_spec(path)
     if path.endswith(".json"):
         return spec_from_config(_read_json(path), source=path)
     raise ValueError(f"{path}: expected a model directory, a config .json file or a .gguf file")
+
+
+def spec_to_dict(spec: ModelSpec) -> dict[str, Any]:
+    """The spec as JSON values (spec_from_dict reads it back equal)."""
+    return dataclasses.asdict(spec)
+
+
+def spec_from_dict(d: dict[str, Any]) -> ModelSpec:
+    """The ModelSpec that spec_to_dict wrote (its tuples, read back from JSON lists)."""
+    d = dict(d)
+    d["sliding_windows"] = tuple(d.get("sliding_windows") or ())
+    d["unread"] = tuple(d.get("unread") or ())
+    if d.get("moe") is not None:
+        moe = dict(d["moe"])
+        moe["moe_layers"] = tuple(moe.get("moe_layers") or ())
+        d["moe"] = MoESpec(**moe)
+    return ModelSpec(**d)
+
+
+def _gguf_spec(path: str) -> ModelSpec:
+    """The spec of a .gguf file, from its header through transformers' config class once; then
+    from the file's GGUF cache entry (core.gguf_cache), keyed by the code that derives it, so
+    later starts neither parse the header nor import transformers."""
+    from core.gguf_cache import cached_json, package_versions, source_digest
+
+    def build() -> dict[str, Any]:
+        from core.gguf_metadata import gguf_to_hf_config, read_gguf_metadata
+
+        return spec_to_dict(spec_from_config(gguf_to_hf_config(read_gguf_metadata(path)),
+                                             source=path))
+
+    part = (f"spec-{source_digest('core.model_spec', 'core.gguf_metadata')}-"
+            f"{package_versions('gguf')}")
+    spec = spec_from_dict(cached_json(path, part, build))
+    # one file reached by another path: an entry is keyed by the real path
+    return spec if spec.source == path else dataclasses.replace(spec, source=path)
