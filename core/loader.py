@@ -32,7 +32,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @dataclass
 class LoadedModel:
     model: nn.Module
-    hf_config: Any  # transformers.PretrainedConfig
+    hf_config: Any  # transformers.PretrainedConfig, or a ConfigView of one (GGUF)
     tokenizer: Tokenizer | None  # None only for --load-format dummy without a tokenizer
     model_path: str
     dtype: torch.dtype
@@ -125,24 +125,173 @@ def _listed_files(directory: str, index_name: str, pattern: str) -> tuple[str, .
 
 
 def load_config(source: WeightSource, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoConfig
-
-    kw = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    """The model's config: transformers' (AutoConfig) for a model directory; for a GGUF file a
+    ConfigView of the attributes transformers' config has, kept in the file's GGUF cache
+    entry (core.gguf_cache), so a start with the entry in place imports no transformers."""
     try:
-        if source.gguf_file:  # converted from the GGUF header once, then read back
-            from core.gguf_cache import cached
+        if source.gguf_file:
+            from core.gguf_cache import cached_json
 
-            config = cached(os.path.join(source.directory, source.gguf_file), "config",
-                            "config.json",
-                            lambda: AutoConfig.from_pretrained(source.directory, **kw),
-                            AutoConfig.from_pretrained)
+            record = cached_json(os.path.join(source.directory, source.gguf_file),
+                                 f"config-attrs-v{CONFIG_RECORD_VERSION}",
+                                 lambda: config_record(_gguf_hf_config(source, saved=True)))
+            config = ConfigView(record) if record.get("usable") else _gguf_hf_config(source)
             config._name_or_path = source.directory  # where the model is, not the cache
             return config
-        return AutoConfig.from_pretrained(source.directory, trust_remote_code=trust_remote_code,
-                                          **kw)
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(source.directory, trust_remote_code=trust_remote_code)
     except Exception as exc:  # one clear message for every way a config can be unreadable
         raise ValueError(f"cannot read the model config in {source.directory}"
                          f"{f' ({source.gguf_file})' if source.gguf_file else ''}: {exc}") from exc
+
+
+def _gguf_hf_config(source: WeightSource, saved: bool = False) -> Any:
+    """transformers' config of a GGUF file: converted from its header once, then read back.
+    saved: as read back (where the conversion was just saved, it is read back too: the two
+    differ, e.g. in transformers_version), so a ConfigView is the same on every start."""
+    from transformers import AutoConfig
+
+    from core.gguf_cache import cached, entry
+
+    gguf = os.path.join(source.directory, source.gguf_file)
+    converted: list[bool] = []
+
+    def convert() -> Any:
+        converted.append(True)
+        return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+
+    config = cached(gguf, "config", "config.json", convert, AutoConfig.from_pretrained)
+    if saved and converted and entry(gguf) is not None:
+        config = cached(gguf, "config", "config.json", convert, AutoConfig.from_pretrained)
+    return config
+
+
+CONFIG_RECORD_VERSION = 1  # of config_record's layout: a change misses the old entries
+_INT_KEYS = "__int_keys__"  # a dict with int keys (id2label), which JSON would make strings
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if value and all(type(k) is int for k in value):
+            return {_INT_KEYS: [[k, _encode(v)] for k, v in value.items()]}
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {_INT_KEYS}:
+            return {int(k): _decode(v) for k, v in value[_INT_KEYS]}
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def _json_exact(value: Any) -> Any:
+    """value encoded for JSON when it reads back equal (tuples, dtypes, objects do not), else
+    a _Lost."""
+    try:
+        enc = _encode(value)
+        if _decode(json.loads(json.dumps(enc))) == value:
+            return enc
+    except (TypeError, ValueError):
+        pass
+    return _LOST
+
+
+_LOST = object()
+
+
+def config_record(config: Any) -> dict[str, Any]:
+    """What a ConfigView needs of a transformers config, as JSON: every instance attribute and
+    property value (aliases such as rope_scaling / torch_dtype included), to_dict(), the
+    class's attribute_map. `usable` is false where an instance attribute or to_dict() (a
+    sub-config, a torch dtype) does not survive JSON: the loader then keeps transformers'
+    object."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    names = set(vars(config))
+    names |= {n for n in dir(type(config))
+              if not n.startswith("__") and isinstance(getattr(type(config), n, None), property)}
+    attrs: dict[str, Any] = {}
+    dropped: list[str] = []
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # deprecated aliases warn when read
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name in sorted(names):
+                try:
+                    value = getattr(config, name)
+                except Exception:  # noqa: BLE001 - a property that refuses: left out
+                    dropped.append(name)
+                    continue
+                if callable(value):
+                    continue
+                enc = _json_exact(value)
+                if enc is _LOST:
+                    dropped.append(name)
+                else:
+                    attrs[name] = enc
+            as_dict = _json_exact(config.to_dict())
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    lost = [n for n in dropped if n in vars(config)]
+    usable = not lost and as_dict is not _LOST
+    return {"class": type(config).__name__, "attrs": attrs, "dropped": dropped,
+            "to_dict": as_dict if usable else None,
+            "attribute_map": dict(getattr(config, "attribute_map", None) or {}),
+            "usable": usable}
+
+
+class ConfigView:
+    """A transformers config's attributes read back from JSON (config_record), standing in for
+    the config object (attribute reads, aliases of attribute_map, sets, to_dict()) where
+    importing transformers to rebuild it would cost a second. Attributes that did not
+    survive JSON (properties that raise or give objects) are absent."""
+
+    def __init__(self, record: dict[str, Any]):
+        self.__dict__.update(_decode(record["attrs"]))  # copies of its own
+        self.__dict__["_record"] = {"class": record.get("class", "PretrainedConfig"),
+                                    "to_dict": _decode(record["to_dict"]),
+                                    "attribute_map": dict(record.get("attribute_map") or {}),
+                                    "dropped": tuple(record.get("dropped") or ())}
+
+    def __getattr__(self, name: str) -> Any:  # only for names not set on the instance
+        rec = self.__dict__.get("_record")
+        if rec is not None and name in rec["attribute_map"]:
+            return getattr(self, rec["attribute_map"][name])
+        raise AttributeError(f"{type(self).__name__} ({rec['class'] if rec else '?'}) has no "
+                             f"attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        rec = self.__dict__["_record"]
+        name = rec["attribute_map"].get(name, name)
+        self.__dict__[name] = value
+        if name in rec["to_dict"]:
+            rec["to_dict"][name] = value
+
+    def __copy__(self) -> ConfigView:  # a copy whose sets leave this one's to_dict alone
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        rec = self.__dict__["_record"]
+        new.__dict__["_record"] = {**rec, "to_dict": dict(rec["to_dict"])}
+        return new
+
+    def to_dict(self) -> dict[str, Any]:
+        return _decode(_encode(self.__dict__["_record"]["to_dict"]))  # a copy
+
+    def get_text_config(self, *args: Any, **kwargs: Any) -> ConfigView:
+        return self  # only configs without sub-configs are viewed (record["usable"])
+
+    def __repr__(self) -> str:
+        return f"ConfigView[{self.__dict__['_record']['class']}]({self.to_dict()})"
 
 
 def count_and_iter_weights(source: WeightSource, config: Any, reader: Any = None,

@@ -4,10 +4,10 @@ architectures here build on. Parameter names mirror HF's, with q/k/v and gate/up
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from core.forward_batch import ForwardBatch
 from core.layer_ops import qk_norm_rotary
@@ -23,6 +23,9 @@ from core.layers import (
     rope_parameters,
 )
 from core.models.weights import load_named_weights
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def head_dim_of(config: PretrainedConfig) -> int:

@@ -4,11 +4,14 @@ Checkpoint names `block_sparse_moe.gate` / `block_sparse_moe.experts.E.w1|w2|w3`
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from core.models.llama import LlamaForCausalLM
 from core.models.mistral import MistralForCausalLM
 from core.models.qwen2_moe import Qwen2MoeForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class MixtralForCausalLM(Qwen2MoeForCausalLM):

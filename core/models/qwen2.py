@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from core.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def layer_sliding_window(config: PretrainedConfig, layer_id: int) -> int | None:

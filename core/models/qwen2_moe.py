@@ -7,16 +7,19 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from core.layers import Linear, ModelContext, MoE
 from core.model_spec import moe_layer_ids
 from core.models.llama import STACKED, DecoderMLP, LlamaForCausalLM
 from core.models.qwen2 import layer_sliding_window
 from core.models.weights import load_named_weights
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Per-expert checkpoint tensors (`mlp.experts.3.gate_proj.weight`, Mixtral's
 # `block_sparse_moe.experts.3.w1.weight`) and fused ones (`mlp.experts.gate_up_proj`).

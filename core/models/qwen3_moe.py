@@ -3,11 +3,14 @@ expert, RMSNorm over each q and k head before rotary, the window (if any) on eve
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from core.models.llama import LlamaForCausalLM
 from core.models.mistral import MistralForCausalLM
 from core.models.qwen2_moe import Qwen2MoeForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
