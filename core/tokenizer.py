@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import threading
+from collections.abc import Callable
 from typing import Any
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 
 
 class Tokenizer:
-    """A thin wrapper over a transformers tokenizer, built from an HF directory or a GGUF file."""
+    """A thin wrapper over a transformers tokenizer, built from an HF directory or a GGUF file.
+
+    From a GGUF file whose cache entry (core.gguf_cache) holds the converted tokenizer, it runs
+    on the `tokenizers` package directly (the tokenizer.json transformers' own tokenizer runs
+    on) and renders chat templates with jinja2 as transformers does: no transformers import.
+    `hf`, transformers' tokenizer, is then built on first use (grammar backends read it).
+    """
 
     def __init__(self, hf_tokenizer: Any, eos_token_ids: set[int] | None = None,
                  chat_template: str | None = None):
-        self.hf = hf_tokenizer
+        self._hf = hf_tokenizer
+        self._hf_lock = threading.Lock()
+        self._load_hf: Callable[[], Any] | None = None
+        self._fast: Any = None  # a tokenizers.Tokenizer where transformers is not needed
+        self._special_map: dict[str, str] = {}
+        self._added_ids: frozenset[int] = frozenset()
         ids = set(eos_token_ids or ())
         if hf_tokenizer.eos_token_id is not None:
             ids.add(int(hf_tokenizer.eos_token_id))
@@ -23,14 +37,48 @@ class Tokenizer:
         self.chat_template = chat_template or getattr(hf_tokenizer, "chat_template", None)
         self.vocab_size: int = len(hf_tokenizer)
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
-        # control tokens' texts (special added tokens, e.g. <|im_start|>), longest first
-        added = getattr(hf_tokenizer, "added_tokens_decoder", None) or {}
-        texts = {t.content for t in added.values() if getattr(t, "special", False)}
-        texts |= set(getattr(hf_tokenizer, "all_special_tokens", None) or ())
-        self.special_tokens: tuple[str, ...] = tuple(sorted(texts, key=lambda t: (-len(t), t)))
+        self.special_tokens: tuple[str, ...] = _special_texts(hf_tokenizer)
         self._bytes: dict[int, bytes] = {}
         self._byte_level: bool | None = None
         self._unicode_to_byte: dict[str, int] = {}
+
+    @classmethod
+    def _from_record(cls, backend: Any, record: dict[str, Any], load_hf: Callable[[], Any],
+                     hf: Any = None, eos_token_ids: set[int] | None = None,
+                     chat_template: str | None = None) -> Tokenizer:
+        """On `backend` (a tokenizers.Tokenizer), with what tokenizer_record read off
+        transformers' tokenizer; `load_hf` builds that tokenizer when `hf` is first read."""
+        self = cls.__new__(cls)
+        self._hf, self._hf_lock, self._load_hf = hf, threading.Lock(), load_hf
+        # what transformers' encode() sets on its backend before every call
+        if backend.truncation is not None:
+            backend.no_truncation()
+        if backend.padding is not None:
+            backend.no_padding()
+        backend.encode_special_tokens = False
+        self._fast = backend
+        self._special_map = dict(record["special_tokens_map"])
+        self._added_ids = frozenset(int(i) for i in record["added_ids"])
+        ids = set(eos_token_ids or ())
+        if record["eos_token_id"] is not None:
+            ids.add(int(record["eos_token_id"]))
+        self.eos_token_ids = ids
+        self.chat_template = chat_template or record["chat_template"]
+        self.vocab_size = int(record["len"])
+        self.bos_token_id = record["bos_token_id"]
+        self.special_tokens = tuple(record["special_tokens"])
+        self._bytes, self._byte_level, self._unicode_to_byte = {}, None, {}
+        return self
+
+    @property
+    def hf(self) -> Any:
+        """transformers' tokenizer (built on first use where the wrapper runs without it)."""
+        if self._hf is None:
+            with self._hf_lock:
+                if self._hf is None:
+                    assert self._load_hf is not None
+                    self._hf = self._load_hf()
+        return self._hf
 
     @classmethod
     def from_path(cls, path: str, gguf_file: str | None = None,
@@ -40,33 +88,35 @@ class Tokenizer:
         chat_template: a Jinja file or string overriding the tokenizer's own template.
         EOS ids gather the tokenizer's EOS and generation_config.json / config.json's.
         """
-        from transformers import AutoTokenizer
-
         if not os.path.isdir(path):
             raise ValueError(f"tokenizer path {path!r} is not a directory")
-        kw = {"gguf_file": gguf_file} if gguf_file else {}
-        try:
-            if gguf_file:  # converted from the GGUF vocabulary once, then read back
-                from core.gguf_cache import cached
-
-                hf = cached(os.path.join(path, gguf_file), "tokenizer", "tokenizer.json",
-                            lambda: AutoTokenizer.from_pretrained(path, **kw),
-                            AutoTokenizer.from_pretrained)
-            else:
-                hf = AutoTokenizer.from_pretrained(path, **kw)
-        except Exception as exc:  # transformers raises many kinds; one clear message here
-            raise ValueError(f"cannot load a tokenizer from {path!r}"
-                             f"{f' ({gguf_file})' if gguf_file else ''}: {exc}") from exc
         eos: set[int] = set()
         for name in ("generation_config.json", "config.json"):
             eos |= _eos_from_json(os.path.join(path, name))
         template = _read_template(chat_template) if chat_template else None
+        try:
+            if gguf_file:
+                from core.gguf_cache import entry
+
+                gguf = os.path.join(path, gguf_file)
+                if entry(gguf) is not None:  # converted once: runs on the `tokenizers` package
+                    fast = _fast_from_gguf(path, gguf_file, eos, template)
+                    if fast is not None:
+                        return fast
+            hf = _hf_tokenizer(path, gguf_file)
+        except Exception as exc:  # transformers raises many kinds; one clear message here
+            raise ValueError(f"cannot load a tokenizer from {path!r}"
+                             f"{f' ({gguf_file})' if gguf_file else ''}: {exc}") from exc
         return cls(hf, eos, template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._fast is not None:
+            return self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -77,12 +127,16 @@ class Tokenizer:
         cached = self._bytes.get(token_id)
         if cached is not None:
             return cached
-        hf = self.hf
-        piece = hf.convert_ids_to_tokens(int(token_id))
-        added = getattr(hf, "added_tokens_decoder", None) or {}
+        if self._fast is not None:
+            piece = self._fast.id_to_token(int(token_id))
+            is_added = int(token_id) in self._added_ids
+        else:
+            hf = self.hf
+            piece = hf.convert_ids_to_tokens(int(token_id))
+            is_added = int(token_id) in (getattr(hf, "added_tokens_decoder", None) or {})
         if piece is None:
             out = b""
-        elif int(token_id) in added:
+        elif is_added:
             out = piece.encode("utf-8")
         elif self._is_byte_level() and all(c in self._unicode_to_byte for c in piece):
             out = bytes(self._unicode_to_byte[c] for c in piece)
@@ -95,7 +149,9 @@ class Tokenizer:
 
     def _is_byte_level(self) -> bool:
         if self._byte_level is None:
-            self._byte_level = _has_byte_level_decoder(self.hf)
+            backend = self._fast if self._fast is not None else \
+                getattr(self.hf, "backend_tokenizer", None)
+            self._byte_level = _has_byte_level_decoder(backend)
             if self._byte_level:
                 self._unicode_to_byte = {c: b for b, c in _gpt2_byte_alphabet().items()}
         return self._byte_level
@@ -109,6 +165,12 @@ class Tokenizer:
         HF's apply_chat_template); a template that never reads it renders as without."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; pass --chat-template")
+        if self._fast is not None and isinstance(self.chat_template, str):
+            try:
+                return render_chat(self.chat_template, messages, add_generation_prompt, tools,
+                                   self._special_map, kwargs)
+            except _Unsupported:
+                pass  # a shape only transformers' renderer takes: it renders it below
         return self.hf.apply_chat_template(messages, chat_template=self.chat_template,
                                            add_generation_prompt=add_generation_prompt,
                                            tokenize=False, tools=tools, **kwargs)
@@ -116,6 +178,100 @@ class Tokenizer:
     def detokenizer(self, prompt_ids: list[int] | None = None,
                     skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+
+def _special_texts(hf: Any) -> tuple[str, ...]:
+    """Control tokens' texts (special added tokens, e.g. <|im_start|>), longest first."""
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    texts = {t.content for t in added.values() if getattr(t, "special", False)}
+    texts |= set(getattr(hf, "all_special_tokens", None) or ())
+    return tuple(sorted(texts, key=lambda t: (-len(t), t)))
+
+
+def _hf_tokenizer(path: str, gguf_file: str | None) -> Any:
+    """transformers' tokenizer of an HF directory, or of a GGUF file: converted from its
+    vocabulary once (core.gguf_cache), then read back."""
+    from transformers import AutoTokenizer
+
+    if not gguf_file:
+        return AutoTokenizer.from_pretrained(path)
+    from core.gguf_cache import cached
+
+    return cached(os.path.join(path, gguf_file), "tokenizer", "tokenizer.json",
+                  lambda: AutoTokenizer.from_pretrained(path, gguf_file=gguf_file),
+                  AutoTokenizer.from_pretrained)
+
+
+TOKENIZER_RECORD_VERSION = 1  # of tokenizer_record's layout: a change misses the old entries
+# what transformers' fast tokenizer class does itself; a class overriding any of them may
+# encode, decode or render differently than its backend does, so it keeps transformers
+_RECORDED_METHODS = ("encode", "decode", "_decode", "_encode_plus", "__call__",
+                     "convert_ids_to_tokens", "_convert_id_to_token", "apply_chat_template",
+                     "get_chat_template", "__len__")
+
+
+def tokenizer_record(hf: Any) -> dict[str, Any]:
+    """What the wrapper reads off transformers' tokenizer `hf`, as JSON, and whether the
+    `tokenizers` backend alone gives what `hf` gives (`usable`): a fast tokenizer of the
+    plain class whose backend survives serialization, no clean-up of decoded spaces or
+    splitting of special tokens, one chat template (or none)."""
+    from tokenizers import Tokenizer as Backend
+    from transformers import TokenizersBackend
+
+    backend = getattr(hf, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else None
+    exact = state is not None and Backend.from_str(state).to_str() == state
+    plain = all(getattr(type(hf), m, None) is getattr(TokenizersBackend, m, None)
+                for m in _RECORDED_METHODS)
+    template = getattr(hf, "chat_template", None)
+    usable = (exact and plain and isinstance(hf, TokenizersBackend)
+              and not getattr(hf, "clean_up_tokenization_spaces", False)
+              and not getattr(hf, "split_special_tokens", False)
+              and (template is None or isinstance(template, str)))
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    return {"usable": bool(usable), "class": type(hf).__name__,
+            "eos_token_id": hf.eos_token_id, "bos_token_id": hf.bos_token_id,
+            "len": len(hf), "special_tokens": list(_special_texts(hf)),
+            "special_tokens_map": dict(getattr(hf, "special_tokens_map", None) or {}),
+            "chat_template": template if isinstance(template, str) else None,
+            "added_ids": sorted(int(i) for i in added)}
+
+
+def _fast_from_gguf(path: str, gguf_file: str, eos: set[int],
+                    template: str | None) -> Tokenizer | None:
+    """The GGUF file's tokenizer on the `tokenizers` package (its record and tokenizer.json
+    in the cache entry, made from transformers' tokenizer once); None where the record says
+    the backend alone would not give what transformers gives."""
+    from tokenizers import Tokenizer as Backend
+
+    from core.gguf_cache import cached
+
+    gguf = os.path.join(path, gguf_file)
+    made: list[Any] = []  # transformers' tokenizer, where this call built the entry
+
+    def build() -> tuple[dict[str, Any], Any]:
+        hf = _hf_tokenizer(path, gguf_file)
+        made.append(hf)
+        return tokenizer_record(hf), Backend.from_str(hf.backend_tokenizer.to_str())
+
+    def save(obj: tuple[dict[str, Any], Any], where: str) -> None:
+        record, backend = obj
+        with open(os.path.join(where, "tokenizer.json"), "w", encoding="utf-8") as fh:
+            fh.write(backend.to_str())
+        with open(os.path.join(where, "record.json"), "w", encoding="utf-8") as fh:
+            json.dump(record, fh)  # written last: its presence says the part is whole
+
+    def load(where: str) -> tuple[dict[str, Any], Any]:
+        with open(os.path.join(where, "record.json"), encoding="utf-8") as fh:
+            record = json.load(fh)
+        return record, Backend.from_file(os.path.join(where, "tokenizer.json"))
+
+    record, backend = cached(gguf, f"tokenizer-fast-v{TOKENIZER_RECORD_VERSION}",
+                             "record.json", build, load, save)
+    if not record.get("usable"):
+        return None
+    return Tokenizer._from_record(backend, record, lambda: _hf_tokenizer(path, gguf_file),
+                                  made[0] if made else None, eos, template)
 
 
 class IncrementalDetokenizer:
@@ -164,9 +320,8 @@ class IncrementalDetokenizer:
         return delta
 
 
-def _has_byte_level_decoder(hf: Any) -> bool:
-    """Whether a fast tokenizer decodes with `ByteLevel` (alone or inside a Sequence)."""
-    backend = getattr(hf, "backend_tokenizer", None)
+def _has_byte_level_decoder(backend: Any) -> bool:
+    """Whether a `tokenizers` backend decodes with `ByteLevel` (alone or inside a Sequence)."""
     decoder = getattr(backend, "decoder", None)
     if decoder is None:
         return False
@@ -210,3 +365,134 @@ def _read_template(value: str) -> str:
         with open(value) as fh:
             return fh.read()
     return value
+
+
+# -- chat templates, rendered as transformers renders them (without importing it) ---------------
+
+class _Unsupported(Exception):
+    """An input render_chat leaves to transformers' apply_chat_template."""
+
+
+# apply_chat_template's own parameters: a call with any of them goes to transformers
+_HF_ONLY_KWARGS = frozenset({"documents", "continue_final_message", "tokenize",
+                             "sanitize_control_tokens", "padding", "truncation", "max_length",
+                             "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                             "tokenizer_kwargs", "chat_template", "conversation"})
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is the standard
+
+
+def _plain(value: Any) -> Any:
+    """A copy of a JSON-shaped value (what the template sees); other objects -> _Unsupported
+    (transformers turns them into placeholders, dataclasses and models into dicts)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if type(value) is dict:
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    raise _Unsupported(type(value).__name__)
+
+
+def render_chat(template: str, messages: Any, add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None, special_tokens_map: dict[str, str],
+                kwargs: dict[str, Any]) -> str:
+    """transformers' apply_chat_template(messages, chat_template=template, tokenize=False,
+    add_generation_prompt=..., tools=..., **kwargs) for one conversation of plain dicts and
+    tools given as JSON schemas: messages' None-valued keys dropped, reasoning copied under
+    its aliases (`thinking`, `reasoning_content`), the tokenizer's named special tokens and
+    `kwargs` as template variables, the same sandboxed jinja2 environment. _Unsupported for
+    anything else (batches, callables as tools, documents, continue_final_message, ...)."""
+    if _HF_ONLY_KWARGS & kwargs.keys():
+        raise _Unsupported("apply_chat_template options")
+    if not isinstance(messages, list | tuple) or not messages:
+        raise _Unsupported("an empty or batched conversation")  # transformers says why
+    chat = []
+    for message in messages:
+        if type(message) is not dict:
+            raise _Unsupported("a message that is not a dict")
+        m = _plain({k: v for k, v in message.items() if v is not None})
+        reasoning = next((m[k] for k in _REASONING_KEYS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        chat.append(m)
+    if tools is not None and not all(type(t) is dict for t in tools):
+        raise _Unsupported("tools that are not JSON schemas")
+    variables = _plain({**special_tokens_map, **kwargs})
+    return _compiled(template).render(messages=chat, tools=_plain(tools), documents=None,
+                                      add_generation_prompt=add_generation_prompt,
+                                      **variables)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str) -> Any:
+    """The template compiled in an environment like transformers': sandboxed (immutable),
+    trim_blocks and lstrip_blocks, loop controls, the `{% generation %}` block (rendered as
+    its body), a `tojson` that keeps non-ASCII text, raise_exception, strftime_now, and `dict`
+    / `namespace` that refuse underscore attributes."""
+    import datetime
+
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.utils
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if tuple(int(p) for p in re.findall(r"\d+", jinja2.__version__)[:3]) < (3, 1, 6):
+        raise _Unsupported("jinja2 older than 3.1.6")  # transformers refuses it, saying so
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}  # noqa: RUF012 - jinja2's class attribute
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body
+                                          ).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
+    class Dict:
+        def __call__(self, *args: Any, **kw: Any) -> dict:
+            return dict(*args, **kw)
+
+        def fromkeys(self, *args: Any) -> dict:
+            return dict.fromkeys(*args)
+
+    def refuse_private(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"Chat templates cannot store underscore-prefixed attributes on a namespace, "
+                f"but got {name!r}. Please rename the attribute.")
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kw: Any) -> None:  # noqa: N805 - jinja2's signature trick
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kw)
+            for name in attrs:
+                refuse_private(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            refuse_private(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now,
+                       dict=Dict(), namespace=Namespace)
+    return env.from_string(template)
