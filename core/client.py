@@ -57,8 +57,8 @@ class _ReqState:
 
 class StartedWorker:
     """A worker process spawned ahead of its plan (core.worker.worker_prestarted): it imports
-    torch and transformers while the parent resolves; `EngineClient(..., started=it)` sends
-    it the plan. `cancel()` when the plan never comes (the worker then exits)."""
+    torch while the parent resolves; `EngineClient(..., started=it)` sends it the plan.
+    `cancel()` when the plan never comes (the worker then exits)."""
 
     def __init__(self) -> None:
         from core.worker import worker_prestarted

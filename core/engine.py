@@ -57,7 +57,7 @@ class Engine:
                 raise ValueError("pass either server_args or keyword arguments, not both")
             args = apply_environment(server_args if model_path is None else
                                      server_args.replace(model_path=model_path))
-        # the workers import torch / transformers while this process resolves the plan
+        # the workers import torch while this process resolves the plan
         started = [StartedWorker() for _ in range(args.dp_size)]
         try:
             self.args, self.plan, self.spec, _ = make_plan(args)

@@ -570,11 +570,12 @@ def rank_main(rank_json: str) -> None:
 
 def worker_prestarted(conn: Any) -> None:
     """Entry of a worker spawned before the parent has resolved its plan (core.client.
-    start_worker): import what building the engine needs (torch, transformers: seconds) while
-    the parent resolves, then read the args and plan (one JSON message) and run worker_main."""
+    start_worker): import what building the engine needs (torch: seconds) while the parent
+    resolves, then read the args and plan (one JSON message) and run worker_main. transformers
+    is not imported: a GGUF model with its cache entry (core.gguf_cache) builds without it, and
+    a model that needs it imports it while loading."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch  # noqa: F401
-    import transformers  # noqa: F401
 
     import core.loader  # noqa: F401
     try:
