@@ -97,10 +97,6 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
-    def skip_string(self) -> None:
-        n = self.unpack("Q")  # read before adding: unpack moves pos
-        self.pos += n
-
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -122,9 +118,14 @@ def _read_array(cur: _Cursor) -> tuple[Any, int]:
         cur.pos += size
         return list(values), count
     if etype == _STRING:
-        if count > _KEEP_STRINGS:
+        if count > _KEEP_STRINGS:  # a vocabulary: ~10^5 strings, only stepped over
+            unpack, buf, pos = struct.Struct(cur.order + "Q").unpack_from, cur.buf, cur.pos
+            end = len(buf)
             for _ in range(count):
-                cur.skip_string()
+                if pos + 8 > end:
+                    raise ValueError(f"{cur.path}: GGUF header is truncated at byte {pos}")
+                pos += 8 + unpack(buf, pos)[0]
+            cur.pos = pos
             return None, count
         return [cur.string() for _ in range(count)], count
     if etype == _ARRAY:  # nested arrays: none in practice; read and drop
