@@ -133,7 +133,7 @@ class Admission:
             if not self._grow(r, n):
                 self._retract(r)  # decode holds the pool: recomputed from the queue later
                 continue
-            self.jumped.remove(r)
+            self._unjump(r)
             r.fill_len = r.kv_len + n
             items.append((r, n))
             rem_input -= n
@@ -222,8 +222,8 @@ class Admission:
     def _retract(self, req: Req, preempted: bool = False) -> None:
         if req is self.chunked:
             self.chunked = None
-        elif req in self.jumped:
-            self.jumped.remove(req)
+        elif req.jumping:
+            self._unjump(req)
         else:
             self.running.remove(req)
         self._release(req)

@@ -80,6 +80,7 @@ class Req:
     cached_tokens: int = -1  # prefix-cache hit of the first admission (reported)
     compile_id: int | None = None  # its grammar's compile while it is in `compiling`
     jumps: int = 0  # jump-forwards so far (an overlap step launched before one drops its token)
+    jumping: bool = False  # in `jumped`: its forced tokens wait for their extend
     finish: dict | None = None
     # output not yet reported: new ids and their logprobs
     pending_ids: list[int] = field(default_factory=list)
@@ -298,8 +299,8 @@ class Scheduler(Admission, Overlap):
                 self.chunked = None
             elif req in self.running:
                 self.running.remove(req)
-            elif req in self.jumped:
-                self.jumped.remove(req)
+            elif req.jumping:
+                self._unjump(req)
             self._release(req)
         req.finish = {"type": "abort", "message": "aborted by the client"}
         self.counters["aborted"] += 1
@@ -476,11 +477,16 @@ class Scheduler(Admission, Overlap):
             self.counters["jumps"] += 1
             self.counters["jump_tokens"] += len(forced)
         if forced and r.finish is None:
+            r.jumping = True
             self.jumped.append(r)
+
+    def _unjump(self, r: Req) -> None:
+        r.jumping = False
+        self.jumped = [x for x in self.jumped if x is not r]
 
     def _decoding(self, reqs: list[Req]) -> list[Req]:
         """Those of `reqs` that go on decoding: not finished, not waiting for a jump's extend."""
-        return [r for r in reqs if r.finish is None and r not in self.jumped]
+        return [r for r in reqs if r.finish is None and not r.jumping]
 
     def _check_finish(self, r: Req, tok: int) -> dict | None:
         p = r.params
