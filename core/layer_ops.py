@@ -23,6 +23,9 @@ weight); `tests/test_layer_ops.py` holds each registered plugin to it.
                                    Qwen3's RMSNorm over each q head (q_weight [D]) and each k
                                    head (k_weight [D]), then rotary, as rotary_qk returns them
                                    (one kernel for q and k of the batch, where fused)
+    linear(weight [N, K], bias [N] | None) -> f(x [M, K]) -> x @ weight.T + bias  [M, N]
+                                   a dense layer's product (decode's few rows, where a plugin
+                                   streams them faster than the BLAS), for any M; None: F.linear
     store_kv()                  -> f(k, v [T, Hkv, D], loc [T], k_buf, v_buf) -> bool
                                    k_buf[loc] = k, v_buf[loc] = v (cast); False: not taken here
                                    (the pool writes them itself)
@@ -36,10 +39,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary")
+OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary",
+       "linear")
 # Ops added after the first layer-ops API: a plugin may lack the method altogether; then the
-# layers compose them from the plugin's other ops (rms_norm, then the reference rotary).
-OPTIONAL_OPS = ("qk_norm_rotary",)
+# layers compose them from the plugin's other ops (qk_norm_rotary: rms_norm, then the reference
+# rotary) or use the reference (linear: F.linear).
+OPTIONAL_OPS = ("qk_norm_rotary", "linear")
 
 
 @runtime_checkable
@@ -54,7 +59,8 @@ class LayerOps(Protocol):
 
     def store_kv(self) -> Callable | None: ...
 
-    # optional (OPTIONAL_OPS): def qk_norm_rotary(self, head_dim, q_weight, k_weight, eps)
+    # optional (OPTIONAL_OPS): qk_norm_rotary(head_dim, q_weight, k_weight, eps),
+    # linear(weight, bias)
 
 
 def qk_norm_rotary(ops: Any, head_dim: int, q_weight: Any, k_weight: Any, eps: float,
@@ -99,6 +105,9 @@ class WithReference:
 
     def store_kv(self) -> Callable:
         return self._pick("store_kv")
+
+    def linear(self, weight: Any, bias: Any) -> Callable:
+        return self._pick("linear", weight, bias)
 
     def qk_norm_rotary(self, head_dim: int, q_weight: Any, k_weight: Any, eps: float
                        ) -> Callable:

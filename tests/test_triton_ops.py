@@ -148,3 +148,24 @@ def test_store_kv_writes_exactly_the_slots(dtype):
     untouched = torch.ones(size, dtype=torch.bool)
     untouched[loc.cpu()] = False
     assert (k_buf[untouched.to(DEVICE)] == 7).all() and (v_buf[untouched.to(DEVICE)] == 7).all()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("split_tiles", [None, (8, 64, 4, 8)])
+def test_gemv_rows_and_splits(m, split_tiles):
+    """The few-row product (the `linear` op's kernel) for 1..4 rows, unsplit and with K split
+    over several programs (the last summing in order), bias on odd sizes; the lock counts are
+    left at zero for the next call."""
+    from plugins.ops.triton import gemv
+
+    g = torch.Generator().manual_seed(m)
+    n, k = 37, 640
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE)
+    x = torch.randn(m, k, generator=g).to(DEVICE)
+    cfg = gemv.config(n, k, DEVICE, split_tiles)
+    if split_tiles is not None:
+        assert cfg["SPLIT_K"] > 1
+    _close(gemv.gemv(x, w, b, cfg), torch.nn.functional.linear(x, w, b), torch.float32)
+    if cfg["SPLIT_K"] > 1:
+        assert not gemv.Locks.get(DEVICE, 1).any()

@@ -62,10 +62,15 @@ class DenseLinearMethod:
         return F.linear(x, layer.weight, layer.bias)
 
     def bind(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        """`apply` with the layer's tensors bound (the decode hot path skips module lookups)."""
+        """`apply` with the layer's tensors bound (the decode hot path skips module lookups):
+        the platform's product, else the layer ops' `linear` where they offer one (a GPU's
+        few-row kernel for decode), else F.linear."""
         if layer.matmul is not None:
             return partial(layer.matmul, weight=layer.weight, bias=layer.bias)
-        return partial(F.linear, weight=layer.weight, bias=layer.bias)
+        op = getattr(getattr(layer, "ops", None), "linear", None)
+        got = op(layer.weight, layer.bias) if op is not None else None
+        return got if got is not None else partial(F.linear, weight=layer.weight,
+                                                   bias=layer.bias)
 
     def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
                            intermediate_size: int, dtype: torch.dtype,
@@ -118,6 +123,7 @@ class Linear(nn.Module):
         sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         tp = getattr(ctx, "tp", SINGLE)
         self.tp, self.parallel, self.reduce = tp, parallel, reduce
+        self.ops = getattr(ctx, "ops", None)  # the layer ops (their `linear`, where offered)
         self._rows: list[tuple[int, int]] | None = None
         self._in_part: tuple[int, int] | None = None
         if parallel == "column":

@@ -71,6 +71,7 @@ class MoE(nn.Module):
         self.expert_quant_method.create_moe_weights(self, local or num_experts, hidden_size,
                                                     intermediate_size, ctx.dtype, ctx.device)
         self._weights: MoEWeights | None = None
+        self._gate = None
 
     # ---- loading (core.models.weights calls weight_loader / param_shards) ----
 
@@ -150,6 +151,7 @@ class MoE(nn.Module):
 
     def reset_bindings(self) -> None:
         self._weights = None  # the quant method may have replaced the tensors
+        self._gate = None
 
     # ---- compute ----
 
@@ -162,6 +164,9 @@ class MoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H] (+ the shared experts' output [T, H]) -> [T, H]."""
-        router_logits = self.gate(hidden)  # [T, E]
+        gate = self._gate
+        if gate is None:  # the router's bound product (the layer ops' few-row kernel, where any)
+            gate = self._gate = self.gate.bound()
+        router_logits = gate(hidden)  # [T, E]
         out = self.runner.forward(hidden, router_logits, self.weights(), self.params, shared)
         return self.tp.all_reduce(out) if self.tp.active else out

@@ -92,6 +92,9 @@ class TorchLayerOps:
     def store_kv(self) -> Callable:
         return store_kv
 
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Callable:
+        return partial(F.linear, weight=weight, bias=bias)
+
     def qk_norm_rotary(self, head_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
                        eps: float) -> Callable:
         return compose_qk_norm_rotary(self.rms_norm(q_weight, eps), self.rms_norm(k_weight, eps),

@@ -150,6 +150,25 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
             assert torch.equal(qkv, qkv0), "qk_norm_rotary changed its input"
         if not ran:
             pytest.skip(f"{op} not provided for {dtype}: the layers compose it")
+    elif op == "linear":
+        # decode's rows (1..4), a prefill's (the plugin may hand those to the BLAS), odd sizes,
+        # K long enough to be split, with and without bias, x a strided row view
+        ran = False
+        for m, n, kk, bias in ((1, 128, 2048, False), (3, 200, 520, True), (4, 64, 4096, False),
+                               (2, 5120, 256, True), (9, 96, 160, True), (1, 33, 70, False),
+                               (0, 16, 64, False)):
+            w = rnd(n, kk, scale=kk ** -0.5)
+            b = rnd(n) if bias else None
+            f = fn(w, b)
+            if f is None:
+                continue  # not taken for this weight: the layers use F.linear
+            ran = True
+            x = rnd(m, 2 * kk)[:, :kk]  # rows strided like a slice of a wider activation
+            x0, w0 = x.clone(), w.clone()
+            _close(f(x), ref.linear(w, b)(x), dtype, f"linear m={m} n={n} k={kk} bias={bias}")
+            assert torch.equal(x, x0) and torch.equal(w, w0), "linear changed its inputs"
+        if not ran:
+            pytest.skip(f"{op} not provided for {dtype}: the layers use F.linear")
     elif op == "store_kv":
         f = fn()
         if f is None:

@@ -9,12 +9,13 @@ CORE_PLUGIN_API = ">=1.1,<2"
 CAPS = LayerOpsCaps(
     devices={"cuda", "rocm"},
     dtypes={"float32", "float16", "bfloat16"},
-    ops={"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary"},
+    ops={"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary",
+         "linear"},
     requires=("triton",),
     cuda_graph=True,
     priority={"cuda": 100, "rocm": 100},
     description="fused element-wise Triton kernels (one kernel per norm / activation / rotary / "
-                "q/k norm + rotary / KV store)",
+                "q/k norm + rotary / KV store) and a few-row dense product for decode",
 )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from core.layers import ops_ref
-from plugins.ops.triton import kernels
+from plugins.ops.triton import gemv, kernels
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -63,6 +63,11 @@ class TritonLayerOps:
 
     def store_kv(self) -> Callable:
         return _store
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Callable | None:
+        if not gemv.takes(weight) or weight.dtype != self.dtype:
+            return None
+        return gemv.linear(weight, bias)
 
     def qk_norm_rotary(self, head_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
                        eps: float) -> Callable | None:
