@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--out", default=None)
+    p.add_argument("--rows", type=int, default=40, help="rows of the kernel table")
     p.add_argument("--config", default=None, help="an HF config.json to profile instead of "
                    "Llama-3.1-8B (MoE models: the roofline then uses the active weights, "
                    "bench/moe_decode.py's count)")
@@ -96,12 +97,19 @@ def main(argv: list[str] | None = None) -> int:
             entry["replay_ms_median"] = statistics.median(times)
             entry["replay_fraction_of_roofline"] = report["roofline_ms_per_step_b1"] / \
                 entry["replay_ms_median"]
+        profiled = 8
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(8):
+            for _ in range(profiled):
                 sched.step()
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        kernels = [e for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        # launches a step and their GPU time (kernels and copies the profiler saw)
+        entry["kernels_per_step"] = len(kernels) / profiled
+        entry["kernel_ms_per_step"] = sum(e.time_range.elapsed_us()
+                                          for e in kernels) / profiled / 1e3
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows)
         entry["profile_top"] = table
         print(f"== batch {bs}: {json.dumps({k: v for k, v in entry.items() if k != 'profile_top'})}")
         print(table)
