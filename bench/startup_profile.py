@@ -68,7 +68,7 @@ def _wrap(module: Any, name: str, marks: dict[str, float]) -> None:
     setattr(module, name, timed)
 
 
-def child_engine(dtype: str, profile: int) -> dict[str, Any]:
+def child_engine(dtype: str, profile: int, extra: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import core
@@ -100,7 +100,7 @@ def child_engine(dtype: str, profile: int) -> dict[str, Any]:
         prof = cProfile.Profile()
         prof.enable()
     t = time.perf_counter()
-    engine = core.Engine(None, dtype=dtype, device="cpu", max_total_tokens=8192)
+    engine = core.Engine(None, dtype=dtype, device="cpu", max_total_tokens=8192, **extra)
     total = time.perf_counter() - t + marks["import core.engine"]
     if prof is not None:
         prof.disable()
@@ -236,6 +236,7 @@ def run_child(mode: str, a: argparse.Namespace, profile: int = 0,
               importtime: bool = False) -> tuple[dict[str, Any], str]:
     cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), __file__,
            "--child", mode, "--dtype", a.dtype, "--profile", str(profile),
+           *(x for kv in a.set for x in ("--set", kv)),
            *(["--plan-file", a.plan_file] if getattr(a, "plan_file", None) else [])]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPATH=str(REPO))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO,
@@ -269,12 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--importtime", action="store_true")
     p.add_argument("--profile", type=int, default=0, metavar="N")
     p.add_argument("--top", type=int, default=25, help="imports listed per side")
+    p.add_argument("--views", default="engine,worker,client",
+                   help="comma-separated subset of engine, worker, client")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a ServerArgs field for core.Engine() in the engine view (a string), "
+                   "e.g. --set grammar_backend=none")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--plan-file", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        fn = {"engine": lambda: child_engine(a.dtype, a.profile),
+        extra = dict(kv.split("=", 1) for kv in a.set)
+        fn = {"engine": lambda: child_engine(a.dtype, a.profile, extra),
               "worker": lambda: child_worker(a.dtype, a.profile, a.plan_file),
               "plan": lambda: child_plan(a.dtype),
               "client_modules": child_client_modules}[a.child]
@@ -283,11 +290,13 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict[str, Any] = {"machine": {"cpu": _cpu_name(), "loadavg_1m":
                                           round(os.getloadavg()[0], 2)}}
-    plan_msg, _ = run_child("plan", a)
-    plan_file = Path(tempfile.mkdtemp(prefix="startup-")) / "plan.json"
-    plan_file.write_text(json.dumps(plan_msg))
-    a.plan_file = str(plan_file)
-    for mode in ("engine", "worker"):
+    views = a.views.split(",")
+    if "worker" in views:
+        plan_msg, _ = run_child("plan", a)
+        plan_file = Path(tempfile.mkdtemp(prefix="startup-")) / "plan.json"
+        plan_file.write_text(json.dumps(plan_msg))
+        a.plan_file = str(plan_file)
+    for mode in [v for v in ("engine", "worker") if v in views]:
         runs = [run_child(mode, a)[0] for _ in range(a.reps)]
         report[mode] = runs
         stages: dict[str, list[float]] = {}
@@ -308,11 +317,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  start to Ready: median {statistics.median(ready):.3f} s (runs: "
                   f"{', '.join(f'{x:.2f}' for x in ready)}); reply {runs[0]['reply']}")
             print(f"  heavy modules the worker imported: {runs[0]['imported']}")
-    mods, _ = run_child("client_modules", a)
-    report["client_modules"] = mods
-    print("\n== client: make_plan + tokenizer\n  "
-          + "\n  ".join(f"{k:45s} {v:7.3f} s" for k, v in mods["stages"].items()))
-    print(f"  heavy modules they import: {mods['heavy']}")
+    if "client" in views:
+        mods, _ = run_child("client_modules", a)
+        report["client_modules"] = mods
+        print("\n== client: make_plan + tokenizer\n  "
+              + "\n  ".join(f"{k:45s} {v:7.3f} s" for k, v in mods["stages"].items()))
+        print(f"  heavy modules they import: {mods['heavy']}")
     if a.importtime:
         for mode in ("client_modules", "worker"):
             _, err = run_child(mode, a, importtime=True)
