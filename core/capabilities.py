@@ -231,6 +231,8 @@ class MoECaps(_Frozen):
     resolver against the model's MoESpec.
 
     quant_methods: names of the quant methods whose expert-weight form it runs (MoEWeights.form).
+    quant_formats: the checkpoint formats (QuantScheme.format: fp8_block, fp8_channel, ...) it
+    runs where it runs only some of a quant method's; empty: every format.
     scoring_funcs: router scoring it implements (softmax, sigmoid). max_experts / max_top_k:
     limits of its kernels (None: none). cuda_graph: a decode-sized forward may be captured.
     """
@@ -240,6 +242,7 @@ class MoECaps(_Frozen):
     cpu_isa: frozenset[str] = frozenset()
     dtypes: frozenset[str] = frozenset(COMPUTE_DTYPES)
     quant_methods: frozenset[str] = frozenset(("unquantized",))
+    quant_formats: frozenset[str] = frozenset()
     activations: frozenset[str] = frozenset(("silu",))
     scoring_funcs: frozenset[str] = frozenset(("softmax",))
     grouped_topk: bool = False
@@ -255,7 +258,8 @@ class MoECaps(_Frozen):
     # routing over all of them (MoELayerParams.expert_offset / num_local_experts, core.moe).
     expert_parallel: bool = False
 
-    _sets = ("devices", "cpu_isa", "dtypes", "quant_methods", "activations", "scoring_funcs")
+    _sets = ("devices", "cpu_isa", "dtypes", "quant_methods", "quant_formats", "activations",
+             "scoring_funcs")
     _maps = ("capability", "priority")
 
     def summary(self) -> str:

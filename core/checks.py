@@ -185,7 +185,8 @@ def check_attention(caps: AttentionCaps, spec: ModelSpec, device: DeviceInfo, *,
 
 def check_moe(caps: MoECaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str | None,
               quant_method: str | None, quant_caps: QuantCaps | None = None,
-              runner: str | None = None, ep_size: int = 1) -> list[str]:
+              runner: str | None = None, ep_size: int = 1,
+              quant_format: str | None = None) -> list[str]:
     """Reasons a MoE runner cannot run this model's experts (dense models: no reasons)."""
     reasons = check_device(caps, device)
     reasons += _dtype_reason(dtype, caps.dtypes)
@@ -195,6 +196,7 @@ def check_moe(caps: MoECaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str 
                        f"(supports {_join(caps.quant_methods)})")
     elif quant_method is not None and quant_caps is not None:
         reasons += check_moe_quant(runner or "", caps, quant_method, quant_caps)
+    reasons += check_moe_format(runner or "", caps, quant_format, quant_caps)
     moe = spec.moe
     if moe is None:
         return reasons
@@ -277,6 +279,17 @@ def check_moe_quant(runner: str, moe_caps: MoECaps, quant: str, quant_caps: Quan
             if quant_caps.moe_runners else "")
     return [f"quant method {quant} not supported (supports {_join(moe_caps.quant_methods)})"
             f"{also}"]
+
+
+def check_moe_format(runner: str, moe_caps: MoECaps, quant_format: str | None,
+                     quant_caps: QuantCaps | None = None) -> list[str]:
+    """A runner that runs only some formats of a method (MoECaps.quant_formats) must list the
+    checkpoint's, unless the quant method names the runner itself."""
+    if quant_format in (None, "dense") or not moe_caps.quant_formats \
+            or quant_format in moe_caps.quant_formats \
+            or (quant_caps is not None and runner in quant_caps.moe_runners):
+        return []
+    return [f"{quant_format} experts not supported (runs {_join(moe_caps.quant_formats)})"]
 
 
 def check_layer_ops(caps: LayerOpsCaps, device: DeviceInfo, *, dtype: str | None,

@@ -395,7 +395,8 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
                       lambda caps, name: check_moe(caps, spec, device, dtype=dtype,
                                                    quant_method=quant, runner=name,
                                                    quant_caps=quant_reg.caps if quant_reg
-                                                   else None, ep_size=args.ep_size),
+                                                   else None, ep_size=args.ep_size,
+                                                   quant_format=scheme.format),
                       user, "--moe-runner-backend")
         slots.append(mslot)
         try:

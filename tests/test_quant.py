@@ -132,9 +132,9 @@ def test_moe_checkpoint_a_method_cannot_hold_is_refused_with_the_reason(model_sp
     with pytest.raises(ResolveError) as err:
         resolve(spec, PROFILES["h200"], ServerArgs(), registry)
     assert "w8a8_int8: cannot quantize MoE expert weights" in str(err.value)
-    # fp8 experts are served, by the runner that runs them (tests/test_quant_moe.py)
+    # block fp8 experts are served, by the runner that runs them (tests/test_quant_moe.py)
     fp8 = replace(spec, quantization=QWEN3_FP8, quant_method="fp8")
-    assert resolve(fp8, PROFILES["h200"], ServerArgs(), registry).moe_runner == "torch_native"
+    assert resolve(fp8, PROFILES["h200"], ServerArgs(), registry).moe_runner == "triton"
 
 
 def test_moe_quant_agreement_from_either_side():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +16,12 @@ from core.config import ServerArgs, make_server_args
 from core.devices import PROFILES
 from core.loader import load_model
 from core.model_spec import load_model_spec
+from core.plan import ResolveError
 from core.plugins import build_registry
 from core.resolver import resolve
 from core.testing.quant_refs import _ct_quantize, fake_quant_acts
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 QWEN3_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
              "weight_block_size": [128, 128]}
@@ -146,13 +150,23 @@ def test_block_fp8_experts_load_and_match_the_dequantized_model(fp8_checkpoint):
 
 
 def test_fp8_moe_picks_a_runner_that_runs_fp8_experts(fp8_checkpoint):
+    """Block-scaled fp8 experts (the Qwen3-FP8 layout) run on the triton runner, which
+    declares that format only; per-channel ones (online --quantization fp8) on torch_native,
+    with triton's reason in the plan."""
     path, _ = fp8_checkpoint
     registry = build_registry()
     plan = resolve(load_model_spec(str(path)), PROFILES["h200"], ServerArgs(), registry)
-    assert (plan.quant_method, plan.moe_runner) == ("fp8", "torch_native")
-    triton = next(c for c in plan.candidates if c.slot == "moe_runner" and c.name == "triton")
-    assert not triton.fits and any("quant method fp8 not supported" in r
-                                   for r in triton.reasons)
+    assert (plan.quant_method, plan.quant_format, plan.moe_runner) == \
+        ("fp8", "fp8_block", "triton")
+    spec = load_model_spec(str(FIXTURES / "configs" / "qwen3-30b-a3b.json"))
+    online = resolve(spec, PROFILES["h200"], ServerArgs(quantization="fp8"), registry)
+    assert (online.quant_format, online.moe_runner) == ("fp8_channel", "torch_native")
+    triton = next(c for c in online.candidates if c.slot == "moe_runner" and c.name == "triton")
+    assert not triton.fits and triton.reasons == (
+        "fp8_channel experts not supported (runs fp8_block)",)
+    with pytest.raises(ResolveError, match=r"fp8_channel experts not supported"):
+        resolve(spec, PROFILES["h200"], ServerArgs(quantization="fp8",
+                                                   moe_runner_backend="triton"), registry)
 
 
 def test_online_fp8_of_a_dense_moe_checkpoint(tmp_path):

@@ -305,30 +305,35 @@ def test_quant_checkpoint_conformance(quant_name, quant_case, quant_device, quan
 
 # ---- MoE experts ----
 
-def _moe_runner_for(name: str, device: torch.device):
-    """A registered MoE runner that runs this method's experts on `device` (caps agreement
-    from either side), or None."""
-    from core.checks import check_device, check_moe_quant
+def _moe_runners_for(name: str, fmt: str, device: torch.device) -> list[tuple[str, object]]:
+    """Every registered MoE runner that runs this method's experts in this format on `device`
+    (caps agreement from either side), by name."""
+    from core.checks import check_device, check_moe_format, check_moe_quant
 
     registry = get_registry()
     quant_caps = registry.get("quant", name).caps
     info = _device_info(registry, device)
-    for runner, reg in sorted(registry.kind("moe").items()):
-        if not check_device(reg.caps, info) and not check_moe_quant(runner, reg.caps, name,
-                                                                    quant_caps):
-            return reg.load()()
-    return None
+    return [(runner, reg.load()()) for runner, reg in sorted(registry.kind("moe").items())
+            if not check_device(reg.caps, info)
+            and not check_moe_quant(runner, reg.caps, name, quant_caps)
+            and not check_moe_format(runner, reg.caps, fmt, quant_caps)]
 
 
 def test_quant_moe_experts_conformance(quant_name, quant_case, quant_device, quant_dtype,
                                        request):
+    case, device = quant_case, torch.device(quant_device)
+    runners = _moe_runners_for(quant_name, case.format, device)
+    if not runners:
+        pytest.skip(f"no registered MoE runner runs {quant_name} experts on {quant_device}")
+    for name, runner in runners:
+        _check_moe_experts(quant_name, case, device, getattr(torch, quant_dtype), runner,
+                           request.config.getoption("conformance_seed", default=0), name)
+
+
+def _check_moe_experts(quant_name, case, device, dtype, runner, seed: int, runner_name: str):
+    """One runner's MoE layer over this method's experts against the fp32 reference."""
     from core.layers import MoE
 
-    case, device, dtype = quant_case, torch.device(quant_device), getattr(torch, quant_dtype)
-    runner = _moe_runner_for(quant_name, device)
-    if runner is None:
-        pytest.skip(f"no registered MoE runner runs {quant_name} experts on {quant_device}")
-    seed = request.config.getoption("conformance_seed", default=0)
     gen = torch.Generator().manual_seed(seed)
     experts, top_k, hidden, inter = 4, 2, 256, 256
     ctx = ModelContext(dtype=dtype, device=device, quant_method=_method(quant_name, case),
@@ -362,4 +367,4 @@ def test_quant_moe_experts_conformance(quant_name, quant_case, quant_device, qua
                 h = (torch.nn.functional.silu(g) * u).to(dtype)
                 ref[t] += wt * (fake_quant_acts(h, case.acts) @ w2[e].t())[0]
         assert y.shape == (m, hidden) and y.dtype == dtype
-        _check(y, ref, dtype, f"experts M={m}")
+        _check(y, ref, dtype, f"{runner_name} experts M={m}")

@@ -16,7 +16,9 @@ CAPS = MoECaps(
     capability={"cuda": CapabilityRange(min=80)},  # tl.dot on bf16 needs Ampere
     # fp32 runs with IEEE dots (no TF32), for reference-grade checks; serving uses fp16 / bf16.
     dtypes={"float16", "bfloat16", "float32"},
-    quant_methods={"unquantized"},  # fp8 / int4 expert weights come with their quant methods
+    # fp8: block-scaled experts only (Qwen3-FP8 / DeepSeek's 128x128 weight_scale_inv)
+    quant_methods={"unquantized", "fp8"},
+    quant_formats={"fp8_block"},
     activations={"silu"},  # SiLU-and-mul is fused into the gate/up kernel's epilogue
     scoring_funcs={"softmax", "sigmoid"},
     grouped_topk=True,
