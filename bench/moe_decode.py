@@ -22,7 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def active_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
     """Weight bytes one decode token reads: every layer's attention and router, top_k experts
-    (each gate, up and down of moe_intermediate_size), plus the embedding row and the LM head."""
+    (each gate, up and down of moe_intermediate_size), plus the embedding row and the LM head.
+    An fp8 checkpoint (quantization_config quant_method fp8) holds its projections and experts
+    in one byte a weight (block scales: 1/16384 of that, left out); router, embedding and LM
+    head stay 16-bit."""
     h = cfg["hidden_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
@@ -33,8 +36,12 @@ def active_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
     moe = h * experts + top_k * 3 * h * inter
     shared = cfg.get("shared_expert_intermediate_size") or 0
     moe += 3 * h * shared + (h if shared else 0)
-    per_layer = attn + moe
-    return dtype_bytes * (cfg["num_hidden_layers"] * per_layer + h + cfg["vocab_size"] * h)
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
+        router = h * experts
+        per_layer = (attn + moe - router) / dtype_bytes + router
+    else:
+        per_layer = attn + moe
+    return int(dtype_bytes * (cfg["num_hidden_layers"] * per_layer + h + cfg["vocab_size"] * h))
 
 
 def main() -> int:
