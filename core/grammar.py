@@ -49,6 +49,7 @@ decode step each, then samples the next free token (core.scheduler).
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -239,16 +240,40 @@ def schema_keywords(schema: Any) -> set[str]:
 
 
 class Grammar:
-    """The chosen backend in one process: checks against its caps, compiled-grammar cache."""
+    """The chosen backend in one process: checks against its caps, compiled-grammar cache.
 
-    def __init__(self, name: str, caps: GrammarCaps, backend: GrammarBackend,
-                 vocab_size: int, cache_size: int = COMPILED_CACHE_SIZE):
-        self.name, self.caps, self.backend = name, caps, backend
+    backend: the GrammarBackend, or None with `build` (a no-argument factory): then it is built
+    on first use, or on the compile thread by `prepare()` (its library's import, ~1 s for
+    xgrammar with transformers, stays off the engine's start)."""
+
+    def __init__(self, name: str, caps: GrammarCaps, backend: GrammarBackend | None,
+                 vocab_size: int, cache_size: int = COMPILED_CACHE_SIZE, build: Any = None):
+        if backend is None and build is None:
+            raise ValueError("Grammar needs a backend or a build function")
+        self.name, self.caps = name, caps
+        self._backend, self._build = backend, build
+        self._building: Any = None  # prepare()'s future
+        self._build_lock = threading.Lock()
         self.vocab_size = vocab_size
         self._cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
         self._cache_size = cache_size
         self.compiled = 0  # cache misses (tests and stats)
         self._pool: Any = None  # the compile thread (submit), made on first use
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """The backend, built now if nothing built it yet (waits for prepare()'s build)."""
+        if self._backend is None:
+            with self._build_lock:
+                if self._backend is None:
+                    self._backend = self._build()
+        return self._backend
+
+    def prepare(self) -> None:
+        """Build the backend on the compile thread, in the background (compiles submitted
+        after it queue behind it); a no-op when it is built."""
+        if self._backend is None and self._building is None:
+            self._building = self._thread().submit(lambda: self.backend)
 
     def check(self, c: Constraint) -> None:
         """Raise GrammarError when this backend cannot enforce `c` (never run it loosely)."""
@@ -296,11 +321,14 @@ class Grammar:
         """Compile `c` (which `check` passed) on the grammar's host thread; a
         concurrent.futures.Future of the compiled grammar (the caller stores it: the cache is
         the scheduler thread's)."""
+        return self._thread().submit(self.compile, c)
+
+    def _thread(self) -> Any:
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="core-grammar-compile")
-        return self._pool.submit(self.compile, c)
+        return self._pool
 
     def compiled_for(self, c: Constraint) -> Any:
         """The compiled grammar of `c`: cached, or compiled now and stored."""
@@ -343,13 +371,19 @@ def apply_bitmask(logits: Any, bitmask: Any, rows: list[int], to_device: Any = N
 
 
 def make_grammar(registry: Any, name: str | None, tokenizer: Any, vocab_size: int,
-                 stop_token_ids: list[int]) -> Grammar | None:
-    """Build the plan's grammar backend (its library is imported here); None when off."""
+                 stop_token_ids: list[int], lazy: bool = False) -> Grammar | None:
+    """The plan's grammar backend, None when off. lazy: built on first use or by prepare()
+    (its library imported then); else built, and its library imported, here."""
     if name is None:
         return None
     reg = registry.get("grammar", name)
     if reg is None:
         raise ValueError(f"grammar backend {name!r} is not registered in this process")
-    backend = reg.load()(tokenizer=tokenizer, vocab_size=vocab_size,
-                         stop_token_ids=list(stop_token_ids))
-    return Grammar(name, reg.caps, backend, vocab_size)
+
+    def build() -> GrammarBackend:
+        return reg.load()(tokenizer=tokenizer, vocab_size=vocab_size,
+                          stop_token_ids=list(stop_token_ids))
+
+    if lazy:
+        return Grammar(name, reg.caps, None, vocab_size, build=build)
+    return Grammar(name, reg.caps, build(), vocab_size)

@@ -221,8 +221,10 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any
             from core.plugins import get_registry
 
             registry = get_registry()
+        # built on first use, or in the background once serving (Grammar.prepare): its
+        # library's import (~1 s: xgrammar imports transformers) is not on the start's path
         grammar = make_grammar(registry, plan.grammar_backend, tok, int(cfg.vocab_size),
-                               sorted(eos))
+                               sorted(eos), lazy=True)
     scheduler = Scheduler(runner, allocator, req_to_token, cache,
                           Sampler(device, args.seed, to_device=platform.to_device),
                           sched_cfg, eos, int(cfg.vocab_size),
@@ -446,6 +448,8 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S,
         with lock:
             chan.send(msg)
 
+    if sched.grammar is not None:
+        sched.grammar.prepare()
     beat = _Heartbeat(send, heartbeat_s)
     beat.stats = _rpc(core, "stats")
     published = time.monotonic()
