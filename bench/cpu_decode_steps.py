@@ -1,0 +1,56 @@
+"""Milliseconds a batch-1 decode step of the default model takes on this CPU, in-process (a
+diagnostic for A/B comparisons of two checkouts on a noisy VM, not a benchmark).
+
+    python bench/cpu_decode_steps.py                      # this checkout
+    python bench/cpu_decode_steps.py --repo /tmp/base     # another checkout (git worktree)
+
+Builds the engine core in this process (no worker, no server), prefills a 128-token prompt
+and runs --steps greedy decode steps, EOS ignored; prints steps per second over the whole
+loop (the one prefill included). Run two checkouts interleaved, several times, and compare
+only those runs with each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repo", default=str(Path(__file__).resolve().parent.parent))
+    p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    a = p.parse_args(argv)
+    sys.path.insert(0, a.repo)
+    from core.config import make_server_args
+    from core.loader import load_model
+    from core.worker import build_engine_core, make_plan
+
+    args = make_server_args(device="cpu", max_total_tokens=4096, dtype=a.dtype,
+                            disable_overlap_schedule=True)
+    args, plan, spec, registry = make_plan(args)
+    core = build_engine_core(args, plan, spec, registry, load_model(args, plan, registry))
+    sched = core.scheduler
+    prompt = list(range(100, 228))
+
+    def run(n: int, rid: str) -> tuple[float, int]:
+        sched.add_request(rid, prompt, {"max_new_tokens": n, "temperature": 0,
+                                        "ignore_eos": True})
+        t, steps = time.perf_counter(), 0
+        while sched.has_work:
+            sched.step()
+            steps += 1
+        return time.perf_counter() - t, steps
+
+    run(8, "warm-up")
+    dt, steps = run(a.steps, "measured")
+    print(f"{a.repo}: {steps} steps in {dt:.2f} s: {steps / dt:.1f} steps/s, "
+          f"{1000 * dt / steps:.2f} ms a step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
