@@ -23,7 +23,6 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent))
 
-from bench_structured import prompts, write_bytelevel_tokenizer  # noqa: E402
+from bench_structured import engine_kwargs, prompts, write_report  # noqa: E402
 
 FORM = {"type": "object", "additionalProperties": False, "properties": {
     "customer_identifier": {"type": "integer", "minimum": 0, "maximum": 9999},
@@ -96,17 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     conc = a.concurrency or (64 if gpu else 8)
     from core import Engine
 
-    if gpu:
-        from core.testing.model_configs import LLAMA_31_8B
-
-        cfg = dict(LLAMA_31_8B)
-        model = Path(tempfile.mkdtemp(prefix="bench_jump_"))
-        cfg["eos_token_id"] = write_bytelevel_tokenizer(model, cfg["vocab_size"])
-        (model / "config.json").write_text(json.dumps(cfg))
-        kw: dict[str, Any] = {"model_path": str(model), "load_format": "dummy",
-                              "dtype": "bfloat16", "device": "cuda"}
-    else:
-        kw = {"device": "cpu", "max_total_tokens": 16384}
+    kw = engine_kwargs(gpu, 16384, "bench_jump_")
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
@@ -141,9 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{jf['valid']}/{jf['requests']} vs {pl['valid']}/{pl['requests']}, same "
                   f"text {jf['same_text']}", flush=True)
         report["backends"][name] = res
-    print(json.dumps(report, indent=1, default=str)[:3000])
-    if a.out:
-        Path(a.out).write_text(json.dumps(report, indent=1, default=str))
+    write_report(report, a.out, shown=3000)
     return 0
 
 

@@ -74,6 +74,29 @@ def write_bytelevel_tokenizer(path: Path, vocab_size: int) -> int:
     return vocab_size - 1
 
 
+def engine_kwargs(gpu: bool, cpu_tokens: int, prefix: str) -> dict[str, Any]:
+    """core.Engine keywords of a scenario: the GPU's Llama-3.1-8B shapes (dummy bf16 weights,
+    the byte-level tokenizer of the real vocabulary size, in a new directory), or the CPU's
+    embedded model with a KV pool of cpu_tokens."""
+    if not gpu:
+        return {"device": "cpu", "max_total_tokens": cpu_tokens}
+    from core.testing.model_configs import LLAMA_31_8B
+
+    cfg = dict(LLAMA_31_8B)
+    model = Path(tempfile.mkdtemp(prefix=prefix))
+    cfg["eos_token_id"] = write_bytelevel_tokenizer(model, cfg["vocab_size"])
+    (model / "config.json").write_text(json.dumps(cfg))
+    return {"model_path": str(model), "load_format": "dummy", "dtype": "bfloat16",
+            "device": "cuda"}
+
+
+def write_report(report: dict[str, Any], out: str | None, shown: int = 4000) -> None:
+    """Print the report's JSON (its first `shown` characters) and write it whole to out."""
+    print(json.dumps(report, indent=1, default=str)[:shown])
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1, default=str))
+
+
 def prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
     lo = min(1000, vocab // 4)
     return [[rng.randrange(lo, vocab - 1) for _ in range(length)] for _ in range(n)]
@@ -123,18 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     registry = get_registry()
     backends = a.backends.split(",") if a.backends else sorted(registry.kind("grammar"))
-    kw: dict[str, Any] = {}
-    if gpu:
-        from core.testing.model_configs import LLAMA_31_8B
-
-        cfg = dict(LLAMA_31_8B)
-        model = Path(tempfile.mkdtemp(prefix="bench_structured_"))
-        cfg["eos_token_id"] = write_bytelevel_tokenizer(model, cfg["vocab_size"])
-        (model / "config.json").write_text(json.dumps(cfg))
-        kw = {"model_path": str(model), "load_format": "dummy", "dtype": "bfloat16",
-              "device": "cuda"}
-    else:
-        kw = {"device": "cpu", "max_total_tokens": 8192}
+    kw = engine_kwargs(gpu, 8192, "bench_structured_")
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
@@ -164,9 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"tok/s = {res[label]['ratio']:.3f}; masks {cons['mask_fill_s']:.3f} s, "
                       f"hidden {hidden if hidden is None else round(hidden, 3)}", flush=True)
             report["backends"][name] = res
-    print(json.dumps(report, indent=1, default=str)[:4000])
-    if a.out:
-        Path(a.out).write_text(json.dumps(report, indent=1, default=str))
+    write_report(report, a.out)
     return 0
 
 
