@@ -157,6 +157,7 @@ def test_gemv_rows_and_splits(m, split_tiles):
     over several programs (the last summing in order), bias on odd sizes; the lock counts are
     left at zero for the next call."""
     from plugins.ops.triton import gemv
+    from plugins.splitk import LockTable
 
     g = torch.Generator().manual_seed(m)
     n, k = 37, 640
@@ -168,4 +169,4 @@ def test_gemv_rows_and_splits(m, split_tiles):
         assert cfg["SPLIT_K"] > 1
     _close(gemv.gemv(x, w, b, cfg), torch.nn.functional.linear(x, w, b), torch.float32)
     if cfg["SPLIT_K"] > 1:
-        assert not gemv.Locks.get(DEVICE, 1).any()
+        assert not LockTable.get(DEVICE, 1).any()

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from plugins.quant.tiles import grouped_tile
+from plugins.splitk import LockTable
 
 FP8_MAX = 448.0
 
@@ -192,21 +193,6 @@ def _small_m_config(n: int, k: int, block_k: int, device: torch.device) -> dict:
             and split < 16:
         split *= 2
     return dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=3)
-
-
-class LockTable:
-    """Per-device int32 counters for split-K tiles, zero between calls (each call's last
-    program resets its own). One table serves every layer: calls on a stream run in order."""
-
-    _tables: dict[torch.device, torch.Tensor] = {}
-
-    @classmethod
-    def get(cls, device: torch.device, tiles: int) -> torch.Tensor:
-        t = cls._tables.get(device)
-        if t is None or t.numel() < tiles:
-            t = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-            cls._tables[device] = t
-        return t
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

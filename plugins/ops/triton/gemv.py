@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from plugins.splitk import LockTable
+
 # Rows the kernel takes: batch-1 decode only for now. The kernel handles up to 4 (a row block
 # of 2 or 4, K steps shortened to match), but only one row was measured against cuBLAS.
 SMALL_M = 1
@@ -128,22 +130,6 @@ def config(n: int, k: int, device: torch.device, tiles: tuple | None = None) -> 
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps}
 
 
-class Locks:
-    """Per-device int32 counts of split-K tiles, zero between calls (each call's last program
-    of a tile resets its own); one table for every layer (a stream runs its calls in order).
-    Made on the first (eager, warm-up) call, before graphs are captured."""
-
-    _tables: dict[torch.device, torch.Tensor] = {}
-
-    @classmethod
-    def get(cls, device: torch.device, tiles: int) -> torch.Tensor:
-        t = cls._tables.get(device)
-        if t is None or t.numel() < tiles:
-            t = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-            cls._tables[device] = t
-        return t
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
          cfg: dict | None = None) -> torch.Tensor:
     """x [M <= SMALL_M, K] (last dim contiguous) @ weight [N, K].T (+ bias) -> [M, N]."""
@@ -161,7 +147,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     tiles = kern.triton.cdiv(n, cfg["BLOCK_N"])
     part = (torch.empty((split, block_m, n), dtype=torch.float32, device=x.device)
             if split > 1 else y)
-    locks = Locks.get(x.device, tiles) if split > 1 else y
+    locks = LockTable.get(x.device, tiles) if split > 1 else y
     kern.gemv[(tiles, split)](
         x, weight, bias if bias is not None else y, y, part, locks, m, n, k, x.stride(0),
         weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
