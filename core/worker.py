@@ -448,8 +448,9 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S,
         with lock:
             chan.send(msg)
 
-    if sched.grammar is not None:
-        sched.grammar.prepare()
+    grammar = getattr(sched, "grammar", None)  # (a test's stand-in scheduler has none)
+    if grammar is not None:
+        grammar.prepare()
     beat = _Heartbeat(send, heartbeat_s)
     beat.stats = _rpc(core, "stats")
     published = time.monotonic()
