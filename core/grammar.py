@@ -262,11 +262,18 @@ class Grammar:
 
     @property
     def backend(self) -> GrammarBackend:
-        """The backend, built now if nothing built it yet (waits for prepare()'s build)."""
+        """The backend, built now if nothing built it yet (waits for prepare()'s build). A
+        build that fails (its library broken) is a GrammarBackendError: the constrained
+        request gets a 500 and the engine goes on serving the others."""
         if self._backend is None:
             with self._build_lock:
                 if self._backend is None:
-                    self._backend = self._build()
+                    try:
+                        self._backend = self._build()
+                    except Exception as exc:  # noqa: BLE001 - the library's, not the request's
+                        raise GrammarBackendError(
+                            f"grammar backend {self.name} could not be built: "
+                            f"{type(exc).__name__}: {exc}") from exc
         return self._backend
 
     def prepare(self) -> None:

@@ -555,3 +555,23 @@ def test_xgrammar_structural_tag_enforces_the_schema_after_its_trigger(smollm_to
     m2 = g.matcher(Constraint("structural_tag", tag))
     ids = tok.encode('x <f>{"b": 1}', add_special_tokens=False)
     assert not all(m2.accept(t) for t in ids)  # "b" is no property of the schema
+
+
+def test_a_lazy_backend_that_cannot_be_built_is_a_500_not_the_engine_s_death():
+    """The worker builds its backend lazily (off the start's path): a library that fails then
+    fails the constrained request with status 500, each time, and nothing else."""
+    from core.grammar import GrammarBackendError
+
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise ImportError("libxgrammar.so: cannot open shared object file")
+
+    g = Grammar("broken", GrammarCaps(constraints=frozenset({"regex"})), None, 64, build=broken)
+    g.prepare()  # in the background: its failure is not raised there
+    for _ in range(2):
+        with pytest.raises(GrammarBackendError) as info:
+            g.check(Constraint("regex", "a+"))
+        assert info.value.status == 500 and "could not be built: ImportError" in str(info.value)
+    assert len(calls) >= 2  # tried again at each request, not remembered as built
