@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine_info import cpu_model
+
 from core.server.testing import http_request, soak_traffic
 
 
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python bench/soak.py " + " ".join(argv if argv is not None
                                                           else sys.argv[1:]),
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-            "machine": _cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "machine": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(),
             "duration_s": ns.duration, "concurrency": ns.concurrency,
             "requests": counts["requests"], "ok": counts["ok"],
             "client_error_expected": counts["client_error"], "overloaded_503": counts["overloaded"],
@@ -194,16 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(ns.out).write_text(text + "\n")
     bad = report["server_error"] + report["transport_error"] + report["unexpected"]
     return 1 if bad or (kv_used or 0) > 0 else 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from machine_info import cpu_model
+
 REPO = Path(__file__).resolve().parent.parent
 HEAVY = ("transformers", "torch", "numpy", "gguf", "jinja2", "tokenizers", "aiohttp",
          "jsonschema", "numba", "triton", "xgrammar", "llguidance", "outlines", "safetensors",
@@ -288,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(fn()), flush=True)
         return 0
 
-    report: dict[str, Any] = {"machine": {"cpu": _cpu_name(), "loadavg_1m":
+    report: dict[str, Any] = {"machine": {"cpu": cpu_model(), "loadavg_1m":
                                           round(os.getloadavg()[0], 2)}}
     views = a.views.split(",")
     if "worker" in views:
@@ -338,16 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=1))
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,17 @@
+"""What the bench scripts record about the machine they ran on (no torch import)."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what the platform module says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
