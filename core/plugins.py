@@ -238,9 +238,15 @@ def build_registry(extra: Iterable[tuple[str, Any]] = (), entry_points: bool = T
     pm.add_hookspecs(hookspecs)
     allow, deny = _env_list("CORE_PLUGINS_ALLOW"), _env_list("CORE_PLUGINS_DENY")
     if entry_points:
+        dists: dict[Any, tuple[str, str]] = {}  # a distribution's metadata is parsed once
         for ep in _entry_points():
-            dist = ep.dist.name if ep.dist is not None else "<unknown>"
-            version = ep.dist.version if ep.dist is not None else ""
+            dist, version = "<unknown>", ""
+            if ep.dist is not None:
+                key = getattr(ep.dist, "_path", None) or id(ep.dist)
+                if key not in dists:
+                    meta = ep.dist.metadata
+                    dists[key] = (meta["Name"], meta["Version"])
+                dist, version = dists[key]
             origin = Origin(ep.name, dist, version)
             names = {ep.name, dist}
             if allow is not None and not names & allow:
