@@ -11,7 +11,9 @@ text, as with a real tokenizer, so every generated token is streamed). Modes (--
   (GPU), against the weights-only roofline = copy bandwidth measured in this run / bytes of weights
   (every decode step reads every weight once);
 - offline: --num-prompts requests submitted at once through core.Engine; request throughput,
-  input / output tokens/s, TTFT / TPOT / end-to-end latency (mean, median, p99);
+  input / output tokens/s, TTFT / TPOT / end-to-end latency (mean, median, p99); on the GPU
+  also its floor (bench/floors.py: prefill FLOPs at this run's bf16 matmul rate + decode bytes
+  at its copy bandwidth) and floor / wall;
 - online: `core serve` in a subprocess on the same model; --online-num-prompts requests at
   --request-rate (Poisson arrivals; inf = all at once) under --max-concurrency, streamed (SSE)
   through /v1/completions with token-id prompts; SGLang bench_serving's metrics (completed /
@@ -25,7 +27,9 @@ text, as with a real tokenizer, so every generated token is streamed). Modes (--
   random weights (values differ, shapes and dtype are the same): `generate` at batch 1, and
   `generate_batch` (continuous batching) on --hf-num-prompts prompts, falling back to padded
   `generate` when generate_batch is missing or fails (the report says which ran).
-The GPU scenario prints "skipped" and exits 0 on a machine without CUDA. Results are one JSON,
+--config PATH serves another architecture's config (a MoE's batch-1 roofline counts its
+active weights, bench/moe_decode.py's count). The GPU scenario prints "skipped" and exits 0 on a
+machine without CUDA. Results are one JSON,
 printed and written to --out (after every stage), then a summary table.
 """
 
@@ -285,12 +289,25 @@ def bench_engine(model_dir: str, a: argparse.Namespace, *, graphs: bool = True,
     return res
 
 
+def floor_report(a: argparse.Namespace, report: dict[str, Any], off: dict[str, Any],
+                 elem: int) -> dict[str, Any]:
+    """The offline run against its floor (bench/floors.py) from this run's ceilings."""
+    from floors import offline_floor
+
+    running = report["engine_graphs"].get("max_running_requests") or a.num_prompts
+    f = offline_floor(a.cfg, a.num_prompts, a.input_len, a.output_len, running,
+                      report["matmul_TFLOPs"] * 1e12, report["copy_bw_GBps"] * 1e9, elem)
+    return {**f, "max_running_requests": running, "wall_s": off["wall_s"],
+            "fraction": f["floor_s"] / off["wall_s"]}
+
+
 def bench_hf(a: argparse.Namespace, batch1: bool, offline: bool) -> dict[str, Any]:
     import transformers
 
     dtype = getattr(torch, a.dtype)
-    cfg = transformers.LlamaConfig(**{k: v for k, v in a.cfg.items()
-                                      if k not in ("architectures", "torch_dtype")})
+    kw = {k: v for k, v in a.cfg.items() if k not in ("architectures", "torch_dtype")}
+    cfg = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw) \
+        if "model_type" in kw else transformers.LlamaConfig(**kw)
     t = time.perf_counter()
     with torch.device(a.device):
         try:
@@ -390,6 +407,10 @@ def run_online(model_dir: str, a: argparse.Namespace, log: Path) -> dict[str, An
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scenario", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--config", default=None,
+                   help="an HF config.json to serve instead of Llama-3.1-8B (gpu) / the tiny "
+                   "Llama (cpu), e.g. tests/fixtures/configs/qwen3-30b-a3b.json; MoE configs "
+                   "take the active-weights roofline, and offline reports its floor")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated subset of {', '.join(MODES)}")
     p.add_argument("--dtype", default=None)
@@ -447,7 +468,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not gpu:
         a.skip_eager = True  # no graphs on a CPU: the eager run would be the same run
     a.device = "cuda" if gpu else "cpu"
-    a.cfg = dict(LLAMA_31_8B if gpu else TINY)
+    a.cfg = json.loads(Path(a.config).read_text()) if a.config else \
+        dict(LLAMA_31_8B if gpu else TINY)
     if a.quant_config:  # the checkpoint itself quantized (dummy weights in its format)
         a.cfg["quantization_config"] = QUANT_CONFIGS[a.quant_config]
     return a
@@ -489,13 +511,25 @@ def main(argv: list[str] | None = None) -> int:
             if gpu:
                 torch.cuda.empty_cache()  # an engine sizes its KV cache from free memory
 
+    elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
+    moe = bool(a.cfg.get("num_experts") or a.cfg.get("num_local_experts"))
+    if modes & {"batch1", "offline"}:
+        report["copy_bw_GBps"] = copy_bandwidth(a.device) / 1e9
     if "batch1" in modes:
-        elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
         method = a.quantization or QUANT_CONFIG_METHOD.get(a.quant_config or "")
-        wbytes = weight_bytes(a.cfg, elem, LINEAR_BYTES.get(method))
-        bw = copy_bandwidth(a.device)
-        report.update({"weight_bytes": wbytes, "copy_bw_GBps": bw / 1e9,
-                       "roofline_decode_tok_s": bw / wbytes})
+        if moe:  # the weights one token reads: its top-k experts, not all
+            from moe_decode import active_bytes_per_token
+
+            wbytes = active_bytes_per_token(a.cfg, elem)
+        else:
+            wbytes = weight_bytes(a.cfg, elem, LINEAR_BYTES.get(method))
+        report.update({"weight_bytes": wbytes,
+                       "roofline_decode_tok_s": report["copy_bw_GBps"] * 1e9 / wbytes})
+    if "offline" in modes and gpu:
+        from ceilings import matmul_rate
+
+        report["matmul_TFLOPs"] = matmul_rate(torch.device("cuda"),
+                                              getattr(torch, a.dtype)) / 1e12
     save()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
@@ -505,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
             report["engine_graphs"] = stage(
                 "engine", bench_engine, model_dir, a, batch1="batch1" in modes,
                 offline="offline" in modes, shared_prefix="shared-prefix" in modes)
+            off = report["engine_graphs"].get("offline")
+            if off and "matmul_TFLOPs" in report:
+                report["offline_floor"] = floor_report(a, report, off, elem)
             save()
         if "shared-prefix" in modes:
             off = stage("engine_no_radix", bench_engine, model_dir, a, radix=False,

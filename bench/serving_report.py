@@ -38,6 +38,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
             s["batch1_vs_hf"] = ratio(b1, hf["batch1"]["decode_tok_s"])
     if "offline" in eg:
         s["offline_output_tok_s"] = eg["offline"]["output_tok_s"]
+        if "offline_floor" in report:  # floor seconds / measured seconds (bench/floors.py)
+            s["offline_vs_floor"] = round(report["offline_floor"]["fraction"], 3)
         if "offline" in hf:
             s["hf_offline_output_tok_s"] = hf["offline"]["output_tok_s"]
             s["offline_vs_hf"] = ratio(eg["offline"]["output_tok_s"],
