@@ -14,6 +14,9 @@ completed grammar. The backend implements GrammarBackend:
                            before admission, so the caller gets a 400.
     compile(constraint)    -> compiled grammar for this vocabulary, immutable, shared by every
                            request with the same constraint (the core caches it); GrammarError.
+                           Runs on a host thread of its own (so does fill_bitmask): no parallel
+                           torch ops there (a second OpenMP team halves every later forward's
+                           speed on a CPU).
     matcher(compiled)      -> a fresh GrammarMatcher for one sequence (n > 1: one each).
 
 A GrammarMatcher holds one sequence's position in its grammar:

@@ -176,21 +176,21 @@ class XGrammarBackend:
 
     def _keep_row(self, ok: Any) -> Any:
         """A bitmask row [ceil(V / 32)] int32 allowing every token whose bytes pass ok(bytes)
-        (special and padding ids too: the grammar decides those)."""
+        (special and padding ids too: the grammar decides those). Built in plain Python: it
+        runs on the compile thread, where a parallel torch op would start a second OpenMP
+        team that halves the speed of every later forward on a CPU (measured: 16 -> 33 ms a
+        SmolLM2 step on 2 cores)."""
         import torch
 
-        keep = torch.ones(self.vocab_size, dtype=torch.bool)
+        words = [-1] * (-(-self.vocab_size // 32))  # every bit set
         n = min(self.vocab_size, len(self.tokenizer.hf))
         for i in range(n):
             b = self.tokenizer.token_bytes(i)
             if b and not ok(b):
-                keep[i] = False
-        words = -(-self.vocab_size // 32)
-        bits = torch.zeros(words * 32, dtype=torch.int64)
-        bits[:self.vocab_size] = keep.to(torch.int64)
-        weights = 2 ** torch.arange(32, dtype=torch.int64)
-        row = (bits.view(words, 32) * weights).sum(1)
-        return torch.where(row >= 2**31, row - 2**32, row).to(torch.int32)
+                words[i // 32] &= ~(1 << (i % 32))
+        # as int32: two's complement of each word's 32 bits
+        return torch.tensor([w - (1 << 32) if w & (1 << 31) else w
+                             for w in (w & 0xFFFFFFFF for w in words)], dtype=torch.int32)
 
     def _tokenizer_info(self) -> Any:
         """xgrammar's view of the vocabulary, with the special tokens that are no stop token
