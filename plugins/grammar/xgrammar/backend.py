@@ -82,11 +82,13 @@ def _loose(schema: Any, where: str = "the schema") -> str | None:
 
 
 class XGrammarMatcher:
-    """One sequence's xgrammar GrammarMatcher under core.grammar.GrammarMatcher. keep: the
-    bitmask row of tokens a JSON constraint may ever allow (None: any), ANDed into each row."""
+    """One sequence's xgrammar GrammarMatcher under core.grammar.GrammarMatcher. keep: (the
+    bitmask row of tokens a JSON constraint may ever allow, ANDed into each row; the ids it
+    leaves out, refused by accept), or None: any token."""
 
-    def __init__(self, matcher: Any, keep: Any = None):
-        self.m, self.keep = matcher, keep
+    def __init__(self, matcher: Any, keep: tuple[Any, frozenset[int]] | None = None):
+        self.m = matcher
+        self.keep, self.banned = keep if keep is not None else (None, frozenset())
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
@@ -95,8 +97,7 @@ class XGrammarMatcher:
 
     def accept(self, token: int) -> bool:
         token = int(token)
-        if self.keep is not None and 0 <= token < 32 * len(self.keep) and \
-                not (int(self.keep[token // 32]) >> (token % 32)) & 1:
+        if token in self.banned:
             return False
         return bool(self.m.accept_token(token))
 
@@ -123,7 +124,7 @@ class XGrammarBackend:
     def __init__(self, *, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
         self.tokenizer, self.vocab_size, self.stop = tokenizer, vocab_size, list(stop_token_ids)
         self._compiler: Any = None  # built on the first compile: validate needs no vocabulary
-        self._no_control: Any = None  # the JSON keep row, built with the compiler
+        self._no_control: Any = None  # the JSON keep (row, banned ids), built with the compiler
 
     def _grammar(self, c: Constraint, compiler: Any = None) -> Any:
         """xgrammar's Grammar (no compiler) or CompiledGrammar for `c`; JSON without free
@@ -174,23 +175,24 @@ class XGrammarBackend:
         json = constraint.kind in ("json_schema", "json_object")
         return compiled, self._no_control if json else None
 
-    def _keep_row(self, ok: Any) -> Any:
-        """A bitmask row [ceil(V / 32)] int32 allowing every token whose bytes pass ok(bytes)
-        (special and padding ids too: the grammar decides those). Built in plain Python: it
-        runs on the compile thread, where a parallel torch op would start a second OpenMP
-        team that halves the speed of every later forward on a CPU (measured: 16 -> 33 ms a
-        SmolLM2 step on 2 cores)."""
+    def _keep_row(self, ok: Any) -> tuple[Any, frozenset[int]]:
+        """(A bitmask row [ceil(V / 32)] int32 allowing every token whose bytes pass ok(bytes),
+        special and padding ids too: the grammar decides those; the ids it leaves out). Built
+        in plain Python: it runs on the compile thread, where a parallel torch op would start a
+        second OpenMP team that halves the speed of every later forward on a CPU (measured:
+        16 -> 33 ms a SmolLM2 step on 2 cores)."""
         import torch
 
-        words = [-1] * (-(-self.vocab_size // 32))  # every bit set
         n = min(self.vocab_size, len(self.tokenizer.hf))
-        for i in range(n):
-            b = self.tokenizer.token_bytes(i)
-            if b and not ok(b):
-                words[i // 32] &= ~(1 << (i % 32))
+        banned = frozenset(i for i in range(n)
+                           if (b := self.tokenizer.token_bytes(i)) and not ok(b))
+        words = [0xFFFFFFFF] * (-(-self.vocab_size // 32))  # every bit set
+        for i in banned:
+            words[i // 32] &= ~(1 << (i % 32))
         # as int32: two's complement of each word's 32 bits
-        return torch.tensor([w - (1 << 32) if w & (1 << 31) else w
-                             for w in (w & 0xFFFFFFFF for w in words)], dtype=torch.int32)
+        row = torch.tensor([w - (1 << 32) if w & (1 << 31) else w for w in words],
+                           dtype=torch.int32)
+        return row, banned
 
     def _tokenizer_info(self) -> Any:
         """xgrammar's view of the vocabulary, with the special tokens that are no stop token
