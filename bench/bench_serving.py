@@ -212,7 +212,8 @@ def run_stream(engine: Any, batch: list[list[int]], out_len: int, per_request: b
 
 
 def engine_kwargs(a: argparse.Namespace, **extra: Any) -> dict[str, Any]:
-    kw: dict[str, Any] = {"load_format": "dummy", "device": a.device, "dtype": a.dtype, **extra}
+    kw: dict[str, Any] = {"load_format": "dummy", "device": a.device, "dtype": a.dtype,
+                          **(json.loads(a.engine_extra) if a.engine_extra else {}), **extra}
     if a.quantization:
         kw["quantization"] = a.quantization
     if a.max_total_tokens:
@@ -430,6 +431,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-batch1-output-len", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--engine-extra", default=None,
+                   help='more core.Engine flags for our engine runs, as JSON '
+                        '(e.g. \'{"cuda_graph_max_bs": 256}\')')
     p.add_argument("--hf-offline", choices=("generate_batch", "generate"), default=None,
                    help="the peer's offline method (default: generate_batch on GPU)")
     p.add_argument("--skip-eager", action="store_true", help="no --disable-cuda-graph run")

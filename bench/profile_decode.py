@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--out", default=None)
     p.add_argument("--rows", type=int, default=40, help="rows of the kernel table")
+    p.add_argument("--graph-max-bs", type=int, default=32,
+                   help="largest captured decode batch (0: no graphs, every step eager)")
+    p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--config", default=None, help="an HF config.json to profile instead of "
                    "Llama-3.1-8B (MoE models: the roofline then uses the active weights, "
                    "bench/moe_decode.py's count)")
@@ -50,8 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         wbytes = weight_bytes(cfg, 2)
     model_dir = make_model_dir(cfg)
+    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    bs_max = max(sizes)
+    pool = max(65536, 2 * bs_max * (a.prompt_len + 3 * a.steps))
     args = make_server_args(model_path=model_dir, load_format="dummy", dtype="bfloat16",
-                            device="cuda", max_total_tokens=65536, cuda_graph_max_bs=32)
+                            device="cuda", max_total_tokens=pool,
+                            cuda_graph_max_bs=a.graph_max_bs or None,
+                            disable_cuda_graph=a.graph_max_bs == 0,
+                            max_running_requests=max(bs_max, 1))
     args, plan, spec, registry = make_plan(args)
     core = build_engine_core(args, plan, spec, registry)
     sched = core.scheduler
@@ -62,16 +71,20 @@ def main(argv: list[str] | None = None) -> int:
                     "roofline_ms_per_step_b1": wbytes / bw * 1e3,
                     "graph_sizes": sorted(gr.graphs) if gr else [], "batches": {}}
     n = 0
-    for bs in [int(x) for x in a.batch_sizes.split(",")]:
+    for bs in sizes:
         for _ in range(bs):
-            sched.add_request(f"r{n}", list(range(1000, 1128)),
+            sched.add_request(f"r{n}", list(range(1000, 1000 + a.prompt_len)),
                               {"temperature": 0, "max_new_tokens": a.steps * 3,
                                "ignore_eos": True})
             n += 1
+        torch.cuda.synchronize()
+        t = time.perf_counter()
         while len(sched.running) < bs:  # prefill everything
             sched.step()
         torch.cuda.synchronize()
-        entry: dict = {}
+        prefill_s = time.perf_counter() - t
+        entry: dict = {"prefill_s": prefill_s, "prefill_tok_s": bs * a.prompt_len / prefill_s,
+                       "graph": bool(gr is not None and gr.can_run(bs))}
         for overlap in (False, True):  # the scheduler's overlap off, then on (the GPU default)
             sched.cfg.overlap = overlap
             step_ms = []
