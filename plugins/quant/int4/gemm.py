@@ -8,8 +8,21 @@ tl.dot in x's dtype (q - z is in -16..15, exact in fp16 / bf16), accumulating in
 divides the group, so one tile sees one scale per column, applied to the step's product.
 Split-K partials go to an fp32 [SPLIT_K, M, N] buffer that torch sums (deterministic).
 
-Decode-sized M (<= 16) takes 16-row tiles and splits K until the grid covers the device's
+Decode-sized M (2..16) takes 16-row tiles and splits K until the grid covers the device's
 multiprocessors a few times over: at batch 1 the weight stream is the whole cost.
+
+One row (batch-1 decode) takes `int4_gemv`: no tensor cores (a 16-row tile would waste 15/16 of
+them and round-trip the dequantized tile through shared memory), a tl.sum-free inner loop of
+FMAs: each thread owns whole K columns of its words (R word rows x 4 adjacent outputs, 16-byte
+loads), turns nibble i into the float 2^23 + q by or-ing it into a float's mantissa (one integer
+op and a subtraction, no conversion instruction), multiplies it by x[8r + i], and the zero point
+is taken out once per group (sum_k x_k (q_k - z) = sum_k x_k q_k - z sum_k x_k). K is split so
+that a few programs per multiprocessor stream weights; the last program of a tile sums the
+partials in slice order (plugins.splitk.LockTable): one launch, deterministic.
+
+From DEQUANT_ROWS rows (prefill) `int4_dequant` writes W^T in x's dtype in one launch and the
+vendor GEMM multiplies: the dequantization is a pass over the weight (0.5 B read, 2 B written per
+weight), a few percent of a prefill-sized bf16 GEMM.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import triton
 import triton.language as tl
 
 from plugins.quant.tiles import grouped_tile
+from plugins.splitk import LockTable
 
 
 @triton.jit
@@ -122,3 +136,138 @@ def int4_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, zeros:
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
+
+
+@triton.jit
+def _int4_gemv(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, N, K,
+               stride_wk, stride_sg, stride_zg, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+               SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (n, s): outputs n*BLOCK_N.. over the s-th of SPLIT_K slices of K (BLOCK_K steps,
+    # each inside one group).
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    R: tl.constexpr = BLOCK_K // 8  # word rows per step
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, R)
+    n_ok = rn < N
+    steps = K // BLOCK_K
+    per_split = tl.cdiv(steps, SPLIT_K)
+    k_lo = split * per_split * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + per_split * BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(k_lo, k_hi, BLOCK_K):
+        words = tl.load(w_ptr + (start // 8 + rr)[:, None] * stride_wk + rn[None, :],
+                        mask=n_ok[None, :], other=0)
+        t = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((R,), dtype=tl.float32)
+        for i in tl.static_range(8):
+            xi = tl.load(x_ptr + start + rr * 8 + i).to(tl.float32)  # inputs 8r + i
+            q = ((words >> (4 * i)) & 0xF) | 0x4B000000  # the float 2^23 + nibble
+            t += (q.to(tl.float32, bitcast=True) - 8388608.0) * xi[:, None]
+            xsum += xi
+        g = start // GROUP
+        sc = tl.load(s_ptr + g * stride_sg + rn, mask=n_ok, other=0.0).to(tl.float32)
+        zp = tl.load(z_ptr + g * stride_zg + rn, mask=n_ok, other=0).to(tl.float32)
+        acc += sc * (tl.sum(t, axis=0) - zp * tl.sum(xsum, axis=0))
+    if SPLIT_K > 1:
+        tl.store(part_ptr + split * N + rn, acc, mask=n_ok)
+        tl.debug_barrier()  # every thread's partial is written before the count moves
+        done = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                acc += tl.load(part_ptr + s * N + rn, mask=n_ok, other=0.0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next call (graph replays too)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+# Batch-1 tiles (bench/sweep_quant.py --only int4 on an H200, bench/RESULTS.md): outputs per
+# program, K per step, warps, and programs per multiprocessor the K split aims at.
+GEMV_TILES = dict(BLOCK_N=256, BLOCK_K=128, num_warps=2, per_sm=4)
+
+
+def _split_for(tiles: int, steps: int, target: int) -> int:
+    """Powers of two up to 32 while the grid stays under `target` programs and every slice
+    keeps a K step."""
+    split = 1
+    while tiles * split * 2 <= target and split * 2 <= steps and split < 32:
+        split *= 2
+    return split
+
+
+def int4_gemv(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              group: int, bias: torch.Tensor | None, sms: int = 1,
+              config: dict | None = None) -> torch.Tensor:
+    """x [1, K] (fp16 / bf16 / fp32, contiguous) -> [1, N] in x's dtype."""
+    m, k = x.shape
+    n = w_q.shape[1]
+    if m != 1:
+        raise ValueError(f"int4_gemv takes one row, got {m}")
+    if w_q.shape[0] * 8 != k:
+        raise ValueError(f"x has K={k}, the weight {w_q.shape[0] * 8}")
+    cfg = dict(GEMV_TILES, **(config or {}))
+    block_k = min(cfg.pop("BLOCK_K"), group)
+    if group % block_k or k % block_k:
+        block_k = block_k_for(group, k)
+    per_sm = cfg.pop("per_sm")
+    tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    split = cfg.pop("SPLIT_K", None) or _split_for(tiles, k // block_k, per_sm * sms)
+    x = x.contiguous()
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    locks = LockTable.get(x.device, tiles) if split > 1 else y
+    _int4_gemv[(tiles, split)](
+        x, w_q, scales, zeros, bias if bias is not None else y, y, part, locks, n, k,
+        w_q.stride(0), scales.stride(0), zeros.stride(0), GROUP=group,
+        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_K=block_k, **cfg)
+    return y
+
+
+@triton.jit
+def _int4_dequant(w_ptr, s_ptr, z_ptr, out_ptr, K, N, stride_wk, stride_sg, stride_zg,
+                  stride_ok, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    # Program (r, n): word rows r*BLOCK_R.. (inputs 8x that) of outputs n*BLOCK_N..
+    rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rr < K // 8)[:, None] & (rn < N)[None, :]
+    words = tl.load(w_ptr + rr[:, None] * stride_wk + rn[None, :], mask=ok, other=0)
+    g = (rr * 8) // GROUP  # a word's 8 inputs sit in one group (the group is a multiple of 8)
+    sc = tl.load(s_ptr + g[:, None] * stride_sg + rn[None, :], mask=ok, other=0.0)
+    zp = tl.load(z_ptr + g[:, None] * stride_zg + rn[None, :], mask=ok, other=0)
+    sc = sc.to(tl.float32)
+    zp = zp.to(tl.float32)
+    for i in tl.static_range(8):
+        q = ((words >> (4 * i)) & 0xF).to(tl.float32)
+        tl.store(out_ptr + (rr * 8 + i)[:, None] * stride_ok + rn[None, :],
+                 ((q - zp) * sc).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def int4_dequant(w_q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The kernels' layout -> W^T [K, N] in `dtype`, in one launch; the same numbers as
+    packing.dequantize ((q - z) * s in fp32, then rounded)."""
+    k8, n = w_q.shape
+    out = torch.empty((k8 * 8, n), dtype=dtype, device=w_q.device)
+    block_r, block_n = 16, 128
+    _int4_dequant[(triton.cdiv(k8, block_r), triton.cdiv(n, block_n))](
+        w_q, scales, zeros, out, k8 * 8, n, w_q.stride(0), scales.stride(0), zeros.stride(0),
+        out.stride(0), GROUP=group, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def int4_dequant_linear(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor, group: int, bias: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """x [M, K] -> [M, N]: W^T dequantized to x's dtype by one Triton launch, then cuBLAS."""
+    w_t = int4_dequant(w_q, scales, zeros, group, x.dtype)  # [K, N]
+    if bias is not None:
+        return torch.addmm(bias.to(x.dtype), x, w_t)
+    return torch.mm(x, w_t)

@@ -3,9 +3,9 @@
 Creates the checkpoint's own tensors (names, dtypes and layouts as the format stores them),
 moves them after loading into the one layout the kernels read (plugins.quant.int4.packing:
 `w_q` int32 [K/8, N], `w_scales` [K/g, N], `w_zeros` uint8 [K/g, N]) and drops the checkpoint's,
-and applies them with the kernel chosen once at process time: the Triton dequant-GEMM on CUDA
-sm80+ below DEQUANT_ROWS rows, the dequantize-per-call path for prefill-sized inputs and on
-other devices.
+and applies them with the kernel chosen once at process time: on CUDA sm80+ the Triton GEMV for one
+row, the Triton dequant-GEMM below DEQUANT_ROWS rows, and from there the weight dequantized by
+one Triton launch and multiplied by cuBLAS; on other devices the dequantize-per-call torch path.
 """
 
 from __future__ import annotations
@@ -142,11 +142,17 @@ class Int4LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if layer.int4_kernel == "triton" and x2.shape[0] < DEQUANT_ROWS:
-            from plugins.quant.int4.gemm import int4_linear
+        if layer.int4_kernel == "triton":
+            from plugins.quant.int4 import gemm
 
-            y = int4_linear(x2, layer.w_q, layer.w_scales, layer.w_zeros, layer.int4_group,
-                            layer.bias, layer.int4_sms)
+            m = x2.shape[0]
+            args = (x2, layer.w_q, layer.w_scales, layer.w_zeros, layer.int4_group, layer.bias)
+            if m == 1:
+                y = gemm.int4_gemv(*args, layer.int4_sms)
+            elif m < DEQUANT_ROWS:
+                y = gemm.int4_linear(*args, layer.int4_sms)
+            else:
+                y = gemm.int4_dequant_linear(*args)
         else:
             y = dequant_linear(x2, layer.w_q, layer.w_scales, layer.w_zeros, layer.int4_group,
                                layer.bias)
@@ -156,10 +162,10 @@ class Int4LinearMethod:
         return partial(self.apply, layer)
 
 
-# From this many rows (prefill) the weight is dequantized to the compute dtype per call and
-# multiplied by the vendor GEMM: on the H200 the Triton dequant-GEMM ran 0.25-0.28x bf16 at
-# M=4096, while dequantizing (a few elementwise passes over the packed weight) costs a fraction
-# of the bf16 GEMM it enables (bench/RESULTS.md; the switch itself is not yet measured there).
+# From this many rows (prefill) the weight is dequantized to the compute dtype per call (one
+# Triton launch on CUDA) and multiplied by the vendor GEMM: on the H200 the Triton dequant-GEMM
+# ran 0.25-0.28x bf16 at M=4096; the crossover is measured by bench/sweep_quant.py --only int4
+# (bench/RESULTS.md).
 DEQUANT_ROWS = 256
 
 
