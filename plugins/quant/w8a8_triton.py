@@ -7,9 +7,11 @@ TRITON_INTERPRET=1 in the CPU tests, where fp16/fp32 stand in for the 8-bit oper
   inputs of x and per `group_n` x `group_k` block (or per row: group_k = K) of W; each K step
   stays inside one scale block and is scaled once, accumulated in fp32.
 - `small_m_linear`: y = x @ W^T for M <= 16 (decode) in one launch, the activation quantization
-  fused in: per-token scales from a first pass over the row, per-group scales per K step, or a
-  static scale; weights per output channel or per block. One program per BLOCK_N outputs, every
-  program streams its weight rows once; the 16-row tile pads M (the loads are masked).
+  fused in: per-token scales from a first pass over the row (one wide load of it), per-group
+  scales per K step, or a static scale; weights per output channel or per block. One program
+  per BLOCK_N outputs and slice of K, every program streams its weight rows once; from 2 rows
+  a 16-row tl.dot tile pads M (the loads are masked); one row takes an FMA kernel without
+  tensor cores (the same quantized x, dequantized in registers, fp32 products).
 
 Rounding: fp8 by the hardware conversion (round to nearest even), int8 half away from zero after
 clamping (torch.round rounds ties to even: ties are rare and one step apart).
@@ -85,12 +87,22 @@ def quantize_acts(x: torch.Tensor, qdtype: torch.dtype, group: int = 0,
 
 
 @triton.jit
+def _row_amax(x_row, K, PRO_R: tl.constexpr, PRO_K: tl.constexpr):
+    """max |x| over a row of K <= PRO_R * PRO_K inputs, read as one [PRO_R, PRO_K] tile (every
+    load in flight at once; max is exact in the input dtype)."""
+    offs = tl.arange(0, PRO_R)[:, None] * PRO_K + tl.arange(0, PRO_K)[None, :]
+    v = tl.load(x_row + offs, mask=offs < K, other=0.0)
+    return tl.max(tl.max(tl.abs(v), axis=1), axis=0).to(tl.float32)
+
+
+@triton.jit
 def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_ptr, lock_ptr,
                     M, N, K, stride_xm, stride_wn, stride_ym, stride_wsn, stride_wsk,
                     ACT: tl.constexpr, BLOCKED_W: tl.constexpr, GROUP_N: tl.constexpr,
                     QMAX: tl.constexpr, IS_INT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     HAS_UB: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO_R: tl.constexpr,
+                    PRO_K: tl.constexpr):
     # ACT: 0 per-token dynamic, 1 per-group (BLOCK_K inputs) dynamic, 2 static (xs_ptr: []).
     # Program (n, s) computes outputs n*BLOCK_N.. over the s-th of SPLIT_K slices of K; with
     # SPLIT_K > 1 it stores its scaled partial, and the last program of the tile to finish
@@ -104,13 +116,10 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_
     n_ok = rn < N
     q_ty = w_ptr.dtype.element_ty
     x_rows = x_ptr + rm[:, None] * stride_xm
-    if ACT == 0:  # the row's amax first, in wide steps (a serial chain delays the weights)
-        rp = tl.arange(0, PRO_K)
+    if ACT == 0:  # the row's amax first, each row in one wide load (no serial chain)
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for start in range(0, K, PRO_K):
-            v = tl.load(x_rows + start + rp[None, :],
-                        mask=m_ok[:, None] & (start + rp[None, :] < K), other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+        for r in range(0, M):
+            amax = tl.where(rm == r, _row_amax(x_ptr + r * stride_xm, K, PRO_R, PRO_K), amax)
         amax = tl.maximum(amax, 1e-12)
         if HAS_UB:
             amax = tl.minimum(amax, tl.load(ub_ptr))
@@ -171,6 +180,78 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_
                  mask=out_mask)
 
 
+@triton.jit
+def _gemv1_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_ptr, lock_ptr,
+                  N, K, stride_wn, stride_wsn, stride_wsk,
+                  ACT: tl.constexpr, BLOCKED_W: tl.constexpr, GROUP_N: tl.constexpr,
+                  QMAX: tl.constexpr, IS_INT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  HAS_UB: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRO_R: tl.constexpr, PRO_K: tl.constexpr):
+    # One row (batch-1 decode) without tensor cores: x quantized in registers as the M <= 16
+    # kernel does, then (dequantized, in fp32) multiplied into a [BLOCK_N, BLOCK_K] accumulator
+    # by plain FMAs; one reduction over K at the end. Block scales (BLOCK_N inside one
+    # GROUP_N rows, BLOCK_K = the block's K) and per-group activation scales are one number
+    # per step, folded into x. Split-K as _small_m_kernel.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    q_ty = w_ptr.dtype.element_ty
+    if ACT == 0:
+        top = tl.maximum(_row_amax(x_ptr, K, PRO_R, PRO_K), 1e-12)
+        if HAS_UB:
+            top = tl.minimum(top, tl.load(ub_ptr))
+        xs = top / QMAX
+    elif ACT == 2:
+        xs = tl.load(xs_ptr).to(tl.float32)
+    steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(steps, SPLIT_K)
+    k_lo = split * per_split * BLOCK_K
+    k_hi = tl.minimum(K, k_lo + per_split * BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_rows = w_ptr + rn[:, None] * stride_wn
+    for start in range(k_lo, k_hi, BLOCK_K):
+        k_ok = start + rk < K
+        v = tl.load(x_ptr + start + rk, mask=k_ok, other=0.0).to(tl.float32)
+        if ACT == 1:
+            gs = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / QMAX
+            xq = _quantize(v / gs, QMAX, IS_INT, q_ty).to(tl.float32)
+            if BLOCKED_W:
+                wsc = tl.load(ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn
+                              + (start // BLOCK_K) * stride_wsk)
+                xq = xq * (gs * wsc)
+            else:
+                xq = xq * gs
+        else:
+            xq = _quantize(v / xs, QMAX, IS_INT, q_ty).to(tl.float32)
+        w = tl.load(w_rows + start + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc += w.to(tl.float32) * xq[None, :]
+    out = tl.sum(acc, axis=1)
+    if not BLOCKED_W:
+        out = out * tl.load(ws_ptr + rn * stride_wsn, mask=n_ok, other=0.0)
+        if ACT != 1:
+            out = out * xs
+    if SPLIT_K > 1:
+        tl.store(part_ptr + split * N + rn, out, mask=n_ok)
+        tl.debug_barrier()  # every thread's partial is written before the count moves
+        done = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                out += tl.load(part_ptr + s * N + rn, mask=n_ok, other=0.0,
+                               cache_modifier=".cg")
+            if HAS_BIAS:
+                out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next call (graph replays too)
+    else:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
 SMALL_M = 16
 PER_ROW = 1 << 30  # scaled_mm's group_k for one scale per row
 
@@ -195,22 +276,54 @@ def _small_m_config(n: int, k: int, block_k: int, device: torch.device) -> dict:
     return dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
+# Decode kernels by rows and their tiles (bench/sweep_quant.py on an H200, bench/RESULTS.md):
+# which kernel takes M = 1 ("gemv": _gemv1_kernel, "dot": _small_m_kernel), and the one-row
+# kernel's outputs per program, K per step (block weights: the block's K), warps, and the
+# programs per multiprocessor its K split aims at.
+GEMV_ROWS = 1
+GEMV_TILES = {"channel": dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, per_sm=8),
+              "block": dict(BLOCK_N=32, num_warps=4, per_sm=8)}
+
+
+def _split_for(tiles: int, steps: int, target: int) -> int:
+    """Powers of two up to 32 while the grid stays under `target` programs and every slice
+    keeps a K step."""
+    split = 1
+    while tiles * split * 2 <= target and split * 2 <= steps and split < 32:
+        split *= 2
+    return split
+
+
+def _prologue_tile(k: int) -> dict:
+    """A [PRO_R, PRO_K] tile covering a row of K inputs (one load for the per-token amax)."""
+    pro_k = min(1024, triton.next_power_of_2(k))
+    return dict(PRO_R=triton.next_power_of_2(triton.cdiv(k, pro_k)), PRO_K=pro_k)
+
+
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None, act: str, block: tuple[int, int] | None = None,
                    input_scale: torch.Tensor | None = None, ub: torch.Tensor | None = None,
                    config: dict | None = None) -> torch.Tensor:
     """x [M <= 16, K] compute dtype -> [M, N]. act: "token" | "group" | "static";
     weight_scale [N, 1] (per channel) or [N/bn, K/bk] with `block` (then act is "group" and
-    the K tile is the block's K)."""
+    the K tile is the block's K). `config` (the sweep's): "kernel" ("gemv" for M = 1 only,
+    "dot") and that kernel's tiles."""
     m, k = x.shape
     n = weight.shape[0]
     if m > SMALL_M:
         raise ValueError(f"small_m_linear takes at most {SMALL_M} rows, got {m}")
+    cfg = dict(config or {})
+    kernel = cfg.pop("kernel", None) or ("gemv" if m <= GEMV_ROWS else "dot")
+    if kernel == "gemv" and m == 1:
+        tiles = dict(GEMV_TILES["block" if block else "channel"], **cfg)
+        if not block or block[0] % tiles["BLOCK_N"] == 0:
+            return _gemv1(x, weight, weight_scale, bias, act, block, input_scale, ub, tiles)
+        cfg = {}  # a tile across two weight blocks: the dot kernel's defaults
     is_int = not weight.dtype.is_floating_point
-    block_k = (config or {}).get("BLOCK_K", block[1] if block else 128)
+    block_k = cfg.get("BLOCK_K", block[1] if block else 128)
     if block and block_k != block[1]:
         raise ValueError("the K tile must be the weight's K block")
-    cfg = dict(config or _small_m_config(n, k, block_k, x.device))
+    cfg = dict(cfg or _small_m_config(n, k, block_k, x.device))
     cfg.pop("BLOCK_K", None)
     split = cfg.pop("SPLIT_K", 1)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -228,7 +341,38 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         ACT=act_code, BLOCKED_W=block is not None, GROUP_N=block[0] if block else 1,
         QMAX=127.0 if is_int else FP8_MAX, IS_INT=is_int, HAS_BIAS=bias is not None,
         HAS_UB=ub is not None, SPLIT_K=split, BLOCK_M=16, BLOCK_K=block_k,
-        PRO_K=min(512, triton.next_power_of_2(k)), **cfg)
+        **_prologue_tile(k), **cfg)
+    return y
+
+
+def _gemv1(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+           bias: torch.Tensor | None, act: str, block: tuple[int, int] | None,
+           input_scale: torch.Tensor | None, ub: torch.Tensor | None, tiles: dict
+           ) -> torch.Tensor:
+    """One row through _gemv1_kernel (see small_m_linear)."""
+    k = x.shape[1]
+    n = weight.shape[0]
+    tiles = dict(tiles)
+    block_k = block[1] if block else tiles.pop("BLOCK_K")
+    tiles.pop("BLOCK_K", None)
+    per_sm = tiles.pop("per_sm")
+    grid_n = triton.cdiv(n, tiles["BLOCK_N"])
+    split = tiles.pop("SPLIT_K", None) or _split_for(grid_n, triton.cdiv(k, block_k),
+                                                     per_sm * _sm_count(x.device))
+    is_int = not weight.dtype.is_floating_point
+    x = x.contiguous()
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    locks = LockTable.get(x.device, grid_n) if split > 1 else y
+    _gemv1_kernel[(grid_n, split)](
+        x, weight, weight_scale, y, bias if bias is not None else y,
+        input_scale if input_scale is not None else weight_scale,
+        ub if ub is not None else weight_scale, part, locks, n, k, weight.stride(0),
+        weight_scale.stride(0), weight_scale.stride(1) if weight_scale.dim() > 1 else 0,
+        ACT={"token": 0, "group": 1, "static": 2}[act], BLOCKED_W=block is not None,
+        GROUP_N=block[0] if block else 1, QMAX=127.0 if is_int else FP8_MAX, IS_INT=is_int,
+        HAS_BIAS=bias is not None, HAS_UB=ub is not None, SPLIT_K=split, BLOCK_K=block_k,
+        **_prologue_tile(k), **tiles)
     return y
 
 
