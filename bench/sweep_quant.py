@@ -1,12 +1,21 @@
 """Tile sweep of the W8A8 Triton kernels (plugins/quant/w8a8_triton.py) at Llama-3.1-8B shapes.
 
     python bench/sweep_quant.py --out sweep_quant.json
+    python bench/sweep_quant.py --only gemv,int4 --out sweep_gemv.json   # batch-1 kernels
 
 Decode (M = 1, 16): `small_m_linear` over BLOCK_N x SPLIT_K x num_stages, fp8 per-channel
 (per-token activations) and fp8 block-wise (per-group activations). Prefill (M = 4096):
 `scaled_mm` over BLOCK_M x BLOCK_N x num_warps x num_stages, fp8 block-wise and int8 per-row.
 Each timing is the median of CUDA-graph replays (bench_quant_gemm.timed); every row also shows
 the default config's time, so the table's gain over the defaults is read from one run.
+
+`gemv` (M = 1, fp8 per-channel and block-wise W8A8): the one-row FMA kernel over BLOCK_N x
+BLOCK_K x warps x programs per SM against the 16-row tl.dot kernel, and bf16 F.linear; `int4`:
+the int4 one-row kernel's tiles against the 16-row dequant-GEMM at M = 1, then the dequant-GEMM
+against dequantize-then-cuBLAS from M = 16 to 4096 (DEQUANT_ROWS). These time a rotation over
+enough weight copies (>= 256 MB) that every call reads its weight from HBM, not from the 50 MB
+L2 (decode streams every layer's weights once a step), and check each config's output against
+the fp32 product of the same quantized operands.
 """
 
 from __future__ import annotations
@@ -99,24 +108,179 @@ def sweep_prefill(rows: list) -> None:
         print(json.dumps(row), flush=True)
 
 
+def _rotating(make, nbytes: int):
+    """fn() calling make(i)() over enough copies of the operands to miss L2; the time per call
+    is timed(fn) / copies."""
+    copies = max(1, -(-(256 << 20) // nbytes))
+    fns = [make(i) for i in range(copies)]
+
+    def fn():
+        for f in fns:
+            f()
+    return fn, copies
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def sweep_gemv(rows: list, copy_gbps: float) -> None:
+    from plugins.quant.w8a8_triton import small_m_linear
+
+    channel = [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, per_sm=ps)
+               for bn, bk, nw, ps in ((16, 512, 4, 8), (16, 256, 4, 8), (32, 256, 4, 8),
+                                      (8, 512, 4, 8), (16, 512, 4, 4), (16, 512, 8, 8),
+                                      (32, 512, 8, 4), (16, 1024, 8, 8), (16, 512, 4, 16))]
+    block = [dict(kernel="gemv", BLOCK_N=bn, num_warps=nw, per_sm=ps)
+             for bn, nw, ps in ((32, 4, 8), (16, 4, 8), (64, 4, 4), (32, 4, 16), (64, 8, 8),
+                                (16, 2, 16), (128, 8, 4))]
+    for (shape, (n, k)), blocked in itertools.product(
+            [s for s in SHAPES.items() if s[0] != "square"], (False, True)):
+        act, blk = ("group", (128, 128)) if blocked else ("token", None)
+        ops = [_fp8_operands(n, k, 1, blocked) for _ in range(max(1, -(-(256 << 20) // (n * k))))]
+        x, w, ws = ops[0]
+        wd = w.float() * (ws.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+                          if blocked else ws)
+        from core.testing.quant_refs import fake_quant_acts
+        ref = fake_quant_acts(x.float(), "fp8_group" if blocked else "fp8_token") @ wd.t()
+        xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in
+              range(max(1, -(-(256 << 20) // (2 * n * k))))]
+        fn, c = _rotating(lambda i, xb=xb, wb=wb: partial(torch.nn.functional.linear, xb, wb[i]), 2 * n * k)
+        bf16 = timed(fn, reps=20) / c
+        results = {}
+        for cfg in [None, {"kernel": "dot"}] + (block if blocked else channel):
+            key = json.dumps(cfg)
+            try:
+                err = _rel(small_m_linear(x, w, ws, None, act, blk, config=cfg), ref)
+                fn, c = _rotating(lambda i, cfg=cfg, ops=ops, act=act, blk=blk: partial(
+                    small_m_linear, *ops[i], None, act, blk, config=cfg), n * k)
+                t = timed(fn, reps=20) / c
+            except Exception as exc:  # noqa: BLE001 - a config that cannot compile or run
+                print(f"  {shape} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            results[key] = (t, err)
+        best = min(results.items(), key=lambda kv: kv[1][0])
+        row = {"kind": "gemv", "format": "fp8_block" if blocked else "fp8_channel",
+               "shape": shape, "N": n, "K": k, "M": 1, "bf16_us": bf16 * 1e6,
+               "default_us": results.get("null", (float("nan"),))[0] * 1e6,
+               "dot_us": results.get(json.dumps({"kernel": "dot"}), (float("nan"),))[0] * 1e6,
+               "best_us": best[1][0] * 1e6, "best": json.loads(best[0]),
+               "best_weight_GBps": n * k / best[1][0] / 1e9,
+               "best_of_copy": n * k / best[1][0] / 1e9 / copy_gbps,
+               "best_x_bf16": bf16 / best[1][0], "max_rel_err": max(e for _, e in results.values()),
+               "all": {kk: [v[0] * 1e6, v[1]] for kk, v in results.items()}}
+        rows.append(row)
+        print(json.dumps({kk: vv for kk, vv in row.items() if kk != "all"}), flush=True)
+
+
+def sweep_int4(rows: list, copy_gbps: float) -> None:
+    from plugins.quant.int4 import gemm
+    from plugins.quant.int4.packing import dequantize, pack_rows
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    configs = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, per_sm=ps)
+               for bn, bk, nw, ps in ((256, 128, 2, 4), (256, 128, 2, 8), (128, 128, 1, 8),
+                                      (512, 128, 4, 4), (512, 64, 2, 4), (256, 64, 2, 8),
+                                      (128, 128, 2, 8), (256, 128, 4, 8), (128, 64, 1, 16))]
+
+    def operands(n, k):
+        w_q = pack_rows(torch.randint(0, 16, (k, n), device="cuda"))
+        s = (torch.rand(k // 128, n, device="cuda") * 0.01 + 0.001).half()
+        z = torch.randint(0, 16, (k // 128, n), device="cuda").to(torch.uint8)
+        return w_q, s, z
+
+    for shape, (n, k) in [s for s in SHAPES.items() if s[0] != "square"]:
+        copies = max(1, -(-(256 << 20) // (n * k // 2)))
+        ops = [operands(n, k) for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = x.float() @ dequantize(*ops[0], 128, torch.float32)
+        results = {}
+        for cfg in [None, "dot"] + configs:
+            key = json.dumps(cfg)
+            if cfg == "dot":
+                def call(i, x=x, ops=ops):
+                    return partial(gemm.int4_linear, x, *ops[i], 128, None, sms)
+            else:
+                def call(i, cfg=cfg, x=x, ops=ops):
+                    return partial(gemm.int4_gemv, x, *ops[i], 128, None, sms, cfg)
+            try:
+                err = _rel(call(0)(), ref)
+                fn, c = _rotating(call, n * k // 2)
+                t = timed(fn, reps=20) / c
+            except Exception as exc:  # noqa: BLE001
+                print(f"  int4 {shape} {cfg}: {type(exc).__name__}: {str(exc)[:200]}",
+                      flush=True)
+                continue
+            results[key] = (t, err)
+        xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in
+              range(max(1, -(-(256 << 20) // (2 * n * k))))]
+        fn, c = _rotating(lambda i, xb=xb, wb=wb: partial(torch.nn.functional.linear, xb, wb[i]), 2 * n * k)
+        bf16 = timed(fn, reps=20) / c
+        best = min(results.items(), key=lambda kv: kv[1][0])
+        row = {"kind": "int4_gemv", "shape": shape, "N": n, "K": k, "M": 1,
+               "bf16_us": bf16 * 1e6, "default_us": results["null"][0] * 1e6,
+               "dot_us": results['"dot"'][0] * 1e6, "best_us": best[1][0] * 1e6,
+               "best": json.loads(best[0]), "default_x_bf16": bf16 / results["null"][0],
+               "best_x_bf16": bf16 / best[1][0],
+               "best_weight_GBps": n * k / 2 / best[1][0] / 1e9,
+               "best_of_copy": n * k / 2 / best[1][0] / 1e9 / copy_gbps,
+               "max_rel_err": max(e for _, e in results.values()),
+               "all": {kk: [v[0] * 1e6, v[1]] for kk, v in results.items()}}
+        rows.append(row)
+        print(json.dumps({kk: vv for kk, vv in row.items() if kk != "all"}), flush=True)
+        # the crossover: dequant-GEMM vs dequantize + cuBLAS, against bf16
+        w_q, s, z = ops[0]
+        wb0 = wb[0]
+        for m in (16, 64, 128, 256, 512, 4096):
+            xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = xm.float() @ dequantize(w_q, s, z, 128, torch.float32)
+            t_dot = timed(partial(gemm.int4_linear, xm, w_q, s, z, 128, None, sms), reps=10)
+            e_dot = _rel(gemm.int4_linear(xm, w_q, s, z, 128, None, sms), ref)
+            t_dq = timed(partial(gemm.int4_dequant_linear, xm, w_q, s, z, 128, None), reps=10)
+            e_dq = _rel(gemm.int4_dequant_linear(xm, w_q, s, z, 128, None), ref)
+            t_bf = timed(partial(torch.nn.functional.linear, xm, wb0), reps=10)
+            row = {"kind": "int4_rows", "shape": shape, "N": n, "K": k, "M": m,
+                   "bf16_us": t_bf * 1e6, "dot_us": t_dot * 1e6, "dequant_cublas_us": t_dq * 1e6,
+                   "dot_x_bf16": t_bf / t_dot, "dequant_x_bf16": t_bf / t_dq,
+                   "err_dot": e_dot, "err_dequant": e_dq}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        t_only = timed(partial(gemm.int4_dequant, w_q, s, z, 128, torch.bfloat16), reps=10)
+        rows.append({"kind": "int4_dequant_only", "shape": shape, "us": t_only * 1e6,
+                     "GBps": (n * k * 2.5) / t_only / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
-    p.add_argument("--only", choices=("decode", "prefill"), default=None)
+    p.add_argument("--only", default=None,
+                   help="comma-separated subset of decode, prefill, gemv, int4")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("skipped: no CUDA device")
         return
     rows: list = []
+    only = set(a.only.split(",")) if a.only else {"decode", "prefill", "gemv", "int4"}
+    from bench_quant_gemm import ceilings
+
+    ceil = ceilings()
+    print(json.dumps(ceil), flush=True)
     try:
-        if a.only in (None, "decode"):
+        if "gemv" in only:
+            sweep_gemv(rows, ceil["copy_GBps"])
+        if "int4" in only:
+            sweep_int4(rows, ceil["copy_GBps"])
+        if "decode" in only:
             sweep_decode(rows)
-        if a.only in (None, "prefill"):
+        if "prefill" in only:
             sweep_prefill(rows)
     finally:
         if a.out:
             Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                               "rows": rows}, indent=2))
+                                               "ceilings": ceil, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
