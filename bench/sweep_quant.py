@@ -128,12 +128,10 @@ def sweep_gemv(rows: list, copy_gbps: float) -> None:
     from plugins.quant.w8a8_triton import small_m_linear
 
     channel = [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, per_sm=ps)
-               for bn, bk, nw, ps in ((16, 512, 4, 8), (16, 256, 4, 8), (32, 256, 4, 8),
-                                      (8, 512, 4, 8), (16, 512, 4, 4), (16, 512, 8, 8),
-                                      (32, 512, 8, 4), (16, 1024, 8, 8), (16, 512, 4, 16))]
+               for bn, bk, nw, ps in ((16, 512, 4, 8), (32, 256, 4, 8), (16, 512, 8, 8),
+                                      (16, 1024, 8, 8), (16, 512, 4, 16))]
     block = [dict(kernel="gemv", BLOCK_N=bn, num_warps=nw, per_sm=ps)
-             for bn, nw, ps in ((32, 4, 8), (16, 4, 8), (64, 4, 4), (32, 4, 16), (64, 8, 8),
-                                (16, 2, 16), (128, 8, 4))]
+             for bn, nw, ps in ((32, 4, 8), (16, 4, 8), (64, 4, 4), (32, 4, 16))]
     for (shape, (n, k)), blocked in itertools.product(
             [s for s in SHAPES.items() if s[0] != "square"], (False, True)):
         act, blk = ("group", (128, 128)) if blocked else ("token", None)
@@ -181,8 +179,7 @@ def sweep_int4(rows: list, copy_gbps: float) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     configs = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, per_sm=ps)
                for bn, bk, nw, ps in ((256, 128, 2, 4), (256, 128, 2, 8), (128, 128, 1, 8),
-                                      (512, 128, 4, 4), (512, 64, 2, 4), (256, 64, 2, 8),
-                                      (128, 128, 2, 8), (256, 128, 4, 8), (128, 64, 1, 16))]
+                                      (512, 128, 4, 4), (256, 64, 2, 8))]
 
     def operands(n, k):
         w_q = pack_rows(torch.randint(0, 16, (k, n), device="cuda"))
@@ -233,7 +230,7 @@ def sweep_int4(rows: list, copy_gbps: float) -> None:
         # the crossover: dequant-GEMM vs dequantize + cuBLAS, against bf16
         w_q, s, z = ops[0]
         wb0 = wb[0]
-        for m in (16, 64, 128, 256, 512, 4096):
+        for m in (16, 64, 256, 4096):
             xm = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = xm.float() @ dequantize(w_q, s, z, 128, torch.float32)
             t_dot = timed(partial(gemm.int4_linear, xm, w_q, s, z, 128, None, sms), reps=10)

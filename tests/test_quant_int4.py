@@ -446,3 +446,29 @@ def test_dummy_weights_for_int4_configs_are_small_and_random(tmp_path):
         eye = torch.eye(256)
         w = down(eye).t()  # [N, K]: the real weight, through the method
         assert 0.002 < w.abs().mean() < 0.03 and w.std() > 0.002, (method, w.abs().mean())
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="needs a GPU or TRITON_INTERPRET=1 with triton")
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[5], CASES[6]], ids=lambda c: c[0])
+def test_one_row_gemv_and_one_launch_dequant(case):
+    """int4_gemv (batch 1: FMA kernel, split K summed in order in-kernel) at several tiles, and
+    int4_dequant (the prefill path's W^T for cuBLAS) equal to packing.dequantize."""
+    from plugins.quant.int4 import gemm
+    from plugins.quant.int4.packing import dequantize
+
+    layer, deq, _ = loaded_linear(case, torch.float32, device=DEVICE)
+    args = (layer.w_q, layer.w_scales, layer.w_zeros, layer.int4_group)
+    bias = torch.randn(deq.shape[0], generator=torch.Generator().manual_seed(2))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.randn(1, K, generator=torch.Generator().manual_seed(1)).to(dtype)
+        ref = reference(x, deq, bias)
+        for cfg in (None, dict(BLOCK_N=32, BLOCK_K=64, num_warps=1, SPLIT_K=3, per_sm=1),
+                    dict(BLOCK_N=64, BLOCK_K=32, num_warps=2, per_sm=16)):
+            y = gemm.int4_gemv(x.to(DEVICE), *args, bias.to(dtype).to(DEVICE), 8, cfg)
+            assert y.shape == (1, deq.shape[0]) and y.dtype == dtype
+            torch.testing.assert_close(y.float().cpu(), ref, **tol(ref, KERNEL_TOL[dtype]
+                                                                   if dtype != torch.bfloat16
+                                                                   else 1e-2))
+        w_t = gemm.int4_dequant(*args, dtype)
+        if dtype != torch.bfloat16 or DEVICE == "cuda":  # the interpreter truncates to bf16
+            assert torch.equal(w_t, dequantize(*args, dtype))
