@@ -67,8 +67,9 @@ def test_padding_rows_decode_token_zero_into_the_sink_slot_of_row_zero():
 
 
 def test_default_max_bs_follows_device_memory():
-    assert default_max_bs(150_109_880_320) == 160  # H200
-    assert default_max_bs(80 * GB) == 160
+    assert default_max_bs(150_109_880_320) == 256  # H200: graphs for every decode slot
+    assert default_max_bs(120 * GB) == 256
+    assert default_max_bs(80 * GB) == 160  # H100 / A100-80G
     assert default_max_bs(48 * GB) == 96
     assert default_max_bs(24 * GB) == 48
     assert default_max_bs(8 * GB) == 24
@@ -89,7 +90,9 @@ def test_decide_honours_the_plan_device_and_max_bs():
     cpu = decide(True, NO_GRAPHS, None, 0, 256)
     assert not cpu.enabled and "cpu" in cpu.note
     on = decide(True, ON, None, default_max_bs(141 * GB), 256)
-    assert on.enabled and on.max_bs == 160 and on.sizes[0] == 1 and "160" in on.note
+    assert on.enabled and on.max_bs == 256 and on.sizes[0] == 1 and "256" in on.note
+    h100 = decide(True, ON, None, default_max_bs(80 * GB), 256)
+    assert h100.max_bs == 160 and h100.sizes[-1] == 160
     user = decide(True, ON, 12, 160, 256)
     assert user.sizes == (1, 2, 4, 8, 12) and "--cuda-graph-max-bs" in user.note
     capped = decide(True, ON, None, 160, 32)

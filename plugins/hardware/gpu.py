@@ -14,13 +14,16 @@ from core.platform import GraphSupport, MemoryDefaults, ModelGeometry
 
 GiB = 2**30
 GB = 10**9
+MAX_RUNNING = 256  # default --max-running-requests on GPUs
 # (device memory at least, prefill chunk in tokens): a bigger device affords bigger chunks
 CHUNK_BY_MEMORY = ((90 * GiB, 16384), (40 * GiB, 8192), (20 * GiB, 4096), (0, 2048))
 # (total device memory at least, largest captured decode batch): more memory, more concurrent
-# decodes worth capturing. 80 GB covers H100/A100-80G and above; the rest scale with the KV room.
-MAX_BS_BY_MEMORY = ((80 * GB, 160), (40 * GB, 96), (20 * GB, 48), (0, 24))
+# decodes worth capturing. 120 GB (H200, B200, MI300X) captures up to MAX_RUNNING: an offline
+# run there fills 256 decode slots, and steps past the largest graph run eagerly (Qwen3-30B-A3B
+# offline 1,000 x 1,024/256 on an H200: 2,894 output tok/s with graphs to 160, 5,335 with graphs
+# to 256, bench/RESULTS.md). 80 GB covers H100/A100-80G; the rest scale with the KV room.
+MAX_BS_BY_MEMORY = ((120 * GB, 256), (80 * GB, 160), (40 * GB, 96), (20 * GB, 48), (0, 24))
 BASE_RESERVE = 1 * GiB  # runtime context, library workspaces, allocator slack
-MAX_RUNNING = 256
 # Extend shapes (requests, tokens each) compiled at startup: short and long extensions, one
 # request and a batch (seconds at startup instead of in the first requests).
 WARMUP_SHAPES = [(1, 16), (1, 1100), (64, 16), (8, 300)]
