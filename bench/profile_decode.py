@@ -71,9 +71,13 @@ def main(argv: list[str] | None = None) -> int:
                     "roofline_ms_per_step_b1": wbytes / bw * 1e3,
                     "graph_sizes": sorted(gr.graphs) if gr else [], "batches": {}}
     n = 0
+    gen = torch.Generator().manual_seed(0)
     for bs in sizes:
         for _ in range(bs):
-            sched.add_request(f"r{n}", list(range(1000, 1000 + a.prompt_len)),
+            # distinct random prompts: identical ones would share their KV pages (radix cache,
+            # all in L2) and route every token to the same experts
+            ids = torch.randint(1000, cfg["vocab_size"], (a.prompt_len,), generator=gen)
+            sched.add_request(f"r{n}", ids.tolist(),
                               {"temperature": 0, "max_new_tokens": a.steps * 3,
                                "ignore_eos": True})
             n += 1
