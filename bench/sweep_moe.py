@@ -76,6 +76,11 @@ def main() -> None:
     ap.add_argument("--out", default="sweep_moe.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device (CI check)")
+    ap.add_argument("--models", default=None, help=f"comma list of {sorted(MODELS)}")
+    ap.add_argument("--tokens", default=None, help="comma list of token counts")
+    ap.add_argument("--tilings", default=None,
+                    help="tilings to try, as 'm,n,k,warps,stages;...' (default: the built-in "
+                         "list); the table at the end is then only for the shapes swept")
     args = ap.parse_args()
     from core.moe import route
     from plugins.moe.triton.runner import TritonMoE, _arch
@@ -84,8 +89,19 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
     models = {"smoke": (16, 4, 64, 32)} if smoke else MODELS
+    if args.models:
+        unknown = set(args.models.split(",")) - set(models)
+        if unknown:
+            ap.error(f"unknown models {sorted(unknown)}; known: {sorted(models)}")
+        models = {m: models[m] for m in args.models.split(",")}
     tokens_list = (1, 8, 33) if smoke else (QUICK_TOKENS if args.quick else TOKENS)
+    if args.tokens:
+        tokens_list = tuple(int(t) for t in args.tokens.split(","))
     tilings = SMOKE_TILINGS if smoke else (QUICK_TILINGS if args.quick else TILINGS)
+    if args.tilings:
+        tilings = [tuple(int(v) for v in t.split(",")) for t in args.tilings.split(";")]
+        if any(len(t) != 5 for t in tilings):
+            ap.error("a tiling is five integers: block_m,block_n,block_k,warps,stages")
     timer = _timer(device, smoke)
     info = {"device": str(device), "arch": _arch(device), "dtype": str(dtype)}
     if not smoke:
