@@ -276,13 +276,16 @@ def _small_m_config(n: int, k: int, block_k: int, device: torch.device) -> dict:
     return dict(BLOCK_N=block_n, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
-# Decode kernels by rows and their tiles (bench/sweep_quant.py on an H200, bench/RESULTS.md):
-# which kernel takes M = 1 ("gemv": _gemv1_kernel, "dot": _small_m_kernel), and the one-row
-# kernel's outputs per program, K per step (block weights: the block's K), warps, and the
-# programs per multiprocessor its K split aims at.
-GEMV_ROWS = 1
+# Decode kernels and their tiles (bench/sweep_quant.py --only gemv on an H200, L2-cold, 2026-12-02,
+# bench/RESULTS.md): which kernel takes M = 1 ("gemv": _gemv1_kernel, "dot": _small_m_kernel)
+# per weight form, and the one-row kernel's outputs per program, K per step (block weights: the
+# block's K), warps, and programs per multiprocessor its K split aims at. Per channel the
+# 16-row dot kernel (with the one-load amax) won at qkv / o / down (12.0 / 10.1 / 22.8 us
+# against 13.7 / 11.0 / 24.6) and tied at gate_up; block-wise the one-row kernel at 64 outputs
+# won at o / gate_up / down (10.3 / 47.3 / 26.0 us against 11.2 / 50.5 / 26.5).
+ONE_ROW_KERNEL = {"channel": "dot", "block": "gemv"}
 GEMV_TILES = {"channel": dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, per_sm=8),
-              "block": dict(BLOCK_N=32, num_warps=4, per_sm=8)}
+              "block": dict(BLOCK_N=64, num_warps=4, per_sm=4)}
 
 
 def _split_for(tiles: int, steps: int, target: int) -> int:
@@ -313,9 +316,10 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if m > SMALL_M:
         raise ValueError(f"small_m_linear takes at most {SMALL_M} rows, got {m}")
     cfg = dict(config or {})
-    kernel = cfg.pop("kernel", None) or ("gemv" if m <= GEMV_ROWS else "dot")
+    form = "block" if block else "channel"
+    kernel = cfg.pop("kernel", None) or (ONE_ROW_KERNEL[form] if m == 1 else "dot")
     if kernel == "gemv" and m == 1:
-        tiles = dict(GEMV_TILES["block" if block else "channel"], **cfg)
+        tiles = dict(GEMV_TILES[form], **cfg)
         if not block or block[0] % tiles["BLOCK_N"] == 0:
             return _gemv1(x, weight, weight_scale, bias, act, block, input_scale, ub, tiles)
         cfg = {}  # a tile across two weight blocks: the dot kernel's defaults

@@ -162,11 +162,12 @@ class Int4LinearMethod:
         return partial(self.apply, layer)
 
 
-# From this many rows (prefill) the weight is dequantized to the compute dtype per call (one
-# Triton launch on CUDA) and multiplied by the vendor GEMM: on the H200 the Triton dequant-GEMM
-# ran 0.25-0.28x bf16 at M=4096; the crossover is measured by bench/sweep_quant.py --only int4
-# (bench/RESULTS.md).
-DEQUANT_ROWS = 256
+# From this many rows the weight is dequantized to the compute dtype per call (one Triton
+# launch on CUDA) and multiplied by the vendor GEMM (bench/sweep_quant.py --only int4 on an
+# H200, 2026-12-02): at M=16 the dequant-GEMM is faster (qkv 22.8 us against 31.1, down 40.5
+# against 76.2), at M=64 dequantize + cuBLAS is (31.5 against 64.4, 77.0 against 110.9); at
+# M=4096 dequantize + cuBLAS runs 0.94-1.06x bf16 where the dequant-GEMM ran 0.25-0.29x.
+DEQUANT_ROWS = 64
 
 
 def _narrow_scales(scales: torch.Tensor) -> torch.Tensor:
