@@ -543,7 +543,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-concurrent", action=argparse.BooleanOptionalAction, default=True,
                    help="HF's padded batched generate for the concurrent row")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per peer")
-    p.add_argument("--worker", choices=PEERS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=(*PEERS, "ceiling"), help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
