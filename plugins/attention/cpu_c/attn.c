@@ -101,12 +101,14 @@ static inline float exp_neg(float x) {
     return p * scale;
 }
 
-/* q [B, H, D] fp32; kb [S, Hkv, D], vb [S, Hkv, Dv]; slots [B, ss] int64; seq_lens [B];
- * window > 0 keeps the last `window` keys; cap > 0 soft-caps scores; out [B, H, Dv] fp32.
+/* q [B, H, D] fp32 (q_bf 0) or bf16 (1); kb [S, Hkv, D], vb [S, Hkv, Dv]; slots [B, ss] int64;
+ * seq_lens [B]; window > 0 keeps the last `window` keys; cap > 0 soft-caps scores;
+ * out [B, H, Dv] fp32 (out_bf 0) or bf16 (1, rounded to nearest even as torch does).
  * Returns 0, or -2 when out of memory. */
-int ca_decode(const float *q, const void *kb, const void *vb, int bf, const int64_t *slots,
-              int64_t ss, const int64_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-              int64_t Dv, float scale, int64_t window, float cap, float *out, int nthreads) {
+int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
+              const int64_t *slots, int64_t ss, const int64_t *seq_lens, int64_t B, int64_t H,
+              int64_t Hkv, int64_t D, int64_t Dv, float scale, int64_t window, float cap,
+              void *out, int out_bf, int nthreads) {
     const int64_t G = H / Hkv;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += seq_lens[b];
@@ -125,7 +127,8 @@ int ca_decode(const float *q, const void *kb, const void *vb, int bf, const int6
         if (!sc) { failed = 1; continue; }
         float *qs = sc + G * (n > 0 ? n : 1), *acc = qs + G * D, *krow = acc + G * Dv;
         for (int64_t i = 0; i < G; i++)
-            for (int64_t d = 0; d < D; d++) qs[i * D + d] = q[(b * H + g * G + i) * D + d] * scale;
+            for (int64_t d = 0; d < D; d++)
+                qs[i * D + d] = ld(q, q_bf, (b * H + g * G + i) * D + d) * scale;
         float mx[64], den[64];
         float *mxp = G <= 64 ? mx : (float *)malloc(sizeof(float) * 2 * (size_t)G);
         float *denp = G <= 64 ? den : mxp + G;
@@ -194,7 +197,8 @@ int ca_decode(const float *q, const void *kb, const void *vb, int bf, const int6
         }
         for (int64_t i = 0; i < G; i++) {
             const float r = denp[i] > 0.0f ? 1.0f / denp[i] : 0.0f;
-            for (int64_t d = 0; d < Dv; d++) out[(b * H + g * G + i) * Dv + d] = acc[i * Dv + d] * r;
+            for (int64_t d = 0; d < Dv; d++)
+                st(out, out_bf, (b * H + g * G + i) * Dv + d, acc[i * Dv + d] * r);
         }
         if (mxp != mx) free(mxp);
         free(sc);

@@ -22,8 +22,8 @@ SOURCE = Path(__file__).with_name("attn.c")
 def library(variant: str) -> ctypes.CDLL:
     lib = build(SOURCE, variant)
     p, i64, i32, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.ca_decode.argtypes = [p, p, p, i32, p, i64, p, i64, i64, i64, i64, i64, f, i64, f, p,
-                              i32]
+    lib.ca_decode.argtypes = [p, i32, p, p, i32, p, i64, p, i64, i64, i64, i64, i64, f, i64, f,
+                              p, i32, i32]
     lib.ca_decode.restype = i32
     return lib
 
@@ -40,6 +40,7 @@ class CpuCAttention(PoolDecodeAttention):
 
     label = "cpu_c attention"
     variant = "portable"
+    native_bf16_q = True  # q fp32 or bf16 in, out in q's dtype
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
@@ -50,13 +51,14 @@ class CpuCAttention(PoolDecodeAttention):
                layer: AttentionLayerParams, meta: CpuCMeta) -> torch.Tensor:
         B, H, D = q.shape
         Hkv, Dv = k_buf.shape[1], v_buf.shape[-1]
-        out = torch.empty(B, H * Dv, dtype=torch.float32)
+        q_bf = int(q.dtype == torch.bfloat16)
+        out = torch.empty(B, H * Dv, dtype=q.dtype)
         slots, lens = meta.slots, meta.seq_lens_t
-        rc = self.fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
+        rc = self.fn(q.data_ptr(), q_bf, k_buf.data_ptr(), v_buf.data_ptr(),
                      int(k_buf.dtype == torch.bfloat16), slots.data_ptr(), slots.stride(0),
                      lens.data_ptr(), B, H, Hkv, D, Dv, layer.scaling,
                      layer.sliding_window or 0, layer.logit_softcap or 0.0, out.data_ptr(),
-                     self.threads)
+                     q_bf, self.threads)
         if rc != 0:
             raise MemoryError("cpu_c decode attention: out of memory")
         return out

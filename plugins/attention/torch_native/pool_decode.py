@@ -16,6 +16,9 @@ from plugins.attention.torch_native.backend import TorchNativeAttention, TorchNa
 
 class PoolDecodeAttention(TorchNativeAttention):
     label = "pool decode"  # how errors name the backend
+    # a kernel that reads bf16 queries and writes outputs in the query's dtype itself (cpu_c):
+    # decode then gets q as it is (contiguous), sparing two conversions a layer
+    native_bf16_q = False
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
@@ -43,6 +46,8 @@ class PoolDecodeAttention(TorchNativeAttention):
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k.view(B, Hkv, D), v.view(B, Hkv, Dv))
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         qf = q.view(B, H, D)
+        if self.native_bf16_q and qf.dtype in (torch.float32, torch.bfloat16):
+            return self.decode(qf.contiguous(), k_buf, v_buf, layer, meta)
         if qf.dtype != torch.float32 or not qf.is_contiguous():
             qf = qf.to(torch.float32).contiguous()
         out = self.decode(qf, k_buf, v_buf, layer, meta)
