@@ -26,6 +26,10 @@
 #include <immintrin.h>
 #endif
 
+#ifndef GQ_STACK_BYTES
+#define GQ_STACK_BYTES 32768  /* scratch kept on the caller's stack up to this size */
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define GQ_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -73,7 +77,8 @@ const char *gq_variant(void) {
 
 /* One activation row -> integer codes per block of bs (int8, |q| <= 127, or int16,
  * |q| <= 32512: `wide`), the block's scale and its code sum. */
-static void quantize_row(const void *x, int x_bf16, int64_t K, int bs, int wide, void *q,
+__attribute__((unused)) static void quantize_row(const void *x, int x_bf16, int64_t K, int bs,
+                                                int wide, void *q,
                          float *d, int32_t *s) {
     int64_t nb = K / bs;
     const float qmax = wide ? 32512.0f : 127.0f;  /* 32512 = 127 * 256: see split16 */
@@ -102,6 +107,46 @@ static void quantize_row(const void *x, int x_bf16, int64_t K, int bs, int wide,
         s[b] = sum;
     }
 }
+
+#if defined(GQ_AVX512)
+/* quantize_row in vectors: the same arithmetic (|x| max, amax / qmax, one reciprocal, round to
+ * nearest even as lrintf does under the default rounding mode, clamp), the same codes */
+static void quantize_row_vec(const void *x, int x_bf16, int64_t K, int bs, int wide, void *q,
+                             float *d, int32_t *s) {
+    const int64_t nb = K / bs;
+    const float qmax = wide ? 32512.0f : 127.0f;
+    const __m512i lim = _mm512_set1_epi32(wide ? 32512 : 127), nlim = _mm512_set1_epi32(wide ? -32512 : -127);
+    const int nv = bs / 16;  /* 1 or 2 vectors a block */
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 v[2];
+        for (int i = 0; i < nv; i++) {
+            const int64_t k = b * bs + 16 * i;
+            v[i] = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))), 16))
+                          : _mm512_loadu_ps((const float *)x + k);
+        }
+        __m512 a = _mm512_abs_ps(v[0]);
+        if (nv == 2) a = _mm512_max_ps(a, _mm512_abs_ps(v[1]));
+        const float amax = _mm512_reduce_max_ps(a);
+        const float dx = amax / qmax;
+        const __m512 inv = _mm512_set1_ps(dx > 0.0f ? 1.0f / dx : 0.0f);
+        __m512i sum = _mm512_setzero_si512();
+        for (int i = 0; i < nv; i++) {
+            __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv));
+            c = _mm512_min_epi32(_mm512_max_epi32(c, nlim), lim);
+            sum = _mm512_add_epi32(sum, c);
+            const int64_t k = b * bs + 16 * i;
+            if (wide) _mm256_storeu_si256((__m256i *)((int16_t *)q + k), _mm512_cvtepi32_epi16(c));
+            else _mm_storeu_si128((__m128i *)((int8_t *)q + k), _mm512_cvtepi32_epi8(c));
+        }
+        d[b] = dx;
+        s[b] = _mm512_reduce_add_epi32(sum);
+    }
+}
+#define QUANTIZE_ROW quantize_row_vec
+#else
+#define QUANTIZE_ROW quantize_row
+#endif
 
 static inline int32_t qat(const void *q, int wide, int64_t i) {
     return wide ? ((const int16_t *)q)[i] : ((const int8_t *)q)[i];
@@ -383,25 +428,35 @@ int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *co
     const int wide = abits == 16;
     const size_t esz = wide ? 2 : 1;
     const int64_t nb = K / bs, row_bytes = bits == 4 ? K / 2 : K, nbp = nb + 4;
-    char *q = (char *)malloc((size_t)(M * K) * esz);
-    float *d = (float *)calloc((size_t)(M * nbp), sizeof(float));
-    float *xs = (float *)calloc((size_t)(M * nbp), sizeof(float));
-    int32_t *s = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
-    if (!q || !d || !xs || !s) { free(q); free(d); free(xs); free(s); return -2; }
+    /* one scratch block: the codes, the block scales and sums, and (tiled builds) the planes;
+     * on the stack for decode-sized inputs (malloc / free of six buffers cost ~2 us a call) */
+    const size_t qbytes = (size_t)(M * K) * esz, fbytes = sizeof(float) * (size_t)(M * nbp);
+    const size_t sbytes = sizeof(int32_t) * (size_t)(M * nb);
+    const size_t al = 64, need = 3 * qbytes + 2 * fbytes + sbytes + 6 * al;
+    _Alignas(64) char stack_buf[GQ_STACK_BYTES];
+    char *heap = need > sizeof(stack_buf) ? (char *)malloc(need) : NULL;
+    if (need > sizeof(stack_buf) && !heap) return -2;
+    char *cur = heap ? heap : stack_buf;
+#define GQ_TAKE(n) (cur += (al - ((uintptr_t)cur % al)) % al, cur += (n), cur - (n))
+    char *q = GQ_TAKE(qbytes);
+    float *d = (float *)GQ_TAKE(fbytes);
+    float *xs = (float *)GQ_TAKE(fbytes);
+    int32_t *s = (int32_t *)GQ_TAKE(sbytes);
+    memset(d, 0, fbytes);
+    memset(xs, 0, fbytes);
     const size_t xstride = (size_t)K * (x_bf16 ? 2 : 4);
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 1)
     for (int64_t m = 0; m < M; m++) {
-        quantize_row((const char *)x + m * xstride, x_bf16, K, bs, wide, q + m * K * esz,
+        QUANTIZE_ROW((const char *)x + m * xstride, x_bf16, K, bs, wide, q + m * K * esz,
                      d + m * nbp, s + m * nb);
         for (int64_t b = 0; b < nb; b++) xs[m * nbp + b] = d[m * nbp + b] * (float)s[m * nb + b];
     }
 #if defined(GQ_TILED)
     /* int8 planes in the kernels' layout: the codes (int8), or int16 codes' high and low
      * bytes (split16); bits 4 arranges each (arrange4) */
-    int8_t *qa = (int8_t *)malloc((size_t)(M * K) * esz);
-    if (!qa) { free(q); free(d); free(xs); free(s); return -2; }
-    int8_t *tmp = wide || bits == 4 ? (int8_t *)malloc((size_t)(M * K) * esz) : NULL;
+    int8_t *qa = (int8_t *)GQ_TAKE(qbytes);
+    int8_t *tmp = wide || bits == 4 ? (int8_t *)GQ_TAKE(qbytes) : NULL;
     for (int64_t m = 0; m < M; m++) {
         int8_t *plane = qa + m * K * esz, *src = (int8_t *)q + m * K * esz;
         if (wide) {
@@ -419,7 +474,6 @@ int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *co
             memcpy(plane, src, (size_t)K);
         }
     }
-    free(tmp);
     const int64_t ntiles = (N + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < ntiles; t++) {
@@ -480,7 +534,6 @@ int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *co
                 }
         }
     }
-    free(qa);
 #else
     const int64_t tile_n = 16;  /* weight rows reused across activation rows */
     const int64_t ntiles = (N + tile_n - 1) / tile_n;
@@ -497,10 +550,8 @@ int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *co
         }
     }
 #endif
-    free(q);
-    free(d);
-    free(xs);
-    free(s);
+#undef GQ_TAKE
+    free(heap);
     return 0;
 }
 
