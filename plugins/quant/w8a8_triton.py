@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.quant.tiles import grouped_tile
+from plugins.quant.tiles import grouped_tile, split_for, store_row_split
 from plugins.splitk import LockTable
 
 FP8_MAX = 448.0
@@ -233,23 +233,8 @@ def _gemv1_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_pt
         out = out * tl.load(ws_ptr + rn * stride_wsn, mask=n_ok, other=0.0)
         if ACT != 1:
             out = out * xs
-    if SPLIT_K > 1:
-        tl.store(part_ptr + split * N + rn, out, mask=n_ok)
-        tl.debug_barrier()  # every thread's partial is written before the count moves
-        done = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in range(0, SPLIT_K):
-                out += tl.load(part_ptr + s * N + rn, mask=n_ok, other=0.0,
-                               cache_modifier=".cg")
-            if HAS_BIAS:
-                out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
-            tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next call (graph replays too)
-    else:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+    store_row_split(out, y_ptr, bias_ptr, part_ptr, lock_ptr, pid, split, rn, n_ok, N,
+                    HAS_BIAS, SPLIT_K)
 
 
 SMALL_M = 16
@@ -286,15 +271,6 @@ def _small_m_config(n: int, k: int, block_k: int, device: torch.device) -> dict:
 ONE_ROW_KERNEL = {"channel": "dot", "block": "gemv"}
 GEMV_TILES = {"channel": dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, per_sm=8),
               "block": dict(BLOCK_N=64, num_warps=4, per_sm=4)}
-
-
-def _split_for(tiles: int, steps: int, target: int) -> int:
-    """Powers of two up to 32 while the grid stays under `target` programs and every slice
-    keeps a K step."""
-    split = 1
-    while tiles * split * 2 <= target and split * 2 <= steps and split < 32:
-        split *= 2
-    return split
 
 
 def _prologue_tile(k: int) -> dict:
@@ -361,7 +337,7 @@ def _gemv1(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     tiles.pop("BLOCK_K", None)
     per_sm = tiles.pop("per_sm")
     grid_n = triton.cdiv(n, tiles["BLOCK_N"])
-    split = tiles.pop("SPLIT_K", None) or _split_for(grid_n, triton.cdiv(k, block_k),
+    split = tiles.pop("SPLIT_K", None) or split_for(grid_n, triton.cdiv(k, block_k),
                                                      per_sm * _sm_count(x.device))
     is_int = not weight.dtype.is_floating_point
     x = x.contiguous()

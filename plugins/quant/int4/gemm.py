@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.quant.tiles import grouped_tile
+from plugins.quant.tiles import grouped_tile, split_for, store_row_split
 from plugins.splitk import LockTable
 
 
@@ -169,38 +169,14 @@ def _int4_gemv(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, 
         sc = tl.load(s_ptr + g * stride_sg + rn, mask=n_ok, other=0.0).to(tl.float32)
         zp = tl.load(z_ptr + g * stride_zg + rn, mask=n_ok, other=0).to(tl.float32)
         acc += sc * (tl.sum(t, axis=0) - zp * tl.sum(xsum, axis=0))
-    if SPLIT_K > 1:
-        tl.store(part_ptr + split * N + rn, acc, mask=n_ok)
-        tl.debug_barrier()  # every thread's partial is written before the count moves
-        done = tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in range(0, SPLIT_K):
-                acc += tl.load(part_ptr + s * N + rn, mask=n_ok, other=0.0,
-                               cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
-            tl.atomic_xchg(lock_ptr + pid, 0)  # ready for the next call (graph replays too)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+    store_row_split(acc, y_ptr, bias_ptr, part_ptr, lock_ptr, pid, split, rn, n_ok, N,
+                    HAS_BIAS, SPLIT_K)
 
 
 # Batch-1 tiles (bench/sweep_quant.py --only int4 on an H200, L2-cold, 2026-12-02,
 # bench/RESULTS.md): outputs per program, K per step, warps, and programs per multiprocessor
 # the K split aims at. 8 per SM: qkv 11.1 us against 13.3 at 4; the others within 10%.
 GEMV_TILES = dict(BLOCK_N=256, BLOCK_K=128, num_warps=2, per_sm=8)
-
-
-def _split_for(tiles: int, steps: int, target: int) -> int:
-    """Powers of two up to 32 while the grid stays under `target` programs and every slice
-    keeps a K step."""
-    split = 1
-    while tiles * split * 2 <= target and split * 2 <= steps and split < 32:
-        split *= 2
-    return split
 
 
 def int4_gemv(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -219,7 +195,7 @@ def int4_gemv(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, zeros: t
         block_k = block_k_for(group, k)
     per_sm = cfg.pop("per_sm")
     tiles = triton.cdiv(n, cfg["BLOCK_N"])
-    split = cfg.pop("SPLIT_K", None) or _split_for(tiles, k // block_k, per_sm * sms)
+    split = cfg.pop("SPLIT_K", None) or split_for(tiles, k // block_k, per_sm * sms)
     x = x.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else y
