@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from ceilings import Ceilings, EventClock, measure
+from ceilings import EventClock
 
 from core.attention import AttentionLayerParams, BackendContext
 from core.checks import check_device
@@ -61,36 +61,11 @@ BACKENDS = _cuda_backends()
 
 
 @pytest.fixture(scope="session")
-def gpu() -> torch.device:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: attention benchmarks run on a GPU")
-    return torch.device("cuda")
-
-
-@pytest.fixture(scope="session")
-def ceilings(gpu) -> Ceilings:
-    return measure(gpu, DTYPE)
-
-
-@pytest.fixture(scope="session")
 def results(request):
     rows: list[dict] = []
     yield rows
     if rows:
         _report(request.config, rows)
-
-
-@pytest.fixture
-def clock(benchmark, gpu) -> EventClock:
-    c = EventClock(gpu)
-    # pytest-benchmark takes its timer from the command line only; its fixture keeps it in
-    # `_timer`. Swapping in the event clock makes the recorded statistics GPU times.
-    if hasattr(benchmark, "_timer"):
-        benchmark._timer = c
-        benchmark.extra_info["timer"] = "cuda_events"
-    else:
-        benchmark.extra_info["timer"] = "host wall clock (GPU times in extra_info only)"
-    return c
 
 
 @dataclass

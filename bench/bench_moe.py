@@ -26,7 +26,7 @@ import os
 
 import pytest
 import torch
-from ceilings import Ceilings, EventClock, measure
+from ceilings import EventClock
 
 from core.checks import check_device
 from core.moe import MoELayerParams, MoEWeights, route
@@ -74,34 +74,11 @@ def grouped_mm_moe(x: torch.Tensor, logits: torch.Tensor, w: MoEWeights,
 
 
 @pytest.fixture(scope="session")
-def gpu() -> torch.device:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: MoE benchmarks run on a GPU")
-    return torch.device("cuda")
-
-
-@pytest.fixture(scope="session")
-def ceilings(gpu) -> Ceilings:
-    return measure(gpu, DTYPE)
-
-
-@pytest.fixture(scope="session")
 def results(request):
     rows: list[dict] = []
     yield rows
     if rows:
         _report(request.config, rows)
-
-
-@pytest.fixture
-def clock(benchmark, gpu) -> EventClock:
-    c = EventClock(gpu)
-    if hasattr(benchmark, "_timer"):  # pytest-benchmark's timer: GPU times (bench_attention.py)
-        benchmark._timer = c
-        benchmark.extra_info["timer"] = "cuda_events"
-    else:
-        benchmark.extra_info["timer"] = "host wall clock (GPU times in extra_info only)"
-    return c
 
 
 _LAYERS: dict[tuple, tuple] = {}
