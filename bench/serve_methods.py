@@ -3,7 +3,7 @@
     python bench/serve_methods.py --out serve_methods.json [--methods bf16,fp8,...]
 
 For every case a `core serve` subprocess (bench/serving_online.ServerProcess) serves a dummy
-model of Llama-3.1-8B's shapes: bf16; online `--quantization fp8` and `w8a8_int8`; and
+model of Llama-3.1-8B's shapes (or --config's): bf16; online `--quantization fp8` and `w8a8_int8`; and
 checkpoints whose config.json carries a `quantization_config` as real ones write it (block FP8
 as Qwen3-FP8 / DeepSeek, AWQ and GPTQ INT4 group 128; bench_serving.QUANT_CONFIGS), which the
 resolver reads without a flag. Per case: start-up time, the quant method the plan names
@@ -48,9 +48,10 @@ def _post(url: str, key: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def serve_case(name: str, work: Path, device: str, extra: list[str], timeout: float) -> dict:
+def serve_case(name: str, work: Path, device: str, extra: list[str], timeout: float,
+               base: dict | None = None) -> dict:
     qcfg, quantization, expect = CASES[name]
-    cfg = dict(LLAMA_31_8B)
+    cfg = dict(base or LLAMA_31_8B)
     if qcfg:
         cfg["quantization_config"] = QUANT_CONFIGS[qcfg]
     model_dir = make_model_dir(cfg, work / name)
@@ -66,7 +67,8 @@ def serve_case(name: str, work: Path, device: str, extra: list[str], timeout: fl
             plan = info.get("plan") or {}
             res["plan_quant_method"] = plan.get("quant_method")
             res["plan"] = {k: plan.get(k) for k in ("quant_method", "quant_format", "dtype",
-                                                   "decode_attention", "layer_ops")}
+                                                   "decode_attention", "layer_ops",
+                                                   "moe_runner")}
             t = time.perf_counter()
             out = _post(srv.url + "/v1/completions", srv.api_key,
                         {"prompt": list(range(1000, 1064)),
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", default=",".join(CASES), help=f"comma list of {list(CASES)}")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--config", default=None,
+                   help="an HF config.json to serve instead of Llama-3.1-8B's shapes (e.g. "
+                        "tests/fixtures/configs/qwen3-30b-a3b.json: the plan then names its "
+                        "MoE runner too)")
     p.add_argument("--server-extra-args", default="--cuda-graph-max-bs 4",
                    help="more `core serve` flags for every case")
     p.add_argument("--startup-timeout", type=float, default=600.0)
@@ -93,11 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in names if m not in CASES]
     if unknown:
         p.error(f"unknown cases {unknown}; known: {list(CASES)}")
+    base = json.loads(Path(a.config).read_text()) if a.config else None
     results = []
     with tempfile.TemporaryDirectory(prefix="serve_methods_") as tmp:
         for name in names:
             r = serve_case(name, Path(tmp), a.device, a.server_extra_args.split(),
-                           a.startup_timeout)
+                           a.startup_timeout, base)
             if not r["ok"] and "error" in r:
                 log = Path(tmp) / f"{name}.log"
                 r["log_tail"] = log.read_text(errors="replace")[-3000:] if log.exists() else ""
