@@ -21,13 +21,12 @@ Without a CUDA device every case is skipped, with that reason.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 
 import pytest
 import torch
-from ceilings import EventClock
+from ceilings import EventClock, emit_table
 
 from core.attention import AttentionLayerParams, BackendContext
 from core.checks import check_device
@@ -285,16 +284,7 @@ def _report(config, rows: list[dict]) -> None:
         lines.append(f"| {r['phase']} | {_shape(r)} | {r['backend']} | {r['median_ms']:.3f} | "
                      f"{achieved} | {ratio:.2f} | {speedup} |")
     lines += ["", *_targets(rows, ref)]
-    text = "\n".join(lines)
-    reporter = config.pluginmanager.getplugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        for line in text.splitlines():
-            reporter.write_line(line)
-    path = os.environ.get("CORE_BENCH_TABLE")
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit_table(config, "\n".join(lines))
 
 
 def _shape(r: dict) -> str:

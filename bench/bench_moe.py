@@ -22,11 +22,10 @@ is skipped, with that reason.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-from ceilings import EventClock
+from ceilings import EventClock, emit_table
 
 from core.checks import check_device
 from core.moe import MoELayerParams, MoEWeights, route
@@ -187,13 +186,4 @@ def _report(config, rows: list[dict]) -> None:
         elif r["tokens"] <= DECODE_MAX:
             lines.append(f"- decode {r['model']} T={r['tokens']}: {r['ratio_to_copy']:.2f} of "
                          "copy bandwidth over the experts touched (target >= 0.6)")
-    text = "\n".join(lines)
-    reporter = config.pluginmanager.getplugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        for line in text.splitlines():
-            reporter.write_line(line)
-    path = os.environ.get("CORE_BENCH_TABLE")
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit_table(config, "\n".join(lines))

@@ -105,3 +105,17 @@ def matmul_rate(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: in
 def measure(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Ceilings:
     return Ceilings(torch.cuda.get_device_name(device), copy_bandwidth(device),
                     matmul_rate(device, dtype), str(dtype).removeprefix("torch."))
+
+
+def emit_table(config, text: str) -> None:
+    """A benchmark session's closing table: to pytest's terminal, and to the file
+    $CORE_BENCH_TABLE names (if set)."""
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        for line in text.splitlines():
+            reporter.write_line(line)
+    path = os.environ.get("CORE_BENCH_TABLE")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
