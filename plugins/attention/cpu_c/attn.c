@@ -38,7 +38,8 @@ static inline __attribute__((always_inline)) void scores16(
     const size_t esz = bf ? 2 : 4;
     for (int64_t j = 0; j < n; j++) {
         if (j + AHEAD < n)
-            __builtin_prefetch((const char *)kb + ((sl[lo + j + AHEAD] * Hkv + g) * NC * 16) * esz);
+            __builtin_prefetch((const char *)kb +
+                               ((sl[lo + j + AHEAD] * Hkv + g) * NC * 16) * esz);
         const int64_t row = (sl[lo + j] * Hkv + g) * NC * 16;
         const void *kr = bf ? (const void *)((const uint16_t *)kb + row)
                             : (const void *)((const float *)kb + row);
@@ -68,7 +69,8 @@ static inline __attribute__((always_inline)) void values16(
         const float *pi = p + i * n;
         for (int64_t j = 0; j < n; j++) {
             if (i == 0 && j + AHEAD < n)
-                __builtin_prefetch((const char *)vb + ((sl[lo + j + AHEAD] * Hkv + g) * NC * 16) * esz);
+                __builtin_prefetch((const char *)vb +
+                                   ((sl[lo + j + AHEAD] * Hkv + g) * NC * 16) * esz);
             const int64_t row = (sl[lo + j] * Hkv + g) * NC * 16;
             const void *vr = bf ? (const void *)((const uint16_t *)vb + row)
                                 : (const void *)((const float *)vb + row);

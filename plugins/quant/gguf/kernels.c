@@ -115,15 +115,19 @@ static void quantize_row_vec(const void *x, int x_bf16, int64_t K, int bs, int w
                              float *d, int32_t *s) {
     const int64_t nb = K / bs;
     const float qmax = wide ? 32512.0f : 127.0f;
-    const __m512i lim = _mm512_set1_epi32(wide ? 32512 : 127), nlim = _mm512_set1_epi32(wide ? -32512 : -127);
+    const __m512i lim = _mm512_set1_epi32(wide ? 32512 : 127);
+    const __m512i nlim = _mm512_set1_epi32(wide ? -32512 : -127);
     const int nv = bs / 16;  /* 1 or 2 vectors a block */
     for (int64_t b = 0; b < nb; b++) {
         __m512 v[2];
         for (int i = 0; i < nv; i++) {
             const int64_t k = b * bs + 16 * i;
-            v[i] = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k))), 16))
-                          : _mm512_loadu_ps((const float *)x + k);
+            if (x_bf16) {
+                const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k));
+                v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            } else {
+                v[i] = _mm512_loadu_ps((const float *)x + k);
+            }
         }
         __m512 a = _mm512_abs_ps(v[0]);
         if (nv == 2) a = _mm512_max_ps(a, _mm512_abs_ps(v[1]));
