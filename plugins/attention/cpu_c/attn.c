@@ -142,25 +142,28 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
 #else
         const int vec = 0;
 #endif
-        for (int64_t j = 0; j < (vec ? 0 : n); j++) {
-            if (j + AHEAD < n)
-                __builtin_prefetch((const char *)kb + ((sl[lo + j + AHEAD] * Hkv + g) * D) * esz);
-            const int64_t row = (sl[lo + j] * Hkv + g) * D;
-            const float *k = bf ? krow : (const float *)kb + row;
-            if (bf) {  /* the row widened once for its G query heads */
-                const uint16_t *kr = (const uint16_t *)kb + row;
+        if (!vec) {  /* the portable loops */
+            for (int64_t j = 0; j < n; j++) {
+                if (j + AHEAD < n)
+                    __builtin_prefetch((const char *)kb +
+                                       ((sl[lo + j + AHEAD] * Hkv + g) * D) * esz);
+                const int64_t row = (sl[lo + j] * Hkv + g) * D;
+                const float *k = bf ? krow : (const float *)kb + row;
+                if (bf) {  /* the row widened once for its G query heads */
+                    const uint16_t *kr = (const uint16_t *)kb + row;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) krow[d] = bf2f(kr[d]);
-            }
-            for (int64_t i = 0; i < G; i++) {
-                float a = 0.0f;
-                const float *qi = qs + i * D;
-                /* simd reduction: the compiler's vector order, the same on every call */
+                    for (int64_t d = 0; d < D; d++) krow[d] = bf2f(kr[d]);
+                }
+                for (int64_t i = 0; i < G; i++) {
+                    float a = 0.0f;
+                    const float *qi = qs + i * D;
+                    /* simd reduction: the compiler's vector order, the same on every call */
 #pragma omp simd reduction(+ : a)
-                for (int64_t d = 0; d < D; d++) a += qi[d] * k[d];
-                if (cap > 0.0f) a = cap * tanhf(a / cap);
-                sc[i * n + j] = a;
-                if (a > mxp[i]) mxp[i] = a;
+                    for (int64_t d = 0; d < D; d++) a += qi[d] * k[d];
+                    if (cap > 0.0f) a = cap * tanhf(a / cap);
+                    sc[i * n + j] = a;
+                    if (a > mxp[i]) mxp[i] = a;
+                }
             }
         }
         for (int64_t i = 0; i < G; i++) {
@@ -180,21 +183,24 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
         if (vec && D == 64) values16(sc, vb, bf, sl, lo, n, Hkv, g, G, 4, acc);
         else if (vec) values16(sc, vb, bf, sl, lo, n, Hkv, g, G, 8, acc);
 #endif
-        for (int64_t j = 0; j < (vec ? 0 : n); j++) {
-            if (j + AHEAD < n)
-                __builtin_prefetch((const char *)vb + ((sl[lo + j + AHEAD] * Hkv + g) * Dv) * esz);
-            const int64_t row = (sl[lo + j] * Hkv + g) * Dv;
-            const float *v = bf ? krow : (const float *)vb + row;
-            if (bf) {
-                const uint16_t *vr = (const uint16_t *)vb + row;
+        if (!vec) {  /* the portable loops */
+            for (int64_t j = 0; j < n; j++) {
+                if (j + AHEAD < n)
+                    __builtin_prefetch((const char *)vb +
+                                       ((sl[lo + j + AHEAD] * Hkv + g) * Dv) * esz);
+                const int64_t row = (sl[lo + j] * Hkv + g) * Dv;
+                const float *v = bf ? krow : (const float *)vb + row;
+                if (bf) {
+                    const uint16_t *vr = (const uint16_t *)vb + row;
 #pragma omp simd
-                for (int64_t d = 0; d < Dv; d++) krow[d] = bf2f(vr[d]);
-            }
-            for (int64_t i = 0; i < G; i++) {
-                const float p = sc[i * n + j];
-                float *ai = acc + i * Dv;
+                    for (int64_t d = 0; d < Dv; d++) krow[d] = bf2f(vr[d]);
+                }
+                for (int64_t i = 0; i < G; i++) {
+                    const float p = sc[i * n + j];
+                    float *ai = acc + i * Dv;
 #pragma omp simd
-                for (int64_t d = 0; d < Dv; d++) ai[d] += p * v[d];
+                    for (int64_t d = 0; d < Dv; d++) ai[d] += p * v[d];
+                }
             }
         }
         for (int64_t i = 0; i < G; i++) {
