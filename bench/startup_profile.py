@@ -41,6 +41,12 @@ HEAVY = ("transformers", "torch", "numpy", "gguf", "jinja2", "tokenizers", "aioh
          "sympy", "scipy", "pydantic", "tqdm")
 
 
+def _median_of(seconds: list[float]) -> str:
+    """'median X s (runs: a, b, ...)' of fresh-process timings."""
+    return (f"median {statistics.median(seconds):.3f} s (runs: "
+            f"{', '.join(f'{x:.2f}' for x in seconds)})")
+
+
 # -- the children ---------------------------------------------------------------------------------
 
 def _clock() -> Any:
@@ -307,17 +313,15 @@ def main(argv: list[str] | None = None) -> int:
                 stages.setdefault(k, []).append(v)
         print(f"\n== {mode} (median of {a.reps} fresh processes)")
         if mode == "engine":
-            loads = [r["load_s"] for r in runs]
-            print(f"  core.Engine() incl. import of core.engine: median {statistics.median(loads):.3f}"
-                  f" s  (runs: {', '.join(f'{x:.2f}' for x in loads)})")
+            print(f"  core.Engine() incl. import of core.engine: "
+                  f"{_median_of([r['load_s'] for r in runs])}")
             print(f"  plan: {runs[0]['plan']}; generated: {runs[0]['generated']!r}")
             print(f"  heavy modules the Engine() imported: {runs[0]['imported_by_engine']}")
         for k, vs in stages.items():
             print(f"  {k:45s} {statistics.median(vs):7.3f} s")
         if mode == "worker":
-            ready = [r["ready_s"] for r in runs]
-            print(f"  start to Ready: median {statistics.median(ready):.3f} s (runs: "
-                  f"{', '.join(f'{x:.2f}' for x in ready)}); reply {runs[0]['reply']}")
+            print(f"  start to Ready: {_median_of([r['ready_s'] for r in runs])}; "
+                  f"reply {runs[0]['reply']}")
             print(f"  heavy modules the worker imported: {runs[0]['imported']}")
     if "client" in views:
         mods, _ = run_child("client_modules", a)
