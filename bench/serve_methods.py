@@ -19,7 +19,6 @@ import json
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,24 +27,23 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from bench_serving import LLAMA_31_8B, QUANT_CONFIGS, make_model_dir  # noqa: E402
 from serving_online import ServerProcess  # noqa: E402
 
+from core.server.testing import http_request  # noqa: E402
+
 # case -> (quantization_config key or None, --quantization or None, the method the plan names)
 CASES = {"bf16": (None, None, "unquantized"), "fp8": (None, "fp8", "fp8"),
          "w8a8_int8": (None, "w8a8_int8", "w8a8_int8"), "fp8-block": ("fp8-block", None, "fp8"),
          "awq": ("awq", None, "awq"), "gptq": ("gptq", None, "gptq")}
 
 
-def _get(url: str, key: str) -> dict:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
-
-
-def _post(url: str, key: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {key}",
-                                          "Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
+def _call(srv: ServerProcess, method: str, path: str, body: dict | None = None,
+          timeout: float = 60.0) -> dict:
+    """One JSON request to the server (core.server.testing.http_request); a non-200 raises
+    with the server's answer."""
+    status, _, data = http_request(srv.url, method, path, body,
+                                   {"Authorization": f"Bearer {srv.api_key}"}, timeout=timeout)
+    if status != 200:
+        raise RuntimeError(f"{method} {path}: HTTP {status}: {data[:500]!r}")
+    return json.loads(data)
 
 
 def serve_case(name: str, work: Path, device: str, extra: list[str], timeout: float,
@@ -63,16 +61,16 @@ def serve_case(name: str, work: Path, device: str, extra: list[str], timeout: fl
     try:
         with ServerProcess(flags, work / f"{name}.log", timeout) as srv:
             res["startup_s"] = srv.startup_s
-            info = _get(srv.url + "/get_server_info", srv.api_key)
+            info = _call(srv, "GET", "/get_server_info")
             plan = info.get("plan") or {}
             res["plan_quant_method"] = plan.get("quant_method")
             res["plan"] = {k: plan.get(k) for k in ("quant_method", "quant_format", "dtype",
                                                    "decode_attention", "layer_ops",
                                                    "moe_runner")}
             t = time.perf_counter()
-            out = _post(srv.url + "/v1/completions", srv.api_key,
-                        {"prompt": list(range(1000, 1064)),
-                         "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+            out = _call(srv, "POST", "/v1/completions",
+                        {"prompt": list(range(1000, 1064)), "max_tokens": 16,
+                         "temperature": 0, "ignore_eos": True}, timeout=300.0)
             res["request_s"] = time.perf_counter() - t
             res["completion_tokens"] = out["usage"]["completion_tokens"]
     except Exception as exc:  # noqa: BLE001 - the other cases still run
