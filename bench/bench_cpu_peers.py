@@ -333,13 +333,13 @@ def worker_ceiling(job: dict[str, Any]) -> dict[str, Any]:
     taken as free), so the most output tok/s any engine could reach on it."""
     import torch
     import torch.nn.functional as F
-    from floors import per_layer_params, shapes
+    from floors import prefill_flops_of, shapes
 
     from core.gguf_metadata import gguf_to_hf_config, read_gguf_metadata
 
     torch.set_num_threads(job["threads"])
     cfg = gguf_to_hf_config(read_gguf_metadata(job["model_path"]))
-    s, p = shapes(cfg), per_layer_params(cfg)
+    s = shapes(cfg)
     dtype = getattr(torch, job["dtype"])
     rows = 512  # a prefill chunk
     x = torch.randn(rows, s["h"], dtype=dtype)
@@ -356,10 +356,7 @@ def worker_ceiling(job: dict[str, Any]) -> dict[str, Any]:
         rates[name] = 2 * rows * n_out * s["h"] / statistics.median(times)
     rate = max(rates.values())
     lens = job["concurrent_prompt_lens"]
-    L = s["layers"]
-    flops = sum(2 * L * (p["attn"] + p["expert"]) * n
-                + 4 * L * s["heads"] * s["d"] * n * (n + 1) / 2  # causal QK^T and PV
-                + 2 * s["h"] * s["vocab"] for n in lens)  # the LM head at the last position
+    flops = prefill_flops_of(cfg, lens)
     floor_s = flops / rate
     out_tokens = len(lens) * job["concurrent_new"]
     return {"gemm_flop_s": rate, "gemm_flop_s_by_shape": rates, "gemm_rows": rows,

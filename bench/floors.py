@@ -51,6 +51,20 @@ def distinct_experts(experts: int, top_k: int, tokens: int) -> float:
     return experts * (1 - miss)
 
 
+def prefill_flops_of(cfg: dict[str, Any], prompt_lens: list[int]) -> float:
+    """FLOPs of prefilling prompts of these lengths: 2 per active weight per token (a MoE token
+    through its top_k experts, router and shared expert), causal attention's QK^T and PV
+    (4 * heads * head_dim per visible position, layer and token), and the LM head once per
+    prompt (its last position)."""
+    s, p = shapes(cfg), per_layer_params(cfg)
+    L = s["layers"]
+    active_mlp = (s["top_k"] * p["expert"] + p["router"] + p["shared"]) if s["experts"] \
+        else p["expert"]
+    per_token = L * (p["attn"] + active_mlp)
+    return sum(2 * per_token * n + 4 * L * s["heads"] * s["d"] * n * (n + 1) / 2
+               + 2 * s["h"] * s["vocab"] for n in prompt_lens)
+
+
 def offline_floor(cfg: dict[str, Any], requests: int, input_len: int, output_len: int,
                   max_running: int, matmul_flops: float, copy_bytes_s: float,
                   elem_bytes: int = 2) -> dict[str, float]:
@@ -58,12 +72,7 @@ def offline_floor(cfg: dict[str, Any], requests: int, input_len: int, output_len
     parts. matmul_flops: FLOP/s of the same run's GEMM; copy_bytes_s: its copy bandwidth."""
     s, p = shapes(cfg), per_layer_params(cfg)
     L = s["layers"]
-    active_mlp = (s["top_k"] * p["expert"] + p["router"] + p["shared"]) if s["experts"] \
-        else p["expert"]
-    per_token = L * (p["attn"] + active_mlp)
-    tokens = requests * input_len
-    attn_flops = 4 * L * s["heads"] * s["d"] * requests * input_len * (input_len + 1) / 2
-    prefill_flops = 2 * per_token * tokens + attn_flops + 2 * requests * s["h"] * s["vocab"]
+    prefill_flops = prefill_flops_of(cfg, [input_len] * requests)
     waves = math.ceil(requests / max(1, min(max_running, requests)))
     decode_bytes = 0.0
     kv_per_token = 2 * L * s["kv"] * s["d"] * elem_bytes
