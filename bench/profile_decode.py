@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import LLAMA_31_8B, copy_bandwidth, make_model_dir, weight_bytes  # noqa: E402
+from bench_serving import LLAMA_31_8B, QUANT_CONFIGS, copy_bandwidth, make_model_dir, weight_bytes  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="an HF config.json to profile instead of "
                    "Llama-3.1-8B (MoE models: the roofline then uses the active weights, "
                    "bench/moe_decode.py's count)")
+    p.add_argument("--quantization", default=None,
+                   help="online quant method (`core serve --quantization`), e.g. fp8")
+    p.add_argument("--quant-config", default=None, choices=sorted(QUANT_CONFIGS),
+                   help="give the dummy checkpoint this quantization_config (awq, gptq, "
+                   "fp8-block)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("skipped: needs CUDA")
@@ -44,14 +49,22 @@ def main(argv: list[str] | None = None) -> int:
     from core.config import make_server_args
     from core.worker import build_engine_core, make_plan
 
-    cfg = LLAMA_31_8B if a.config is None else json.loads(Path(a.config).read_text())
+    cfg = dict(LLAMA_31_8B if a.config is None else json.loads(Path(a.config).read_text()))
+    if a.quant_config:
+        cfg["quantization_config"] = QUANT_CONFIGS[a.quant_config]
+    quantized = bool(a.quantization or a.quant_config)
     bw = copy_bandwidth("cuda")
     if cfg.get("num_experts") or cfg.get("num_local_experts"):
         from moe_decode import active_bytes_per_token
 
         wbytes = active_bytes_per_token(cfg, 2)
     else:
-        wbytes = weight_bytes(cfg, 2)
+        # the decoder's linear weights at their stored width (int4: half a byte; the scales
+        # are left out, so the roofline is a little optimistic for the quantized methods)
+        lin = None
+        if quantized:
+            lin = 0.5 if a.quant_config in ("awq", "gptq") else 1.0
+        wbytes = weight_bytes(cfg, 2, lin)
     model_dir = make_model_dir(cfg)
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     bs_max = max(sizes)
@@ -60,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
                             device="cuda", max_total_tokens=pool,
                             cuda_graph_max_bs=a.graph_max_bs or None,
                             disable_cuda_graph=a.graph_max_bs == 0,
-                            max_running_requests=max(bs_max, 1))
+                            max_running_requests=max(bs_max, 1),
+                            **({"quantization": a.quantization} if a.quantization else {}))
     args, plan, spec, registry = make_plan(args)
     core = build_engine_core(args, plan, spec, registry)
     sched = core.scheduler
     runner = sched.runner
     gr = runner.graph_runner
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "quant_method": getattr(plan, "quant_method", None),
                     "copy_bw_GBps": bw / 1e9, "weight_bytes": wbytes,
                     "roofline_ms_per_step_b1": wbytes / bw * 1e3,
                     "graph_sizes": sorted(gr.graphs) if gr else [], "batches": {}}

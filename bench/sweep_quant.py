@@ -250,22 +250,132 @@ def sweep_int4(rows: list, copy_gbps: float) -> None:
         print(json.dumps(rows[-1]), flush=True)
 
 
+def tinygemm_pack(w_q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+                  inner_k_tiles: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our int4 layout (w_q [K/8, N] words, scales / integer zeros [K/group, N]) -> PyTorch's
+    tinygemm operands (torch._weight_int4pack_mm): the weight repacked by
+    _convert_weight_to_int4pack from [N, K/2] bytes (the even input in the high nibble), and
+    [K/group, N, 2] bf16 (scale, zero) with w = (q - 8) * scale + zero, so zero = (8 - z) * s."""
+    from plugins.quant.int4.packing import unpack_rows
+
+    q = unpack_rows(w_q).t().contiguous().to(torch.int32)           # [N, K] nibbles
+    packed = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)
+    w4 = torch._convert_weight_to_int4pack(packed, inner_k_tiles)
+    s = scales.float()
+    sz = torch.stack([s, (8.0 - zeros.float()) * s], -1).to(torch.bfloat16).contiguous()
+    return w4, sz
+
+
+def sweep_peers(rows: list, copy_gbps: float) -> None:
+    """M = 1 (and 4, 8, 16): the library kernels a batch-1 method could call instead of ours, beside
+    ours and bf16, HBM-cold. fp8 per channel: quantize_acts + torch._scaled_mm (cuBLASLt,
+    row-wise scales), and the 16-row dot kernel at wider K tiles / more warps; int4: tinygemm
+    (torch._weight_int4pack_mm, what gpt-fast's 1.88x used) against int4_gemv. fp8_prequant_*:
+    the small-M kernel with x quantized by a launch of its own or in its prologue."""
+    from plugins.quant.int4 import gemm
+    from plugins.quant.int4.packing import dequantize, pack_rows
+    from plugins.quant.w8a8_triton import quantize_acts, small_m_linear
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    dots = [dict(kernel="dot", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=nw, num_stages=st)
+            for bn, bk, sk, nw, st in ((64, 256, 2, 4, 3), (64, 256, 4, 4, 4), (32, 512, 2, 4, 3),
+                                       (64, 512, 2, 8, 3), (128, 256, 2, 8, 3),
+                                       (32, 256, 4, 4, 5))]
+    for shape, (n, k) in [s for s in SHAPES.items() if s[0] != "square"]:
+        for m in (1, 4, 8, 16):
+            res: dict[str, list] = {}
+
+            def record(name, make, nbytes, ref=None, _res=res):
+                try:
+                    err = _rel(make(0)(), ref) if ref is not None else None
+                    fn, c = _rotating(make, nbytes)
+                    _res[name] = [timed(fn, reps=20) / c * 1e6, err]
+                except Exception as exc:  # noqa: BLE001 - a kernel this torch lacks
+                    _res[name] = [None, f"{type(exc).__name__}: {str(exc)[:160]}"]
+
+            copies = max(1, -(-(256 << 20) // (n * k)))
+            xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(max(1, -(-(256 << 20) // (2 * n * k))))]
+            record("bf16", lambda i, xb=xb, wb=wb: partial(torch.nn.functional.linear, xb, wb[i]),
+                   2 * n * k)
+            ops = [_fp8_operands(n, k, m, False) for _ in range(copies)]
+            x, w, ws = ops[0]
+            from core.testing.quant_refs import fake_quant_acts
+            ref = fake_quant_acts(x.float(), "fp8_token") @ (w.float() * ws).t()
+            record("fp8_ours", lambda i, ops=ops: partial(small_m_linear, *ops[i], None, "token"),
+                   n * k, ref)
+            for pre in (False, True):
+                record(f"fp8_prequant_{pre}", lambda i, ops=ops, pre=pre: partial(
+                    small_m_linear, *ops[i], None, "token", config={"prequant": pre}), n * k, ref)
+            for cfg in dots:
+                record(f"fp8_dot {json.dumps(cfg)}", lambda i, cfg=cfg, ops=ops: partial(
+                    small_m_linear, *ops[i], None, "token", config=cfg), n * k, ref)
+
+            def scaled(i, ops=ops):
+                xi, wi, wsi = ops[i]
+                wt, st = wi.t(), wsi.t().contiguous()   # [K, N] column-major view, [1, N]
+
+                def go():
+                    q, sx = quantize_acts(xi, torch.float8_e4m3fn)
+                    return torch._scaled_mm(q, wt, scale_a=sx, scale_b=st,
+                                            out_dtype=torch.bfloat16)
+                return go
+            record("fp8_scaled_mm", scaled, n * k, ref)
+            cps = max(1, -(-(256 << 20) // (n * k // 2)))
+            iops = []
+            for _ in range(cps):
+                w_q = pack_rows(torch.randint(0, 16, (k, n), device="cuda"))
+                s = (torch.rand(k // 128, n, device="cuda") * 0.01 + 0.001).half()
+                z = torch.randint(0, 16, (k // 128, n), device="cuda").to(torch.uint8)
+                iops.append((w_q, s, z))
+            ref = xb.float() @ dequantize(*iops[0], 128, torch.float32)
+            if m == 1:
+                record("int4_ours", lambda i, xb=xb, iops=iops: partial(
+                    gemm.int4_gemv, xb, *iops[i], 128, None, sms), n * k // 2, ref)
+            else:
+                record("int4_ours", lambda i, xb=xb, iops=iops: partial(
+                    gemm.int4_linear, xb, *iops[i], 128, None, sms), n * k // 2, ref)
+            for tiles in (8, 4, 2):
+                try:
+                    packs = [tinygemm_pack(*o, 128, tiles) for o in iops]
+                except Exception as exc:  # noqa: BLE001
+                    res[f"int4_tinygemm_k{tiles}"] = [None, f"{type(exc).__name__}: {exc}"[:160]]
+                    continue
+                record(f"int4_tinygemm_k{tiles}", lambda i, packs=packs, xb=xb: partial(
+                    torch._weight_int4pack_mm, xb, packs[i][0], 128, packs[i][1]),
+                    n * k // 2, ref)
+            bf = res["bf16"][0]
+            for name, (us, err) in sorted(res.items(), key=lambda kv: kv[1][0] or 1e9):
+                wbytes = 2 * n * k if name == "bf16" else (n * k // 2 if "int4" in name
+                                                           else n * k)
+                row = {"kind": "peers", "shape": shape, "N": n, "K": k, "M": m, "name": name,
+                       "us": us, "rel_err": err,
+                       "x_bf16": (bf / us) if us and bf else None,
+                       "of_copy": (wbytes / (us * 1e-6) / 1e9 / copy_gbps) if us else None}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--only", default=None,
-                   help="comma-separated subset of decode, prefill, gemv, int4")
+                   help="comma-separated subset of decode, prefill, gemv, int4, peers")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("skipped: no CUDA device")
         return
     rows: list = []
-    only = set(a.only.split(",")) if a.only else {"decode", "prefill", "gemv", "int4"}
+    only = set(a.only.split(",")) if a.only else {"decode", "prefill", "gemv", "int4", "peers"}
     from bench_quant_gemm import ceilings
 
     ceil = ceilings()
     print(json.dumps(ceil), flush=True)
     try:
+        if "peers" in only:
+            sweep_peers(rows, ceil["copy_GBps"])
         if "gemv" in only:
             sweep_gemv(rows, ceil["copy_GBps"])
         if "int4" in only:

@@ -330,41 +330,65 @@ def test_quant_moe_experts_conformance(quant_name, quant_case, quant_device, qua
                            request.config.getoption("conformance_seed", default=0), name)
 
 
+class MoEExpertsCase:
+    """A MoE layer of 4 experts (top-2) over this method's quantized experts, and its fp32
+    reference: the activations quantized as the case's are, each expert's intermediate rounded
+    to the compute dtype (what a runner stores between its two products). Shared with
+    bench/diag_moe_fp8.py, which times nothing and checks tilings one by one."""
+
+    def __init__(self, quant_name: str, case: RefCase, device: torch.device,
+                 dtype: torch.dtype, runner, seed: int):
+        from core.layers import MoE
+
+        self.case, self.dtype, self.top_k = case, dtype, 2
+        self.gen = gen = torch.Generator().manual_seed(seed)
+        experts, hidden, inter = 4, 256, 256
+        ctx = ModelContext(dtype=dtype, device=device, quant_method=_method(quant_name, case),
+                           moe_runner=runner)
+        self.moe = moe = MoE(experts, self.top_k, hidden, inter, ctx)
+        self.w13, self.w2 = [], []
+        for e in range(experts):
+            parts = {}
+            for proj, (n, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)),
+                                 ("down", (hidden, inter))):
+                tensors, parts[proj] = case.build(_weights(n, k, dtype, gen) * 4)
+                stacked = "w2" if proj == "down" else "w13"
+                for suffix, t in tensors.items():
+                    moe.weight_loader(getattr(moe, f"{stacked}_{suffix}"), t.to(device),
+                                      f"{e}.{proj}")
+            self.w13.append(torch.cat([parts["gate"], parts["up"]]))
+            self.w2.append(parts["down"])
+        moe.gate.weight.data.copy_((torch.randn(experts, hidden, generator=gen) * 0.1).to(dtype))
+        process_weights_after_loading(moe)
+
+    def inputs(self, m: int) -> torch.Tensor:
+        return torch.randn(m, self.moe.gate.weight.shape[1], generator=self.gen).to(self.dtype)
+
+    def reference(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [m, hidden] fp32, intermediates [m * top_k, inter] in the compute dtype, row
+        t * top_k + j being token t's j-th expert by routing weight)."""
+        acts = self.case.acts
+        scores = torch.softmax(x.float() @ self.moe.gate.weight.float().cpu().t(), -1)
+        top_w, top_i = scores.topk(self.top_k, -1)
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        ref = torch.zeros(x.shape[0], self.w2[0].shape[0])
+        inter = []
+        for t in range(x.shape[0]):
+            for wt, e in zip(top_w[t].tolist(), top_i[t].tolist(), strict=True):
+                g, u = (fake_quant_acts(x[t:t + 1], acts) @ self.w13[e].t()).chunk(2, -1)
+                h = (torch.nn.functional.silu(g) * u).to(self.dtype)
+                inter.append(h[0])
+                ref[t] += wt * (fake_quant_acts(h, acts) @ self.w2[e].t())[0]
+        return ref, torch.stack(inter)
+
+
 def _check_moe_experts(quant_name, case, device, dtype, runner, seed: int, runner_name: str):
     """One runner's MoE layer over this method's experts against the fp32 reference."""
-    from core.layers import MoE
-
-    gen = torch.Generator().manual_seed(seed)
-    experts, top_k, hidden, inter = 4, 2, 256, 256
-    ctx = ModelContext(dtype=dtype, device=device, quant_method=_method(quant_name, case),
-                       moe_runner=runner)
-    moe = MoE(experts, top_k, hidden, inter, ctx)
-    w13, w2 = [], []
-    for e in range(experts):
-        parts = {}
-        for proj, (n, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)),
-                             ("down", (hidden, inter))):
-            tensors, parts[proj] = case.build(_weights(n, k, dtype, gen) * 4)
-            stacked = "w2" if proj == "down" else "w13"
-            for suffix, t in tensors.items():
-                moe.weight_loader(getattr(moe, f"{stacked}_{suffix}"), t.to(device),
-                                  f"{e}.{proj}")
-        w13.append(torch.cat([parts["gate"], parts["up"]]))
-        w2.append(parts["down"])
-    moe.gate.weight.data.copy_((torch.randn(experts, hidden, generator=gen) * 0.1).to(dtype))
-    process_weights_after_loading(moe)
+    c = MoEExpertsCase(quant_name, case, device, dtype, runner, seed)
     for m in (1, 7, 64):
-        x = torch.randn(m, hidden, generator=gen).to(dtype)
+        x = c.inputs(m)
         with torch.no_grad():
-            y = moe(x.to(device))
-        scores = torch.softmax(x.float() @ moe.gate.weight.float().cpu().t(), -1)
-        top_w, top_i = scores.topk(top_k, -1)
-        top_w = top_w / top_w.sum(-1, keepdim=True)
-        ref = torch.zeros(m, hidden)
-        for t in range(m):
-            for wt, e in zip(top_w[t].tolist(), top_i[t].tolist(), strict=True):
-                g, u = (fake_quant_acts(x[t:t + 1], case.acts) @ w13[e].t()).chunk(2, -1)
-                h = (torch.nn.functional.silu(g) * u).to(dtype)
-                ref[t] += wt * (fake_quant_acts(h, case.acts) @ w2[e].t())[0]
-        assert y.shape == (m, hidden) and y.dtype == dtype
+            y = c.moe(x.to(device))
+        ref, _ = c.reference(x)
+        assert y.shape == (m, ref.shape[1]) and y.dtype == dtype
         _check(y, ref, dtype, f"{runner_name} experts M={m}")

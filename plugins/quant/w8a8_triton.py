@@ -14,7 +14,10 @@ TRITON_INTERPRET=1 in the CPU tests, where fp16/fp32 stand in for the 8-bit oper
   tensor cores (the same quantized x, dequantized in registers, fp32 products).
 
 Rounding: fp8 by the hardware conversion (round to nearest even), int8 half away from zero after
-clamping (torch.round rounds ties to even: ties are rare and one step apart).
+clamping (torch.round rounds ties to even: ties are rare and one step apart). x / scale is the
+IEEE-rounded division (tl.math.div_rn): Triton's `/` on fp32 is the approximate one, and with
+fp16 / bf16 inputs x / scale often lands exactly on a rounding midpoint of the 8-bit grid, where
+one ulp decides the code (the quant suite's MoE-experts case, bench/diag_moe_fp8.py).
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, ub_ptr, K, stride_xm, stride_qm, stri
         offs = g * GROUP + tl.arange(0, GROUP)
         ok = offs < K
         v = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / QMAX
-        tl.store(q_row + offs, _quantize(v / scale, QMAX, IS_INT, out_ty), mask=ok)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12), QMAX)
+        tl.store(q_row + offs, _quantize(tl.math.div_rn(v, scale), QMAX, IS_INT, out_ty), mask=ok)
         tl.store(s_ptr + row * stride_sm + g, scale)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -62,11 +65,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, ub_ptr, K, stride_xm, stride_qm, stri
         top = tl.maximum(tl.max(amax, axis=0), 1e-12)
         if HAS_UB:
             top = tl.minimum(top, tl.load(ub_ptr))
-        scale = top / QMAX
+        scale = tl.math.div_rn(top, QMAX)
         for start in range(0, K, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            tl.store(q_row + offs, _quantize(v / scale, QMAX, IS_INT, out_ty), mask=offs < K)
+            tl.store(q_row + offs, _quantize(tl.math.div_rn(v, scale), QMAX, IS_INT, out_ty), mask=offs < K)
         tl.store(s_ptr + row * stride_sm, scale)
 
 
@@ -103,7 +106,8 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_
                     HAS_UB: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRO_R: tl.constexpr,
                     PRO_K: tl.constexpr):
-    # ACT: 0 per-token dynamic, 1 per-group (BLOCK_K inputs) dynamic, 2 static (xs_ptr: []).
+    # ACT: 0 per-token dynamic, 1 per-group (BLOCK_K inputs) dynamic, 2 static (xs_ptr: []),
+    # 3 per-token already quantized (x_ptr: the 8-bit x, xs_ptr: its scales [M, 1]).
     # Program (n, s) computes outputs n*BLOCK_N.. over the s-th of SPLIT_K slices of K; with
     # SPLIT_K > 1 it stores its scaled partial, and the last program of the tile to finish
     # (a counter per tile, reset after) sums the partials in slice order: deterministic.
@@ -123,9 +127,11 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_
         amax = tl.maximum(amax, 1e-12)
         if HAS_UB:
             amax = tl.minimum(amax, tl.load(ub_ptr))
-        xs = amax / QMAX
+        xs = tl.math.div_rn(amax, QMAX)
     elif ACT == 2:
         xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr)
+    elif ACT == 3:
+        xs = tl.load(xs_ptr + rm, mask=m_ok, other=1.0)
     else:
         xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + 1.0
     steps = tl.cdiv(K, BLOCK_K)
@@ -136,11 +142,15 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_
     w_tile = w_ptr + rn[None, :] * stride_wn + rk[:, None]
     for start in range(k_lo, k_hi, BLOCK_K):
         k_ok = start + rk < K
-        v = tl.load(x_rows + start + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        if ACT == 1:
-            xs = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12) / QMAX
-        xq = _quantize(v / xs[:, None], QMAX, IS_INT, q_ty)
+        if ACT == 3:
+            xq = tl.load(x_rows + start + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+        else:
+            v = tl.load(x_rows + start + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            if ACT == 1:
+                xs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12), QMAX)
+            xq = _quantize(tl.math.div_rn(v, xs[:, None]), QMAX, IS_INT, q_ty)
         w = tl.load(w_tile + start, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         part = tl.dot(xq, w).to(tl.float32)
         if BLOCKED_W:
@@ -202,7 +212,7 @@ def _gemv1_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_pt
         top = tl.maximum(_row_amax(x_ptr, K, PRO_R, PRO_K), 1e-12)
         if HAS_UB:
             top = tl.minimum(top, tl.load(ub_ptr))
-        xs = top / QMAX
+        xs = tl.math.div_rn(top, QMAX)
     elif ACT == 2:
         xs = tl.load(xs_ptr).to(tl.float32)
     steps = tl.cdiv(K, BLOCK_K)
@@ -215,8 +225,8 @@ def _gemv1_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_pt
         k_ok = start + rk < K
         v = tl.load(x_ptr + start + rk, mask=k_ok, other=0.0).to(tl.float32)
         if ACT == 1:
-            gs = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12) / QMAX
-            xq = _quantize(v / gs, QMAX, IS_INT, q_ty).to(tl.float32)
+            gs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12), QMAX)
+            xq = _quantize(tl.math.div_rn(v, gs), QMAX, IS_INT, q_ty).to(tl.float32)
             if BLOCKED_W:
                 wsc = tl.load(ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn
                               + (start // BLOCK_K) * stride_wsk)
@@ -224,7 +234,7 @@ def _gemv1_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_pt
             else:
                 xq = xq * gs
         else:
-            xq = _quantize(v / xs, QMAX, IS_INT, q_ty).to(tl.float32)
+            xq = _quantize(tl.math.div_rn(v, xs), QMAX, IS_INT, q_ty).to(tl.float32)
         w = tl.load(w_rows + start + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)
         acc += w.to(tl.float32) * xq[None, :]
@@ -238,6 +248,12 @@ def _gemv1_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_pt
 
 
 SMALL_M = 16
+# From this many rows the per-token dynamic case quantizes x in a launch of its own before the
+# small-M kernel (ACT 3), which otherwise reads every row's amax one row after another in each
+# program: at M = 16 that prologue made the kernel 2.4x its M = 1 time, and cuBLAS's
+# _scaled_mm (with its own quantize launch) beat it at all four Llama-8B shapes (bench/
+# sweep_quant.py --only peers, H200, 2026-12-02). Below it the fused prologue is the cheaper.
+PREQUANT_ROWS = 4
 PER_ROW = 1 << 30  # scaled_mm's group_k for one scale per row
 
 
@@ -286,12 +302,14 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     """x [M <= 16, K] compute dtype -> [M, N]. act: "token" | "group" | "static";
     weight_scale [N, 1] (per channel) or [N/bn, K/bk] with `block` (then act is "group" and
     the K tile is the block's K). `config` (the sweep's): "kernel" ("gemv" for M = 1 only,
-    "dot") and that kernel's tiles."""
+    "dot"), "prequant" (per token: quantize x in a launch of its own, PREQUANT_ROWS) and that
+    kernel's tiles."""
     m, k = x.shape
     n = weight.shape[0]
     if m > SMALL_M:
         raise ValueError(f"small_m_linear takes at most {SMALL_M} rows, got {m}")
     cfg = dict(config or {})
+    prequant = cfg.pop("prequant", m >= PREQUANT_ROWS)
     form = "block" if block else "channel"
     kernel = cfg.pop("kernel", None) or (ONE_ROW_KERNEL[form] if m == 1 else "dot")
     if kernel == "gemv" and m == 1:
@@ -312,6 +330,11 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
             else y)
     locks = LockTable.get(x.device, tiles) if split > 1 else y
     act_code = {"token": 0, "group": 1, "static": 2}[act]
+    if act == "token" and prequant:
+        # the rows' amax would be a serial chain of M row reads in every program: one
+        # quantize launch first instead
+        x, input_scale = quantize_acts(x, weight.dtype, ub=ub)
+        act_code, ub = 3, None
     _small_m_kernel[(tiles, split)](
         x, weight, weight_scale, y, bias if bias is not None else y,
         input_scale if input_scale is not None else weight_scale,
