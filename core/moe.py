@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.quant import div_scalar
+from core.quant import div_scalar, reciprocal
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 # w13 layout: rows [0, I) are the gate projection, rows [I, 2I) the up projection.
@@ -190,7 +190,8 @@ def fp8_fake_quant_input(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
     """x [T, K] as form "fp8" quantizes it, dequantized to fp32: e4m3 with one scale per token,
     or per `bk` inputs of a token for block weights (amax / 448, correctly rounded on every
     device: CUDA's division by a Python float is a reciprocal multiply, see
-    core.quant.div_scalar)."""
+    core.quant.div_scalar), each input times the scale's correctly rounded reciprocal
+    (core.quant.reciprocal, the kernels' rounding)."""
     x = x.float()
     block = weights.extra.get("block")
     group = int(block[1]) if block is not None else x.shape[1]
@@ -198,5 +199,5 @@ def fp8_fake_quant_input(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
     pad = (-k) % group
     g = torch.nn.functional.pad(x, (0, pad)).view(t, -1, group)
     s = div_scalar(g.abs().amax(-1, keepdim=True).clamp(min=1e-12), 448.0)
-    q = (g / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
+    q = (g * reciprocal(s)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s
     return q.view(t, -1)[:, :k]

@@ -323,6 +323,16 @@ def apply_ignore(model: nn.Module, scheme: QuantScheme, dense: Any) -> list[str]
     return rebuilt
 
 
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale in fp32, correctly rounded on every device. Activations are quantized as
+    x * reciprocal(scale) (then rounded to the 8-bit grid), by the torch paths, the references
+    and the Triton kernels alike (these take the reciprocal with tl.math.div_rn, once per scale):
+    a product is correctly rounded everywhere, while Triton's fp32 `/` is approximate and an
+    exact division per element costs the small-M kernels 2-3x (bench/RESULTS.md)."""
+    s = scale.float()
+    return torch.ones_like(s) / s
+
+
 def div_scalar(x: torch.Tensor, d: float) -> torch.Tensor:
     """x / d correctly rounded on every device. CUDA's `tensor / python_float` multiplies by the
     reciprocal (1 ulp off for about half the values; CPU divides), and fp8 / int8 codes of bf16

@@ -196,6 +196,13 @@ _KERNELS = textwrap.dedent("""
     q, s = quantize_acts(x, torch.int8, group=64)
     g = torch.nn.functional.pad(x, (0, 20)).view(5, 5, 64)
     assert torch.allclose(s, g.abs().amax(-1) / 127)
+    # ... and the same scales and codes, bit for bit, as the torch path (core.quant.reciprocal:
+    # x * (1 / scale)) on bf16-valued inputs, where x / scale often sits on a rounding midpoint
+    from plugins.quant.common import INT8_MAX, int8_acts, per_token_scale
+    xb = (torch.randn(64, 512) * 3).to(torch.bfloat16).float()
+    q, s = quantize_acts(xb, torch.int8)
+    assert torch.equal(s, per_token_scale(xb, INT8_MAX))
+    assert torch.equal(q, int8_acts(xb, s))
 
     # block-scaled GEMM, fp16 operands standing in for e4m3
     for m, n, k, block in ((1, 96, 256, (32, 64)), (37, 160, 192, (32, 64)), (5, 64, 96, (16, 32))):

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from core.quant import reciprocal
+
 FP8_MAX = 448.0
 
 # (tensors by checkpoint suffix, the dequantized fp32 weight [N, K])
@@ -155,25 +157,28 @@ CASES: tuple[RefCase, ...] = (
 def fake_quant_acts(x: torch.Tensor, acts: str, static_scale: float | None = None
                     ) -> torch.Tensor:
     """x [M, K] -> fp32, quantized and dequantized the way the case's activations are: per row
-    (token), per 128 inputs of a row (group), or by one static scale; amax / qmax scales."""
+    (token), per 128 inputs of a row (group), or by one static scale; amax / qmax scales, each
+    input times the scale's reciprocal (core.quant.reciprocal: the kernels' rounding)."""
     x = x.float()
     if acts == "none":
         return x
     if acts == "fp8_static":
-        return (x / static_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() \
-            * static_scale
+        st = torch.tensor(static_scale, dtype=torch.float32)
+        return (x * reciprocal(st)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() \
+            * st
     if acts == "fp8_group":
         m, k = x.shape
         g = x.reshape(m, k // 128, 128)
         s = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-        return ((g / s).to(torch.float8_e4m3fn).float() * s).reshape(m, k)
+        return ((g * reciprocal(s)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+                * s).reshape(m, k)
     s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
     if acts == "fp8_token":
         s = s / FP8_MAX
-        return (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
+        return (x * reciprocal(s)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
     if acts == "int8_token":
         s = s / 127.0
-        return torch.round(x / s).clamp(-128, 127) * s
+        return torch.round(x * reciprocal(s)).clamp(-128, 127) * s
     raise ValueError(f"unknown activation form {acts!r}")
 
 

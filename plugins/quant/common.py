@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quant import div_scalar
+from core.quant import div_scalar, reciprocal
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -34,6 +34,17 @@ def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.round(x.float() / scale).clamp(-128, 127).to(torch.int8)
 
 
+def fp8_acts(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Activations: x * (1 / scale) saturated to e4m3's range, as e4m3 (core.quant.reciprocal:
+    the kernels' rounding). Weights go through quantize_fp8's division."""
+    return (x.float() * reciprocal(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def int8_acts(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Activations as int8: x * (1 / scale), rounded, clamped."""
+    return torch.round(x.float() * reciprocal(scale)).clamp(-128, 127).to(torch.int8)
+
+
 def per_group_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (e4m3 [M, K], fp32 scales [M, ceil(K/group)]): one scale per `group`
     consecutive inputs of a row (DeepSeek / Qwen3-FP8 activations)."""
@@ -42,7 +53,7 @@ def per_group_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     xp = F.pad(x.float(), (0, pad)) if pad else x.float()
     g = xp.view(m, -1, group)
     scale = div_scalar(g.abs().amax(dim=-1, keepdim=True).clamp(min=_TINY), FP8_MAX)
-    q = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, -1)[:, :k]
+    q = fp8_acts(g, scale).view(m, -1)[:, :k]
     return q.contiguous(), scale.squeeze(-1)
 
 

@@ -14,10 +14,12 @@ TRITON_INTERPRET=1 in the CPU tests, where fp16/fp32 stand in for the 8-bit oper
   tensor cores (the same quantized x, dequantized in registers, fp32 products).
 
 Rounding: fp8 by the hardware conversion (round to nearest even), int8 half away from zero after
-clamping (torch.round rounds ties to even: ties are rare and one step apart). x / scale is the
-IEEE-rounded division (tl.math.div_rn): Triton's `/` on fp32 is the approximate one, and with
-fp16 / bf16 inputs x / scale often lands exactly on a rounding midpoint of the 8-bit grid, where
-one ulp decides the code (the quant suite's MoE-experts case, bench/diag_moe_fp8.py).
+clamping (torch.round rounds ties to even: ties are rare and one step apart). Scales (amax /
+qmax) and their reciprocals are IEEE-rounded divisions (tl.math.div_rn), and x is quantized as
+x * (1 / scale), as core.quant.reciprocal defines it for every path: Triton's `/` on fp32 is
+approximate, and fp16 / bf16 inputs put x / scale exactly on a rounding midpoint of the 8-bit
+grid often enough that the last ulp decides codes (the quant suite's MoE-experts case, bench/
+diag_moe_fp8.py); an exact division per element made the small-M kernel 2-3x slower.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ def _quantize(v, QMAX: tl.constexpr, IS_INT: tl.constexpr, out_ty: tl.constexpr)
 
 
 @triton.jit
+def _recip(s):
+    """1 / s, correctly rounded (core.quant.reciprocal)."""
+    return tl.math.div_rn(s * 0.0 + 1.0, s)  # s * 0 + 1: a 1.0 of any shape
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, ub_ptr, K, stride_xm, stride_qm, stride_sm,
                       GROUP: tl.constexpr, BLOCK: tl.constexpr, QMAX: tl.constexpr,
                       IS_INT: tl.constexpr, HAS_UB: tl.constexpr):
@@ -54,7 +62,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, ub_ptr, K, stride_xm, stride_qm, stri
         ok = offs < K
         v = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12), QMAX)
-        tl.store(q_row + offs, _quantize(tl.math.div_rn(v, scale), QMAX, IS_INT, out_ty), mask=ok)
+        tl.store(q_row + offs, _quantize(v * _recip(scale), QMAX, IS_INT, out_ty), mask=ok)
         tl.store(s_ptr + row * stride_sm + g, scale)
     else:
         amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -66,10 +74,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, ub_ptr, K, stride_xm, stride_qm, stri
         if HAS_UB:
             top = tl.minimum(top, tl.load(ub_ptr))
         scale = tl.math.div_rn(top, QMAX)
+        inv = _recip(scale)
         for start in range(0, K, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-            tl.store(q_row + offs, _quantize(tl.math.div_rn(v, scale), QMAX, IS_INT, out_ty), mask=offs < K)
+            tl.store(q_row + offs, _quantize(v * inv, QMAX, IS_INT, out_ty), mask=offs < K)
         tl.store(s_ptr + row * stride_sm, scale)
 
 
@@ -134,6 +143,7 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_
         xs = tl.load(xs_ptr + rm, mask=m_ok, other=1.0)
     else:
         xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + 1.0
+    inv = _recip(xs)
     steps = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(steps, SPLIT_K)
     k_lo = split * per_split * BLOCK_K
@@ -150,7 +160,8 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_
                         other=0.0).to(tl.float32)
             if ACT == 1:
                 xs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12), QMAX)
-            xq = _quantize(tl.math.div_rn(v, xs[:, None]), QMAX, IS_INT, q_ty)
+                inv = _recip(xs)
+            xq = _quantize(v * inv[:, None], QMAX, IS_INT, q_ty)
         w = tl.load(w_tile + start, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         part = tl.dot(xq, w).to(tl.float32)
         if BLOCKED_W:
@@ -215,6 +226,8 @@ def _gemv1_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_pt
         xs = tl.math.div_rn(top, QMAX)
     elif ACT == 2:
         xs = tl.load(xs_ptr).to(tl.float32)
+    if ACT != 1:
+        inv = _recip(xs)
     steps = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(steps, SPLIT_K)
     k_lo = split * per_split * BLOCK_K
@@ -226,7 +239,7 @@ def _gemv1_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_pt
         v = tl.load(x_ptr + start + rk, mask=k_ok, other=0.0).to(tl.float32)
         if ACT == 1:
             gs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), 1e-12), QMAX)
-            xq = _quantize(tl.math.div_rn(v, gs), QMAX, IS_INT, q_ty).to(tl.float32)
+            xq = _quantize(v * _recip(gs), QMAX, IS_INT, q_ty).to(tl.float32)
             if BLOCKED_W:
                 wsc = tl.load(ws_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_wsn
                               + (start // BLOCK_K) * stride_wsk)
@@ -234,7 +247,7 @@ def _gemv1_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_pt
             else:
                 xq = xq * gs
         else:
-            xq = _quantize(tl.math.div_rn(v, xs), QMAX, IS_INT, q_ty).to(tl.float32)
+            xq = _quantize(v * inv, QMAX, IS_INT, q_ty).to(tl.float32)
         w = tl.load(w_rows + start + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)
         acc += w.to(tl.float32) * xq[None, :]

@@ -28,13 +28,15 @@ import triton.language as tl
 @triton.jit
 def _quantize_rows(a, q_ty: tl.constexpr):
     """A [rows, BLOCK_K] activation tile -> (tile / scale as q_ty, fp32 scale per row):
-    amax / 448, the e4m3 range (fp16 stands in for e4m3 under the interpreter). The division
-    is the IEEE-rounded one: Triton's `/` is approximate, and half-precision inputs often put
-    a / scale exactly on a midpoint of the e4m3 grid, where its last bit picks the code
-    (bench/diag_moe_fp8.py found whole tokens off by 1e-2 in fp16 from this)."""
+    amax / 448, the e4m3 range (fp16 stands in for e4m3 under the interpreter); the tile times
+    the scale's reciprocal, both divisions IEEE-rounded (core.quant.reciprocal). Triton's `/`
+    is approximate, and half-precision inputs often put a / scale exactly on a midpoint of the
+    e4m3 grid, where its last bit picks the code (bench/diag_moe_fp8.py found whole tokens off
+    by 1e-2 in fp16 from this)."""
     a32 = a.to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a32), axis=1), 1e-12), 448.0)
-    return tl.math.div_rn(a32, scale[:, None]).to(q_ty), scale
+    inv = tl.math.div_rn(scale * 0.0 + 1.0, scale)
+    return (a32 * inv[:, None]).to(q_ty), scale
 
 
 @triton.jit

@@ -22,6 +22,7 @@ from plugins.quant.common import (
     FP8_MAX,
     cuda_capability,
     expand_blocks,
+    fp8_acts,
     parameter,
     per_group_fp8,
     per_token_scale,
@@ -180,7 +181,7 @@ def _act_quant(x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.T
         scale = static.reshape(1, 1).expand(x.shape[0], 1)
     else:
         scale = per_token_scale(x, FP8_MAX, getattr(layer, "input_scale_ub", None))
-    return quantize_fp8(x, scale), scale.float()
+    return fp8_acts(x, scale), scale.float()
 
 
 def _gpu_linear(x: torch.Tensor, layer: nn.Module, scheme: QuantScheme) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch import nn
 from core.quant import QuantScheme, mark
 from plugins.quant.common import (
     INT8_MAX,
+    int8_acts,
     parameter,
     per_token_scale,
     quantize_int8,
@@ -74,7 +75,7 @@ def gpu_int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                               input_scale=input_scale)
     if input_scale is not None:
         xs = input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
-        xq = quantize_int8(x, xs)
+        xq = int8_acts(x, xs)
     else:
         xq, xs = quantize_acts(x, torch.int8)
     return scaled_mm(xq, xs, weight, weight_scale, 1, x.shape[1], x.dtype, bias)
@@ -87,7 +88,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     m = x.shape[0]
     xs = (input_scale.reshape(1, 1).expand(m, 1) if input_scale is not None
           else per_token_scale(x, INT8_MAX))
-    xq = quantize_int8(x, xs)
+    xq = int8_acts(x, xs)
     pad = max(0, _MIN_ROWS - m) if x.is_cuda else 0
     if pad:
         xq = F.pad(xq, (0, 0, 0, pad))
