@@ -1,0 +1,78 @@
+#!/bin/bash
+# The GPU conformance suites and the quick diagnostics in one command, for a lent GPU machine
+# whose session time is short (no network there).
+#
+#   bash bench/gpu_checks.sh [STAGE ...]        # default: suites quant-diag batch1
+#
+# Stages (each under `timeout`, its log in $OUT/gpu_checks/STAGE.log, the rc and seconds in
+# times.txt; everything is also packed into $OUT/gpu_checks.tgz, since the device tool brings back
+# only a few files):
+#   suites      the quant suite (four methods), the MoE runner suites, the GPU quant tests
+#   quant-diag  bench/diag_moe_fp8.py (the fp8 MoE experts' error, by stage)
+#   batch1      bench/profile_decode.py at batch 1 for bf16, online fp8 and AWQ, then 16 for fp8
+#   peers       bench/sweep_quant.py --only peers (small-M fp8 / int4 against the library kernels)
+#   serve       bench/serve_methods.py (every quant method through `core serve`)
+#   offline-fp8 bench/profile_decode.py at batch 256 (1,024-token prompts), bf16 and fp8
+#
+# Wheels the image lacks (gguf, compressed-tensors, xgrammar, ...) are installed from ./.whl
+# when it exists (carry it with the device tool), then the checkout with its entry points.
+set -u
+OUT=${OUT:-/tmp/out}
+R=$OUT/gpu_checks
+mkdir -p "$R"
+if [ -d .whl ]; then
+    mkdir -p /tmp/site && python3 -m pip install -q --no-deps --target /tmp/site .whl/*.whl \
+        >"$R/pip.log" 2>&1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$R/pip.log" 2>&1
+export PYTHONUNBUFFERED=1
+{ date -u; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log -1 --format=%h; } \
+    >"$R/machine.txt" 2>&1
+
+run() {  # run NAME SECONDS CMD...
+    local name=$1 limit=$2 t0
+    shift 2
+    t0=$(date +%s)
+    timeout "$limit" "$@" >"$R/$name.log" 2>&1
+    echo "$name rc=$? $(($(date +%s) - t0))s" | tee -a "$R/times.txt"
+}
+PYTEST=(python3 -m pytest -q -p no:cacheprovider --no-header -rfE)
+
+for stage in "${@:-suites quant-diag batch1}"; do
+  for s in $stage; do
+    case $s in
+    suites)
+        run quant_suite 240 "${PYTEST[@]}" -m gpu --conformance-quant fp8 \
+            --conformance-quant w8a8_int8 --conformance-quant awq --conformance-quant gptq \
+            --conformance-device cuda core/testing/quant_suite.py
+        run moe_suites 300 "${PYTEST[@]}" -m gpu tests/test_moe_conformance.py \
+            tests/test_moe_gpu.py tests/test_moe_triton.py --conformance-device cuda
+        run quant_gpu 240 "${PYTEST[@]}" -m gpu tests/test_quant_gpu.py ;;
+    quant-diag)
+        run diag_moe_fp8 90 python3 bench/diag_moe_fp8.py --dtypes float32,float16,bfloat16 \
+            --tilings table --out "$R/diag_moe_fp8.json" ;;
+    batch1)
+        run prof_bf16 120 python3 bench/profile_decode.py --batch-sizes 1 --steps 32 --rows 12 \
+            --out "$R/prof_bf16.json"
+        run prof_fp8 120 python3 bench/profile_decode.py --batch-sizes 1,16 --steps 32 \
+            --rows 12 --quantization fp8 --out "$R/prof_fp8.json"
+        run prof_awq 120 python3 bench/profile_decode.py --batch-sizes 1 --steps 32 --rows 12 \
+            --quant-config awq --out "$R/prof_awq.json" ;;
+    peers)
+        run peers 240 python3 bench/sweep_quant.py --only peers --out "$R/peers.json" ;;
+    serve)
+        run serve_methods 400 python3 bench/serve_methods.py --out "$R/serve_methods.json" ;;
+    offline-fp8)
+        for q in bf16 fp8; do
+            extra=()
+            [ "$q" = fp8 ] && extra=(--quantization fp8)
+            run "prof256_$q" 240 python3 bench/profile_decode.py --batch-sizes 256 \
+                --graph-max-bs 256 --prompt-len 1024 --steps 16 --rows 20 "${extra[@]}" \
+                --out "$R/prof256_$q.json"
+        done ;;
+    *) echo "unknown stage $s" | tee -a "$R/times.txt" ;;
+    esac
+  done
+done
+tar czf "$OUT/gpu_checks.tgz" -C "$OUT" gpu_checks
