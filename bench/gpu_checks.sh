@@ -13,6 +13,8 @@
 #   peers       bench/sweep_quant.py --only peers (small-M fp8 / int4 against the library kernels)
 #   serve       bench/serve_methods.py (every quant method through `core serve`)
 #   offline-fp8 bench/profile_decode.py at batch 256 (1,024-token prompts), bf16 and fp8
+#   parallel-1gpu  bench/bench_parallel.py at TP=1 and DP=1 / 2 on one GPU (issue 18's fallback
+#               when no multi-GPU machine is lent: the NCCL path, two replicas sharing the GPU)
 #
 # Wheels the image lacks (gguf, compressed-tensors, xgrammar, ...) are installed from ./.whl
 # when it exists (carry it with the device tool), then the checkout with its entry points.
@@ -71,6 +73,9 @@ for stage in "${@:-suites quant-diag batch1}"; do
                 --graph-max-bs 256 --prompt-len 1024 --steps 16 --rows 20 "${extra[@]}" \
                 --out "$R/prof256_$q.json"
         done ;;
+    parallel-1gpu)
+        run parallel_1gpu 540 python3 bench/bench_parallel.py --tp-sizes 1 --dp-sizes 1,2 \
+            --num-prompts 200 --out "$R/parallel_1gpu.json" ;;
     *) echo "unknown stage $s" | tee -a "$R/times.txt" ;;
     esac
   done
