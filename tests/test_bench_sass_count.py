@@ -1,44 +1,64 @@
 """bench/sass_count.py: a Triton kernel compiled for sm_90 on this GPU-less machine, and its
 SASS counted. An IEEE division shows as an FCHK (its fast path's range check, beside a
 MUFU.RCP and a CALL of the shared slow path): one per element for a division per element, one
-in all for the reciprocal form the quant kernels use (core.quant.reciprocal)."""
+in all for the reciprocal form the quant kernels use (core.quant.reciprocal).
+
+It runs in a subprocess without TRITON_INTERPRET (the suite sets it for the kernel tests, and
+interpreted kernels cannot be compiled)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-
-
-@triton.jit
-def _per_element_div(x_ptr, s_ptr, y_ptr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    s = tl.load(s_ptr + offs)
-    tl.store(y_ptr + offs, tl.math.div_rn(tl.load(x_ptr + offs), s))
-
-
-@triton.jit
-def _one_reciprocal(x_ptr, s_ptr, y_ptr, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    s = tl.load(s_ptr)
-    tl.store(y_ptr + offs, tl.load(x_ptr + offs) * tl.math.div_rn(s * 0.0 + 1.0, s))
-
-
-def test_sass_counts_show_where_the_divisions_are():
-    nvdisasm = Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm"
-    if not nvdisasm.exists() or os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("this triton has no bundled CUDA backend tools")
+_SCRIPT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    import triton
+    import triton.language as tl
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/nvdisasm").exists():
+        print("no-tools"); sys.exit(0)
     from sass_count import count
 
-    per, _ = count(_per_element_div, {"BLOCK": 256}, {}, warps=1, stages=1)
-    once, text = count(_one_reciprocal, {"BLOCK": 256}, {}, warps=1, stages=1)
+    @triton.jit
+    def per_element_div(x_ptr, s_ptr, y_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        s = tl.load(s_ptr + offs)
+        tl.store(y_ptr + offs, tl.math.div_rn(tl.load(x_ptr + offs), s))
+
+    @triton.jit
+    def one_reciprocal(x_ptr, s_ptr, y_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        s = tl.load(s_ptr)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs) * tl.math.div_rn(s * 0.0 + 1.0, s))
+
+    per, _ = count(per_element_div, {"BLOCK": 256}, {}, warps=1, stages=1)
+    once, text = count(one_reciprocal, {"BLOCK": 256}, {}, warps=1, stages=1)
     assert once["FCHK"] == 1, text
-    assert per["FCHK"] == 8  # 256 elements over 32 threads: 8 divisions each
-    assert sum(per.values()) > 1.5 * sum(once.values())
+    assert per["FCHK"] == 8, per  # 256 elements over 32 threads: 8 divisions each
+    assert sum(per.values()) > 1.5 * sum(once.values()), (per, once)
+    print("ok")
+""")
+
+
+def test_sass_counts_show_where_the_divisions_are(tmp_path):
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(BENCH), env.get("PYTHONPATH", "")]),
+               TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    script = tmp_path / "sass_check.py"  # a file, so triton.jit can read the kernels' source
+    script.write_text(_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    if out.stdout.strip() == "no-tools":
+        pytest.skip("this triton has no bundled CUDA backend tools")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
