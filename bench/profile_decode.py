@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.get("num_experts") or cfg.get("num_local_experts"):
         from moe_decode import active_bytes_per_token
 
+        # bf16 bytes whatever the checkpoint's quantization: for an fp8 MoE config the
+        # fraction printed is of the bf16 roofline (bench/moe_decode.py counts fp8 bytes)
         wbytes = active_bytes_per_token(cfg, 2)
     else:
         # the decoder's linear weights at their stored width (int4: half a byte; the scales
