@@ -7,6 +7,15 @@ import triton.language as tl
 
 
 @triton.jit
+def split_k_range(K, split, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """[k_lo, k_hi) of the split-th of SPLIT_K slices of K, in whole BLOCK_K steps (the last
+    slice may be short or empty)."""
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_lo = split * per_split * BLOCK_K
+    return k_lo, tl.minimum(K, k_lo + per_split * BLOCK_K)
+
+
+@triton.jit
 def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  GROUP_M: tl.constexpr):
     """(row tile, column tile) of program `pid` in grouped order: GROUP_M row tiles run

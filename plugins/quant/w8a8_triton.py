@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.quant.tiles import grouped_tile, split_for, store_row_split
+from plugins.quant.tiles import grouped_tile, split_for, split_k_range, store_row_split
 from plugins.splitk import LockTable
 
 FP8_MAX = 448.0
@@ -144,10 +144,7 @@ def _small_m_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_
     else:
         xs = tl.zeros((BLOCK_M,), dtype=tl.float32) + 1.0
     inv = _recip(xs)
-    steps = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(steps, SPLIT_K)
-    k_lo = split * per_split * BLOCK_K
-    k_hi = tl.minimum(K, k_lo + per_split * BLOCK_K)
+    k_lo, k_hi = split_k_range(K, split, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_tile = w_ptr + rn[None, :] * stride_wn + rk[:, None]
     for start in range(k_lo, k_hi, BLOCK_K):
@@ -228,10 +225,7 @@ def _gemv1_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, bias_ptr, xs_ptr, ub_ptr, part_pt
         xs = tl.load(xs_ptr).to(tl.float32)
     if ACT != 1:
         inv = _recip(xs)
-    steps = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(steps, SPLIT_K)
-    k_lo = split * per_split * BLOCK_K
-    k_hi = tl.minimum(K, k_lo + per_split * BLOCK_K)
+    k_lo, k_hi = split_k_range(K, split, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_rows = w_ptr + rn[:, None] * stride_wn
     for start in range(k_lo, k_hi, BLOCK_K):

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.quant.tiles import grouped_tile, split_for, store_row_split
+from plugins.quant.tiles import grouped_tile, split_for, split_k_range, store_row_split
 from plugins.splitk import LockTable
 
 
@@ -185,10 +185,7 @@ def _int4_gemv(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, 
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rr = tl.arange(0, R)
     n_ok = rn < N
-    steps = K // BLOCK_K
-    per_split = tl.cdiv(steps, SPLIT_K)
-    k_lo = split * per_split * BLOCK_K
-    k_hi = tl.minimum(K, k_lo + per_split * BLOCK_K)
+    k_lo, k_hi = split_k_range(K, split, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for start in range(k_lo, k_hi, BLOCK_K):
         words = tl.load(w_ptr + (start // 8 + rr)[:, None] * stride_wk + rn[None, :],
