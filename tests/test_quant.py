@@ -4,12 +4,10 @@ the interpreter, and the quant conformance suite on the CPU for the built-in met
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from interpreted import run_interpreted
 
 from core.capabilities import MoECaps, QuantCaps
 from core.checks import check_moe_quant
@@ -252,10 +250,7 @@ _KERNELS = textwrap.dedent("""
 
 def test_w8a8_triton_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", _KERNELS], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    run_interpreted(_KERNELS)
 
 
 def test_kv_cache_scales_are_read_from_the_checkpoint(tmp_path):

@@ -6,12 +6,10 @@ the 16-row tl.dot kernel on the same inputs must agree. On a GPU see tests/test_
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from interpreted import run_interpreted
 
 _SCRIPT = textwrap.dedent("""
     import torch
@@ -61,7 +59,4 @@ _SCRIPT = textwrap.dedent("""
 
 def test_one_row_w8a8_kernel_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    run_interpreted(_SCRIPT)
