@@ -103,6 +103,22 @@ static inline float exp_neg(float x) {
     return p * scale;
 }
 
+/* Row j of head g among n cached rows (slots sl[0..n)) of a [S, Hkv, W] cache, as fp32: the
+ * cache itself for fp32, else the bf16 row widened once into buf (for all G query heads); the
+ * row AHEAD places on is prefetched. The portable loops' fetch, for K and V alike. */
+static inline const float *cache_row(const void *base, int bf, size_t esz, const int64_t *sl,
+                                     int64_t j, int64_t n, int64_t Hkv, int64_t g, int64_t W,
+                                     float *buf) {
+    if (j + AHEAD < n)
+        __builtin_prefetch((const char *)base + ((sl[j + AHEAD] * Hkv + g) * W) * esz);
+    const int64_t row = (sl[j] * Hkv + g) * W;
+    if (!bf) return (const float *)base + row;
+    const uint16_t *r = (const uint16_t *)base + row;
+#pragma omp simd
+    for (int64_t d = 0; d < W; d++) buf[d] = bf2f(r[d]);
+    return buf;
+}
+
 /* q [B, H, D] fp32 (q_bf 0) or bf16 (1); kb [S, Hkv, D], vb [S, Hkv, Dv]; slots [B, ss] int64;
  * seq_lens [B]; window > 0 keeps the last `window` keys; cap > 0 soft-caps scores;
  * out [B, H, Dv] fp32 (out_bf 0) or bf16 (1, rounded to nearest even as torch does).
@@ -144,16 +160,7 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
 #endif
         if (!vec) {  /* the portable loops */
             for (int64_t j = 0; j < n; j++) {
-                if (j + AHEAD < n)
-                    __builtin_prefetch((const char *)kb +
-                                       ((sl[lo + j + AHEAD] * Hkv + g) * D) * esz);
-                const int64_t row = (sl[lo + j] * Hkv + g) * D;
-                const float *k = bf ? krow : (const float *)kb + row;
-                if (bf) {  /* the row widened once for its G query heads */
-                    const uint16_t *kr = (const uint16_t *)kb + row;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; d++) krow[d] = bf2f(kr[d]);
-                }
+                const float *k = cache_row(kb, bf, esz, sl + lo, j, n, Hkv, g, D, krow);
                 for (int64_t i = 0; i < G; i++) {
                     float a = 0.0f;
                     const float *qi = qs + i * D;
@@ -185,16 +192,7 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
 #endif
         if (!vec) {  /* the portable loops */
             for (int64_t j = 0; j < n; j++) {
-                if (j + AHEAD < n)
-                    __builtin_prefetch((const char *)vb +
-                                       ((sl[lo + j + AHEAD] * Hkv + g) * Dv) * esz);
-                const int64_t row = (sl[lo + j] * Hkv + g) * Dv;
-                const float *v = bf ? krow : (const float *)vb + row;
-                if (bf) {
-                    const uint16_t *vr = (const uint16_t *)vb + row;
-#pragma omp simd
-                    for (int64_t d = 0; d < Dv; d++) krow[d] = bf2f(vr[d]);
-                }
+                const float *v = cache_row(vb, bf, esz, sl + lo, j, n, Hkv, g, Dv, krow);
                 for (int64_t i = 0; i < G; i++) {
                     const float p = sc[i * n + j];
                     float *ai = acc + i * Dv;
