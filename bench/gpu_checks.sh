@@ -19,6 +19,10 @@
 # Wheels the image lacks (gguf, compressed-tensors, xgrammar, ...) are installed from ./.whl
 # when it exists (carry it with the device tool), then the checkout with its entry points.
 set -u
+STAGES="suites quant-diag batch1 peers serve offline-fp8 parallel-1gpu"
+for s in ${*:-}; do  # refuse an unknown stage before any device time goes
+    case " $STAGES " in *" $s "*) ;; *) echo "unknown stage $s (stages: $STAGES)" >&2; exit 2 ;; esac
+done
 OUT=${OUT:-/tmp/out}
 R=$OUT/gpu_checks
 mkdir -p "$R"
@@ -76,7 +80,6 @@ for stage in "${@:-suites quant-diag batch1}"; do
     parallel-1gpu)
         run parallel_1gpu 540 python3 bench/bench_parallel.py --tp-sizes 1 --dp-sizes 1,2 \
             --num-prompts 200 --out "$R/parallel_1gpu.json" ;;
-    *) echo "unknown stage $s" | tee -a "$R/times.txt" ;;
     esac
   done
 done

@@ -34,6 +34,9 @@ weights of every `Linear` the model builds, and of MoE experts where its caps sa
 
 What a method may assume: `create_weights` runs on the device in the plan; apply's x is
 contiguous in the last dim; the layer keeps `input_size`, `output_size`, `output_sizes`.
+Dynamic activations, as the conformance suite's references quantize them: scale = amax / qmax
+(per token or per group; correctly rounded), codes = round(x * reciprocal(scale)) saturated
+(`reciprocal` below: a correctly rounded 1 / scale), so kernels can match codes bit for bit.
 What it must not do: read the environment or pick kernels by device type at apply time (choose
 once, at process time). Layers a checkpoint leaves dense (`QuantScheme.ignore`: lm_head, routers,
 listed modules) are rebuilt dense by `apply_ignore` before loading.
