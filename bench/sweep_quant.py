@@ -270,9 +270,8 @@ def sweep_peers(rows: list, copy_gbps: float) -> None:
     """M = 1 (and 4, 8, 16): the library kernels a batch-1 method could call instead of ours, beside
     ours and bf16, HBM-cold. fp8 per channel: quantize_acts + torch._scaled_mm (cuBLASLt,
     row-wise scales), and the 16-row dot kernel at wider K tiles / more warps; int4: tinygemm
-    (torch._weight_int4pack_mm, what gpt-fast's 1.88x used) against int4_gemv and its IN_PLACE
-    candidate. fp8_prequant_*:
-    the small-M kernel with x quantized by a launch of its own or in its prologue."""
+    (torch._weight_int4pack_mm, what gpt-fast's 1.88x used) against int4_gemv, with and without
+    its in-place unpack. fp8_prequant_*: the small-M kernel with x quantized by a launch of its own or in its prologue."""
     from plugins.quant.int4 import gemm
     from plugins.quant.int4.packing import dequantize, pack_rows
     from plugins.quant.w8a8_triton import quantize_acts, small_m_linear
@@ -334,9 +333,9 @@ def sweep_peers(rows: list, copy_gbps: float) -> None:
             if m == 1:
                 record("int4_ours", lambda i, xb=xb, iops=iops: partial(
                     gemm.int4_gemv, xb, *iops[i], 128, None, sms), n * k // 2, ref)
-                # the IN_PLACE unpack candidate, at the default tiles and at 4 warps
-                for cfg in ({"IN_PLACE": True}, {"IN_PLACE": True, "num_warps": 4},
-                            {"num_warps": 4}):
+                # the default (in-place unpack, 4 warps) against the shifted unpack and 2 warps
+                for cfg in ({"IN_PLACE": False}, {"IN_PLACE": False, "num_warps": 2},
+                            {"num_warps": 2}):
                     record(f"int4_gemv {json.dumps(cfg)}", lambda i, xb=xb, iops=iops, cfg=cfg:
                            partial(gemm.int4_gemv, xb, *iops[i], 128, None, sms, cfg),
                            n * k // 2, ref)

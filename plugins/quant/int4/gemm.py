@@ -175,10 +175,10 @@ def _int4_gemv(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, 
                SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                IN_PLACE: tl.constexpr = False):
     # Program (n, s): outputs n*BLOCK_N.. over the s-th of SPLIT_K slices of K (BLOCK_K steps,
-    # each inside one group). IN_PLACE (a candidate, not the default until timed on a GPU):
-    # the step's x in one load, split into its 8 interleaved vectors, and each nibble masked
-    # where it sits instead of shifted down (bench/sass_count.py: 10-15% fewer instructions a
-    # step on sm_90, no scalar x loads).
+    # each inside one group). IN_PLACE (the default, GEMV_TILES): the step's x in one load,
+    # split into its 8 interleaved vectors, and each nibble masked where it sits instead of
+    # shifted down (bench/sass_count.py: 10-15% fewer instructions a step on sm_90, no scalar x
+    # loads). Without it: 8 strided x loads a step and each nibble shifted to bit 0.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8  # word rows per step
@@ -211,8 +211,10 @@ def _int4_gemv(x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, 
 
 # Batch-1 tiles (bench/sweep_quant.py --only int4 on an H200, L2-cold, 2026-12-02,
 # bench/RESULTS.md): outputs per program, K per step, warps, and programs per multiprocessor
-# the K split aims at. 8 per SM: qkv 11.1 us against 13.3 at 4; the others within 10%.
-GEMV_TILES = dict(BLOCK_N=256, BLOCK_K=128, num_warps=2, per_sm=8)
+# the K split aims at. 8 per SM: qkv 11.1 us against 13.3 at 4; the others within 10%. The
+# in-place unpack at 4 warps (--only peers, session 13): qkv / o / gate_up / down 10.8 / 8.8 /
+# 33.7 / 21.6 us against the shifted unpack at 2 warps' 11.1 / 9.3 / 42.8 / 25.3.
+GEMV_TILES = dict(BLOCK_N=256, BLOCK_K=128, num_warps=4, per_sm=8, IN_PLACE=True)
 
 
 def int4_gemv(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
