@@ -271,7 +271,8 @@ def sweep_peers(rows: list, copy_gbps: float) -> None:
     ours and bf16, HBM-cold. fp8 per channel: quantize_acts + torch._scaled_mm (cuBLASLt,
     row-wise scales), and the 16-row dot kernel at wider K tiles / more warps; int4: tinygemm
     (torch._weight_int4pack_mm, what gpt-fast's 1.88x used) against int4_gemv, with and without
-    its in-place unpack. fp8_prequant_*: the small-M kernel with x quantized by a launch of its own or in its prologue."""
+    its in-place unpack. fp8_prequant_*: the small-M kernel with x quantized by a launch of its
+    own or in its prologue."""
     from plugins.quant.int4 import gemm
     from plugins.quant.int4.packing import dequantize, pack_rows
     from plugins.quant.w8a8_triton import quantize_acts, small_m_linear
