@@ -265,11 +265,12 @@ def test_two_nodes_on_loopback(tiny_llama):
             out = eng.generate(input_ids=PROMPT, sampling_params={**GREEDY,
                                                                   "max_new_tokens": 24})
         assert out["output_ids"] == hf_greedy(hf, PROMPT, 24)
-        assert node1.wait(timeout=30) == 0  # node 0's shutdown reached node 1's rank
+        rc = node1.wait(timeout=30)
     finally:
         if node1.poll() is None:
             node1.kill()
         log = node1.communicate(timeout=10)[0]
+    assert rc == 0, log  # node 0's shutdown reached node 1's rank
     assert "node 1 of 2: 1 rank(s) joining" in log
 
 
