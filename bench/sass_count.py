@@ -8,10 +8,17 @@ BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,PRO_R=4,PRO_K=1024 \
     # the same kernel as another file holds it (e.g. an older revision, `git show REV:PATH`):
     python bench/sass_count.py /tmp/old_w8a8.py:_small_m_kernel ...
 
-Pointers not named in --ptr are fp32, other runtime arguments i32. Prints the total, the most
-frequent opcodes and the MUFU / CALL counts (IEEE divisions show as a MUFU.RCP, FFMAs and a CALL
-to their slow path); --out keeps the disassembly. Counts are static (every branch, slow paths
-included) and come from the installed triton, which may differ from a GPU machine's.
+Arguments named *_ptr are pointers (fp32 unless --ptr names their type), so are the others
+--ptr names; other runtime arguments are i32 unless --scalar gives their type. Prints the total,
+the most frequent opcodes and the MUFU / CALL counts (IEEE divisions show as a MUFU.RCP, FFMAs
+and a CALL to their slow path); --out keeps the disassembly. Counts are static (every branch,
+slow paths included) and come from the installed triton, which may differ from a GPU machine's.
+
+Alignment: on a GPU, Triton's launcher compiles every pointer that is 16-byte aligned (torch's
+allocations are) and every integer argument that is a multiple of 16 (strides such as 4096) with
+that fact, and the compiler vectorizes loads along them. Without --div16 nothing is assumed
+(scalar loads where a runtime stride is involved); `--div16 all` is the usual GPU launch of
+aligned tensors and round shapes.
 """
 
 from __future__ import annotations
@@ -50,8 +57,13 @@ def _value(text: str):
     return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
-def count(kernel, consts: dict, ptrs: dict, warps: int, stages: int, arch: int = 90):
-    """(opcode counter, disassembly) of `kernel` compiled for sm_<arch>."""
+def count(kernel, consts: dict, ptrs: dict, warps: int, stages: int, arch: int = 90,
+          scalars: dict | None = None, div16: set[str] | frozenset[str] = frozenset()):
+    """(opcode counter, disassembly) of `kernel` compiled for sm_<arch>. Arguments named in
+    `ptrs` (and any other *_ptr) are pointers, those in `scalars` scalars of that type. `div16`:
+    the arguments compiled as multiples of 16 (pointers: 16-byte aligned), as Triton's launcher
+    specializes them when their values are; "ptrs" stands for every pointer, "all" for every
+    pointer and integer."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -61,14 +73,21 @@ def count(kernel, consts: dict, ptrs: dict, warps: int, stages: int, arch: int =
     for n in kernel.arg_names:
         if n in constexprs:
             sig[n] = "constexpr"
-        elif n.endswith("_ptr"):
+        elif n in ptrs or n.endswith("_ptr"):
             sig[n] = "*" + ptrs.get(n, "fp32")
         else:
-            sig[n] = "i32"
-    unknown = set(consts) - constexprs
+            sig[n] = (scalars or {}).get(n, "i32")
+    unknown = (set(consts) - constexprs) | (set(ptrs) | set(scalars or {})) - set(sig)
+    named = set(div16) - {"ptrs", "all"}
+    unknown |= named - {n for n, t in sig.items() if t.startswith("*") or t[0] in "iu"}
     if unknown:
-        raise SystemExit(f"not constexpr arguments of {kernel.__name__}: {sorted(unknown)}")
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+        raise SystemExit(f"not arguments of {kernel.__name__} (or not constexpr, for --const): "
+                         f"{sorted(unknown)}")
+    aligned = [i for i, n in enumerate(kernel.arg_names) if n in sig and (
+        n in named or (sig[n].startswith("*") and div16 & {"ptrs", "all"})
+        or ("all" in div16 and sig[n][0] in "iu"))]
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": warps, "num_stages": stages})
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/nvdisasm")
@@ -85,7 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("kernel", help="module.path:kernel or file.py:kernel")
     p.add_argument("--const", default="", help="NAME=VALUE,... for every constexpr argument")
-    p.add_argument("--ptr", default="", help="NAME=DTYPE,... (fp8e4nv, bf16, fp16, i32, ...)")
+    p.add_argument("--ptr", default="", help="NAME=DTYPE,... (fp8e4nv, bf16, fp16, i32, ...): "
+                   "pointer arguments (those named *_ptr are pointers anyway, fp32 if unnamed)")
+    p.add_argument("--scalar", default="", help="NAME=TYPE,... (fp32, i64, ...) for scalar "
+                   "arguments other than i32")
+    p.add_argument("--div16", default="", help="NAME,... compiled as multiples of 16 (what "
+                   "the launcher does for values that are): 'ptrs' = every pointer, 'all' = "
+                   "every pointer and integer; default none")
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--arch", type=int, default=90)
@@ -94,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     consts = {k: _value(v) for k, v in (kv.split("=", 1) for kv in a.const.split(",") if kv)}
     ptrs = dict(kv.split("=", 1) for kv in a.ptr.split(",") if kv)
-    ops, text = count(_kernel(a.kernel), consts, ptrs, a.warps, a.stages, a.arch)
+    scalars = dict(kv.split("=", 1) for kv in a.scalar.split(",") if kv)
+    div16 = {n for n in a.div16.split(",") if n}
+    ops, text = count(_kernel(a.kernel), consts, ptrs, a.warps, a.stages, a.arch, scalars,
+                      div16)
     if a.out:
         Path(a.out).write_text(text)
     mufu = sum(v for o, v in ops.items() if o.startswith("MUFU"))

@@ -1,7 +1,9 @@
 """bench/sass_count.py: a Triton kernel compiled for sm_90 on this GPU-less machine, and its
 SASS counted. An IEEE division shows as an FCHK (its fast path's range check, beside a
 MUFU.RCP and a CALL of the shared slow path): one per element for a division per element, one
-in all for the reciprocal form the quant kernels use (core.quant.reciprocal).
+in all for the reciprocal form the quant kernels use (core.quant.reciprocal). A row gather with
+a runtime stride vectorizes only when the stride and the pointers are compiled as multiples of
+16 (--div16), as the GPU launcher compiles them for round values.
 
 It runs in a subprocess without TRITON_INTERPRET (the suite sets it for the kernel tests, and
 interpreted kernels cannot be compiled)."""
@@ -45,11 +47,28 @@ _SCRIPT = textwrap.dedent("""
     assert once["FCHK"] == 1, text
     assert per["FCHK"] == 8, per  # 256 elements over 32 threads: 8 divisions each
     assert sum(per.values()) > 1.5 * sum(once.values()), (per, once)
+
+    @triton.jit
+    def row_gather(X, rows, y_ptr, stride, D: tl.constexpr, R: tl.constexpr):
+        r = tl.load(rows + tl.arange(0, R))
+        v = tl.load(X + r[:, None] * stride + tl.arange(0, D)[None, :])
+        tl.store(y_ptr + tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :], v)
+
+    args = ({"D": 128, "R": 16}, {"X": "fp16", "rows": "i32", "y_ptr": "fp16"})
+    plain, _ = count(row_gather, *args, warps=1, stages=1)
+    aligned, _ = count(row_gather, *args, warps=1, stages=1, div16={"all"})
+    # a runtime row stride: 2-byte loads unless it (and X) are known multiples of 16
+    assert plain["LDG.E.U16"] > 0 and plain["LDG.E.128"] == 0, plain
+    assert aligned["LDG.E.128"] > 0 and aligned["LDG.E.U16"] == 0, aligned
+    ptrs_only, _ = count(row_gather, *args, warps=1, stages=1, div16={"ptrs"})
+    assert ptrs_only["LDG.E.128"] == 0, ptrs_only  # the stride decides
+    named, _ = count(row_gather, *args, warps=1, stages=1, div16={"ptrs", "stride"})
+    assert named == aligned, (named, aligned)
     print("ok")
 """)
 
 
-def test_sass_counts_show_where_the_divisions_are(tmp_path):
+def test_sass_counts_show_divisions_and_alignment(tmp_path):
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
