@@ -108,10 +108,15 @@ def sweep_prefill(rows: list) -> None:
         print(json.dumps(row), flush=True)
 
 
+def _l2_copies(nbytes: int) -> int:
+    """How many copies of `nbytes` of operands a rotation needs to miss L2 (256 MiB of them)."""
+    return max(1, -(-(256 << 20) // nbytes))
+
+
 def _rotating(make, nbytes: int):
     """fn() calling make(i)() over enough copies of the operands to miss L2; the time per call
     is timed(fn) / copies."""
-    copies = max(1, -(-(256 << 20) // nbytes))
+    copies = _l2_copies(nbytes)
     fns = [make(i) for i in range(copies)]
 
     def fn():
@@ -135,7 +140,7 @@ def sweep_gemv(rows: list, copy_gbps: float) -> None:
     for (shape, (n, k)), blocked in itertools.product(
             [s for s in SHAPES.items() if s[0] != "square"], (False, True)):
         act, blk = ("group", (128, 128)) if blocked else ("token", None)
-        ops = [_fp8_operands(n, k, 1, blocked) for _ in range(max(1, -(-(256 << 20) // (n * k))))]
+        ops = [_fp8_operands(n, k, 1, blocked) for _ in range(_l2_copies(n * k))]
         x, w, ws = ops[0]
         wd = w.float() * (ws.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
                           if blocked else ws)
@@ -143,7 +148,7 @@ def sweep_gemv(rows: list, copy_gbps: float) -> None:
         ref = fake_quant_acts(x.float(), "fp8_group" if blocked else "fp8_token") @ wd.t()
         xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in
-              range(max(1, -(-(256 << 20) // (2 * n * k))))]
+              range(_l2_copies(2 * n * k))]
         fn, c = _rotating(lambda i, xb=xb, wb=wb: partial(torch.nn.functional.linear, xb, wb[i]), 2 * n * k)
         bf16 = timed(fn, reps=20) / c
         results = {}
@@ -172,24 +177,29 @@ def sweep_gemv(rows: list, copy_gbps: float) -> None:
         print(json.dumps({kk: vv for kk, vv in row.items() if kk != "all"}), flush=True)
 
 
+def _int4_operands(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random int4 weights in our layout, group 128: (w_q [K/8, N] words, fp16 scales, uint8
+    zeros [K/128, N])."""
+    from plugins.quant.int4.packing import pack_rows
+
+    w_q = pack_rows(torch.randint(0, 16, (k, n), device="cuda"))
+    s = (torch.rand(k // 128, n, device="cuda") * 0.01 + 0.001).half()
+    z = torch.randint(0, 16, (k // 128, n), device="cuda").to(torch.uint8)
+    return w_q, s, z
+
+
 def sweep_int4(rows: list, copy_gbps: float) -> None:
     from plugins.quant.int4 import gemm
-    from plugins.quant.int4.packing import dequantize, pack_rows
+    from plugins.quant.int4.packing import dequantize
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     configs = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, per_sm=ps)
                for bn, bk, nw, ps in ((256, 128, 2, 4), (256, 128, 2, 8), (128, 128, 1, 8),
                                       (512, 128, 4, 4), (256, 64, 2, 8))]
 
-    def operands(n, k):
-        w_q = pack_rows(torch.randint(0, 16, (k, n), device="cuda"))
-        s = (torch.rand(k // 128, n, device="cuda") * 0.01 + 0.001).half()
-        z = torch.randint(0, 16, (k // 128, n), device="cuda").to(torch.uint8)
-        return w_q, s, z
-
     for shape, (n, k) in [s for s in SHAPES.items() if s[0] != "square"]:
-        copies = max(1, -(-(256 << 20) // (n * k // 2)))
-        ops = [operands(n, k) for _ in range(copies)]
+        copies = _l2_copies(n * k // 2)
+        ops = [_int4_operands(n, k) for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = x.float() @ dequantize(*ops[0], 128, torch.float32)
         results = {}
@@ -212,7 +222,7 @@ def sweep_int4(rows: list, copy_gbps: float) -> None:
             results[key] = (t, err)
         xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in
-              range(max(1, -(-(256 << 20) // (2 * n * k))))]
+              range(_l2_copies(2 * n * k))]
         fn, c = _rotating(lambda i, xb=xb, wb=wb: partial(torch.nn.functional.linear, xb, wb[i]), 2 * n * k)
         bf16 = timed(fn, reps=20) / c
         best = min(results.items(), key=lambda kv: kv[1][0])
@@ -273,8 +283,9 @@ def sweep_peers(rows: list, copy_gbps: float) -> None:
     (torch._weight_int4pack_mm, what gpt-fast's 1.88x used) against int4_gemv, with and without
     its in-place unpack. fp8_prequant_*: the small-M kernel with x quantized by a launch of its
     own or in its prologue."""
+    from core.testing.quant_refs import fake_quant_acts
     from plugins.quant.int4 import gemm
-    from plugins.quant.int4.packing import dequantize, pack_rows
+    from plugins.quant.int4.packing import dequantize
     from plugins.quant.w8a8_triton import quantize_acts, small_m_linear
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -294,15 +305,14 @@ def sweep_peers(rows: list, copy_gbps: float) -> None:
                 except Exception as exc:  # noqa: BLE001 - a kernel this torch lacks
                     _res[name] = [None, f"{type(exc).__name__}: {str(exc)[:160]}"]
 
-            copies = max(1, -(-(256 << 20) // (n * k)))
+            copies = _l2_copies(n * k)
             xb = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-                  for _ in range(max(1, -(-(256 << 20) // (2 * n * k))))]
+                  for _ in range(_l2_copies(2 * n * k))]
             record("bf16", lambda i, xb=xb, wb=wb: partial(torch.nn.functional.linear, xb, wb[i]),
                    2 * n * k)
             ops = [_fp8_operands(n, k, m, False) for _ in range(copies)]
             x, w, ws = ops[0]
-            from core.testing.quant_refs import fake_quant_acts
             ref = fake_quant_acts(x.float(), "fp8_token") @ (w.float() * ws).t()
             record("fp8_ours", lambda i, ops=ops: partial(small_m_linear, *ops[i], None, "token"),
                    n * k, ref)
@@ -323,13 +333,7 @@ def sweep_peers(rows: list, copy_gbps: float) -> None:
                                             out_dtype=torch.bfloat16)
                 return go
             record("fp8_scaled_mm", scaled, n * k, ref)
-            cps = max(1, -(-(256 << 20) // (n * k // 2)))
-            iops = []
-            for _ in range(cps):
-                w_q = pack_rows(torch.randint(0, 16, (k, n), device="cuda"))
-                s = (torch.rand(k // 128, n, device="cuda") * 0.01 + 0.001).half()
-                z = torch.randint(0, 16, (k // 128, n), device="cuda").to(torch.uint8)
-                iops.append((w_q, s, z))
+            iops = [_int4_operands(n, k) for _ in range(_l2_copies(n * k // 2))]
             ref = xb.float() @ dequantize(*iops[0], 128, torch.float32)
             if m == 1:
                 record("int4_ours", lambda i, xb=xb, iops=iops: partial(
