@@ -298,7 +298,7 @@ def count_and_iter_weights(source: WeightSource, config: Any, reader: Any = None
                            raw_gguf: bool = False
                            ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """(number of tensors, iterator of (HF name, tensor)) for the source's format; raw_gguf:
-    a GGUF file's quantized tensors as their blocks (core.models.gguf.GGUFBlocks)."""
+    a GGUF file's quantized tensors as their blocks (core.gguf_weights.GGUFBlocks)."""
     if source.load_format == "safetensors":
         from safetensors import safe_open
 
@@ -325,7 +325,7 @@ def count_and_iter_weights(source: WeightSource, config: Any, reader: Any = None
 
         return 0, it_pt()
     if source.load_format == "gguf":
-        from core.models.gguf import gguf_weights
+        from core.gguf_weights import gguf_weights
 
         return gguf_weights(source.files[0], config, reader, raw=raw_gguf)
     raise ValueError(f"no weights to read for load format {source.load_format!r}")

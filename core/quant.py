@@ -22,7 +22,7 @@ weights of every `Linear` the model builds, and of MoE experts where its caps sa
                                                  instead of the mark()/load_shard copy.
     takes_raw_gguf = True                        (optional) a GGUF file's quantized tensors
                                                  reach weight_loader / load_table as their
-                                                 blocks (core.models.gguf.GGUFBlocks).
+                                                 blocks (core.gguf_weights.GGUFBlocks).
     load_summary() -> str                        (optional) a load note: what it kept, how.
     load_table(module, loaded) -> table | None   (optional) the token embedding's / LM head's
                                                  weight kept in the method's own form: a

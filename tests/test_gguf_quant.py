@@ -188,8 +188,8 @@ def test_the_default_engine_serves_the_blocks_and_answers():
 def test_the_header_tensor_table_reads_what_gguf_reader_reads():
     import gguf
 
+    from core.gguf_weights import _tensor_table
     from core.loader import default_model_path
-    from core.models.gguf import _tensor_table
 
     path = default_model_path()
     arch, fast = _tensor_table(path)

@@ -19,6 +19,7 @@ from model_fixtures import (
 from safetensors.torch import load_file, save_file
 
 from core.config import make_server_args
+from core.gguf_weights import hf_name, unpermute_rope_rows
 from core.loader import (
     default_model_path,
     find_weights,
@@ -26,7 +27,6 @@ from core.loader import (
     load_tokenizer,
     shared_gguf_reader,
 )
-from core.models.gguf import hf_name, unpermute_rope_rows
 from core.plugins import build_registry
 
 

@@ -263,7 +263,7 @@ def test_kv_cache_scales_are_read_from_the_checkpoint(tmp_path):
     from core.config import make_server_args
     from core.kv_cache import checkpoint_kv_scales
     from core.loader import load_model
-    from core.models.weights import kv_scale_of
+    from plugins.models.weights import kv_scale_of
 
     assert kv_scale_of("model.layers.3.self_attn.k_scale") == (3, "k")
     assert kv_scale_of("model.layers.0.self_attn.v_proj.output_scale") == (0, "v")

@@ -328,7 +328,7 @@ def test_tiny_llama_from_an_int4_checkpoint_matches_transformers(case, tmp_path)
     from model_fixtures import PagedHarness, cpu_plan, torch_native_backend
     from plugins_for_tests import builtin_backend_plugins
 
-    import core.models
+    import plugins.models
     import plugins.quant.int4 as int4
     from core.config import make_server_args
     from core.loader import load_model, quant_scheme
@@ -337,7 +337,7 @@ def test_tiny_llama_from_an_int4_checkpoint_matches_transformers(case, tmp_path)
     method, config, make = case
     hf = write_int4_llama(tmp_path / "m", config, make)
     registry = build_registry(extra=builtin_backend_plugins() + [
-        ("quant_int4", int4), ("models_builtin", core.models)], entry_points=False)
+        ("quant_int4", int4), ("models_builtin", plugins.models)], entry_points=False)
     args = make_server_args(model_path=str(tmp_path / "m"), load_format="safetensors")
     plan = cpu_plan("llama")
     plan = dataclasses.replace(plan, quant_method=method,

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NEUTRAL = [ROOT / "core" / "worker.py", ROOT / "core" / "model_runner.py",
            ROOT / "core" / "scheduler.py", ROOT / "core" / "admission.py",
            ROOT / "core" / "overlap.py", *sorted((ROOT / "core" / "layers").rglob("*.py")),
-           *sorted((ROOT / "core" / "models").rglob("*.py"))]
+           *sorted((ROOT / "plugins" / "models").rglob("*.py"))]
 
 PATTERNS = {
     "a device-type string": re.compile(r"""["'](cuda|cpu|xpu|npu|rocm|hip|mps|hpu)(:\d+)?["']"""),

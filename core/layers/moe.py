@@ -73,7 +73,7 @@ class MoE(nn.Module):
         self._weights: MoEWeights | None = None
         self._gate = None
 
-    # ---- loading (core.models.weights calls weight_loader / param_shards) ----
+    # ---- loading (a model's load_weights calls weight_loader / param_shards) ----
 
     def param_shards(self, param: str) -> list[str] | None:
         """The pieces a checkpoint fills of one of our parameters, for the loader's accounting:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.models.llama import LlamaForCausalLM
+from plugins.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

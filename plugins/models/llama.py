@@ -22,7 +22,7 @@ from core.layers import (
     VocabEmbedding,
     rope_parameters,
 )
-from core.models.weights import load_named_weights
+from plugins.models.weights import load_named_weights
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

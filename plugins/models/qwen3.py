@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from core.models.llama import LlamaForCausalLM
-from core.models.qwen2 import layer_sliding_window
+from plugins.models.llama import LlamaForCausalLM
+from plugins.models.qwen2 import layer_sliding_window
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

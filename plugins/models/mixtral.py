@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.models.llama import LlamaForCausalLM
-from core.models.mistral import MistralForCausalLM
-from core.models.qwen2_moe import Qwen2MoeForCausalLM
+from plugins.models.llama import LlamaForCausalLM
+from plugins.models.mistral import MistralForCausalLM
+from plugins.models.qwen2_moe import Qwen2MoeForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

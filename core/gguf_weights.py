@@ -1,4 +1,4 @@
-"""GGUF weights for the dense decoders here, under HF parameter names: dequantized tensors, or
+"""GGUF weights for the loader (core.loader), under HF parameter names: dequantized tensors, or
 (for a quant method that computes GGML's block formats itself, `takes_raw_gguf`) the blocks as
 the file holds them (`GGUFBlocks`); float tensors (F32 / F16 / BF16) always come as tensors.
 

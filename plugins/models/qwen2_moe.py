@@ -14,9 +14,9 @@ from torch import nn
 
 from core.layers import Linear, ModelContext, MoE
 from core.model_spec import moe_layer_ids
-from core.models.llama import STACKED, DecoderMLP, LlamaForCausalLM
-from core.models.qwen2 import layer_sliding_window
-from core.models.weights import load_named_weights
+from plugins.models.llama import STACKED, DecoderMLP, LlamaForCausalLM
+from plugins.models.qwen2 import layer_sliding_window
+from plugins.models.weights import load_named_weights
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

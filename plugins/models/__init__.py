@@ -1,0 +1,23 @@
+"""Built-in model architectures, registered as a `models` plugin like any other."""
+
+from core.capabilities import ModelCaps
+from core.hookspecs import hookimpl
+
+CORE_PLUGIN_API = ">=1.0,<2"
+
+# name -> (architectures served, "module:class"); filled in as architectures land.
+BUILTIN: dict[str, tuple[tuple[str, ...], str]] = {
+    "llama": (("LlamaForCausalLM",), "plugins.models.llama:LlamaForCausalLM"),
+    "mistral": (("MistralForCausalLM",), "plugins.models.mistral:MistralForCausalLM"),
+    "qwen2": (("Qwen2ForCausalLM",), "plugins.models.qwen2:Qwen2ForCausalLM"),
+    "qwen3": (("Qwen3ForCausalLM",), "plugins.models.qwen3:Qwen3ForCausalLM"),
+    "mixtral": (("MixtralForCausalLM",), "plugins.models.mixtral:MixtralForCausalLM"),
+    "qwen2_moe": (("Qwen2MoeForCausalLM",), "plugins.models.qwen2_moe:Qwen2MoeForCausalLM"),
+    "qwen3_moe": (("Qwen3MoeForCausalLM",), "plugins.models.qwen3_moe:Qwen3MoeForCausalLM"),
+}
+
+
+@hookimpl
+def core_register_models(register):
+    for name, (archs, factory) in BUILTIN.items():
+        register(name, ModelCaps(architectures=set(archs)), factory)
