@@ -86,7 +86,7 @@ def layer_for(method_name: str, n: int, k: int):
                                                  quant_method=method))
         layer.weight.data.copy_(w)
     elif method_name == "fp8_block":
-        from core.testing.quant_refs import _ct_quantize
+        from conformance.quant_refs import _ct_quantize
         scheme = parse_quant_config({"quant_method": "fp8", "activation_scheme": "dynamic",
                                      "weight_block_size": [128, 128]})
         method = registry.get("quant", "fp8").load()(scheme)
@@ -96,7 +96,7 @@ def layer_for(method_name: str, n: int, k: int):
         layer.weight.data.copy_(q.cuda())
         layer.weight_scale_inv.data.copy_(scale.cuda())
     else:  # int4: the plugin's reference packer
-        from core.testing import quant_refs_int4 as refs
+        from conformance import quant_refs_int4 as refs
         case = next(c for c in refs.CASES if c.format == f"int4_{method_name}")
         method = registry.get("quant", method_name).load()(parse_quant_config(case.config))
         layer = Linear(k, n, False, ModelContext(dtype=torch.bfloat16, device=torch.device("cuda"),

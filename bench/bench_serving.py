@@ -60,7 +60,7 @@ from cli_lists import choice_list  # noqa: E402
 from serving_online import bench_online, latency_stats  # noqa: E402
 from serving_report import jsonable, ratio, summarize, summary_table  # noqa: E402
 
-from core.testing.model_configs import LLAMA_31_8B, llama_config  # noqa: E402
+from conformance.model_configs import LLAMA_31_8B, llama_config  # noqa: E402
 
 MODES = ("batch1", "offline", "online", "shared-prefix")
 LINEAR_BYTES = {"fp8": 1, "w8a8_int8": 1, "awq": 0.5, "gptq": 0.5}  # per weight, scales aside

@@ -80,7 +80,7 @@ def engine_kwargs(gpu: bool, cpu_tokens: int, prefix: str) -> dict[str, Any]:
     embedded model with a KV pool of cpu_tokens."""
     if not gpu:
         return {"device": "cpu", "max_total_tokens": cpu_tokens}
-    from core.testing.model_configs import LLAMA_31_8B
+    from conformance.model_configs import LLAMA_31_8B
 
     cfg = dict(LLAMA_31_8B)
     model = Path(tempfile.mkdtemp(prefix=prefix))

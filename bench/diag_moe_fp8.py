@@ -2,7 +2,7 @@
 
     python bench/diag_moe_fp8.py --out diag.json          # on a CUDA machine
 
-The quant suite's MoE-experts case (core.testing.quant_suite.MoEExpertsCase: 4 experts, top-2,
+The quant suite's MoE-experts case (conformance.quant_suite.MoEExpertsCase: 4 experts, top-2,
 256 x 256, the Qwen3 block-fp8 format) for each compute dtype and each tiling given, at the
 token counts given. Per run it reports the relative error against the fp32 reference of
 - the output (what the suite checks, tolerance in `tol`);
@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("skipped: needs CUDA")
         return 0
+    from conformance import quant_suite
+    from conformance.quant_refs import all_cases
     from core.plugins import get_registry
-    from core.testing import quant_suite
-    from core.testing.quant_refs import all_cases
     from plugins.moe.triton import kernels, runner
 
     case = {c.name: c for c in all_cases()}[a.case]

@@ -51,7 +51,7 @@ for stage in "${@:-suites quant-diag batch1}"; do
     suites)
         run quant_suite 240 "${PYTEST[@]}" -m gpu --conformance-quant fp8 \
             --conformance-quant w8a8_int8 --conformance-quant awq --conformance-quant gptq \
-            --conformance-device cuda core/testing/quant_suite.py
+            --conformance-device cuda conformance/quant_suite.py
         run moe_suites 300 "${PYTEST[@]}" -m gpu tests/test_moe_conformance.py \
             tests/test_moe_gpu.py tests/test_moe_triton.py --conformance-device cuda
         run quant_gpu 240 "${PYTEST[@]}" -m gpu tests/test_quant_gpu.py ;;

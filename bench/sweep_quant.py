@@ -144,7 +144,7 @@ def sweep_gemv(rows: list, copy_gbps: float) -> None:
         x, w, ws = ops[0]
         wd = w.float() * (ws.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
                           if blocked else ws)
-        from core.testing.quant_refs import fake_quant_acts
+        from conformance.quant_refs import fake_quant_acts
         ref = fake_quant_acts(x.float(), "fp8_group" if blocked else "fp8_token") @ wd.t()
         xb = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         wb = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in
@@ -283,7 +283,7 @@ def sweep_peers(rows: list, copy_gbps: float) -> None:
     (torch._weight_int4pack_mm, what gpt-fast's 1.88x used) against int4_gemv, with and without
     its in-place unpack. fp8_prequant_*: the small-M kernel with x quantized by a launch of its
     own or in its prologue."""
-    from core.testing.quant_refs import fake_quant_acts
+    from conformance.quant_refs import fake_quant_acts
     from plugins.quant.int4 import gemm
     from plugins.quant.int4.packing import dequantize
     from plugins.quant.w8a8_triton import quantize_acts, small_m_linear

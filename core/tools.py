@@ -39,7 +39,7 @@ below (scan_object, call_at, held_back) are for parsers: JSON objects scanned as
 markers split across tokens.
 
 ToolParserCaps.parallel_calls says whether the format holds several calls in one answer. The
-conformance suite (core/testing/tool_parser_suite.py; `pytest --conformance-tool-parser NAME
+conformance suite (conformance/tool_parser_suite.py; `pytest --conformance-tool-parser NAME
 -rs`) checks all of the above on a parser, writing its texts with the parser's format_calls.
 """
 

@@ -3,7 +3,7 @@
 On a CPU machine: torch_native, flex_attention (FlexAttention's eager path runs on CPU) and triton
 under TRITON_INTERPRET=1 (Triton >= 3.9; fp16/fp32: the interpreter gets bf16 wrong), small
 shapes. On a GPU machine, `pytest -m gpu tests/test_conformance.py --conformance-full` runs the
-cuda cases at full size. The suite itself lives in core.testing (shipped for third-party backends).
+cuda cases at full size. The suite itself lives in conformance/ (shipped for third-party backends).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from conformance.attention_suite import *  # noqa: E402,F401,F403
+from conformance.attention_suite import conformance_params  # noqa: E402
 from core.plugins import get_registry  # noqa: E402
-from core.testing.attention_suite import *  # noqa: E402,F401,F403
-from core.testing.attention_suite import conformance_params  # noqa: E402
 
 BUILTIN = ("torch_native", "triton", "flex_attention")
 

@@ -17,6 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the triton backend is imported
 
+from conformance.model_configs import llama_config  # noqa: E402
 from core.attention import AttentionBackend  # noqa: E402
 from core.config import ServerArgs  # noqa: E402
 from core.graphs import (  # noqa: E402
@@ -30,7 +31,6 @@ from core.graphs import (  # noqa: E402
     pick_bucket,
 )
 from core.platform import GraphSupport  # noqa: E402
-from core.testing.model_configs import llama_config  # noqa: E402
 from plugins.hardware.gpu import default_graph_max_bs as default_max_bs  # noqa: E402
 
 GB = 10**9

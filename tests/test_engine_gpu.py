@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from core.testing.model_configs import llama_config
+from conformance.model_configs import llama_config
 
 torch = pytest.importorskip("torch")
 

@@ -1,5 +1,5 @@
 """Grammar backends as a plugin kind: resolved by --grammar-backend, listed and explained; the
-grammar conformance suite (core/testing/grammar_suite.py) over every built-in backend, and shown
+grammar conformance suite (conformance/grammar_suite.py) over every built-in backend, and shown
 to fail backends that are wrong; what the suite cannot know: the core's checks and bitmask,
 each backend's own declarations and refusals, real tokens."""
 
@@ -14,18 +14,9 @@ import types
 import pytest
 import torch
 
-from core.capabilities import GrammarCaps
-from core.checks import missing_packages
-from core.config import ServerArgs
-from core.devices import PROFILES
-from core.grammar import Constraint, Grammar, GrammarError, apply_bitmask
-from core.hookspecs import hookimpl
-from core.plan import ResolveError
-from core.plugins import build_registry, get_registry
-from core.resolver import explain, resolve
-from core.testing import grammar_suite
-from core.testing.grammar_suite import *  # noqa: F401,F403 - the suite, over every built-in
-from core.testing.grammar_suite import (
+from conformance import grammar_suite
+from conformance.grammar_suite import *  # noqa: F401,F403 - the suite, over every built-in
+from conformance.grammar_suite import (
     CASES,
     KEYWORDS,
     check_case,
@@ -35,6 +26,15 @@ from core.testing.grammar_suite import (
     suite_grammar,
     suite_vocab,
 )
+from core.capabilities import GrammarCaps
+from core.checks import missing_packages
+from core.config import ServerArgs
+from core.devices import PROFILES
+from core.grammar import Constraint, Grammar, GrammarError, apply_bitmask
+from core.hookspecs import hookimpl
+from core.plan import ResolveError
+from core.plugins import build_registry, get_registry
+from core.resolver import explain, resolve
 
 CPU = PROFILES["xeon-amx"]
 BUILT_IN = ("xgrammar", "llguidance", "outlines")

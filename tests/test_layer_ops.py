@@ -1,4 +1,4 @@
-"""The layer-ops conformance suite over every registered layer-ops plugin (core.testing's
+"""The layer-ops conformance suite over every registered layer-ops plugin (conformance's
 layer_ops_suite): on the CPU the reference and, under the Triton interpreter, the triton ops in
 fp32 / fp16; on a GPU (`-m gpu`) every declared dtype."""
 
@@ -11,8 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from core.testing.layer_ops_suite import *  # noqa: E402,F401,F403
-from core.testing.layer_ops_suite import layer_ops_params  # noqa: E402
+from conformance.layer_ops_suite import *  # noqa: E402,F401,F403
+from conformance.layer_ops_suite import layer_ops_params  # noqa: E402
 
 
 def test_the_suite_covers_every_op_of_both_built_in_plugins(pytestconfig):
@@ -31,8 +31,8 @@ def test_the_suite_covers_every_op_of_both_built_in_plugins(pytestconfig):
 def test_the_suite_fails_a_wrong_op():
     import pytest
 
+    from conformance.layer_ops_suite import _check
     from core.layers.ops_ref import TorchLayerOps
-    from core.testing.layer_ops_suite import _check
 
     class Wrong(TorchLayerOps):
         def silu_and_mul(self):  # gelu where silu belongs

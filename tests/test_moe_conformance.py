@@ -3,7 +3,7 @@
 On a CPU machine: torch_native, and triton under TRITON_INTERPRET=1 (fp16/fp32: the interpreter
 gets bf16 wrong), small shapes. On a GPU machine, `pytest -m gpu tests/test_moe_conformance.py
 --conformance-full` runs the cuda cases at full size (and the CUDA-graph replay check). The suite
-itself lives in core.testing (shipped for third-party runners: `pytest --conformance-moe NAME`).
+itself lives in conformance/ (shipped for third-party runners: `pytest --conformance-moe NAME`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from conformance.moe_suite import *  # noqa: E402,F401,F403
+from conformance.moe_suite import moe_conformance_params  # noqa: E402
 from core.plugins import get_registry  # noqa: E402
-from core.testing.moe_suite import *  # noqa: E402,F401,F403
-from core.testing.moe_suite import moe_conformance_params  # noqa: E402
 
 BUILTIN = ("torch_native", "triton")
 INTERPRETED = (os.environ.get("TRITON_INTERPRET", "") not in ("", "0")

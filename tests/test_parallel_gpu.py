@@ -9,8 +9,8 @@ import torch
 from model_fixtures import tiny_hf_model, write_config_model, write_tokenizer
 
 import core
+from conformance.model_configs import llama_config
 from core.distributed import free_loopback_port
-from core.testing.model_configs import llama_config
 
 pytestmark = pytest.mark.gpu
 

@@ -128,8 +128,8 @@ def test_fp8_kv_on_an_a100_is_refused_before_anything_is_built(model_spec):
 
 
 # The shipped Platform conformance suite over every target available here (the cpu on CI).
-from core.testing.platform_suite import *  # noqa: E402,F401,F403
-from core.testing.platform_suite import platform_params  # noqa: E402
+from conformance.platform_suite import *  # noqa: E402,F401,F403
+from conformance.platform_suite import platform_params  # noqa: E402
 
 
 def test_the_platform_suite_covers_the_cpu(pytestconfig):
@@ -139,7 +139,7 @@ def test_the_platform_suite_covers_the_cpu(pytestconfig):
 
 
 def test_the_platform_suite_fails_a_platform_that_changes_the_model(monkeypatch):
-    from core.testing import platform_suite
+    from conformance import platform_suite
     from plugins.hardware.cpu_runtime import CpuPlatform
 
     def corrupting(self, model):

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 from interpreted import run_interpreted
 
+from conformance.quant_suite import *  # noqa: F401,F403 - the suite, on the CPU, in CI
 from core.capabilities import MoECaps, QuantCaps
 from core.checks import check_moe_quant
 from core.config import ServerArgs
@@ -17,7 +18,6 @@ from core.plan import ResolveError
 from core.plugins import build_registry
 from core.quant import is_ignored, online_scheme, parse_quant_config
 from core.resolver import explain, resolve
-from core.testing.quant_suite import *  # noqa: F401,F403 - the suite, on the CPU, in CI
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from core.testing.model_configs import llama_config
+from conformance.model_configs import llama_config
 
 torch = pytest.importorskip("torch")
 
@@ -58,7 +58,7 @@ def test_split_k_decode_kernel_replays_in_a_graph(act, block):
 def test_decode_kernels_replay_in_a_graph_at_every_row_count(rows):
     """The one-row kernels (fp8 per channel and block, int4) and the 16-row ones, eager vs
     graph replays, and against the fp32 product of the quantized operands."""
-    from core.testing.quant_refs import fake_quant_acts
+    from conformance.quant_refs import fake_quant_acts
     from plugins.quant.int4 import gemm
     from plugins.quant.int4.packing import dequantize, pack_rows
     from plugins.quant.w8a8_triton import small_m_linear

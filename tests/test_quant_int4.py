@@ -1,5 +1,5 @@
 """INT4 weight-only quant methods (`awq`, `gptq`: plugins/quant/int4) against an independent
-reference packer (core.testing.quant_refs_int4, written from the formats' descriptions).
+reference packer (conformance.quant_refs_int4, written from the formats' descriptions).
 
 - the packer itself: nibble order of each format on hand-made words, and compressed-tensors'
   own `pack_to_int32` where the package is installed;
@@ -31,14 +31,14 @@ import torch
 if not torch.cuda.is_available():  # before any Triton kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from core.layers import Linear  # noqa: E402
-from core.quant import parse_quant_config  # noqa: E402
-from core.testing.quant_refs_int4 import (  # noqa: E402
+from conformance.quant_refs_int4 import (  # noqa: E402
     awq_tensors,
     gptq_tensors,
     pack_quantized_tensors,
     quantization_config,
 )
+from core.layers import Linear  # noqa: E402
+from core.quant import parse_quant_config  # noqa: E402
 from plugins.quant.int4.method import Int4LinearMethod  # noqa: E402
 
 TRITON_OK = (importlib.util.find_spec("triton") is not None
@@ -76,7 +76,7 @@ def tol(ref: torch.Tensor, rel: float) -> dict:
 def test_packer_nibble_orders_on_hand_made_words():
     """Outputs 0..7 of row 0 hold values 0..7: AWQ's word reads 0x75316420 (nibbles hold
     outputs 0,2,4,6,1,3,5,7); GPTQ's qweight word over inputs 0..7 reads 0x76543210."""
-    from core.testing.quant_refs_int4 import AWQ_ORDER, _pack_last
+    from conformance.quant_refs_int4 import AWQ_ORDER, _pack_last
 
     values = torch.arange(8).reshape(1, 8)
     assert _pack_last(values, AWQ_ORDER).item() == 0x75316420
@@ -118,7 +118,7 @@ def test_pack_quantized_matches_compressed_tensors(symmetric):
             pack_to_int32,
         )
 
-    from core.testing.quant_refs_int4 import quantize_groups
+    from conformance.quant_refs_int4 import quantize_groups
 
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(1))
     tensors, _ = pack_quantized_tensors(w, 64, symmetric=symmetric)
@@ -446,10 +446,10 @@ def test_dummy_weights_for_int4_configs_are_small_and_random(tmp_path):
 
     from model_fixtures import cpu_plan, tiny_config
 
+    from conformance.quant_refs_int4 import quantization_config
     from core.config import make_server_args
     from core.loader import load_model
     from core.plugins import build_registry
-    from core.testing.quant_refs_int4 import quantization_config
 
     for method, fmt in (("awq", "int4_awq"), ("gptq", "int4_gptq")):
         cfg = tiny_config("llama", hidden_size=128, intermediate_size=256).to_dict()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from model_fixtures import PagedHarness, cpu_plan, torch_native_backend, write_tokenizer
 
+from conformance.quant_refs import _ct_quantize, fake_quant_acts
 from core.config import ServerArgs, make_server_args
 from core.devices import PROFILES
 from core.loader import load_model
@@ -19,7 +20,6 @@ from core.model_spec import load_model_spec
 from core.plan import ResolveError
 from core.plugins import build_registry
 from core.resolver import resolve
-from core.testing.quant_refs import _ct_quantize, fake_quant_acts
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -116,7 +116,7 @@ def test_block_fp8_experts_load_and_match_the_dequantized_model(fp8_checkpoint):
     assert tuple(weights.extra["w13_scale"].shape) == (4, 2, 1)  # [E, 2I/128, H/128]
 
     # One MoE layer against an independent W8A8 reference: HF's dequantized experts, x
-    # fake-quantized per 128-group by core.testing.quant_refs.
+    # fake-quantized per 128-group by conformance.quant_refs.
     x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
     hf_moe = hf.model.layers[0].mlp
     with torch.no_grad():
@@ -181,7 +181,7 @@ def test_online_fp8_of_a_dense_moe_checkpoint(tmp_path):
                                                quant_format="fp8_channel"), registry)
     assert fp8.model.model.layers[1].mlp.w2_weight.dtype == torch.float8_e4m3fn
     # The quantized layer against its own stored weights, dequantized here (per channel), with
-    # x fake-quantized per token by core.testing.quant_refs.
+    # x fake-quantized per token by conformance.quant_refs.
     moe, ref_moe = fp8.model.model.layers[1].mlp, dense.model.model.layers[1].mlp
     w = moe.weights()
     w13 = w.w13.float() * w.extra["w13_scale"]

@@ -1,4 +1,4 @@
-"""The tool-call-parser conformance suite (core/testing/tool_parser_suite.py) over every
+"""The tool-call-parser conformance suite (conformance/tool_parser_suite.py) over every
 registered parser (hermes and llama3 built in), shown to fail parsers that are wrong, and run the
 way a third-party package runs it: `pytest --conformance-tool-parser NAME -rs` in its own
 folder, the parser found through its entry point."""
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from conformance import tool_parser_suite as suite
+from conformance.tool_parser_suite import *  # noqa: F401,F403 - the suite, over every parser
+from conformance.tool_parser_suite import CASES, check_case
 from core.capabilities import ToolParserCaps
 from core.plugins import get_registry
-from core.testing import tool_parser_suite as suite
-from core.testing.tool_parser_suite import *  # noqa: F401,F403 - the suite, over every parser
-from core.testing.tool_parser_suite import CASES, check_case
 from core.tools import ToolCall
 
 BUILT_IN = ("hermes", "llama3")

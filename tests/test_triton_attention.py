@@ -17,11 +17,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from conformance.attention_reference import reference_attention  # noqa: E402
+from conformance.paged_batch import AttentionCase, build_inputs  # noqa: E402
 from core.attention import AttentionLayerParams  # noqa: E402
 from core.capabilities import DeviceInfo  # noqa: E402
 from core.checks import check_device  # noqa: E402
-from core.testing.attention_reference import reference_attention  # noqa: E402
-from core.testing.paged_batch import AttentionCase, build_inputs  # noqa: E402
 from plugins.attention.triton import CAPS  # noqa: E402
 
 pytest.importorskip("triton")

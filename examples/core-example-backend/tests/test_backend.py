@@ -15,9 +15,9 @@ import pytest
 import torch
 from core_example_backend import ATTENTION_CAPS
 
+from conformance.paged_batch import AttentionCase, build_inputs
 from core.attention import BackendContext
 from core.plugins import get_registry
-from core.testing.paged_batch import AttentionCase, build_inputs
 
 
 def test_registered_from_this_distribution():

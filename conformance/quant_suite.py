@@ -1,11 +1,11 @@
 """The quant-method conformance tests: a method's linear layers against the fp32 product of
-independently quantized weights (core/testing/quant_refs.py), and a small model checkpoint in
+independently quantized weights (conformance/quant_refs.py), and a small model checkpoint in
 the real file layout loaded through core's loader.
 
 Collected by the conformance plugin (`pytest --conformance-quant NAME`, see
-core.testing.conformance), or by importing them into a test module:
+conformance.plugin), or by importing them into a test module:
 
-    from core.testing.quant_suite import *  # noqa: F401,F403
+    from conformance.quant_suite import *  # noqa: F401,F403
 
 Parametrization: every registered quant method (or those named) x every reference case whose
 format and checkpoint name it declares (QuantCaps.formats / config_names / online_format) x
@@ -27,18 +27,18 @@ import json
 import pytest
 import torch
 
-from core.layers import Linear, ModelContext
-from core.layers.linear import process_weights_after_loading
-from core.plugins import get_registry
-from core.quant import online_scheme, parse_quant_config
-from core.testing.attention_check import unavailable_reasons
-from core.testing.attention_suite import (
+from conformance.attention_check import unavailable_reasons
+from conformance.attention_suite import (
     _device_info,
     _device_missing,
     default_devices,
     named_plugins,
 )
-from core.testing.quant_refs import RefCase, all_cases, fake_quant_acts
+from conformance.quant_refs import RefCase, all_cases, fake_quant_acts
+from core.layers import Linear, ModelContext
+from core.layers.linear import process_weights_after_loading
+from core.plugins import get_registry
+from core.quant import online_scheme, parse_quant_config
 
 __all__ = ["pytest_generate_tests", "test_quant_linear_conformance",
            "test_quant_checkpoint_conformance", "test_quant_moe_experts_conformance",

@@ -10,17 +10,17 @@ so it cannot clash with another project's). A backend package checks its backend
 
 or, where core-serve is importable but not installed as a distribution,
 
-    pytest -p core.testing.conformance --backend my_backend
+    pytest -p conformance.plugin --backend my_backend
 
 (`--backend` exists only when the plugin is requested with -p, for the same no-clash reason).
-The option adds the suite (core/testing/attention_suite.py) to whatever else pytest collects.
+The option adds the suite (conformance/attention_suite.py) to whatever else pytest collects.
 A MoE runner is checked the same way, with `--conformance-moe NAME`, which adds
-core/testing/moe_suite.py (a Triton runner on a CPU: set TRITON_INTERPRET=1), and a layer-ops
-plugin with `--conformance-layer-ops NAME` (core/testing/layer_ops_suite.py), a quant method
-with `--conformance-quant NAME` (core/testing/quant_suite.py), a grammar backend with
-`--conformance-grammar NAME` (core/testing/grammar_suite.py), a tool-call parser with
-`--conformance-tool-parser NAME` (core/testing/tool_parser_suite.py; no torch, seconds), and a
-hardware target's Platform with `--conformance-platform TARGET` (core/testing/platform_suite.py).
+conformance/moe_suite.py (a Triton runner on a CPU: set TRITON_INTERPRET=1), and a layer-ops
+plugin with `--conformance-layer-ops NAME` (conformance/layer_ops_suite.py), a quant method
+with `--conformance-quant NAME` (conformance/quant_suite.py), a grammar backend with
+`--conformance-grammar NAME` (conformance/grammar_suite.py), a tool-call parser with
+`--conformance-tool-parser NAME` (conformance/tool_parser_suite.py; no torch, seconds), and a
+hardware target's Platform with `--conformance-platform TARGET` (conformance/platform_suite.py).
 Options (each NAME option repeatable or a comma list): --conformance-backend NAME,
 --conformance-moe NAME, --conformance-layer-ops NAME, --conformance-quant NAME,
 --conformance-grammar NAME, --conformance-tool-parser NAME, --conformance-platform TARGET,
@@ -30,6 +30,7 @@ Options (each NAME option repeatable or a comma list): --conformance-backend NAM
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,7 +40,11 @@ import pytest
 if TYPE_CHECKING:
     from core.plugins import Registration, Registry
 
-PLUGIN = "core.testing.conformance"
+PLUGIN = "conformance.plugin"
+# Its name until 0.1 (`-p core.testing.conformance`, or `pytest_plugins` in a conftest): the
+# deprecated core.testing alias gives this very module under it, until 0.2 removes the alias.
+OLD_PLUGIN = "core.testing.conformance"
+NAMES = (PLUGIN, OLD_PLUGIN)
 HERE = Path(__file__).resolve().parent
 
 
@@ -48,7 +53,7 @@ class Suite:
     """One conformance suite: the option that selects what it checks, and its test module."""
 
     option: str  # the --conformance-... flag
-    module: str  # core.testing.<module>
+    module: str  # conformance.<module>
     metavar: str
     help: str
 
@@ -82,7 +87,7 @@ SUITES = (
           "run the Platform conformance suite on this registered hardware target "
           "(repeatable)"),
 )
-SUITE_MODULES = tuple(f"core.testing.{suite.module}" for suite in SUITES)
+SUITE_MODULES = tuple(f"conformance.{suite.module}" for suite in SUITES)
 
 
 def named_plugins(config: pytest.Config, kind: str, option: str, label: str
@@ -104,7 +109,9 @@ def named_plugins(config: pytest.Config, kind: str, option: str, label: str
     return registry, plugins, named
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    if _blocked_by_other_name(pluginmanager):
+        return  # being unregistered (pytest_plugin_registered): no options of a plugin not run
     group = parser.getgroup("core-conformance", "core-serve attention backend conformance")
     for suite in SUITES:
         group.addoption(suite.option, action="append", dest=suite.dest, metavar=suite.metavar,
@@ -119,9 +126,44 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     metavar="N", help="base seed of the conformance inputs (default 0)")
 
 
+def _blocked_by_other_name(manager: pytest.PytestPluginManager) -> bool:
+    """`-p no:core.testing.conformance` while the entry point loads `conformance.plugin` (or
+    the other way round): the user turned the plugin off under the name they know."""
+    name = manager.get_name(sys.modules[__name__])
+    return any(manager.is_blocked(n) for n in NAMES if n != name)
+
+
+class _OtherName:
+    """Holds this plugin's other name in pytest's plugin manager: nothing to call, but pytest
+    then skips an entry point or a `-p` under that name (see pytest_plugin_registered)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: the {PLUGIN} module, registered under its other name>"
+
+
+def pytest_plugin_registered(plugin: object, manager: pytest.PytestPluginManager) -> None:
+    """This module under one of its names holds the other one, so that it registers once
+    whichever name comes first: the pytest11 entry point (`conformance.plugin`), an old
+    `-p core.testing.conformance` or a conftest's `pytest_plugins` naming it (the same module
+    object, through the core.testing alias). pluggy refuses one object under two names, and a
+    second copy would add every option twice. `-p no:` under either name still disables it."""
+    if plugin is not sys.modules[__name__]:
+        return
+    name = manager.get_name(plugin)
+    if _blocked_by_other_name(manager):
+        manager.set_blocked(name)
+        return
+    for other in NAMES:
+        if other != name and manager.get_plugin(other) is None:
+            manager.register(_OtherName(other), other)
+
+
 def _requested_with_p(early_config: pytest.Config, args: list[str]) -> bool:
     plugins = getattr(early_config.known_args_namespace, "plugins", None) or []
-    return PLUGIN in plugins or f"-p{PLUGIN}" in args
+    return any(n in plugins or f"-p{n}" in args for n in NAMES)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from conformance.attention_check import _poison_allocator
+from conformance.moe_cases import MoECase
 from core.moe import MoELayerParams, MoEWeights, select_experts
 from core.plugins import Registration
-from core.testing.attention_check import _poison_allocator
-from core.testing.moe_cases import MoECase
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16}

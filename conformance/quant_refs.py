@@ -3,7 +3,7 @@ by an independent implementation of each format, in the tensor names and shapes 
 checkpoints use, with the fp32 weight those tensors mean.
 
 FP8 and INT8 tensors come from the `compressed-tensors` package (the library that writes those
-checkpoints); INT4 from core/testing/quant_refs_int4.py (the formats' published packing).
+checkpoints); INT4 from conformance/quant_refs_int4.py (the formats' published packing).
 A case (`RefCase`) is one checkpoint form: its HF quantization_config, the builder of one
 linear's tensors, and how the reference treats activations.
 """
@@ -185,7 +185,7 @@ def fake_quant_acts(x: torch.Tensor, acts: str, static_scale: float | None = Non
 def all_cases() -> tuple[RefCase, ...]:
     """The FP8/INT8 cases plus the INT4 ones where their reference module exists."""
     try:
-        from core.testing.quant_refs_int4 import CASES as INT4
+        from conformance.quant_refs_int4 import CASES as INT4
     except ImportError:
         INT4 = ()
     # Weight-only: x is not quantized; K in whole groups, N in whole packed int32 words.

@@ -1,9 +1,9 @@
 """The Platform conformance tests (core/platform.py) for a hardware target's runtime.
 
 Collected by the conformance plugin (`pytest --conformance-platform TARGET`, see
-core.testing.conformance), or by importing them into a test module:
+conformance.plugin), or by importing them into a test module:
 
-    from core.testing.platform_suite import *  # noqa: F401,F403
+    from conformance.platform_suite import *  # noqa: F401,F403
 
 Parametrization: every registered hardware target whose probe says it is available here (or only
 those named; a named target that is unavailable is one skip with the probe's reason), times each
@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conformance.attention_suite import named_plugins
 from core.platform import (
     GenericPlatform,
     GraphSupport,
@@ -26,7 +27,6 @@ from core.platform import (
     load_platform,
 )
 from core.plugins import get_registry
-from core.testing.attention_suite import named_plugins
 
 __all__ = ["pytest_generate_tests", "test_platform_conformance"]
 

@@ -2,9 +2,9 @@
 (core/layers/ops_ref.py, plain PyTorch), computed in fp32 from the same inputs.
 
 Collected by the conformance plugin (`pytest --conformance-layer-ops NAME`, see
-core.testing.conformance), or by importing them into a test module:
+conformance.plugin), or by importing them into a test module:
 
-    from core.testing.layer_ops_suite import *  # noqa: F401,F403
+    from conformance.layer_ops_suite import *  # noqa: F401,F403
 
 Parametrization: every registered layer-ops plugin that can run on each suite device (or only
 those named), every declared compute dtype (not bf16 under the Triton interpreter), every op of
@@ -19,16 +19,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.layer_ops import OPS, OPTIONAL_OPS
-from core.layers.ops_ref import TorchLayerOps
-from core.plugins import get_registry
-from core.testing.attention_check import excluded_dtype_reasons, unavailable_reasons
-from core.testing.attention_suite import (
+from conformance.attention_check import excluded_dtype_reasons, unavailable_reasons
+from conformance.attention_suite import (
     _device_info,
     _device_missing,
     default_devices,
     named_plugins,
 )
+from core.layer_ops import OPS, OPTIONAL_OPS
+from core.layers.ops_ref import TorchLayerOps
+from core.plugins import get_registry
 
 __all__ = ["pytest_generate_tests", "test_layer_ops_conformance"]
 

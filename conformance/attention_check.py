@@ -18,13 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from core.attention import AttentionBackend
-from core.capabilities import DeviceInfo
-from core.checks import check_device
-from core.kv_cache import KVPool
-from core.plugins import Registration
-from core.testing.attention_reference import reference_attention
-from core.testing.paged_batch import (
+from conformance.attention_reference import reference_attention
+from conformance.paged_batch import (
     FP8,
     TORCH_DTYPES,
     AttentionCase,
@@ -32,6 +27,11 @@ from core.testing.paged_batch import (
     build_inputs,
     dequantize,
 )
+from core.attention import AttentionBackend
+from core.capabilities import DeviceInfo
+from core.checks import check_device
+from core.kv_cache import KVPool
+from core.plugins import Registration
 
 REFERENCE = "torch_native"
 # (atol, rtol) against the fp32 reference; against torch_native both sides err, so twice that.

@@ -1,14 +1,14 @@
 """The MoE-runner conformance tests.
 
-Collected by the conformance plugin (`pytest --conformance-moe NAME`, see core.testing), or by
-importing them into a test module:
+Collected by the conformance plugin (`pytest --conformance-moe NAME`, see the conformance
+package), or by importing them into a test module:
 
-    from core.testing.moe_suite import *  # noqa: F401,F403
+    from conformance.moe_suite import *  # noqa: F401,F403
 
 Parametrization: every registered MoE runner that can run on each suite device, or only those
 named with --conformance-moe; devices from --conformance-device, else cpu plus cuda when present
 (non-CPU cases carry the `gpu` mark). A Triton runner runs on CPU under TRITON_INTERPRET=1 (not
-in bf16). Cases are cut to the runner's declared capabilities (core.testing.moe_cases); for a
+in bf16). Cases are cut to the runner's declared capabilities (conformance.moe_cases); for a
 runner named with --conformance-moe, what it does not declare is listed as one skipped test per
 item, `...-not-covered-<what>`, with the reason (`pytest -rs`).
 """
@@ -20,16 +20,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from core.plugins import Registration
-from core.testing.attention_check import excluded_dtype_reasons, unavailable_reasons
-from core.testing.attention_suite import (
+from conformance.attention_check import excluded_dtype_reasons, unavailable_reasons
+from conformance.attention_suite import (
     _device_info,
     _device_missing,
     default_devices,
     named_plugins,
 )
-from core.testing.moe_cases import MoECase, conformance_cases, not_covered
-from core.testing.moe_check import check_case, check_graph_case
+from conformance.moe_cases import MoECase, conformance_cases, not_covered
+from conformance.moe_check import check_case, check_graph_case
+from core.plugins import Registration
 
 __all__ = ["pytest_generate_tests", "test_moe_runner_conformance",
            "test_moe_runner_graph_capture"]
@@ -102,7 +102,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def test_moe_runner_conformance(moe_conformance: MoEConformanceParam) -> None:
     """The runner's output (into a poisoned `out`, and without one) matches the fp32
-    reference; its inputs are left as they were (see core.testing.moe_check)."""
+    reference; its inputs are left as they were (see conformance.moe_check)."""
     p = moe_conformance
     check_case(p.runner, p.case, torch.device(p.device), p.seed)
 

@@ -1,9 +1,9 @@
 """The attention-backend conformance tests.
 
-Collected by the conformance plugin (`pytest --conformance-backend NAME`, see core.testing), or by
-importing them into a test module:
+Collected by the conformance plugin (`pytest --conformance-backend NAME`, see the conformance
+package), or by importing them into a test module:
 
-    from core.testing.attention_suite import *  # noqa: F401,F403
+    from conformance.attention_suite import *  # noqa: F401,F403
 
 Parametrization (by `pytest_generate_tests` below): every registered attention backend that can
 run on each suite device, or only the backends named with --conformance-backend; devices from
@@ -21,18 +21,18 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from core.capabilities import DeviceInfo
-from core.plugins import Registration
-from core.testing.attention_cases import conformance_cases, not_covered
-from core.testing.attention_check import (
+from conformance.attention_cases import conformance_cases, not_covered
+from conformance.attention_check import (
     REFERENCE,
     check_case,
     device_target,
     excluded_dtype_reasons,
     unavailable_reasons,
 )
-from core.testing.conformance import named_plugins  # noqa: F401 - shared by every suite
-from core.testing.paged_batch import AttentionCase
+from conformance.paged_batch import AttentionCase
+from conformance.plugin import named_plugins  # noqa: F401 - shared by every suite
+from core.capabilities import DeviceInfo
+from core.plugins import Registration
 
 __all__ = ["pytest_generate_tests", "test_attention_backend_conformance"]
 
@@ -116,6 +116,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def test_attention_backend_conformance(attention_conformance: ConformanceParam) -> None:
     """The backend's output, KV write and untouched pool match the fp32 reference and
-    torch_native on this case (see core.testing.attention_check for every check)."""
+    torch_native on this case (see conformance.attention_check for every check)."""
     p = attention_conformance
     check_case(p.backend, p.case, torch.device(p.device), p.seed, p.reference)

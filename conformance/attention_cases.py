@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import itertools
 
+from conformance.paged_batch import FP8, AttentionCase, attention_kind
 from core.capabilities import AttentionCaps
-from core.testing.paged_batch import FP8, AttentionCase, attention_kind
 
 GROUPS = (1, 4, 8)
 HEAD_DIMS = (64, 128)

@@ -3,9 +3,9 @@ one-shot and streamed in chunks, with no call markup streamed as content; plain 
 malformed calls left as text; no crash on any input.
 
 Collected by the conformance plugin (`pytest --conformance-tool-parser NAME`, see
-core.testing.conformance), or by importing them into a test module:
+conformance.plugin), or by importing them into a test module:
 
-    from core.testing.tool_parser_suite import *  # noqa: F401,F403
+    from conformance.tool_parser_suite import *  # noqa: F401,F403
 
 Parametrization: every registered tool-call parser whose packages are installed (or only those
 named; a named one that cannot run is one skip with the reason) x every case (CASES). For a
@@ -59,8 +59,8 @@ from typing import Any
 
 import pytest
 
+from conformance.plugin import named_plugins
 from core.server.tools import ToolRequest, ToolStream, final_message
-from core.testing.conformance import named_plugins
 from core.tools import ToolCall, ToolParser
 
 __all__ = ["pytest_generate_tests", "test_tool_parser_conformance"]

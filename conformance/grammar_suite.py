@@ -2,9 +2,9 @@
 brute-force check over every token of a small vocabulary, its matchers' protocol, its refusals.
 
 Collected by the conformance plugin (`pytest --conformance-grammar NAME`, see
-core.testing.conformance), or by importing them into a test module:
+conformance.plugin), or by importing them into a test module:
 
-    from core.testing.grammar_suite import *  # noqa: F401,F403
+    from conformance.grammar_suite import *  # noqa: F401,F403
 
 Parametrization: every registered grammar backend whose packages are installed (or only those
 named; a named one that cannot run is one skip with the reason) x every case of a constraint
@@ -53,10 +53,10 @@ from functools import lru_cache
 import pytest
 import torch
 
+from conformance.attention_suite import named_plugins
 from core.checks import missing_packages
 from core.grammar import Constraint, Grammar, GrammarError, make_grammar, schema_keywords
 from core.plugins import get_registry
-from core.testing.attention_suite import named_plugins
 
 __all__ = ["pytest_generate_tests", "test_grammar_case_conformance",
            "test_grammar_protocol_conformance", "test_grammar_keyword_conformance"]
