@@ -375,7 +375,10 @@ class GrammarCaps(_Frozen):
     loosely). tokenizers: tokenizer kinds it can build a vocabulary from ("hf": a transformers
     tokenizer, what core.tokenizer wraps). jump_forward: its matchers implement
     `jump_forward()` (the tokens the grammar forces next; --enable-jump-forward needs it).
-    Grammar work runs on the host, so devices is "*" for a backend whose bitmask the core
+    serialize: the backend implements `serialize(compiled) -> bytes` and `deserialize(bytes)
+    -> compiled`, so the engine's compile process sends its result back; without it the
+    worker compiles again after the compile process proved the constraint safe (twice the
+    work). Grammar work runs on the host, so devices is "*" for a backend whose bitmask the core
     applies on any device.
     """
 
@@ -383,6 +386,7 @@ class GrammarCaps(_Frozen):
     schema_lacks: frozenset[str] = frozenset()
     tokenizers: frozenset[str] = frozenset(("hf",))
     jump_forward: bool = False
+    serialize: bool = False
     devices: frozenset[str] = frozenset(("*",))
     capability: Mapping[str, CapabilityRange] = field(default_factory=dict)
     cpu_isa: frozenset[str] = frozenset()
@@ -397,8 +401,9 @@ class GrammarCaps(_Frozen):
         lacks = f" schema_lacks={','.join(sorted(self.schema_lacks))}" if self.schema_lacks \
             else ""
         jf = " jump_forward" if self.jump_forward else ""
+        ser = " serialize" if self.serialize else ""
         return (f"constraints={','.join(c for c in CONSTRAINT_TYPES if c in self.constraints)}"
-                f"{lacks} tokenizers={','.join(sorted(self.tokenizers))}{jf}")
+                f"{lacks} tokenizers={','.join(sorted(self.tokenizers))}{jf}{ser}")
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,9 @@ class ServerArgs:
     grammar_backend: str = _f("auto", "kernels", "grammar backend for structured output "
                               "(xgrammar, llguidance, outlines, or a plugin's; auto: the best installed; "
                               "none: structured output off)")
+    grammar_compile_timeout: float = _f(20.0, "kernels", "seconds a grammar may take to "
+                                        "compile (in its compile process, queueing not "
+                                        "counted); a slower one is refused with a 400")
     enable_jump_forward: bool = _f(False, "kernels", "append the tokens a grammar forces and "
                                    "compute them in one extend, not one decode step each "
                                    "(needs a grammar backend that can jump forward)")
@@ -212,6 +215,9 @@ def validate(args: ServerArgs) -> None:
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
         raise ValueError(f"--mem-fraction-static must be in (0, 1), got "
                          f"{args.mem_fraction_static}")
+    if not 0 < args.grammar_compile_timeout <= 3600:
+        raise ValueError(f"--grammar-compile-timeout must be in (0, 3600] seconds, got "
+                         f"{args.grammar_compile_timeout}")
     if args.chunked_prefill_size is not None and args.chunked_prefill_size == 0:
         raise ValueError("--chunked-prefill-size must be positive or -1 (disabled)")
     if args.api_key is not None and not args.api_key.strip():

@@ -9,15 +9,25 @@ process that needs it builds it once:
 vocab_size is the model's logits width (it may exceed the tokenizer's); stop_token_ids end a
 completed grammar. The backend implements GrammarBackend:
 
-    validate(constraint)   cheap check, no vocabulary needed; raises GrammarError naming the
-                           problem (invalid JSON schema, invalid regex...). The client runs it
-                           before admission, so the caller gets a 400.
+    validate(constraint)   check without the vocabulary; raises GrammarError naming the
+                           problem (invalid JSON schema, invalid regex...). Run just before
+                           compile, in the same place.
     compile(constraint)    -> compiled grammar for this vocabulary, immutable, shared by every
                            request with the same constraint (the core caches it); GrammarError.
-                           Runs on a host thread of its own (so does fill_bitmask): no parallel
-                           torch ops there (a second OpenMP team halves every later forward's
-                           speed on a CPU).
+                           The engine runs validate + compile in a child process with a
+                           deadline (core.grammar_compiler): a library that crashes or hangs on
+                           client input costs that child, not the server. Elsewhere (tests,
+                           the conformance suite) on a host thread: no parallel torch ops
+                           (a second OpenMP team halves every later forward's speed on a CPU).
+    serialize(compiled) -> bytes, deserialize(bytes) -> compiled   declared by
+                           GrammarCaps.serialize: how the child's result comes back (on a host
+                           thread of the worker). Without them the worker compiles again once
+                           the child has shown that the constraint compiles safely.
     matcher(compiled)      -> a fresh GrammarMatcher for one sequence (n > 1: one each).
+
+Before any of that, at the edge, the core checks a constraint's shape and size with no library
+call (`Grammar.check`: core.grammar_limits' bounds on size, nesting and count, then what the
+backend's caps declare), so a known-hostile constraint is a 400 naming the limit.
 
 A GrammarMatcher holds one sequence's position in its grammar:
 
@@ -37,7 +47,8 @@ A GrammarMatcher holds one sequence's position in its grammar:
                                 longer allowed token extends.
 
 How the engine uses it: the client checks a request's Constraint (`Grammar.check`); the worker
-compiles it at admission (`Grammar.matcher`, cached by backend + constraint) and keeps the matcher
+takes a cached compile at admission, or parks the request while a compile process compiles it
+(`Grammar.submit`; cached by backend + constraint), and keeps the matcher
 with the request's sampling state; each step that samples a constrained request fills its row of
 the bitmask, the sampler masks the logits (`apply_bitmask`) before drawing, the token is accepted,
 and a terminated grammar finishes the request (finish_reason stop). A constrained request keeps its
@@ -58,6 +69,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from core.capabilities import CONSTRAINT_TYPES, GrammarCaps
+from core.grammar_limits import LimitError, check_limits, subschemas
 
 COMPILED_CACHE_SIZE = 256  # compiled grammars kept per process (LRU)
 
@@ -136,12 +148,17 @@ class Constraint:
         return c
 
     def validate(self) -> None:
-        """The shape of the value for its kind (not whether a backend can compile it)."""
+        """The shape of the value for its kind and its size within core.grammar_limits (not
+        whether a backend can compile it): bounded work, no grammar library called."""
         if self.kind not in CONSTRAINT_TYPES:
             raise ValueError(f"constraint kind must be one of {', '.join(CONSTRAINT_TYPES)}, "
                              f"got {self.kind!r:.40}")
         if not isinstance(self.value, str) or not isinstance(self.source, str):
             raise ValueError("constraint value and source must be strings")
+        try:
+            check_limits(self.kind, self.value, self.where)
+        except LimitError as exc:
+            raise GrammarError(str(exc)) from None
         if self.kind == "structural_tag":
             _check_structural_tag(self.value, self.where)
         elif self.kind == "json_schema":
@@ -208,25 +225,6 @@ class GrammarBackend(Protocol):
     def matcher(self, compiled: Any) -> GrammarMatcher: ...
 
 
-# JSON-schema keywords whose values are subschemas (walked for the keywords a schema uses)
-_SUB_ONE = ("items", "not", "additionalProperties", "contains", "if", "then", "else",
-            "propertyNames", "additionalItems", "unevaluatedItems", "unevaluatedProperties")
-_SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
-def subschemas(s: Any) -> list[Any]:
-    """The direct subschemas of a JSON schema (values of its subschema keywords)."""
-    if not isinstance(s, dict):
-        return []
-    out = [s.get(k) for k in _SUB_ONE if k in s]
-    for k in _SUB_LIST:
-        out += s.get(k) if isinstance(s.get(k), list) else []
-    for k in _SUB_MAP:
-        out += list(s.get(k).values()) if isinstance(s.get(k), dict) else []
-    return out
-
-
 def schema_keywords(schema: Any) -> set[str]:
     """The keywords a JSON schema uses anywhere (property names are not keywords)."""
     seen: set[str] = set()
@@ -240,6 +238,23 @@ def schema_keywords(schema: Any) -> set[str]:
 
     walk(schema)
     return seen
+
+
+def check_constraint(c: Constraint, name: str, caps: GrammarCaps) -> None:
+    """Raise GrammarError when grammar backend `name` cannot enforce `c`, as far as its
+    shape, the limits (core.grammar_limits) and the backend's declared caps tell: bounded
+    work that calls no grammar library, so the edge runs it on any thread. What only the
+    library knows (an invalid regex) is found when the constraint compiles."""
+    c.validate()
+    if c.kind not in caps.constraints:
+        supported = ", ".join(k for k in CONSTRAINT_TYPES if k in caps.constraints)
+        raise GrammarError(f"{c.where}: grammar backend {name} does not support "
+                           f"{c.kind} constraints (supports {supported})")
+    if c.kind == "json_schema":
+        lacking = sorted(schema_keywords(c.schema()) & caps.schema_lacks)
+        if lacking:
+            raise GrammarError(f"{c.where}: the JSON schema uses {', '.join(lacking)}, which "
+                               f"grammar backend {name} cannot enforce")
 
 
 class Grammar:
@@ -262,6 +277,9 @@ class Grammar:
         self._cache_size = cache_size
         self.compiled = 0  # cache misses (tests and stats)
         self._pool: Any = None  # the compile thread (submit), made on first use
+        # the engine's compile processes (core.grammar_compiler.CompileService); None: compiles
+        # run on a thread of this process (tests, the conformance suite)
+        self.compiler: Any = None
 
     @property
     def backend(self) -> GrammarBackend:
@@ -280,23 +298,17 @@ class Grammar:
         return self._backend
 
     def prepare(self) -> None:
-        """Build the backend on the compile thread, in the background (compiles submitted
-        after it queue behind it); a no-op when it is built."""
+        """Build the backend on a host thread, in the background (compiles submitted after it
+        queue behind it); a no-op when it is built."""
         if self._backend is None and self._building is None:
             self._building = self._thread().submit(lambda: self.backend)
 
     def check(self, c: Constraint) -> None:
-        """Raise GrammarError when this backend cannot enforce `c` (never run it loosely)."""
-        c.validate()
-        if c.kind not in self.caps.constraints:
-            supported = ", ".join(k for k in CONSTRAINT_TYPES if k in self.caps.constraints)
-            raise GrammarError(f"{c.where}: grammar backend {self.name} does not support "
-                               f"{c.kind} constraints (supports {supported})")
-        if c.kind == "json_schema":
-            lacking = sorted(schema_keywords(c.schema()) & self.caps.schema_lacks)
-            if lacking:
-                raise GrammarError(f"{c.where}: the JSON schema uses {', '.join(lacking)}, which "
-                                   f"grammar backend {self.name} cannot enforce")
+        """Raise GrammarError when this backend cannot enforce `c` (never run it loosely): the
+        edge's checks (`check_constraint`), then the backend's own validate, which calls its
+        library (in this process: tests and the conformance suite; the engine leaves that to
+        its compile processes)."""
+        check_constraint(c, self.name, self.caps)
         self.backend.validate(c)
 
     def cached(self, c: Constraint) -> Any:
@@ -308,10 +320,13 @@ class Grammar:
         return got
 
     def compile(self, c: Constraint) -> Any:
-        """Compile `c`, which `check` passed (no cache; safe on another thread: it touches no
-        state here). GrammarError for a refusal; GrammarBackendError when the library itself
-        fails."""
+        """Validate and compile `c`, which `check` passed (no cache; safe on another thread: it
+        touches no state here). GrammarError for a refusal; GrammarBackendError when the
+        library itself fails. The engine runs this in a child process with a deadline
+        (core.grammar_compiler): a library that crashes or hangs on client input costs only
+        that child."""
         try:
+            self.backend.validate(c)
             return self.backend.compile(c)
         except ValueError:
             raise
@@ -328,10 +343,31 @@ class Grammar:
             self._cache.popitem(last=False)
 
     def submit(self, c: Constraint) -> Any:
-        """Compile `c` (which `check` passed) on the grammar's host thread; a
-        concurrent.futures.Future of the compiled grammar (the caller stores it: the cache is
-        the scheduler thread's)."""
+        """Compile `c` (which `check` passed) in a compile process (`compiler`), else on the
+        grammar's host thread; a concurrent.futures.Future of the compiled grammar (the caller
+        stores it: the cache is the scheduler thread's)."""
+        if self.compiler is not None:
+            return self.compiler.submit(c)
         return self._thread().submit(self.compile, c)
+
+    def cancel(self, fut: Any) -> None:
+        """No request waits for this compile any more: stop it (its process is killed), or
+        drop it if it has not started."""
+        if self.compiler is not None:
+            self.compiler.cancel(fut)
+        else:
+            fut.cancel()
+
+    def stats(self) -> dict[str, Any]:
+        """The compile processes' counts (core.grammar_compiler), {} without them."""
+        return self.compiler.stats() if self.compiler is not None else {}
+
+    def close(self) -> None:
+        """Stop the compile processes and threads (the engine is closing)."""
+        if self.compiler is not None:
+            self.compiler.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _thread(self) -> Any:
         if self._pool is None:
@@ -344,7 +380,7 @@ class Grammar:
         """The compiled grammar of `c`: cached, or compiled now and stored."""
         got = self.cached(c)
         if got is None:
-            self.check(c)
+            check_constraint(c, self.name, self.caps)
             got = self.compile(c)
             self.store(c, got)
         return got

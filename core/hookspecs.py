@@ -19,13 +19,15 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.6"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.7"  # 1.1: hardware targets may register a Platform; layer ops
 # 1.2: quant factories take the checkpoint's QuantScheme (core.quant); QuantCaps formats
 # 1.3: grammar backends (structured output, core.grammar)
 # 1.4: QuantCaps.programs; quant methods may load tensors themselves (weight_loader,
 #      load_table, takes_raw_gguf: core.quant)
 # 1.5: tool-call parsers (tool calling in chat, core.tools)
 # 1.6: GrammarCaps.jump_forward; grammar matchers may implement jump_forward()
+# 1.7: GrammarCaps.serialize (grammar backends' serialize / deserialize: compiles run in a
+#      child process, core.grammar_compiler)
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -5,11 +5,12 @@ enforce. Each check raises ValueError naming the problem."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from core.admission import check_fits
+from core.grammar import check_constraint
 from core.plan import Plan
+from core.plugins import get_registry
 from core.sampling import SamplingParams
 
 
@@ -19,8 +20,6 @@ class RequestChecks:
     def __init__(self, plan: Plan, tokenizer: Any):
         self.plan = plan
         self.tokenizer = tokenizer
-        self._grammar: Any = None  # core.grammar.Grammar, built at the first constraint
-        self._grammar_lock = threading.Lock()
 
     def prepare(self, prompt: str | None, input_ids: list[int] | None,
                 params: SamplingParams | dict | None, info: Any
@@ -50,19 +49,19 @@ class RequestChecks:
 
     def check_constraint(self, constraint: Any, info: Any) -> None:
         """Raise ValueError (core.grammar.GrammarError) naming the problem when the engine's
-        grammar backend cannot enforce this constraint, or structured output is off. Checked
-        here, before admission, so that the caller gets the error (the worker compiles it)."""
+        grammar backend cannot enforce this constraint (its shape, the size limits, what the
+        backend declares), or structured output is off. Checked here, before admission, so
+        that the caller gets the error. No grammar library runs in this process (it carries
+        every client's requests): the worker compiles the constraint in a compile process,
+        and what only the library finds wrong is the request's 400 from there."""
         name = self.plan.grammar_backend
         if name is None:
             why = next((n.split(": ", 1)[1] for n in self.plan.notes
                         if n.startswith("structured output off: ")), "no grammar backend")
             raise ValueError(f"{constraint.where}: structured output is off in this server "
                              f"({why})")
-        with self._grammar_lock:
-            if self._grammar is None:
-                from core.grammar import make_grammar
-                from core.plugins import get_registry
-
-                self._grammar = make_grammar(get_registry(), name, self.tokenizer,
-                                             info.vocab_size, list(info.eos_token_ids))
-        self._grammar.check(constraint)
+        reg = get_registry().get("grammar", name)
+        if reg is None:
+            raise ValueError(f"{constraint.where}: grammar backend {name} is not registered "
+                             f"in this process")
+        check_constraint(constraint, name, reg.caps)

@@ -220,17 +220,14 @@ class Scheduler(Admission, Overlap):
             self.waiting.append(req)
 
     def _grammar_for(self, p: SamplingParams) -> Any:
-        """The constraint's compiled grammar from the cache, or None (to be compiled); a
-        constraint the backend refuses outright is an error now."""
-        try:
-            if self.grammar is None:
-                raise AdmissionError("structured output is off in this engine "
-                                     "(--grammar-backend none, or no grammar backend fits)")
-            self.grammar.check(p.constraint)
-            return self.grammar.cached(p.constraint)
-        except ValueError:
+        """The constraint's compiled grammar from the cache, or None (to be compiled). The
+        edge checked the constraint (Grammar.check); no grammar library runs on this thread:
+        a new constraint compiles in a compile process (core.grammar_compiler)."""
+        if self.grammar is None:
             self.counters["rejected"] += 1
-            raise
+            raise AdmissionError("structured output is off in this engine "
+                                 "(--grammar-backend none, or no grammar backend fits)")
+        return self.grammar.cached(p.constraint)
 
     def _compile(self, req: Req) -> None:
         """Park `req` in `compiling` on its grammar's compile (one per constraint at a time)."""
@@ -289,9 +286,14 @@ class Scheduler(Admission, Overlap):
         req = self.by_id.get(rid)
         if req is None or req.finish is not None:
             return False
-        if req in self.compiling:  # its compile goes on (the cache keeps its result)
+        if req in self.compiling:
             self.compiling.remove(req)
-            req.compile_id = None
+            cid, req.compile_id = req.compile_id, None
+            constraint, fut, reqs = self._compiles[cid]
+            reqs.remove(req)
+            if not reqs:  # nobody waits for it: stop it (every rank does the same)
+                del self._compiles[cid], self._compile_ids[constraint.key()]
+                self.grammar.cancel(fut)
         elif req in self.waiting:
             self.waiting.remove(req)
         else:
@@ -536,4 +538,6 @@ class Scheduler(Admission, Overlap):
                 # them as free in its kv_pages_used (as SGLang does)
                 "new_token_ratio": round(self.new_token_ratio, 4),
                 # grammar masks: seconds filled, seconds the step waited on them, count
-                **self.sampler.mask_stats}
+                **self.sampler.mask_stats,
+                # grammar compiles: queued, running, outcomes (core.grammar_compiler)
+                **(self.grammar.stats() if self.grammar is not None else {})}

@@ -45,6 +45,9 @@ from core.plan import Plan
 GiB = 2**30
 HEARTBEAT_S = 1.0  # the worker's liveness beat, sent from its own thread (steps may be long)
 SNAPSHOT_S = 0.25  # how often, at most, the loop refreshes the stats the heartbeat carries
+# grammar compile processes per worker (core.grammar_compiler): a slow compile holds one, the
+# other keeps compiling the next requests' constraints
+GRAMMAR_COMPILE_PROCESSES = 2
 
 
 def make_plan(args: ServerArgs, registry: Any = None) -> tuple[ServerArgs, Plan, Any, Any]:
@@ -188,6 +191,7 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any
     """Phase 4: pages, prefix cache, sampler, the grammar backend and the scheduler. Returns
     (scheduler, EOS ids, overlap note)."""
     from core.grammar import make_grammar
+    from core.grammar_compiler import CompilerSpec, CompileService
     from core.memory_pool import PageAllocator
     from core.radix_cache import make_prefix_cache
     from core.sampling import Sampler
@@ -225,6 +229,11 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any
         # library's import (~1 s: xgrammar imports transformers) is not on the start's path
         grammar = make_grammar(registry, plan.grammar_backend, tok, int(cfg.vocab_size),
                                sorted(eos), lazy=True)
+        # client input reaches the grammar library only in compile processes, with a deadline
+        grammar.compiler = CompileService(
+            grammar, CompilerSpec(args_to_json(args), plan.grammar_backend,
+                                  int(cfg.vocab_size), tuple(sorted(eos))),
+            workers=GRAMMAR_COMPILE_PROCESSES, timeout_s=args.grammar_compile_timeout)
     scheduler = Scheduler(runner, allocator, req_to_token, cache,
                           Sampler(device, args.seed, to_device=platform.to_device),
                           sched_cfg, eos, int(cfg.vocab_size),
@@ -485,6 +494,8 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S,
                 beat.stats, published = _rpc(core, "stats"), now
     finally:
         beat.stop()
+        if grammar is not None:
+            grammar.close()  # its compile processes
 
 
 def follow(core: EngineCore, ranks: Ranks) -> None:

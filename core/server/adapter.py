@@ -177,10 +177,8 @@ class EngineAdapter:
                 raise APIError(503, f"the engine is not running: {e}", code="engine_unavailable",
                                retry_after=5) from None
             except ValueError as e:  # the engine's own checks (sampling, fits in context/pool,
-                finished = True  # a constraint its grammar backend cannot compile)
-                source = (req.sampling.get("constraint") or {}).get("source")
-                raise invalid(source if source and str(e).startswith(source) else None,
-                              str(e)) from None
+                finished = True  # a constraint its grammar backend cannot enforce)
+                raise invalid(_constraint_param(req, str(e)), str(e)) from None
             produced = False
             while True:
                 chunk = await q.get()
@@ -197,7 +195,10 @@ class EngineAdapter:
                         and not produced:  # rejected at admission (queue full, too big)
                     finished = True
                     status = int(fin["status_code"])
-                    raise APIError(status, fin.get("message") or "rejected by the scheduler",
+                    message = fin.get("message") or "rejected by the scheduler"
+                    if status == 400:  # e.g. its constraint failed to compile in the worker
+                        raise invalid(_constraint_param(req, message), message)
+                    raise APIError(status, message,
                                    code="queue_full" if status == 503 else None,
                                    retry_after=1 if status in (429, 503) else None)
                 produced = True
@@ -284,6 +285,13 @@ class EngineAdapter:
         self._rpc.shutdown(wait=False, cancel_futures=True)
 
 
+def _constraint_param(req: GenRequest, message: str) -> str | None:
+    """The request field a refusal names (its constraint's source), when the message is about
+    that constraint."""
+    source = (req.sampling.get("constraint") or {}).get("source")
+    return source if source and message.startswith(source) else None
+
+
 def _figures(s: dict[str, Any]) -> dict[str, Any]:
     """The server's names for a scheduler's figures (core.scheduler.Scheduler.stats)."""
     total, free = s.get("total_pages", 0), s.get("free_pages", 0)
@@ -296,7 +304,9 @@ def _figures(s: dict[str, Any]) -> dict[str, Any]:
             "kv_pages_used": total - free - evictable, "kv_pages_total": total,
             "kv_pages_cached": s.get("cached_pages", 0),
             "prefix_cache_hit_rate": cached / (cached + computed) if cached + computed
-            else 0.0}
+            else 0.0,
+            # grammar compiles (core.grammar_compiler): queued, running, outcomes
+            **{k: v for k, v in s.items() if k.startswith("grammar_compile")}}
 
 
 def start_engine(args: ServerArgs) -> EngineAdapter:

@@ -25,6 +25,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
+COMPILE_OUTCOMES = ("ok", "refused", "timeout", "crashed", "cancelled", "failed")
 OUTCOMES = ("success", "client_error", "rejected", "aborted", "server_error")
 
 
@@ -125,9 +126,17 @@ class ServerMetrics:
                    "data-parallel replica", [(lab, r.get("routed", 0)) for lab, r in ranks])
         else:
             ranks = [({}, stats)]
+        gauges += (("grammar_compiles_running", "grammar compiles running in compile processes"),
+                   ("grammar_compiles_queued", "grammar compiles waiting for a compile process"))
         for key, help in gauges:
             samples = [(lab, v) for lab, r in ranks
                        if isinstance(v := r.get(key), (int, float)) and not isinstance(v, bool)]
             if samples:
                 metric(key, "gauge", help, samples)
+        samples = [({**lab, "outcome": o}, r[f"grammar_compiles_{o}"]) for lab, r in ranks
+                   for o in COMPILE_OUTCOMES if f"grammar_compiles_{o}" in r]
+        if samples:
+            metric("grammar_compiles_total", "counter", "grammar compiles by outcome (ok, "
+                   "refused by the library, timeout, crashed, cancelled with their requests, "
+                   "failed in the backend)", samples)
         return "\n".join(out) + "\n"

@@ -14,7 +14,7 @@ makes the refusal the core's, naming the keyword, and puts it in the support mat
 from core.capabilities import DEVICE_TYPES, GrammarCaps
 from core.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.6,<2"
+CORE_PLUGIN_API = ">=1.7,<2"
 
 CAPS = GrammarCaps(
     constraints={"json_schema", "json_object", "regex", "ebnf", "choice"},
@@ -24,6 +24,7 @@ CAPS = GrammarCaps(
                   "dependencies", "uniqueItems", "contains", "minContains", "maxContains",
                   "propertyNames", "unevaluatedProperties", "unevaluatedItems", "$dynamicRef"},
     tokenizers={"hf"},
+    serialize=True,
     jump_forward=True,
     requires=("llguidance",),
     priority={d: 10 for d in DEVICE_TYPES},

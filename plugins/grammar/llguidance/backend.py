@@ -89,8 +89,9 @@ class LLGuidanceMatcher:
 
 
 class LLGuidanceBackend:
-    """Constraints -> a compiled llguidance LLMatcher (never advanced) for this vocabulary;
-    each sequence's matcher is a deep copy of it."""
+    """Constraints -> (the grammar's text, a compiled llguidance LLMatcher never advanced) for
+    this vocabulary; each sequence's matcher is a deep copy of it; the text is what crosses
+    from the compile process (the matcher is rebuilt from it)."""
 
     name = "llguidance"
 
@@ -111,16 +112,30 @@ class LLGuidanceBackend:
     def validate(self, constraint: Constraint) -> None:
         self._text(constraint)
 
-    def compile(self, constraint: Constraint) -> Any:
+    def _vocabulary(self) -> Any:
         if self._tok is None:
             eos = self.stop or None
             self._tok = llguidance.hf.from_tokenizer(self.tokenizer.hf, n_vocab=self.vocab_size,
                                                      eos_token=eos)
-        m = llg.LLMatcher(self._tok, self._text(constraint, self._tok), log_level=0)
+        return self._tok
+
+    def _matcher(self, text: str, c: Constraint | None = None) -> Any:
+        m = llg.LLMatcher(self._vocabulary(), text, log_level=0)
         if m.is_error():
-            raise GrammarError(f"{constraint.where}: {_WHAT[constraint.kind]}: "
-                               f"{_clean(m.get_error())}")
+            where = f"{c.where}: {_WHAT[c.kind]}" if c is not None else "grammar"
+            raise GrammarError(f"{where}: {_clean(m.get_error())}")
         return m
 
+    def compile(self, constraint: Constraint) -> Any:
+        text = self._text(constraint, self._vocabulary())
+        return text, self._matcher(text, constraint)
+
+    def serialize(self, compiled: Any) -> bytes:
+        return compiled[0].encode()
+
+    def deserialize(self, data: bytes) -> Any:
+        text = data.decode()
+        return text, self._matcher(text)
+
     def matcher(self, compiled: Any) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(compiled.deep_copy(), frozenset(self.stop))
+        return LLGuidanceMatcher(compiled[1].deep_copy(), frozenset(self.stop))

@@ -10,7 +10,7 @@ outlines_core.json_schema; json_object is {"type": "object"} that way, so object
 three deep at most. A regex is matched whole: a leading ^ and a trailing $ are dropped, anchors
 inside it are refused.
 
-schema_lacks, found with the suite's keyword table (core/testing/grammar_suite.py) against
+schema_lacks, found with the suite's keyword table (conformance/grammar_suite.py) against
 outlines-core 0.2.14: accepted and not enforced - minimum, maximum, exclusiveMinimum,
 exclusiveMaximum, multipleOf, uniqueItems, contains, minContains, maxContains,
 patternProperties, propertyNames, dependentRequired, dependentSchemas, dependencies,
@@ -26,7 +26,7 @@ validate refuses, naming it (schema.py).
 from core.capabilities import DEVICE_TYPES, GrammarCaps
 from core.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.3,<2"
+CORE_PLUGIN_API = ">=1.7,<2"
 
 CAPS = GrammarCaps(
     constraints={"json_schema", "json_object", "regex", "choice"},
@@ -41,6 +41,7 @@ CAPS = GrammarCaps(
         # refused by outlines-core itself
         "not", "if", "then", "else"},
     tokenizers={"hf"},
+    serialize=True,
     requires=("outlines_core",),
     priority={d: 5 for d in DEVICE_TYPES},
     description="outlines: regular expressions compiled into a token-level DFA (outlines-core)",

@@ -268,6 +268,16 @@ class OutlinesBackend:
         except (ValueError, TypeError, RuntimeError) as exc:
             raise GrammarError(_message(constraint, exc)) from None
 
+    def serialize(self, compiled: Compiled) -> bytes:
+        # outlines-core's own binary form of its Index (what its pickling uses), after the
+        # marker's id
+        _, (index,) = compiled.index.__reduce__()
+        return compiled.mark.to_bytes(8, "little", signed=True) + bytes(index)
+
+    def deserialize(self, data: bytes) -> Compiled:
+        mark = int.from_bytes(data[:8], "little", signed=True)
+        return Compiled(oc.Index.from_binary(data[8:]), mark)
+
     def matcher(self, compiled: Compiled) -> OutlinesMatcher:
         marked = [(t, True) for t in self.stop]
         if compiled.mark not in self.stop and compiled.mark < self.vocab_size:

@@ -11,16 +11,17 @@ several schemas, required names outside properties) are refused by its validate.
 from core.capabilities import DEVICE_TYPES, GrammarCaps
 from core.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.6,<2"
+CORE_PLUGIN_API = ">=1.7,<2"
 
 CAPS = GrammarCaps(
     constraints={"json_schema", "json_object", "regex", "ebnf", "choice", "structural_tag"},
     # uniqueItems .. oneOf: found accepted and not enforced by the grammar conformance suite
-    # (core/testing/grammar_suite.py; oneOf runs as anyOf)
+    # (conformance/grammar_suite.py; oneOf runs as anyOf)
     schema_lacks={"not", "if", "then", "else", "contentEncoding",
                   "contentMediaType", "dependentSchemas", "uniqueItems", "contains",
                   "propertyNames", "dependentRequired", "oneOf"},
     tokenizers={"hf"},
+    serialize=True,
     jump_forward=True,
     requires=("xgrammar",),
     priority={d: 20 for d in DEVICE_TYPES},

@@ -123,8 +123,9 @@ class XGrammarBackend:
 
     def __init__(self, *, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
         self.tokenizer, self.vocab_size, self.stop = tokenizer, vocab_size, list(stop_token_ids)
-        self._compiler: Any = None  # built on the first compile: validate needs no vocabulary
-        self._no_control: Any = None  # the JSON keep (row, banned ids), built with the compiler
+        self._info: Any = None  # xgrammar's TokenizerInfo: validate needs no vocabulary
+        self._compiler: Any = None  # built on the first compile
+        self._no_control: Any = None  # the JSON keep (row, banned ids), built with the info
 
     def _grammar(self, c: Constraint, compiler: Any = None) -> Any:
         """xgrammar's Grammar (no compiler) or CompiledGrammar for `c`; JSON without free
@@ -161,10 +162,16 @@ class XGrammarBackend:
             raise GrammarError(f"{constraint.where}: {_WHAT[constraint.kind]}: "
                                f"{_clean(exc)}") from None
 
+    def _vocabulary(self) -> Any:
+        """The tokenizer info and the JSON keep row, built once."""
+        if self._info is None:
+            self._no_control = self._keep_row(lambda b: not any(c < 0x20 for c in b))
+            self._info = self._tokenizer_info()
+        return self._info
+
     def compile(self, constraint: Constraint) -> Any:
         if self._compiler is None:
-            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=2)
-            self._no_control = self._keep_row(lambda b: not any(c < 0x20 for c in b))
+            self._compiler = xgr.GrammarCompiler(self._vocabulary(), max_threads=2)
         try:
             compiled = self._grammar(constraint, self._compiler)
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -174,6 +181,16 @@ class XGrammarBackend:
         # strings with maxLength / minLength: such tokens are masked for JSON constraints
         json = constraint.kind in ("json_schema", "json_object")
         return compiled, self._no_control if json else None
+
+    def serialize(self, compiled: Any) -> bytes:
+        grammar, keep = compiled
+        return json.dumps({"grammar": grammar.serialize_json(),
+                           "json": keep is not None}).encode()
+
+    def deserialize(self, data: bytes) -> Any:
+        d = json.loads(data)
+        grammar = xgr.CompiledGrammar.deserialize_json(d["grammar"], self._vocabulary())
+        return grammar, self._no_control if d["json"] else None
 
     def _keep_row(self, ok: Any) -> tuple[Any, frozenset[int]]:
         """(A bitmask row [ceil(V / 32)] int32 allowing every token whose bytes pass ok(bytes),
