@@ -28,11 +28,11 @@ import pytest
 import torch
 from ceilings import EventClock, emit_table
 
-from core.attention import AttentionLayerParams, BackendContext
-from core.checks import check_device
-from core.forward_batch import ForwardBatch, ForwardMode
-from core.kv_cache import KVPool
-from core.plugins import get_registry
+from core.contract.attention import AttentionLayerParams, BackendContext
+from core.contract.forward_batch import ForwardBatch, ForwardMode
+from core.engine.memory.kv_cache import KVPool
+from core.plan.checks import check_device
+from core.plan.registry import get_registry
 
 H, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

@@ -4,7 +4,7 @@
     python bench/bench_cpu_peers.py --quick --peers ours,llama.cpp          # smoke test
     python bench/bench_cpu_peers.py --dtype float32 --threads 2 --out peers_fp32.json
 
-The model is the default one (SmolLM2-135M-Instruct Q4_1, `core.default_model`). Every peer gets
+The model is the default one (SmolLM2-135M-Instruct Q4_1, `core.plan.default_model`). Every peer gets
 the same token ids (random in [100, 40000), seeded; no BOS), greedy, EOS ignored:
 - decode tg128: tokens/s at batch 1, 128 new tokens after a 16-token prompt, the first token
   excluded (tokens after the first / time from the first to the last);
@@ -335,7 +335,7 @@ def worker_ceiling(job: dict[str, Any]) -> dict[str, Any]:
     import torch.nn.functional as F
     from floors import prefill_flops_of, shapes
 
-    from core.gguf_metadata import gguf_to_hf_config, read_gguf_metadata
+    from core.plan.gguf_metadata import gguf_to_hf_config, read_gguf_metadata
 
     torch.set_num_threads(job["threads"])
     cfg = gguf_to_hf_config(read_gguf_metadata(job["model_path"]))
@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.result).write_text(json.dumps(res))
         return 0
     if a.model_path is None:
-        from core.default_model import default_model_path
+        from core.plan.default_model import default_model_path
         a.model_path = default_model_path()
     # every process from here on (workers, engine workers, the server) runs this many threads
     os.environ["OMP_NUM_THREADS"] = os.environ["NUMBA_NUM_THREADS"] = str(a.threads)

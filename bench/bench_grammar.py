@@ -67,10 +67,10 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from model_fixtures import cpu_plan
 
-    from core.config import make_server_args
-    from core.grammar import Constraint, apply_bitmask, make_grammar
-    from core.loader import load_model
-    from core.plugins import get_registry
+    from core.contract.grammar import Constraint, apply_bitmask, make_grammar
+    from core.engine.loader import load_model
+    from core.plan.args import make_server_args
+    from core.plan.registry import get_registry
 
     registry = get_registry()
     loaded = load_model(make_server_args(), cpu_plan("llama"), registry)

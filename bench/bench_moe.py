@@ -27,9 +27,9 @@ import pytest
 import torch
 from ceilings import EventClock, emit_table
 
-from core.checks import check_device
-from core.moe import MoELayerParams, MoEWeights, route
-from core.plugins import get_registry
+from core.contract.moe import MoELayerParams, MoEWeights, route
+from core.plan.checks import check_device
+from core.plan.registry import get_registry
 
 DTYPE = torch.bfloat16
 # name -> (experts, top_k, hidden, intermediate)

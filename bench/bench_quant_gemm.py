@@ -72,10 +72,10 @@ def ceilings() -> dict[str, float]:
 def layer_for(method_name: str, n: int, k: int):
     """A Linear of [n, k] under one quant method, loaded with random weights (dense, quantized
     at load where the method does that; the int4 methods from their own packer)."""
+    from core.contract.quant import online_scheme, parse_quant_config
     from core.layers import Linear, ModelContext
     from core.layers.linear import process_weights_after_loading
-    from core.plugins import get_registry
-    from core.quant import online_scheme, parse_quant_config
+    from core.plan.registry import get_registry
 
     registry = get_registry()
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02

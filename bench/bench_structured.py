@@ -14,7 +14,7 @@ prompts each time (no prefix-cache hits). Figures are
 output tokens per second over the wall time, and the constrained / unconstrained ratio; beside
 them the grammar-mask time the engine reports (stats mask_fill_s / mask_wait_s) and the share
 of it hidden behind the forward (1 - wait / fill: the masks fill on a host thread while the
-forward runs, core.sampling.Sampler.start_masks).
+forward runs, core.engine.sampling.Sampler.start_masks).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     conc = a.concurrency or (64 if gpu else 8)
     out_len = a.output_len or (256 if gpu else 48)
     from core import Engine
-    from core.plugins import get_registry
+    from core.plan.registry import get_registry
 
     registry = get_registry()
     backends = a.backends.split(",") if a.backends else sorted(registry.kind("grammar"))

@@ -6,7 +6,7 @@
 Per collective: microseconds per call (median of 5 rounds of --calls calls after a warm-up) for
 an all-reduce of one token's hidden state ([1, H]) and of a 16-token batch, an all-gather of
 [1, V / N] logits, and the scheduler's one-integer broadcast. A decode step makes 2 all-reduces
-per layer, 1 for the embedding, 1 all-gather and 1-2 broadcasts (core/distributed.py).
+per layer, 1 for the embedding, 1 all-gather and 1-2 broadcasts (core/engine/distributed.py).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--calls", type=int, default=200)
     a = p.parse_args()
-    from core.distributed import free_loopback_port
+    from core.engine.distributed import free_loopback_port
 
     mp.spawn(_rank, args=(a, free_loopback_port()), nprocs=a.ranks)
 

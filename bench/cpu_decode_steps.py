@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     a = p.parse_args(argv)
     sys.path.insert(0, a.repo)
-    from core.config import make_server_args
-    from core.loader import load_model
-    from core.worker import build_engine_core, make_plan
+    from core.engine.loader import load_model
+    from core.engine.worker import build_engine_core, make_plan
+    from core.plan.args import make_server_args
 
     args = make_server_args(device="cpu", max_total_tokens=4096, dtype=a.dtype,
                             disable_overlap_schedule=True)

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from conformance import quant_suite
     from conformance.quant_refs import all_cases
-    from core.plugins import get_registry
+    from core.plan.registry import get_registry
     from plugins.moe.triton import kernels, runner
 
     case = {c.name: c for c in all_cases()}[a.case]

@@ -39,7 +39,7 @@ def main() -> None:
     import bench_attention as ba
     from ceilings import gpu_seconds, measure
 
-    from core.plugins import get_registry
+    from core.plan.registry import get_registry
 
     device = torch.device("cuda")
     ceil = measure(device, ba.DTYPE)

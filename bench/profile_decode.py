@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("skipped: needs CUDA")
         return 0
-    from core.config import make_server_args
-    from core.worker import build_engine_core, make_plan
+    from core.engine.worker import build_engine_core, make_plan
+    from core.plan.args import make_server_args
 
     cfg = dict(LLAMA_31_8B if a.config is None else json.loads(Path(a.config).read_text()))
     if a.quant_config:
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 statistics.median(step_ms)
         entry["overlapped_steps"] = sched.counters["overlapped_steps"]
         if gr is not None and gr.can_run(bs):
-            from core.graphs import pick_bucket
+            from core.engine.graphs import pick_bucket
 
             g = gr.graphs[pick_bucket(bs, gr.sizes)]
             times = []

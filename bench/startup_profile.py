@@ -5,14 +5,14 @@
     python bench/startup_profile.py --profile 25      # + cProfile's top 25 of each side
 
 Every figure comes from a fresh Python process (this script with --child MODE), so nothing is
-warm in the interpreter; the GGUF conversion cache (core.gguf_cache) is warm, as on every start
+warm in the interpreter; the GGUF conversion cache (core.plan.gguf_cache) is warm, as on every start
 but the first. Three views:
 - `engine`: `core.Engine()` as bench/bench_cpu_peers.py's load stage times it (torch and `core`
   imported first and not counted; the engine worker spawned inside is counted), with the
-  client's stages: import of core.engine, make_plan, the tokenizer, and the wait for the
+  client's stages: import of core.frontend.offline, make_plan, the tokenizer, and the wait for the
   worker's Ready after the plan was sent;
 - `worker`: what the spawned worker does, replayed in one process with a clock on each stage:
-  its imports (core.worker.worker_prestarted's), plan_from_parent, then build_engine_core's
+  its imports (core.engine.worker.worker_prestarted's), plan_from_parent, then build_engine_core's
   load (config, model, weights, tokenizer) and the rest (KV pool, runner, scheduler);
 - `modules`: whether transformers (and other heavy modules) got imported by the client's
   make_plan + tokenizer, and by the worker's build.
@@ -83,12 +83,12 @@ def child_engine(dtype: str, profile: int, extra: dict[str, Any]) -> dict[str, A
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     marks: dict[str, float] = {}
     t = time.perf_counter()
-    import core.engine as eng
-    import core.worker as wk
-    marks["import core.engine"] = round(time.perf_counter() - t, 4)
+    import core.engine.worker as wk
+    import core.frontend.offline as eng
+    marks["import core.frontend.offline"] = round(time.perf_counter() - t, 4)
     _wrap(wk, "make_plan", marks)
     _wrap(eng, "_load_tokenizer", marks)
-    from core import client as cl
+    from core.frontend import client as cl
 
     original_wait = cl.EngineClient._wait_ready
 
@@ -109,7 +109,7 @@ def child_engine(dtype: str, profile: int, extra: dict[str, Any]) -> dict[str, A
         prof.enable()
     t = time.perf_counter()
     engine = core.Engine(None, dtype=dtype, device="cpu", max_total_tokens=8192, **extra)
-    total = time.perf_counter() - t + marks["import core.engine"]
+    total = time.perf_counter() - t + marks["import core.frontend.offline"]
     if prof is not None:
         prof.disable()
     try:
@@ -129,8 +129,8 @@ def child_engine(dtype: str, profile: int, extra: dict[str, Any]) -> dict[str, A
 
 def child_plan(dtype: str) -> dict[str, Any]:
     """The args and plan JSON a client sends its worker (for the `worker` view)."""
-    import core.worker as wk
-    from core.config import make_server_args
+    import core.engine.worker as wk
+    from core.plan.args import make_server_args
 
     args, plan, _, _ = wk.make_plan(make_server_args(dtype=dtype, device="cpu",
                                                      max_total_tokens=8192))
@@ -147,10 +147,10 @@ class _TimedConn:
     def recv_bytes(self, *a: Any) -> Any:
         if not self._read:
             self._read = True
-            self._marks["worker imports (torch, core.worker, core.loader, ...)"] = round(
+            self._marks["worker imports (torch, core.engine.worker, core.engine.loader, ...)"] = round(
                 time.perf_counter() - self._t0, 4)
-            import core.loader as ld
-            import core.worker as wk
+            import core.engine.loader as ld
+            import core.engine.worker as wk
 
             for name in ("load_config", "count_and_iter_weights", "_load_tokenizer",
                          "load_model"):
@@ -164,7 +164,7 @@ class _TimedConn:
 
 
 def child_worker(dtype: str, profile: int, plan_file: str) -> dict[str, Any]:
-    """core.worker.worker_prestarted as the spawned worker runs it, in this process (the main
+    """core.engine.worker.worker_prestarted as the spawned worker runs it, in this process (the main
     thread), fed the plan through a pipe; a thread takes its Ready and shuts it down."""
     import multiprocessing as mp
     import threading
@@ -194,7 +194,7 @@ def child_worker(dtype: str, profile: int, plan_file: str) -> dict[str, Any]:
 
         prof = cProfile.Profile()
         prof.enable()
-    from core.worker import worker_prestarted  # noqa: E402  (timed: the worker imports it)
+    from core.engine.worker import worker_prestarted  # noqa: E402  (timed: the worker imports it)
 
     worker_prestarted(_TimedConn(child, marks, t0))
     if prof is not None:
@@ -208,13 +208,13 @@ def child_worker(dtype: str, profile: int, plan_file: str) -> dict[str, Any]:
 
 
 def child_client_modules() -> dict[str, Any]:
-    """What the client's make_plan and tokenizer import, beyond torch and core.engine."""
+    """What the client's make_plan and tokenizer import, beyond torch and core.frontend.offline."""
     import torch  # noqa: F401
 
-    import core.engine  # noqa: F401
-    from core.config import make_server_args
-    from core.engine import _load_tokenizer
-    from core.worker import make_plan
+    import core.frontend.offline  # noqa: F401
+    from core.engine.worker import make_plan
+    from core.frontend.offline import _load_tokenizer
+    from core.plan.args import make_server_args
 
     before = set(sys.modules)
     marks, mark = _clock()
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 stages.setdefault(k, []).append(v)
         print(f"\n== {mode} (median of {a.reps} fresh processes)")
         if mode == "engine":
-            print(f"  core.Engine() incl. import of core.engine: "
+            print(f"  core.Engine() incl. import of core.frontend.offline: "
                   f"{_median_of([r['load_s'] for r in runs])}")
             print(f"  plan: {runs[0]['plan']}; generated: {runs[0]['generated']!r}")
             print(f"  heavy modules the Engine() imported: {runs[0]['imported_by_engine']}")

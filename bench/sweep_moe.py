@@ -45,7 +45,7 @@ BUCKETS = (4, 16, 64, None)  # tuning.py's rows-per-expert bounds
 
 
 def _inputs(experts, top_k, hidden, inter, tokens, dtype, device, seed=0):
-    from core.moe import MoELayerParams, MoEWeights
+    from core.contract.moe import MoELayerParams, MoEWeights
 
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
@@ -82,7 +82,7 @@ def main() -> None:
                     help="tilings to try, as 'm,n,k,warps,stages;...' (default: the built-in "
                          "list); the table at the end is then only for the shapes swept")
     args = ap.parse_args()
-    from core.moe import route
+    from core.contract.moe import route
     from plugins.moe.triton.runner import TritonMoE, _arch
 
     smoke = args.smoke

@@ -110,7 +110,7 @@ def _host_us(fn, device, n: int = 20) -> float:
 
 def _backend_fn(name, step):
     """bench_attention's timed call: prepare once, then forward (KV write + attention)."""
-    from core.plugins import get_registry
+    from core.plan.registry import get_registry
 
     backend = get_registry().get("attention", name).load()(step.ctx)
     batch = step.batch

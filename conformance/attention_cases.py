@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 
 from conformance.paged_batch import FP8, AttentionCase, attention_kind
-from core.capabilities import AttentionCaps
+from core.contract.capabilities import AttentionCaps
 
 GROUPS = (1, 4, 8)
 HEAD_DIMS = (64, 128)

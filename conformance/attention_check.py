@@ -27,11 +27,11 @@ from conformance.paged_batch import (
     build_inputs,
     dequantize,
 )
-from core.attention import AttentionBackend
-from core.capabilities import DeviceInfo
-from core.checks import check_device
-from core.kv_cache import KVPool
-from core.plugins import Registration
+from core.contract.attention import AttentionBackend
+from core.contract.capabilities import DeviceInfo
+from core.engine.memory.kv_cache import KVPool
+from core.plan.checks import check_device
+from core.plan.registry import Registration
 
 REFERENCE = "torch_native"
 # (atol, rtol) against the fp32 reference; against torch_native both sides err, so twice that.

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from core.attention import AttentionLayerParams
-from core.forward_batch import ForwardBatch
+from core.contract.attention import AttentionLayerParams
+from core.contract.forward_batch import ForwardBatch
 
 _ROWS_PER_CHUNK = 256
 

@@ -31,8 +31,8 @@ from conformance.attention_check import (
 )
 from conformance.paged_batch import AttentionCase
 from conformance.plugin import named_plugins  # noqa: F401 - shared by every suite
-from core.capabilities import DeviceInfo
-from core.plugins import Registration
+from core.contract.capabilities import DeviceInfo
+from core.plan.registry import Registration
 
 __all__ = ["pytest_generate_tests", "test_attention_backend_conformance"]
 

@@ -1,4 +1,4 @@
-"""The grammar-backend conformance tests (core/grammar.py): a backend's token masks against a
+"""The grammar-backend conformance tests (core/contract/grammar.py): a backend's token masks against a
 brute-force check over every token of a small vocabulary, its matchers' protocol, its refusals.
 
 Collected by the conformance plugin (`pytest --conformance-grammar NAME`, see
@@ -38,7 +38,7 @@ declared type raise GrammarError from validate and from compile, naming the requ
 backend declaring jump_forward jumps somewhere along the cases' words (it is not always []).
 Per JSON-schema keyword (KEYWORDS): one the backend does not declare in schema_lacks is either
 refused by the backend (GrammarError) or enforced (a text violating it refused, one satisfying
-it accepted); one it declares is refused by the core (core.grammar.Grammar.check), wherever in
+it accepted); one it declares is refused by the core (core.contract.grammar.Grammar.check), wherever in
 the schema it sits.
 """
 
@@ -54,9 +54,9 @@ import pytest
 import torch
 
 from conformance.attention_suite import named_plugins
-from core.checks import missing_packages
-from core.grammar import Constraint, Grammar, GrammarError, make_grammar, schema_keywords
-from core.plugins import get_registry
+from core.contract.grammar import Constraint, Grammar, GrammarError, make_grammar, schema_keywords
+from core.plan.checks import missing_packages
+from core.plan.registry import get_registry
 
 __all__ = ["pytest_generate_tests", "test_grammar_case_conformance",
            "test_grammar_protocol_conformance", "test_grammar_keyword_conformance"]

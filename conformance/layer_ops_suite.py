@@ -8,7 +8,7 @@ conformance.plugin), or by importing them into a test module:
 
 Parametrization: every registered layer-ops plugin that can run on each suite device (or only
 those named), every declared compute dtype (not bf16 under the Triton interpreter), every op of
-core.layer_ops.OPS. An op the plugin does not provide (its method returns None) is a skip with
+core.contract.layer_ops.OPS. An op the plugin does not provide (its method returns None) is a skip with
 the reason: the layers then run the reference. Per op: odd sizes, a strided view where the model
 passes one, empty batches, outputs of the right shape, dtype and device, inputs left unchanged,
 and (store_kv) exactly the addressed slots written.
@@ -26,9 +26,9 @@ from conformance.attention_suite import (
     default_devices,
     named_plugins,
 )
-from core.layer_ops import OPS, OPTIONAL_OPS
+from core.contract.layer_ops import OPS, OPTIONAL_OPS
 from core.layers.ops_ref import TorchLayerOps
-from core.plugins import get_registry
+from core.plan.registry import get_registry
 
 __all__ = ["pytest_generate_tests", "test_layer_ops_conformance"]
 
@@ -84,7 +84,7 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
         return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
 
     fn = getattr(ops, op, None)
-    if fn is None:  # an optional op (core.layer_ops.OPTIONAL_OPS) the plugin leaves out
+    if fn is None:  # an optional op (core.contract.layer_ops.OPTIONAL_OPS) the plugin leaves out
         pytest.skip(f"{op} not provided: the layers compose it from the plugin's other ops")
     if op in ("rms_norm", "add_rms_norm"):
         for n, t in ((96, 5), (576, 3), (4096, 2), (64, 0)):
@@ -193,5 +193,5 @@ def test_layer_ops_conformance(plugin, device, dtype, op):
     dev, dt = torch.device(device), getattr(torch, dtype)
     ops = reg.load()(dtype=dt, device=dev)
     missing = [m for m in OPS if not hasattr(ops, m) and m not in OPTIONAL_OPS]
-    assert not missing, f"{plugin} lacks {missing} (core/layer_ops.py: return None instead)"
+    assert not missing, f"{plugin} lacks {missing} (core/contract/layer_ops.py: return None instead)"
     _check(op, ops, TorchLayerOps(dt, dev), dt, dev)

@@ -19,7 +19,7 @@ import itertools
 import zlib
 from dataclasses import dataclass, replace
 
-from core.capabilities import MoECaps
+from core.contract.capabilities import MoECaps
 
 DTYPES = ("float16", "bfloat16", "float32")
 ROUTINGS = ("random", "one_expert", "few_experts")

@@ -9,7 +9,7 @@ Checks, in order (the first failure raises AssertionError saying what went wrong
 1. the result is `out` (when given), has shape [T, H] and hidden's dtype, and every element is
    finite (`out` is pre-filled with NaN: an element never written shows);
 2. the inputs (hidden, router logits, shared output) are unchanged;
-3. it matches the fp32 reference (routing by core.moe.select_experts on the same logits, a
+3. it matches the fp32 reference (routing by core.contract.moe.select_experts on the same logits, a
    loop over the experts in fp32 from the same rounded weights), at the dtype's tolerance;
 4. called without `out` (cases of up to 8 tokens), it returns a new tensor, equally close.
 On a CUDA device, for a runner that declares cuda_graph, `check_graph_case` also captures a
@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from conformance.attention_check import _poison_allocator
 from conformance.moe_cases import MoECase
-from core.moe import MoELayerParams, MoEWeights, select_experts
-from core.plugins import Registration
+from core.contract.moe import MoELayerParams, MoEWeights, select_experts
+from core.plan.registry import Registration
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16}

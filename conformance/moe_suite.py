@@ -29,7 +29,7 @@ from conformance.attention_suite import (
 )
 from conformance.moe_cases import MoECase, conformance_cases, not_covered
 from conformance.moe_check import check_case, check_graph_case
-from core.plugins import Registration
+from core.plan.registry import Registration
 
 __all__ = ["pytest_generate_tests", "test_moe_runner_conformance",
            "test_moe_runner_graph_capture"]

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.attention import AttentionLayerParams, BackendContext
-from core.forward_batch import ForwardBatch, ForwardMode
-from core.kv_cache import KVPool
+from core.contract.attention import AttentionLayerParams, BackendContext
+from core.contract.forward_batch import ForwardBatch, ForwardMode
+from core.engine.memory.kv_cache import KVPool
 
 TORCH_DTYPES = {
     "float32": torch.float32,
@@ -39,7 +39,7 @@ FP8_SCALES = (0.37, 1.7)
 
 
 def attention_kind(num_kv_heads: int, group: int) -> str:
-    """The attention kind a model of this shape has, as core.model_spec names it."""
+    """The attention kind a model of this shape has, as core.plan.model_spec names it."""
     if num_kv_heads == 1:
         return "MQA"
     return "MHA" if group == 1 else "GQA"

@@ -1,4 +1,4 @@
-"""The Platform conformance tests (core/platform.py) for a hardware target's runtime.
+"""The Platform conformance tests (core/contract/platform.py) for a hardware target's runtime.
 
 Collected by the conformance plugin (`pytest --conformance-platform TARGET`, see
 conformance.plugin), or by importing them into a test module:
@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from conformance.attention_suite import named_plugins
-from core.platform import (
+from core.contract.platform import (
     GenericPlatform,
     GraphSupport,
     MemoryDefaults,
     ModelGeometry,
     load_platform,
 )
-from core.plugins import get_registry
+from core.plan.registry import get_registry
 
 __all__ = ["pytest_generate_tests", "test_platform_conformance"]
 

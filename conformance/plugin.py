@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from core.plugins import Registration, Registry
+    from core.plan.registry import Registration, Registry
 
 PLUGIN = "conformance.plugin"
 # Its name until 0.1 (`-p core.testing.conformance`, or `pytest_plugins` in a conftest): the
@@ -96,7 +96,7 @@ def named_plugins(config: pytest.Config, kind: str, option: str, label: str
     (an addopts default plus the command line is still one run), an option given several
     times or as a comma list (`--conformance-moe a,b`); UsageError for an unregistered name.
     Shared by every suite (the registry is imported here, not when pytest loads the plugin)."""
-    from core.plugins import get_registry
+    from core.plan.registry import get_registry
 
     registry = get_registry()
     plugins = registry.kind(kind)

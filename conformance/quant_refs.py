@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from core.quant import reciprocal
+from core.contract.quant import reciprocal
 
 FP8_MAX = 448.0
 
@@ -158,7 +158,7 @@ def fake_quant_acts(x: torch.Tensor, acts: str, static_scale: float | None = Non
                     ) -> torch.Tensor:
     """x [M, K] -> fp32, quantized and dequantized the way the case's activations are: per row
     (token), per 128 inputs of a row (group), or by one static scale; amax / qmax scales, each
-    input times the scale's reciprocal (core.quant.reciprocal: the kernels' rounding)."""
+    input times the scale's reciprocal (core.contract.quant.reciprocal: the kernels' rounding)."""
     x = x.float()
     if acts == "none":
         return x

@@ -14,7 +14,7 @@ every suite device it can run on x every declared compute dtype. Per case: a sta
 processed, applied at M = 1, 4, 33, 300 (--conformance-full: up to 4096) and compared with
 fake-quantized x @ dequantized W^T in fp32 by relative Frobenius error; output shape, dtype,
 device; x left unchanged. Then a two-layer Llama written as safetensors with the case's
-quantization_config, loaded by core.loader.load_model, each projection checked the same way.
+quantization_config, loaded by core.engine.loader.load_model, each projection checked the same way.
 Where the method declares MoE experts (QuantCaps.moe) and the case's activations are dynamic:
 a MoE layer's experts loaded expert by expert under the checkpoint's names and run by a runner
 that agrees with the method, against routing + fake-quantized x @ dequantized experts in fp32.
@@ -35,10 +35,10 @@ from conformance.attention_suite import (
     named_plugins,
 )
 from conformance.quant_refs import RefCase, all_cases, fake_quant_acts
+from core.contract.quant import online_scheme, parse_quant_config
 from core.layers import Linear, ModelContext
 from core.layers.linear import process_weights_after_loading
-from core.plugins import get_registry
-from core.quant import online_scheme, parse_quant_config
+from core.plan.registry import get_registry
 
 __all__ = ["pytest_generate_tests", "test_quant_linear_conformance",
            "test_quant_checkpoint_conformance", "test_quant_moe_experts_conformance",
@@ -189,7 +189,7 @@ def test_quant_linear_tensor_parallel(quant_name, quant_case, quant_device, quan
     checkpoint tensors (rows of a column-parallel [q, k, v] layer, inputs of a row-parallel
     one) and the ranks' outputs, concatenated (column) or summed (row, the all-reduce left
     out), equal the whole layer's. No process group: the checks run the ranks one by one."""
-    from core.distributed import TPGroup
+    from core.engine.distributed import TPGroup
 
     case, device, dtype = quant_case, torch.device(quant_device), getattr(torch, quant_dtype)
     gen = torch.Generator().manual_seed(request.config.getoption("conformance_seed",
@@ -273,10 +273,10 @@ def _write_checkpoint(tmp, case: RefCase, dtype: torch.dtype, seed: int):
 
 def test_quant_checkpoint_conformance(quant_name, quant_case, quant_device, quant_dtype,
                                       tmp_path, request):
-    from core.config import ServerArgs
-    from core.loader import load_model
-    from core.model_spec import load_model_spec
-    from core.resolver import resolve
+    from core.engine.loader import load_model
+    from core.plan.args import ServerArgs
+    from core.plan.model_spec import load_model_spec
+    from core.plan.resolver import resolve
 
     case, device, dtype = quant_case, torch.device(quant_device), getattr(torch, quant_dtype)
     seed = request.config.getoption("conformance_seed", default=0)
@@ -308,7 +308,7 @@ def test_quant_checkpoint_conformance(quant_name, quant_case, quant_device, quan
 def _moe_runners_for(name: str, fmt: str, device: torch.device) -> list[tuple[str, object]]:
     """Every registered MoE runner that runs this method's experts in this format on `device`
     (caps agreement from either side), by name."""
-    from core.checks import check_device, check_moe_format, check_moe_quant
+    from core.plan.checks import check_device, check_moe_format, check_moe_quant
 
     registry = get_registry()
     quant_caps = registry.get("quant", name).caps

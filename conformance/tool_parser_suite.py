@@ -1,4 +1,4 @@
-"""The tool-call-parser conformance tests (core/tools.py): the calls a parser writes read back,
+"""The tool-call-parser conformance tests (core/contract/tools.py): the calls a parser writes read back,
 one-shot and streamed in chunks, with no call markup streamed as content; plain text left alone;
 malformed calls left as text; no crash on any input.
 
@@ -14,7 +14,7 @@ several-call cases without ToolParserCaps.parallel_calls, the tools prompt witho
 
 A parser is given text only (no tools, no tokenizer), so the suite writes the model's text with
 the parser's own format_calls: `format_calls(calls)` alone, or after content and a newline (as
-the core replays an assistant turn with content). The checks, as core/tools.py states them:
+the core replays an assistant turn with content). The checks, as core/contract/tools.py states them:
 - calls (one; none with empty arguments; several, the same function twice; arguments nesting
   objects and arrays, every JSON scalar, unicode, quotes, escapes and control characters,
   markup of this and other formats inside strings; names with dots and dashes; content before
@@ -34,7 +34,7 @@ the core replays an assistant turn with content). The checks, as core/tools.py s
   and the text back unchanged, streamed or not.
 - malformed calls (arguments a string, an array, a number or null; truncated inside an argument
   value, after the name, before the closing brackets; after a complete call, after content):
-  no call where the text holds none, and the text back verbatim (core/tools.py: a call that is
+  no call where the text holds none, and the text back verbatim (core/contract/tools.py: a call that is
   not well formed stays a str, markup included); a call whose arguments are visibly no object
   is never streamed as a call. A truncated call may have been streamed as a call before it
   broke (that cannot be taken back); its text still ends up as the content.
@@ -60,8 +60,8 @@ from typing import Any
 import pytest
 
 from conformance.plugin import named_plugins
+from core.contract.tools import ToolCall, ToolParser
 from core.server.tools import ToolRequest, ToolStream, final_message
-from core.tools import ToolCall, ToolParser
 
 __all__ = ["pytest_generate_tests", "test_tool_parser_conformance"]
 
@@ -247,7 +247,7 @@ def _skip(id: str, reason: str):
 def _missing(requires: Sequence[str]) -> list[str]:
     if not requires:
         return []
-    from core.checks import missing_packages  # imports torch: only where a parser needs one
+    from core.plan.checks import missing_packages  # imports torch: only where a parser needs one
 
     return missing_packages(requires)
 
@@ -292,7 +292,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def test_tool_parser_conformance(tool_parser_name, tool_parser_case, request):
-    from core.plugins import get_registry
+    from core.plan.registry import get_registry
 
     reg = get_registry().get("tool_parser", tool_parser_name)
     seed = int(request.config.getoption("conformance_seed", default=0) or 0)
@@ -554,7 +554,7 @@ def check_malformed(parser: Any, sample: Sample) -> None:
     if not got:
         assert content == text, (
             f"parse({text!r}, final=True) -> {_show(final)}: with no well-formed call the text "
-            "must come back verbatim, as content (core/tools.py)")
+            "must come back verbatim, as content (core/contract/tools.py)")
     else:
         tail = text.rstrip()[-24:]
         assert content.rstrip().endswith(tail), (

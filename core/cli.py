@@ -21,10 +21,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from core.capabilities import KINDS
-from core.config import add_cli_args, from_namespace, load_yaml_config
-from core.hookspecs import PLUGIN_API_VERSION
-from core.plugins import PluginError, Registry, get_registry
+from core.contract.capabilities import KINDS
+from core.contract.hookspecs import PLUGIN_API_VERSION
+from core.plan.args import add_cli_args, from_namespace, load_yaml_config
+from core.plan.registry import PluginError, Registry, get_registry
 
 EXIT_OK, EXIT_NO_FIT, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
 
@@ -75,7 +75,7 @@ def _backend_status(registry: Registry, kind: str, reg: Any) -> tuple[str, str]:
         if failed:
             return "failed", info.reason
         return ("available", "") if info.available else ("unavailable", info.reason)
-    from core.checks import missing_packages
+    from core.plan.checks import missing_packages
 
     missing = missing_packages(getattr(reg.caps, "requires", ()))
     if missing:
@@ -142,11 +142,11 @@ def _server_args(ns: argparse.Namespace, base: dict[str, Any] | None = None):
 
 
 def _model_spec(path: str | None):
-    from core.model_spec import load_model_spec
+    from core.plan.model_spec import load_model_spec
 
     if path is None:
         try:
-            from core.default_model import default_model_path
+            from core.plan.default_model import default_model_path
 
             path = default_model_path()
         except (ImportError, OSError, ValueError, RuntimeError) as exc:
@@ -159,9 +159,9 @@ def _model_spec(path: str | None):
 
 
 def _cmd_resolve(ns: argparse.Namespace) -> int:
-    from core.devices import select_device
-    from core.plan import ResolveError
-    from core.resolver import error_table, explain, resolve
+    from core.plan.devices import select_device
+    from core.plan.plan import ResolveError
+    from core.plan.resolver import error_table, explain, resolve
 
     args = _server_args(ns)
     spec = _model_spec(args.model_path)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 
 
 def generate_main(args: ServerArgs, ns: argparse.Namespace) -> int:
     """Generate for ns.prompts (or ns.prompt); chat-templated as a user turn unless ns.raw."""
-    from core.engine import Engine
-    from core.resolver import explain
+    from core.frontend.offline import Engine
+    from core.plan.resolver import explain
 
     prompts = getattr(ns, "prompts", None) or getattr(ns, "prompt", None) or []
     if isinstance(prompts, str):

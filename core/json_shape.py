@@ -1,4 +1,4 @@
-"""Shape checks for JSON values crossing a process boundary (core.ipc's messages): small
+"""Shape checks for JSON values crossing a process boundary (core.messages's messages): small
 predicates and `fields`, which checks an object's keys and each value's JSON type and raises a
 ValueError naming what is wrong."""
 

@@ -16,7 +16,7 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
 class Tokenizer:
     """A thin wrapper over a transformers tokenizer, built from an HF directory or a GGUF file.
 
-    From a GGUF file whose cache entry (core.gguf_cache) holds the converted tokenizer, it runs
+    From a GGUF file whose cache entry (core.plan.gguf_cache) holds the converted tokenizer, it runs
     on the `tokenizers` package directly (the tokenizer.json transformers' own tokenizer runs
     on) and renders chat templates with jinja2 as transformers does: no transformers import.
     `hf`, transformers' tokenizer, is then built on first use (grammar backends read it).
@@ -96,7 +96,7 @@ class Tokenizer:
         template = _read_template(chat_template) if chat_template else None
         try:
             if gguf_file:
-                from core.gguf_cache import entry
+                from core.plan.gguf_cache import entry
 
                 gguf = os.path.join(path, gguf_file)
                 if entry(gguf) is not None:  # converted once: runs on the `tokenizers` package
@@ -190,12 +190,12 @@ def _special_texts(hf: Any) -> tuple[str, ...]:
 
 def _hf_tokenizer(path: str, gguf_file: str | None) -> Any:
     """transformers' tokenizer of an HF directory, or of a GGUF file: converted from its
-    vocabulary once (core.gguf_cache), then read back."""
+    vocabulary once (core.plan.gguf_cache), then read back."""
     from transformers import AutoTokenizer
 
     if not gguf_file:
         return AutoTokenizer.from_pretrained(path)
-    from core.gguf_cache import cached
+    from core.plan.gguf_cache import cached
 
     return cached(os.path.join(path, gguf_file), "tokenizer", "tokenizer.json",
                   lambda: AutoTokenizer.from_pretrained(path, gguf_file=gguf_file),
@@ -244,7 +244,7 @@ def _fast_from_gguf(path: str, gguf_file: str, eos: set[int],
     the backend alone would not give what transformers gives."""
     from tokenizers import Tokenizer as Backend
 
-    from core.gguf_cache import cached
+    from core.plan.gguf_cache import cached
 
     gguf = os.path.join(path, gguf_file)
     made: list[Any] = []  # transformers' tokenizer, where this call built the entry

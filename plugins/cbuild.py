@@ -45,8 +45,8 @@ HEADERS = ("cbf16.h",)
 
 
 def compiler() -> str | None:
-    """The C compiler to build with (core.checks.c_compiler: $CC, else cc / gcc / clang)."""
-    from core.checks import c_compiler
+    """The C compiler to build with (core.plan.checks.c_compiler: $CC, else cc / gcc / clang)."""
+    from core.plan.checks import c_compiler
 
     return c_compiler()
 

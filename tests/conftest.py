@@ -35,7 +35,7 @@ def configs_dir() -> Path:
 @pytest.fixture(scope="session")
 def model_spec():
     """load_model_spec by fixture name, e.g. model_spec("deepseek-v2-lite"); cached per session."""
-    from core.model_spec import load_model_spec
+    from core.plan.model_spec import load_model_spec
 
     cache = {}
 
@@ -52,7 +52,7 @@ def plain_registry(clean_plugin_env):
     """Only the built-in reference backends (torch_native attention/MoE, unquantized)."""
     from plugins_for_tests import builtin_backend_plugins
 
-    from core.plugins import build_registry
+    from core.plan.registry import build_registry
 
     registry = build_registry(extra=builtin_backend_plugins(), entry_points=False)
     assert not registry.failures, registry.failures
@@ -64,7 +64,7 @@ def test_registry(clean_plugin_env):
     """The built-in reference backends plus every SGLang-shaped test double."""
     from plugins_for_tests import builtin_backend_plugins, double_plugins
 
-    from core.plugins import build_registry
+    from core.plan.registry import build_registry
 
     registry = build_registry(extra=builtin_backend_plugins() + double_plugins(),
                               entry_points=False)
@@ -74,11 +74,11 @@ def test_registry(clean_plugin_env):
 
 @pytest.fixture
 def global_test_plugins(clean_plugin_env):
-    """The test doubles added to the process-wide registry (core.plugins.get_registry), then
+    """The test doubles added to the process-wide registry (core.plan.registry.get_registry), then
     removed again, for code that looks plugins up itself (the CLI)."""
     from plugins_for_tests import double_plugins
 
-    from core import plugins
+    from core.plan import registry as plugins
 
     added = double_plugins()
     for name, plugin in added:

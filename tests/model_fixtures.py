@@ -160,7 +160,7 @@ class PagedHarness:
                  num_pages: int = 64, max_reqs: int = 8, max_context: int = 256,
                  dtype: torch.dtype = torch.float32, backend=None, seed: int = 0,
                  v_head_dim: int | None = None):
-        from core.kv_cache import KVPool
+        from core.engine.memory.kv_cache import KVPool
 
         self.page_size = page_size
         self.pool = KVPool(num_pages * page_size, num_layers, num_kv_heads, head_dim, dtype,
@@ -187,7 +187,7 @@ class PagedHarness:
 
     def batch(self, rows: list[int], new_tokens: list[list[int]], decode: bool = False):
         """ForwardBatch appending new_tokens[i] to request row rows[i] (positions continue)."""
-        from core.forward_batch import ForwardBatch, ForwardMode
+        from core.contract.forward_batch import ForwardBatch, ForwardMode
 
         prefix = [self.lens.get(r, 0) for r in rows]
         locs = [s for r, toks in zip(rows, new_tokens, strict=True) for s in self._slots(r, len(toks))]
@@ -223,8 +223,8 @@ class PagedHarness:
 
 def cpu_plan(model_impl: str = "llama", dtype: str = "float32", page_size: int = 4):
     """A resolver-free Plan for tests: torch_native everywhere on the CPU."""
-    from core.capabilities import DeviceInfo
-    from core.plan import Plan
+    from core.contract.capabilities import DeviceInfo
+    from core.plan.plan import Plan
 
     return Plan(device=DeviceInfo(target="cpu", device_type="cpu"), dtype=dtype,
                 prefill_attention="torch_native", decode_attention="torch_native",
@@ -234,7 +234,7 @@ def cpu_plan(model_impl: str = "llama", dtype: str = "float32", page_size: int =
 
 def torch_native_backend(config, dtype: torch.dtype = torch.float32, page_size: int = 4):
     """The torch_native backend for a model config (as the engine would build it)."""
-    from core.attention import BackendContext
+    from core.contract.attention import BackendContext
     from plugins.attention.torch_native.backend import TorchNativeAttention
 
     head_dim = getattr(config, "head_dim", None) or \

@@ -9,7 +9,7 @@ plan that mentions one cannot be mistaken for the real backend.
 
 from __future__ import annotations
 
-from core.capabilities import (
+from core.contract.capabilities import (
     AttentionCaps,
     CapabilityRange,
     ModelCaps,
@@ -17,7 +17,7 @@ from core.capabilities import (
     PageSizes,
     QuantCaps,
 )
-from core.hookspecs import hookimpl
+from core.contract.hookspecs import hookimpl
 
 MISSING_PACKAGE = "core_test_missing_kernel_pkg"  # a package no environment installs
 
@@ -145,7 +145,7 @@ class ModelDoubles:
 
 
 def double_plugins() -> list[tuple[str, object]]:
-    """(name, plugin) pairs for core.plugins.build_registry(extra=...)."""
+    """(name, plugin) pairs for core.plan.registry.build_registry(extra=...)."""
     return [("test_attention_doubles", AttentionDoubles()), ("test_moe_doubles", MoEDoubles()),
             ("test_quant_doubles", QuantDoubles()), ("test_model_doubles", ModelDoubles())]
 

@@ -88,7 +88,7 @@ def test_table_and_notes(bench):
 def test_ceiling_worker_bounds_the_concurrent_row(bench):
     """The GEMM rate is measured, and the prefill count matches SmolLM2-135M's shapes counted
     by hand (hidden 576, 30 layers, 9 heads of 64, 3 KV heads, MLP 1536, vocab 49152)."""
-    from core.default_model import default_model_path
+    from core.plan.default_model import default_model_path
 
     path = default_model_path()
     if path is None:

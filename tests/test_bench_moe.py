@@ -14,7 +14,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_moe import grouped_mm_moe  # noqa: E402
 
-from core.moe import MoELayerParams, MoEWeights  # noqa: E402
+from core.contract.moe import MoELayerParams, MoEWeights  # noqa: E402
 from plugins.moe.torch_native.runner import TorchNativeMoE  # noqa: E402
 
 

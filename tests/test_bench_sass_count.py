@@ -1,7 +1,7 @@
 """bench/sass_count.py: a Triton kernel compiled for sm_90 on this GPU-less machine, and its
 SASS counted. An IEEE division shows as an FCHK (its fast path's range check, beside a
 MUFU.RCP and a CALL of the shared slow path): one per element for a division per element, one
-in all for the reciprocal form the quant kernels use (core.quant.reciprocal). A row gather with
+in all for the reciprocal form the quant kernels use (core.contract.quant.reciprocal). A row gather with
 a runtime stride vectorizes only when the stride and the pointers are compiled as multiples of
 16 (--div16), as the GPU launcher compiles them for round values.
 

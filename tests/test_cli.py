@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from core import plugins
 from core.cli import main
-from core.hookspecs import PLUGIN_API_VERSION, hookimpl
+from core.contract.hookspecs import PLUGIN_API_VERSION, hookimpl
+from core.plan import registry as plugins
 
 HARDWARE = {"cuda", "rocm", "xpu", "npu", "cpu"}
 

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 from conformance.attention_suite import *  # noqa: E402,F401,F403
 from conformance.attention_suite import conformance_params  # noqa: E402
-from core.plugins import get_registry  # noqa: E402
+from core.plan.registry import get_registry  # noqa: E402
 
 BUILTIN = ("torch_native", "triton", "flex_attention")
 

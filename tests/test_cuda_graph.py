@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the triton backend is imported
 
 from conformance.model_configs import llama_config  # noqa: E402
-from core.attention import AttentionBackend  # noqa: E402
-from core.config import ServerArgs  # noqa: E402
-from core.graphs import (  # noqa: E402
+from core.contract.attention import AttentionBackend  # noqa: E402
+from core.contract.platform import GraphSupport  # noqa: E402
+from core.engine.graphs import (  # noqa: E402
     GraphDecision,
     GraphRunner,
     capture_graphs,
@@ -30,7 +30,7 @@ from core.graphs import (  # noqa: E402
     padded_inputs,
     pick_bucket,
 )
-from core.platform import GraphSupport  # noqa: E402
+from core.plan.args import ServerArgs  # noqa: E402
 from plugins.hardware.gpu import default_graph_max_bs as default_max_bs  # noqa: E402
 
 GB = 10**9
@@ -103,8 +103,8 @@ def test_decide_honours_the_plan_device_and_max_bs():
 
 def test_a_decode_backend_without_graphs_turns_them_off_in_the_plan(model_spec, test_registry):
     """Graph safety is the caps' (AttentionCaps.cuda_graph), checked once, by the resolver."""
-    from core.devices import PROFILES
-    from core.resolver import resolve
+    from core.plan.devices import PROFILES
+    from core.plan.resolver import resolve
 
     plan = resolve(model_spec("llama-3.1-8b"), PROFILES["h200"],
                    ServerArgs(attention_backend="torch_native"), test_registry)
@@ -114,8 +114,8 @@ def test_a_decode_backend_without_graphs_turns_them_off_in_the_plan(model_spec, 
 
 
 def test_disable_cuda_graph_reaches_the_engine_as_a_note(model_spec, test_registry):
-    from core.devices import PROFILES
-    from core.resolver import resolve
+    from core.plan.devices import PROFILES
+    from core.plan.resolver import resolve
 
     spec = model_spec("llama-3.1-8b")
     on = resolve(spec, PROFILES["h200"], ServerArgs(), test_registry)
@@ -126,7 +126,7 @@ def test_disable_cuda_graph_reaches_the_engine_as_a_note(model_spec, test_regist
 
 
 def test_backend_graph_hooks_are_optional_and_graph_safety_is_declared_in_caps():
-    from core.plugins import build_registry
+    from core.plan.registry import build_registry
 
     class _Plain:
         pass
@@ -171,13 +171,13 @@ def tiny_runner(tmp_path_factory):
     pytest.importorskip("triton")
     from model_fixtures import cpu_plan, torch_native_backend, write_tiny_llama
 
-    from core.attention import BackendContext
-    from core.config import make_server_args
-    from core.kv_cache import KVPool
-    from core.loader import load_model
-    from core.memory_pool import ReqToTokenPool
-    from core.model_runner import ModelRunner
-    from core.plugins import build_registry
+    from core.contract.attention import BackendContext
+    from core.engine.loader import load_model
+    from core.engine.memory.kv_cache import KVPool
+    from core.engine.memory.memory_pool import ReqToTokenPool
+    from core.engine.model_runner import ModelRunner
+    from core.plan.args import make_server_args
+    from core.plan.registry import build_registry
     from plugins.attention.triton.backend import TritonAttention
 
     # head_dim 32 (triton's smallest), 2 layers, GQA 4:2

@@ -1,4 +1,4 @@
-"""core.devices: simulated profiles, device selection, free memory, torch device strings."""
+"""core.plan.devices: simulated profiles, device selection, free memory, torch device strings."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import json
 import pytest
 import torch
 
-from core import devices
-from core.capabilities import DeviceInfo, HardwareCaps
-from core.devices import (
+from core.contract.capabilities import DeviceInfo, HardwareCaps
+from core.contract.hookspecs import hookimpl
+from core.plan import devices
+from core.plan.devices import (
     PROFILES,
     free_memory_bytes,
     load_profile,
@@ -18,8 +19,7 @@ from core.devices import (
     select_device,
     torch_device,
 )
-from core.hookspecs import hookimpl
-from core.plugins import build_registry
+from core.plan.registry import build_registry
 from plugins.hardware import cpu, cuda, rocm
 
 

@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 from model_fixtures import write_tiny_model
 
-from core import router
-from core.config import LOAD_BALANCE_METHODS, ServerArgs
-from core.router import PrefixAware, PrefixRecord, RoundRobin, ShortestQueue, make_policy
+from core.frontend import router
+from core.frontend.router import PrefixAware, PrefixRecord, RoundRobin, ShortestQueue, make_policy
+from core.plan.args import LOAD_BALANCE_METHODS, ServerArgs
 from core.server.metrics import ServerMetrics
 from core.server.testing import ServerThread, http_request
 
@@ -428,7 +428,7 @@ def test_core_serve_dp2_answers_labels_its_replicas_and_sigterm_leaves_nothing(t
 
     from test_tp import start_serve
 
-    from core.distributed import free_loopback_port
+    from core.engine.distributed import free_loopback_port
 
     port = free_loopback_port()
     proc, children = start_serve(tiny_path, port, "--dp-size", "2", "--max-total-tokens",

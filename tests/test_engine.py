@@ -18,7 +18,7 @@ from hf_reference import hf_gguf_model
 from model_fixtures import write_tiny_model
 
 import core
-from core.engine import EngineError
+from core.frontend.offline import EngineError
 
 MAX_NEW = 64
 QUESTIONS = [

@@ -97,7 +97,7 @@ def _python(code: str, *sites: Path, **extra: str) -> subprocess.CompletedProces
 # Dumps what build_registry() found, as JSON on stdout.
 REGISTRY_DUMP = """
 import json, sys
-from core.plugins import build_registry
+from core.plan.registry import build_registry
 r = build_registry()
 out = {
     "entries": {kind: {name: {"dist": e.origin.dist, "version": e.origin.version,
@@ -273,10 +273,10 @@ def test_broken_plugin_is_fatal_in_strict_mode(broken_site):
 # on its own pool, and through a dense float64 reference. Prints the largest differences.
 NUMERICS = """
 import dataclasses, json, torch
-from core.attention import AttentionLayerParams, BackendContext
-from core.forward_batch import ForwardBatch, ForwardMode
-from core.kv_cache import KVPool
-from core.plugins import build_registry
+from core.contract.attention import AttentionLayerParams, BackendContext
+from core.contract.forward_batch import ForwardBatch, ForwardMode
+from core.engine.memory.kv_cache import KVPool
+from core.plan.registry import build_registry
 
 torch.manual_seed(0)
 H, KVH, D, PAGE, LAYERS, LAYER = 4, 2, 64, 16, 2, 1

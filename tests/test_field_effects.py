@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server import protocol
 from core.server.app import create_app
 from core.server.state import STATE

@@ -12,9 +12,9 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from core.capabilities import DeviceInfo
-from core.checks import check_device
-from core.plugins import build_registry
+from core.contract.capabilities import DeviceInfo
+from core.plan.checks import check_device
+from core.plan.registry import build_registry
 from plugins.cbuild import ISA_FEATURES
 from plugins.quant.gguf import formats
 from plugins.quant.gguf.formats import random_blocks
@@ -126,9 +126,9 @@ def smollm_pair():
     from hf_reference import hf_gguf_model
     from model_fixtures import cpu_plan
 
-    from core.config import make_server_args
-    from core.loader import default_model_path, load_model
-    from core.worker import make_plan
+    from core.engine.loader import default_model_path, load_model
+    from core.engine.worker import make_plan
+    from core.plan.args import make_server_args
 
     registry = build_registry()
     args = make_server_args(model_path=default_model_path(), dtype="float32")
@@ -188,8 +188,8 @@ def test_the_default_engine_serves_the_blocks_and_answers():
 def test_the_header_tensor_table_reads_what_gguf_reader_reads():
     import gguf
 
-    from core.gguf_weights import _tensor_table
-    from core.loader import default_model_path
+    from core.engine.gguf_weights import _tensor_table
+    from core.engine.loader import default_model_path
 
     path = default_model_path()
     arch, fast = _tensor_table(path)
@@ -204,7 +204,7 @@ def test_the_header_tensor_table_reads_what_gguf_reader_reads():
 def test_the_gguf_conversion_cache_gives_the_same_config_and_tokenizer(tmp_path, monkeypatch):
     import os
 
-    from core.loader import default_model_path, find_weights, load_config
+    from core.engine.loader import default_model_path, find_weights, load_config
     from core.tokenizer import Tokenizer
 
     monkeypatch.setenv("CORE_GGUF_CACHE", str(tmp_path))
@@ -226,7 +226,7 @@ def test_the_gguf_conversion_cache_gives_the_same_config_and_tokenizer(tmp_path,
 
 
 def test_host_kv_buffers_are_zero_in_every_dtype():
-    from core.kv_cache import zeros
+    from core.engine.memory.kv_cache import zeros
 
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         z = zeros((4, 3, 8), dt, torch.device("cpu"))

@@ -26,15 +26,15 @@ from conformance.grammar_suite import (
     suite_grammar,
     suite_vocab,
 )
-from core.capabilities import GrammarCaps
-from core.checks import missing_packages
-from core.config import ServerArgs
-from core.devices import PROFILES
-from core.grammar import Constraint, Grammar, GrammarError, apply_bitmask
-from core.hookspecs import hookimpl
-from core.plan import ResolveError
-from core.plugins import build_registry, get_registry
-from core.resolver import explain, resolve
+from core.contract.capabilities import GrammarCaps
+from core.contract.grammar import Constraint, Grammar, GrammarError, apply_bitmask
+from core.contract.hookspecs import hookimpl
+from core.plan.args import ServerArgs
+from core.plan.checks import missing_packages
+from core.plan.devices import PROFILES
+from core.plan.plan import ResolveError
+from core.plan.registry import build_registry, get_registry
+from core.plan.resolver import explain, resolve
 
 CPU = PROFILES["xeon-amx"]
 BUILT_IN = ("xgrammar", "llguidance", "outlines")
@@ -439,8 +439,8 @@ def test_bitmask_masks_only_the_given_rows():
 
 
 def test_constraints_cross_the_process_boundary_as_json():
-    from core.ipc import AddRequest, decode, encode
-    from core.sampling import SamplingParams, expand_n
+    from core.engine.sampling import SamplingParams, expand_n
+    from core.messages import AddRequest, decode, encode
 
     c = Constraint("regex", "a+", source="guided_regex")
     p = SamplingParams(n=2, constraint=c)
@@ -451,7 +451,7 @@ def test_constraints_cross_the_process_boundary_as_json():
 
 
 def test_structured_output_off_is_refused_at_the_client():
-    from core.request_checks import RequestChecks
+    from core.frontend.request_checks import RequestChecks
 
     plan = types.SimpleNamespace(
         grammar_backend=None, notes=("structured output off: --grammar-backend none",))
@@ -465,8 +465,8 @@ def test_structured_output_off_is_refused_at_the_client():
 
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
-    from core.config import make_server_args
-    from core.loader import load_tokenizer
+    from core.engine.loader import load_tokenizer
+    from core.plan.args import make_server_args
 
     return load_tokenizer(make_server_args())
 
@@ -475,7 +475,7 @@ def smollm_tokenizer():
 def test_compact_json_in_real_tokens_is_accepted_by_every_backend(name, smollm_tokenizer):
     """SmolLM2 spells `":"` as one token; a backend whose JSON grammar wants ": " (xgrammar's
     default separators) refused it while llguidance accepted it: all now write compact JSON."""
-    from core.grammar import make_grammar
+    from core.contract.grammar import make_grammar
 
     missing = missing_packages(get_registry().get("grammar", name).caps.requires)
     if missing:
@@ -499,7 +499,7 @@ def test_a_backend_that_crashes_on_compile_is_a_500_for_that_request_only():
     """A library raising something other than a refusal (a version mismatch: llguidance 1.6
     under code written for 1.9 raised TypeError) fails the one request with status 500,
     naming the backend; it is not the engine's death (the worker maps `status`)."""
-    from core.grammar import GrammarBackendError
+    from core.contract.grammar import GrammarBackendError
 
     class Crashing:
         def validate(self, c):
@@ -530,7 +530,7 @@ def test_xgrammar_structural_tag_enforces_the_schema_after_its_trigger(smollm_to
     """Free text until the trigger; then only the structure's JSON, then its end; then free
     text again (a deterministic walk on the embedded model's tokenizer)."""
     pytest.importorskip("xgrammar")
-    from core.grammar import make_grammar
+    from core.contract.grammar import make_grammar
 
     tok, vocab = smollm_tokenizer, 49152
     g = make_grammar(get_registry(), "xgrammar", tok, vocab, sorted(tok.eos_token_ids))
@@ -560,7 +560,7 @@ def test_xgrammar_structural_tag_enforces_the_schema_after_its_trigger(smollm_to
 def test_a_lazy_backend_that_cannot_be_built_is_a_500_not_the_engine_s_death():
     """The worker builds its backend lazily (off the start's path): a library that fails then
     fails the constrained request with status 500, each time, and nothing else."""
-    from core.grammar import GrammarBackendError
+    from core.contract.grammar import GrammarBackendError
 
     calls = []
 

@@ -3,9 +3,9 @@ could take the server down or stall other clients.
 
 - Hostile constraints (the outside tester's reproductions: a `pattern` of 30,000 nested groups
   through /generate and through chat response_format, a chain of 10,000 $refs, a 700-deep
-  schema) are a 400 naming the limit, from bounded pure-Python checks (core.grammar_limits),
+  schema) are a 400 naming the limit, from bounded pure-Python checks (core.contract.grammar_limits),
   and the server goes on serving. Before the fix each killed `core serve` with SIGSEGV.
-- Compiles run in child processes (core.grammar_compiler) with a deadline, are cancelled with
+- Compiles run in child processes (core.engine.grammar_compiler) with a deadline, are cancelled with
   their request, run two at a time, and show in stats and /metrics. A grammar backend that
   crashes (SIGSEGV) or hangs on one constraint (a third-party package, `hostile`, installed
   as a pip package would be) costs that request only.
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from core.grammar import Constraint, GrammarError
-from core.grammar_limits import LIMITS, LimitError, check_limits, nesting
+from core.contract.grammar import Constraint, GrammarError
+from core.contract.grammar_limits import LIMITS, LimitError, check_limits, nesting
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,8 +104,8 @@ def test_the_constraint_shape_check_applies_the_limits():
 
 HOSTILE = '''
 import os, signal, time
-from core.capabilities import GrammarCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import GrammarCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.7,<2"
 
@@ -139,7 +139,7 @@ class Hostile:
         pass
 
     def compile(self, c):
-        from core.grammar import GrammarError
+        from core.contract.grammar import GrammarError
         if c.value == "crash":
             os.kill(os.getpid(), signal.SIGSEGV)
         if c.value.startswith("sleep:"):
@@ -183,7 +183,7 @@ def hostile_site(tmp_path_factory):
 def hostile_env(hostile_site):
     import sys
 
-    from core.plugins import get_registry
+    from core.plan.registry import get_registry
 
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -201,8 +201,8 @@ def hostile_env(hostile_site):
 
 @pytest.fixture(scope="module")
 def engine(hostile_env):
-    from core.config import ServerArgs
-    from core.engine import Engine
+    from core.frontend.offline import Engine
+    from core.plan.args import ServerArgs
 
     eng = Engine(server_args=ServerArgs(max_total_tokens=2048, grammar_backend="hostile",
                                         grammar_compile_timeout=4))
@@ -299,8 +299,8 @@ def test_a_library_refusal_is_a_400_naming_the_field(engine):
 @pytest.fixture(scope="module")
 def server():
     pytest.importorskip("xgrammar")
-    from core.config import ServerArgs
-    from core.engine import Engine
+    from core.frontend.offline import Engine
+    from core.plan.args import ServerArgs
     from core.server.adapter import EngineAdapter
     from core.server.app import create_app
     from core.server.testing import ServerThread

@@ -13,7 +13,7 @@ import re
 import openai
 import pytest
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server.testing import FakeEngine, ServerThread, http_request
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -30,8 +30,8 @@ BACKENDS = {"xgrammar": ("xgrammar", "xgrammar", False),
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
 def srv(request):
-    from core.engine import Engine
-    from core.plugins import get_registry
+    from core.frontend.offline import Engine
+    from core.plan.registry import get_registry
     from core.server.adapter import EngineAdapter
     from core.server.app import create_app
 

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from core.capabilities import DeviceInfo, HardwareCaps
-from core.hookspecs import hookimpl
-from core.plugins import PluginError, build_registry
+from core.contract.capabilities import DeviceInfo, HardwareCaps
+from core.contract.hookspecs import hookimpl
+from core.plan.registry import PluginError, build_registry
 from plugins.hardware import cpu, cuda, npu, rocm, xpu
 
 TARGETS = ("cuda", "rocm", "xpu", "npu", "cpu")
@@ -215,7 +215,7 @@ def test_xpu_probe_with_fake_torch_xpu(monkeypatch):
     assert info.available and info.count == 4 and info.device_type == "xpu"
     assert {"fp16", "bf16", "xmx", "int8_mma"} <= info.features
     assert info.dist_backend == "xccl" and info.memory_bytes == 64 * 2**30
-    assert info.graph_capture is False  # the Platform decides (core.platform)
+    assert info.graph_capture is False  # the Platform decides (core.contract.platform)
     # an Arc-like part without XMX
     plain = SimpleNamespace(name="iGPU", total_memory=2**30, has_fp16=True)
     monkeypatch.setattr(fake, "get_device_properties", lambda i=0: plain)
@@ -305,7 +305,7 @@ def test_raising_probe_is_fatal_in_strict_mode(monkeypatch):
 @pytest.mark.gpu
 def test_real_cuda_probe_matches_torch():
     assert torch.cuda.is_available(), "run -m gpu on a machine with a CUDA GPU"
-    from core.devices import free_memory_bytes
+    from core.plan.devices import free_memory_bytes
 
     info = build_registry().probe("rocm" if torch.version.hip else "cuda")
     major, minor = torch.cuda.get_device_capability(0)

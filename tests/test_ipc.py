@@ -1,4 +1,4 @@
-"""The process boundary's typed vocabulary (core.ipc): every message survives JSON, a malformed
+"""The process boundary's typed vocabulary (core.messages): every message survives JSON, a malformed
 one is a ValueError naming the problem, and the worker is given the plan as data and trusts the
 requests the client validated."""
 
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from core import ipc
-from core.sampling import SamplingParams
+from core import messages as ipc
+from core.engine.sampling import SamplingParams
 
 INFO = ipc.EngineInfo(max_context=512, pool_tokens=256, page_size=1, max_running_requests=8,
                       vocab_size=100, eos_token_ids=(2,), chunked_prefill_size=None,
@@ -91,7 +91,7 @@ def test_a_malformed_message_is_a_clear_value_error(data, match):
 
 def test_decoding_checks_shape_only_the_client_validates():
     # A well-formed message whose values the client would refuse decodes as sent: the worker
-    # trusts the edge (core.client.EngineClient.prepare) and does not validate again.
+    # trusts the edge (core.frontend.client.EngineClient.prepare) and does not validate again.
     msg = ipc.decode(_raw(params={"temperature": -1.0}))
     assert isinstance(msg.params, SamplingParams) and msg.params.temperature == -1.0
     with pytest.raises(ValueError, match="temperature"):
@@ -119,7 +119,7 @@ class _AdmitOnly:
 
 
 def test_the_worker_admits_the_typed_request_without_validating_it_again():
-    from core.worker import EngineCore, serve
+    from core.engine.worker import EngineCore, serve
 
     here, there = mp.Pipe(duplex=True)
     sched = _AdmitOnly()
@@ -136,9 +136,9 @@ def test_the_worker_admits_the_typed_request_without_validating_it_again():
 
 
 def test_the_worker_is_given_the_plan_as_data(monkeypatch):
-    from core import devices, resolver
-    from core.config import ServerArgs
-    from core.worker import args_to_json, make_plan, plan_from_parent, plan_to_json
+    from core.engine.worker import args_to_json, make_plan, plan_from_parent, plan_to_json
+    from core.plan import devices, resolver
+    from core.plan.args import ServerArgs
 
     args, plan, spec, _ = make_plan(ServerArgs(load_format="dummy"))
 

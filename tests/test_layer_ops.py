@@ -55,9 +55,9 @@ def test_the_suite_fails_a_wrong_op():
 
 
 def test_a_plugin_without_the_fused_qk_norm_keeps_its_own_norms():
-    """qk_norm_rotary is optional (core.layer_ops.OPTIONAL_OPS): a plugin without it (cpu_c, a
+    """qk_norm_rotary is optional (core.contract.layer_ops.OPTIONAL_OPS): a plugin without it (cpu_c, a
     third party's written before it) gets the reference's math over its own rms_norm."""
-    from core.layer_ops import WithReference, qk_norm_rotary
+    from core.contract.layer_ops import WithReference, qk_norm_rotary
     from core.layers.ops_ref import TorchLayerOps
 
     calls = []

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from core.contract.moe import MoELayerParams, MoEWeights
 from core.layers import (
     GatedAct,
     Linear,
@@ -21,7 +22,6 @@ from core.layers import (
     rope_parameters,
 )
 from core.layers.rotary import inv_frequencies
-from core.moe import MoELayerParams, MoEWeights
 from plugins.moe.torch_native.runner import TorchNativeMoE, select_experts
 
 

@@ -1,4 +1,4 @@
-"""core.loader: formats (sharded safetensors, pt, dummy, GGUF), errors that name the problem,
+"""core.engine.loader: formats (sharded safetensors, pt, dummy, GGUF), errors that name the problem,
 and the tokenizer built beside the model."""
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from model_fixtures import (
 )
 from safetensors.torch import load_file, save_file
 
-from core.config import make_server_args
-from core.gguf_weights import hf_name, unpermute_rope_rows
-from core.loader import (
+from core.engine.gguf_weights import hf_name, unpermute_rope_rows
+from core.engine.loader import (
     default_model_path,
     find_weights,
     load_model,
     load_tokenizer,
     shared_gguf_reader,
 )
-from core.plugins import build_registry
+from core.plan.args import make_server_args
+from core.plan.registry import build_registry
 
 
 @pytest.fixture(scope="module")

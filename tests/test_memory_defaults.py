@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.platform import ModelGeometry
+from core.contract.platform import ModelGeometry
 from plugins.hardware.cpu_runtime import CpuPlatform
 from plugins.hardware.gpu import gpu_memory_defaults
 
@@ -57,11 +57,11 @@ def test_plan_memory_is_a_function_of_flags_device_and_platform(model_spec):
     """The worker's first phase: no device is touched; the same inputs give the same plan."""
     from types import SimpleNamespace
 
-    from core.config import ServerArgs
-    from core.devices import PROFILES
-    from core.plugins import build_registry
-    from core.resolver import resolve
-    from core.worker import plan_memory
+    from core.engine.worker import plan_memory
+    from core.plan.args import ServerArgs
+    from core.plan.devices import PROFILES
+    from core.plan.registry import build_registry
+    from core.plan.resolver import resolve
     from plugins.hardware.gpu import TorchCudaPlatform
 
     spec = model_spec("llama-3.1-8b")

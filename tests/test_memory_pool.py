@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from core.memory_pool import (
+from core.engine.memory.memory_pool import (
     OutOfPages,
     PageAllocator,
     ReqToTokenPool,

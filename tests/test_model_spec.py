@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from core.default_model import DEFAULT_MODEL_FILE, default_model_path
-from core.gguf_metadata import gguf_to_hf_config, read_gguf_metadata
-from core.model_spec import MoESpec, load_model_spec, spec_from_config
+from core.plan.default_model import DEFAULT_MODEL_FILE, default_model_path
+from core.plan.gguf_metadata import gguf_to_hf_config, read_gguf_metadata
+from core.plan.model_spec import MoESpec, load_model_spec, spec_from_config
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "fixtures", "configs")
 

@@ -1,4 +1,4 @@
-"""Each architecture, loaded through core.loader, matches transformers' logits (fp32, CPU).
+"""Each architecture, loaded through core.engine.loader, matches transformers' logits (fp32, CPU).
 
 The model runs over a paged KV cache (page size 4, scattered pages) with the torch_native backend:
 prefill, then teacher-forced decode steps past Mistral's sliding window; a ragged batch of two
@@ -20,10 +20,10 @@ from model_fixtures import (
     write_tiny_model,
 )
 
-from core.config import make_server_args
+from core.engine.loader import load_model
 from core.layers import Linear
-from core.loader import load_model
-from core.plugins import build_registry
+from core.plan.args import make_server_args
+from core.plan.registry import build_registry
 from plugins.hardware.cpu_runtime import pack_model as pack_for_cpu
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]

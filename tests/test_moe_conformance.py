@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 from conformance.moe_suite import *  # noqa: E402,F401,F403
 from conformance.moe_suite import moe_conformance_params  # noqa: E402
-from core.plugins import get_registry  # noqa: E402
+from core.plan.registry import get_registry  # noqa: E402
 
 BUILTIN = ("torch_native", "triton")
 INTERPRETED = (os.environ.get("TRITON_INTERPRET", "") not in ("", "0")

@@ -1,4 +1,4 @@
-"""MoE architectures (Mixtral, Qwen2-MoE, Qwen3-MoE), loaded through core.loader from tiny
+"""MoE architectures (Mixtral, Qwen2-MoE, Qwen3-MoE), loaded through core.engine.loader from tiny
 random transformers checkpoints, match transformers' logits in fp32 on the CPU.
 
 Same harness as test_models.py (paged KV cache, page size 4, scattered pages, torch_native
@@ -21,10 +21,10 @@ from model_fixtures import (
     write_tokenizer,
 )
 
-from core.config import make_server_args
-from core.loader import load_model
-from core.model_spec import moe_layer_ids, spec_from_config
-from core.plugins import build_registry
+from core.engine.loader import load_model
+from core.plan.args import make_server_args
+from core.plan.model_spec import moe_layer_ids, spec_from_config
+from core.plan.registry import build_registry
 
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 PAGE = 4

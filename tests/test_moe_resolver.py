@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from core.capabilities import MoECaps
-from core.checks import check_moe
-from core.config import ServerArgs
-from core.devices import PROFILES
-from core.model_spec import spec_from_config
-from core.plugins import get_registry
-from core.resolver import resolve
+from core.contract.capabilities import MoECaps
+from core.plan.args import ServerArgs
+from core.plan.checks import check_moe
+from core.plan.devices import PROFILES
+from core.plan.model_spec import spec_from_config
+from core.plan.registry import get_registry
+from core.plan.resolver import resolve
 
 QWEN3_30B_A3B = {  # the public config.json of Qwen/Qwen3-30B-A3B
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",

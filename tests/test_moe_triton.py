@@ -16,8 +16,8 @@ if not torch.cuda.is_available():  # before the runner's kernels are imported
 
 from test_moe_resolver import QWEN3_30B_A3B  # noqa: E402
 
-from core.moe import select_experts  # noqa: E402
-from core.plugins import get_registry  # noqa: E402
+from core.contract.moe import select_experts  # noqa: E402
+from core.plan.registry import get_registry  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
@@ -59,8 +59,8 @@ def test_tiny_qwen3_moe_through_triton_matches_torch_native(tmp_path, registry):
     """The whole model with the triton runner (interpreter on a CPU) against torch_native."""
     from model_fixtures import PagedHarness, cpu_plan, torch_native_backend, write_config_model
 
-    from core.config import make_server_args
-    from core.loader import load_model
+    from core.engine.loader import load_model
+    from core.plan.args import make_server_args
 
     config = dict(QWEN3_30B_A3B, hidden_size=64, intermediate_size=96, head_dim=16,
                   moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -147,7 +147,7 @@ def test_block_fp8_experts_match_the_block_reference():
     """Form "fp8" with block scales through both kernels: under the interpreter fp16 stands in
     for e4m3 (the kernel quantizes each activation tile to the weights' dtype), so the
     reference rounds to fp16 the same way; on a GPU the operands are e4m3."""
-    from core.moe import MoELayerParams, MoEWeights
+    from core.contract.moe import MoELayerParams, MoEWeights
     from plugins.moe.triton.runner import TritonMoE
 
     torch.manual_seed(0)
@@ -194,7 +194,7 @@ def test_block_fp8_experts_match_the_block_reference():
 def test_decode_sum_in_the_down_kernel_equals_the_separate_sum(with_shared, monkeypatch):
     """Decode-sized steps sum each token's k rows (+ shared) in the down kernel's last programs;
     the result is bitwise the runner's separate sum, and the column counts are left at zero."""
-    from core.moe import MoELayerParams, MoEWeights
+    from core.contract.moe import MoELayerParams, MoEWeights
     from plugins.moe.triton import runner as triton_runner
 
     g = torch.Generator().manual_seed(5)

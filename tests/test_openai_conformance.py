@@ -10,7 +10,7 @@ import os
 import openai
 import pytest
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server import protocol
 from core.server.app import create_app
 from core.server.state import STATE
@@ -38,7 +38,7 @@ def client(srv) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     """The shipped model's tokenizer (from its GGUF file), loaded once for this module."""
-    from core.default_model import default_model_path
+    from core.plan.default_model import default_model_path
     from core.tokenizer import Tokenizer
 
     path = default_model_path()

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server.app import create_app
 from core.server.testing import FakeEngine, ServerThread, http_request
 

@@ -10,7 +10,7 @@ from model_fixtures import tiny_hf_model, write_config_model, write_tokenizer
 
 import core
 from conformance.model_configs import llama_config
-from core.distributed import free_loopback_port
+from core.engine.distributed import free_loopback_port
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The Platform contract (core/platform.py): every built-in hardware target registers one that
+"""The Platform contract (core/contract/platform.py): every built-in hardware target registers one that
 has every method; a target without one runs on GenericPlatform; the register callback refuses a
 platform where it does not belong."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.capabilities import DeviceInfo, HardwareCaps
-from core.devices import PROFILES, select_device
-from core.hookspecs import hookimpl
-from core.platform import GenericPlatform, GraphSupport, Platform, load_platform
-from core.plugins import build_registry
+from core.contract.capabilities import DeviceInfo, HardwareCaps
+from core.contract.hookspecs import hookimpl
+from core.contract.platform import GenericPlatform, GraphSupport, Platform, load_platform
+from core.plan.devices import PROFILES, select_device
+from core.plan.registry import build_registry
 
 METHODS = ("torch_device", "memory", "memory_defaults", "to_device", "copy_to_host",
            "synchronize", "graphs", "graph_runner", "post_load", "overlap_schedule",
@@ -88,7 +88,7 @@ class _Misplaced:
     @staticmethod
     @hookimpl
     def core_register_layer_ops(register):
-        from core.capabilities import LayerOpsCaps
+        from core.contract.capabilities import LayerOpsCaps
 
         register("odd", LayerOpsCaps(devices={"cpu"}), "x:y", platform="a:b")
 
@@ -112,9 +112,9 @@ def test_register_refuses_a_misplaced_or_malformed_platform(plugin, match):
 def test_fp8_kv_on_an_a100_is_refused_before_anything_is_built(model_spec):
     """Conditional capability: the triton backend reads FP8 caches on sm89+ only; the resolver
     knows it (a reason in the plan), no factory fails after the plan was printed."""
-    from core.config import ServerArgs
-    from core.plan import ResolveError
-    from core.resolver import resolve
+    from core.plan.args import ServerArgs
+    from core.plan.plan import ResolveError
+    from core.plan.resolver import resolve
 
     spec = model_spec("llama-3.1-8b")
     registry = build_registry()

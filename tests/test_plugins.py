@@ -6,10 +6,11 @@ import importlib.metadata as md
 
 import pytest
 
-from core import hookspecs, plugins
-from core.capabilities import AttentionCaps, DeviceInfo, HardwareCaps, MoECaps
-from core.hookspecs import hookimpl
-from core.plugins import PluginError, build_registry
+from core.contract import hookspecs
+from core.contract.capabilities import AttentionCaps, DeviceInfo, HardwareCaps, MoECaps
+from core.contract.hookspecs import hookimpl
+from core.plan import registry as plugins
+from core.plan.registry import PluginError, build_registry
 
 
 def _never_called(*args, **kwargs):

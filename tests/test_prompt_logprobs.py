@@ -12,9 +12,9 @@ import pytest
 import torch
 from model_fixtures import write_tiny_model
 
-from core.config import make_server_args
-from core.loader import load_model
-from core.worker import build_engine_core, make_plan
+from core.engine.loader import load_model
+from core.engine.worker import build_engine_core, make_plan
+from core.plan.args import make_server_args
 
 PROMPTS = [[(11 * i + 5 * j) % 240 + 3 for j in range(n)] for i, n in enumerate((37, 2, 1, 20))]
 

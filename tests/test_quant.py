@@ -10,14 +10,14 @@ import pytest
 from interpreted import run_interpreted
 
 from conformance.quant_suite import *  # noqa: F401,F403 - the suite, on the CPU, in CI
-from core.capabilities import MoECaps, QuantCaps
-from core.checks import check_moe_quant
-from core.config import ServerArgs
-from core.devices import PROFILES
-from core.plan import ResolveError
-from core.plugins import build_registry
-from core.quant import is_ignored, online_scheme, parse_quant_config
-from core.resolver import explain, resolve
+from core.contract.capabilities import MoECaps, QuantCaps
+from core.contract.quant import is_ignored, online_scheme, parse_quant_config
+from core.plan.args import ServerArgs
+from core.plan.checks import check_moe_quant
+from core.plan.devices import PROFILES
+from core.plan.plan import ResolveError
+from core.plan.registry import build_registry
+from core.plan.resolver import explain, resolve
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +160,9 @@ def test_ignore_lists_match_stacked_layers():
 def test_ignored_layers_are_rebuilt_dense():
     import torch
 
+    from core.contract.quant import apply_ignore
     from core.layers import Linear, ModelContext
     from core.layers.linear import DenseLinearMethod
-    from core.quant import apply_ignore
     from plugins.quant.fp8.method import Fp8LinearMethod
 
     scheme = parse_quant_config({**QWEN3_FP8, "modules_to_not_convert": ["o_proj"]})
@@ -194,7 +194,7 @@ _KERNELS = textwrap.dedent("""
     q, s = quantize_acts(x, torch.int8, group=64)
     g = torch.nn.functional.pad(x, (0, 20)).view(5, 5, 64)
     assert torch.allclose(s, g.abs().amax(-1) / 127)
-    # ... and the same scales and codes, bit for bit, as the torch path (core.quant.reciprocal:
+    # ... and the same scales and codes, bit for bit, as the torch path (core.contract.quant.reciprocal:
     # x * (1 / scale)) on bf16-valued inputs, where x / scale often sits on a rounding midpoint
     from plugins.quant.common import INT8_MAX, int8_acts, per_token_scale
     xb = (torch.randn(64, 512) * 3).to(torch.bfloat16).float()
@@ -260,9 +260,9 @@ def test_kv_cache_scales_are_read_from_the_checkpoint(tmp_path):
     from model_fixtures import cpu_plan, write_tiny_model
     from safetensors.torch import load_file, save_file
 
-    from core.config import make_server_args
-    from core.kv_cache import checkpoint_kv_scales
-    from core.loader import load_model
+    from core.engine.loader import load_model
+    from core.engine.memory.kv_cache import checkpoint_kv_scales
+    from core.plan.args import make_server_args
     from plugins.models.weights import kv_scale_of
 
     assert kv_scale_of("model.layers.3.self_attn.k_scale") == (3, "k")
@@ -304,8 +304,8 @@ def test_dummy_weights_for_an_fp8_checkpoint(tmp_path):
     import torch
     from model_fixtures import cpu_plan, tiny_config
 
-    from core.config import make_server_args
-    from core.loader import load_model
+    from core.engine.loader import load_model
+    from core.plan.args import make_server_args
 
     cfg = tiny_config("llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
                       num_key_value_heads=4).to_dict()
@@ -329,8 +329,8 @@ def test_moe_quant_agreement_is_by_runner_name_even_when_caps_are_shared(model_s
 
     from plugins_for_tests import builtin_backend_plugins, double_factory
 
-    from core.capabilities import MoECaps, QuantCaps
-    from core.hookspecs import hookimpl
+    from core.contract.capabilities import MoECaps, QuantCaps
+    from core.contract.hookspecs import hookimpl
 
     shared = MoECaps(devices={"cuda"}, dtypes={"bfloat16"}, quant_methods={"unquantized"})
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from model_fixtures import cpu_plan, prefill_logits
 
-from core.config import make_server_args
-from core.loader import load_model
-from core.plugins import build_registry
+from core.engine.loader import load_model
+from core.plan.args import make_server_args
+from core.plan.registry import build_registry
 
 TEXT = (Path(__file__).parent / "fixtures" / "text" / "perplexity.txt").read_text()
 # method -> (online format, max perplexity ratio to fp32, min greedy agreement)

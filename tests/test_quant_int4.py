@@ -37,8 +37,8 @@ from conformance.quant_refs_int4 import (  # noqa: E402
     pack_quantized_tensors,
     quantization_config,
 )
+from core.contract.quant import parse_quant_config  # noqa: E402
 from core.layers import Linear  # noqa: E402
-from core.quant import parse_quant_config  # noqa: E402
 from plugins.quant.int4.method import Int4LinearMethod  # noqa: E402
 
 TRITON_OK = (importlib.util.find_spec("triton") is not None
@@ -330,9 +330,9 @@ def test_tiny_llama_from_an_int4_checkpoint_matches_transformers(case, tmp_path)
 
     import plugins.models
     import plugins.quant.int4 as int4
-    from core.config import make_server_args
-    from core.loader import load_model, quant_scheme
-    from core.plugins import build_registry
+    from core.engine.loader import load_model, quant_scheme
+    from core.plan.args import make_server_args
+    from core.plan.registry import build_registry
 
     method, config, make = case
     hf = write_int4_llama(tmp_path / "m", config, make)
@@ -377,7 +377,7 @@ def int4_registry(clean_plugin_env):
     from plugins_for_tests import builtin_backend_plugins
 
     import plugins.quant.int4 as int4
-    from core.plugins import build_registry
+    from core.plan.registry import build_registry
 
     registry = build_registry(extra=builtin_backend_plugins() + [("quant_int4", int4)],
                               entry_points=False)
@@ -386,7 +386,7 @@ def int4_registry(clean_plugin_env):
 
 
 def int4_spec(configs_dir, quant: dict):
-    from core.model_spec import spec_from_config
+    from core.plan.model_spec import spec_from_config
 
     raw = json.loads((configs_dir / "llama-3.1-8b.json").read_text())
     return spec_from_config(dict(raw, quantization_config=quant))
@@ -399,10 +399,10 @@ def int4_spec(configs_dir, quant: dict):
     ids=["awq", "gptq", "compressed-tensors"])
 def test_resolver_picks_int4_on_h200_and_refuses_t4(quant, method, fmt, configs_dir,
                                                     int4_registry):
-    from core.config import ServerArgs
-    from core.devices import PROFILES
-    from core.plan import ResolveError
-    from core.resolver import resolve
+    from core.plan.args import ServerArgs
+    from core.plan.devices import PROFILES
+    from core.plan.plan import ResolveError
+    from core.plan.resolver import resolve
 
     spec = int4_spec(configs_dir, quant)
     for profile in ("h200", "h100", "x86-cpu"):
@@ -414,10 +414,10 @@ def test_resolver_picks_int4_on_h200_and_refuses_t4(quant, method, fmt, configs_
 
 
 def test_resolver_refuses_unsupported_int4_configs(configs_dir, int4_registry):
-    from core.config import ServerArgs
-    from core.devices import PROFILES
-    from core.plan import ResolveError
-    from core.resolver import resolve
+    from core.plan.args import ServerArgs
+    from core.plan.devices import PROFILES
+    from core.plan.plan import ResolveError
+    from core.plan.resolver import resolve
 
     odd_group = int4_spec(configs_dir, quantization_config("awq", 256))
     with pytest.raises(ResolveError) as err:
@@ -429,7 +429,7 @@ def test_resolver_refuses_unsupported_int4_configs(configs_dir, int4_registry):
 
 
 def test_int4_methods_are_registered_through_entry_points():
-    from core.plugins import get_registry
+    from core.plan.registry import get_registry
 
     registered = set(get_registry().kind("quant"))
     if not registered:
@@ -440,16 +440,16 @@ def test_int4_methods_are_registered_through_entry_points():
 
 def test_dummy_weights_for_int4_configs_are_small_and_random(tmp_path):
     """--load-format dummy on an AWQ / GPTQ config: the method fills its packed tensors
-    (core.quant's optional init_dummy_weights), so the real weights are ~std, not all -8."""
+    (core.contract.quant's optional init_dummy_weights), so the real weights are ~std, not all -8."""
     import dataclasses
     import json as _json
 
     from model_fixtures import cpu_plan, tiny_config
 
     from conformance.quant_refs_int4 import quantization_config
-    from core.config import make_server_args
-    from core.loader import load_model
-    from core.plugins import build_registry
+    from core.engine.loader import load_model
+    from core.plan.args import make_server_args
+    from core.plan.registry import build_registry
 
     for method, fmt in (("awq", "int4_awq"), ("gptq", "int4_gptq")):
         cfg = tiny_config("llama", hidden_size=128, intermediate_size=256).to_dict()

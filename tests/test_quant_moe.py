@@ -13,13 +13,13 @@ import torch
 from model_fixtures import PagedHarness, cpu_plan, torch_native_backend, write_tokenizer
 
 from conformance.quant_refs import _ct_quantize, fake_quant_acts
-from core.config import ServerArgs, make_server_args
-from core.devices import PROFILES
-from core.loader import load_model
-from core.model_spec import load_model_spec
-from core.plan import ResolveError
-from core.plugins import build_registry
-from core.resolver import resolve
+from core.engine.loader import load_model
+from core.plan.args import ServerArgs, make_server_args
+from core.plan.devices import PROFILES
+from core.plan.model_spec import load_model_spec
+from core.plan.plan import ResolveError
+from core.plan.registry import build_registry
+from core.plan.resolver import resolve
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from core.memory_pool import PageAllocator
-from core.radix_cache import NoPrefixCache, RadixCache
+from core.engine.memory.memory_pool import PageAllocator
+from core.engine.memory.radix_cache import NoPrefixCache, RadixCache
 
 
 def _finish(cache, alloc, tokens, prefix_pages=(), node=None):

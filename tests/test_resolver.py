@@ -11,12 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from core.capabilities import AttentionCaps, CapabilityRange, DeviceInfo, PageSizes, QuantCaps
-from core.checks import check_attention, check_device, check_model, check_moe, check_quant
-from core.config import ServerArgs
-from core.devices import PROFILES
-from core.plan import Plan, ResolveError
-from core.resolver import common_page_size, error_table, explain, resolve
+from core.contract.capabilities import (
+    AttentionCaps,
+    CapabilityRange,
+    DeviceInfo,
+    PageSizes,
+    QuantCaps,
+)
+from core.plan.args import ServerArgs
+from core.plan.checks import check_attention, check_device, check_model, check_moe, check_quant
+from core.plan.devices import PROFILES
+from core.plan.plan import Plan, ResolveError
+from core.plan.resolver import common_page_size, error_table, explain, resolve
 
 CONFIGS = ("deepseek-v2-lite", "foo-unknown", "gemma-2-9b", "gpt-oss-20b", "llama-3.1-8b",
            "mistral-7b-v0.1", "mixtral-8x7b", "qwen2.5-7b", "qwen3-30b-a3b", "qwen3-8b",
@@ -381,7 +387,7 @@ def test_unavailable_device_is_an_error(model_spec, test_registry):
 
 
 def test_resolve_probes_no_hardware(model_spec, clean_plugin_env):
-    from core.plugins import build_registry
+    from core.plan.registry import build_registry
 
     registry = build_registry()  # entry points: the real hardware plugins are registered
     assert registry.kind("hardware")
@@ -455,7 +461,7 @@ def test_check_quant_moe_and_model(model_spec):
     assert check_moe(MOE_CAPS, spec, h100, dtype="bfloat16", quant_method="fp8") == []
     assert check_moe(MOE_CAPS, spec, h100, dtype="bfloat16", quant_method="awq") == [
         "quant method awq not supported (supports fp8, unquantized)"]
-    from core.capabilities import ModelCaps
+    from core.contract.capabilities import ModelCaps
 
     assert check_model(ModelCaps(architectures={"MixtralForCausalLM"}), spec) == []
     assert check_model(ModelCaps(architectures={"X"}), spec) == [
@@ -469,10 +475,10 @@ def test_requires_are_looked_up_not_imported(model_spec):
 
 
 def test_the_resolver_reads_no_environment():
-    # A pure function of its inputs: the environment is read at the edge (core.config).
-    import core.resolver
-    import core.slots
+    # A pure function of its inputs: the environment is read at the edge (core.plan.args).
+    import core.plan.resolver
+    import core.plan.slots
 
-    for module in (core.resolver, core.slots):
+    for module in (core.plan.resolver, core.plan.slots):
         source = Path(module.__file__).read_text(encoding="utf-8")
         assert "environ" not in source and "getenv" not in source, module.__name__

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from core.sampling import Sampler, SamplingParams, SamplingState
+from core.engine.sampling import Sampler, SamplingParams, SamplingState
 
 V = 50
 CPU = torch.device("cpu")

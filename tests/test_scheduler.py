@@ -12,10 +12,10 @@ import time
 import pytest
 from model_fixtures import write_tiny_model
 
-from core.config import make_server_args
-from core.loader import load_model
-from core.scheduler import AdmissionError
-from core.worker import build_engine_core, make_plan
+from core.engine.loader import load_model
+from core.engine.scheduler import AdmissionError
+from core.engine.worker import build_engine_core, make_plan
+from core.plan.args import make_server_args
 
 MAX_NEW = 24
 PROMPT_LENS = (3, 40, 9, 17, 1, 33, 5, 26)
@@ -364,7 +364,7 @@ def test_startup_warmup_forwards_leave_no_trace(tiny, alone):
 
 def test_overlap_schedule_chains_constrained_batches_with_the_same_tokens(tiny):
     """Structured output under the overlap schedule: forward N+1 is launched before step N
-    lands; the masks of N+1 follow token N all the same (core.overlap), so every output
+    lands; the masks of N+1 follow token N all the same (core.engine.overlap), so every output
     equals the synchronous schedule's, the grammars end their requests, and the steps chain."""
     regex = {"kind": "regex", "value": "[a-z]{3,12}( [a-z]{2,9}){2,5}\\."}
     schema = {"kind": "json_schema", "value": json.dumps({
@@ -397,7 +397,7 @@ def test_grammars_compile_off_the_step(tiny):
     error's status; an abort while compiling leaves nothing behind."""
     from concurrent.futures import Future
 
-    from core.grammar import GrammarError
+    from core.contract.grammar import GrammarError
 
     regex = {"kind": "regex", "value": "[a-z]{4,9}( [a-z]{3,8}){2,4}\\."}
     want = drive(make_core(tiny).scheduler, [("b", _prompts()[1], {**greedy(40),
@@ -489,8 +489,8 @@ def test_jump_forward_keeps_greedy_outputs_with_fewer_decode_steps(tiny, backend
     grammar forces are the ones greedy decoding would pick under the mask: outputs must equal
     the run without jump-forward exactly, while the forced tokens are computed by extends
     instead of decode steps (overlap, chunked prefill, no prefix cache, retraction)."""
-    from core.checks import missing_packages
-    from core.plugins import get_registry
+    from core.plan.checks import missing_packages
+    from core.plan.registry import get_registry
 
     missing = missing_packages(get_registry().get("grammar", backend).caps.requires)
     if missing:

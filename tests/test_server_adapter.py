@@ -1,4 +1,4 @@
-"""EngineAdapter's translation of core.engine.Engine's chunks, rejections, aborts and stats,
+"""EngineAdapter's translation of core.frontend.offline.Engine's chunks, rejections, aborts and stats,
 checked against a scripted stand-in with Engine's public methods (no model, no worker process)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from core.config import ServerArgs
-from core.engine import Engine, EngineError
+from core.frontend.offline import Engine, EngineError
+from core.plan.args import ServerArgs
 from core.server.adapter import EngineAdapter, _served_name
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError
@@ -30,7 +30,7 @@ def chunk(rid, text="", ids=(), finish=None, logprobs=None, **meta):
 
 class ScriptedClient:
     """Replays a list of chunks per request from another thread, like the reader thread; has
-    exactly the public methods of core.engine.Engine that the adapter may use."""
+    exactly the public methods of core.frontend.offline.Engine that the adapter may use."""
 
     tokenizer = plan = spec = None
     args = ServerArgs(model_path="/m/x.gguf")

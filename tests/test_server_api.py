@@ -14,7 +14,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server.app import create_app
 from core.server.auth import PUBLIC_ROUTES
 from core.server.state import STATE

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server.app import create_app
 from core.server.state import STATE
 from core.server.testing import FakeEngine, ServerThread, http_request

@@ -11,7 +11,7 @@ import socket
 import aiohttp
 import pytest
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server.serve import run_server
 from core.server.testing import FakeEngine, sse_payloads
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server.testing import (
     ServerThread,
     free_port,
@@ -33,7 +33,7 @@ from core.server.testing import (
 
 pytest.importorskip("transformers")
 try:
-    from core.default_model import default_model_path
+    from core.plan.default_model import default_model_path
 
     default_model_path()
 except (ImportError, FileNotFoundError) as e:  # pragma: no cover - the README installs it
@@ -48,7 +48,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def served():
     """(offline Engine, server thread) over one engine worker."""
-    from core.engine import Engine
+    from core.frontend.offline import Engine
     from core.server.adapter import EngineAdapter
     from core.server.app import create_app
 

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from core.config import ServerArgs, make_server_args
+from core.plan.args import ServerArgs, make_server_args
 from core.server.app import create_app
 from core.server.serve import EXIT_ENGINE_DIED, KEEPALIVE_S, is_loopback, run_server
 from core.server.state import STATE
@@ -166,7 +166,7 @@ def test_server_chosen_rids_are_unique_and_never_collide_with_client_ones():
 # -- 2. liveness and readiness ------------------------------------------------------------------
 
 class _SlowEngine:
-    """An engine (core.engine.Engine's public methods) whose scheduler is inside a long step:
+    """An engine (core.frontend.offline.Engine's public methods) whose scheduler is inside a long step:
     stats time out."""
 
     info = {"max_context": 64, "pool_tokens": 64, "page_size": 1, "vocab_size": 10,
@@ -189,7 +189,7 @@ class _SlowEngine:
                 "cached_pages": 0, "evictable_pages": 0}
 
     def stats(self, timeout):
-        from core.engine import EngineError
+        from core.frontend.offline import EngineError
 
         time.sleep(timeout)
         raise EngineError(f"engine did not answer 'stats' within {timeout:.0f} s")
@@ -219,7 +219,7 @@ def test_liveness_does_not_wait_for_a_scheduler_step():
 
 
 class _LongStepScheduler:
-    """Enough of core.scheduler.Scheduler for core.worker.serve: one step that takes long."""
+    """Enough of core.engine.scheduler.Scheduler for core.engine.worker.serve: one step that takes long."""
 
     def __init__(self, step_s):
         self.step_s, self.todo = step_s, 1
@@ -242,8 +242,8 @@ class _LongStepScheduler:
 
 
 def test_worker_heartbeats_during_a_long_step():
-    from core.ipc import Channel, Heartbeat, Shutdown
-    from core.worker import EngineCore, serve
+    from core.engine.worker import EngineCore, serve
+    from core.messages import Channel, Heartbeat, Shutdown
 
     here, there = mp.Pipe(duplex=True)
     core = EngineCore(_LongStepScheduler(step_s=1.5), {}, None)

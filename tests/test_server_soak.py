@@ -10,7 +10,7 @@ import asyncio
 import os
 import time
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server.app import create_app
 from core.server.state import STATE
 from core.server.testing import FakeEngine, ServerThread, soak_traffic

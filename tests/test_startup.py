@@ -1,6 +1,6 @@
 """Start-up without transformers (issue 19: model load at most 3 s on the CPU).
 
-With its GGUF cache entry (core.gguf_cache) in place, the default model's spec, config and
+With its GGUF cache entry (core.plan.gguf_cache) in place, the default model's spec, config and
 tokenizer load without importing transformers: what they read off transformers' objects was
 kept as JSON the first time. These tests check that nothing transformers would have given is
 lost: the same spec, the same config attributes, the same token ids, texts, special tokens and
@@ -32,9 +32,9 @@ def cache_dir(tmp_path_factory):
     old = os.environ.get("CORE_GGUF_CACHE")
     os.environ["CORE_GGUF_CACHE"] = str(where)
     try:
-        from core.default_model import default_model_path
-        from core.loader import find_weights, load_config
-        from core.model_spec import load_model_spec
+        from core.engine.loader import find_weights, load_config
+        from core.plan.default_model import default_model_path
+        from core.plan.model_spec import load_model_spec
         from core.tokenizer import Tokenizer
 
         path = default_model_path()
@@ -53,7 +53,7 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(cache_dir):
     """(our tokenizer on the `tokenizers` package, transformers' tokenizer of the same file)."""
-    from core.default_model import default_model_path
+    from core.plan.default_model import default_model_path
     from core.tokenizer import Tokenizer, _hf_tokenizer
 
     d, f = os.path.split(default_model_path())
@@ -65,9 +65,9 @@ def pair(cache_dir):
 def test_default_model_loads_its_spec_config_and_tokenizer_without_transformers(cache_dir):
     code = textwrap.dedent("""
         import json, os, sys
-        from core.default_model import default_model_path
-        from core.loader import find_weights, load_config
-        from core.model_spec import load_model_spec
+        from core.plan.default_model import default_model_path
+        from core.engine.loader import find_weights, load_config
+        from core.plan.model_spec import load_model_spec
         from core.tokenizer import Tokenizer
 
         path = default_model_path()
@@ -92,9 +92,9 @@ def test_default_model_loads_its_spec_config_and_tokenizer_without_transformers(
 
 
 def test_the_cached_spec_is_the_one_read_from_the_header(cache_dir):
-    from core.default_model import default_model_path
-    from core.gguf_metadata import gguf_to_hf_config, read_gguf_metadata
-    from core.model_spec import load_model_spec, spec_from_config
+    from core.plan.default_model import default_model_path
+    from core.plan.gguf_metadata import gguf_to_hf_config, read_gguf_metadata
+    from core.plan.model_spec import load_model_spec, spec_from_config
 
     path = default_model_path()
     direct = spec_from_config(gguf_to_hf_config(read_gguf_metadata(path)), source=path)
@@ -102,7 +102,7 @@ def test_the_cached_spec_is_the_one_read_from_the_header(cache_dir):
 
 
 def test_spec_to_dict_round_trips_through_json():
-    from core.model_spec import load_model_spec, spec_from_dict, spec_to_dict
+    from core.plan.model_spec import load_model_spec, spec_from_dict, spec_to_dict
 
     fixtures = REPO / "tests" / "fixtures" / "configs"
     for name in ("mixtral-8x7b.json", "qwen3-30b-a3b.json", "gemma-2-9b.json",
@@ -112,8 +112,8 @@ def test_spec_to_dict_round_trips_through_json():
 
 
 def test_the_config_view_has_what_transformers_config_has(cache_dir):
-    from core.default_model import default_model_path
-    from core.loader import ConfigView, _gguf_hf_config, find_weights, load_config
+    from core.engine.loader import ConfigView, _gguf_hf_config, find_weights, load_config
+    from core.plan.default_model import default_model_path
 
     source = find_weights(default_model_path(), "auto")
     view = load_config(source)

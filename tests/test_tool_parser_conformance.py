@@ -19,9 +19,9 @@ import pytest
 from conformance import tool_parser_suite as suite
 from conformance.tool_parser_suite import *  # noqa: F401,F403 - the suite, over every parser
 from conformance.tool_parser_suite import CASES, check_case
-from core.capabilities import ToolParserCaps
-from core.plugins import get_registry
-from core.tools import ToolCall
+from core.contract.capabilities import ToolParserCaps
+from core.contract.tools import ToolCall
+from core.plan.registry import get_registry
 
 BUILT_IN = ("hermes", "llama3")
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def test_a_named_parser_lists_what_its_caps_do_not_declare(monkeypatch):
     registry = types.SimpleNamespace(kind=lambda kind: {"one": reg, "hermes": reg})
     config = types.SimpleNamespace(getoption=lambda name, default=None: ["one, hermes", "one"]
                                    if name == "conformance_tool_parser" else default)
-    monkeypatch.setattr("core.plugins.get_registry", lambda: registry)
+    monkeypatch.setattr("core.plan.registry.get_registry", lambda: registry)
     params = suite.tool_parser_params(config)
     skipped = {p.id: p.marks[0].kwargs["reason"] for p in params if p.marks}
     needs = {c.id for c in CASES if c.needs}
@@ -190,8 +190,8 @@ def test_the_suite_passes_the_unchanged_wrapper():
 PACKAGE = '''
 """A third-party tool-call parser package (test fixture): a one-call format (hermes' text,
 declared parallel_calls=False, no prompts) and a leaky one."""
-from core.capabilities import ToolParserCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import ToolParserCaps
+from core.contract.hookspecs import hookimpl
 from plugins.tool_parsers.hermes import HermesToolParser
 
 CORE_PLUGIN_API = ">=1.5,<2"

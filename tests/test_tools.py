@@ -14,9 +14,10 @@ import os
 import openai
 import pytest
 
-from core.config import ServerArgs
-from core.plan import ResolveError
-from core.plugins import get_registry
+from core.contract.tools import make_tool_parser, template_reads_tools
+from core.plan.args import ServerArgs
+from core.plan.plan import ResolveError
+from core.plan.registry import get_registry
 from core.server.errors import APIError
 from core.server.testing import FakeEngine, ServerThread
 from core.server.tools import (
@@ -29,7 +30,6 @@ from core.server.tools import (
     parse_tools,
     tool_constraint,
 )
-from core.tools import make_tool_parser, template_reads_tools
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -315,7 +315,7 @@ def test_tool_fields_that_ask_for_nothing():
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from core.default_model import default_model_path
+    from core.plan.default_model import default_model_path
     from core.tokenizer import Tokenizer
 
     path = default_model_path()
@@ -385,14 +385,14 @@ LLAMA31_LIKE = ('{% if tools %}{"name": function name, "parameters": dictionary 
 
 @pytest.fixture(scope="module")
 def plan():
-    from core.worker import make_plan
+    from core.engine.worker import make_plan
 
     args, plan, spec, registry = make_plan(ServerArgs())
     return plan
 
 
 def _choose(plan, template, flag="auto"):
-    from core.resolver import resolve_tool_parser
+    from core.plan.resolver import resolve_tool_parser
 
     return resolve_tool_parser(plan, template, ServerArgs(tool_call_parser=flag),
                                get_registry())
@@ -409,7 +409,7 @@ def test_auto_picks_by_the_templates_markup(plan, smollm2_tokenizer):
     rows = {c.name: c for c in llama.candidates if c.slot == "tool_call_parser"}
     assert rows["llama3"].chosen and not rows["hermes"].fits
     assert "holds none of its markers (<tool_call>)" in rows["hermes"].reasons[0]
-    from core.resolver import explain
+    from core.plan.resolver import explain
 
     assert "tool-call parser   llama3" in explain(llama)
 
@@ -427,10 +427,10 @@ def test_named_aliases_and_none(plan):
 
 
 def test_a_named_parser_missing_its_package_fails_at_resolve_time(plan):
-    from core.capabilities import ToolParserCaps
-    from core.hookspecs import hookimpl
-    from core.plugins import build_registry
-    from core.resolver import resolve_tool_parser
+    from core.contract.capabilities import ToolParserCaps
+    from core.contract.hookspecs import hookimpl
+    from core.plan.registry import build_registry
+    from core.plan.resolver import resolve_tool_parser
 
     class Needy:
         @hookimpl
@@ -450,7 +450,7 @@ def test_a_named_parser_missing_its_package_fails_at_resolve_time(plan):
 
 
 def test_unknown_parser_fails_before_the_engine_starts():
-    from core.worker import make_plan
+    from core.engine.worker import make_plan
 
     with pytest.raises(ResolveError, match="unknown tool-call parser 'nope'"):
         make_plan(ServerArgs(tool_call_parser="nope"))

@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -34,7 +34,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def srv():
-    from core.engine import Engine
+    from core.frontend.offline import Engine
     from core.server.adapter import EngineAdapter
     from core.server.app import create_app
     from core.server.testing import ServerThread

@@ -8,7 +8,7 @@ import pytest
 import torch
 from model_fixtures import PagedHarness
 
-from core.attention import AttentionLayerParams, BackendContext
+from core.contract.attention import AttentionLayerParams, BackendContext
 from plugins.attention.torch_native.backend import TorchNativeAttention
 
 D = 16

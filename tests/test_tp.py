@@ -20,10 +20,10 @@ from model_fixtures import tiny_hf_model, write_tokenizer
 from test_moe_models import tiny_moe_hf_model
 
 import core
-from core.config import make_server_args
-from core.distributed import TPGroup, fitting_tp_sizes, free_loopback_port, tp_problems
-from core.plan import ResolveError
-from core.worker import make_plan
+from core.engine.distributed import TPGroup, fitting_tp_sizes, free_loopback_port, tp_problems
+from core.engine.worker import make_plan
+from core.plan.args import make_server_args
+from core.plan.plan import ResolveError
 
 N_TOKENS = 64
 PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
@@ -161,8 +161,8 @@ def test_tp2_greedy_equals_tp1_and_transformers(arch, ep, tmp_path):
 def test_smollm2_tp3_greedy_equals_transformers():
     from hf_reference import hf_gguf_model
 
-    from core.default_model import default_model_path
-    from core.loader import load_tokenizer
+    from core.engine.loader import load_tokenizer
+    from core.plan.default_model import default_model_path
 
     hf = hf_gguf_model(default_model_path())
     ids = load_tokenizer(make_server_args()).encode("The capital of France is")

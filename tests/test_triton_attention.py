@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
 
 from conformance.attention_reference import reference_attention  # noqa: E402
 from conformance.paged_batch import AttentionCase, build_inputs  # noqa: E402
-from core.attention import AttentionLayerParams  # noqa: E402
-from core.capabilities import DeviceInfo  # noqa: E402
-from core.checks import check_device  # noqa: E402
+from core.contract.attention import AttentionLayerParams  # noqa: E402
+from core.contract.capabilities import DeviceInfo  # noqa: E402
+from core.plan.checks import check_device  # noqa: E402
 from plugins.attention.triton import CAPS  # noqa: E402
 
 pytest.importorskip("triton")
@@ -250,7 +250,7 @@ def test_extend_tables_build_configs_and_register_caps_reach_the_launch():
 
 
 def test_backend_rejects_bad_settings():
-    from core.attention import BackendContext
+    from core.contract.attention import BackendContext
     from plugins.attention.triton.backend import TritonAttention
 
     def ctx(**kw):

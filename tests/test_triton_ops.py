@@ -96,10 +96,10 @@ def test_empty_batches_launch_nothing():
 
 
 def test_the_engine_uses_them_on_gpus_only_and_they_can_be_turned_off(model_spec, monkeypatch):
-    from core.config import ServerArgs, apply_environment, make_server_args
-    from core.devices import PROFILES
-    from core.plugins import build_registry
-    from core.resolver import resolve
+    from core.plan.args import ServerArgs, apply_environment, make_server_args
+    from core.plan.devices import PROFILES
+    from core.plan.registry import build_registry
+    from core.plan.resolver import resolve
 
     test_registry = build_registry()
     spec = model_spec("llama-3.1-8b")
@@ -109,7 +109,7 @@ def test_the_engine_uses_them_on_gpus_only_and_they_can_be_turned_off(model_spec
     assert cpu.layer_ops == "cpu_c_avx512"
     why = next(c for c in cpu.candidates if c.slot == "layer_ops" and c.name == "triton")
     assert "device cpu not supported" in why.reasons[0]
-    # The environment is read at the edge (core.config), so the resolver stays pure.
+    # The environment is read at the edge (core.plan.args), so the resolver stays pure.
     monkeypatch.setenv("CORE_DISABLE_FUSED_OPS", "1")
     assert resolve(spec, PROFILES["h100"], ServerArgs(), test_registry).layer_ops == "triton"
     args = make_server_args()

@@ -1,6 +1,7 @@
-"""The engine's core knows no vendor: the modules that run a model name no device type and
-import no vendor or kernel library. Everything a device does differently comes through its
-Platform (core/platform.py) and the layer ops (core/layer_ops.py), which hardware and ops plugins
+"""The engine's core knows no vendor: the modules that run a model (every file under
+core/engine/, core/layers/ and plugins/models/: a folder rule, no list to forget a file in)
+name no device type and import no vendor or kernel library. Everything a device does differently comes through its
+Platform (core/contract/platform.py) and the layer ops (core/contract/layer_ops.py), which hardware and ops plugins
 provide. This test reads the source: a new `if device.type == "cuda"` fails it."""
 
 from __future__ import annotations
@@ -9,10 +10,18 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-NEUTRAL = [ROOT / "core" / "worker.py", ROOT / "core" / "model_runner.py",
-           ROOT / "core" / "scheduler.py", ROOT / "core" / "admission.py",
-           ROOT / "core" / "overlap.py", *sorted((ROOT / "core" / "layers").rglob("*.py")),
-           *sorted((ROOT / "plugins" / "models").rglob("*.py"))]
+FOLDERS = ("core/engine", "core/layers", "plugins/models")
+NEUTRAL = sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py"))
+# files that still break the rule, each with the change that will make it hold (the test below
+# fails once a file here holds, so the entry goes with the fix)
+KNOWN = {
+    "core/engine/memory/kv_cache.py": "issue 32 item 7: zeros() takes host memory from calloc "
+                                      "where device.type is cpu; the Platform should allocate",
+    "core/engine/distributed.py": "binds the rank's device where the backend needs one per rank "
+                                  "and names the host for gloo; belongs to Platform.dist_backend",
+    "core/engine/loader.py": "reads checkpoint tensors into host memory (\"cpu\" is the host "
+                             "here, not a vendor); a Platform host-device name would say so",
+}
 
 PATTERNS = {
     "a device-type string": re.compile(r"""["'](cuda|cpu|xpu|npu|rocm|hip|mps|hpu)(:\d+)?["']"""),
@@ -36,15 +45,25 @@ def test_the_neutral_modules_exist():
     assert len(NEUTRAL) > 10 and all(p.is_file() for p in NEUTRAL)
 
 
-def test_no_device_branch_or_vendor_import_in_the_engine_core():
+def _violations(path: Path) -> list[str]:
+    code = _code(path)
     found = []
-    for path in NEUTRAL:
-        code = _code(path)
-        for what, pattern in PATTERNS.items():
-            for m in pattern.finditer(code):
-                line = code[:m.start()].count("\n") + 1
-                found.append(f"{path.relative_to(ROOT)}:{line}: {what}: {m.group(0).strip()}")
+    for what, pattern in PATTERNS.items():
+        for m in pattern.finditer(code):
+            line = code[:m.start()].count("\n") + 1
+            found.append(f"{path.relative_to(ROOT)}:{line}: {what}: {m.group(0).strip()}")
+    return found
+
+
+def test_no_device_branch_or_vendor_import_in_the_engine_core():
+    found = [v for path in NEUTRAL if str(path.relative_to(ROOT)) not in KNOWN
+             for v in _violations(path)]
     assert not found, "\n".join(found)
+
+
+def test_the_known_exceptions_still_need_their_fix():
+    """An exception whose file now holds the rule is taken off KNOWN (none is kept by habit)."""
+    assert all((ROOT / f).is_file() and _violations(ROOT / f) for f in KNOWN), KNOWN
 
 
 def test_the_check_catches_what_it_forbids(tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.attention import AttentionLayerParams
-from core.forward_batch import ForwardBatch
+from core.contract.attention import AttentionLayerParams
+from core.contract.forward_batch import ForwardBatch
 
 
 class PagedAttention(nn.Module):

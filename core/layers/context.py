@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.distributed import SINGLE, TPGroup
+from core.engine.distributed import SINGLE, TPGroup
 from core.layers.linear import UnquantizedLinearMethod
 from core.layers.ops_ref import TorchLayerOps
 
@@ -17,8 +17,8 @@ class ModelContext:
 
     quant_method: creates / post-processes / applies linear weights (the `unquantized` method's
     instance by default). moe_runner: the chosen MoE runner instance (None for dense models).
-    ops: the layer ops (core.layer_ops; the PyTorch reference by default), every op provided.
-    tp: this rank's tensor-parallel group (core.distributed; one rank by default): layers built
+    ops: the layer ops (core.contract.layer_ops; the PyTorch reference by default), every op provided.
+    tp: this rank's tensor-parallel group (core.engine.distributed; one rank by default): layers built
     with it hold this rank's slice and reduce or gather across ranks where the math needs it.
     """
 

@@ -1,6 +1,6 @@
 """Token embedding and the LM head (possibly tied to it).
 
-A quant method with `load_table(module, tensor)` (core.quant) may keep either weight in its own
+A quant method with `load_table(module, tensor)` (core.contract.quant) may keep either weight in its own
 form: the module then looks rows up with `table.rows(ids, dtype)` and computes logits with
 `table.logits(hidden)`, and its dense `weight` is left empty ([0, hidden]).
 """
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.distributed import SINGLE, TPGroup
+from core.engine.distributed import SINGLE, TPGroup
 from core.layers.linear import Matmul, Packer, tp_narrow
 
 
@@ -54,7 +54,7 @@ def _load_table(module: nn.Module, param: nn.Parameter, loaded: object) -> None:
 
 class VocabEmbedding(nn.Module):
     """ids [T] -> [T, hidden]. Vocab-parallel under tensor parallelism: this rank holds
-    rows [start, start + rows) (core.distributed.TPGroup.vocab_part), looks up the ids that fall
+    rows [start, start + rows) (core.engine.distributed.TPGroup.vocab_part), looks up the ids that fall
     there, zeros the others, and the ranks' lookups are summed."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.distributed import SINGLE
-from core.quant import load_shard
+from core.contract.quant import load_shard
+from core.engine.distributed import SINGLE
 
 # A platform's dense product over its own weight layout, called as matmul(x, weight=W, bias=b)
 # with x [..., in] and the packed W -> [..., out] in x's dtype
@@ -31,7 +31,7 @@ Packer = Callable[[torch.Tensor], "torch.Tensor | None"]
 
 class DenseLinearMethod:
     """Dense weights in the compute dtype; `F.linear`, or a platform's product over repacked
-    weights once `repack` ran. The quant protocol's reference (core.quant): what router gates
+    weights once `repack` ran. The quant protocol's reference (core.contract.quant): what router gates
     and layers a checkpoint leaves dense use, and what the `unquantized` plugin serves."""
 
     def __init__(self, scheme: object = None):
@@ -150,7 +150,7 @@ class Linear(nn.Module):
 
     def rebuild_with(self, method: object) -> None:
         """Drop the parameters and create them again with another quant method (a layer the
-        checkpoint leaves dense; core.quant.apply_ignore). Only before loading."""
+        checkpoint leaves dense; core.contract.quant.apply_ignore). Only before loading."""
         for name in [n for n, _ in self.named_parameters(recurse=False)]:
             delattr(self, name)
         self.quant_method = method
@@ -196,7 +196,7 @@ class Linear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: str | None = None) -> None:
         """Copy an HF tensor into `param` (the whole of it, or one shard's part: its rows, or
-        what core.quant.mark says the shard owns of a quantized parameter). A quant method
+        what core.contract.quant.mark says the shard owns of a quantized parameter). A quant method
         with its own `weight_loader(layer, param, loaded, shard)` takes the tensor instead
         (one that reads the file's blocks as they are: GGUF). Under tensor parallelism the
         tensor is first cut to this rank's part."""

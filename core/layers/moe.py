@@ -1,5 +1,5 @@
 """A mixture-of-experts layer: router in PyTorch, experts delegated to the chosen MoE runner
-(the protocol is core.moe)."""
+(the protocol is core.contract.moe)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from core.distributed import SINGLE
+from core.contract.moe import MoELayerParams, MoEWeights
+from core.engine.distributed import SINGLE
 from core.layers.linear import DenseLinearMethod, Linear, tp_narrow
-from core.moe import MoELayerParams, MoEWeights
 
 # HF expert projection names -> our stacked tensors (w13 = [gate | up], w2 = down).
 _SHARDS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),

@@ -14,7 +14,7 @@ from core.layers.ops_ref import TorchLayerOps, rms_norm
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 like HF Llama, cast back before the weight.
 
-    The computation is the layer ops' (core.layer_ops, given at build time; the PyTorch reference
+    The computation is the layer ops' (core.contract.layer_ops, given at build time; the PyTorch reference
     when none are given): `bound()` / `bound_add()` ask them once for the callables."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,

@@ -1,6 +1,6 @@
 """The reference layer ops in plain PyTorch (the built-in `torch` layer-ops plugin's factory).
 
-The layers' own math, one op at a time; every device runs it. See core/layer_ops.py.
+The layers' own math, one op at a time; every device runs it. See core/contract/layer_ops.py.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, k_buf: torch.T
 
 
 class TorchLayerOps:
-    """core.layer_ops.LayerOps in PyTorch: provides every op, for every dtype and device."""
+    """core.contract.layer_ops.LayerOps in PyTorch: provides every op, for every dtype and device."""
 
     name = "torch"
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["EngineLike", "GenRequest", "create_app", "run_server", "serve_main"]
 
 if TYPE_CHECKING:
-    from core.config import ServerArgs
+    from core.plan.args import ServerArgs
 
 
 def serve_main(args: ServerArgs) -> int:

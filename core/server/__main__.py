@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.config import add_cli_args, from_namespace
+from core.plan.args import add_cli_args, from_namespace
 from core.server import serve_main
 
 

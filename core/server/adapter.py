@@ -1,4 +1,4 @@
-"""`EngineLike` over the real engine (core.engine.Engine, through its public methods only): its
+"""`EngineLike` over the real engine (core.frontend.offline.Engine, through its public methods only): its
 worker process, tokenizer and plan.
 
 Pipe sends (submit, abort) run on one worker thread, in order, so a full pipe never blocks the
@@ -9,7 +9,7 @@ sends from its own thread every second: a long scheduler step (a big prefill on 
 make a healthy engine read as dead. `stats` asks the scheduler (answered between steps) and falls
 back to the figures of the last heartbeat when a step is running.
 
-With --dp-size N the engine is N replicas behind core.router.ReplicaSet: liveness is every
+With --dp-size N the engine is N replicas behind core.frontend.router.ReplicaSet: liveness is every
 replica's, `stats` are their sums plus `replicas`, one entry per replica (dp_rank, alive,
 in_flight and routed: the router's counts, and that replica's own figures).
 """
@@ -22,7 +22,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError, invalid
 
@@ -73,10 +73,10 @@ def _served_name(args: ServerArgs, model_path: str) -> str:
 
 
 class EngineAdapter:
-    """The server's engine: wraps core.engine.Engine (which owns the worker process)."""
+    """The server's engine: wraps core.frontend.offline.Engine (which owns the worker process)."""
 
     def __init__(self, engine: Any, model_name: str):
-        self.engine = engine  # its public methods only (core.engine.Engine)
+        self.engine = engine  # its public methods only (core.frontend.offline.Engine)
         info = engine.info
         self.info = info
         self.tokenizer = TokenizerAdapter(engine.tokenizer, int(info["vocab_size"]))
@@ -85,8 +85,8 @@ class EngineAdapter:
         self.model_name = model_name
         self.plan = engine.plan
         if self.plan is not None:  # the tool-call parser is chosen by the chat template
-            from core.plugins import get_registry
-            from core.resolver import resolve_tool_parser
+            from core.plan.registry import get_registry
+            from core.plan.resolver import resolve_tool_parser
 
             self.plan = resolve_tool_parser(self.plan, engine.tokenizer.chat_template,
                                             engine.args, get_registry())
@@ -101,7 +101,7 @@ class EngineAdapter:
         return self.plan.to_dict() if self.plan is not None else None
 
     def describe_plan(self) -> str:
-        from core.resolver import explain
+        from core.plan.resolver import explain
 
         if self.plan is None:
             return ""
@@ -131,7 +131,7 @@ class EngineAdapter:
                    if args.dp_size > 1 else {})}
 
     def validate_sampling(self, sampling: dict[str, Any]) -> None:
-        from core.sampling import SamplingParams
+        from core.engine.sampling import SamplingParams
 
         SamplingParams.from_dict(sampling).check_vocab(self.tokenizer.vocab_size)
 
@@ -152,7 +152,7 @@ class EngineAdapter:
             pass
 
     async def generate(self, req: GenRequest) -> AsyncIterator[dict[str, Any]]:
-        from core.engine import EngineError
+        from core.frontend.offline import EngineError
 
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -254,14 +254,14 @@ class EngineAdapter:
         try:
             s = await asyncio.wrap_future(self._rpc.submit(self.engine.stats,
                                                            STATS_RPC_TIMEOUT_S))
-        except RuntimeError:  # core.engine.EngineError: no answer in time, or gone
+        except RuntimeError:  # core.frontend.offline.EngineError: no answer in time, or gone
             # a step is running (or the engine is gone): the figures from between the last steps
             s = self.engine.heartbeat_stats()
             if not s:
                 raise
             s = {**s, "stale": True}
         out = {**_figures(s), "engine": s}
-        if "replicas" in s:  # data parallel (core.router.merge_stats)
+        if "replicas" in s:  # data parallel (core.frontend.router.merge_stats)
             out["replicas"] = [
                 {"dp_rank": r["dp_rank"], "alive": r["alive"], "in_flight": r["in_flight"],
                  "routed": r["routed"], **(_figures(r) if "running" in r else {}),
@@ -293,7 +293,7 @@ def _constraint_param(req: GenRequest, message: str) -> str | None:
 
 
 def _figures(s: dict[str, Any]) -> dict[str, Any]:
-    """The server's names for a scheduler's figures (core.scheduler.Scheduler.stats)."""
+    """The server's names for a scheduler's figures (core.engine.scheduler.Scheduler.stats)."""
     total, free = s.get("total_pages", 0), s.get("free_pages", 0)
     # pages held by requests; reusable prefix-cache pages count as free (as SGLang counts)
     evictable = s.get("evictable_pages", s.get("cached_pages", 0))
@@ -305,14 +305,14 @@ def _figures(s: dict[str, Any]) -> dict[str, Any]:
             "kv_pages_cached": s.get("cached_pages", 0),
             "prefix_cache_hit_rate": cached / (cached + computed) if cached + computed
             else 0.0,
-            # grammar compiles (core.grammar_compiler): queued, running, outcomes
+            # grammar compiles (core.engine.grammar_compiler): queued, running, outcomes
             **{k: v for k, v in s.items() if k.startswith("grammar_compile")}}
 
 
 def start_engine(args: ServerArgs) -> EngineAdapter:
     """Resolve the plan, load the model in the worker process (with --dp-size N, N workers
-    started together behind core.router.ReplicaSet), wrap it for the server."""
-    from core.engine import Engine
+    started together behind core.frontend.router.ReplicaSet), wrap it for the server."""
+    from core.frontend.offline import Engine
 
     engine = Engine(server_args=args)
     return EngineAdapter(engine, _served_name(args, engine.args.model_path))

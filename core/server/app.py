@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 import core
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server import generation
 from core.server.auth import PUBLIC_ROUTES, make_auth_middleware, resolve_api_key
 from core.server.engine_api import EngineLike, GenRequest

@@ -1,6 +1,6 @@
 """The server's view of an engine: a small protocol the HTTP layer is written against.
 
-The real engine client (core.engine) is wrapped by `core.server.adapter.EngineAdapter`; tests use
+The real engine client (core.frontend.offline) is wrapped by `core.server.adapter.EngineAdapter`; tests use
 `core.server.testing.FakeEngine`. Nothing here imports torch.
 
 Events. `EngineLike.generate(req)` yields plain dicts, one per step that produced output:
@@ -86,7 +86,7 @@ class EngineLike(Protocol):
         ...
 
     def describe_plan(self) -> str:
-        """The plan as the human-readable table `core.resolver.explain` prints ("" if none)."""
+        """The plan as the human-readable table `core.plan.resolver.explain` prints ("" if none)."""
         ...
 
     def model_info(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server.app import SERVER_NAME, create_app
 from core.server.engine_api import EngineLike
 from core.server.errors import APIError
@@ -262,7 +262,7 @@ def serve_main(args: ServerArgs) -> int:
     from core.server.auth import resolve_api_key
 
     if args.node_rank > 0:  # another node's ranks of node 0's engine: no HTTP here
-        from core.client import serve_node
+        from core.frontend.client import serve_node
 
         return serve_node(args)
 
@@ -274,10 +274,10 @@ def serve_main(args: ServerArgs) -> int:
     try:
         engine = start_engine(args)
     except Exception as e:  # a clear one-line reason; the engine already said what it knew
-        from core.plan import ResolveError
+        from core.plan.plan import ResolveError
 
         if isinstance(e, ResolveError):
-            from core.resolver import error_table
+            from core.plan.resolver import error_table
 
             print(f"core serve: no plan fits:\n{error_table(e)}", file=sys.stderr)
         else:

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from core.config import ServerArgs
+from core.plan.args import ServerArgs
 from core.server.engine_api import EngineLike
 from core.server.errors import APIError, invalid, overloaded
 from core.server.metrics import ServerMetrics

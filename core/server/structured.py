@@ -1,4 +1,4 @@
-"""Structured-output request fields -> one constraint (core.grammar.Constraint as a dict).
+"""Structured-output request fields -> one constraint (core.contract.grammar.Constraint as a dict).
 
 The fields peers and OpenAI define, each read here and nowhere else:
 

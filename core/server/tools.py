@@ -9,7 +9,7 @@ Fields (OpenAI's, as SGLang and vLLM take them):
     parallel_tool_calls  true (default) | false: at most one call
 
 What each choice does:
-- auto: the model answers freely; the server's tool-call parser (core.tools, the plan's
+- auto: the model answers freely; the server's tool-call parser (core.contract.tools, the plan's
   tool_call_parser) reads calls out of the text: message.tool_calls, finish_reason
   "tool_calls", content what is left (null when nothing). Needs a parser (400 with
   --tool-call-parser none). `strict: true` is refused here: nothing enforces the schema.
@@ -28,7 +28,7 @@ outputs with a named tool too).
 The prompt. The tools go to the chat template as `tools=` (apply_chat_template's, as HF does),
 assistant messages' tool_calls with their arguments as objects and tool messages as
 {"role": "tool", "content", "tool_call_id", "name"}. A template that never reads `tools`
-(core.tools.template_reads_tools; SmolLM2's) gets them another way, always the same: the
+(core.contract.tools.template_reads_tools; SmolLM2's) gets them another way, always the same: the
 parser's tools_prompt is added to the first system message (after a blank line) or becomes one
 at the start; assistant tool calls are appended to the message's content in the parser's
 format (format_calls, after a newline when there is content); each tool message becomes a user
@@ -53,8 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from core.server.errors import invalid
-from core.tools import (
+from core.contract.tools import (
     Piece,
     ToolCall,
     ToolParser,
@@ -63,6 +62,7 @@ from core.tools import (
     template_reads_tools,
     value_end,
 )
+from core.server.errors import invalid
 
 MAX_TOOLS = 128  # OpenAI's limit
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -316,7 +316,7 @@ class ServerTools:
         self.arguments_key = "parameters"  # vLLM's key, when no parser says otherwise
         if parser_name is not None:
             if registry is None:
-                from core.plugins import get_registry
+                from core.plan.registry import get_registry
 
                 registry = get_registry()
             reg = registry.get("tool_parser", parser_name)

@@ -1,1 +1,1 @@
-"""Built-in grammar backends (structured output): one package per backend (core.grammar)."""
+"""Built-in grammar backends (structured output): one package per backend (core.contract.grammar)."""

@@ -12,13 +12,13 @@ import dataclasses
 import importlib
 from typing import Any
 
-from core.capabilities import DeviceInfo
-from core.platform import GraphSupport, MemoryDefaults, ModelGeometry
+from core.contract.capabilities import DeviceInfo
+from core.contract.platform import GraphSupport, MemoryDefaults, ModelGeometry
 from plugins.hardware.gpu import gpu_memory_defaults
 
 
 class TorchAccelPlatform:
-    """core.platform.Platform over torch.<device_type> for accelerators checked by nobody here."""
+    """core.contract.platform.Platform over torch.<device_type> for accelerators checked by nobody here."""
 
     module_name = ""  # the torch attribute: "xpu", "npu"
     imports: tuple[str, ...] = ()  # extensions that attach that attribute (torch_npu)

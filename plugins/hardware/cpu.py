@@ -12,8 +12,8 @@ import os
 import platform
 from collections.abc import Iterable
 
-from core.capabilities import DeviceInfo, HardwareCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import DeviceInfo, HardwareCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.0,<2"
 

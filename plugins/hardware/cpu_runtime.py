@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from core.capabilities import DeviceInfo
+from core.contract.capabilities import DeviceInfo
+from core.contract.platform import GraphSupport, MemoryDefaults, ModelGeometry
 from core.layers.linear import repack_dense_weights
-from core.platform import GraphSupport, MemoryDefaults, ModelGeometry
 
 MAX_RUNNING = 64
 KV_CAP_TOKENS = 32768  # host RAM is not the KV cache's to fill by default
@@ -51,7 +51,7 @@ def pack_model(model: Any) -> int:
 
 
 class CpuPlatform:
-    """core.platform.Platform for the host CPU."""
+    """core.contract.platform.Platform for the host CPU."""
 
     def __init__(self, info: DeviceInfo):
         self.info = info
@@ -60,7 +60,7 @@ class CpuPlatform:
         return "cpu"
 
     def memory(self, index: int = 0) -> tuple[int, int]:
-        from core.devices import host_free_bytes
+        from core.plan.devices import host_free_bytes
 
         return host_free_bytes(), int(self.info.memory_bytes)
 

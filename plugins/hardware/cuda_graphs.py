@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from core.graphs import GraphRunner
+from core.engine.graphs import GraphRunner
 
 
 class CudaGraphRunner(GraphRunner):
-    """core.graphs.GraphRunner with torch.cuda graph capture."""
+    """core.engine.graphs.GraphRunner with torch.cuda graph capture."""
 
     def stage(self, host: torch.Tensor) -> torch.Tensor:
         # pinned, so the copy does not wait for the GPU (see the platform's to_device)

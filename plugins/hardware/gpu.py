@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.capabilities import DeviceInfo
-from core.platform import GraphSupport, MemoryDefaults, ModelGeometry
+from core.contract.capabilities import DeviceInfo
+from core.contract.platform import GraphSupport, MemoryDefaults, ModelGeometry
 
 GiB = 2**30
 GB = 10**9
@@ -64,7 +64,7 @@ class _Event:
 
 
 class TorchCudaPlatform:
-    """core.platform.Platform over torch.cuda (CUDA and ROCm builds of torch)."""
+    """core.contract.platform.Platform over torch.cuda (CUDA and ROCm builds of torch)."""
 
     def __init__(self, info: DeviceInfo):
         self.info = info

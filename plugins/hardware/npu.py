@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from core.capabilities import DeviceInfo, HardwareCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import DeviceInfo, HardwareCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.0,<2"
 

@@ -7,8 +7,8 @@ which is what kernels are compiled for; a CUDA-style sm number would mean nothin
 
 from __future__ import annotations
 
-from core.capabilities import DeviceInfo, HardwareCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import DeviceInfo, HardwareCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.0,<2"
 

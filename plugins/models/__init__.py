@@ -1,7 +1,7 @@
 """Built-in model architectures, registered as a `models` plugin like any other."""
 
-from core.capabilities import ModelCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import ModelCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.0,<2"
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from core.forward_batch import ForwardBatch
-from core.layer_ops import qk_norm_rotary
+from core.contract.forward_batch import ForwardBatch
+from core.contract.layer_ops import qk_norm_rotary
 from core.layers import (
     GatedAct,
     Linear,

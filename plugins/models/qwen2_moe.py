@@ -1,6 +1,6 @@
 """Qwen2-MoE: the Qwen2 decoder with expert blocks (a shared expert behind a sigmoid gate) on
 every `decoder_sparse_step`-th layer outside `mlp_only_layers`; the MoE decoders here (Qwen3-MoE,
-Mixtral) build on it. Experts run in the chosen MoE runner (core.layers.moe, core.moe)."""
+Mixtral) build on it. Experts run in the chosen MoE runner (core.layers.moe, core.contract.moe)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from core.layers import Linear, ModelContext, MoE
-from core.model_spec import moe_layer_ids
+from core.plan.model_spec import moe_layer_ids
 from plugins.models.llama import STACKED, DecoderMLP, LlamaForCausalLM
 from plugins.models.qwen2 import layer_sliding_window
 from plugins.models.weights import load_named_weights

@@ -1,7 +1,7 @@
 """`torch` layer ops: the reference, in plain PyTorch (core/layers/ops_ref.py), on every device."""
 
-from core.capabilities import DEVICE_TYPES, LayerOpsCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import DEVICE_TYPES, LayerOpsCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.1,<2"
 

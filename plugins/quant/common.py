@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quant import div_scalar, reciprocal
+from core.contract.quant import div_scalar, reciprocal
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -35,7 +35,7 @@ def quantize_int8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_acts(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Activations: x * (1 / scale) saturated to e4m3's range, as e4m3 (core.quant.reciprocal:
+    """Activations: x * (1 / scale) saturated to e4m3's range, as e4m3 (core.contract.quant.reciprocal:
     the kernels' rounding). Weights go through quantize_fp8's division."""
     return (x.float() * reciprocal(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 

@@ -5,8 +5,8 @@ platform's product once a Platform's post-load step repacked the weights); core 
 itself for router gates and the layers a quantized checkpoint leaves dense.
 """
 
-from core.capabilities import QuantCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import QuantCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.2,<2"
 

@@ -16,7 +16,7 @@ TRITON_INTERPRET=1 in the CPU tests, where fp16/fp32 stand in for the 8-bit oper
 Rounding: fp8 by the hardware conversion (round to nearest even), int8 half away from zero after
 clamping (torch.round rounds ties to even: ties are rare and one step apart). Scales (amax /
 qmax) and their reciprocals are IEEE-rounded divisions (tl.math.div_rn), and x is quantized as
-x * (1 / scale), as core.quant.reciprocal defines it for every path: Triton's `/` on fp32 is
+x * (1 / scale), as core.contract.quant.reciprocal defines it for every path: Triton's `/` on fp32 is
 approximate, and fp16 / bf16 inputs put x / scale exactly on a rounding midpoint of the 8-bit
 grid often enough that the last ulp decides codes (the quant suite's MoE-experts case, bench/
 diag_moe_fp8.py); an exact division per element made the small-M kernel 2-3x slower.
@@ -44,7 +44,7 @@ def _quantize(v, QMAX: tl.constexpr, IS_INT: tl.constexpr, out_ty: tl.constexpr)
 
 @triton.jit
 def _recip(s):
-    """1 / s, correctly rounded (core.quant.reciprocal)."""
+    """1 / s, correctly rounded (core.contract.quant.reciprocal)."""
     return tl.math.div_rn(s * 0.0 + 1.0, s)  # s * 0 + 1: a 1.0 of any shape
 
 

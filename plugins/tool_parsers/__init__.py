@@ -1,1 +1,1 @@
-"""Built-in tool-call parsers (core.tools): one module each, its capabilities beside it."""
+"""Built-in tool-call parsers (core.contract.tools): one module each, its capabilities beside it."""

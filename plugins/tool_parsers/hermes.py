@@ -21,9 +21,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from core.capabilities import ToolParserCaps
-from core.hookspecs import hookimpl
-from core.tools import Piece, ToolCall, call_at, held_back, skip_ws, value_end
+from core.contract.capabilities import ToolParserCaps
+from core.contract.hookspecs import hookimpl
+from core.contract.tools import Piece, ToolCall, call_at, held_back, skip_ws, value_end
 
 CORE_PLUGIN_API = ">=1.5,<2"
 

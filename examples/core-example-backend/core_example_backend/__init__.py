@@ -13,8 +13,8 @@ Importing this module imports no kernel library and not even torch: the classes 
 `backend.py` and `accel.py`, named by "module:attr" strings the core resolves only when chosen.
 """
 
-from core.capabilities import AttentionCaps, HardwareCaps, PageSizes
-from core.hookspecs import hookimpl
+from core.contract.capabilities import AttentionCaps, HardwareCaps, PageSizes
+from core.contract.hookspecs import hookimpl
 
 # The core plugin API versions this package was written against (PEP 440 specifier). A core
 # outside this range rejects the plugin with a clear reason instead of crashing later.

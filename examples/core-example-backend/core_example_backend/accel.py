@@ -5,7 +5,7 @@ the host CPU (torch device_type "cpu") under another name, with a runtime of its
 
 - the probe, which keeps the contract every hardware probe keeps: it never raises for absent
   hardware, it returns a DeviceInfo with available=False and a reason a person can act on;
-- the Platform (core/platform.py), which the engine asks everything a device does differently
+- the Platform (core/contract/platform.py), which the engine asks everything a device does differently
   at run time: memory, defaults, copies, graphs, post-load transforms, overlap. The engine runs
   on this target end to end with no change to core-serve (`core serve --device example_accel`).
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from core.capabilities import DeviceInfo
-from core.platform import GraphSupport, MemoryDefaults, ModelGeometry
+from core.contract.capabilities import DeviceInfo
+from core.contract.platform import GraphSupport, MemoryDefaults, ModelGeometry
 
 ENABLE_ENV = "CORE_EXAMPLE_ACCEL"
 
@@ -53,7 +53,7 @@ def probe() -> DeviceInfo:
 
 class ExampleAccelPlatform:
     """The example target's runtime: small fixed defaults of its own, synchronous copies, no
-    graphs, no weight repacking, no overlap. Every method of core.platform.Platform."""
+    graphs, no weight repacking, no overlap. Every method of core.contract.platform.Platform."""
 
     KV_TOKENS = 8192  # at most this many tokens of KV cache unless --max-total-tokens says
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from core.attention import AttentionBackend, AttentionLayerParams, BackendContext
-from core.forward_batch import ForwardBatch
+from core.contract.attention import AttentionBackend, AttentionLayerParams, BackendContext
+from core.contract.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

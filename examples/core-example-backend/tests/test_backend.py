@@ -16,8 +16,8 @@ import torch
 from core_example_backend import ATTENTION_CAPS
 
 from conformance.paged_batch import AttentionCase, build_inputs
-from core.attention import BackendContext
-from core.plugins import get_registry
+from core.contract.attention import BackendContext
+from core.plan.registry import get_registry
 
 
 def test_registered_from_this_distribution():

@@ -7,8 +7,8 @@ whose per-call dispatch (~25 us) is most of a small model's decode attention. Ne
 compiler.
 """
 
-from core.capabilities import AttentionCaps, PageSizes
-from core.hookspecs import hookimpl
+from core.contract.capabilities import AttentionCaps, PageSizes
+from core.contract.hookspecs import hookimpl
 from plugins.cbuild import ISA_FEATURES
 
 CORE_PLUGIN_API = ">=1.4,<2"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from core.attention import AttentionLayerParams, BackendContext
-from core.forward_batch import ForwardBatch
+from core.contract.attention import AttentionLayerParams, BackendContext
+from core.contract.forward_batch import ForwardBatch
 from plugins.attention.torch_native.backend import TorchNativeMeta
 from plugins.attention.torch_native.pool_decode import PoolDecodeAttention
 from plugins.cbuild import build

@@ -12,8 +12,8 @@ import importlib.metadata
 
 from packaging.version import InvalidVersion, Version
 
-from core.capabilities import AttentionCaps, PageSizes
-from core.hookspecs import hookimpl
+from core.contract.capabilities import AttentionCaps, PageSizes
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.0,<2"
 MIN_TORCH = "2.5"

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from core.attention import AttentionBackend, AttentionLayerParams, BackendContext
-from core.forward_batch import ForwardBatch
+from core.contract.attention import AttentionBackend, AttentionLayerParams, BackendContext
+from core.contract.forward_batch import ForwardBatch
 from plugins.attention.flex_attention import MIN_TORCH, _torch_ok
 
 

@@ -6,8 +6,8 @@ without importing numba; the class lives in `backend.py`, imported only when thi
 chosen. Preferred over torch_native on CPUs when numba is installed.
 """
 
-from core.capabilities import AttentionCaps, PageSizes
-from core.hookspecs import hookimpl
+from core.contract.capabilities import AttentionCaps, PageSizes
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.0,<2"
 

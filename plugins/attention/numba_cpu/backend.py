@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.attention import AttentionLayerParams, BackendContext
-from core.forward_batch import ForwardBatch
+from core.contract.attention import AttentionLayerParams, BackendContext
+from core.contract.forward_batch import ForwardBatch
 from plugins.attention.numba_cpu.kernels import decode_attention
 from plugins.attention.torch_native.backend import TorchNativeMeta
 from plugins.attention.torch_native.pool_decode import PoolDecodeAttention

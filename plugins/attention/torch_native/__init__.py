@@ -4,8 +4,8 @@ The reference every other attention backend is tested against. Declared here; th
 `backend.py` and is imported only when this backend is chosen.
 """
 
-from core.capabilities import AttentionCaps, PageSizes
-from core.hookspecs import hookimpl
+from core.contract.capabilities import AttentionCaps, PageSizes
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.0,<2"
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from core.attention import AttentionBackend, AttentionLayerParams, BackendContext
-from core.forward_batch import ForwardBatch
+from core.contract.attention import AttentionBackend, AttentionLayerParams, BackendContext
+from core.contract.forward_batch import ForwardBatch
 from plugins.attention.torch_native.dense_decode import DenseDecodeCache
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from core.attention import AttentionLayerParams, BackendContext
-from core.forward_batch import ForwardBatch
+from core.contract.attention import AttentionLayerParams, BackendContext
+from core.contract.forward_batch import ForwardBatch
 from plugins.attention.torch_native.backend import TorchNativeAttention, TorchNativeMeta
 
 

@@ -6,8 +6,8 @@ same kernels run on CPU tensors (that is how CI tests them; it is not a serving 
 not a declared device).
 """
 
-from core.capabilities import AttentionCaps, CapabilityRange, PageSizes
-from core.hookspecs import hookimpl
+from core.contract.capabilities import AttentionCaps, CapabilityRange, PageSizes
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.0,<2"
 

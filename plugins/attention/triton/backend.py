@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from core.attention import AttentionBackend, AttentionLayerParams, BackendContext
-from core.forward_batch import ForwardBatch
+from core.contract.attention import AttentionBackend, AttentionLayerParams, BackendContext
+from core.contract.forward_batch import ForwardBatch
 from plugins.attention.triton import CAPS
 from plugins.attention.triton.common import cuda_capability
 from plugins.attention.triton.decode import decode_attention, decode_splits

@@ -11,8 +11,8 @@ and contentMediaType are accepted without being enforced; the rest llguidance it
 makes the refusal the core's, naming the keyword, and puts it in the support matrix.
 """
 
-from core.capabilities import DEVICE_TYPES, GrammarCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import DEVICE_TYPES, GrammarCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.7,<2"
 

@@ -1,4 +1,4 @@
-"""The llguidance backend (core.grammar.GrammarBackend); imported only when it is chosen."""
+"""The llguidance backend (core.contract.grammar.GrammarBackend); imported only when it is chosen."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import llguidance as llg
 import llguidance.hf
 
-from core.grammar import Constraint, GrammarError
+from core.contract.grammar import Constraint, GrammarError
 
 _WHAT = {"json_schema": "invalid JSON schema", "json_object": "invalid JSON object grammar",
          "regex": "invalid regex", "ebnf": "invalid EBNF grammar", "choice": "invalid choices"}
@@ -45,7 +45,7 @@ def _grammar(c: Constraint) -> str:
 
 
 class LLGuidanceMatcher:
-    """One sequence's llguidance LLMatcher under core.grammar.GrammarMatcher.
+    """One sequence's llguidance LLMatcher under core.contract.grammar.GrammarMatcher.
 
     llguidance puts a matcher that consumes a refused token into a permanent error state, so
     accept checks the token first: a refused token is False and leaves the state as it was.

@@ -23,8 +23,8 @@ instead, allOf of several schemas, recursive $refs, names it does not escape) th
 validate refuses, naming it (schema.py).
 """
 
-from core.capabilities import DEVICE_TYPES, GrammarCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import DEVICE_TYPES, GrammarCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.7,<2"
 

@@ -1,4 +1,4 @@
-"""The outlines backend (core.grammar.GrammarBackend); imported only when it is chosen.
+"""The outlines backend (core.contract.grammar.GrammarBackend); imported only when it is chosen.
 
 Every constraint becomes one regex R, compiled by outlines-core as R followed by an end marker
 (NUL, spelled by one marker token) instead of R alone. outlines-core 0.2.14 builds its Index from
@@ -21,7 +21,7 @@ from typing import Any
 import outlines_core as oc
 from outlines_core.json_schema import build_regex_from_schema
 
-from core.grammar import Constraint, GrammarError
+from core.contract.grammar import Constraint, GrammarError
 from plugins.grammar.outlines.schema import INVALID, prepared, problems, ref_depth
 
 _WHAT = {"json_schema": "invalid JSON schema", "json_object": "invalid JSON object grammar",
@@ -145,7 +145,7 @@ class Compiled:
 
 
 class OutlinesMatcher:
-    """One sequence's outlines-core Guide under core.grammar.GrammarMatcher; the end marker is
+    """One sequence's outlines-core Guide under core.contract.grammar.GrammarMatcher; the end marker is
     never advanced: a stop token is accepted where the text is complete."""
 
     def __init__(self, compiled: Compiled, stops: frozenset[int],

@@ -8,8 +8,8 @@ combinations it runs loosely (anyOf / enum / const / $ref beside other keywords,
 several schemas, required names outside properties) are refused by its validate.
 """
 
-from core.capabilities import DEVICE_TYPES, GrammarCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import DEVICE_TYPES, GrammarCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.7,<2"
 

@@ -1,4 +1,4 @@
-"""The xgrammar backend (core.grammar.GrammarBackend); imported only when it is chosen."""
+"""The xgrammar backend (core.contract.grammar.GrammarBackend); imported only when it is chosen."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import xgrammar as xgr
 
-from core.grammar import Constraint, GrammarError, subschemas
+from core.contract.grammar import Constraint, GrammarError, subschemas
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " (and "Check failed: ...: ")
 _NOISE = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -82,7 +82,7 @@ def _loose(schema: Any, where: str = "the schema") -> str | None:
 
 
 class XGrammarMatcher:
-    """One sequence's xgrammar GrammarMatcher under core.grammar.GrammarMatcher. keep: (the
+    """One sequence's xgrammar GrammarMatcher under core.contract.grammar.GrammarMatcher. keep: (the
     bitmask row of tokens a JSON constraint may ever allow, ANDed into each row; the ids it
     leaves out, refused by accept), or None: any token."""
 

@@ -1,7 +1,7 @@
 """`torch_native` MoE runner: routing and expert MLPs in plain PyTorch, on any device."""
 
-from core.capabilities import MoECaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import MoECaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.0,<2"
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from core.layers.activation import get_act_fn
-from core.moe import (
+from core.contract.moe import (
     MoELayerParams,
     MoERunner,
     MoEWeights,
@@ -14,6 +13,7 @@ from core.moe import (
     route,
     select_experts,
 )
+from core.layers.activation import get_act_fn
 
 __all__ = ["TorchNativeMoE", "select_experts"]
 

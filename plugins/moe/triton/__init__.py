@@ -6,8 +6,8 @@ Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (how CI tests them;
 path, so "cpu" is not a declared device).
 """
 
-from core.capabilities import CapabilityRange, MoECaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import CapabilityRange, MoECaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.0,<2"
 

@@ -12,7 +12,7 @@ the worst case without a host sync.
   steps) the last program of each column of output tiles (an atomic count per column, reset by
   that program) also sums each token's k rows in slot order (+ shared) into the output, which
   spares the separate reduction launch.
-With FP8_BLOCK (form "fp8" of core.moe with block scales), W is e4m3 with a scale per
+With FP8_BLOCK (form "fp8" of core.contract.moe with block scales), W is e4m3 with a scale per
 SCALE_N x BLOCK_K block and each A tile is quantized per row in the kernel (one scale per
 BLOCK_K inputs, as the fp8 linears do); every K step is rescaled once into the fp32 accumulator.
 The k partial rows of a token are summed in a fixed order (by the runner, or by down_kernel's
@@ -29,7 +29,7 @@ import triton.language as tl
 def _quantize_rows(a, q_ty: tl.constexpr):
     """A [rows, BLOCK_K] activation tile -> (tile / scale as q_ty, fp32 scale per row):
     amax / 448, the e4m3 range (fp16 stands in for e4m3 under the interpreter); the tile times
-    the scale's reciprocal, both divisions IEEE-rounded (core.quant.reciprocal). Triton's `/`
+    the scale's reciprocal, both divisions IEEE-rounded (core.contract.quant.reciprocal). Triton's `/`
     is approximate, and half-precision inputs often put a / scale exactly on a midpoint of the
     e4m3 grid, where its last bit picks the code (bench/diag_moe_fp8.py found whole tokens off
     by 1e-2 in fp16 from this)."""

@@ -12,7 +12,7 @@ at batch 1 their launches cost more than the expert GEMMs. Here:
 - route_align_kernel, both in one program for decode-sized steps (T <= MAX_ROUTE_TOKENS): every
   token's top-k as topk_kernel computes it, the ids stored, a barrier, then the alignment over
   them, so a decode step's routing is one launch.
-Grouped top-k stays on the PyTorch path (core.moe.select_experts).
+Grouped top-k stays on the PyTorch path (core.contract.moe.select_experts).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def route_align_kernel(logits_ptr, ids_ptr, weights_ptr, sorted_ids_ptr, block_e
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring_func: str,
                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, ids [T, k] int32) in one launch; see core.moe.select_experts."""
+    """(weights [T, k] fp32, ids [T, k] int32) in one launch; see core.contract.moe.select_experts."""
     T, E = router_logits.shape
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)

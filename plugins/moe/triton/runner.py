@@ -1,4 +1,4 @@
-"""`triton` MoE runner: routing (core.moe), a sort of the (token, slot) rows by expert, then
+"""`triton` MoE runner: routing (core.contract.moe), a sort of the (token, slot) rows by expert, then
 the two grouped-GEMM kernels of `kernels.py` and a fixed-order sum of each token's k rows."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from core.moe import MoELayerParams, MoERunner, MoEWeights, route
+from core.contract.moe import MoELayerParams, MoERunner, MoEWeights, route
 from plugins.moe.triton import kernels, routing, tuning
 
 

@@ -5,8 +5,8 @@ this CPU has: `cpu_c_avx512` (AVX-512), `cpu_c_avx2`, `cpu_c` (portable), all ah
 `torch` reference on a CPU. A CPU without a C compiler rejects them (the `torch` ops run).
 """
 
-from core.capabilities import LayerOpsCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import LayerOpsCaps
+from core.contract.hookspecs import hookimpl
 from plugins.cbuild import ISA_FEATURES
 
 CORE_PLUGIN_API = ">=1.4,<2"

@@ -1,4 +1,4 @@
-"""core.layer_ops over ops.c (ctypes): each op one C call instead of 3-8 torch ops.
+"""core.contract.layer_ops over ops.c (ctypes): each op one C call instead of 3-8 torch ops.
 
 At batch 1 a SmolLM2 layer's element-wise work is a few thousand elements: torch's per-op
 dispatch (2-5 us each, ~20 ops per layer) costs more than the arithmetic. An op falls back to

@@ -1,8 +1,8 @@
 """`triton` layer ops: fused RMSNorm, add+RMSNorm, SiLU-and-mul, rotary on q/k and the KV store
 as Triton kernels (plugins/ops/triton/kernels.py) on CUDA and ROCm GPUs."""
 
-from core.capabilities import LayerOpsCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import LayerOpsCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.1,<2"
 

@@ -1,4 +1,4 @@
-"""TritonLayerOps: core.layer_ops.LayerOps over the kernels of plugins/ops/triton/kernels.py."""
+"""TritonLayerOps: core.contract.layer_ops.LayerOps over the kernels of plugins/ops/triton/kernels.py."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ quantization fused in; larger M: activations quantized in one Triton launch, the
 scales). Elsewhere (the CPU): an fp32 reference that dequantizes on every call - correct, slow, for checking and for serving where nothing better exists.
 """
 
-from core.capabilities import CapabilityRange, QuantCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import CapabilityRange, QuantCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.2,<2"
 
@@ -25,7 +25,7 @@ CAPS = QuantCaps(
     online_format="fp8_channel",
     weight_bits={8},
     dtypes={"bfloat16", "float16", "float32"},
-    moe=True,  # experts in form "fp8" (core.moe); the triton runner declares fp8_block ones
+    moe=True,  # experts in form "fp8" (core.contract.moe); the triton runner declares fp8_block ones
     moe_runners={"torch_native"},
     priority={"cuda": 30, "cpu": 1},
     description="FP8 e4m3 W8A8: block-wise (Qwen3/DeepSeek FP8), per-tensor / per-channel "

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quant import QuantScheme, mark
+from core.contract.quant import QuantScheme, mark
 from plugins.quant.common import (
     FP8,
     FP8_MAX,
@@ -108,7 +108,7 @@ class Fp8LinearMethod:
     def bind(self, layer: nn.Module):
         return partial(self.apply, layer)
 
-    # ---- MoE experts (form "fp8" of core.moe.MoEWeights) ----
+    # ---- MoE experts (form "fp8" of core.contract.moe.MoEWeights) ----
 
     def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
                            intermediate_size: int, dtype: torch.dtype,
@@ -165,7 +165,7 @@ class Fp8LinearMethod:
             layer.register_buffer(f"{name}_scale", scale.float().contiguous(), persistent=False)
 
     def moe_weights(self, layer: nn.Module):
-        from core.moe import MoEWeights
+        from core.contract.moe import MoEWeights
 
         extra = {"w13_scale": layer.w13_scale, "w2_scale": layer.w2_scale}
         if layer.moe_block is not None:

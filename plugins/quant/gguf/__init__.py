@@ -20,8 +20,8 @@ them beat `unquantized` (dense weights dequantized at load, priority 10), which
 machine's C compiler (cached; kernels.py), so a CPU without one rejects these methods.
 """
 
-from core.capabilities import QuantCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import QuantCaps
+from core.contract.hookspecs import hookimpl
 from plugins.cbuild import ISA_FEATURES
 
 CORE_PLUGIN_API = ">=1.4,<2"

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quant import load_shard
+from core.contract.quant import load_shard
 from plugins.quant.gguf.formats import SUPPORTED, Packed, from_ggml, stack
 from plugins.quant.gguf.kernels import Kernels
 
@@ -67,7 +67,7 @@ class GGUFTable:
 
 
 class GGUFLinearMethod:
-    """core.quant protocol for GGUF checkpoints (one object per model; one ISA variant)."""
+    """core.contract.quant protocol for GGUF checkpoints (one object per model; one ISA variant)."""
 
     takes_raw_gguf = True
     variant = "portable"

@@ -10,8 +10,8 @@ in one layout; CUDA sm80+: a Triton dequant-GEMM (split-K narrow tiles for decod
 with no dense copy kept.
 """
 
-from core.capabilities import CapabilityRange, QuantCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import CapabilityRange, QuantCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.2,<2"
 

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from core.quant import QuantScheme, mark
+from core.contract.quant import QuantScheme, mark
 from plugins.quant.common import cuda_capability, parameter, replace_param
 from plugins.quant.int4.packing import (
     dequant_linear,

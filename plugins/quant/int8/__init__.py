@@ -5,8 +5,8 @@ decode GEMV with the activation quantization inside; int8 dots scaled per K step
 the CPU: `torch._int_mm` (int32 accumulation), the scales applied in fp32 after it.
 """
 
-from core.capabilities import CapabilityRange, QuantCaps
-from core.hookspecs import hookimpl
+from core.contract.capabilities import CapabilityRange, QuantCaps
+from core.contract.hookspecs import hookimpl
 
 CORE_PLUGIN_API = ">=1.2,<2"
 

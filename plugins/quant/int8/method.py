@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.quant import QuantScheme, mark
+from core.contract.quant import QuantScheme, mark
 from plugins.quant.common import (
     INT8_MAX,
     int8_acts,

@@ -1,0 +1,188 @@
+"""GGUF weights for the loader (core.engine.loader), under HF parameter names: dequantized tensors, or
+(for a quant method that computes GGML's block formats itself, `takes_raw_gguf`) the blocks as
+the file holds them (`GGUFBlocks`); float tensors (F32 / F16 / BF16) always come as tensors.
+
+llama.cpp names (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) map to HF's; for
+the `llama` GGUF architecture, llama.cpp's converter permuted the rows of Q and K so that its
+interleaved rotary matches HF's half-split one, and that permutation is undone here (as
+transformers' own GGUF loader does).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors that carry nothing our layers use (rope frequencies are recomputed from the config).
+_SKIP = ("rope_freqs.weight",)
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# GGUF architectures whose Q/K rows llama.cpp permuted at conversion
+_PERMUTED_ARCHS = ("llama",)
+
+
+# GGML types that are plain floats: always handed over as tensors
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+class GGUFBlocks:
+    """One quantized tensor as the file stores it: `data` uint8 [rows, bytes per row] of GGML
+    type `ggml_type` (its name: "Q4_1", "Q6_K", ...), `shape` the logical [rows, cols]."""
+
+    def __init__(self, ggml_type: str, data: np.ndarray, shape: tuple[int, ...]):
+        self.ggml_type = ggml_type
+        self.data = data
+        self.shape = tuple(shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [rows, cols] through the gguf package."""
+        from gguf.constants import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        arr = dequantize(self.data, GGMLQuantizationType[self.ggml_type])
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(self.shape))
+
+    def __repr__(self) -> str:
+        return f"GGUFBlocks({self.ggml_type}, shape={self.shape})"
+
+
+def hf_name(gguf_name: str) -> str:
+    """The HF parameter name of a llama.cpp tensor name (unknown names are returned as is)."""
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part in _BLOCK:
+            return f"model.layers.{layer}.{_BLOCK[part]}.{kind}"
+        return gguf_name
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _TOP:
+        return f"{_TOP[base]}.{kind}"
+    return gguf_name
+
+
+def unpermute_rope_rows(w: Any, n_heads: int) -> Any:
+    """Undo llama.cpp's Q/K row permutation: per head, rows (d/2, 2) interleaved -> (2, d/2).
+    A torch tensor or a numpy array of rows (a quantized tensor's rows of blocks: each row is
+    whole, so permuting rows of bytes permutes the rows it holds)."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    if isinstance(w, np.ndarray):
+        return np.ascontiguousarray(
+            w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def field_value(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    if hasattr(field, "contents"):
+        return field.contents()
+    part = field.parts[field.data[0]]
+    return bytes(part).decode() if part.dtype == np.uint8 else part.tolist()[0]
+
+
+class _Tensor:
+    """What gguf_weights reads of a GGUFReader tensor: name, shape (innermost first), type,
+    data (a view of the file: uint8 [rows, bytes per row] for block types)."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], tensor_type: Any, data: np.ndarray):
+        self.name, self.shape, self.tensor_type, self.data = name, shape, tensor_type, data
+
+
+def _tensor_table(path: str) -> tuple[str, list[_Tensor]]:
+    """(architecture, tensors) from the header (core.plan.gguf_metadata) and a memory map of the
+    file: GGUFReader's parse of every key/value field (the tokenizer's ~10^5 strings) costs
+    seconds that the weights do not need."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from core.plan.gguf_metadata import read_gguf_metadata
+
+    meta = read_gguf_metadata(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    out = []
+    for name, (dims, kind, offset) in meta.tensor_table.items():
+        qtype = GGMLQuantizationType(kind)
+        block, size = GGML_QUANT_SIZES[qtype]
+        count = int(np.prod(dims)) if dims else 1
+        if count % block:
+            raise ValueError(f"tensor {name}: {count} elements do not fill {qtype.name} blocks")
+        raw = mm[offset:offset + count // block * size]
+        shape = tuple(reversed(dims))  # outermost first
+        if qtype.name in ("F32", "F16", "F64"):
+            data = raw.view({"F32": np.float32, "F16": np.float16, "F64": np.float64}[qtype.name])
+            data = data.reshape(shape)
+        elif qtype.name == "BF16":
+            data = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+            qtype = GGMLQuantizationType.F32
+        else:
+            data = raw.reshape(-1, dims[0] // block * size) if len(dims) > 1 else raw
+        out.append(_Tensor(name, dims, qtype, data))
+    return str(meta.fields.get("general.architecture", "")), out
+
+
+def gguf_weights(path: str, config: Any, reader: Any = None, raw: bool = False
+                 ) -> tuple[int, Iterator[tuple[str, Any]]]:
+    """(tensor count, iterator of (HF name, fp32 tensor)) for a GGUF file (or its reader);
+    raw: quantized tensors come as GGUFBlocks instead."""
+    from gguf.quants import dequantize
+
+    if reader is None:  # the header's tensor table read by core.plan.gguf_metadata: no field parse
+        try:
+            arch, tensors = _tensor_table(path)
+        except Exception as exc:  # a truncated or foreign file
+            raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
+    else:
+        arch, tensors = field_value(reader, "general.architecture"), reader.tensors
+    permute = arch in _PERMUTED_ARCHS
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    tensors = [t for t in tensors if t.name not in _SKIP]
+
+    def it() -> Iterator[tuple[str, torch.Tensor]]:
+        for t in tensors:
+            shape = tuple(int(d) for d in reversed(t.shape))
+            name = hf_name(t.name)
+            if raw and t.tensor_type.name not in FLOAT_TYPES:
+                data = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1) \
+                    if len(shape) == 2 else np.asarray(t.data, dtype=np.uint8)
+                if permute and name.endswith("self_attn.q_proj.weight"):
+                    data = unpermute_rope_rows(data, n_heads)
+                elif permute and name.endswith("self_attn.k_proj.weight"):
+                    data = unpermute_rope_rows(data, n_kv)
+                yield name, GGUFBlocks(t.tensor_type.name, data, shape)
+                continue
+            try:
+                arr = dequantize(t.data, t.tensor_type)
+            except NotImplementedError as exc:
+                raise ValueError(f"{path}: tensor {t.name} has GGML type "
+                                 f"{t.tensor_type.name}, which cannot be dequantized") from exc
+            # GGUF lists dims innermost-first; torch wants them outermost-first.
+            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+            if not arr.flags.writeable:
+                arr = arr.copy()
+            w = torch.from_numpy(arr)
+            if permute and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+                w = unpermute_rope_rows(w, n_heads)
+            elif permute and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+                w = unpermute_rope_rows(w, n_kv)
+            yield name, w
+
+    return len(tensors), it()

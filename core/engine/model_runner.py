@@ -1,0 +1,180 @@
+"""The model runner: turns a scheduler step into ForwardBatch tensors, runs the model, returns
+the logits the sampler needs.
+
+One attention backend per phase (the plan's prefill_attention / decode_attention; one instance
+when both name the same backend). Extend and decode run as separate forwards, so each backend only
+ever sees its own phase. Everything runs under torch.inference_mode; host-side lengths travel in
+the batch's *_cpu lists so backends never sync with the device to read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from core.contract.attention import AttentionBackend, BackendContext
+from core.contract.forward_batch import ForwardBatch, ForwardMode
+from core.contract.platform import platform_for_device
+from core.engine.memory.kv_cache import KVPool
+from core.engine.memory.memory_pool import ReqToTokenPool
+
+
+def make_backends(registry: Any, prefill: str, decode: str, ctx: BackendContext
+                  ) -> tuple[AttentionBackend, AttentionBackend]:
+    """Instantiate the plan's attention backends (the factories import their kernels here)."""
+    made: dict[str, AttentionBackend] = {}
+    for name in (prefill, decode):
+        if name not in made:
+            reg = registry.get("attention", name)
+            if reg is None:
+                raise ValueError(f"attention backend {name!r} is not registered")
+            made[name] = reg.load()(ctx)
+    return made[prefill], made[decode]
+
+
+class ModelRunner:
+    """Runs extend (prefill, possibly over a cached prefix or in chunks) and decode forwards."""
+
+    def __init__(self, model: Any, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+                 prefill_backend: AttentionBackend, decode_backend: AttentionBackend,
+                 device: torch.device | str, platform: Any = None):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.prefill_backend = prefill_backend
+        self.decode_backend = decode_backend
+        self.device = torch.device(device)
+        if platform is None:  # in-process use (tests, tools): the platform of this device
+            platform = platform_for_device(self.device)
+        self.platform = platform  # core.contract.platform.Platform
+        # Loading is over: weights move to the layout the device's kernels stream fastest.
+        self.notes: list[str] = list(platform.post_load(model))
+        self.forward_count = {"extend": 0, "decode": 0}
+        # A graph runner (core.engine.graphs.GraphRunner) when decode graphs were captured; batches it
+        # cannot take (larger than its largest bucket) run eagerly below.
+        self.graph_runner: Any = None
+
+    def _tensor(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return self.platform.to_device(torch.tensor(values, dtype=dtype), self.device)
+
+    def _run(self, batch: ForwardBatch, backend: AttentionBackend,
+             logit_index: torch.Tensor | None,
+             keep: dict[int, tuple[int, int]] | None = None,
+             kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        batch.attn_backend = backend
+        batch.attn_meta = backend.prepare(batch)
+        with torch.inference_mode():
+            hidden = self.model.forward(batch.input_ids, batch.positions, batch)  # [T, H]
+            for i, (start, n) in (keep or {}).items():
+                kept[i] = hidden[start:start + n]
+            if logit_index is not None:
+                hidden = hidden.index_select(0, logit_index)  # [N, H]
+            return self.model.compute_logits(hidden)  # [N, vocab] fp32
+
+    def extend(self, rows: Sequence[int], prefix_lens: Sequence[int],
+               tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
+               logits_for: Sequence[int], hidden_for: Sequence[int] = (),
+               hidden_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Compute K/V of `tokens[i]` (positions prefix_lens[i]...) for request row rows[i].
+
+        The rows' prefix slots must already be in the table; this writes the new ones.
+        Returns logits [len(logits_for), V] at the last new token of each request listed in
+        `logits_for` (indices into rows), or None when none is listed. For each index i in
+        `hidden_for`, hidden_out[i] gets the final hidden states of all of tokens[i]
+        ([len(tokens[i]), H]; `logits` turns them into logits: prompt logprobs).
+        """
+        self.forward_count["extend"] += 1
+        self.kv_pool.begin_step()
+        ext = [len(t) for t in tokens]
+        seq = [p + n for p, n in zip(prefix_lens, ext, strict=True)]
+        flat_ids: list[int] = []
+        flat_pos: list[int] = []
+        flat_slots: list[int] = []
+        for row, p, toks, sl in zip(rows, prefix_lens, tokens, slots, strict=True):
+            self.req_to_token.write(row, p, sl)
+            flat_ids.extend(toks)
+            flat_pos.extend(range(p, p + len(toks)))
+            flat_slots.extend(sl)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=self._tensor(flat_ids, torch.long),
+            positions=self._tensor(flat_pos, torch.long),
+            seq_lens=self._tensor(seq, torch.int32),
+            prefix_lens=self._tensor(prefix_lens, torch.int32),
+            extend_lens=self._tensor(ext, torch.int32),
+            out_cache_loc=self._tensor(flat_slots, torch.long),
+            req_pool_indices=self._tensor(rows, torch.long),
+            req_to_token=self.req_to_token.req_to_token,
+            kv_pool=self.kv_pool,
+            seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=ext)
+        ends, t = [], 0
+        for n in ext:
+            t += n
+            ends.append(t - 1)
+        keep = {i: (ends[i] + 1 - ext[i], ext[i]) for i in hidden_for}
+        if not logits_for:
+            self._run(batch, self.prefill_backend, torch.empty(0, dtype=torch.long,
+                                                               device=self.device),
+                      keep, hidden_out)
+            return None
+        index = self._tensor([ends[i] for i in logits_for], torch.long)
+        return self._run(batch, self.prefill_backend, index, keep, hidden_out)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [N, H] (from extend's hidden_out) -> fp32 logits [N, V]."""
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden)
+
+    def warmup(self, shapes: Sequence[tuple[int, int]]) -> int:
+        """Run throw-away extend forwards of (requests, tokens each) so that kernels compile at
+        startup, not in the first user request that needs them (Triton compiles one variant per
+        tiling and per specialization of its integer arguments). Every token's K/V goes to slot 0,
+        the pool's padding sink, through request rows 0..requests-1 (all their table entries
+        point at the sink; a row's entries are rewritten when a request takes it). Returns the
+        number of forwards run; the forward counters are left as they were."""
+        before = dict(self.forward_count)
+        rows_free = self.req_to_token.max_reqs
+        done = 0
+        for n_req, n_tok in shapes:
+            n_req = min(n_req, rows_free)
+            n_tok = min(n_tok, self.req_to_token.max_context)
+            if n_req < 1 or n_tok < 1:
+                continue
+            self.extend(list(range(n_req)), [0] * n_req, [[1] * n_tok] * n_req,
+                        [[0] * n_tok] * n_req, [])
+            done += 1
+        if done:
+            self.platform.synchronize(self.device)
+        self.forward_count = before
+        return done
+
+    def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
+               positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+        """One new token per request at `positions[i]` (= tokens already cached) -> [B, V].
+
+        `input_ids` may be a device tensor (the previous step's sampled tokens, not yet seen by
+        the host: the overlap scheduler)."""
+        self.forward_count["decode"] += 1
+        self.kv_pool.begin_step()  # graph replays write the pool too
+        if self.graph_runner is not None and self.graph_runner.can_run(len(rows)):
+            return self.graph_runner.decode(rows, input_ids, positions, slots)
+        seq = [p + 1 for p in positions]
+        B = len(rows)
+        on_device = isinstance(input_ids, torch.Tensor)
+        # One host->device copy for the four per-request vectors.
+        packed = self._tensor([*([0] * B if on_device else input_ids), *positions, *slots,
+                               *rows], torch.long)
+        ids, pos, loc, row_t = packed[:B], packed[B:2 * B], packed[2 * B:3 * B], packed[3 * B:]
+        if on_device:
+            ids = input_ids.to(device=self.device, dtype=torch.long)
+        self.req_to_token.req_to_token[row_t, pos] = loc.to(torch.int32)
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=ids, positions=pos,
+            seq_lens=(pos + 1).to(torch.int32), prefix_lens=pos.to(torch.int32),
+            extend_lens=torch.ones(B, dtype=torch.int32, device=self.device),
+            out_cache_loc=loc, req_pool_indices=row_t,
+            req_to_token=self.req_to_token.req_to_token, kv_pool=self.kv_pool,
+            seq_lens_cpu=seq, prefix_lens_cpu=list(positions), extend_lens_cpu=[1] * B)
+        return self._run(batch, self.decode_backend, None)

@@ -1,0 +1,99 @@
+"""The overlap schedule: decode step N+1 is launched before the host reads step N's tokens.
+
+While the device runs a step, the host lands the previous one (stop checks, outputs). Only a
+batch whose every request can be sampled without the host (no penalties or stop masks that need
+the last token, no logprobs) chains; the device->host copy and its wait are the Platform's. A
+mixin of core.engine.scheduler.Scheduler.
+
+Structured output chains too: its mask for step N+1 needs token N accepted by the grammar, but
+the forward of step N+1 does not. So a batch with grammar rows launches forward N+1, lands step
+N (the grammar accepts its tokens) and fills the masks while the device computes, then samples
+N+1: the host's landing and mask work hide behind the forward instead of following it.
+
+A request that jumps forward on landing (its grammar forced tokens after the landed one) leaves
+the batch; the step launched before that landing computed a token it drops (its epoch, the
+count of its jumps, changed), and it waits for the extend of its forced tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from core.engine.scheduler import Req
+
+
+@dataclass
+class InflightDecode:
+    """A decode step launched on the device whose sampled tokens the host has not read yet."""
+
+    batch: list[Req]
+    tokens: Any  # torch.Tensor [B] on the device (the next step's input ids)
+    host: Any  # torch.Tensor [B] on the host, filled by a non-blocking copy
+    waiter: Any  # the platform's waiter for that copy (synchronize()), or None: already done
+    epochs: list[int]  # each request's jump count at the launch: a jump since drops its token
+
+
+class Overlap:
+    """The scheduler's chained decode steps (see the module doc)."""
+
+    # -- overlap ---------------------------------------------------------------------------------
+
+    def _deferrable(self) -> bool:
+        """The running batch may decode without the host seeing its last tokens first."""
+        return (self.cfg.overlap and not self.waiting and self.chunked is None
+                and not self.jumped and bool(self.running)
+                and all(self.sampler.deferrable(r.state, len(r.output_ids))
+                        for r in self.running))
+
+    def _can_chain(self) -> bool:
+        inf = self.inflight
+        if not self._deferrable() or len(self.running) != len(inf.batch) or any(
+                a is not b for a, b in zip(self.running, inf.batch, strict=True)):
+            return False
+        return self._ensure_pages(self._decode_pages_needed())
+
+    def _launch_decode(self, input_ids: Any, land_first: bool = False) -> list[Req]:
+        """Pages, forward and sampling of one decode step for self.running, left in flight.
+        land_first (a batch with grammars): the in-flight step lands between the forward and
+        the sampling, so its tokens reach the grammars before the masks are filled (in this
+        thread, while the device computes the forward); returns what landing touched. Rows
+        that finished on landing keep computing this step (their token is dropped at the next
+        landing), so their terminated grammar is not asked for a mask."""
+        batch = self.running
+        epochs = [r.jumps for r in batch]
+        logits = self._forward_decode(input_ids)
+        touched, live = [], None
+        if land_first:
+            touched = self._land()
+            live = [r.finish is None and r.jumps == e for r, e in zip(batch, epochs, strict=True)]
+        tokens = self.sampler.launch(logits, [r.state for r in batch], live=live)
+        host, waiter = self.runner.platform.copy_to_host(tokens)
+        self.inflight = InflightDecode(list(batch), tokens, host, waiter, epochs)
+        return touched
+
+    def _chain_decode(self) -> list[Req]:
+        prev = self.inflight
+        self.counters["overlapped_steps"] += 1
+        if any(r.state.matcher is not None for r in self.running):
+            return self._launch_decode(prev.tokens, land_first=True)
+        self._launch_decode(prev.tokens)  # replaces self.inflight
+        self.inflight, launched = prev, self.inflight
+        touched = self._land()
+        self.inflight = launched
+        return touched
+
+    def _land(self) -> list[Req]:
+        """Read the in-flight step's tokens and apply them (requests finished, aborted or
+        jumped forward since its launch drop theirs)."""
+        inf, self.inflight = self.inflight, None
+        if inf.waiter is not None:
+            inf.waiter.synchronize()
+        live = [(r, t) for r, t, e in zip(inf.batch, inf.host.tolist(), inf.epochs, strict=True)
+                if r.finish is None and r.jumps == e]
+        for r, t in live:
+            r.state.observe(t)
+            self._accept(r, t, None)
+        self.running = self._decoding(self.running)
+        return [r for r, _ in live]

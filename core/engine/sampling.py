@@ -1,0 +1,428 @@
+"""Sampling parameters (validated, SGLang's names) and the batched sampler that runs on the device.
+
+Order of operations per step, per request: repetition / frequency / presence penalties,
+logit_bias (added to the logits, OpenAI's semantics), min_new_tokens (stop tokens masked), a grammar's token bitmask (structured output,
+core.contract.grammar) for constrained requests, then greedy argmax when temperature == 0, else temperature,
+top-k, top-p, min-p and a draw. A request with a seed draws from its own torch.Generator, so the
+same seed gives the same tokens whatever else is in the batch. Logprobs are those of the model's
+distribution (log-softmax of the raw logits), like vLLM's default. prompt_logprobs asks for
+the logprob of every prompt token after the first (and its top alternatives) from the prefill's
+logits (the scheduler computes them; such a request does not reuse a cached prefix).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+from core.contract.grammar import Constraint, apply_bitmask
+
+MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI: a bias is in [-100, 100]
+MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI caps it at 300 tokens; vLLM takes any)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+    # token id -> bias added to its logit before the draw (JSON keys arrive as strings)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # None: off; k >= 0: each prompt token's logprob (after the first) and its k top alternatives
+    prompt_logprobs: int | None = None
+    # structured output: the grammar the output must follow (core.contract.grammar), or None
+    constraint: Constraint | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.constraint, dict):  # from JSON (the wire, to_dict)
+            self.constraint = Constraint.from_dict(self.constraint)
+        if isinstance(self.logit_bias, dict) and any(isinstance(k, str)
+                                                     for k in self.logit_bias):
+            try:  # JSON object keys are strings: "50256" -> 50256
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got "
+                                 f"{sorted(map(str, self.logit_bias))[:3]}") from None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+        """Build from a request dict (or check an instance); unknown keys and bad values raise
+        ValueError naming them."""
+        if d is None:
+            d = {}
+        if isinstance(d, SamplingParams):
+            d.validate()
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be a dict, not {type(d).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        values = {k: v for k, v in d.items() if v is not None or k == "seed"}
+        if isinstance(values.get("stop"), str):
+            values["stop"] = [values["stop"]]
+        p = cls(**values)
+        p.validate()
+        return p
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def validate(self) -> None:
+        def integer(name: str, lo: int, hi: float = math.inf) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if not lo <= v <= hi:
+                rng = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
+                raise ValueError(f"{name} must be {rng}, got {v}")
+
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a number, got {v!r}")
+            if math.isnan(v) or math.isinf(v):
+                raise ValueError(f"{name} must be finite, got {v}")
+            if v < lo or v > hi or (lo_open and v == lo):
+                raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], "
+                                 f"got {v}")
+
+        def boolean(name: str) -> None:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+        integer("max_new_tokens", 1)
+        integer("min_new_tokens", 0, self.max_new_tokens)
+        number("temperature", 0.0, 100.0)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (
+                self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        number("min_p", 0.0, 1.0)
+        number("repetition_penalty", 0.0, 2.0, lo_open=True)
+        number("frequency_penalty", -2.0, 2.0)
+        number("presence_penalty", -2.0, 2.0)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s
+                                                      for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, "
+                             f"got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, "
+                             f"got {self.stop_token_ids!r}")
+        boolean("ignore_eos")
+        if self.seed is not None:
+            integer("seed", -(2**63), 2**63 - 1)  # any signed 64-bit integer
+        integer("n", 1, 128)
+        boolean("logprobs")
+        integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+        boolean("skip_special_tokens")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be an object of token id -> bias, "
+                             f"got {type(self.logit_bias).__name__}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                             f"{MAX_LOGIT_BIAS} are allowed")
+        for tok, bias in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
+                    not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"logit_bias[{tok}] must be a number in [-100, 100], "
+                                 f"got {bias!r}")
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise ValueError(f"constraint must be a core.contract.grammar.Constraint or its dict, "
+                                 f"got {type(self.constraint).__name__}")
+            self.constraint.validate()
+            if self.min_new_tokens:
+                # its mask would fight the grammar's where only a stop token may follow
+                raise ValueError("min_new_tokens together with a structured-output constraint "
+                                 "is not supported yet")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary of {vocab_size}")
+        bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+        if bad:
+            raise ValueError(f"logit_bias keys {bad[:5]} are outside the vocabulary of "
+                             f"{vocab_size}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def expand_n(params: SamplingParams) -> list[SamplingParams]:
+    """n > 1 becomes n requests of n = 1; with a seed, copy i draws with seed + i."""
+    if params.n == 1:
+        return [params]
+    out = []
+    for i in range(params.n):
+        d = params.to_dict()
+        d.update(n=1, seed=None if params.seed is None else params.seed + i)
+        out.append(SamplingParams(**d))
+    return out
+
+
+class SamplingState:
+    """One request's sampler state on the device, kept across steps (and across retraction)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], stop_ids: list[int],
+                 vocab_size: int, device: torch.device):
+        self.params = params
+        self.stop_ids = stop_ids  # masked while fewer than min_new_tokens were produced
+        self.num_out = 0
+        # the request's grammar matcher (core.contract.grammar.GrammarMatcher), set at admission
+        self.matcher: Any = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.greedy:
+            self.generator = torch.Generator(device=device)
+            # a negative seed names the generator state of its two's-complement bit pattern
+            self.generator.manual_seed(params.seed % 2**64)
+        self.counts: torch.Tensor | None = None  # [V] output-token counts (freq/presence)
+        self.seen: torch.Tensor | None = None  # [V] prompt or output token (repetition)
+        if params.frequency_penalty or params.presence_penalty:
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if params.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = [t for t in prompt_ids if t < vocab_size]
+            self.seen[torch.tensor(ids, dtype=torch.long, device=device)] = True
+        self.bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, biases)
+        if params.logit_bias:
+            items = sorted(params.logit_bias.items())
+            self.bias = (torch.tensor([t for t, _ in items], dtype=torch.long, device=device),
+                         torch.tensor([float(b) for _, b in items], dtype=torch.float32,
+                                      device=device))
+
+    def observe(self, token: int) -> None:
+        self.num_out += 1
+        if self.counts is not None:
+            self.counts[token] += 1
+        if self.seen is not None:
+            self.seen[token] = True
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    # per request: (logprob of the chosen token, [(token, logprob), ...]) or None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class MaskJob:
+    """The grammar masks of one step's constrained rows, filled on a host thread while the
+    step's forward runs (Sampler.start_masks); `wait()` gives (bitmask, rows)."""
+
+    def __init__(self, future: Any, bitmask: torch.Tensor, rows: list[int]):
+        self.future, self.bitmask, self.rows = future, bitmask, rows
+
+    def wait(self) -> tuple[torch.Tensor, list[int]]:
+        self.future.result()  # re-raises a backend's error here, in the scheduler's thread
+        return self.bitmask, self.rows
+
+
+class Sampler:
+    """Batched sampling over [B, V] fp32 logits with per-request states."""
+
+    def __init__(self, device: torch.device, seed: int = 0, to_device: Any = None):
+        """to_device(host, device): the Platform's host-to-device copy (grammar masks go
+        through it: pinned and non-blocking on a GPU); None: a plain `.to`."""
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._move = (lambda t: to_device(t, device)) if to_device is not None else None
+        self._pool: Any = None  # one host thread for grammar masks, made on first use
+        # seconds spent filling grammar masks, and of those the scheduler waited for (the
+        # rest ran behind the forward); mask_fills: masks filled
+        self.mask_stats = {"mask_fill_s": 0.0, "mask_wait_s": 0.0, "mask_fills": 0}
+
+    def start_masks(self, states: list[SamplingState], vocab_size: int) -> MaskJob | None:
+        """Begin filling the constrained rows' grammar masks on a host thread (None: no row is
+        constrained). Call before the step's forward and pass the job to `sample`; nothing may
+        touch those matchers until then (the scheduler accepts tokens after sampling)."""
+        rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        if not rows:
+            return None
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="core-grammar-mask")
+        bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32)
+        matchers = [states[i].matcher for i in rows]
+        return MaskJob(self._pool.submit(self._fill, matchers, bitmask), bitmask, rows)
+
+    def _fill(self, matchers: list[Any], bitmask: torch.Tensor) -> float:
+        t = time.perf_counter()
+        for j, m in enumerate(matchers):
+            m.fill_bitmask(bitmask, j)
+        took = time.perf_counter() - t
+        self.mask_stats["mask_fill_s"] += took
+        self.mask_stats["mask_fills"] += len(matchers)
+        return took
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, states: list[SamplingState],
+               masks: MaskJob | None = None) -> SampleOutput:
+        """masks: the step's grammar masks begun by start_masks (else filled here)."""
+        B, V = logits.shape
+        want_lp = [i for i, s in enumerate(states) if s.params.logprobs]
+        raw = logits[want_lp].clone() if want_lp else None
+        tokens = self.launch(logits, states, masks)
+        token_list = tokens.tolist()  # the step's one host sync
+        for s, t in zip(states, token_list, strict=True):
+            s.observe(t)
+        lps: list[Any] = [None] * B
+        if want_lp:
+            lps_rows = self._logprobs(raw, tokens[want_lp], [states[i] for i in want_lp])
+            for i, lp in zip(want_lp, lps_rows, strict=True):
+                lps[i] = lp
+        return SampleOutput(token_list, lps)
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, states: list[SamplingState],
+               masks: MaskJob | None = None, live: list[bool] | None = None) -> torch.Tensor:
+        """The chosen tokens [B] as a device tensor, without waiting for them (no host sync).
+        Penalty states are not updated: callers that defer the host copy (the overlap
+        scheduler) use it only for `deferrable` states and call `observe` once tokens land.
+        live[i] False: row i gets no grammar mask (a finished request; its token is dropped)."""
+        if masks is not None:
+            t = time.perf_counter()
+            bitmask, rows = masks.wait()
+            self.mask_stats["mask_wait_s"] += time.perf_counter() - t
+            apply_bitmask(logits, bitmask, rows, self._move)
+        else:
+            self._constrain(logits, states, live)
+        self._penalize(logits, states)
+        greedy = [s.params.greedy for s in states]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        return self._draw(logits, states, greedy)
+
+    @staticmethod
+    def deferrable(state: SamplingState, produced: int) -> bool:
+        """Can this request's next token be drawn before its previous one reached the host?
+        Yes unless something in the draw depends on the previous token: penalties (their
+        counts), min_new_tokens still masking stop tokens, or logprobs (kept simple: sync).
+        A grammar's mask does too, but the overlap schedule lands the previous step before
+        it samples a constrained batch (core.engine.overlap), so a grammar defers."""
+        p = state.params
+        return (state.counts is None and state.seen is None and not p.logprobs
+                and produced >= p.min_new_tokens)
+
+    def _constrain(self, logits: torch.Tensor, states: list[SamplingState],
+                   live: list[bool] | None = None) -> None:
+        """Mask what each constrained request's grammar forbids next, filled on the host in
+        this thread (counted as waited for: on a device, the queued forward runs meanwhile)."""
+        rows = [i for i, s in enumerate(states) if s.matcher is not None
+                and (live is None or live[i])]
+        if not rows:
+            return
+        bitmask = torch.full((len(rows), -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
+        self.mask_stats["mask_wait_s"] += self._fill([states[i].matcher for i in rows], bitmask)
+        apply_bitmask(logits, bitmask, rows, self._move)
+
+    def _penalize(self, logits: torch.Tensor, states: list[SamplingState]) -> None:
+        for i, s in enumerate(states):
+            p = s.params
+            if s.seen is not None:
+                row = logits[i]
+                rp = p.repetition_penalty
+                # HF / SGLang semantics: shrink positive logits, push negative ones further down.
+                logits[i] = torch.where(s.seen, torch.where(row > 0, row / rp, row * rp), row)
+            if s.counts is not None:
+                logits[i] -= p.frequency_penalty * s.counts + p.presence_penalty * (s.counts > 0)
+            if s.bias is not None:
+                logits[i].index_add_(0, s.bias[0], s.bias[1])
+            if s.num_out < p.min_new_tokens and s.stop_ids:
+                logits[i, s.stop_ids] = float("-inf")
+
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState],
+              greedy: list[bool]) -> torch.Tensor:
+        dev = logits.device
+        temps = torch.tensor([s.params.temperature if not g else 1.0
+                              for s, g in zip(states, greedy, strict=True)], device=dev)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)  # [B, V]
+        ks = [s.params.top_k for s in states]
+        ps = [s.params.top_p for s in states]
+        mps = [s.params.min_p for s in states]
+        if any(k > 0 for k in ks) or any(p < 1.0 for p in ps) or any(m > 0 for m in mps):
+            sorted_p, idx = probs.sort(dim=-1, descending=True)  # [B, V] each
+            rank = torch.arange(sorted_p.shape[1], device=dev)[None, :]
+            k = torch.tensor([k if k > 0 else sorted_p.shape[1] for k in ks], device=dev)
+            drop = rank >= k[:, None]
+            cum_before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
+            drop |= cum_before > torch.tensor(ps, device=dev)[:, None]
+            drop |= sorted_p < sorted_p[:, :1] * torch.tensor(mps, device=dev)[:, None]
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (no normalization needed).
+        noise = torch.empty_like(probs)
+        shared = [i for i, s in enumerate(states) if s.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
+                generator=self.generator)
+        for i, s in enumerate(states):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 draw would divide to inf / nan
+        drawn = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            g = torch.tensor(greedy, device=dev)
+            drawn = torch.where(g, logits.argmax(dim=-1), drawn)
+        return drawn
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor,
+                  states: list[SamplingState]) -> list[tuple[float, list[tuple[int, float]]]]:
+        lp = torch.log_softmax(raw, dim=-1)  # [b, V]
+        chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+        k = max(s.params.top_logprobs for s in states)
+        top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        out = []
+        for r, s in enumerate(states):
+            n = s.params.top_logprobs
+            out.append((chosen[r], list(zip(top_i[r][:n], top_v[r][:n], strict=True))))
+        return out
+
+
+PROMPT_LOGITS_ROWS = 512  # prompt positions turned into logits at once ([rows, V] fp32)
+
+
+@torch.inference_mode()
+def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of fp32 logits [N, V]: the logprob of next_ids[row] under the model's raw
+    distribution and the k most likely (token, logprob) pairs (prompt logprobs)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, next_ids[:, None].to(lp.device))[:, 0].tolist()
+    if not k:
+        return [(c, []) for c in chosen]
+    top_v, top_i = lp.topk(k, dim=-1)
+    return [(c, list(zip(i, v, strict=True)))
+            for c, i, v in zip(chosen, top_i.tolist(), top_v.tolist(), strict=True)]
+

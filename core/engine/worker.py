@@ -1,0 +1,610 @@
+"""The engine worker: plan, load, size the KV pool, build the scheduler, then serve the pipe.
+
+`build_engine_core` is also used in-process (tests, benchmarks); `worker_main` is the entry of the
+spawned process: it is given the parent's args and resolved plan as JSON (the plan is never
+resolved again here) and speaks only typed messages (core.messages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from core.messages import (
+    Abort,
+    AddRequest,
+    Channel,
+    ChannelClosed,
+    EngineInfo,
+    Fatal,
+    Finish,
+    GrammarReady,
+    Heartbeat,
+    Message,
+    OutputItem,
+    Ready,
+    Reply,
+    Rpc,
+    Shutdown,
+    StepOutput,
+    TokenLogprob,
+    decode,
+    encode,
+)
+from core.plan.args import ServerArgs, make_server_args
+from core.plan.plan import Plan
+
+GiB = 2**30
+HEARTBEAT_S = 1.0  # the worker's liveness beat, sent from its own thread (steps may be long)
+SNAPSHOT_S = 0.25  # how often, at most, the loop refreshes the stats the heartbeat carries
+# grammar compile processes per worker (core.engine.grammar_compiler): a slow compile holds one, the
+# other keeps compiling the next requests' constraints
+GRAMMAR_COMPILE_PROCESSES = 2
+
+
+def make_plan(args: ServerArgs, registry: Any = None) -> tuple[ServerArgs, Plan, Any, Any]:
+    """(args with the model path filled in, plan, model spec, registry)."""
+    from core.plan.devices import select_device
+    from core.plan.model_spec import load_model_spec
+    from core.plan.registry import get_registry
+    from core.plan.resolver import resolve
+
+    if args.model_path is None:
+        from core.plan.default_model import default_model_path
+
+        args = args.replace(model_path=default_model_path())
+    registry = registry or get_registry()
+    spec = load_model_spec(args.model_path)
+    device = select_device(registry, args.device, args.device_profile)
+    return args, resolve(spec, device, args, registry), spec, registry
+
+
+@dataclass
+class EngineCore:
+    """Everything the worker loop drives, plus what the client needs to know about it."""
+
+    scheduler: Any  # core.engine.scheduler.Scheduler
+    info: EngineInfo
+    loaded: Any  # core.engine.loader.LoadedModel
+
+
+def geometry_of(spec: Any, cfg: Any, dtype_bytes: int) -> Any:
+    """What a Platform's memory defaults depend on, from the model spec and its HF config."""
+    from core.contract.platform import ModelGeometry
+
+    return ModelGeometry(hidden_size=spec.hidden_size, num_heads=spec.num_heads,
+                         num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                         intermediate_size=getattr(cfg, "intermediate_size", None),
+                         vocab_size=int(spec.vocab_size), dtype_bytes=dtype_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the KV pool, the request table and the graphs get, and the notes that say why."""
+
+    kv_tokens: int  # usable KV slots (the pool adds one page: the padding sink)
+    bytes_per_token: int
+    max_running: int
+    chunked_prefill_size: int | None  # None: no chunking
+    graphs: Any  # core.engine.graphs.GraphDecision
+    notes: tuple[str, ...]
+
+
+def plan_memory(args: ServerArgs, plan: Plan, spec: Any, cfg: Any, dtype_bytes: int,
+                bytes_per_token: int, free_bytes: int, platform: Any) -> MemoryPlan:
+    """Phase 1, pure given the platform's answers: sizes from the flags, the device's memory
+    and the platform's defaults. `free_bytes` is the device's free memory now (0 when
+    --max-total-tokens fixes the pool)."""
+    from core.engine.graphs import decide as decide_graphs
+    from core.engine.graphs import graph_memory_reserve
+    from core.engine.memory.memory_pool import kv_pool_tokens
+
+    mem_total = plan.device.memory_bytes or free_bytes
+    defaults = platform.memory_defaults(mem_total, geometry_of(spec, cfg, dtype_bytes))
+    max_running = args.max_running_requests or defaults.max_running_requests
+    # Decode graphs: decided (with a note either way) and their memory reserved before the KV
+    # pool takes what is left.
+    graphs = decide_graphs(plan.cuda_graph, platform.graphs(), args.cuda_graph_max_bs,
+                           defaults.graph_max_bs, max_running)
+    free = free_bytes
+    if graphs.enabled and args.max_total_tokens is None:
+        free = max(free - graph_memory_reserve(graphs.max_bs, spec.vocab_size, spec.hidden_size,
+                                               getattr(cfg, "intermediate_size", None),
+                                               dtype_bytes), 0)
+    tokens, kv_note = kv_pool_tokens(
+        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+        free_bytes=free, total_bytes=mem_total, bytes_per_token=bytes_per_token,
+        page_size=plan.page_size, default_fraction=defaults.mem_fraction_static,
+        cap_tokens=defaults.kv_cap_tokens)
+    chunk = args.chunked_prefill_size
+    if chunk is None:
+        chunk = defaults.chunked_prefill_size
+    return MemoryPlan(tokens, bytes_per_token, max_running, None if chunk < 0 else chunk, graphs,
+                      (defaults.note, kv_note))
+
+
+def kv_dtype_of(plan: Plan) -> Any:
+    """The torch dtype of the plan's KV cache (the contract's fp8 names map to torch's)."""
+    import torch
+
+    name = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}.get(
+        plan.kv_cache_dtype, plan.kv_cache_dtype)
+    kv_dtype = getattr(torch, name, None)
+    if kv_dtype is None:
+        raise ValueError(f"KV-cache dtype {plan.kv_cache_dtype!r} is not supported by this engine")
+    return kv_dtype
+
+
+def build_kv(plan: Plan, spec: Any, mem: MemoryPlan, kv_dtype: Any, device: Any,
+             max_context: int, loaded: Any, kv_heads: int | None = None) -> tuple[Any, Any]:
+    """Phase 2: the paged KV pool (writing through the layer ops' store) and the request table.
+    kv_heads: the KV heads this rank holds (default: the model's)."""
+    from core.engine.memory.kv_cache import KVPool, checkpoint_kv_scales
+    from core.engine.memory.memory_pool import ReqToTokenPool
+
+    page = plan.page_size
+    k_scale, v_scale = checkpoint_kv_scales(loaded.model, kv_dtype, loaded.notes)
+    # One extra page: page 0 is the padding sink, so `kv_tokens` stay usable.
+    kv_heads = spec.num_kv_heads if kv_heads is None else kv_heads
+    kv_pool = KVPool(mem.kv_tokens + page, spec.num_layers, kv_heads, spec.head_dim,
+                     kv_dtype, device, page, spec.v_head_dim, k_scale=k_scale, v_scale=v_scale,
+                     store=loaded.ops.store_kv() if loaded.ops is not None else None)
+    return kv_pool, ReqToTokenPool(mem.max_running, max_context, device)
+
+
+def build_runner(plan: Plan, spec: Any, registry: Any, platform: Any, loaded: Any,
+                 kv_pool: Any, req_to_token: Any, kv_dtype: Any, device: Any, max_context: int,
+                 mem: MemoryPlan, heads: int | None = None, kv_heads: int | None = None
+                 ) -> tuple[Any, str]:
+    """Phase 3: attention backends, the model runner (the platform's post-load transform runs
+    here), decode graphs, startup compilation. Returns (runner, graph note). heads, kv_heads:
+    what this rank holds (default: the model's)."""
+    from core.contract.attention import BackendContext
+    from core.engine.graphs import capture_graphs
+    from core.engine.model_runner import ModelRunner, make_backends
+
+    ctx = BackendContext(num_heads=spec.num_heads if heads is None else heads,
+                         num_kv_heads=spec.num_kv_heads if kv_heads is None else kv_heads,
+                         head_dim=spec.head_dim, num_layers=spec.num_layers,
+                         dtype=loaded.dtype, kv_dtype=kv_dtype, device=device,
+                         page_size=plan.page_size, max_context_len=max_context)
+    prefill, decode = make_backends(registry, plan.prefill_attention, plan.decode_attention, ctx)
+    runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device, platform)
+    graph_note = capture_graphs(runner, mem.graphs, int(loaded.hf_config.vocab_size), platform)
+    # Compile the prefill kernels' common variants now (where the platform says it pays):
+    # seconds at startup instead of in the first requests.
+    runner.warmup(platform.warmup_shapes())
+    return runner, graph_note
+
+
+def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any,
+                    mem: MemoryPlan, platform: Any, loaded: Any, max_context: int,
+                    device: Any, registry: Any = None) -> tuple[Any, set[int], str]:
+    """Phase 4: pages, prefix cache, sampler, the grammar backend and the scheduler. Returns
+    (scheduler, EOS ids, overlap note)."""
+    from core.contract.grammar import make_grammar
+    from core.engine.grammar_compiler import CompilerSpec, CompileService
+    from core.engine.memory.memory_pool import PageAllocator
+    from core.engine.memory.radix_cache import make_prefix_cache
+    from core.engine.sampling import Sampler
+    from core.engine.scheduler import Scheduler, SchedulerConfig
+
+    page = plan.page_size
+    allocator = PageAllocator((mem.kv_tokens + page) // page, page)
+    cache = make_prefix_cache(allocator, page, args.disable_radix_cache,
+                              args.radix_eviction_policy)
+    overlap, overlap_note = platform.overlap_schedule()
+    if args.disable_overlap_schedule:
+        overlap, overlap_note = False, "overlap schedule off: --disable-overlap-schedule"
+    sched_cfg = SchedulerConfig(
+        page_size=page, max_context=max_context, max_running_requests=mem.max_running,
+        max_queued_requests=args.max_queued_requests,
+        chunked_prefill_size=mem.chunked_prefill_size,
+        max_prefill_tokens=args.max_prefill_tokens, schedule_policy=args.schedule_policy,
+        enable_priority_scheduling=args.enable_priority_scheduling,
+        priority_preemption_threshold=args.priority_scheduling_preemption_threshold,
+        schedule_conservativeness=args.schedule_conservativeness, seed=args.seed,
+        overlap=overlap,
+        jump_forward=args.enable_jump_forward and plan.grammar_backend is not None)
+    tok, cfg = loaded.tokenizer, loaded.hf_config
+    eos = set(tok.eos_token_ids) if tok is not None else set()
+    cfg_eos = getattr(cfg, "eos_token_id", None)
+    eos |= set(cfg_eos if isinstance(cfg_eos, (list, tuple)) else
+               [cfg_eos] if cfg_eos is not None else [])
+    grammar = None
+    if plan.grammar_backend is not None and tok is not None:
+        if registry is None:
+            from core.plan.registry import get_registry
+
+            registry = get_registry()
+        # built on first use, or in the background once serving (Grammar.prepare): its
+        # library's import (~1 s: xgrammar imports transformers) is not on the start's path
+        grammar = make_grammar(registry, plan.grammar_backend, tok, int(cfg.vocab_size),
+                               sorted(eos), lazy=True)
+        # client input reaches the grammar library only in compile processes, with a deadline
+        grammar.compiler = CompileService(
+            grammar, CompilerSpec(args_to_json(args), plan.grammar_backend,
+                                  int(cfg.vocab_size), tuple(sorted(eos))),
+            workers=GRAMMAR_COMPILE_PROCESSES, timeout_s=args.grammar_compile_timeout)
+    scheduler = Scheduler(runner, allocator, req_to_token, cache,
+                          Sampler(device, args.seed, to_device=platform.to_device),
+                          sched_cfg, eos, int(cfg.vocab_size),
+                          decode_text=tok.decode if tok is not None else None, grammar=grammar)
+    return scheduler, eos, overlap_note
+
+
+@dataclass
+class Ranks:
+    """This worker's place among the tensor-parallel ranks of its engine (None of it when the
+    engine is one process without torch.distributed)."""
+
+    spec: Any  # core.engine.distributed.RankSpec
+    tp: Any  # core.engine.distributed.TPGroup
+    comm: Any  # torch.device of the worker's own collectives (core.engine.distributed.comm_device)
+
+    def share(self, msgs: list[Message] | None) -> list[Message]:
+        """Rank 0's messages of this loop turn, on every rank (rank 0 passes them, the others
+        None): JSON lines in one broadcast."""
+        from core.engine.distributed import broadcast_bytes
+
+        data = None if msgs is None else b"\n".join(encode(m) for m in msgs)
+        got = broadcast_bytes(data, self.comm)
+        return [] if not got else [decode(line) for line in got.split(b"\n")]
+
+
+def join_ranks(spec: Any, payload: bytes | None) -> tuple[Ranks, bytes]:
+    """Join the process group of `spec` and share rank 0's args and plan (`payload`, JSON;
+    None on the other ranks, which may be on another node and know nothing yet)."""
+    import torch
+
+    from core.engine.distributed import TPGroup, broadcast_bytes, comm_device, init_process_group
+
+    device = torch.device(spec.device)
+    init_process_group(spec, device)
+    comm = comm_device(spec.backend, device)
+    payload = broadcast_bytes(payload, comm)
+    got = json.loads(payload)
+    ep = json.loads(got["args"]).get("ep_size", 1) > 1
+    tp = TPGroup(rank=spec.rank, size=spec.world, ep=ep, group=torch.distributed.group.WORLD)
+    return Ranks(spec, tp, comm), payload
+
+
+def local_heads(spec: Any, tp: Any) -> tuple[int, int]:
+    """(query heads, KV heads) one rank holds."""
+    return tp.split(spec.num_heads, "attention heads")[1], tp.kv_heads(spec.num_kv_heads)[1]
+
+
+def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
+                      loaded: Any = None, ranks: Ranks | None = None,
+                      device_index: int = 0) -> EngineCore:
+    """Load (unless given), then the four phases: memory, KV, runner, scheduler. `ranks`:
+    this worker's tensor-parallel place (its device index, its slice of the model, a KV pool
+    for its heads, sized the same on every rank); `device_index`: the device of a worker
+    without ranks (a data-parallel replica's)."""
+    import torch
+
+    from core.contract.platform import load_platform
+    from core.engine.distributed import SINGLE, all_min, share_threads
+    from core.engine.loader import load_model
+    from core.engine.memory.kv_cache import KVPool
+
+    if plan.device.simulated:
+        raise ValueError(f"cannot run on a simulated device ({plan.device.describe()}); "
+                         f"drop --device-profile to run here")
+    platform = load_platform(registry, plan.device)
+    index = ranks.spec.local_index if ranks is not None else device_index
+    tp = ranks.tp if ranks is not None else SINGLE
+    device = torch.device(platform.torch_device(index))
+    # The engine processes of this node (ranks x replicas) and how many share one device
+    # (all of them on a CPU target): they split its cores and its free memory.
+    here = args.tp_size // args.nnodes * args.dp_size
+    sharing = max(1, -(-here // max(plan.device.count, 1)))
+    share_threads(sharing)
+    if loaded is None:
+        loaded = load_model(args, plan, registry, device=device, tp=tp)
+    cfg = loaded.hf_config
+    max_context = int(getattr(cfg, "max_position_embeddings", None) or spec.context_length)
+    kv_dtype = kv_dtype_of(plan)
+    heads, kv_heads = local_heads(spec, tp)
+    per_token = KVPool.bytes_per_token(spec.num_layers, kv_heads, spec.head_dim,
+                                       kv_dtype, spec.v_head_dim)
+    mem = plan_memory(args, plan, spec, cfg, loaded.dtype.itemsize, per_token,
+                      platform.memory(index)[0] // sharing if args.max_total_tokens is None
+                      else 0, platform)
+    notes: tuple[str, ...] = ()
+    if ranks is not None:  # every rank schedules alike: one pool size, the smallest
+        mem = dataclasses.replace(mem, kv_tokens=all_min(mem.kv_tokens, ranks.comm))
+        notes = (f"tensor parallel: rank {tp.rank} of {tp.size} ({ranks.spec.backend}), "
+                 f"{heads} of {spec.num_heads} heads and {kv_heads} of {spec.num_kv_heads} "
+                 f"KV heads per rank",)
+    kv_pool, req_to_token = build_kv(plan, spec, mem, kv_dtype, device, max_context, loaded,
+                                     kv_heads)
+    runner, graph_note = build_runner(plan, spec, registry, platform, loaded, kv_pool,
+                                      req_to_token, kv_dtype, device, max_context, mem,
+                                      heads, kv_heads)
+    scheduler, eos, overlap_note = build_scheduler(args, plan, runner, req_to_token, mem,
+                                                   platform, loaded, max_context, device,
+                                                   registry)
+    info = EngineInfo(
+        max_context=max_context, pool_tokens=scheduler.allocator.total_pages * plan.page_size,
+        page_size=plan.page_size, max_running_requests=mem.max_running,
+        vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(sorted(eos)),
+        chunked_prefill_size=mem.chunked_prefill_size, kv_bytes_per_token=per_token,
+        notes=(*loaded.notes, *notes, *runner.notes, *mem.notes, graph_note, overlap_note),
+        cuda_graph_batch_sizes=tuple(sorted(runner.graph_runner.graphs))
+        if runner.graph_runner is not None else (),
+        device=str(device), pid=os.getpid())
+    return EngineCore(scheduler, info, loaded)
+
+
+def _item(req: Any) -> OutputItem:
+    lps = None
+    if req.params.logprobs:
+        lps = tuple(TokenLogprob(lp, tuple(top)) for lp, top in req.pending_lps)
+    plps = None
+    if req.params.prompt_logprobs is not None and not req.prompt_lps_sent \
+            and not req.wants_prompt_lps:  # all computed (an abort before then sends none)
+        plps = tuple(TokenLogprob(lp, tuple(top)) for lp, top in req.prompt_lps)
+        req.prompt_lps_sent = True
+    out = OutputItem(req.rid, tuple(req.pending_ids), lps,
+                     None if req.finish is None else Finish(**req.finish),
+                     len(req.prompt_ids), len(req.output_ids), max(req.cached_tokens, 0), plps)
+    req.pending_ids, req.pending_lps = [], []
+    return out
+
+
+def _rpc(core: EngineCore, op: str) -> Any:
+    sched = core.scheduler
+    if op == "stats":
+        graphs = sched.runner.graph_runner
+        return {**sched.stats(), "forward_count": dict(sched.runner.forward_count),
+                "graph_replays": graphs.replays if graphs is not None else 0}
+    if op == "check_accounting":
+        sched.check_accounting()
+        return True
+    if op == "flush_cache":
+        if sched.running or sched.chunked or sched.waiting or sched.inflight is not None:
+            raise ValueError("cannot flush the prefix cache while requests are in flight")
+        sched.cache.evict(sched.allocator.total_pages)
+        return True
+    raise ValueError(f"unknown rpc {op!r}")
+
+
+class _Heartbeat:
+    """Sends a Heartbeat every HEARTBEAT_S from a daemon thread, so the client can tell
+    a busy worker (one long prefill step) from a dead or wedged one without waiting for a step to
+    end. It carries the latest stats the loop published between steps and how long the current
+    step has been running."""
+
+    def __init__(self, send: Any, interval: float = HEARTBEAT_S):
+        self.send, self.interval = send, interval
+        self.stats: dict[str, Any] | None = None  # replaced whole by the loop, never mutated
+        self.step_started: float | None = None  # time.monotonic() of the running step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="core-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():  # not mid-send when the caller sends its last message
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            started = self.step_started
+            try:
+                self.send(Heartbeat(self.stats,
+                                    0.0 if started is None else time.monotonic() - started))
+            except ChannelClosed:
+                return
+
+
+def _apply(core: EngineCore, msg: Message, send: Any) -> bool:
+    """Carry out one client message on this rank's scheduler; `send` answers the client (rank
+    0), None on the other ranks, which apply the same messages silently. False: shut down."""
+    sched = core.scheduler
+    if isinstance(msg, AddRequest):
+        try:  # validated by the client: only what depends on the scheduler's state
+            sched.admit(msg.rid, list(msg.input_ids), msg.params, msg.priority)
+        except ValueError as exc:
+            if send is not None:  # a refusal (400), or a status the error carries
+                status = getattr(exc, "status", 400)
+                send(StepOutput((OutputItem(
+                    msg.rid, (), None, Finish("abort", message=str(exc), status_code=status),
+                    len(msg.input_ids), 0, 0),)))
+    elif isinstance(msg, Abort):
+        sched.abort(msg.rid)
+    elif isinstance(msg, GrammarReady):
+        sched.grammar_done(list(msg.ids))
+    elif isinstance(msg, Rpc):
+        try:
+            reply = Reply(msg.id, True, _rpc(core, msg.op))
+        except (ValueError, AssertionError) as exc:
+            reply = Reply(msg.id, False, error=f"{type(exc).__name__}: {exc}")
+        if send is not None:
+            send(reply)
+    elif isinstance(msg, Shutdown):
+        return False
+    else:
+        raise ValueError(f"the worker does not take {type(msg).__name__} messages")
+    return True
+
+
+def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S,
+          ranks: Ranks | None = None) -> None:
+    """The worker loop: drain messages, run a step when there is work, send its outputs.
+    With tensor-parallel ranks, each turn's messages (possibly none) are broadcast to the
+    others before anything is applied, so every rank's scheduler takes the same steps; the
+    broadcast comes at least every idle poll (0.5 s), which also tells the ranks rank 0
+    lives."""
+    sched = core.scheduler
+    parent = os.getppid()
+    lock = threading.Lock()  # the heartbeat thread sends on the same pipe
+    if ranks is not None:  # rank 0 says when compiles are done, so all ranks agree
+        sched.grammar_by_message = True
+
+    def send(msg: Message) -> None:
+        with lock:
+            chan.send(msg)
+
+    grammar = getattr(sched, "grammar", None)  # (a test's stand-in scheduler has none)
+    if grammar is not None:
+        grammar.prepare()
+    beat = _Heartbeat(send, heartbeat_s)
+    beat.stats = _rpc(core, "stats")
+    published = time.monotonic()
+    beat.start()
+    try:
+        while True:
+            timeout = sched.poll_timeout()
+            msgs: list[Message] = []
+            while chan.poll(timeout):
+                timeout = 0.0
+                msgs.append(chan.recv())
+            if ranks is not None:
+                done = sched.grammar_ready()
+                if done:
+                    msgs.append(GrammarReady(tuple(done)))
+            orphaned = not sched.has_work and not msgs and os.getppid() != parent
+            if orphaned:  # the client died without a shutdown: the ranks stop too
+                msgs.append(Shutdown())
+            if ranks is not None:
+                ranks.share(msgs)
+            for msg in msgs:
+                if not _apply(core, msg, send):
+                    return
+            if sched.has_work:
+                beat.step_started = time.monotonic()
+                touched = sched.step()
+                beat.step_started = None
+                if touched:
+                    send(StepOutput(tuple(_item(r) for r in touched)))
+            now = time.monotonic()
+            if now - published >= SNAPSHOT_S:
+                beat.stats, published = _rpc(core, "stats"), now
+    finally:
+        beat.stop()
+        if grammar is not None:
+            grammar.close()  # its compile processes
+
+
+def follow(core: EngineCore, ranks: Ranks) -> None:
+    """The loop of a rank other than 0: apply rank 0's messages of each turn, take the same
+    step (its outputs are rank 0's to send: they are made and dropped, so per-request state
+    moves on alike)."""
+    sched = core.scheduler
+    sched.grammar_by_message = True
+    while True:
+        for msg in ranks.share(None):
+            if not _apply(core, msg, None):
+                return
+        if sched.has_work:
+            for r in sched.step():
+                _item(r)
+
+
+def plan_from_parent(args_json: str, plan_json: str) -> tuple[ServerArgs, Plan, Any, Any]:
+    """(args, plan, model spec, registry) from what the parent sent: its plan is rebuilt from
+    data, not resolved again; plugins load here as in every process (idempotent)."""
+    from core.plan.model_spec import load_model_spec
+    from core.plan.registry import get_registry
+
+    args = make_server_args(**json.loads(args_json))
+    plan = Plan.from_dict(json.loads(plan_json))
+    return args, plan, load_model_spec(args.model_path), get_registry()
+
+
+def worker_main(conn: Any, args_json: str, plan_json: str, rank_json: str | None = None,
+                device_index: int = 0) -> None:
+    """Entry of the spawned worker process (rank 0 of its engine): the parent's args (model
+    path filled in) and its resolved plan, both JSON; `rank_json` (core.engine.distributed.RankSpec)
+    when the engine spans tensor-parallel ranks, which rank 0 then joins and sends the args
+    and plan; `device_index`: the device it runs on otherwise (a data-parallel replica's)."""
+    # Ctrl-C reaches the whole process group: the client decides when the worker stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    chan = Channel(conn)
+    ranks = None
+    try:
+        args, plan, spec, registry = plan_from_parent(args_json, plan_json)
+        if rank_json is not None:
+            from core.engine.distributed import RankSpec
+
+            payload = json.dumps({"args": args_json, "plan": plan_json}).encode()
+            ranks, _ = join_ranks(RankSpec.from_json(rank_json), payload)
+        core = build_engine_core(args, plan, spec, registry, ranks=ranks,
+                                 device_index=device_index)
+    except Exception as exc:  # noqa: BLE001 - reported to the client, which raises it
+        try:
+            chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        except ChannelClosed:
+            pass
+        return
+    chan.send(Ready(core.info))
+    try:
+        serve(core, chan, ranks=ranks)
+    except ChannelClosed:
+        return
+    except Exception as exc:  # noqa: BLE001 - a scheduler bug: tell the client, then exit
+        print(traceback.format_exc(), file=sys.stderr)
+        try:
+            chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        except ChannelClosed:
+            pass
+
+
+def rank_main(rank_json: str) -> None:
+    """Entry of a tensor-parallel rank other than 0 (spawned by the client on node 0, or by
+    `core serve --node-rank N` on another node): join the group, take rank 0's args and plan
+    from it, build this rank's engine core, and follow rank 0's loop. A failure ends the
+    process with the reason on stderr; rank 0 sees its collectives fail and reports it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from core.engine.distributed import RankSpec
+
+    spec = RankSpec.from_json(rank_json)
+    try:
+        ranks, payload = join_ranks(spec, None)
+        got = json.loads(payload)
+        args, plan, model_spec, registry = plan_from_parent(got["args"], got["plan"])
+        core = build_engine_core(args, plan, model_spec, registry, ranks=ranks)
+        follow(core, ranks)
+    except Exception as exc:  # noqa: BLE001 - the reason, then a non-zero exit
+        print(f"core: tensor-parallel rank {spec.rank} stopped: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def worker_prestarted(conn: Any) -> None:
+    """Entry of a worker spawned before the parent has resolved its plan (core.frontend.client.
+    start_worker): import what building the engine needs (torch: seconds) while the parent
+    resolves, then read the args and plan (one JSON message) and run worker_main. transformers
+    is not imported: a GGUF model with its cache entry (core.plan.gguf_cache) builds without it, and
+    a model that needs it imports it while loading."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch  # noqa: F401
+
+    import core.engine.loader  # noqa: F401
+    try:
+        message = json.loads(conn.recv_bytes().decode())
+    except (EOFError, OSError):
+        return  # the parent gave up before sending a plan (its resolution failed)
+    worker_main(conn, message["args"], message["plan"], message.get("rank"),
+                message.get("device_index", 0))
+
+
+def args_to_json(args: ServerArgs) -> str:
+    return json.dumps(dataclasses.asdict(args))
+
+
+def plan_to_json(plan: Plan) -> str:
+    return json.dumps(plan.to_dict())

@@ -1,0 +1,262 @@
+"""Server and engine arguments: one frozen dataclass, SGLang's flag names, grouped --help.
+
+Backend names (attention, MoE runner, quantization, device) are open strings checked by the resolver
+against what is registered; only the core's own closed sets (dtype, load format, policies) are
+validated here. The environment is read here too (`apply_environment`), never by the resolver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "random", "lof", "priority")
+EVICTION_POLICIES = ("lru", "lfu")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
+DISABLE_FUSED_OPS_ENV = "CORE_DISABLE_FUSED_OPS"  # =1: --layer-ops torch unless the flag is given
+
+
+def _f(default: Any, group: str, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"group": group, "help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # model
+    model_path: str | None = _f(None, "model", "model directory, config.json or .gguf file "
+                                "(default: the embedded SmolLM2-135M-Instruct)")
+    tokenizer_path: str | None = _f(None, "model", "tokenizer directory (default: model path)")
+    load_format: str = _f("auto", "model", "weight format", choices=LOAD_FORMATS)
+    dtype: str = _f("auto", "model", "compute dtype", choices=DTYPES)
+    context_length: int | None = _f(None, "model", "override the model's context length")
+    revision: str | None = _f(None, "model", "model revision (refused: models load from a local "
+                              "path)")
+    trust_remote_code: bool = _f(False, "model", "allow custom model code from the hub")
+    seed: int = _f(0, "model", "seed for dummy weights and sampling")
+    # http
+    host: str = _f("127.0.0.1", "http", "address to listen on")
+    port: int = _f(30000, "http", "port to listen on")
+    api_key: str | None = _f(None, "http", "require this bearer key on API routes (visible in "
+                             "the process list: prefer --api-key-file or CORE_API_KEY)")
+    api_key_file: str | None = _f(None, "http", "read the bearer key from this file (one line)")
+    served_model_name: str | None = _f(None, "http", "model name reported by the API")
+    chat_template: str | None = _f(None, "http", "Jinja chat template file or string")
+    tool_call_parser: str = _f("auto", "http", "tool-call parser for tool_choice auto in chat "
+                               "(hermes, llama3, their SGLang/vLLM names, or a plugin's; auto: "
+                               "chosen by the chat template's tool markup; none: auto tool "
+                               "calls off)")
+    allow_special_tokens_in_messages: bool = _f(
+        False, "http", "let chat message text spell the tokenizer's special tokens (e.g. "
+        "<|im_start|>), which the template would turn into real control tokens; refused "
+        "with a 400 otherwise")
+    max_request_bytes: int = _f(1 << 20, "http", "largest accepted request body")
+    log_requests: bool = _f(False, "http", "log every request")
+    enable_cache_report: bool = _f(False, "http", "report cached prompt tokens in usage")
+    drain_timeout: float = _f(30.0, "http", "seconds to let requests finish on SIGTERM")
+    # memory and scheduling
+    mem_fraction_static: float | None = _f(None, "scheduling", "fraction of free device memory "
+                                           "for weights + KV cache")
+    max_total_tokens: int | None = _f(None, "scheduling", "KV-cache size in tokens")
+    max_running_requests: int | None = _f(None, "scheduling", "most requests decoded at once")
+    max_queued_requests: int | None = _f(None, "scheduling", "most waiting requests; beyond, "
+                                         "rejected")
+    chunked_prefill_size: int | None = _f(None, "scheduling", "prefill chunk in tokens "
+                                          "(-1 disables)")
+    max_prefill_tokens: int = _f(16384, "scheduling", "most prompt tokens in one prefill batch")
+    schedule_policy: str = _f("fcfs", "scheduling", "waiting-queue order",
+                              choices=SCHEDULE_POLICIES)
+    enable_priority_scheduling: bool = _f(False, "scheduling", "honour request priority")
+    priority_scheduling_preemption_threshold: int = _f(
+        10, "scheduling", "with priority scheduling, a waiting request that cannot be admitted "
+        "preempts running requests whose priority is lower by at least this much")
+    schedule_conservativeness: float = _f(1.0, "scheduling", "higher reserves more KV for "
+                                          "decode")
+    page_size: int | None = _f(None, "scheduling", "KV page size (default: what the backend "
+                               "needs)")
+    radix_eviction_policy: str = _f("lru", "scheduling", "prefix-cache eviction",
+                                    choices=EVICTION_POLICIES)
+    disable_radix_cache: bool = _f(False, "scheduling", "turn off prefix sharing")
+    disable_overlap_schedule: bool = _f(False, "scheduling", "finish each decode step before "
+                                        "launching the next (overlap is on for GPUs only)")
+    # kernels
+    device: str | None = _f(None, "kernels", "hardware target (cuda, rocm, xpu, npu, cpu, or a "
+                            "plugin's)")
+    device_profile: str | None = _f(None, "kernels", "plan for a simulated device: profile name "
+                                    "or JSON file")
+    attention_backend: str | None = _f(None, "kernels", "attention backend for both phases")
+    prefill_attention_backend: str | None = _f(None, "kernels", "attention backend for prefill")
+    decode_attention_backend: str | None = _f(None, "kernels", "attention backend for decode")
+    moe_runner_backend: str = _f("auto", "kernels", "MoE runner")
+    layer_ops: str | None = _f(None, "kernels", "fused element-wise layer ops (torch, triton, or a "
+                               "plugin's; CORE_DISABLE_FUSED_OPS=1 means torch)")
+    quantization: str | None = _f(None, "kernels", "quantization method")
+    kv_cache_dtype: str = _f("auto", "kernels", "KV-cache storage dtype")
+    grammar_backend: str = _f("auto", "kernels", "grammar backend for structured output "
+                              "(xgrammar, llguidance, outlines, or a plugin's; auto: the best installed; "
+                              "none: structured output off)")
+    grammar_compile_timeout: float = _f(20.0, "kernels", "seconds a grammar may take to "
+                                        "compile (in its compile process, queueing not "
+                                        "counted); a slower one is refused with a 400")
+    enable_jump_forward: bool = _f(False, "kernels", "append the tokens a grammar forces and "
+                                   "compute them in one extend, not one decode step each "
+                                   "(needs a grammar backend that can jump forward)")
+    disable_cuda_graph: bool = _f(False, "kernels", "never capture CUDA graphs")
+    cuda_graph_max_bs: int | None = _f(None, "kernels", "largest captured decode batch")
+    # parallelism (core.engine.distributed)
+    tp_size: int = _f(1, "parallel", "tensor-parallel ranks per engine (heads, MLP and vocab "
+                      "split; one all-reduce per row-parallel output)")
+    dp_size: int = _f(1, "parallel", "data-parallel engine replicas behind the one HTTP server")
+    ep_size: int = _f(1, "parallel", "expert-parallel size: MoE experts placed whole on ranks "
+                      "(equal to --tp-size, or 1: experts' intermediate dim split over TP)")
+    load_balance_method: str = _f("round_robin", "parallel", "how --dp-size picks a replica "
+                                  "per request", choices=LOAD_BALANCE_METHODS)
+    nnodes: int = _f(1, "parallel", "machines one tensor-parallel group spans")
+    node_rank: int = _f(0, "parallel", "this machine's rank (0 serves HTTP; others only run "
+                        "their ranks)")
+    dist_init_addr: str | None = _f(None, "parallel", "host:port of rank 0's torch.distributed "
+                                    "rendezvous (default: a free loopback port, one node)")
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+
+GROUP_TITLES = {
+    "model": "model and tokenizer",
+    "http": "HTTP server",
+    "scheduling": "memory and scheduling",
+    "kernels": "kernels and devices",
+    "parallel": "parallelism (tensor, expert, data; several nodes)",
+}
+
+
+def add_cli_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = tuple(GROUP_TITLES)
+                 ) -> None:
+    """Add the fields of the chosen groups as --kebab-case flags, one argparse group each."""
+    argument_groups = {g: parser.add_argument_group(GROUP_TITLES[g]) for g in groups}
+    for f in dataclasses.fields(ServerArgs):
+        group = f.metadata["group"]
+        if group not in argument_groups:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"],
+                              "default": argparse.SUPPRESS}
+        if f.type in ("bool", bool):
+            kw["action"] = "store_true"
+        else:
+            kw["type"] = _ARG_TYPES.get(str(f.type), str)
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+        argument_groups[group].add_argument(flag, **kw)
+
+
+_ARG_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
+
+
+def from_namespace(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> ServerArgs:
+    """Build ServerArgs from a YAML-file dict (if any) overridden by the flags that were given."""
+    values = dict(base or {})
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    values.update({k: v for k, v in vars(ns).items() if k in names})
+    return make_server_args(**values)
+
+
+def make_server_args(**kwargs: Any) -> ServerArgs:
+    """ServerArgs from keywords (dashes or underscores), with a clear error for unknown ones."""
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    clean = {k.replace("-", "_"): v for k, v in kwargs.items()}
+    unknown = sorted(set(clean) - names)
+    if unknown:
+        raise ValueError(f"unknown argument(s): {', '.join(unknown)}")
+    args = ServerArgs(**clean)
+    validate(args)
+    return apply_environment(args)
+
+
+def apply_environment(args: ServerArgs, environ: Mapping[str, str] | None = None) -> ServerArgs:
+    """`args` with what the environment sets where the flags left it open:
+    CORE_DISABLE_FUSED_OPS=1 selects the PyTorch layer ops (--layer-ops torch)."""
+    environ = os.environ if environ is None else environ
+    if args.layer_ops is None and environ.get(DISABLE_FUSED_OPS_ENV) == "1":
+        return args.replace(layer_ops="torch")
+    return args
+
+
+def load_yaml_config(path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(path) as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file must hold a mapping of flag: value")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def validate(args: ServerArgs) -> None:
+    """Check the core's own closed sets and ranges; backend names are the resolver's job."""
+    for f in dataclasses.fields(ServerArgs):
+        choices = f.metadata.get("choices")
+        value = getattr(args, f.name)
+        if choices and value not in choices:
+            raise ValueError(f"--{f.name.replace('_', '-')}: {value!r} is not one of "
+                             f"{', '.join(choices)}")
+    positive = ("max_total_tokens", "max_running_requests", "max_queued_requests", "page_size",
+                "context_length", "cuda_graph_max_bs", "max_prefill_tokens", "tp_size",
+                "dp_size", "ep_size", "nnodes")
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
+        raise ValueError(f"--mem-fraction-static must be in (0, 1), got "
+                         f"{args.mem_fraction_static}")
+    if not 0 < args.grammar_compile_timeout <= 3600:
+        raise ValueError(f"--grammar-compile-timeout must be in (0, 3600] seconds, got "
+                         f"{args.grammar_compile_timeout}")
+    if args.chunked_prefill_size is not None and args.chunked_prefill_size == 0:
+        raise ValueError("--chunked-prefill-size must be positive or -1 (disabled)")
+    if args.api_key is not None and not args.api_key.strip():
+        # an empty key must not read as "authentication off"
+        raise ValueError("--api-key is empty; give a key, or leave the flag out to serve "
+                         "without authentication")
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("give --api-key or --api-key-file, not both")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    _validate_parallel(args)
+    # Accepted by SGLang, not (yet) implemented here: refused, never silently ignored.
+    if args.revision is not None:
+        raise ValueError(f"--revision {args.revision}: models load from a local path here, so "
+                         "there is no revision to choose; drop the flag")
+
+
+def _validate_parallel(args: ServerArgs) -> None:
+    """The parallel flags' own consistency; what the model allows is the resolver's check."""
+    if args.ep_size not in (1, args.tp_size):
+        raise ValueError(f"--ep-size {args.ep_size}: expert parallelism runs over the tensor-"
+                         f"parallel ranks, so it is 1 or equal to --tp-size ({args.tp_size})")
+    if args.nnodes > 1:
+        if args.tp_size % args.nnodes:
+            raise ValueError(f"--tp-size {args.tp_size} does not split over --nnodes "
+                             f"{args.nnodes} (each node runs tp-size / nnodes ranks)")
+        if args.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address, "
+                             "which every node can reach)")
+        if args.dp_size != 1:
+            raise ValueError("--dp-size with --nnodes > 1 is not supported: run one server "
+                             "per data-parallel replica")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} "
+                         f"(--nnodes {args.nnodes})")
+    if args.dist_init_addr is not None:
+        host, sep, port = args.dist_init_addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--dist-init-addr {args.dist_init_addr!r}: expected host:port")
+        if args.dp_size != 1:
+            raise ValueError("--dist-init-addr names one rendezvous; with --dp-size each "
+                             "replica picks its own loopback port, so leave it out")

@@ -1,0 +1,128 @@
+"""A disk cache of what transformers converts out of a GGUF file: its config and tokenizer.
+
+transformers builds both from the GGUF header by parsing every field with the `gguf` package
+(the tokenizer's ~10^5 strings included) and converting the vocabulary: seconds per start, on
+the client and again in the engine worker. The first load saves the results with
+`save_pretrained` under a key of the file's path, size and modification time and the
+transformers version; later loads read those (config.json, tokenizer.json). A changed file,
+or another transformers, misses the cache; a broken entry is rebuilt. $CORE_GGUF_CACHE (else
+~/.cache/core-serve/gguf) is the location; CORE_GGUF_CACHE=off turns it off.
+
+Beside those, parts that let a later start run without importing transformers at all (a
+second or more of every start, in the client and in the worker): the model spec
+(core.plan.model_spec), the config's attributes (core.engine.loader) and what the tokenizer wrapper reads
+off transformers' tokenizer (core.tokenizer), each one JSON file written by `cached_json`
+from the objects transformers built. The key names the transformers version from its
+distribution's metadata, so finding the entry imports nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _root() -> Path | None:
+    value = os.environ.get("CORE_GGUF_CACHE")
+    if value and value.lower() in ("off", "0", "none"):
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "core-serve" / "gguf"
+
+
+def entry(gguf_path: str) -> Path | None:
+    """The cache directory of this file (None when caching is off)."""
+    root = _root()
+    if root is None:
+        return None
+    st = os.stat(gguf_path)
+    key = f"{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_transformers_version()}"
+    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    return root / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _transformers_version() -> str:
+    """transformers' version as its metadata says (what `transformers.__version__` reads),
+    without importing it; "none" when it is not installed."""
+    return package_versions("transformers")
+
+
+@functools.cache
+def package_versions(*names: str) -> str:
+    """The installed versions of these distributions ("none" for a missing one), joined by
+    "-", read from their metadata (nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for name in names:
+        try:
+            out.append(version(name))
+        except PackageNotFoundError:
+            out.append("none")
+    return "-".join(out)
+
+
+def cached(gguf_path: str, part: str, marker: str, build: Callable[[], Any],
+           load: Callable[[str], Any],
+           save: Callable[[Any, str], None] | None = None) -> Any:
+    """`load(dir)` of the cached `part` ("config" / "tokenizer"), or `build()` saved there
+    (by `save(obj, dir)`, else obj.save_pretrained(dir)). `marker` is the file whose presence
+    says the part was saved whole."""
+    where = entry(gguf_path)
+    if where is not None:
+        target = where / part
+        if (target / marker).is_file():
+            try:
+                return load(str(target))
+            except Exception:  # an entry another version broke: rebuild it below
+                shutil.rmtree(target, ignore_errors=True)
+    obj = build()
+    if where is not None:
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=where, prefix=f".{part}-"))
+            if save is not None:
+                save(obj, str(tmp))
+            else:
+                obj.save_pretrained(str(tmp))
+            if (tmp / marker).is_file():
+                try:
+                    os.replace(tmp, where / part)  # atomic; a racing writer's copy is as good
+                except OSError:
+                    pass
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass  # a read-only home: no cache, still loads
+    return obj
+
+
+def cached_json(gguf_path: str, part: str, build: Callable[[], Any]) -> Any:
+    """The JSON value cached as `part` of this file's entry, or `build()` (a JSON value)
+    saved there. A build that raises is not cached (the error propagates)."""
+
+    def save(value: Any, where: str) -> None:
+        with open(os.path.join(where, "value.json"), "w", encoding="utf-8") as fh:
+            json.dump(value, fh)
+
+    def load(where: str) -> Any:
+        with open(os.path.join(where, "value.json"), encoding="utf-8") as fh:
+            return json.load(fh)
+
+    return cached(gguf_path, part, "value.json", build, load, save)
+
+
+def source_digest(*modules: str) -> str:
+    """A short digest of these modules' source files (names like "core.plan.model_spec", under
+    this package's parent): a cached part derived by their code is keyed by it, so an edit
+    of the code misses the cache instead of reading what the old code derived."""
+    h = hashlib.sha256()
+    top = Path(__file__).resolve().parents[2]  # the folder holding the core package
+    for name in modules:
+        h.update((top / (name.replace(".", os.sep) + ".py")).read_bytes())
+    return h.hexdigest()[:12]

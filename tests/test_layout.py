@@ -1,0 +1,148 @@
+"""The folder rules of the layout (ARCHITECTURE.md), read from the source:
+
+- plugins import from core only core.contract and core.layers;
+- core/engine/ never imports core.frontend or core.server;
+- core/plan/ imports no torch (checked by importing every module of it in a fresh interpreter);
+- core's modules import one another without a cycle (module-level imports).
+
+A rule that a file still breaks is listed in KNOWN with the change that will make it hold; the
+test fails once the file holds, so the entry goes with the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# plugin file -> why it still imports a core module outside the contract
+KNOWN_PLUGIN_IMPORTS = {
+    "plugins/cbuild.py": "core.plan.checks (missing_packages): belongs in the plugin kit",
+    "plugins/hardware/cuda_graphs.py": "core.engine.graphs (GraphRunner): the graph runner's "
+                                       "base class belongs in core.contract.platform",
+    "plugins/hardware/cpu_runtime.py": "core.plan.devices (the CPU ISA probe): the probe "
+                                       "belongs in the plugin, the device types in the contract",
+    "plugins/models/qwen2_moe.py": "core.plan.model_spec (a config helper): belongs in "
+                                   "core.contract or core.layers",
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """The absolute module names `path` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    if top_level_only:  # `if TYPE_CHECKING:` blocks do not run
+        nodes = [n for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))]
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's own package
+                here = _module_name(path).split(".")[:None if path.name == "__init__.py" else -1]
+                base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+def _files(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def _core_modules() -> set[str]:
+    return {_module_name(p) for p in _files("core")}
+
+
+def _bad_plugin_imports(path: Path, core_mods: set[str]) -> set[str]:
+    return {m for m in _imports(path) if m in core_mods
+            and not m.startswith(("core.contract", "core.layers"))}
+
+
+def _plugin_violations() -> dict[str, set[str]]:
+    core_mods = _core_modules() | {"core"}
+    found = {str(p.relative_to(ROOT)): _bad_plugin_imports(p, core_mods)
+             for p in _files("plugins")}
+    return {f: m for f, m in found.items() if m}
+
+
+def test_plugins_import_only_the_contract_and_the_layers():
+    found = {f: m for f, m in _plugin_violations().items() if f not in KNOWN_PLUGIN_IMPORTS}
+    assert not found, found
+
+
+def test_the_known_plugin_imports_still_need_their_fix():
+    found = _plugin_violations()
+    assert all(f in found for f in KNOWN_PLUGIN_IMPORTS), \
+        sorted(set(KNOWN_PLUGIN_IMPORTS) - set(found))
+
+
+def test_the_engine_never_imports_the_frontend_or_the_server():
+    found = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p)
+                                              if m.startswith(("core.frontend", "core.server")))
+             for p in _files("core/engine")}
+    found = {f: m for f, m in found.items() if m}
+    assert not found, found
+
+
+def test_the_plan_imports_no_torch():
+    mods = sorted(_module_name(p) for p in _files("core/plan"))
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}:\n    importlib.import_module(m)\n"
+            "heavy = sorted(m for m in ('torch', 'numpy', 'transformers', 'triton') "
+            "if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(mods) >= 10
+
+
+def test_core_modules_import_one_another_without_a_cycle():
+    mods = _core_modules()
+    graph = {}
+    for path in _files("core"):
+        name = _module_name(path)
+        deps = set()
+        for m in _imports(path, top_level_only=True):
+            while m and m not in mods:  # `from core.x import Name` -> core.x
+                m = m.rpartition(".")[0]
+            if m and m != name and not name.startswith(m + "."):  # a package's own __init__
+                deps.add(m)
+        graph[name] = deps
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    cycles = []
+
+    def visit(n: str, path: list[str]) -> None:
+        state[n] = 1
+        for d in sorted(graph.get(n, ())):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d] if d in path else [n, d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, cycles
+
+
+def test_the_plugin_rule_catches_what_it_forbids(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from core.engine.scheduler import Scheduler\nimport core.frontend.client\n"
+                   "from core.contract.attention import AttentionBackend\n")
+    assert _bad_plugin_imports(bad, _core_modules()) == {"core.engine.scheduler",
+                                                         "core.frontend.client"}
