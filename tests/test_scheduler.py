@@ -364,7 +364,7 @@ def test_startup_warmup_forwards_leave_no_trace(tiny, alone):
 
 def test_overlap_schedule_chains_constrained_batches_with_the_same_tokens(tiny):
     """Structured output under the overlap schedule: forward N+1 is launched before step N
-    lands; the masks of N+1 follow token N all the same (core.engine.overlap), so every output
+    lands; the masks of N+1 follow token N all the same (core.engine.scheduler.overlap), so every output
     equals the synchronous schedule's, the grammars end their requests, and the steps chain."""
     regex = {"kind": "regex", "value": "[a-z]{3,12}( [a-z]{2,9}){2,5}\\."}
     schema = {"kind": "json_schema", "value": json.dumps({

@@ -329,7 +329,7 @@ class Sampler:
         Yes unless something in the draw depends on the previous token: penalties (their
         counts), min_new_tokens still masking stop tokens, or logprobs (kept simple: sync).
         A grammar's mask does too, but the overlap schedule lands the previous step before
-        it samples a constrained batch (core.engine.overlap), so a grammar defers."""
+        it samples a constrained batch (core.engine.scheduler.overlap), so a grammar defers."""
         p = state.params
         return (state.counts is None and state.seen is None and not p.logprobs
                 and produced >= p.min_new_tokens)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.contract.grammar import check_constraint
-from core.engine.admission import check_fits
+from core.engine.scheduler import check_fits
 from core.engine.sampling import SamplingParams
 from core.plan.plan import Plan
 from core.plan.registry import get_registry

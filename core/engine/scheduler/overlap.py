@@ -2,8 +2,9 @@
 
 While the device runs a step, the host lands the previous one (stop checks, outputs). Only a
 batch whose every request can be sampled without the host (no penalties or stop masks that need
-the last token, no logprobs) chains; the device->host copy and its wait are the Platform's. A
-mixin of core.engine.scheduler.Scheduler.
+the last token, no logprobs) chains; the device->host copy and its wait are the Platform's. The
+in-flight step is this manager's; the forward, the pages and the landing of a token are the
+scheduler's, given to it as functions.
 
 Structured output chains too: its mask for step N+1 needs token N accepted by the grammar, but
 the forward of step N+1 does not. So a batch with grammar rows launches forward N+1, lands step
@@ -17,11 +18,11 @@ count of its jumps, changed), and it waits for the extend of its forced tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from core.engine.scheduler import Req
+from core.engine.scheduler.request import Queues, Req, SchedulerConfig
 
 
 @dataclass
@@ -36,55 +37,68 @@ class InflightDecode:
 
 
 class Overlap:
-    """The scheduler's chained decode steps (see the module doc)."""
+    """Chained decode steps (see the module doc).
 
-    # -- overlap ---------------------------------------------------------------------------------
+    forward(input_ids) -> logits: one decode forward of the running batch (pages ensured);
+    accept(req, token, logprob): a landed token joins its request's output; decode_room() ->
+    bool: the pages for one more decode token each are there (evicting cache if needed)."""
 
-    def _deferrable(self) -> bool:
+    def __init__(self, cfg: SchedulerConfig, queues: Queues, sampler: Any, runner: Any,
+                 counters: dict[str, int], forward: Callable[[Any], Any],
+                 accept: Callable[[Req, int, Any], None], decode_room: Callable[[], bool]):
+        self.cfg, self.q, self.sampler, self.runner = cfg, queues, sampler, runner
+        self.counters = counters
+        self._forward, self._accept, self._decode_room = forward, accept, decode_room
+        self.inflight: InflightDecode | None = None
+
+    def deferrable(self) -> bool:
         """The running batch may decode without the host seeing its last tokens first."""
-        return (self.cfg.overlap and not self.waiting and self.chunked is None
-                and not self.jumped and bool(self.running)
+        q = self.q
+        return (self.cfg.overlap and not q.waiting and q.chunked is None
+                and not q.jumped and bool(q.running)
                 and all(self.sampler.deferrable(r.state, len(r.output_ids))
-                        for r in self.running))
+                        for r in q.running))
 
-    def _can_chain(self) -> bool:
+    def can_chain(self) -> bool:
         inf = self.inflight
-        if not self._deferrable() or len(self.running) != len(inf.batch) or any(
-                a is not b for a, b in zip(self.running, inf.batch, strict=True)):
+        running = self.q.running
+        if not self.deferrable() or len(running) != len(inf.batch) or any(
+                a is not b for a, b in zip(running, inf.batch, strict=True)):
             return False
-        return self._ensure_pages(self._decode_pages_needed())
+        return self._decode_room()
 
-    def _launch_decode(self, input_ids: Any, land_first: bool = False) -> list[Req]:
-        """Pages, forward and sampling of one decode step for self.running, left in flight.
+    def launch(self, input_ids: Any, land_first: bool = False) -> list[Req]:
+        """Forward and sampling of one decode step for the running batch, left in flight.
         land_first (a batch with grammars): the in-flight step lands between the forward and
         the sampling, so its tokens reach the grammars before the masks are filled (in this
         thread, while the device computes the forward); returns what landing touched. Rows
         that finished on landing keep computing this step (their token is dropped at the next
         landing), so their terminated grammar is not asked for a mask."""
-        batch = self.running
+        batch = self.q.running
         epochs = [r.jumps for r in batch]
-        logits = self._forward_decode(input_ids)
+        logits = self._forward(input_ids)
         touched, live = [], None
         if land_first:
-            touched = self._land()
+            touched = self.land()
             live = [r.finish is None and r.jumps == e for r, e in zip(batch, epochs, strict=True)]
         tokens = self.sampler.launch(logits, [r.state for r in batch], live=live)
         host, waiter = self.runner.platform.copy_to_host(tokens)
         self.inflight = InflightDecode(list(batch), tokens, host, waiter, epochs)
         return touched
 
-    def _chain_decode(self) -> list[Req]:
+    def chain(self) -> list[Req]:
+        """Launch the next decode on the in-flight step's device tokens, then land that step."""
         prev = self.inflight
         self.counters["overlapped_steps"] += 1
-        if any(r.state.matcher is not None for r in self.running):
-            return self._launch_decode(prev.tokens, land_first=True)
-        self._launch_decode(prev.tokens)  # replaces self.inflight
+        if any(r.state.matcher is not None for r in self.q.running):
+            return self.launch(prev.tokens, land_first=True)
+        self.launch(prev.tokens)  # replaces self.inflight
         self.inflight, launched = prev, self.inflight
-        touched = self._land()
+        touched = self.land()
         self.inflight = launched
         return touched
 
-    def _land(self) -> list[Req]:
+    def land(self) -> list[Req]:
         """Read the in-flight step's tokens and apply them (requests finished, aborted or
         jumped forward since its launch drop theirs)."""
         inf, self.inflight = self.inflight, None
@@ -95,5 +109,5 @@ class Overlap:
         for r, t in live:
             r.state.observe(t)
             self._accept(r, t, None)
-        self.running = self._decoding(self.running)
+        self.q.running = self.q.decoding(self.q.running)
         return [r for r, _ in live]

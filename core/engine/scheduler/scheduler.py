@@ -12,23 +12,23 @@ whose priority is lower than its own by at least --priority-scheduling-preemptio
 With jump-forward, the tokens a request's grammar forces after its sampled token join its output
 at once; the request leaves the decode batch for one extend of those tokens (`jumped`, keeping
 its KV), whose last position samples its next token, and rejoins the batch.
+
+The scheduler composes managers that own their state: `Queues` (where each request is),
+`Pages` (rows, pages, the prefix cache), `Admission` (the extend batch, retraction, the
+new-token ratio), `Compiles` (requests waiting for their grammar), `Overlap` (the in-flight
+decode step). It keeps the step itself, sampling and stop conditions.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from core.contract.grammar import forced_tokens
-from core.engine.admission import CLIP_MAX_NEW_TOKENS, Admission, AdmissionError, check_fits
 from core.engine.memory.memory_pool import OutOfPages, PageAllocator, ReqToTokenPool, token_slots
-from core.engine.memory.radix_cache import NoPrefixCache, RadixCache
 from core.engine.model_runner import ModelRunner
-from core.engine.overlap import InflightDecode, Overlap
 from core.engine.sampling import (
     PROMPT_LOGITS_ROWS,
     Sampler,
@@ -36,131 +36,95 @@ from core.engine.sampling import (
     SamplingState,
     token_logprobs,
 )
-
-__all__ = ["AdmissionError", "CLIP_MAX_NEW_TOKENS", "InflightDecode", "Req", "Scheduler",
-           "SchedulerConfig", "check_fits"]
-
-
-@dataclass
-class SchedulerConfig:
-    page_size: int
-    max_context: int
-    max_running_requests: int
-    max_queued_requests: int | None = None
-    chunked_prefill_size: int | None = None  # None: no chunking
-    max_prefill_tokens: int = 16384
-    schedule_policy: str = "fcfs"
-    enable_priority_scheduling: bool = False
-    # a waiting request preempts running ones whose priority is lower by at least this much
-    priority_preemption_threshold: int = 10
-    schedule_conservativeness: float = 1.0
-    seed: int = 0
-    overlap: bool = False  # launch decode step N+1 before the host sees step N's tokens
-    jump_forward: bool = False  # append grammar-forced tokens, computed by one extend
+from core.engine.scheduler.admission import Admission
+from core.engine.scheduler.compiles import Compiles
+from core.engine.scheduler.overlap import InflightDecode, Overlap
+from core.engine.scheduler.pages import Pages
+from core.engine.scheduler.request import (
+    AdmissionError,
+    Queues,
+    Req,
+    SchedulerConfig,
+    check_fits,
+    new_counters,
+)
 
 
-@dataclass
-class Req:
-    """A request as the scheduler sees it (token ids only; text lives with the client)."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    state: SamplingState
-    seq: int  # arrival order
-    priority: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    # KV memory
-    row: int = -1  # req_to_token row while admitted
-    pages: list[int] = field(default_factory=list)  # covers tokens [0, kv_len)
-    num_shared: int = 0  # leading pages owned by the prefix cache (locked through `node`)
-    node: Any = None
-    kv_len: int = 0  # tokens whose K/V is in the pool
-    fill_len: int = 0  # tokens to cache before the next sample (prompt + output at admission)
-    cached_tokens: int = -1  # prefix-cache hit of the first admission (reported)
-    compile_id: int | None = None  # its grammar's compile while it is in `compiling`
-    jumps: int = 0  # jump-forwards so far (an overlap step launched before one drops its token)
-    jumping: bool = False  # in `jumped`: its forced tokens wait for their extend
-    finish: dict | None = None
-    # output not yet reported: new ids and their logprobs
-    pending_ids: list[int] = field(default_factory=list)
-    pending_lps: list[Any] = field(default_factory=list)
-    # prompt_logprobs: (logprob, top) of prompt tokens 1.. as prefill computes them; reported
-    # once, with the first output
-    prompt_lps: list[Any] = field(default_factory=list)
-    prompt_lps_sent: bool = False
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    def remaining_new(self) -> int:
-        return self.params.max_new_tokens - len(self.output_ids)
-
-    @property
-    def wants_prompt_lps(self) -> bool:
-        """Prompt logprobs asked for and not all computed yet (the prefill must not start from
-        a cached prefix: its positions' logits are needed)."""
-        return (self.params.prompt_logprobs is not None
-                and len(self.prompt_lps) < len(self.prompt_ids) - 1)
-
-
-class Scheduler(Admission, Overlap):
-    """Owns the waiting queue, the running batch and the KV pages; drives the model runner.
-
-    Its seams live beside it: which waiting requests run and who gives KV back (core.engine.admission),
-    and decode steps launched before the last one was read (core.engine.overlap)."""
+class Scheduler:
+    """Drives the model runner over the requests its managers hold (see the module doc)."""
 
     def __init__(self, runner: ModelRunner, allocator: PageAllocator,
-                 req_to_token: ReqToTokenPool, cache: RadixCache | NoPrefixCache,
-                 sampler: Sampler, cfg: SchedulerConfig, eos_token_ids: Iterable[int],
-                 vocab_size: int, decode_text: Callable[[list[int]], str] | None = None,
-                 grammar: Any = None):
+                 req_to_token: ReqToTokenPool, cache: Any, sampler: Sampler,
+                 cfg: SchedulerConfig, eos_token_ids: Iterable[int], vocab_size: int,
+                 decode_text: Callable[[list[int]], str] | None = None, grammar: Any = None):
         self.runner = runner
-        self.allocator = allocator
-        self.req_to_token = req_to_token
-        self.cache = cache
         self.sampler = sampler
         self.cfg = cfg
         self.eos = set(eos_token_ids)
         self.vocab_size = vocab_size
         self.decode_text = decode_text  # for stop strings; None disables them
-        self.grammar = grammar  # core.contract.grammar.Grammar for constrained requests; None: off
-        self.waiting: list[Req] = []
-        # constrained requests whose grammar is being compiled on the grammar's thread (off
-        # the step); they join `waiting` when it is done (grammar_done)
-        self.compiling: list[Req] = []
-        self._compiles: dict[int, tuple[Any, Any, list[Req]]] = {}  # id: (constraint, future,
-        self._compile_ids: dict[tuple[str, str], int] = {}  # reqs); constraint key: id
-        self._next_compile = 0
+        self.grammar = grammar  # core.contract.grammar.Grammar; None: structured output off
+        self.counters = new_counters()
+        self.q = Queues()
+        self.pages = Pages(allocator, req_to_token, cache, cfg.page_size)
+        self.admission = Admission(cfg, self.q, self.pages, self.counters)
+        self.compiles = Compiles(grammar, self.q, self.counters)
+        self.overlap = Overlap(cfg, self.q, sampler, runner, self.counters,
+                               forward=self._forward_decode, accept=self._accept,
+                               decode_room=self._decode_room)
         # True under tensor parallelism: rank 0 says which compiles are done (GrammarReady,
         # broadcast), so every rank moves the same requests at the same step; else each
         # step polls
         self.grammar_by_message = False
-        self.running: list[Req] = []
-        self.chunked: Req | None = None  # the request whose prompt is being prefilled in chunks
-        # jump-forward: requests whose grammar-forced tokens joined their output and wait for
-        # the extend that computes them (they keep their row and pages)
-        self.jumped: list[Req] = []
-        self.by_id: dict[str, Req] = {}
         self._seq = 0
-        self._rng = random.Random(cfg.seed)
-        self.init_ratio = min(0.7 * cfg.schedule_conservativeness, 1.0)
-        self.min_ratio = min(0.1 * cfg.schedule_conservativeness, 1.0)
-        self.ratio_decay = (self.init_ratio - self.min_ratio) / 600
-        self.new_token_ratio = self.init_ratio
-        self.counters = {"retractions": 0, "rejected": 0, "prefill_tokens": 0,
-                         "decode_tokens": 0, "cached_tokens": 0, "finished": 0, "aborted": 0,
-                         "steps": 0, "overlapped_steps": 0, "preemptions": 0,
-                         "jumps": 0, "jump_tokens": 0}
         self._finished_out: list[Req] = []  # finished outside a step (aborts, rejections)
-        self.inflight: InflightDecode | None = None  # overlap: the step whose tokens are out
 
-    # -- admission -------------------------------------------------------------------------------
+    # the managers' state, read by the worker, the tests and the stats
+    @property
+    def waiting(self) -> list[Req]:
+        return self.q.waiting
+
+    @property
+    def running(self) -> list[Req]:
+        return self.q.running
+
+    @property
+    def jumped(self) -> list[Req]:
+        return self.q.jumped
+
+    @property
+    def chunked(self) -> Req | None:
+        return self.q.chunked
+
+    @property
+    def compiling(self) -> list[Req]:
+        return self.q.compiling
+
+    @property
+    def by_id(self) -> dict[str, Req]:
+        return self.q.by_id
+
+    @property
+    def inflight(self) -> InflightDecode | None:
+        return self.overlap.inflight
+
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.pages.allocator
+
+    @property
+    def cache(self) -> Any:
+        return self.pages.cache
+
+    @property
+    def new_token_ratio(self) -> float:
+        return self.admission.new_token_ratio
+
+    # -- requests in -----------------------------------------------------------------------------
 
     @property
     def pool_tokens(self) -> int:
-        return self.allocator.total_pages * self.cfg.page_size
+        return self.pages.pool_tokens
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         check_fits(prompt_len, max_new_tokens, self.cfg.max_context, self.pool_tokens,
@@ -187,123 +151,83 @@ class Scheduler(Admission, Overlap):
     def admit(self, rid: str, input_ids: list[int], p: SamplingParams,
               priority: int | None = None) -> None:
         """Queue a request validated at the edge (the client, or add_request): only what depends
-        on the scheduler's state is checked here (id in use, priority, queue full)."""
+        on the scheduler's state is checked here (id in use, priority, queue full, structured
+        output off). A constraint whose grammar is cached gets its matcher now; a new one parks
+        the request while a compile process compiles it (no grammar library on this thread)."""
+        q = self.q
         try:
-            if rid in self.by_id:
+            if rid in q.by_id:
                 raise AdmissionError(f"request id {rid!r} is already in use")
-            if priority is not None and not self._honours_priority:
+            if priority is not None and not self.admission.honours_priority:
                 raise AdmissionError("request priority given but priority scheduling is off "
                                      "(--enable-priority-scheduling)")
             cap = self.cfg.max_queued_requests
             # waiting requests that free running slots will take at the next step are about to
             # run, not queued: a burst of max_running + max_queued is accepted whole
-            slots = (self.cfg.max_running_requests - len(self.running) - len(self.jumped)
-                     - (self.chunked is not None))
-            queued = len(self.waiting) + len(self.compiling) - max(slots, 0)
+            slots = (self.cfg.max_running_requests - len(q.running) - len(q.jumped)
+                     - (q.chunked is not None))
+            queued = len(q.waiting) + len(q.compiling) - max(slots, 0)
             if cap is not None and queued >= cap:
                 raise AdmissionError(f"the queue is full: {queued} requests waiting "
                                      f"(--max-queued-requests {cap})", status=503)
+            if p.constraint is not None and self.grammar is None:
+                raise AdmissionError("structured output is off in this engine "
+                                     "(--grammar-backend none, or no grammar backend fits)")
         except ValueError:
             self.counters["rejected"] += 1
             raise
         stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos))
         state = SamplingState(p, input_ids, stop_ids, self.vocab_size, self.runner.device)
-        compiled = self._grammar_for(p) if p.constraint is not None else None
+        compiled = self.grammar.cached(p.constraint) if p.constraint is not None else None
         if compiled is not None:
             state.matcher = self.grammar.matcher_of(compiled)
         req = Req(rid, list(input_ids), p, state, self._seq, priority or 0)
         self._seq += 1
-        self.by_id[rid] = req
+        q.by_id[rid] = req
         if p.constraint is not None and compiled is None:
-            self._compile(req)
+            self.compiles.park(req)
         else:
-            self.waiting.append(req)
+            q.waiting.append(req)
 
-    def _grammar_for(self, p: SamplingParams) -> Any:
-        """The constraint's compiled grammar from the cache, or None (to be compiled). The
-        edge checked the constraint (Grammar.check); no grammar library runs on this thread:
-        a new constraint compiles in a compile process (core.engine.grammar_compiler)."""
-        if self.grammar is None:
-            self.counters["rejected"] += 1
-            raise AdmissionError("structured output is off in this engine "
-                                 "(--grammar-backend none, or no grammar backend fits)")
-        return self.grammar.cached(p.constraint)
-
-    def _compile(self, req: Req) -> None:
-        """Park `req` in `compiling` on its grammar's compile (one per constraint at a time)."""
-        key = req.params.constraint.key()
-        cid = self._compile_ids.get(key)
-        if cid is None:
-            cid = self._compile_ids[key] = self._next_compile
-            self._next_compile += 1
-            self._compiles[cid] = (req.params.constraint,
-                                   self.grammar.submit(req.params.constraint), [])
-        self._compiles[cid][2].append(req)
-        req.compile_id = cid
-        self.compiling.append(req)
+    # -- grammar compiles ------------------------------------------------------------------------
 
     def grammar_ready(self) -> list[int]:
         """The ids of the compiles that are done (in start order)."""
-        return [cid for cid, (_, fut, _) in self._compiles.items() if fut.done()]
+        return self.compiles.ready()
 
     def grammar_done(self, ids: list[int]) -> None:
-        """Move the requests of these finished compiles on: to `waiting` with their matcher,
-        or finished with the compile's error (400 for a refusal, 500 for a backend failure).
-        Waits for a compile not yet done here (a rank told by rank 0)."""
-        for cid in ids:
-            constraint, fut, reqs = self._compiles.pop(cid)
-            del self._compile_ids[constraint.key()]
-            try:
-                compiled = fut.result()
-            except ValueError as exc:
-                compiled, error = None, exc
-            else:
-                self.grammar.store(constraint, compiled)
-            for req in reqs:
-                if req.compile_id != cid or req not in self.compiling:
-                    continue  # aborted while compiling
-                self.compiling.remove(req)
-                req.compile_id = None
-                if compiled is not None:
-                    req.state.matcher = self.grammar.matcher_of(compiled)
-                    self.waiting.append(req)
-                    continue
-                self.counters["rejected"] += 1
-                req.finish = {"type": "abort", "message": str(error),
-                              "status_code": getattr(error, "status", 400)}
-                self._done(req)
-                self._finished_out.append(req)
+        """Move the requests of these finished compiles on (Compiles.done); the refused ones
+        finish with the compile's error."""
+        for req in self.compiles.done(ids):
+            self._done(req)
+            self._finished_out.append(req)
 
     def poll_timeout(self) -> float:
         """How long the worker may wait for messages before the next step: 0 with work to do,
         a moment while only grammar compiles are pending, else half a second."""
-        if self.waiting or self.running or self.chunked or self.jumped or self._finished_out \
+        q = self.q
+        if q.waiting or q.running or q.chunked or q.jumped or self._finished_out \
                 or self.inflight is not None:
             return 0.0
-        return 0.002 if self.compiling else 0.5
+        return 0.002 if q.compiling else 0.5
 
     def abort(self, rid: str) -> bool:
-        req = self.by_id.get(rid)
+        q = self.q
+        req = q.by_id.get(rid)
         if req is None or req.finish is not None:
             return False
-        if req in self.compiling:
-            self.compiling.remove(req)
-            cid, req.compile_id = req.compile_id, None
-            constraint, fut, reqs = self._compiles[cid]
-            reqs.remove(req)
-            if not reqs:  # nobody waits for it: stop it (every rank does the same)
-                del self._compiles[cid], self._compile_ids[constraint.key()]
-                self.grammar.cancel(fut)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        if req.compile_id is not None:
+            self.compiles.leave(req)
+        elif req in q.waiting:
+            q.waiting.remove(req)
         else:
-            if req is self.chunked:
-                self.chunked = None
-            elif req in self.running:
-                self.running.remove(req)
+            if req is q.chunked:
+                q.chunked = None
+            elif req in q.running:
+                q.running.remove(req)
             elif req.jumping:
-                self._unjump(req)
-            self._release(req)
+                q.unjump(req)
+            self.pages.release(req)
         req.finish = {"type": "abort", "message": "aborted by the client"}
         self.counters["aborted"] += 1
         self._done(req)
@@ -314,8 +238,9 @@ class Scheduler(Admission, Overlap):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.jumped
-                    or self._finished_out or self.inflight is not None or self.compiling)
+        q = self.q
+        return bool(q.waiting or q.running or q.chunked or q.jumped or self._finished_out
+                    or self.inflight is not None or q.compiling)
 
     def step(self) -> list[Req]:
         """Run one scheduling step; return the requests with new output (or just finished).
@@ -328,15 +253,15 @@ class Scheduler(Admission, Overlap):
         logprobs) lands the in-flight step first and runs as without overlap.
         """
         self.counters["steps"] += 1
-        if self._compiles and not self.grammar_by_message:
+        if self.compiles and not self.grammar_by_message:
             self.grammar_done(self.grammar_ready())
         touched: list[Req] = self._finished_out
         self._finished_out = []
         if self.inflight is not None:
-            if self._can_chain():
-                return touched + self._chain_decode()
-            touched += self._land()
-        if self.running:
+            if self.overlap.can_chain():
+                return touched + self.overlap.chain()
+            touched += self.overlap.land()
+        if self.q.running:
             touched += self._decode_step()
         touched += self._extend_step()
         return touched
@@ -346,38 +271,42 @@ class Scheduler(Admission, Overlap):
     def _decode_pages_needed(self) -> int:
         """New pages the running batch needs for one more token each."""
         ps = self.cfg.page_size
-        return sum(1 for r in self.running if r.kv_len % ps == 0)
+        return sum(1 for r in self.q.running if r.kv_len % ps == 0)
+
+    def _decode_room(self) -> bool:
+        return self.pages.ensure(self._decode_pages_needed())
 
     def _forward_decode(self, input_ids: Any) -> Any:
-        """One decode forward of self.running (pages already ensured) -> logits [B, V].
+        """One decode forward of the running batch (pages already ensured) -> logits [B, V].
         input_ids: host ints, or the previous step's device tokens (overlap)."""
         ps = self.cfg.page_size
-        batch = self.running
+        batch = self.q.running
         slots, positions = [], []
         for r in batch:
             if r.kv_len % ps == 0:
-                r.pages.extend(self.allocator.alloc(1))
+                r.pages.extend(self.pages.allocator.alloc(1))
             slots.append(token_slots(r.pages, r.kv_len, r.kv_len + 1, ps)[0])
             positions.append(r.kv_len)
         logits = self.runner.decode([r.row for r in batch], input_ids, positions, slots)
         for r in batch:
             r.kv_len += 1
         self.counters["decode_tokens"] += len(batch)
-        self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
+        self.admission.decayed()
         return logits
 
     def _decode_step(self) -> list[Req]:
-        while not self._ensure_pages(self._decode_pages_needed()):
-            victim = self._pick_victim()
+        while not self._decode_room():
+            victim = self.admission.pick_victim()
             if victim is None:  # cannot happen for admitted requests; never loop forever
                 raise OutOfPages("decode cannot get a KV page and has nothing to retract")
-            self._retract(victim)
-        if not self.running:
+            self.admission.retract(victim)
+        q = self.q
+        if not q.running:
             return []
-        if self._deferrable():
-            self._launch_decode([r.output_ids[-1] for r in self.running])
+        if self.overlap.deferrable():
+            self.overlap.launch([r.output_ids[-1] for r in q.running])
             return []
-        batch = self.running
+        batch = q.running
         # Grammar masks: where the forward runs on the host (no overlap schedule: a CPU) they
         # fill on a host thread meanwhile; where it runs on a device they fill in this thread
         # after the forward's launch, while the device computes (at sampling).
@@ -385,15 +314,15 @@ class Scheduler(Admission, Overlap):
             [r.state for r in batch], self.vocab_size)
         logits = self._forward_decode([r.output_ids[-1] for r in batch])
         self._sample(batch, logits, masks)
-        self.running = self._decoding(batch)
+        q.running = q.decoding(batch)
         return list(batch)
 
     def _extend_step(self) -> list[Req]:
-        self._preempt_for_priority()
-        items = self._admit()
+        self.admission.preempt_for_priority()
+        items = self.admission.admit()
         if not items:
             return []
-        ps = self.cfg.page_size
+        q, ps = self.q, self.cfg.page_size
         rows, prefix, tokens, slots, ready = [], [], [], [], []
         for i, (r, n) in enumerate(items):
             all_ids = r.all_ids
@@ -412,11 +341,11 @@ class Scheduler(Admission, Overlap):
             r.kv_len += n
         self.counters["prefill_tokens"] += sum(n for _, n in items)
         done = [items[i][0] for i in ready]
-        if self.chunked is not None and self.chunked.kv_len == self.chunked.fill_len:
-            self.chunked = None
+        if q.chunked is not None and q.chunked.kv_len == q.chunked.fill_len:
+            q.chunked = None
         if done:
             self._sample(done, logits)
-            self.running += self._decoding(done)
+            q.running += q.decoding(done)
         return done
 
     def _prompt_logprobs(self, r: Req, start: int, hidden: Any) -> None:
@@ -457,7 +386,7 @@ class Scheduler(Admission, Overlap):
                     and not r.params.logprobs:
                 self._jump(r)
         if r.finish is not None:
-            self._release(r)
+            self.pages.release(r)
             self.counters["finished"] += 1
             self._done(r)
 
@@ -480,15 +409,7 @@ class Scheduler(Admission, Overlap):
             self.counters["jump_tokens"] += len(forced)
         if forced and r.finish is None:
             r.jumping = True
-            self.jumped.append(r)
-
-    def _unjump(self, r: Req) -> None:
-        r.jumping = False
-        self.jumped = [x for x in self.jumped if x is not r]
-
-    def _decoding(self, reqs: list[Req]) -> list[Req]:
-        """Those of `reqs` that go on decoding: not finished, not waiting for a jump's extend."""
-        return [r for r in reqs if r.finish is None and not r.jumping]
+            self.q.jumped.append(r)
 
     def _check_finish(self, r: Req, tok: int) -> dict | None:
         p = r.params
@@ -512,31 +433,31 @@ class Scheduler(Admission, Overlap):
             return {"type": "length", "length": p.max_new_tokens}
         return None
 
-    # -- introspection ---------------------------------------------------------------------------
+    def _done(self, req: Req) -> None:
+        self.q.by_id.pop(req.rid, None)
+        if req.state.matcher is not None:  # finished or aborted: its grammar state goes
+            req.state.matcher.close()
+            req.state.matcher = None
 
-    def in_use_pages(self) -> list[int]:
-        return [p for r in self._holding() for p in r.pages[r.num_shared:]]
+    # -- introspection ---------------------------------------------------------------------------
 
     def check_accounting(self) -> None:
         """Assert free + cached + in use == total pages, with no page owned twice."""
-        self.allocator.check_accounting(self.cache.cached_pages(), self.in_use_pages())
-        rows = len(self._holding())
-        assert self.req_to_token.free_rows + rows == self.req_to_token.max_reqs, \
-            f"request rows leaked: {self.req_to_token.free_rows} free + {rows} held != " \
-            f"{self.req_to_token.max_reqs}"
+        self.pages.check_accounting(self.q.holding())
 
     def stats(self) -> dict[str, Any]:
+        q, cache = self.q, self.pages.cache
         return {**self.counters,
-                "running": len(self._holding()),
-                "waiting": len(self.waiting),
-                "compiling": len(self.compiling),
-                "free_pages": self.allocator.free_pages,
-                "total_pages": self.allocator.total_pages,
+                "running": len(q.holding()),
+                "waiting": len(q.waiting),
+                "compiling": len(q.compiling),
+                "free_pages": self.pages.allocator.free_pages,
+                "total_pages": self.pages.allocator.total_pages,
                 "page_size": self.cfg.page_size,
-                "cached_pages": self.cache.evictable_pages + self.cache.protected_pages,
-                "evictable_pages": self.cache.evictable_pages,  # reusable: the server counts
+                "cached_pages": cache.evictable_pages + cache.protected_pages,
+                "evictable_pages": cache.evictable_pages,  # reusable: the server counts
                 # them as free in its kv_pages_used (as SGLang does)
-                "new_token_ratio": round(self.new_token_ratio, 4),
+                "new_token_ratio": round(self.admission.new_token_ratio, 4),
                 # grammar masks: seconds filled, seconds the step waited on them, count
                 **self.sampler.mask_stats,
                 # grammar compiles: queued, running, outcomes (core.engine.grammar_compiler)
