@@ -8,10 +8,16 @@ conformance.plugin), or by importing them into a test module:
 
 Parametrization: every registered layer-ops plugin that can run on each suite device (or only
 those named), every declared compute dtype (not bf16 under the Triton interpreter), every op of
-core.contract.layer_ops.OPS. An op the plugin does not provide (its method returns None) is a skip with
-the reason: the layers then run the reference. Per op: odd sizes, a strided view where the model
-passes one, empty batches, outputs of the right shape, dtype and device, inputs left unchanged,
-and (store_kv) exactly the addressed slots written.
+core.contract.layer_ops.OPS. An op the plugin does not declare (LayerOpsCaps.ops) and does not
+provide (its method is absent or returns None for every input tried) is a skip with the reason:
+the layers then run the reference; an op it declares but returns None for on every input the
+suite tries, in a dtype it declares, is a failure (the caps promise what the plugin does not
+do). Per op: odd sizes, a strided view where the model passes one, empty batches, outputs of
+the right shape, dtype and device, inputs left unchanged, and (store_kv) exactly the addressed
+slots written. The norms (rms_norm, add_rms_norm, qk_norm_rotary) also get an all-zero row and
+rows of small norm (1e-3, 1e-4: mean(x^2) at or below eps), where eps must sit inside the
+square root, rsqrt(mean(x^2) + eps), as the reference has it: outside it (x / (rms + eps)) or
+missing, those rows come out wrong or not finite.
 """
 
 from __future__ import annotations
@@ -77,7 +83,34 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str)
                                msg=lambda m: f"{what}: {m}")
 
 
-def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
+SMALL_ROWS = (0.0, 1e-3, 1e-4)  # an all-zero row, then rows of small norm (see the docstring)
+
+
+def _small_rows(x: torch.Tensor, n_head: int | None = None) -> None:
+    """Scale the first rows of x [T, N] (or the first head of `n_head` columns of each of the
+    first tokens) by SMALL_ROWS, in place."""
+    for i, s in enumerate(SMALL_ROWS[:x.shape[0]]):
+        if n_head is None:
+            x[i] *= s
+        else:
+            x[i, :n_head] *= s
+
+
+def _not_provided(op: str, dtype: torch.dtype, declared: frozenset[str] | None, why: str
+                  ) -> None:
+    """Nothing of `op` ran: a failure when the plugin declares it, else a skip with `why`."""
+    if declared is None or op in declared:
+        raise AssertionError(
+            f"{op} is declared (LayerOpsCaps.ops) but the plugin provided it for none of the "
+            f"{dtype} inputs the suite tried (its method is absent or returned None): declare "
+            "only the ops it provides")
+    pytest.skip(f"{op} not declared (LayerOpsCaps.ops) and not provided for {dtype}: {why}")
+
+
+def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device,
+           declared: frozenset[str] | None = None) -> None:
+    """One op of `ops` against the reference `ref`; `declared`: the plugin's LayerOpsCaps.ops
+    (None: every op counts as declared)."""
     g = torch.Generator(device="cpu").manual_seed(OPS.index(op))
 
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -85,14 +118,17 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
 
     fn = getattr(ops, op, None)
     if fn is None:  # an optional op (core.contract.layer_ops.OPTIONAL_OPS) the plugin leaves out
-        pytest.skip(f"{op} not provided: the layers compose it from the plugin's other ops")
+        _not_provided(op, dtype, declared, "the layers compose it from the plugin's other ops "
+                                           "or run the reference")
     if op in ("rms_norm", "add_rms_norm"):
         for n, t in ((96, 5), (576, 3), (4096, 2), (64, 0)):
             w = (torch.rand(n, generator=g) + 0.5).to(dtype=dtype, device=device)
             f, r = fn(w, 1e-6), getattr(ref, op)(w, 1e-6)
             if f is None:
-                pytest.skip(f"{op} not provided for {dtype}: the layers run the reference")
+                _not_provided(op, dtype, declared, "the layers run the reference")
             x, res = rnd(t, n), rnd(t, n)
+            _small_rows(x)
+            _small_rows(res)  # x + residual small too (add_rms_norm normalizes the sum)
             x0, res0 = x.clone(), res.clone()
             if op == "rms_norm":
                 _close(f(x), r(x), dtype, f"rms_norm n={n} t={t}")
@@ -104,15 +140,17 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
     elif op == "silu_and_mul":
         f = fn()
         if f is None:
-            pytest.skip(f"{op} not provided for {dtype}: the layers run the reference")
+            _not_provided(op, dtype, declared, "the layers run the reference")
         for t, i in ((7, 96), (1, 1408), (0, 64)):
             x = rnd(t, 2 * i)
             _close(f(x), ref.silu_and_mul()(x), dtype, f"silu_and_mul t={t} i={i}")
     elif op == "rotary_qk":
+        ran = False
         for d, hq, hk, t in ((64, 4, 2, 5), (128, 8, 1, 3), (80, 2, 2, 2)):
             f = fn(d)
             if f is None:
                 continue  # not provided at this head size: the reference rotates it
+            ran = True
             # cos / sin [T, 1, D] as RotaryEmbedding.cos_sin gives them (sin = [-s, s])
             pos = torch.arange(t, dtype=torch.float32) * 3
             ang = pos[:, None] / 1e4 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
@@ -123,6 +161,8 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
             rq, rk = ref.rotary_qk(d)(qkv, cos, sin, hq, hk)
             _close(q, rq, dtype, f"rotary q d={d}")
             _close(k, rk, dtype, f"rotary k d={d}")
+        if not ran:
+            _not_provided(op, dtype, declared, "the reference rotates q and k")
     elif op == "qk_norm_rotary":
         ran = False
         # Qwen3-30B-A3B's heads (32 q, 4 kv of 128), odd head counts, a head size the
@@ -139,8 +179,11 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
             ang = pos[:, None] / 1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
             cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(dtype=dtype, device=device)
             sin = torch.cat([-ang.sin(), ang.sin()], -1)[:, None].to(dtype=dtype, device=device)
-            # scaled like real activations (the norm divides the scale out)
+            # scaled like real activations (the norm divides the scale out); the first tokens'
+            # first q head, and k head (after the q heads), zero or of small norm
             qkv = rnd(t, (hq + 2 * hk) * d, scale=3.0)
+            _small_rows(qkv, d)
+            _small_rows(qkv[:, hq * d:], d)
             qkv0 = qkv.clone()
             q, k = f(qkv, cos, sin, hq, hk)
             rq, rk = ref.qk_norm_rotary(d, qw, kw, 1e-6)(qkv, cos, sin, hq, hk)
@@ -149,7 +192,7 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
             assert q.is_contiguous() and k.is_contiguous(), "q / k must be contiguous"
             assert torch.equal(qkv, qkv0), "qk_norm_rotary changed its input"
         if not ran:
-            pytest.skip(f"{op} not provided for {dtype}: the layers compose it")
+            _not_provided(op, dtype, declared, "the layers compose it")
     elif op == "linear":
         # decode's rows (1..4), a prefill's (the plugin may hand those to the BLAS), odd sizes,
         # K long enough to be split, with and without bias, x a strided row view
@@ -168,11 +211,11 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device) -> None:
             _close(f(x), ref.linear(w, b)(x), dtype, f"linear m={m} n={n} k={kk} bias={bias}")
             assert torch.equal(x, x0) and torch.equal(w, w0), "linear changed its inputs"
         if not ran:
-            pytest.skip(f"{op} not provided for {dtype}: the layers use F.linear")
+            _not_provided(op, dtype, declared, "the layers use F.linear")
     elif op == "store_kv":
         f = fn()
         if f is None:
-            pytest.skip(f"{op} not provided: the pool writes K/V itself")
+            _not_provided(op, dtype, declared, "the pool writes K/V itself")
         t, hkv, d, size = 6, 2, 32, 40
         qkv = rnd(t, (4 + 2 * hkv) * d)
         k = rnd(t, hkv, d)
@@ -194,4 +237,4 @@ def test_layer_ops_conformance(plugin, device, dtype, op):
     ops = reg.load()(dtype=dt, device=dev)
     missing = [m for m in OPS if not hasattr(ops, m) and m not in OPTIONAL_OPS]
     assert not missing, f"{plugin} lacks {missing} (core/contract/layer_ops.py: return None instead)"
-    _check(op, ops, TorchLayerOps(dt, dev), dt, dev)
+    _check(op, ops, TorchLayerOps(dt, dev), dt, dev, reg.caps.ops)

@@ -3,7 +3,9 @@
 Axes: token counts (1..64 small, 1..4096 full), experts 8 / 60 / 64 / 128, top-k 1 / 2 / 4 / 8,
 routing (random; every token on one expert; all tokens on a few experts, so most experts get
 none), renormalize on / off, softmax and sigmoid scoring, grouped top-k, a shared-expert output
-to add, the SiLU (and, where declared, GELU) activation, expert-parallel shares (where
+to add, the SiLU (and, where declared, GELU: the exact erf form) activation, a
+routed_scaling_factor away from 1 (2.5, DeepSeek-V3's; 0.5: every runner must scale the routed
+weights, after renormalizing; the shared output is not scaled), expert-parallel shares (where
 declared: the experts split in 2 or 4, each share run alone, the shares' outputs summed), and
 each declared compute dtype. Widths
 that are not multiples of the usual tiles (hidden 40, intermediate 48) exercise the masks.
@@ -42,6 +44,7 @@ class MoECase:
     shared: bool = False
     activation: str = "silu"
     ep: int = 1  # expert parallel: the experts in `ep` shares, run one by one and summed
+    scaling: float = 1.0  # MoELayerParams.routed_scaling_factor
 
     @property
     def id(self) -> str:
@@ -56,6 +59,8 @@ class MoECase:
             parts.append(self.activation)
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.scaling != 1.0:
+            parts.append(f"scaled{self.scaling:g}")
         return "-".join(parts)
 
     def seed(self, base: int = 0) -> int:
@@ -105,6 +110,11 @@ def all_cases(full: bool = False) -> list[MoECase]:
                  for t, e, k, h, i, r, n, s, g, sh in _SMALL]
         cases.append(replace(cases[1], activation="gelu"))
         cases += [replace(cases[1], ep=2), replace(cases[2], ep=4)]  # expert parallel shares
+        # routed_scaling_factor: renormalized softmax, raw softmax with a shared expert (not
+        # scaled), sigmoid (DeepSeek-V3's 2.5), grouped, and expert-parallel shares
+        cases += [replace(cases[1], scaling=2.5), replace(cases[2], scaling=0.5),
+                  replace(cases[4], scaling=2.5), replace(cases[6], scaling=2.5),
+                  replace(cases[1], scaling=2.5, ep=2)]
         return cases
     cases = []
     for (e, k, h, i, s, g, sh, n), t in itertools.product(_FULL_SHAPES, _FULL_TOKENS):
@@ -112,6 +122,8 @@ def all_cases(full: bool = False) -> list[MoECase]:
     for t, routing in itertools.product((1, 64, 4096), ("one_expert", "few_experts")):
         cases.append(MoECase(t, 128, 8, 2048, 768, routing=routing))
     cases += [MoECase(t, 128, 8, 2048, 768, ep=4) for t in (1, 512)]
+    cases += [MoECase(t, 64, 8, 1024, 1408, scoring="sigmoid", groups=(8, 4), shared=True,
+                      scaling=2.5) for t in (1, 127, 1000)]  # DeepSeek-V3-like
     return cases
 
 

@@ -9,8 +9,9 @@ Checks, in order (the first failure raises AssertionError saying what went wrong
 1. the result is `out` (when given), has shape [T, H] and hidden's dtype, and every element is
    finite (`out` is pre-filled with NaN: an element never written shows);
 2. the inputs (hidden, router logits, shared output) are unchanged;
-3. it matches the fp32 reference (routing by core.contract.moe.select_experts on the same logits, a
-   loop over the experts in fp32 from the same rounded weights), at the dtype's tolerance;
+3. it matches the fp32 reference (routing by core.contract.moe.select_experts on the same logits,
+   routed_scaling_factor included, a loop over the experts in fp32 from the same rounded
+   weights, GELU in its exact erf form), at the dtype's tolerance;
 4. called without `out` (cases of up to 8 tokens), it returns a new tensor, equally close.
 On a CUDA device, for a runner that declares cuda_graph, `check_graph_case` also captures a
 decode-sized call in a CUDA graph and replays it on new inputs.
@@ -33,7 +34,8 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16}
 # (atol, rtol), atol relative to the reference's largest magnitude
 TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (5e-3, 5e-3), "bfloat16": (4e-2, 4e-2)}
-_ACTS = {"silu": F.silu, "gelu": F.gelu}
+# core.contract.moe.MoELayerParams.activation: "gelu" is the exact erf form, not tanh's
+_ACTS = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="none")}
 
 
 @dataclass
@@ -81,7 +83,7 @@ def build_inputs(case: MoECase, device: torch.device, seed: int) -> MoEInputs:
     layer = MoELayerParams(layer_id=0, num_experts=E, top_k=case.top_k, hidden_size=H,
                            intermediate_size=inter, renormalize=case.renormalize,
                            scoring_func=case.scoring, grouped_topk=case.groups,
-                           activation=case.activation)
+                           routed_scaling_factor=case.scaling, activation=case.activation)
     return MoEInputs(case, hidden, logits, MoEWeights(w13, w2), layer, shared)
 
 
@@ -90,7 +92,8 @@ def reference_moe(inputs: MoEInputs) -> torch.Tensor:
     layer, w = inputs.layer, inputs.weights
     act = _ACTS[layer.activation]
     route_w, ids = select_experts(inputs.logits, layer.top_k, layer.renormalize,
-                                  layer.grouped_topk, layer.scoring_func)
+                                  layer.grouped_topk, layer.scoring_func,
+                                  layer.routed_scaling_factor)
     x = inputs.hidden.float()
     out = torch.zeros_like(x)
     inter = layer.intermediate_size

@@ -7,10 +7,11 @@ conformance.plugin), or by importing them into a test module:
 
 Parametrization: every registered hardware target whose probe says it is available here (or only
 those named; a named target that is unavailable is one skip with the probe's reason), times each
-check below. The checks run on the device: memory figures, the defaults and their note,
-host<->device copies both ways (the waiter honoured), graph support said with a reason when off,
-the overlap answer, warmup shapes, the distributed backend, and the post-load transform on a tiny
-model (its output unchanged, within rounding).
+check below. The checks run on the device: the platform is a BasePlatform, memory figures, the
+defaults and their note, the KV buffers' zeros (every dtype a KV cache takes), host<->device
+copies both ways through the host device (the waiter honoured), graph support said with a reason
+when off, the overlap answer, warmup shapes, the distributed backend and where its collectives
+run, and the post-load transform on a tiny model (its output unchanged, within rounding).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from conformance.attention_suite import named_plugins
 from core.contract.platform import (
+    BasePlatform,
     GenericPlatform,
     GraphSupport,
     MemoryDefaults,
@@ -30,7 +32,8 @@ from core.plan.registry import get_registry
 
 __all__ = ["pytest_generate_tests", "test_platform_conformance"]
 
-CHECKS = ("memory", "defaults", "copies", "graphs", "overlap", "post_load")
+CHECKS = ("memory", "defaults", "zeros", "copies", "graphs", "overlap", "dist", "post_load")
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 GEOMETRY = ModelGeometry(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                          intermediate_size=14336, vocab_size=128256, dtype_bytes=2)
 
@@ -83,8 +86,10 @@ def test_platform_conformance(target, check):
     platform = load_platform(registry, info)
     if isinstance(platform, GenericPlatform):
         pytest.skip(f"{target} registers no Platform: the engine runs it on GenericPlatform")
+    assert isinstance(platform, BasePlatform), type(platform)
     device = torch.device(platform.torch_device(0))
     assert device.type == info.device_type, (device, info.device_type)
+    host_device = torch.device(platform.host_device())
     if check == "memory":
         free, total = platform.memory(0)
         assert isinstance(free, int) and isinstance(total, int)
@@ -95,15 +100,23 @@ def test_platform_conformance(target, check):
         assert d.chunked_prefill_size >= 1 and 0 < d.mem_fraction_static < 1
         assert d.max_running_requests >= 1 and d.graph_max_bs >= 0
         assert d.kv_cap_tokens is None or d.kv_cap_tokens >= 1
+    elif check == "zeros":
+        for dtype in KV_DTYPES:
+            buf = platform.zeros((64, 2, 8), dtype, device)
+            assert (buf.shape, buf.dtype, buf.device.type) == ((64, 2, 8), dtype, device.type)
+            assert not buf.float().any(), f"{dtype} buffer is not zero"
+            buf[3] = 1  # writable, and its own memory
+            assert buf.float().sum().item() == 16
+            assert not platform.zeros((64, 2, 8), dtype, device).float().any()
     elif check == "copies":
-        host = torch.arange(1000, dtype=torch.long)
+        host = torch.arange(1000, dtype=torch.long, device=host_device)
         dev = platform.to_device(host.clone(), device)
         assert dev.device.type == device.type
         back, waiter = platform.copy_to_host(dev * 2)
         if waiter is not None:
             waiter.synchronize()
         platform.synchronize(device)
-        assert back.device.type == "cpu" and torch.equal(back, host * 2)
+        assert back.device == host_device and torch.equal(back, host * 2)
     elif check == "graphs":
         support = platform.graphs()
         assert isinstance(support, GraphSupport)
@@ -114,7 +127,10 @@ def test_platform_conformance(target, check):
         shapes = platform.warmup_shapes()
         assert all(isinstance(n, int) and isinstance(t, int) and n >= 1 and t >= 1
                    for n, t in shapes), shapes
+    elif check == "dist":
         assert isinstance(platform.dist_backend(), str) and platform.dist_backend()
+        comm = platform.dist_device(device)
+        assert isinstance(comm, torch.device) and comm in (device, host_device), comm
     elif check == "post_load":
         model = _tiny_model(device)
         x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(device)

@@ -5,7 +5,10 @@ checkpoints use, with the fp32 weight those tensors mean.
 FP8 and INT8 tensors come from the `compressed-tensors` package (the library that writes those
 checkpoints); INT4 from conformance/quant_refs_int4.py (the formats' published packing).
 A case (`RefCase`) is one checkpoint form: its HF quantization_config, the builder of one
-linear's tensors, and how the reference treats activations.
+linear's tensors, and how the reference treats activations. `online_cases` gives the case of a
+method's quantization at load, from what it declares (QuantCaps.online_scheme()): core's
+online formats with dynamic or no activation quantization get an exact reference; any other
+format (a plugin's own) gets the dense product with a bound on the quantization error.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ class RefCase:
     (None: a dense checkpoint quantized at load; `online` names the method's online format).
     build(weight fp32 [N, K]) -> (tensors of one projection by suffix, dequantized [N, K]).
     acts: "none" | "fp8_token" | "fp8_group" | "fp8_static" | "int8_token" - how the
-    reference quantizes x. k_multiple / n_multiple: shape grain the format needs."""
+    reference quantizes x. k_multiple / n_multiple: shape grain the format needs.
+    slack(x, w) (None: 0): the relative error allowed beyond the dtype's tolerance, for a
+    case whose reference is the dense product of x [M, K] and w [N, K] (fp32) rather than the
+    exact dequantized weights (a format the suite cannot rebuild: `bounded_slack`)."""
 
     name: str
     format: str
@@ -42,6 +48,7 @@ class RefCase:
     static_scale: float | None = None
     online: bool = False
     tags: tuple[str, ...] = field(default=())
+    slack: Callable[[torch.Tensor, torch.Tensor], float] | None = None
 
 
 def _ct():
@@ -180,6 +187,59 @@ def fake_quant_acts(x: torch.Tensor, acts: str, static_scale: float | None = Non
         s = s / 127.0
         return torch.round(x * reciprocal(s)).clamp(-128, 127) * s
     raise ValueError(f"unknown activation form {acts!r}")
+
+
+def _dense(w: torch.Tensor) -> Built:
+    """A dense checkpoint's weight, meaning itself (a bounded case's reference)."""
+    return {"weight": w.clone()}, w
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y - ref).norm() / ref.norm().clamp(min=1e-12)).item()
+
+
+def bounded_slack(weight_bits: int, dynamic: bool) -> Callable[[torch.Tensor, torch.Tensor],
+                                                               float]:
+    """The error a method may add to x @ w^T when the suite cannot rebuild its grid: twice
+    what symmetric round-to-nearest per output channel at `weight_bits` costs on these very
+    operands (a per-group, asymmetric or finer method costs less), plus, for dynamic
+    activations, twice the larger of 8-bit fp8 and int8 per-token quantization's cost. A
+    wrong scale, layout or shard order is off by ~1; a half-bit slip passes."""
+    qmax = 2.0 ** (weight_bits - 1) - 1
+
+    def slack(x: torch.Tensor, w: torch.Tensor) -> float:
+        x, w = x.float(), w.float()
+        ref = x @ w.t()
+        s = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / qmax
+        rtn = torch.round(w / s).clamp(-qmax - 1, qmax) * s
+        err = _rel_err(x @ rtn.t(), ref)
+        if dynamic:
+            err += max(_rel_err(fake_quant_acts(x, a) @ w.t(), ref)
+                       for a in ("fp8_token", "int8_token"))
+        return 2.0 * err
+    return slack
+
+
+_EXACT_ONLINE = {"fp8_channel": "float", "int8_channel": "int"}  # what _online rebuilds
+
+
+def online_cases(fmt: str, activations: str, weight_bits: int | None) -> tuple[RefCase, ...]:
+    """The case of quantizing a dense checkpoint at load into `fmt` with `activations`
+    ("dynamic" or "none", core.plan.quant_scheme.online_scheme): core's per-channel formats
+    against the weights quantized as vLLM and SGLang do online (activations per token, or
+    not at all); any other format against the dense product within `bounded_slack` (which
+    needs `weight_bits`: no case without them)."""
+    kind = _EXACT_ONLINE.get(fmt)
+    if kind is not None and activations == "dynamic":
+        return tuple(c for c in CASES if c.online and c.format == fmt)
+    if kind is not None and activations == "none":
+        return (RefCase(f"{fmt.split('_')[0]}-online-weight-only", fmt, None, _online(kind),
+                        "none", online=True),)
+    if weight_bits is None or activations not in ("dynamic", "none"):
+        return ()
+    acts = "a8" if activations == "dynamic" else "a16"
+    return (RefCase(f"{fmt}-online-w{weight_bits}{acts}-bounded", fmt, None, _dense, "none",
+                    online=True, slack=bounded_slack(weight_bits, activations == "dynamic")),)
 
 
 def all_cases() -> tuple[RefCase, ...]:

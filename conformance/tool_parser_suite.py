@@ -40,12 +40,17 @@ the core replays an assistant turn with content). The checks, as core/contract/t
   broke (that cannot be taken back); its text still ends up as the content.
 - calls to functions the request did not offer: the parser reads them (it is not given the
   tools); the core puts their raw text back into the content, streamed or not.
+- nesting (core/contract/tools.py, MAX_ARGUMENT_DEPTH): arguments nested exactly to the limit
+  read back as the call; one level deeper, 1,500 levels (past Python's recursion limit) and
+  50,000: parse never raises, one-shot or streamed, and the text comes back verbatim, as
+  content (such a call is not well formed), through the core too.
 - robustness: mutations of the parser's own calls (characters deleted, inserted, duplicated,
   the text cut) and random strings of markup and JSON fragments: parse never raises, final
   results are well formed, a final result with no call is the text verbatim, and streamed
   content never has to be taken back.
 - the tools prompt (where prompts is declared): a deterministic string naming every tool;
-  format_response holds the result.
+  format_response holds each result verbatim (spaces and newlines at its ends, unicode,
+  escapes, markup and nothing at all included).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from typing import Any
 import pytest
 
 from conformance.plugin import named_plugins
-from core.contract.tools import ToolCall, ToolParser
+from core.contract.tools import MAX_ARGUMENT_DEPTH, ToolCall, ToolParser, json_depth
 from core.server.tools import ToolRequest, ToolStream, final_message
 
 __all__ = ["pytest_generate_tests", "test_tool_parser_conformance"]
@@ -114,7 +119,7 @@ class Case:
     (check_case); needs: the ToolParserCaps flag it needs, "" when none."""
 
     id: str
-    kind: str  # calls | plain | malformed | unknown | robust | prompt
+    kind: str  # calls | plain | malformed | unknown | deep | robust | prompt
     build: Callable[[Any, Any], Any] = field(repr=False)
     needs: str = ""
 
@@ -229,6 +234,7 @@ CASES: tuple[Case, ...] = (
          "parallel_calls"),
     Case("unknown-function", "unknown", _unknown),
     Case("unknown-beside-known", "unknown", _unknown_beside, "parallel_calls"),
+    Case("deep-arguments", "deep", lambda parser, caps: None),
     Case("robust-mutations", "robust", lambda parser, caps: None),
     Case("robust-fragments", "robust", lambda parser, caps: None),
     Case("tools-prompt", "prompt", lambda parser, caps: None, "prompts"),
@@ -312,6 +318,9 @@ def check_case(parser: Any, caps: Any, case: Case, seed: int = 0, name: str = "p
     if case.kind == "prompt":
         check_prompt(parser)
         return
+    if case.kind == "deep":
+        check_deep(parser)
+        return
     built = case.build(parser, caps)
     for sample in built if isinstance(built, list) else [built]:
         {"calls": check_calls, "plain": check_plain, "malformed": check_malformed,
@@ -359,6 +368,11 @@ def parse(parser: Any, text: str, final: bool) -> list[Any]:
             assert p.complete, f"{where}: call {i} is incomplete in a final result"
         if p.complete:
             assert p.name is not None, f"{where}: call {i} is complete without a name"
+            depth = json_depth(p.arguments)
+            assert depth <= MAX_ARGUMENT_DEPTH, (
+                f"{where}: call {i}'s arguments nest {depth} levels, deeper than "
+                f"MAX_ARGUMENT_DEPTH ({MAX_ARGUMENT_DEPTH}): such a call is not well formed, its "
+                "text stays content (core/contract/tools.py)")
             try:
                 args = json.loads(p.arguments)
             except ValueError:
@@ -658,17 +672,70 @@ TOOLS = [
 ]
 
 
+# tool results format_response must hold verbatim (the model's only view of the result)
+RESPONSES = ('{"temp": 21, "sky": "☀"}', "  spaces and\nnewlines at both ends \n\n",
+             "unicode: Zürich 東京 🌦️ e\u0301, escapes: \\n \\\" \\u0041 \"quoted\"",
+             "markup: <tool_response>x</tool_response> <tool_call> <|python_tag|> <|eot_id|>",
+             "", "\ttabs\tand\r\ncarriage returns")
+
+
 def check_prompt(parser: Any) -> None:
-    """tools_prompt: a deterministic string naming every tool; format_response holds the result;
-    format_calls is deterministic."""
+    """tools_prompt: a deterministic string naming every tool; format_response holds each result
+    verbatim; format_calls is deterministic."""
     prompt = parser.tools_prompt(TOOLS)
     assert isinstance(prompt, str) and prompt == parser.tools_prompt(TOOLS), \
         "tools_prompt must be a string, the same for the same tools"
     for t in TOOLS:
         assert t["function"]["name"] in prompt, f"the tools prompt lacks {t['function']['name']}"
     for name in ("get_weather", None):
-        got = parser.format_response('{"temp": 21, "sky": "☀"}', name)
-        assert isinstance(got, str) and '{"temp": 21, "sky": "☀"}' in got, (
-            f"format_response(content, {name!r}) -> {got!r} does not hold the content")
+        for content in RESPONSES:
+            got = parser.format_response(content, name)
+            assert isinstance(got, str) and content in got, (
+                f"format_response({content!r}, {name!r}) -> {got!r} does not hold the content "
+                "verbatim (core/contract/tools.py: unchanged, as one substring)")
     calls = [dict(WEATHER), dict(TIME)]
     assert parser.format_calls(calls) == parser.format_calls(calls)
+
+
+DEEP = "DEEP-ARGUMENT-7f3a"  # an argument value replaced by deeply nested arrays
+
+
+def deep_text(parser: Any, depth: int) -> str:
+    """A call written by the parser whose arguments nest `depth` levels ({"deep": [[...]]}),
+    written with a placeholder and the nesting put in as text (json.dumps would recurse)."""
+    text = parser.format_calls([call("get_weather", deep=DEEP)])
+    marker = json.dumps(DEEP)
+    assert marker in text, f"format_calls did not write the argument {DEEP!r} as JSON: {text!r}"
+    return text.replace(marker, "[" * (depth - 1) + "]" * (depth - 1), 1)
+
+
+def check_deep(parser: Any) -> None:
+    """Arguments nested to MAX_ARGUMENT_DEPTH read back; deeper, parse never raises and the
+    text comes back verbatim as content (a call that is not well formed), streamed or not."""
+    text = deep_text(parser, MAX_ARGUMENT_DEPTH)
+    got = _got(parse(parser, text, True))
+    nested: list[Any] = []
+    for _ in range(MAX_ARGUMENT_DEPTH - 2):
+        nested = [nested]
+    assert got == [("get_weather", _jsonish({"deep": nested}))], (
+        f"a call whose arguments nest {MAX_ARGUMENT_DEPTH} levels (the limit) -> {got}: not "
+        "read back")
+    treq = ToolRequest(({"type": "function", "function": {"name": "get_weather"}},), "auto")
+    for depth in (MAX_ARGUMENT_DEPTH + 1, 1500, 50_000):
+        text = deep_text(parser, depth)
+        what = f"a call whose arguments nest {depth} levels"
+        final = parse(parser, text, True)
+        assert not _got(final) and content_of(final) == text, (
+            f"{what} -> {_show(final)[:300]}: deeper than MAX_ARGUMENT_DEPTH "
+            f"({MAX_ARGUMENT_DEPTH}) a call is not well formed: the text must come back "
+            "verbatim, as content")
+        want_content = content_of(visible(final))
+        for k in range(1, 11):  # streamed: ten prefixes, then the whole text
+            at = len(text) * k // 10
+            now = content_of(visible(parse(parser, text[:at], False)))
+            assert want_content.startswith(now), (
+                f"{what}, streamed: after {at} characters the content {now[-80:]!r} is not a "
+                "start of the final content")
+        content, calls = _final_message(parser, treq, text)
+        assert (content, calls) == (text.strip(), []), (
+            f"the core's final message of {what}: {content[:80]!r}, {calls}")

@@ -27,6 +27,8 @@ from core.plan.args import add_cli_args, from_namespace, load_yaml_config
 from core.plan.registry import PluginError, Registry, get_registry
 
 EXIT_OK, EXIT_NO_FIT, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
+# core.engine.worker.STARTUP_PROGRESS_ENV (not imported: the worker module imports torch)
+STARTUP_PROGRESS_ENV = "CORE_STARTUP_PROGRESS"
 
 
 class _UsageError(Exception):
@@ -50,6 +52,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "that is not here.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel"))
+    _add_field_flag(p, "tool_call_parser")
+    _add_field_flag(p, "chat_template")
 
     p = sub.add_parser("serve", help="run the HTTP server",
                        description="Serve a model over HTTP. Flags override --config.")
@@ -61,8 +65,19 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text(s)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily")
+    p.add_argument("--verbose", action="store_true",
+                   help="print the whole plan and the engine's notes (default: one line)")
     add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel"))
     return parser
+
+
+def _add_field_flag(parser: argparse.ArgumentParser, name: str) -> None:
+    """One ServerArgs field of a group the command does not take whole, as its --flag."""
+    from core.plan.args import ServerArgs
+
+    f = next(f for f in dataclasses.fields(ServerArgs) if f.name == name)
+    parser.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
+                        help=f.metadata["help"])
 
 
 # ------------------------------------------------------------------------------------ backends
@@ -83,6 +98,22 @@ def _backend_status(registry: Registry, kind: str, reg: Any) -> tuple[str, str]:
     return "available", ""
 
 
+def jsonable(value: Any) -> Any:
+    """A capability value as JSON: dataclasses as objects of every field, sets sorted, tuples
+    as lists, maps with string keys; anything else its str()."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (set, frozenset)):
+        return sorted((jsonable(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {str(k): jsonable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
 def _backends_rows(registry: Registry) -> list[dict[str, Any]]:
     rows = []
     for kind in KINDS:
@@ -90,7 +121,8 @@ def _backends_rows(registry: Registry) -> list[dict[str, Any]]:
             status, reason = _backend_status(registry, kind, reg)
             row = {"kind": kind, "name": name, "plugin": reg.origin.plugin,
                    "distribution": reg.origin.dist, "version": reg.origin.version,
-                   "status": status, "reason": reason, "summary": reg.caps.summary()}
+                   "status": status, "reason": reason, "summary": reg.caps.summary(),
+                   "caps": jsonable(reg.caps)}
             if kind == "hardware" and status == "available":
                 row["device"] = registry.probe(name).describe()
             rows.append(row)
@@ -158,10 +190,60 @@ def _model_spec(path: str | None):
         raise _UsageError(f"--model-path {path}: {exc}") from exc
 
 
+def chat_template_of(args: Any, path: str | None) -> tuple[str | None, str]:
+    """The chat template the server would read for the model at `path` (what the tool-call
+    parser is chosen by), without loading the tokenizer: (its text or None, where it came
+    from). --chat-template wins; else a GGUF file's tokenizer.chat_template, else
+    chat_template.jinja or tokenizer_config.json's chat_template beside the config."""
+    if args.chat_template:
+        if os.path.isfile(args.chat_template):
+            with open(args.chat_template) as fh:
+                return fh.read(), f"--chat-template {args.chat_template}"
+        return args.chat_template, "--chat-template"
+    if not path:
+        return None, "no model path"
+    if path.endswith(".gguf") and os.path.isfile(path):
+        from core.plan.gguf_metadata import read_gguf_metadata
+
+        template = read_gguf_metadata(path).fields.get("tokenizer.chat_template")
+        if isinstance(template, str) and template:
+            return template, "the GGUF file's tokenizer.chat_template"
+        return None, "the GGUF file holds no tokenizer.chat_template"
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja) as fh:
+            return fh.read(), jinja
+    config = os.path.join(folder, "tokenizer_config.json")
+    try:
+        with open(config) as fh:
+            template = json.load(fh).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        template = None
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict)
+                         and t.get("name") == "default"), None)
+    if isinstance(template, str) and template:
+        return template, f"{config} chat_template"
+    return None, f"no chat template beside {path} (no chat_template.jinja, no chat_template in " \
+                 "tokenizer_config.json)"
+
+
+def _with_assumptions(text: str, unread: Sequence[str]) -> str:
+    """explain()'s text with what the config did not say under its own heading, after the
+    notes (values assumed, not errors)."""
+    if not unread:
+        return text
+    block = "\n".join(["", "Assumed (the model's config does not say; not an error):",
+                       *(f"  - {line}" for line in unread)])
+    head, sep, tail = text.partition("\n\nCandidates (* = chosen):")
+    return head + "\n" + block + sep + tail
+
+
 def _cmd_resolve(ns: argparse.Namespace) -> int:
     from core.plan.devices import select_device
     from core.plan.plan import ResolveError
-    from core.plan.resolver import error_table, explain, resolve
+    from core.plan.resolver import error_table, explain, resolve, resolve_tool_parser
 
     args = _server_args(ns)
     spec = _model_spec(args.model_path)
@@ -172,6 +254,11 @@ def _cmd_resolve(ns: argparse.Namespace) -> int:
         raise _UsageError(str(exc)) from exc
     try:
         plan = resolve(spec, device, args, registry)
+        # the tool-call parser is chosen by the chat template, read as the server would
+        template, whence = chat_template_of(args, spec.source or args.model_path)
+        plan = resolve_tool_parser(plan, template, args, registry)
+        plan = dataclasses.replace(plan, notes=plan.notes + (
+            f"chat template (for the tool-call parser): {whence}",))
     except ResolveError as err:
         if ns.json:
             print(json.dumps({"error": err.args[0], "reasons": err.reasons,
@@ -184,13 +271,11 @@ def _cmd_resolve(ns: argparse.Namespace) -> int:
             print(error_table(err))
         return EXIT_NO_FIT
     if ns.json:
-        print(json.dumps({"model": spec.architecture, "plan": plan.to_dict()}, indent=2,
-                         default=list))
+        print(json.dumps({"model": spec.architecture, "assumed": list(spec.unread),
+                          "plan": plan.to_dict()}, indent=2, default=list))
     else:
         print(f"model: {spec.architecture} ({spec.source or args.model_path})")
-        for line in spec.unread:
-            print(f"  not read from the config: {line}")
-        print(explain(plan))
+        print(_with_assumptions(explain(plan), spec.unread))
     if plan.model_impl is None:
         # the plan is printed (it says which kernels would run), but nothing could serve it
         print(f"error: no model implementation serves {spec.architecture}", file=sys.stderr)
@@ -228,6 +313,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     serve_main = _engine_entry("serve", "core.server", "serve_main")
     if serve_main is None:
         return EXIT_USAGE
+    # a line per start-up phase (weights, memory, KV cache, runner, scheduler) from the worker,
+    # instead of silence while kernels build and the model loads; CORE_STARTUP_PROGRESS=0: none
+    os.environ.setdefault(STARTUP_PROGRESS_ENV, "1")
     return int(serve_main(args) or 0)
 
 
@@ -240,6 +328,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     generate_main = _engine_entry("generate", "core.entrypoints", "generate_main")
     if generate_main is None:
         return EXIT_USAGE
+    if ns.verbose:
+        os.environ.setdefault(STARTUP_PROGRESS_ENV, "1")
     return int(generate_main(args, ns) or 0)
 
 

@@ -1,11 +1,23 @@
-"""`core generate`: print the plan to stderr, then one answer per prompt on stdout."""
+"""`core generate`: a one-line plan summary (the whole plan with --verbose) on stderr, then one
+answer per prompt on stdout."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from core.plan.args import ServerArgs
+
+
+def plan_summary(plan: Any, info: dict[str, Any]) -> str:
+    """The plan in one line: model, device, quant method, attention, KV pool."""
+    attention = plan.decode_attention if plan.prefill_attention == plan.decode_attention else \
+        f"{plan.prefill_attention} / {plan.decode_attention}"
+    quant = plan.quant_method + ("" if plan.quant_format == "dense" else f" ({plan.quant_format})")
+    kv = f", KV cache {info['pool_tokens']} tokens" if info.get("pool_tokens") else ""
+    return (f"core generate: {plan.model_impl or '?'} on {plan.device.describe()}: {quant}, "
+            f"{plan.dtype}, attention {attention}{kv} (--verbose: the whole plan)")
 
 
 def generate_main(args: ServerArgs, ns: argparse.Namespace) -> int:
@@ -19,9 +31,12 @@ def generate_main(args: ServerArgs, ns: argparse.Namespace) -> int:
     params = {"max_new_tokens": getattr(ns, "max_new_tokens", 64),
               "temperature": getattr(ns, "temperature", 0.0)}
     with Engine(server_args=args) as engine:
-        print(explain(engine.plan), file=sys.stderr)
-        for note in engine.info.get("notes", []):
-            print(f"  - {note}", file=sys.stderr)
+        if getattr(ns, "verbose", False):
+            print(explain(engine.plan), file=sys.stderr)
+            for note in engine.info.get("notes", []):
+                print(f"  - {note}", file=sys.stderr)
+        else:
+            print(plan_summary(engine.plan, engine.info), file=sys.stderr)
         tok = engine.tokenizer
         if getattr(ns, "raw", False) or not tok.chat_template:
             inputs = [tok.encode(p) for p in prompts]

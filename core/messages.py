@@ -1,9 +1,14 @@
 """The process boundary's vocabulary: frozen message dataclasses, sent as JSON over a pipe.
 
 Every message is one UTF-8 JSON object (`encode`) sent with `Connection.send_bytes`; nothing is
-pickled. `decode` checks the object's shape (its "type", every field's JSON type) and returns the
-typed message, or raises ValueError naming what is wrong. Shape only: what a request asks for is
-validated once, at the edge (core.frontend.client.EngineClient.prepare), and the worker trusts it.
+pickled. One codec, driven by each dataclass's fields and their annotations, writes and reads
+them all (`to_json` / `from_json`): a message is an object with its "type" and its fields (a
+field whose default is None may be left out when None; every other one is required), a class
+with `POSITIONAL` travels as the list of its field values (logprobs: compact), a tuple as a
+list, a dict with int keys with string keys. `decode` checks the shape (the type, every field's
+JSON type, no unknown field) and returns the typed message, or raises ValueError naming what is
+wrong. Shape only: what a request asks for is validated once, at the edge
+(core.frontend.request_checks), and the worker trusts it.
 
 client -> worker: AddRequest, Abort, Rpc, Shutdown (rank 0 -> ranks also: GrammarReady)
 worker -> client: Ready (once, with EngineInfo), Fatal, StepOutput (once per step), Reply,
@@ -14,51 +19,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
+from core.contract.grammar import Constraint
 from core.engine.sampling import SamplingParams
-from core.json_shape import fields as _fields
-from core.json_shape import is_int as _is_int
-from core.json_shape import is_num as _is_num
-from core.json_shape import list_of as _list_of
-from core.json_shape import of_type as _of
-from core.json_shape import optional as _opt
 
 RPC_OPS = ("stats", "check_accounting", "flush_cache")
 FINISH_TYPES = ("stop", "length", "abort")
+RpcOp = Literal["stats", "check_accounting", "flush_cache"]
+FinishType = Literal["stop", "length", "abort"]
 
 
 class ChannelClosed(EOFError):
     """The other end of the pipe is gone (process exited or closed its end)."""
-
-
-# -- shape checks (core.json_shape) ----------------------------------------------------------------
-
-_PARAM_CHECKS = {"int": (_is_int, "an integer"), "float": (_is_num, "a number"),
-                 "bool": (_of(bool), "true or false"), "int | None": (_opt(_is_int), "an integer"),
-                 "list[str]": (_list_of(_of(str)), "a list of strings"),
-                 "list[int]": (_list_of(_is_int), "a list of integers"),
-                 "Constraint | None": (_opt(_of(dict)), "an object or null"),
-                 "dict[int, float]": (_of(dict), "an object")}
-_PARAMS = {f.name: _PARAM_CHECKS[str(f.type)] for f in dataclasses.fields(SamplingParams)}
-
-
-def _params(d: Any) -> SamplingParams:
-    # Built without validate(): the client validated them; this only checks the shape (a
-    # constraint's too: Constraint.from_dict).
-    return SamplingParams(**_fields(d, "sampling params", _PARAMS))
-
-
-class _Flat:
-    """to_dict for a message whose fields are JSON values as they are."""
-
-    TYPE: ClassVar[str]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, **{f.name: getattr(self, f.name)
-                                      for f in dataclasses.fields(self)}}  # type: ignore[arg-type]
 
 
 # -- client -> worker ------------------------------------------------------------------------------
@@ -73,71 +51,35 @@ class AddRequest:
     params: SamplingParams
     priority: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "rid": self.rid, "input_ids": list(self.input_ids),
-                "params": self.params.to_dict(), "priority": self.priority}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AddRequest:
-        f = _fields(d, "add message", {"rid": (_of(str), "a string"),
-                                       "input_ids": (_list_of(_is_int), "a list of integers"),
-                                       "params": (_of(dict), "an object"),
-                                       "priority": (_opt(_is_int), "an integer or null")})
-        return cls(f["rid"], tuple(f["input_ids"]), _params(f["params"]), f["priority"])
-
 
 @dataclass(frozen=True)
-class Abort(_Flat):
+class Abort:
     TYPE: ClassVar[str] = "abort"
     rid: str
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Abort:
-        return cls(**_fields(d, "abort message", {"rid": (_of(str), "a string")}))
-
 
 @dataclass(frozen=True)
-class Rpc(_Flat):
+class Rpc:
     """A control call answered between steps by a Reply with the same id."""
 
     TYPE: ClassVar[str] = "rpc"
     id: int
-    op: str  # one of RPC_OPS
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Rpc:
-        return cls(**_fields(d, "rpc message", {
-            "id": (_is_int, "an integer"),
-            "op": (lambda v: v in RPC_OPS, f"one of {', '.join(RPC_OPS)}")}))
+    op: RpcOp
 
 
 @dataclass(frozen=True)
-class Shutdown(_Flat):
+class Shutdown:
     TYPE: ClassVar[str] = "shutdown"
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Shutdown:
-        _fields(d, "shutdown message", {})
-        return cls()
-
 
 @dataclass(frozen=True)
-class GrammarReady(_Flat):
+class GrammarReady:
     """Rank 0 to the other tensor-parallel ranks (inside a turn's broadcast, never from the
     client): these grammar compiles (the scheduler's ids) are done, so every rank moves their
     requests on at the same point of its schedule."""
 
     TYPE: ClassVar[str] = "grammar_ready"
     ids: tuple[int, ...]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "ids": list(self.ids)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GrammarReady:
-        got = _fields(d, "grammar_ready message", {
-            "ids": (_list_of(_is_int), "a list of integers")})
-        return cls(tuple(got["ids"]))
 
 
 # -- worker -> client ------------------------------------------------------------------------------
@@ -159,54 +101,20 @@ class EngineInfo:
     device: str
     pid: int
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for key in ("eos_token_ids", "notes", "cuda_graph_batch_sizes"):
-            d[key] = list(d[key])
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> EngineInfo:
-        f = _fields(d, "engine info", {
-            **{k: (_is_int, "an integer") for k in ("max_context", "pool_tokens", "page_size",
-                                                     "max_running_requests", "vocab_size",
-                                                     "kv_bytes_per_token", "pid")},
-            "eos_token_ids": (_list_of(_is_int), "a list of integers"),
-            "chunked_prefill_size": (_opt(_is_int), "an integer or null"),
-            "notes": (_list_of(_of(str)), "a list of strings"),
-            "cuda_graph_batch_sizes": (_list_of(_is_int), "a list of integers"),
-            "device": (_of(str), "a string")})
-        for key in ("eos_token_ids", "notes", "cuda_graph_batch_sizes"):
-            f[key] = tuple(f[key])
-        return cls(**f)
-
 
 @dataclass(frozen=True)
 class Ready:
     TYPE: ClassVar[str] = "ready"
     info: EngineInfo
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "info": self.info.to_dict()}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Ready:
-        f = _fields(d, "ready message", {"info": (_of(dict), "an object")})
-        return cls(EngineInfo.from_dict(f["info"]))
-
 
 @dataclass(frozen=True)
-class Fatal(_Flat):
+class Fatal:
     """The worker is about to exit."""
 
     TYPE: ClassVar[str] = "fatal"
     error: str
     traceback: str = ""
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Fatal:
-        return cls(**_fields(d, "fatal message", {"error": (_of(str), "a string"),
-                                                  "traceback": (_of(str), "a string")}))
 
 
 @dataclass(frozen=True)
@@ -214,20 +122,9 @@ class TokenLogprob:
     """The chosen token's logprob and the top (token, logprob) pairs (-inf travels as
     -Infinity: both ends are Python's json)."""
 
+    POSITIONAL: ClassVar[bool] = True  # [logprob, [[token, logprob], ...]]
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
-
-    def to_list(self) -> list[Any]:
-        return [self.logprob, [list(t) for t in self.top]]
-
-    @classmethod
-    def from_list(cls, v: Any) -> TokenLogprob:
-        pair = lambda t: isinstance(t, list) and len(t) == 2 and _is_int(t[0]) and _is_num(t[1])  # noqa: E731
-        if not (isinstance(v, list) and len(v) == 2 and _is_num(v[0])
-                and _list_of(pair)(v[1])):
-            raise ValueError(f"malformed logprob: expected [logprob, [[token, logprob], ...]], "
-                             f"got {v!r:.80}")
-        return cls(float(v[0]), tuple((int(t), float(lp)) for t, lp in v[1]))
 
 
 @dataclass(frozen=True)
@@ -235,27 +132,11 @@ class Finish:
     """Why a request finished: stop (matched: the stop string or token), length, or abort
     (message; status_code when rejected at admission)."""
 
-    type: str  # one of FINISH_TYPES
+    type: FinishType
     matched: str | int | None = None
     length: int | None = None
     message: str | None = None
     status_code: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-    @classmethod
-    def from_dict(cls, d: Any) -> Finish:
-        return cls(**_fields(d, "finish reason", {
-            "type": (lambda v: v in FINISH_TYPES, f"one of {', '.join(FINISH_TYPES)}"),
-            "matched": (lambda v: isinstance(v, str) or _is_int(v), "a string or token id"),
-            "length": (_is_int, "an integer"), "message": (_of(str), "a string"),
-            "status_code": (_is_int, "an integer")},
-            optional=("matched", "length", "message", "status_code")))
-
-
-_ITEM_KEYS = frozenset(("rid", "ids", "lps", "finish", "prompt_tokens", "completion_tokens",
-                        "cached_tokens"))
 
 
 @dataclass(frozen=True)
@@ -272,50 +153,14 @@ class OutputItem:
     # prompt_logprobs: one per prompt token after the first, on the request's first item only
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {"rid": self.rid, "ids": list(self.ids),
-             "lps": None if self.logprobs is None else [x.to_list() for x in self.logprobs],
-             "finish": None if self.finish is None else self.finish.to_dict(),
-             "prompt_tokens": self.prompt_tokens,
-             "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens}
-        if self.prompt_logprobs is not None:  # absent otherwise: from_dict's fast path
-            d["plps"] = [x.to_list() for x in self.prompt_logprobs]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Any) -> OutputItem:
-        # The common item (no logprobs) checked inline: a 256-request step decodes in a fifth
-        # of the time; anything else takes the general check, which names what is wrong.
-        if (type(d) is dict and d.keys() == _ITEM_KEYS and d["lps"] is None
-                and type(d["rid"]) is str and type(d["ids"]) is list
-                and all(type(t) is int for t in d["ids"])
-                and type(d["prompt_tokens"]) is int and type(d["completion_tokens"]) is int
-                and type(d["cached_tokens"]) is int
-                and (d["finish"] is None or type(d["finish"]) is dict)):
-            fin = d["finish"]
-            return cls(d["rid"], tuple(d["ids"]), None,
-                       None if fin is None else Finish.from_dict(fin), d["prompt_tokens"],
-                       d["completion_tokens"], d["cached_tokens"])
-        f = _fields(d, "output item", {
-            "rid": (_of(str), "a string"), "ids": (_list_of(_is_int), "a list of integers"),
-            "lps": (_opt(lambda v: isinstance(v, list)), "a list or null"),
-            "finish": (_opt(_of(dict)), "an object or null"),
-            **{k: (_is_int, "an integer") for k in ("prompt_tokens", "completion_tokens",
-                                                     "cached_tokens")},
-            "plps": (lambda v: isinstance(v, list), "a list")}, optional=("plps",))
-        lps = None if f["lps"] is None else tuple(TokenLogprob.from_list(x) for x in f["lps"])
-        if lps is not None and len(lps) != len(f["ids"]):
-            raise ValueError(f"malformed output item: {len(lps)} logprobs for "
-                             f"{len(f['ids'])} tokens")
-        plps = None
-        if "plps" in f:
-            plps = tuple(TokenLogprob.from_list(x) for x in f["plps"])
-            if len(plps) != max(f["prompt_tokens"] - 1, 0):
-                raise ValueError(f"malformed output item: {len(plps)} prompt logprobs for "
-                                 f"{f['prompt_tokens']} prompt tokens")
-        return cls(f["rid"], tuple(f["ids"]), lps,
-                   None if f["finish"] is None else Finish.from_dict(f["finish"]),
-                   f["prompt_tokens"], f["completion_tokens"], f["cached_tokens"], plps)
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and len(self.logprobs) != len(self.ids):
+            raise ValueError(f"malformed output item: {len(self.logprobs)} logprobs for "
+                             f"{len(self.ids)} tokens")
+        if self.prompt_logprobs is not None and \
+                len(self.prompt_logprobs) != max(self.prompt_tokens - 1, 0):
+            raise ValueError(f"malformed output item: {len(self.prompt_logprobs)} prompt "
+                             f"logprobs for {self.prompt_tokens} prompt tokens")
 
 
 @dataclass(frozen=True)
@@ -323,17 +168,9 @@ class StepOutput:
     TYPE: ClassVar[str] = "out"
     items: tuple[OutputItem, ...]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "items": [i.to_dict() for i in self.items]}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StepOutput:
-        f = _fields(d, "out message", {"items": (_of(list), "a list")})
-        return cls(tuple(OutputItem.from_dict(i) for i in f["items"]))
-
 
 @dataclass(frozen=True)
-class Reply(_Flat):
+class Reply:
     """The answer to Rpc `id`: its result (JSON) when ok, else the error."""
 
     TYPE: ClassVar[str] = "reply"
@@ -342,16 +179,9 @@ class Reply(_Flat):
     result: Any = None
     error: str | None = None
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Reply:
-        return cls(**_fields(d, "reply message", {
-            "id": (_is_int, "an integer"), "ok": (_of(bool), "true or false"),
-            "result": (_of(object), "JSON"), "error": (_opt(_of(str)), "a string or null")},
-            optional=("result", "error")))
-
 
 @dataclass(frozen=True)
-class Heartbeat(_Flat):
+class Heartbeat:
     """The worker is alive: the figures it published between its last steps, and how long the
     running step has taken (0 between steps)."""
 
@@ -359,20 +189,267 @@ class Heartbeat(_Flat):
     stats: dict[str, Any] | None
     step_s: float
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Heartbeat:
-        return cls(**_fields(d, "heartbeat message", {
-            "stats": (_opt(_of(dict)), "an object or null"), "step_s": (_is_num, "a number")}))
-
 
 Message = (AddRequest | Abort | Rpc | Shutdown | GrammarReady | Ready | Fatal | StepOutput | Reply
            | Heartbeat)
 MESSAGES: dict[str, Any] = {m.TYPE: m for m in (AddRequest, Abort, Rpc, Shutdown, GrammarReady,
                                                 Ready, Fatal, StepOutput, Reply, Heartbeat)}
+# how errors name a value of each class (messages: "<type> message")
+_WHAT = {EngineInfo: "engine info", TokenLogprob: "logprob", Finish: "finish reason",
+         OutputItem: "output item", SamplingParams: "sampling params", Constraint: "constraint"}
+
+
+# -- the codec -------------------------------------------------------------------------------------
+
+def to_json(value: Any) -> Any:
+    """A message, or any value of a message's field, as JSON-able data."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _writer(type(value))(value)
+    if isinstance(value, (tuple, list)):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(k): to_json(v) for k, v in value.items()}
+    return value
+
+
+Writer = Callable[[Any], Any]  # typed value -> JSON value
+_WRITERS: dict[Any, Writer] = {}
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def _writer(tp: Any) -> Writer:
+    """The writer of a field annotation (or a dataclass), built once per annotation."""
+    got = _WRITERS.get(tp)
+    if got is None:
+        got = _WRITERS[tp] = _build_writer(tp)
+    return got
+
+
+def _plain(tp: Any) -> bool:
+    """Values of this annotation are JSON as they are."""
+    if tp in _SCALARS or typing.get_origin(tp) is Literal:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return all(_plain(a) for a in typing.get_args(tp))
+    return False
+
+
+def _identity(v: Any) -> Any:
+    return v
+
+
+def _build_writer(tp: Any) -> Writer:
+    if _plain(tp):
+        return _identity
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        inner = _writer(typing.Union[tuple(a for a in args if a is not type(None))])
+        return lambda v: None if v is None else inner(v)
+    if origin in (tuple, list) and len(args) == 2 and args[1] is Ellipsis or origin is list:
+        if _plain(args[0]):
+            return list
+        item = _writer(args[0])
+        return lambda v: [item(x) for x in v]
+    if origin is tuple:
+        parts = [_writer(a) for a in args]
+        return lambda v: [w(x) for w, x in zip(parts, v, strict=True)]
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        plan = [(f.name, _writer(hints[f.name]), f.default is None)
+                for f in dataclasses.fields(tp)]
+        if getattr(tp, "POSITIONAL", False):
+            return lambda v: [w(getattr(v, n)) for n, w, _ in plan]
+        tag = {"type": tp.TYPE} if hasattr(tp, "TYPE") else {}
+
+        def obj(v: Any) -> dict[str, Any]:
+            out = dict(tag)
+            for name, w, optional in plan:
+                x = getattr(v, name)
+                if x is None and optional:
+                    continue
+                out[name] = w(x)
+            return out
+        return obj
+    return to_json  # dict[...], Any: walked as it is
+
+
+Reader = Callable[[Any], Any]  # JSON value -> typed value; ValueError(what it must be)
+
+
+class _Bad(ValueError):
+    """A value that is not what its annotation says (the message names the field)."""
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _scalar(check: Callable[[Any], bool], want: str, convert: Any = None) -> tuple[Reader, str]:
+    def read(v: Any) -> Any:
+        if not check(v):
+            raise _Bad(want)
+        return v if convert is None else convert(v)
+    return read, want
+
+
+_READERS: dict[Any, tuple[Reader, str]] = {}
+
+
+def _reader(tp: Any) -> tuple[Reader, str]:
+    """(read, description) for a field annotation, built once per annotation."""
+    got = _READERS.get(tp)
+    if got is None:
+        got = _READERS[tp] = _build(tp)
+    return got
+
+
+def _build(tp: Any) -> tuple[Reader, str]:
+    if tp is Any or tp is object:
+        return (lambda v: v), "JSON"
+    if tp is str:
+        return _scalar(lambda v: type(v) is str, "a string")
+    if tp is int:
+        return _scalar(_is_int, "an integer")
+    if tp is bool:
+        return _scalar(lambda v: type(v) is bool, "true or false")
+    if tp is float:
+        return _scalar(lambda v: type(v) in (int, float), "a number", float)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        allowed = frozenset(args)
+        return _scalar(lambda v: type(v) is str and v in allowed,
+                       f"one of {', '.join(map(str, args))}")
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args:  # X | None
+            inner, want = _reader(typing.Union[tuple(a for a in args if a is not type(None))])
+            return (lambda v: None if v is None else inner(v)), f"{want} or null"
+        readers = [_reader(a) for a in args]
+
+        def union(v: Any) -> Any:
+            for read, _ in readers:
+                try:
+                    return read(v)
+                except ValueError:
+                    continue
+            raise _Bad(" or ".join(w for _, w in readers))
+        return union, " or ".join(w for _, w in readers)
+    if origin in (tuple, list):
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            parts = [_reader(a) for a in args]
+            want = f"a list of {len(parts)}"
+
+            def fixed(v: Any) -> Any:
+                if type(v) is not list or len(v) != len(parts):
+                    raise _Bad(want)
+                return tuple(r(x) for (r, _), x in zip(parts, v, strict=True))
+            return fixed, want
+        item, want = _reader(args[0])
+        plural = {"an integer": "integers", "a string": "strings", "a number": "numbers"}
+        want = f"a list of {plural.get(want, 'items')}"
+        wrap = tuple if origin is tuple else list
+        exact = {int: int, str: str, bool: bool}.get(args[0])
+        if exact is not None:  # the common lists (token ids): one pass, no call per item
+            def flat(v: Any) -> Any:
+                if type(v) is not list or not all(type(x) is exact for x in v):
+                    raise _Bad(want)
+                return wrap(v)
+            return flat, want
+
+        def seq(v: Any) -> Any:
+            if type(v) is not list:
+                raise _Bad(want)
+            try:
+                return wrap([item(x) for x in v])
+            except _Bad:
+                raise _Bad(want) from None
+        return seq, want
+    if origin is dict:
+        key, value = args
+        keyed = int if key is int else None
+
+        def mapping(v: Any) -> Any:
+            if type(v) is not dict:
+                raise _Bad("an object")
+            if keyed is None:
+                return v
+            try:
+                return {int(k): value_read(x) for k, x in v.items()}
+            except ValueError:
+                raise _Bad("an object of integer keys") from None
+        value_read = _reader(value)[0]
+        return mapping, "an object"
+    if dataclasses.is_dataclass(tp):
+        return _dataclass_reader(tp), "an object"
+    raise TypeError(f"no JSON codec for {tp!r}")
+
+
+def _dataclass_reader(cls: type) -> Reader:
+    what = _WHAT.get(cls) or f"{cls.TYPE} message"
+    hints = typing.get_type_hints(cls)
+    fields = dataclasses.fields(cls)
+    names = frozenset(f.name for f in fields) | ({"type"} if hasattr(cls, "TYPE") else set())
+    required = frozenset(f.name for f in fields if f.default is not None)  # None: optional
+    plan = [(f.name, _reader(hints[f.name])) for f in fields]
+
+    if getattr(cls, "POSITIONAL", False):
+        want = "[" + ", ".join(f.name for f in fields) + "]"
+
+        def positional(v: Any) -> Any:
+            if type(v) is not list or len(v) != len(plan):
+                raise ValueError(f"malformed {what}: expected {want}, got {v!r:.80}")
+            try:
+                return cls(*(read(x) for (_, (read, _)), x in zip(plan, v, strict=True)))
+            except _Bad:
+                raise ValueError(f"malformed {what}: expected {want}, got {v!r:.80}") from None
+        return positional
+
+    # per field: (name, the exact type a plain field's value has (None: read it), may it be
+    # null, reader, description); plain fields are checked inline (a 256-request step's items)
+    exact = {str: str, int: int, bool: bool}
+    checks = []
+    for f in fields:
+        tp = hints[f.name]
+        args = typing.get_args(tp)
+        nullable = typing.get_origin(tp) in (typing.Union, types.UnionType) and \
+            type(None) in args and len(args) == 2
+        base = next(a for a in args if a is not type(None)) if nullable else tp
+        checks.append((f.name, exact.get(base), nullable, *_reader(tp)))
+
+    def read(d: Any) -> Any:
+        if type(d) is not dict:
+            raise ValueError(f"malformed {what}: expected an object, got {type(d).__name__}")
+        if not d.keys() <= names:
+            unknown = sorted(set(d) - names)
+            raise ValueError(f"malformed {what}: unknown field(s) {', '.join(unknown)}")
+        values = {}
+        for name, kind, nullable, reader, want in checks:
+            if name not in d:
+                if name in required:
+                    missing = [k for k in required if k not in d]
+                    raise ValueError(f"malformed {what}: missing field(s) "
+                                     f"{', '.join(missing)}")
+                continue
+            x = d[name]
+            if kind is not None and (type(x) is kind or nullable and x is None):
+                values[name] = x
+                continue
+            try:
+                values[name] = reader(x)
+            except _Bad:
+                raise ValueError(f"malformed {what}: {name} must be {want}, got "
+                                 f"{x!r:.80}") from None
+        return cls(**values)
+    return read
+
+
+def from_json(cls: type, value: Any) -> Any:
+    """`value` (parsed JSON) as an instance of the dataclass `cls`; ValueError naming the
+    problem."""
+    return _reader(cls)[0](value)
 
 
 def encode(msg: Message) -> bytes:
-    return json.dumps(msg.to_dict(), separators=(",", ":")).encode()
+    return json.dumps(to_json(msg), separators=(",", ":")).encode()
 
 
 def decode(data: bytes) -> Message:
@@ -386,7 +463,7 @@ def decode(data: bytes) -> Message:
     if cls is None:
         raise ValueError(f"malformed engine message: unknown or missing type {kind!r} "
                          f"(known: {', '.join(MESSAGES)}): {data[:80]!r}")
-    return cls.from_dict(obj)
+    return from_json(cls, obj)
 
 
 class Channel:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -305,3 +306,177 @@ def test_engine_missing_is_reported(capsys, monkeypatch):
     code, _, err = run(capsys, "generate", "hello")
     assert code == 2
     assert "core generate: the engine is not available yet in this version" in err
+
+
+# ------------------------------------------------------- issue 32: caps, tool parser, wording
+
+def test_backends_json_gives_every_field_of_every_plugins_caps(capsys, clean_plugin_env):
+    """Structured caps, not only the summary string: every dataclass field of each plugin's
+    caps, as JSON values; MoE runners' expert_parallel among them (and in the summary)."""
+    import dataclasses
+
+    from core.contract.capabilities import KINDS
+    from core.plan.registry import get_registry
+
+    code, out, _ = run(capsys, "backends", "--json")
+    assert code == 0
+    rows = {(p["kind"], p["name"]): p for p in json.loads(out)["plugins"]}
+    registry = get_registry()
+    for kind in KINDS:
+        for name, reg in registry.kind(kind).items():
+            caps = rows[(kind, name)]["caps"]
+            assert set(caps) == {f.name for f in dataclasses.fields(reg.caps)}, (kind, name)
+    moe = rows[("moe", "torch_native")]
+    assert moe["caps"]["expert_parallel"] is True and "expert_parallel" in moe["summary"]
+    assert moe["caps"]["activations"] == sorted(moe["caps"]["activations"])  # sets: sorted lists
+    attn = rows[("attention", "torch_native")]["caps"]
+    assert isinstance(attn["page_sizes"], dict) and "mode" in attn["page_sizes"]
+    code, out, _ = run(capsys, "backends")
+    assert "expert_parallel" in out
+
+
+def test_resolve_chooses_the_tool_call_parser_from_the_chat_template(capsys, clean_plugin_env):
+    """`core resolve` shows the tool-call parser row, chosen as the server chooses it (from the
+    model's chat template, read without loading the tokenizer), and takes --tool-call-parser."""
+    code, out, _ = run(capsys, "resolve")
+    assert code == 0, out
+    assert "tool-call parser   hermes" in out
+    assert "chat template (for the tool-call parser): the GGUF file's tokenizer.chat_template" \
+        in out
+    assert "tool-call parser:\n  * hermes" in out  # its candidates table
+    code, out, _ = run(capsys, "resolve", "--tool-call-parser", "llama3_json")
+    assert code == 0 and "tool-call parser   llama3" in out
+    assert "the chat template shows none of its markers" in out
+    code, out, _ = run(capsys, "resolve", "--tool-call-parser", "none")
+    assert code == 0 and "tool-call parser   - (auto tool calls off)" in out
+    code, out, _ = run(capsys, "resolve", "--tool-call-parser", "nope")
+    assert code == 1 and "unknown tool-call parser 'nope' (--tool-call-parser)" in out
+    code, out, _ = run(capsys, "resolve", "--json", "--tool-call-parser", "llama3")
+    assert code == 0 and json.loads(out)["plan"]["tool_call_parser"] == "llama3"
+    code, out, _ = run(capsys, "resolve", "--help")
+    assert "--tool-call-parser" in out and "--chat-template" in out
+
+
+def test_resolve_reads_a_chat_template_beside_the_config(capsys, configs_dir, tmp_path,
+                                                         clean_plugin_env):
+    import shutil as sh
+
+    sh.copy(config(configs_dir, "llama-3.1-8b"), tmp_path / "config.json")
+    code, out, _ = run(capsys, "resolve", "--model-path", str(tmp_path))
+    assert code == 0 and "no chat template beside" in out
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{{ messages }}<|python_tag|>{{ tools }}"}))
+    code, out, _ = run(capsys, "resolve", "--model-path", str(tmp_path))
+    assert code == 0 and "tool-call parser   llama3" in out, out
+    assert "the chat template holds its markup (<|python_tag|>)" in out
+    template = tmp_path / "t.jinja"
+    template.write_text("<tool_call>{{ tools }}")
+    code, out, _ = run(capsys, "resolve", "--model-path", str(tmp_path), "--chat-template",
+                       str(template))
+    assert code == 0 and "tool-call parser   hermes" in out
+    assert f"chat template (for the tool-call parser): --chat-template {template}" in out
+
+
+def test_resolve_puts_what_the_config_leaves_out_under_a_heading(capsys, clean_plugin_env):
+    """It opened with "not read from the config: architectures missing: ...", which reads like
+    an error: those are assumptions, listed after the notes under their own heading."""
+    code, out, _ = run(capsys, "resolve")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("model: LlamaForCausalLM") and lines[1] == "Plan:"
+    assert "not read from the config" not in out
+    heading = "Assumed (the model's config does not say; not an error):"
+    assert out.index("Notes:") < out.index(heading) < out.index("Candidates (* = chosen):")
+    assert "  - architectures missing: LlamaForCausalLM" in out
+    code, out, _ = run(capsys, "resolve", "--json")
+    assert any(a.startswith("architectures missing") for a in json.loads(out)["assumed"])
+
+
+def test_serve_asks_the_worker_for_start_up_progress(capsys, monkeypatch):
+    from core.cli import STARTUP_PROGRESS_ENV
+    from core.engine.worker import STARTUP_PROGRESS_ENV as WORKER_ENV
+
+    assert STARTUP_PROGRESS_ENV == WORKER_ENV
+    seen = {}
+    _fake_module(monkeypatch, "core.server", serve_main=lambda args: seen.update(
+        env=os.environ.get(WORKER_ENV)))
+    monkeypatch.setenv(WORKER_ENV, "")  # restored (unset) afterwards: cli sets it in-process
+    monkeypatch.delenv(WORKER_ENV)
+    assert run(capsys, "serve")[0] == 0 and seen["env"] == "1"
+    seen.clear()
+    monkeypatch.setenv(WORKER_ENV, "0")  # the user's choice stands
+    assert run(capsys, "serve")[0] == 0 and seen["env"] == "0"
+
+
+def test_worker_reports_each_start_up_phase(tmp_path, monkeypatch, capsys):
+    """The four phases (and the load) each report as they end, with their seconds; the worker
+    prints them to its stderr when STARTUP_PROGRESS_ENV asks (`core serve`)."""
+    from model_fixtures import write_tiny_model
+
+    from core.engine.worker import (
+        STARTUP_PROGRESS_ENV,
+        _progress_printer,
+        build_engine_core,
+        make_plan,
+    )
+    from core.plan.args import make_server_args
+
+    path = str(write_tiny_model("llama", tmp_path / "llama"))
+    args, plan, spec, registry = make_plan(make_server_args(
+        model_path=path, dtype="float32", max_total_tokens=256))
+    lines: list[str] = []
+    build_engine_core(args, plan, spec, registry, progress=lines.append)
+    want = ["weights loaded", "memory planned: KV cache 256 tokens", "KV cache allocated",
+            "model runner ready", "scheduler ready"]
+    assert len(lines) == len(want), lines
+    for line, start in zip(lines, want, strict=True):
+        assert line.startswith(start) and line.endswith(" s)"), lines
+    monkeypatch.delenv(STARTUP_PROGRESS_ENV, raising=False)
+    assert _progress_printer(args) is None
+    monkeypatch.setenv(STARTUP_PROGRESS_ENV, "1")
+    capsys.readouterr()
+    _progress_printer(args)("scheduler ready (0.0 s)")
+    assert capsys.readouterr().err == "core: engine: scheduler ready (0.0 s)\n"
+
+
+class _FakeEngine:
+    """What generate_main uses of core.frontend.offline.Engine."""
+
+    def __init__(self, server_args):
+        from core.plan.devices import PROFILES
+        from core.plan.model_spec import load_model_spec
+        from core.plan.registry import get_registry
+        from core.plan.resolver import resolve
+
+        spec = load_model_spec(str(Path(__file__).parent / "fixtures" / "configs" /
+                                   "llama-3.1-8b.json"))
+        self.plan = resolve(spec, PROFILES["x86-cpu"], server_args, get_registry())
+        self.info = {"pool_tokens": 32768, "notes": ["KV cache 32768 tokens, the default"]}
+        self.tokenizer = types.SimpleNamespace(chat_template=None, encode=lambda p: [1, 2])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def generate(self, input_ids, sampling_params):
+        return [{"text": "Paris."} for _ in input_ids]
+
+
+def test_generate_prints_a_one_line_plan_unless_verbose(capsys, monkeypatch, clean_plugin_env):
+    from core.frontend import offline
+
+    monkeypatch.setattr(offline, "Engine", _FakeEngine)
+    monkeypatch.setenv("CORE_STARTUP_PROGRESS", "")  # restored (unset) afterwards
+    monkeypatch.delenv("CORE_STARTUP_PROGRESS")
+    code, out, err = run(capsys, "generate", "What is the capital of France?")
+    assert code == 0 and out == "Paris.\n"
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("core generate: llama on cpu") and "KV cache 32768 tokens" in err
+    assert "--verbose" in err and "CORE_STARTUP_PROGRESS" not in os.environ
+    code, out, err = run(capsys, "generate", "--verbose", "What is the capital of France?")
+    assert code == 0 and out == "Paris.\n"
+    assert "Plan:" in err and "Candidates (* = chosen):" in err
+    assert "  - KV cache 32768 tokens, the default" in err
+    assert os.environ.get("CORE_STARTUP_PROGRESS") == "1"  # the worker's phases too

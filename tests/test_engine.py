@@ -85,6 +85,8 @@ def test_greedy_matches_hf_transformers(smol, prompt_ids, hf_greedy):
     smol.check_accounting()
 
 
+@pytest.mark.slow  # ~2 min on a loaded 2-core CPU (a second engine; retraction on the tiny
+# model stays in CI: tests/test_scheduler.py)
 def test_small_pool_pages_and_chunks_match_hf(prompt_ids, hf_greedy):
     # 8 requests of 32-85 prompt tokens + 64 new in a 320-token pool: decode must retract.
     with core.Engine(dtype="float32", max_total_tokens=320, page_size=16,

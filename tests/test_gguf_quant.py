@@ -226,8 +226,10 @@ def test_the_gguf_conversion_cache_gives_the_same_config_and_tokenizer(tmp_path,
 
 
 def test_host_kv_buffers_are_zero_in_every_dtype():
-    from core.engine.memory.kv_cache import zeros
+    from core.contract.platform import platform_for_device
 
+    cpu = torch.device("cpu")
+    zeros = platform_for_device(cpu).zeros  # the cpu platform's (calloc) since the KV pool's
     for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
-        z = zeros((4, 3, 8), dt, torch.device("cpu"))
+        z = zeros((4, 3, 8), dt, cpu)
         assert z.dtype == dt and z.shape == (4, 3, 8) and not z.float().any()

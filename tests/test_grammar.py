@@ -526,6 +526,43 @@ def test_a_backend_that_crashes_on_compile_is_a_500_for_that_request_only():
     assert getattr(info.value, "status", 400) == 400
 
 
+def test_a_grammar_that_allows_no_first_token_is_refused_at_compile(smollm_tokenizer):
+    """A grammar that can never finish because it allows no token at all at its start
+    (xgrammar and llguidance on `root ::= root`; outlines on a regex of a NUL) is a GrammarError (a 400 naming
+    the constraint) when it compiles; it was compiled, and its request sampled a token the
+    grammar refused and ended as a 200 with finish_reason "abort" and no message."""
+    class Nothing:
+        def validate(self, c):
+            pass
+
+        def compile(self, c):
+            return "compiled"
+
+        def matcher(self, compiled):
+            return types.SimpleNamespace(fill_bitmask=lambda bitmask, row: None,
+                                         close=lambda: None)
+
+    g = Grammar("none-allowed", GrammarCaps(constraints=frozenset({"regex"})), Nothing(), 64)
+    with pytest.raises(GrammarError) as info:
+        g.compiled_for(Constraint("regex", "a+", source="regex"))
+    assert getattr(info.value, "status", 400) == 400
+    assert str(info.value).startswith("regex: the constraint can never be satisfied: its "
+                                       "grammar allows no token"), str(info.value)
+    from core.contract.grammar import make_grammar
+
+    cases = [("xgrammar", Constraint("ebnf", "root ::= root", source="ebnf")),
+             ("llguidance", Constraint("ebnf", "root ::= root", source="ebnf")),
+             ("outlines", Constraint("regex", "\x00", source="regex"))]
+    for name, c in cases:
+        if missing_packages(get_registry().get("grammar", name).caps.requires):
+            continue
+        tok = smollm_tokenizer
+        grammar = make_grammar(get_registry(), name, tok, 49152, sorted(tok.eos_token_ids))
+        with pytest.raises(GrammarError, match="can never be satisfied"):
+            grammar.compile(c)
+        grammar.compile(Constraint(c.kind, 'root ::= "a"' if c.kind == "ebnf" else "a"))
+
+
 def test_xgrammar_structural_tag_enforces_the_schema_after_its_trigger(smollm_tokenizer):
     """Free text until the trigger; then only the structure's JSON, then its end; then free
     text again (a deterministic walk on the embedded model's tokenizer)."""

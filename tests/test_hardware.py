@@ -57,8 +57,35 @@ def test_all_five_targets_register_from_entry_points():
     assert hw["npu"].caps.requires == ("torch_npu",)
 
 
+def test_every_target_registers_a_base_platform_subclass():
+    """Resolved and checked when the plugin registered (core.contract.platform.BasePlatform)."""
+    from core.contract.platform import BasePlatform
+
+    hw = build_registry().kind("hardware")
+    for name in TARGETS:
+        assert isinstance(hw[name].platform, type) and issubclass(hw[name].platform,
+                                                                  BasePlatform), name
+
+
 # ---------------------------------------------------------------------------------------------
 # this machine
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="needs Linux /proc/meminfo")
+def test_cpu_host_free_memory_is_mem_available_capped_by_the_cgroup(monkeypatch, tmp_path):
+    """The cpu target's own reading of free host memory (its Platform's memory())."""
+    free = cpu.host_free_bytes()
+    assert 0 < free <= cpu.probe().memory_bytes
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:    2000000 kB\n")
+    monkeypatch.setattr(cpu, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(cpu, "cgroup_headroom", lambda: None)
+    assert cpu.host_free_bytes() == 2000000 * 1024
+    monkeypatch.setattr(cpu, "cgroup_headroom", lambda: 1024)
+    assert cpu.host_free_bytes() == 1024
+    meminfo.write_text("MemTotal:       32000000 kB\n")
+    with pytest.raises(ValueError, match="cannot read MemAvailable"):
+        cpu.host_free_bytes()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="needs Linux /proc/cpuinfo")

@@ -45,13 +45,14 @@ def test_every_message_survives_json(msg):
 
 def test_finish_and_logprobs_keep_their_wire_shape():
     item = MESSAGES[7].items[0]
-    assert item.finish.to_dict() == {"type": "stop", "matched": 2}
+    assert ipc.to_json(item.finish) == {"type": "stop", "matched": 2}
     d = json.loads(ipc.encode(MESSAGES[7]))["items"][0]
-    assert d["lps"][0] == [-0.5, [[11, -0.5], [3, -1.5]]] and d["lps"][1][0] == -math.inf
+    assert d["logprobs"][0] == [-0.5, [[11, -0.5], [3, -1.5]]]
+    assert d["logprobs"][1][0] == -math.inf
 
 
 def _raw(params=None, **changes):
-    d = ipc.AddRequest("r1", (5, 6), SamplingParams()).to_dict()
+    d = ipc.to_json(ipc.AddRequest("r1", (5, 6), SamplingParams()))
     d["params"].update(params or {})
     d.update(changes)
     return json.dumps(d).encode()
@@ -74,12 +75,13 @@ def _raw(params=None, **changes):
     (b'{"type": "add", "rid": "r", "input_ids": [], "params": {}, "priority": null}',
      "sampling params: missing field"),
     (b'{"type": "ready", "info": {"pid": 1}}', "engine info: missing field"),
-    (b'{"type": "out", "items": [{"rid": "r", "ids": [1], "lps": [[0.1]], "finish": null, '
-     b'"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}]}', "logprob: expected"),
-    (b'{"type": "out", "items": [{"rid": "r", "ids": [1, 2], "lps": [[0.1, []]], '
+    (b'{"type": "out", "items": [{"rid": "r", "ids": [1], "logprobs": [[0.1]], "finish": '
+     b'null, "prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}]}',
+     "logprob: expected"),
+    (b'{"type": "out", "items": [{"rid": "r", "ids": [1, 2], "logprobs": [[0.1, []]], '
      b'"finish": null, "prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}]}',
      "1 logprobs for 2 tokens"),
-    (b'{"type": "out", "items": [{"rid": "r", "ids": [], "lps": null, "finish": '
+    (b'{"type": "out", "items": [{"rid": "r", "ids": [], "logprobs": null, "finish": '
      b'{"type": "done"}, "prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}]}',
      "finish reason: type must be one of stop"),
     (b'{"type": "heartbeat", "stats": [], "step_s": 0}', "stats must be an object or null"),

@@ -84,3 +84,68 @@ def test_a_plugin_without_the_fused_qk_norm_keeps_its_own_norms():
         assert len(calls) == 2  # the plugin's norm, once for q and once for k
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w)
+
+
+# -- issue 32: blind spots of the suite ------------------------------------------------------------
+
+def _eps_outside(x, weight, eps):
+    xf = x.float()
+    return weight * (xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype)
+
+
+def _no_eps(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True))).to(x.dtype)
+
+
+def test_the_suite_fails_eps_outside_the_square_root_and_no_eps():
+    """Rows of ordinary norm cannot tell rsqrt(mean + eps) from 1 / (rms + eps) at eps 1e-6;
+    the suite's all-zero and small-norm rows can (a planted bug passed it before)."""
+    from functools import partial
+
+    import pytest
+
+    from conformance.layer_ops_suite import _check
+    from core.layers.ops_ref import TorchLayerOps, compose_qk_norm_rotary
+
+    def planted(norm):
+        class Planted(TorchLayerOps):
+            def rms_norm(self, weight, eps):
+                return partial(norm, weight=weight, eps=eps)
+
+            def qk_norm_rotary(self, head_dim, q_weight, k_weight, eps):
+                return compose_qk_norm_rotary(self.rms_norm(q_weight, eps),
+                                              self.rms_norm(k_weight, eps), head_dim)
+        return Planted()
+
+    cpu = torch.device("cpu")
+    for norm in (_eps_outside, _no_eps):
+        for dtype in (torch.float32, torch.bfloat16):
+            for op in ("rms_norm", "add_rms_norm", "qk_norm_rotary"):
+                with pytest.raises(AssertionError):
+                    _check(op, planted(norm), TorchLayerOps(dtype, cpu), dtype, cpu)
+    for op in ("rms_norm", "add_rms_norm", "qk_norm_rotary"):  # the reference itself passes
+        _check(op, TorchLayerOps(), TorchLayerOps(), torch.float32, cpu)
+
+
+def test_an_op_returning_none_is_a_skip_unless_declared():
+    """An op that returns None for every input was reported PASSED: it is a skip with the
+    reason when the plugin does not declare it (LayerOpsCaps.ops), a failure when it does."""
+    import pytest
+    from _pytest.outcomes import Skipped
+
+    from conformance.layer_ops_suite import _check
+    from core.contract.layer_ops import OPS
+    from core.layers.ops_ref import TorchLayerOps
+
+    class Nothing(TorchLayerOps):
+        pass
+
+    for op in OPS:
+        setattr(Nothing, op, lambda self, *a, **k: None)
+    cpu = torch.device("cpu")
+    for op in OPS:
+        with pytest.raises(Skipped, match=f"{op} not declared"):
+            _check(op, Nothing(), TorchLayerOps(), torch.float32, cpu, declared=frozenset())
+        with pytest.raises(AssertionError, match=f"{op} is declared"):
+            _check(op, Nothing(), TorchLayerOps(), torch.float32, cpu, declared=frozenset(OPS))

@@ -21,10 +21,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # plugin file -> why it still imports a core module outside the contract
 KNOWN_PLUGIN_IMPORTS = {
     "plugins/cbuild.py": "core.plan.checks (missing_packages): belongs in the plugin kit",
-    "plugins/hardware/cuda_graphs.py": "core.engine.graphs (GraphRunner): the graph runner's "
-                                       "base class belongs in core.contract.platform",
-    "plugins/hardware/cpu_runtime.py": "core.plan.devices (the CPU ISA probe): the probe "
-                                       "belongs in the plugin, the device types in the contract",
     "plugins/models/qwen2_moe.py": "core.plan.model_spec (a config helper): belongs in "
                                    "core.contract or core.layers",
 }

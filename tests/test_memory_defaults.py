@@ -80,3 +80,61 @@ def test_plan_memory_is_a_function_of_flags_device_and_platform(model_spec):
     fixed = plan_memory(ServerArgs(max_total_tokens=4096, chunked_prefill_size=-1), plan, spec,
                         cfg, 2, per_token, 0, platform)
     assert fixed.kv_tokens == 4096 and fixed.chunked_prefill_size is None
+
+
+# -- the KV pool on a shared host (issue 32 item 5) ------------------------------------------------
+
+MiB = 2**20
+
+
+def _cpu_plan_memory(model_spec, free_bytes, **args):
+    """plan_memory for llama-3.1-8b on the x86-cpu profile with the CPU platform: (MemoryPlan,
+    bytes per token). free_bytes: what the worker passes (this process's share of the host's
+    available memory)."""
+    from types import SimpleNamespace
+
+    from core.engine.worker import plan_memory
+    from core.plan.args import ServerArgs
+    from core.plan.devices import PROFILES
+    from core.plan.registry import build_registry
+    from core.plan.resolver import resolve
+
+    spec = model_spec("llama-3.1-8b")
+    cpu = PROFILES["x86-cpu"]
+    plan = resolve(spec, cpu, ServerArgs(attention_backend="torch_native"), build_registry())
+    per_token = 128 * 1024
+    mem = plan_memory(ServerArgs(**args), plan, spec, SimpleNamespace(intermediate_size=14336),
+                      2, per_token, free_bytes, CpuPlatform(cpu))
+    return mem, per_token
+
+
+def test_cpu_kv_pool_is_what_the_model_needs_not_a_share_of_all_ram(model_spec):
+    """Plenty of memory: the default pool (32768 tokens), whatever the host's total."""
+    mem, _ = _cpu_plan_memory(model_spec, 64 * GiB)
+    assert mem.kv_tokens == 32768
+    assert "the default for host memory" in mem.notes[1], mem.notes
+
+
+def test_cpu_kv_pool_on_a_busy_host_starts_smaller_and_says_so(model_spec):
+    """The outside tester's host: 6739 MiB available of 24105 MiB, `--tp-size 3` (each rank gets
+    a third). The old rule counted every other process's memory as the engine's (free - total x
+    (1 - 0.5) < 0) and refused to start; now each rank takes 0.5 of its share."""
+    share = 6739 * MiB // 3
+    mem, per_token = _cpu_plan_memory(model_spec, share)
+    assert mem.kv_tokens == int(share * 0.5) // per_token == 8985
+    note = mem.notes[1]
+    assert "fewer than the default 32768" in note and "host memory is short" in note, note
+    assert "2246 MiB" in note and "--max-total-tokens" in note
+    # the flag is a share of what is available, and says so
+    mem, _ = _cpu_plan_memory(model_spec, share, mem_fraction_static=0.25)
+    assert mem.kv_tokens == int(share * 0.25) // per_token
+    assert "--mem-fraction-static 0.25 of the 2246 MiB" in mem.notes[1], mem.notes[1]
+    # --max-total-tokens is taken as given
+    mem, _ = _cpu_plan_memory(model_spec, 0, max_total_tokens=4096)
+    assert mem.kv_tokens == 4096
+
+
+def test_cpu_kv_pool_refuses_only_below_two_pages(model_spec):
+    with pytest.raises(ValueError, match=r"no memory left for the KV cache: .*available to this "
+                                         r"engine process.*set --max-total-tokens"):
+        _cpu_plan_memory(model_spec, 256 * 1024)

@@ -81,7 +81,12 @@ def test_sizing_from_memory_fraction():
                                   free_bytes=6 * gib, total_bytes=10 * gib,
                                   bytes_per_token=2**20, page_size=1, default_fraction=0.5,
                                   cap_tokens=100)
-    assert capped == 100 and "capped" in note
+    assert capped == 100 and "the default for host memory" in note
+    # host memory (a cap): fraction of what is free, never the total's complement; short: fewer
+    short, note = kv_pool_tokens(max_total_tokens=None, mem_fraction_static=None,
+                                 free_bytes=gib, total_bytes=10 * gib, bytes_per_token=2**20,
+                                 page_size=16, default_fraction=0.5, cap_tokens=4096)
+    assert short == 512 and "fewer than the default 4096: host memory is short" in note
 
 
 def test_sizing_without_memory_says_what_to_do():

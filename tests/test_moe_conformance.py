@@ -49,6 +49,76 @@ def test_suite_covers_every_builtin_runner_on_cpu(request):
         assert {c.routing for c in cases} == {"random", "one_expert", "few_experts"}, name
         assert {c.renormalize for c in cases} == {True, False}, name
         assert any(c.groups for c in cases) and any(c.shared for c in cases), name
+        assert {c.scaling for c in cases} >= {1.0, 2.5, 0.5}, name  # routed_scaling_factor
     if INTERPRETED:
         assert {p.case.dtype for p in params if p.runner.name == "triton"} == \
             {"float16", "float32"}
+
+
+# -- planted bugs the suite must catch (issue 32: one ignoring routed_scaling_factor passed) ------
+
+def _planted(runner_cls):
+    import types
+
+    return types.SimpleNamespace(name=runner_cls.__name__, load=lambda: runner_cls)
+
+
+def _small_failures(reg, cases):
+    from conformance.moe_check import check_case
+
+    failed = set()
+    for case in cases:
+        try:
+            check_case(reg, case, torch.device("cpu"))
+        except AssertionError:
+            failed.add(case.id)
+    return failed
+
+
+def test_the_suite_fails_a_runner_that_ignores_routed_scaling_factor():
+    import dataclasses
+
+    from conformance.moe_cases import all_cases
+    from plugins.moe.torch_native.runner import TorchNativeMoE
+
+    class IgnoresScaling(TorchNativeMoE):
+        def forward(self, hidden, router_logits, weights, layer, shared=None, out=None):
+            layer = dataclasses.replace(layer, routed_scaling_factor=1.0)
+            return super().forward(hidden, router_logits, weights, layer, shared, out)
+
+    class ScalesShared(TorchNativeMoE):
+        """Scales the shared experts' output too (only the routed weights are scaled)."""
+
+        def forward(self, hidden, router_logits, weights, layer, shared=None, out=None):
+            if shared is not None:
+                shared = shared * layer.routed_scaling_factor
+            return super().forward(hidden, router_logits, weights, layer, shared, out)
+
+    cases = [c for c in all_cases() if c.activation == "silu"]
+    scaled = {c.id for c in cases if c.scaling != 1.0}
+    assert len(scaled) >= 4 and {c.scaling for c in cases} >= {1.0, 2.5, 0.5}
+    assert any(c.ep > 1 for c in cases if c.scaling != 1.0)
+    assert _small_failures(_planted(IgnoresScaling), cases) == scaled
+    shared_scaled = {c.id for c in cases if c.scaling != 1.0 and c.shared}
+    assert shared_scaled and _small_failures(_planted(ScalesShared), cases) == shared_scaled
+    assert _small_failures(_planted(TorchNativeMoE), cases) == set()
+
+
+def test_the_suite_fails_a_runner_whose_gelu_is_the_tanh_approximation():
+    import torch.nn.functional as F
+
+    from conformance.moe_cases import all_cases
+    from plugins.moe.torch_native import runner as native
+
+    class TanhGelu(native.TorchNativeMoE):
+        def forward(self, hidden, router_logits, weights, layer, shared=None, out=None):
+            real = native.get_act_fn
+            native.get_act_fn = lambda name: (lambda x: F.gelu(x, approximate="tanh")) \
+                if name == "gelu" else real(name)
+            try:
+                return super().forward(hidden, router_logits, weights, layer, shared, out)
+            finally:
+                native.get_act_fn = real
+
+    gelu = [c for c in all_cases() if c.activation == "gelu"]
+    assert gelu and _small_failures(_planted(TanhGelu), gelu) == {c.id for c in gelu}

@@ -454,6 +454,54 @@ def test_grammars_compile_off_the_step(tiny):
     sched.check_accounting()
 
 
+class _StopsAfter:
+    """A grammar matcher that accepts `k` tokens, then refuses every token; `dead`: its mask
+    then allows nothing (a dead end), else it still allows everything (a backend bug)."""
+
+    def __init__(self, k: int, dead: bool):
+        self.k, self.dead, self.accepted = k, dead, 0
+
+    def fill_bitmask(self, bitmask, row):
+        bitmask[row] = 0 if self.dead and self.accepted >= self.k else -1
+
+    def accept(self, token):
+        if self.accepted >= self.k:
+            return False
+        self.accepted += 1
+        return True
+
+    def is_terminated(self):
+        return False
+
+    def reset(self):
+        self.accepted = 0
+
+    def close(self):
+        pass
+
+
+def test_a_grammar_dead_end_ends_its_request_with_a_400_naming_it(tiny):
+    """A grammar that allows no next token mid-answer (xgrammar on a JSON-schema pattern of
+    control characters) ends its request with a 400 naming the constraint and why; a token
+    the mask allowed but the grammar refused is a backend bug, a 500 (it was one abort with
+    no status, which the server sent as a 200 with finish_reason "abort")."""
+    sched = make_core(tiny).scheduler
+    assert sched.grammar is not None, "no grammar backend installed here"
+    matchers = iter([_StopsAfter(3, dead=True), _StopsAfter(2, dead=False)])
+    sched.grammar.cached = lambda c: "compiled"
+    sched.grammar.matcher_of = lambda compiled: next(matchers)
+    regex = {"kind": "regex", "value": "a+", "source": "response_format.pattern"}
+    got = drive(sched, [("dead", _prompts()[0], {**greedy(20), "constraint": regex}),
+                        ("bug", _prompts()[1], {**greedy(20), "constraint": regex})])
+    ids, fin = got["dead"]
+    assert len(ids) == 4 and fin["type"] == "abort" and fin["status_code"] == 400, fin
+    assert fin["message"] == ("response_format.pattern: the constraint can never be satisfied: "
+                              "after 3 tokens its grammar allows no next token, not even an end")
+    ids, fin = got["bug"]
+    assert len(ids) == 3 and fin["status_code"] == 500 and "backend bug" in fin["message"], fin
+    sched.check_accounting()
+
+
 # -- jump-forward ---------------------------------------------------------------------------------
 
 JUMP_SCHEMA = {"type": "object", "properties": {

@@ -156,15 +156,30 @@ def test_admission_error_is_400_and_dead_engine_503():
     with pytest.raises(APIError) as e:
         asyncio.run(collect(adapter(ScriptedClient(submit_error=EngineError("gone"))), REQ))
     assert e.value.status == 503 and e.value.code == "engine_unavailable"
-    # the worker dies before any output: 503 too; after some output: an error event
+    # the worker dies before any output: 503 too; after some output: the same 503 (it was a
+    # 500 there: one status for a dead engine, whichever process died, README "Probes")
     with pytest.raises(APIError) as e:
         asyncio.run(collect(adapter(ScriptedClient([{**chunk("r1"), "error": "worker died"}])),
                             REQ))
     assert e.value.status == 503
     client = ScriptedClient([chunk("r1", "a", [1]), {**chunk("r1"), "error": "worker died"}])
     client.release.set()
-    events = asyncio.run(collect(adapter(client), REQ))
-    assert events[-1]["error"] == "worker died" and events[-1]["finished"]
+    with pytest.raises(APIError) as e:
+        asyncio.run(collect(adapter(client), REQ))
+    assert (e.value.status, e.value.code, e.value.retry_after) == (503, "engine_unavailable", 5)
+    assert "worker died" in e.value.message
+
+
+def test_a_refusal_after_some_output_is_its_status():
+    """A constraint that reaches a dead end mid-answer ends with the engine's 400 naming it
+    (it was a 200 with finish_reason "abort"), after the tokens it produced."""
+    msg = "regex: the constraint can never be satisfied: after 1 tokens its grammar allows no"
+    client = ScriptedClient([chunk("r1", "a", [1]), chunk("r1", finish={
+        "type": "abort", "status_code": 400, "message": msg})])
+    client.release.set()
+    with pytest.raises(APIError) as e:
+        asyncio.run(collect(adapter(client), REQ))
+    assert e.value.status == 400 and e.value.message == msg
 
 
 def test_leaving_early_aborts():

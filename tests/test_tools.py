@@ -14,7 +14,12 @@ import os
 import openai
 import pytest
 
-from core.contract.tools import make_tool_parser, template_reads_tools
+from core.contract.tools import (
+    MAX_ARGUMENT_DEPTH,
+    json_depth,
+    make_tool_parser,
+    template_reads_tools,
+)
 from core.plan.args import ServerArgs
 from core.plan.plan import ResolveError
 from core.plan.registry import get_registry
@@ -238,6 +243,66 @@ def test_llama3_streaming_holds_a_json_answer_until_known():
     assert s.step('{"answ', False) == []
     assert s.step('{"answer": 4', False) == []
     assert s.step('{"answer": 42}', True) == [{"content": '{"answer": 42}'}]
+
+
+# -- nesting (issue 32: RecursionError on arguments ~1,200 deep) -----------------------------------
+
+def _nested_object(depth: int) -> str:
+    return '{"a": ' * (depth - 1) + "{}" + "}" * (depth - 1)
+
+
+@pytest.mark.parametrize("name", PARSERS)
+@pytest.mark.parametrize("depth", [MAX_ARGUMENT_DEPTH + 1, 1200, 100_000])
+def test_arguments_nested_past_the_limit_stay_content_and_never_raise(name, depth):
+    """A call whose arguments nest deeper than MAX_ARGUMENT_DEPTH is not well formed: its text
+    is the content, verbatim, one-shot and streamed (hermes and llama3 raised RecursionError
+    from json.loads at ~1,000 levels)."""
+    p = parser(name)
+    key = "arguments" if name == "hermes" else "parameters"
+    body = '{"name": "get_weather", "' + key + '": ' + _nested_object(depth) + "}"
+    text = f"<tool_call>\n{body}\n</tool_call>" if name == "hermes" else body
+    assert p.parse(text, True) and "".join(p.parse(text, True)) == text
+    p.parse(text[:len(text) // 3], False)  # (a call may still be open there)
+    for at in (len(text) - 1, len(text)):  # past the limit: known to be text
+        assert all(isinstance(x, str) for x in p.parse(text[:at], False))
+    assert final(p, TREQ, text) == (text.strip(), [], "stop")
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_arguments_nested_to_the_limit_are_a_call(name):
+    p = parser(name)
+    key = "arguments" if name == "hermes" else "parameters"
+    args = _nested_object(MAX_ARGUMENT_DEPTH)
+    body = '{"name": "get_weather", "' + key + '": ' + args + "}"
+    text = f"<tool_call>\n{body}\n</tool_call>" if name == "hermes" else body
+    assert final(p, TREQ, text) == (None, [("get_weather", args)], "tool_calls")
+
+
+def test_json_depth_counts_brackets_outside_strings_without_recursing():
+    assert json_depth('{"a": [1, {"b": "[[[{{{"}], "c": []}') == 3
+    assert json_depth("42") == 0 and json_depth('"[["') == 0
+    assert json_depth("[" * 200_000 + "]" * 200_000) == 200_000
+
+
+def test_replayed_call_arguments_nested_past_the_limit_are_a_400():
+    """An assistant message's tool_calls arguments are read with json.loads: nested past the
+    limit they are a 400 naming the field (they raised RecursionError, a 500)."""
+    from core.server.tools import message_fields
+
+    deep = "[" * 100_000 + "]" * 100_000
+    for args in (deep, '{"x": ' + _nested_object(MAX_ARGUMENT_DEPTH) + "}"):
+        m = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_time", "arguments": args}}]}
+        with pytest.raises(APIError) as e:
+            message_fields(m, "messages[1]", "assistant")
+        assert e.value.status == 400
+        assert e.value.param == "messages[1].tool_calls[0].function.arguments", e.value.param
+        assert str(MAX_ARGUMENT_DEPTH) in e.value.message
+    ok = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_time", "arguments": _nested_object(MAX_ARGUMENT_DEPTH)}}]}
+    message_fields(ok, "messages[1]", "assistant")
 
 
 # -- constrained answers (required / named) -------------------------------------------------------

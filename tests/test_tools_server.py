@@ -101,6 +101,7 @@ def test_named_function(srv):
         ("get_weather", call.function.arguments)]
 
 
+@pytest.mark.slow  # ~40 s on a loaded 2-core CPU; CI keeps required without parallel calls
 def test_required(srv):
     r = client(srv).chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS,
                                             tool_choice="required", temperature=0,
@@ -128,6 +129,7 @@ def test_required_without_parallel_calls_gives_one(srv):
         _check(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
 
 
+@pytest.mark.slow  # ~30 s on a loaded 2-core CPU (three generations)
 def test_round_trip_with_tool_results(srv):
     c = client(srv)
     first = c.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS,

@@ -14,14 +14,7 @@ FOLDERS = ("core/engine", "core/layers", "plugins/models")
 NEUTRAL = sorted(p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py"))
 # files that still break the rule, each with the change that will make it hold (the test below
 # fails once a file here holds, so the entry goes with the fix)
-KNOWN = {
-    "core/engine/memory/kv_cache.py": "issue 32 item 7: zeros() takes host memory from calloc "
-                                      "where device.type is cpu; the Platform should allocate",
-    "core/engine/distributed.py": "binds the rank's device where the backend needs one per rank "
-                                  "and names the host for gloo; belongs to Platform.dist_backend",
-    "core/engine/loader.py": "reads checkpoint tensors into host memory (\"cpu\" is the host "
-                             "here, not a vendor); a Platform host-device name would say so",
-}
+KNOWN: dict[str, str] = {}
 
 PATTERNS = {
     "a device-type string": re.compile(r"""["'](cuda|cpu|xpu|npu|rocm|hip|mps|hpu)(:\d+)?["']"""),

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from core.plan.quant_scheme import ONLINE_ACTIVATIONS, QuantScheme, online_scheme
+
 # Names used across the contract. Open strings are checked against these sets where they matter.
 DEVICE_TYPES = ("cuda", "rocm", "xpu", "npu", "cpu")
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
@@ -263,7 +265,8 @@ class MoECaps(_Frozen):
     _maps = ("capability", "priority")
 
     def summary(self) -> str:
-        flags = [n for n in ("grouped_topk", "shared_experts", "cuda_graph") if getattr(self, n)]
+        flags = [n for n in ("grouped_topk", "shared_experts", "cuda_graph", "expert_parallel")
+                 if getattr(self, n)]
         limits = [f"{n}={getattr(self, n)}" for n in ("max_experts", "max_top_k")
                   if getattr(self, n) is not None]
         return (f"devices={','.join(sorted(self.devices))} dtypes={','.join(sorted(self.dtypes))} "
@@ -284,7 +287,15 @@ class QuantCaps(_Frozen):
     not checked); `group_sizes` the weight group sizes it takes (empty: any).
     `online_format`: the format it quantizes a dense checkpoint into when asked with
     --quantization NAME (None: it only loads quantized checkpoints; never chosen on its own for
-    a dense one). `moe_runners`: MoE runners known to run its expert weights (the agreement
+    a dense one): one of core's (fp8_channel, fp8_tensor, int8_channel: 8-bit) or any name of
+    its own (its bits: its one `weight_bits`). `online_activations`: what that does to the
+    activations, "dynamic" (W8A8: per-token scales at run time) or "none" (weight-only: x stays
+    in the compute dtype); None: "none" when `activation_schemes` lists none but not dynamic,
+    else "dynamic". The online format must be among `formats` (if any), its activations among
+    `activation_schemes` (if any) and its bits among `weight_bits` (if any): `online_scheme()`
+    is the scheme the method is then built with, and `declaration_errors()` says what does not
+    hold together (the resolver gives it as the reason, the conformance suite fails on it).
+    `moe_runners`: MoE runners known to run its expert weights (the agreement
     holds when either this or the runner's MoECaps.quant_methods names the other).
     """
 
@@ -296,6 +307,7 @@ class QuantCaps(_Frozen):
     activation_schemes: frozenset[str] = frozenset()
     group_sizes: frozenset[int] = frozenset()
     online_format: str | None = None
+    online_activations: str | None = None  # "dynamic" | "none"; None: from activation_schemes
     dtypes: frozenset[str] = frozenset(COMPUTE_DTYPES)  # activation / compute dtypes
     weight_bits: frozenset[int] = frozenset()
     moe: bool = False  # can quantize MoE expert weights
@@ -315,11 +327,63 @@ class QuantCaps(_Frozen):
     _maps = ("capability", "priority")
 
     def summary(self) -> str:
-        online = f" online={self.online_format}" if self.online_format else ""
+        online = ""
+        if self.online_format:
+            weight_only = " weight-only" if self._online_acts() == "none" else ""
+            online = f" online={self.online_format}{weight_only}"
         return (f"devices={','.join(sorted(self.devices))} "
                 f"loads={','.join(sorted(self.config_names))} "
                 f"formats={','.join(sorted(self.formats))}{online} "
                 f"dtypes={','.join(sorted(self.dtypes))}{' moe' if self.moe else ''}")
+
+    def _online_acts(self) -> str:
+        if self.online_activations is not None:
+            return self.online_activations
+        only_none = bool(self.activation_schemes) and "dynamic" not in self.activation_schemes \
+            and "none" in self.activation_schemes
+        return "none" if only_none else "dynamic"
+
+    def _online_bits(self) -> int | None:
+        return next(iter(self.weight_bits)) if len(self.weight_bits) == 1 else None
+
+    def online_scheme(self) -> QuantScheme | None:
+        """The scheme a dense checkpoint gets with --quantization NAME (None: no online
+        format); ValueError naming every declaration_errors() entry."""
+        errors = self.declaration_errors()
+        if errors:
+            raise ValueError("; ".join(errors))
+        if self.online_format is None:
+            return None
+        return online_scheme(self.online_format, self._online_acts(), self._online_bits())
+
+    def declaration_errors(self) -> list[str]:
+        """What these caps declare that cannot hold together (empty: nothing), each saying
+        which fields disagree: today, the online quantization's (see the class doc)."""
+        errors = []
+        acts, fmt = self._online_acts(), self.online_format
+        if acts not in ONLINE_ACTIVATIONS:
+            errors.append(f"online_activations {acts!r} is neither 'dynamic' nor 'none' "
+                          "(static scales need a calibrated checkpoint)")
+        if fmt is None:
+            if self.online_activations is not None:
+                errors.append("online_activations is set but online_format is None")
+            return errors
+        if not isinstance(fmt, str) or not fmt or fmt == "dense":
+            return [*errors, f"online_format {fmt!r} names no format the weights become"]
+        if self.formats and fmt not in self.formats:
+            errors.append(f"online_format {fmt!r} is not among its formats "
+                          f"({', '.join(sorted(self.formats))}): it would refuse the weights "
+                          "it makes")
+        if self.activation_schemes and acts not in self.activation_schemes:
+            unset = "" if self.online_activations is not None else " (online_activations unset)"
+            errors.append(f"its online quantization's {acts} activations{unset} are not among "
+                          f"its activation_schemes ({', '.join(sorted(self.activation_schemes))})")
+        if not errors:
+            bits = online_scheme(fmt, acts, self._online_bits()).weight_bits
+            if self.weight_bits and bits not in self.weight_bits:
+                errors.append(f"online_format {fmt!r} holds {bits}-bit weights, not among its "
+                              f"weight_bits ({', '.join(map(str, sorted(self.weight_bits)))})")
+        return errors
 
 
 @dataclass(frozen=True)

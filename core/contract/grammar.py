@@ -322,18 +322,40 @@ class Grammar:
     def compile(self, c: Constraint) -> Any:
         """Validate and compile `c`, which `check` passed (no cache; safe on another thread: it
         touches no state here). GrammarError for a refusal; GrammarBackendError when the
-        library itself fails. The engine runs this in a child process with a deadline
-        (core.engine.grammar_compiler): a library that crashes or hangs on client input costs only
-        that child."""
+        library itself fails; a grammar that allows no token at its start (`root ::= root`)
+        is a GrammarError too, as it could never finish. The engine runs this in a child
+        process with a deadline (core.engine.grammar_compiler): a library that crashes or hangs
+        on client input costs only that child."""
         try:
             self.backend.validate(c)
-            return self.backend.compile(c)
+            compiled = self.backend.compile(c)
+            startable = self._allows_a_first_token(compiled)
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - the library's failure, not the request's
             raise GrammarBackendError(f"grammar backend {self.name} failed to compile the "
                                       f"{c.where} constraint: {type(exc).__name__}: "
                                       f"{exc}") from exc
+        if not startable:
+            raise GrammarError(f"{c.where}: the constraint can never be satisfied: its grammar "
+                               "allows no token, not even an end, at its start (a rule defined "
+                               "only by itself, such as `root ::= root`, or text no token of "
+                               "this model can write)")
+        return compiled
+
+    def _allows_a_first_token(self, compiled: Any) -> bool:
+        """Whether a fresh matcher allows any token (a stop token included): a grammar that
+        allows none could never produce or finish an answer (one mask, plain Python over a
+        small tensor: no parallel torch op on this thread)."""
+        import torch
+
+        m = self.backend.matcher(compiled)
+        try:
+            bitmask = torch.zeros((1, -(-self.vocab_size // 32)), dtype=torch.int32)
+            m.fill_bitmask(bitmask, 0)
+            return any(bitmask[0].tolist())
+        finally:
+            m.close()
 
     def store(self, c: Constraint, compiled: Any) -> None:
         """Keep a compiled grammar (least recently used out first)."""

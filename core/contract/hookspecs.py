@@ -19,7 +19,7 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.7"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.8"  # 1.1: hardware targets may register a Platform; layer ops
 # 1.2: quant factories take the checkpoint's QuantScheme (core.contract.quant); QuantCaps formats
 # 1.3: grammar backends (structured output, core.contract.grammar)
 # 1.4: QuantCaps.programs; quant methods may load tensors themselves (weight_loader,
@@ -28,6 +28,9 @@ PLUGIN_API_VERSION = "1.7"  # 1.1: hardware targets may register a Platform; lay
 # 1.6: GrammarCaps.jump_forward; grammar matchers may implement jump_forward()
 # 1.7: GrammarCaps.serialize (grammar backends' serialize / deserialize: compiles run in a
 #      child process, core.engine.grammar_compiler)
+# 1.8: QuantMethod and Platform are base classes (core.contract.quant / .platform): a method
+#      or platform that does not subclass them is refused at load; QuantCaps.online_activations
+#      (online weight-only methods); BasePlatform.zeros / host_device / dist_bind / dist_device
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -17,7 +17,9 @@ with (T tokens, E experts, H hidden size, I expert intermediate size, k = layer.
 - out [T, H] or None: where to write the result. When given, every element must be written (the
   conformance suite poisons it with NaN) and `out` is returned; otherwise a new tensor.
 It returns sum_j w_j * down_e_j(act(gate_e_j(x)) * up_e_j(x)) (+ shared) for the k experts e_j
-and weights w_j that `select_experts` gives, in hidden's dtype.
+and weights w_j that `route(router_logits, layer)` gives (renormalized when asked, then times
+layer.routed_scaling_factor; `shared` is not scaled), in hidden's dtype. act is layer.activation:
+SiLU, or GELU in its exact erf form (F.gelu's default, not the tanh approximation).
 
 Expert parallelism (a runner declaring `MoECaps.expert_parallel`): `layer.num_local_experts`
 set means the weights hold experts [layer.expert_offset, + num_local_experts) only; routing is
@@ -59,8 +61,11 @@ class MoELayerParams:
     scoring_func: str = "softmax"  # softmax over all experts, or an independent sigmoid each
     # DeepSeek-style group-limited routing: (num_groups, topk_groups); None = no groups
     grouped_topk: tuple[int, int] | None = None
-    routed_scaling_factor: float = 1.0  # multiplies the routed weights (after renormalize)
-    activation: str = "silu"  # act(gate) * up
+    routed_scaling_factor: float = 1.0  # multiplies the routed weights (after renormalize;
+    # not the shared experts' output): DeepSeek-V3's 2.5; the conformance suite checks it
+    # act(gate) * up: "silu", or "gelu" = the exact erf form, F.gelu(x, approximate="none")
+    # (0.5 x (1 + erf(x / sqrt 2))); tanh's approximation is not "gelu"
+    activation: str = "silu"
     # Expert parallelism (a runner with MoECaps.expert_parallel): the weights hold experts
     # [expert_offset, expert_offset + num_local_experts) only; routing is over all
     # num_experts, and the runner sums only its local experts' terms (the other ranks add

@@ -26,7 +26,8 @@ in its format for chat templates that ignore them. It implements ToolParser:
                                      model writes them (replayed to such a template); parse
                                      reads that text back as those calls, alone or after
                                      content and a newline (how a turn with content replays)
-    format_response(content, name) -> str   a tool result as such a template's user turn holds it
+    format_response(content, name) -> str   a tool result as such a template's user turn
+                                     holds it: `content` verbatim inside (see below)
 
 ToolCall(name, arguments, raw, complete): name None while not yet read; arguments the JSON text
 of the arguments object exactly as the model wrote it (so the streamed fragments join to the
@@ -37,6 +38,16 @@ the first call only without parallel tool calls, assigns ids (`call_...`) and se
 OpenAI shapes; streaming it re-parses the growing text and sends what was added. The helpers
 below (scan_object, call_at, held_back) are for parsers: JSON objects scanned as they grow,
 markers split across tokens.
+
+Nesting: a call whose arguments nest deeper than MAX_ARGUMENT_DEPTH (128) objects and arrays
+is not well formed: it stays text, verbatim, like any malformed call (Python's json module, the
+core's and most clients', recurses per level and fails near 1,000; 128 is far beyond any real
+tool's arguments). While streaming, such a call turns into text as soon as the limit is passed.
+The helpers below enforce it (call_at, scan_object); a parser that reads JSON its own way must
+too, without recursing per level (`json_depth` measures a text without recursion).
+
+format_response must hold `content` verbatim (unchanged, as one substring: no escaping,
+trimming or re-encoding): the tool's result is the model's only view of it.
 
 ToolParserCaps.parallel_calls says whether the format holds several calls in one answer. The
 conformance suite (conformance/tool_parser_suite.py; `pytest --conformance-tool-parser NAME
@@ -52,6 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 TOOL_PARSER_OFF = "none"
+MAX_ARGUMENT_DEPTH = 128  # objects and arrays nested in a call's arguments (module docstring)
 _WS = " \t\n\r"
 
 
@@ -111,11 +123,12 @@ def _string_end(text: str, i: int) -> int | None:
 _BARE = frozenset("{}[],:-+.0123456789eEtrufalsn" + _WS)  # what JSON has outside strings
 
 
-def value_end(text: str, i: int) -> int | None:
+def value_end(text: str, i: int, max_depth: int | None = None) -> int | None:
     """Index just past the JSON value starting at text[i] (not a space); None when the text
     ends inside it; ValueError when brackets do not match or a character cannot be JSON there
-    (so a malformed call is known as early as possible). Tokens are not checked further
-    (json.loads does that once the value is complete)."""
+    (so a malformed call is known as early as possible), or when it nests more than
+    `max_depth` objects and arrays (None: any depth; it never recurses). Tokens are not
+    checked further (json.loads does that once the value is complete)."""
     c = text[i]
     if c == '"':
         return _string_end(text, i)
@@ -134,6 +147,8 @@ def value_end(text: str, i: int) -> int | None:
                 raise ValueError(f"unexpected {ch!r} at {j}")
             if ch in "{[":
                 stack.append("}" if ch == "{" else "]")
+                if max_depth is not None and len(stack) > max_depth:
+                    raise ValueError(f"nested deeper than {max_depth} levels at {j}")
             elif ch in "}]":
                 if not stack or stack.pop() != ch:
                     raise ValueError(f"unexpected {ch!r} at {j}")
@@ -151,10 +166,13 @@ def value_end(text: str, i: int) -> int | None:
     return j if j < len(text) else None  # a number may go on
 
 
-def scan_object(text: str, i: int) -> tuple[dict[str, tuple[int | None, int | None]], int | None]:
+def scan_object(text: str, i: int, max_depth: int | None = None
+                ) -> tuple[dict[str, tuple[int | None, int | None]], int | None]:
     """The top-level keys of the JSON object starting at text[i] == "{" as far as the text goes:
     key -> (start, end) of its value (start None: not begun; end None: not ended), and the index
-    just past the object (None while open). ValueError when it cannot be an object."""
+    just past the object (None while open). ValueError when it cannot be an object, or nests
+    more than `max_depth` levels (the object itself is one; None: any depth)."""
+    inner = None if max_depth is None else max_depth - 1
     fields: dict[str, tuple[int | None, int | None]] = {}
     j = skip_ws(text, i + 1)
     if j < len(text) and text[j] == "}":
@@ -175,7 +193,7 @@ def scan_object(text: str, i: int) -> tuple[dict[str, tuple[int | None, int | No
         if j == len(text):
             fields[key] = (None, None)
             return fields, None
-        vend = value_end(text, j)
+        vend = value_end(text, j, inner)
         fields[key] = (j, vend)
         if vend is None:
             return fields, None
@@ -194,9 +212,10 @@ def call_at(text: str, i: int, final: bool, keys: Sequence[str] = ("arguments", 
             ) -> tuple[ToolCall, int | None] | None:
     """The call written as a JSON object {"name": str, <key>: {...}} at text[i] == "{" (keys:
     where the arguments may be, first found wins), and the index past it (None while open).
-    None when it is not a well-formed call (final=True: also when it is unfinished)."""
+    None when it is not a well-formed call (final=True: also when it is unfinished), arguments
+    nested deeper than MAX_ARGUMENT_DEPTH included (as soon as the text passes the limit)."""
     try:
-        fields, end = scan_object(text, i)
+        fields, end = scan_object(text, i, MAX_ARGUMENT_DEPTH + 1)
     except ValueError:
         return None
     name = None
@@ -221,11 +240,33 @@ def call_at(text: str, i: int, final: bool, keys: Sequence[str] = ("arguments", 
     try:
         whole = json.loads(raw)
         parsed = json.loads(args) if args else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # the depth is bounded above; this is a backstop
         return None
     if not isinstance(whole, dict) or not isinstance(parsed, dict):
         return None
     return ToolCall(name, args or "{}", raw, True), end
+
+
+def json_depth(text: str) -> int:
+    """How deep objects and arrays nest in a JSON text (brackets inside strings do not count),
+    without recursion: 0 for a scalar."""
+    depth = deepest = 0
+    j = 0
+    while j < len(text):
+        ch = text[j]
+        if ch == '"':
+            end = _string_end(text, j)
+            if end is None:
+                break
+            j = end
+            continue
+        if ch in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "}]":
+            depth -= 1
+        j += 1
+    return deepest
 
 
 # -- chat templates ------------------------------------------------------------------------------

@@ -3,8 +3,10 @@ each rank owns.
 
 One engine with --tp-size N runs N worker processes (ranks), each with a 1/N slice of the
 attention heads, the MLP's intermediate dim and the vocabulary, and its own KV pool for its
-heads. torch.distributed joins them, with the backend the hardware plugin names
-(`Platform.dist_backend()`: nccl, gloo, xccl, hccl, ...), so the core names no vendor.
+heads. torch.distributed joins them, and the hardware target's Platform says how: the backend
+(`dist_backend()`: nccl, gloo, xccl, hccl, ...), the device a rank binds before joining
+(`dist_bind`) and where the worker's own collectives run (`dist_device`), so the core names no
+vendor and no device.
 
 Every rank runs the same scheduler on the same inputs: rank 0 reads the client's messages and
 broadcasts them (JSON bytes in a uint8 tensor; nothing is pickled) at the top of every loop turn,
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from core.contract.platform import Platform
 
 
 @dataclass(frozen=True)
@@ -137,8 +141,9 @@ class RankSpec:
     world: int
     init_addr: str  # host:port of rank 0's store
     local_index: int  # device index on this node
-    backend: str  # torch.distributed backend (from the hardware plugin)
+    backend: str  # torch.distributed backend (Platform.dist_backend)
     device: str  # the torch device of that index (Platform.torch_device)
+    target: str  # the hardware target whose Platform the rank loads before joining
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -148,19 +153,15 @@ class RankSpec:
         return RankSpec(**json.loads(text))
 
 
-def init_process_group(spec: RankSpec, device: Any = None, timeout_s: float = 600.0) -> None:
-    """Join the group (TCP rendezvous at spec.init_addr; rank 0 hosts the store). The device
-    is bound first where the backend needs one per rank (nccl)."""
+def init_process_group(spec: RankSpec, platform: Platform, device: torch.device,
+                       timeout_s: float = 600.0) -> None:
+    """Join the group (TCP rendezvous at spec.init_addr; rank 0 hosts the store). The platform
+    binds the rank's device first where its backend needs one per rank (Platform.dist_bind)."""
     from datetime import timedelta
 
     if torch.distributed.is_initialized():
         return
-    kwargs: dict[str, Any] = {}
-    if spec.backend != "gloo" and device is not None:  # one device per rank (nccl, xccl, ...)
-        module = getattr(torch, device.type, None)
-        if module is not None and hasattr(module, "set_device"):
-            module.set_device(device)
-        kwargs["device_id"] = device
+    kwargs = platform.dist_bind(device)
     torch.distributed.init_process_group(
         backend=spec.backend, init_method=f"tcp://{spec.init_addr}", rank=spec.rank,
         world_size=spec.world, timeout=timedelta(seconds=timeout_s), **kwargs)
@@ -176,15 +177,9 @@ def share_threads(ranks_here: int) -> None:
         torch.set_num_threads(max(1, cores // ranks_here))
 
 
-def comm_device(backend: str, device: Any) -> Any:
-    """Where the worker's own collectives' tensors live: the host for gloo, else the rank's
-    device."""
-    return torch.device("cpu") if backend == "gloo" else device
-
-
 def broadcast_bytes(data: bytes | None, dev: Any, src: int = 0) -> bytes:
-    """Rank src's bytes on every rank (two broadcasts: the length, then the payload); `dev`
-    from comm_device."""
+    """Rank src's bytes on every rank (two broadcasts: the length, then the payload); `dev`:
+    where the worker's collectives run (Platform.dist_device)."""
     n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
     torch.distributed.broadcast(n, src)
     size = int(n.item())

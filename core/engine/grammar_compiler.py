@@ -6,7 +6,8 @@ or stalls every client. So the worker's scheduler never calls a grammar library 
 constraint: `Grammar.submit` hands it to this service, which
 
 - runs `Grammar.compile` (the backend's validate + compile) in one of `workers` child processes
-  (started on the first constraint, so an engine that never sees one pays nothing; each builds
+  (started on the first constraint, so an engine that never sees one pays nothing, and stopped
+  after IDLE_S seconds with nothing to compile; each builds
   the same backend over the same tokenizer and warms it on a trivial constraint before it
   takes work; at most `workers` compiles run at once, the rest queue in order);
 - gives each compile `timeout_s` from the moment a child takes it (queueing does not count);
@@ -48,6 +49,7 @@ from core.contract.grammar import Constraint, Grammar, GrammarBackendError, Gram
 log = logging.getLogger("core.contract.grammar")
 
 BOOT_TIMEOUT_S = 120.0  # a child's start: imports, tokenizer, backend
+IDLE_S = 300.0  # a child with nothing to compile for this long exits (the next one starts anew)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class _Child:
         self.conn_out.send_bytes(spec.to_json().encode())
         self.ready = False
         self.job: _Job | None = None
+        self.idle_since = time.monotonic()
         self.boot_deadline = time.monotonic() + BOOT_TIMEOUT_S
 
     def exit_code(self) -> int | None:
@@ -214,6 +217,7 @@ class CompileService:
             now = time.monotonic()
             deadlines = [c.job.deadline for c in children if c.job is not None]
             deadlines += [c.boot_deadline for c in children if not c.ready]
+            deadlines += [c.idle_since + IDLE_S for c in children if c.ready and c.job is None]
             timeout = max(0.0, min(deadlines) - now) if deadlines else None
             ready = wait([self._wake_r] + [c.conn for c in children], timeout)
             if self._wake_r in ready:
@@ -222,8 +226,8 @@ class CompileService:
             self._reap(children, dead)
 
     def _dispatch(self) -> None:
-        """Drop cancelled jobs, hand queued ones to idle ready children, start children while
-        jobs wait and fewer than `workers` run (one is started by start() with no job)."""
+        """Drop cancelled jobs, stop children idle for IDLE_S, hand queued jobs to idle ready
+        children, start children while jobs wait and fewer than `workers` run."""
         with self._lock:
             for job in [j for j in self._queue if j.cancelled]:
                 self._queue.remove(job)
@@ -244,8 +248,12 @@ class CompileService:
                     continue
                 child.job, job.child = job, child
                 job.deadline = time.monotonic() + self.timeout_s
+            now = time.monotonic()
+            for child in list(self._children):  # long idle: its memory goes back
+                if child.ready and child.job is None and now - child.idle_since >= IDLE_S:
+                    self._kill(child)
             busy = sum(c.job is not None for c in self._children)
-            want = max(1, min(self.workers, busy + len(self._queue)))  # one stays, idle
+            want = min(self.workers, busy + len(self._queue))
             while len(self._children) < want and self._broken is None and not self._closed:
                 self._children.append(_Child(self.spec))
 
@@ -282,6 +290,7 @@ class CompileService:
                             f"compile process: {msg.get('error')}")
                 return True
             job, child.job = child.job, None
+            child.idle_since = time.monotonic()
         if job is None or job.cid != msg.get("id"):
             return True
         self.seconds += float(msg.get("seconds") or 0.0)

@@ -21,14 +21,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from core.contract.platform import load_platform
 from core.contract.quant import (
     ONLINE_FORMATS,
+    QuantMethod,
     QuantScheme,
     apply_ignore,
     online_scheme,
     parse_quant_config,
 )
-from core.layers import ModelContext, process_weights_after_loading
+from core.layers import Linear, ModelContext, process_weights_after_loading
 from core.layers.linear import DenseLinearMethod
 from core.tokenizer import Tokenizer
 
@@ -301,28 +303,29 @@ class ConfigView:
 
 
 def count_and_iter_weights(source: WeightSource, config: Any, reader: Any = None,
-                           raw_gguf: bool = False
+                           raw_gguf: bool = False, *, host: str
                            ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """(number of tensors, iterator of (HF name, tensor)) for the source's format; raw_gguf:
-    a GGUF file's quantized tensors as their blocks (core.engine.gguf_weights.GGUFBlocks)."""
+    a GGUF file's quantized tensors as their blocks (core.engine.gguf_weights.GGUFBlocks);
+    host: the torch device tensors are read into (the Platform's host_device)."""
     if source.load_format == "safetensors":
         from safetensors import safe_open
 
         def names(path):
-            with safe_open(path, framework="pt", device="cpu") as fh:
+            with safe_open(path, framework="pt", device=host) as fh:
                 return list(fh.keys())
 
         total = sum(len(names(f)) for f in source.files)
 
         def it():
             for path in source.files:
-                with safe_open(path, framework="pt", device="cpu") as fh:
+                with safe_open(path, framework="pt", device=host) as fh:
                     for name in fh.keys():  # noqa: SIM118 - safe_open is not a dict
                         yield name, fh.get_tensor(name)
 
         return total, it()
     if source.load_format == "pt":
-        states = (torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        states = (torch.load(f, map_location=host, weights_only=True, mmap=True)
                   for f in source.files)
 
         def it_pt():
@@ -371,7 +374,7 @@ def shared_gguf_reader(path: str) -> Iterator[Any]:
 def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Seeded random weights in place, in each parameter's own dtype and device (no copies);
     a quant method's scales at 1; a method with packed integer tensors fills them itself
-    (optional `init_dummy_weights(layer, seed, std)`, core.contract.quant)."""
+    (its `init_dummy_weights(layer, seed, std)`, core.contract.quant: by default nothing)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not param.dtype.is_floating_point:
@@ -390,10 +393,9 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             else:
                 param.normal_(0.0, std, generator=gen)
         for name, module in model.named_modules():  # packed formats fill their own tensors
-            method = getattr(module, "quant_method", None)
-            fill = getattr(method, "init_dummy_weights", None)
-            if fill is not None:
-                fill(module, seed * 1_000_003 + zlib.crc32(name.encode()), std)
+            if isinstance(module, Linear):
+                module.quant_method.init_dummy_weights(
+                    module, seed * 1_000_003 + zlib.crc32(name.encode()), std)
     process_weights_after_loading(model)
 
 
@@ -443,7 +445,7 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
     model_cls = reg.load()
     dtype = getattr(torch, plan.dtype)
     device = torch.device(device if device is not None else plan.device.device_type)
-    scheme = quant_scheme(config, plan)
+    scheme = quant_scheme(config, plan, registry)
     quant = make_quant_method(registry, plan.quant_method, scheme)
     moe = _instantiate(registry, "moe", plan.moe_runner) if plan.moe_runner else None
     ctx = ModelContext(dtype=dtype, device=device, quant_method=quant, moe_runner=moe,
@@ -462,27 +464,33 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
         from tqdm import tqdm
 
         total, weights = count_and_iter_weights(
-            source, config, reader, raw_gguf=bool(getattr(quant, "takes_raw_gguf", False)))
+            source, config, reader, raw_gguf=quant.takes_raw_gguf,
+            host=load_platform(registry, plan.device).host_device())
         bar = tqdm(weights, total=total or None, desc="loading weights", unit="tensor",
                    file=sys.stderr, leave=False)
         model.load_weights(bar)
         bar.close()
-    held = getattr(quant, "load_summary", None)  # what a method kept, in its own words
-    if held is not None:
-        notes.append(held())
+    held = quant.load_summary()  # what a method kept, in its own words (None: nothing to say)
+    if held:
+        notes.append(held)
 
     tokenizer = _load_tokenizer(args, source, notes) if with_tokenizer else None
     return LoadedModel(model, config, tokenizer, model_path, dtype, notes, ctx.ops)
 
 
-def quant_scheme(config: Any, plan: Any) -> QuantScheme:
+def quant_scheme(config: Any, plan: Any, registry: Any = None) -> QuantScheme:
     """What the weights are (the config's quantization_config), or become when the plan
-    quantizes a dense checkpoint at load (plan.quant_format names the online format)."""
+    quantizes a dense checkpoint at load (plan.quant_format names the online format; the
+    method's QuantCaps.online_scheme() says the rest, as the resolver read it; without a
+    registry, core's online formats with dynamic activations)."""
     q = getattr(config, "quantization_config", None)
     if q is not None and not isinstance(q, dict):
         q = q.to_dict() if hasattr(q, "to_dict") else dict(vars(q))
     scheme = parse_quant_config(q)
     fmt = getattr(plan, "quant_format", "dense")
+    reg = registry.get("quant", plan.quant_method) if registry is not None else None
+    if scheme.format == "dense" and reg is not None and reg.caps.online_format == fmt:
+        return reg.caps.online_scheme()
     if scheme.format == "dense" and fmt in ONLINE_FORMATS:
         return online_scheme(fmt)
     if scheme.format == "dense" and fmt != "dense":  # e.g. gguf: transformers' config lacks it
@@ -490,12 +498,19 @@ def quant_scheme(config: Any, plan: Any) -> QuantScheme:
     return scheme
 
 
-def make_quant_method(registry: Any, name: str, scheme: QuantScheme) -> Any:
-    """The plan's quant method, built once for the model from the scheme (core.contract.quant)."""
+def make_quant_method(registry: Any, name: str, scheme: QuantScheme) -> QuantMethod:
+    """The plan's quant method, built once for the model from the scheme (core.contract.quant);
+    TypeError, naming the plugin, for a factory that does not give a QuantMethod."""
     reg = registry.get("quant", name)
     if reg is None:
         raise ValueError(f"no quant plugin named {name!r} is registered")
-    return reg.load()(scheme)
+    method = reg.load()(scheme)
+    if not isinstance(method, QuantMethod):
+        raise TypeError(f"quant method {name!r} ({reg.origin.describe()}) gave a "
+                        f"{type(method).__name__}, not a core.contract.quant.QuantMethod: "
+                        "subclass it (its defaults stand for the members a method does not "
+                        "need)")
+    return method
 
 
 def make_layer_ops(registry: Any, name: str, dtype: torch.dtype, device: torch.device) -> Any:

@@ -144,9 +144,11 @@ def kv_dtype_of(plan: Plan) -> Any:
 
 
 def build_kv(plan: Plan, spec: Any, mem: MemoryPlan, kv_dtype: Any, device: Any,
-             max_context: int, loaded: Any, kv_heads: int | None = None) -> tuple[Any, Any]:
-    """Phase 2: the paged KV pool (writing through the layer ops' store) and the request table.
-    kv_heads: the KV heads this rank holds (default: the model's)."""
+             max_context: int, loaded: Any, kv_heads: int | None = None, platform: Any = None
+             ) -> tuple[Any, Any]:
+    """Phase 2: the paged KV pool (writing through the layer ops' store, its buffers from the
+    platform) and the request table. kv_heads: the KV heads this rank holds (default: the
+    model's)."""
     from core.engine.memory.kv_cache import KVPool, checkpoint_kv_scales
     from core.engine.memory.memory_pool import ReqToTokenPool
 
@@ -156,7 +158,8 @@ def build_kv(plan: Plan, spec: Any, mem: MemoryPlan, kv_dtype: Any, device: Any,
     kv_heads = spec.num_kv_heads if kv_heads is None else kv_heads
     kv_pool = KVPool(mem.kv_tokens + page, spec.num_layers, kv_heads, spec.head_dim,
                      kv_dtype, device, page, spec.v_head_dim, k_scale=k_scale, v_scale=v_scale,
-                     store=loaded.ops.store_kv() if loaded.ops is not None else None)
+                     store=loaded.ops.store_kv() if loaded.ops is not None else None,
+                     platform=platform)
     return kv_pool, ReqToTokenPool(mem.max_running, max_context, device)
 
 
@@ -248,7 +251,7 @@ class Ranks:
 
     spec: Any  # core.engine.distributed.RankSpec
     tp: Any  # core.engine.distributed.TPGroup
-    comm: Any  # torch.device of the worker's own collectives (core.engine.distributed.comm_device)
+    comm: Any  # torch.device of the worker's own collectives (Platform.dist_device)
 
     def share(self, msgs: list[Message] | None) -> list[Message]:
         """Rank 0's messages of this loop turn, on every rank (rank 0 passes them, the others
@@ -265,11 +268,15 @@ def join_ranks(spec: Any, payload: bytes | None) -> tuple[Ranks, bytes]:
     None on the other ranks, which may be on another node and know nothing yet)."""
     import torch
 
-    from core.engine.distributed import TPGroup, broadcast_bytes, comm_device, init_process_group
+    from core.contract.platform import load_platform
+    from core.engine.distributed import TPGroup, broadcast_bytes, init_process_group
+    from core.plan.registry import get_registry
 
+    registry = get_registry()  # the rank knows its target, not yet the plan
+    platform = load_platform(registry, registry.probe(spec.target))
     device = torch.device(spec.device)
-    init_process_group(spec, device)
-    comm = comm_device(spec.backend, device)
+    init_process_group(spec, platform, device)
+    comm = platform.dist_device(device)
     payload = broadcast_bytes(payload, comm)
     got = json.loads(payload)
     ep = json.loads(got["args"]).get("ep_size", 1) > 1
@@ -284,11 +291,20 @@ def local_heads(spec: Any, tp: Any) -> tuple[int, int]:
 
 def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
                       loaded: Any = None, ranks: Ranks | None = None,
-                      device_index: int = 0) -> EngineCore:
+                      device_index: int = 0, progress: Any = None) -> EngineCore:
     """Load (unless given), then the four phases: memory, KV, runner, scheduler. `ranks`:
     this worker's tensor-parallel place (its device index, its slice of the model, a KV pool
     for its heads, sized the same on every rank); `device_index`: the device of a worker
-    without ranks (a data-parallel replica's)."""
+    without ranks (a data-parallel replica's). progress(line): called as each phase ends
+    (what it did and its seconds; `core serve` prints them, STARTUP_PROGRESS_ENV)."""
+    t_phase = [time.monotonic()]
+
+    def done(what: str) -> None:
+        now = time.monotonic()
+        if progress is not None:
+            progress(f"{what} ({now - t_phase[0]:.1f} s)")
+        t_phase[0] = now
+
     import torch
 
     from core.contract.platform import load_platform
@@ -310,6 +326,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     share_threads(sharing)
     if loaded is None:
         loaded = load_model(args, plan, registry, device=device, tp=tp)
+        done(f"weights loaded ({plan.quant_method} on {device})")
     cfg = loaded.hf_config
     max_context = int(getattr(cfg, "max_position_embeddings", None) or spec.context_length)
     kv_dtype = kv_dtype_of(plan)
@@ -325,14 +342,18 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
         notes = (f"tensor parallel: rank {tp.rank} of {tp.size} ({ranks.spec.backend}), "
                  f"{heads} of {spec.num_heads} heads and {kv_heads} of {spec.num_kv_heads} "
                  f"KV heads per rank",)
+    done(f"memory planned: KV cache {mem.kv_tokens} tokens")
     kv_pool, req_to_token = build_kv(plan, spec, mem, kv_dtype, device, max_context, loaded,
-                                     kv_heads)
+                                     kv_heads, platform)
+    done(f"KV cache allocated ({mem.kv_tokens * per_token / 2**20:.0f} MiB)")
     runner, graph_note = build_runner(plan, spec, registry, platform, loaded, kv_pool,
                                       req_to_token, kv_dtype, device, max_context, mem,
                                       heads, kv_heads)
+    done("model runner ready (kernels built, warmed up)")
     scheduler, eos, overlap_note = build_scheduler(args, plan, runner, req_to_token, mem,
                                                    platform, loaded, max_context, device,
                                                    registry)
+    done("scheduler ready")
     info = EngineInfo(
         max_context=max_context, pool_tokens=scheduler.allocator.total_pages * plan.page_size,
         page_size=plan.page_size, max_running_requests=mem.max_running,
@@ -524,6 +545,23 @@ def plan_from_parent(args_json: str, plan_json: str) -> tuple[ServerArgs, Plan, 
     return args, plan, load_model_spec(args.model_path), get_registry()
 
 
+STARTUP_PROGRESS_ENV = "CORE_STARTUP_PROGRESS"  # "1": print a line per start-up phase
+
+
+def _progress_printer(args: ServerArgs) -> Any:
+    """The worker's start-up progress, one line per phase on its stderr (the terminal of
+    `core serve`, which sets STARTUP_PROGRESS_ENV; `core generate --verbose` too); None when
+    the environment does not ask for it (the offline Engine, tests)."""
+    if os.environ.get(STARTUP_PROGRESS_ENV) != "1":
+        return None
+    who = "core: engine" + (f" (worker {os.getpid()})" if args.dp_size > 1 else "")
+
+    def show(line: str) -> None:
+        print(f"{who}: {line}", file=sys.stderr, flush=True)
+
+    return show
+
+
 def worker_main(conn: Any, args_json: str, plan_json: str, rank_json: str | None = None,
                 device_index: int = 0) -> None:
     """Entry of the spawned worker process (rank 0 of its engine): the parent's args (model
@@ -542,7 +580,7 @@ def worker_main(conn: Any, args_json: str, plan_json: str, rank_json: str | None
             payload = json.dumps({"args": args_json, "plan": plan_json}).encode()
             ranks, _ = join_ranks(RankSpec.from_json(rank_json), payload)
         core = build_engine_core(args, plan, spec, registry, ranks=ranks,
-                                 device_index=device_index)
+                                 device_index=device_index, progress=_progress_printer(args))
     except Exception as exc:  # noqa: BLE001 - reported to the client, which raises it
         try:
             chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))

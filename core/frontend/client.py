@@ -101,7 +101,8 @@ def rank_specs(args: ServerArgs, device: Any, replica: int = 0) -> list[Any]:
     first = args.node_rank * here
     indices = [device_index(args, device, replica, i) for i in range(here)]
     return [RankSpec(rank=first + i, world=args.tp_size, init_addr=addr, local_index=index,
-                     backend=platform.dist_backend(), device=platform.torch_device(index))
+                     backend=platform.dist_backend(), device=platform.torch_device(index),
+                     target=device.target)
             for i, index in enumerate(indices)]
 
 
@@ -477,7 +478,7 @@ class EngineClient(RequestStreams):
         if st is None:  # finished here already (a stop string seen in the text)
             return
         ids = list(item.ids)
-        finish = None if item.finish is None else item.finish.to_dict()
+        finish = None if item.finish is None else ipc.to_json(item.finish)
         st.output_ids += ids
         if ids:
             st.raw_text += st.detok.add(ids)
@@ -486,21 +487,20 @@ class EngineClient(RequestStreams):
         end = len(st.raw_text)
         stops = st.params.stop
         if stops:
+            # The worker decides where a stop string ends the output (core.engine.scheduler:
+            # it stops computing at once, and jump-forward / speculation stop at the right
+            # token); here the text is cut where the string it matched starts, and held back
+            # while streaming where a stop string could be starting.
             longest = max(len(s) for s in stops)
-            hits = []
             if len(st.output_ids) < st.params.min_new_tokens:
                 # min_new_tokens: what completes a stop string before then is plain text
                 st.stop_floor = len(st.raw_text)
-            else:
-                hits = [(i, s) for s in stops if (i := st.raw_text.find(
-                    s, max(0, st.emitted - longest, st.stop_floor - len(s) + 1))) >= 0]
-            if hits:
-                end, matched = min(hits)
-                if finish is None or finish.get("type") != "stop":
-                    finish = {"type": "stop", "matched": matched}
-                    self._send_quietly(ipc.Abort(st.rid))
+            matched = finish.get("matched") if finish is not None else None
+            if isinstance(matched, str):
+                at = st.raw_text.find(matched, max(0, st.emitted - longest,
+                                                   st.stop_floor - len(matched) + 1))
+                end = at if at >= 0 else end
             elif finish is None:
-                # Hold back what could be the start of a stop string.
                 end = max(st.emitted, len(st.raw_text) - (longest - 1))
         delta = st.raw_text[st.emitted:end]
         st.emitted = end
@@ -524,12 +524,3 @@ class EngineClient(RequestStreams):
             st.sink(chunk)
         except Exception:  # noqa: BLE001 - e.g. a closed event loop: that caller is gone
             log.warning("dropping output of request %s: its consumer is gone", st.rid)
-
-    def _send_quietly(self, msg: ipc.Message) -> None:
-        try:
-            with self._send_lock:
-                self._chan.send(msg)
-        except ChannelClosed:
-            pass
-
-

@@ -17,6 +17,7 @@ from typing import Any
 from core.engine.sampling import SamplingParams, expand_n
 from core.frontend.client import Chunk, EngineClient, EngineError, StartedWorker
 from core.frontend.router import ReplicaSet
+from core.messages import to_json
 from core.plan.args import ServerArgs, apply_environment, make_server_args
 
 __all__ = ["Engine", "EngineClient", "EngineError", "expand_n"]
@@ -72,7 +73,7 @@ class Engine:
             self.client = ReplicaSet(self.args, self.plan, self.tokenizer, started=started)
         else:
             self.client = EngineClient(self.args, self.plan, self.tokenizer, started=started[0])
-        self.info: dict[str, Any] = self.client.info.to_dict()  # core.messages.EngineInfo's fields
+        self.info: dict[str, Any] = to_json(self.client.info)  # core.messages.EngineInfo's fields
         for note in self.info["notes"]:  # KV sizing, graph capture: found at startup
             log.info("engine: %s", note)
 

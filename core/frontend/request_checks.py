@@ -8,10 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 from core.contract.grammar import check_constraint
-from core.engine.scheduler import check_fits
 from core.engine.sampling import SamplingParams
+from core.engine.scheduler import check_fits
 from core.plan.plan import Plan
 from core.plan.registry import get_registry
+
+# what turns structured output on after the quick start (pyproject.toml's `grammar` extra)
+GRAMMAR_EXTRA_HINT = ("install a grammar backend: pip install 'core-serve[grammar]' (from a clone: "
+                      "pip install -e '.[grammar]'), then restart the server")
 
 
 class RequestChecks:
@@ -58,8 +62,10 @@ class RequestChecks:
         if name is None:
             why = next((n.split(": ", 1)[1] for n in self.plan.notes
                         if n.startswith("structured output off: ")), "no grammar backend")
+            hint = "" if why.startswith("--grammar-backend") else (
+                f"; {GRAMMAR_EXTRA_HINT}")  # no grammar library installed (the quick start's)
             raise ValueError(f"{constraint.where}: structured output is off in this server "
-                             f"({why})")
+                             f"({why}){hint}")
         reg = get_registry().get("grammar", name)
         if reg is None:
             raise ValueError(f"{constraint.where}: grammar backend {name} is not registered "

@@ -1,7 +1,7 @@
 """Token embedding and the LM head (possibly tied to it).
 
-A quant method with `load_table(module, tensor)` (core.contract.quant) may keep either weight in its own
-form: the module then looks rows up with `table.rows(ids, dtype)` and computes logits with
+A quant method's `load_table(module, tensor)` (core.contract.quant) may keep either weight in its
+own form: the module then looks rows up with `table.rows(ids, dtype)` and computes logits with
 `table.logits(hidden)`, and its dense `weight` is left empty ([0, hidden]).
 """
 
@@ -35,8 +35,8 @@ def _vocab_part(module: nn.Module, loaded: object) -> object:
 def _load_table(module: nn.Module, param: nn.Parameter, loaded: object) -> None:
     """The weight_loader of the embedding and the LM head: the quant method's table, or a
     dense copy."""
-    take = getattr(module.table_method, "load_table", None)
-    table = take(module, loaded) if take is not None else None
+    method = module.table_method  # None: a layer built without a quant method
+    table = method.load_table(module, loaded) if method is not None else None
     if table is not None:
         module.table = table
         param.data = torch.empty(0, param.shape[-1], dtype=param.dtype, device=param.device)

@@ -1,8 +1,9 @@
 """Linear layers whose weights are created and applied through a quant-method object.
 
-A quant method has three duties (gpt-fast style: the model stays pure, the method swaps weights):
-`create_weights(layer, ...)` registers parameters on the layer, `process_weights_after_loading`
-may repack them once the checkpoint is in, and `apply(layer, x)` computes the product.
+A quant method (core.contract.quant.QuantMethod) has three duties (gpt-fast style: the model stays
+pure, the method swaps weights): `create_weights(layer, ...)` registers parameters on the layer,
+`process_weights_after_loading` may repack them once the checkpoint is in, and `apply(layer, x)`
+computes the product. Layers call its members as they are (the base class gives each a default).
 
 A Platform may move dense weights to a layout its kernels stream faster once loading is over
 (`repack_dense_weights`; the cpu target's oneDNN blocked layout, plugins/hardware/cpu_runtime.py).
@@ -19,23 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.contract.quant import load_shard
+from core.contract.quant import Matmul, Packer, QuantMethod  # noqa: F401 - Matmul, Packer: re-exported
 from core.engine.distributed import SINGLE
 
-# A platform's dense product over its own weight layout, called as matmul(x, weight=W, bias=b)
-# with x [..., in] and the packed W -> [..., out] in x's dtype
-Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-# weight [out, in] -> the packed form `Matmul` takes, or None where it does not apply
-Packer = Callable[[torch.Tensor], "torch.Tensor | None"]
 
-
-class DenseLinearMethod:
+class DenseLinearMethod(QuantMethod):
     """Dense weights in the compute dtype; `F.linear`, or a platform's product over repacked
     weights once `repack` ran. The quant protocol's reference (core.contract.quant): what router gates
     and layers a checkpoint leaves dense use, and what the `unquantized` plugin serves."""
-
-    def __init__(self, scheme: object = None):
-        self.scheme = scheme  # the factory signature every quant method shares (unused here)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
                        dtype: torch.dtype, device: torch.device) -> None:
@@ -44,9 +36,6 @@ class DenseLinearMethod:
         layer.bias = (nn.Parameter(torch.empty(output_size, dtype=dtype, device=device),
                                    requires_grad=False) if bias else None)
         layer.matmul = None  # a platform's product once the weight is repacked for it
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        return None
 
     def repack(self, layer: nn.Module, pack: Packer, matmul: Matmul) -> None:
         """Replace the weight by `pack(weight)` (same shape and dtype; the plain one is dropped,
@@ -148,7 +137,7 @@ class Linear(nn.Module):
         self.quant_method.create_weights(self, input_size, self.output_size, bias, ctx.dtype,
                                          ctx.device)
 
-    def rebuild_with(self, method: object) -> None:
+    def rebuild_with(self, method: QuantMethod) -> None:
         """Drop the parameters and create them again with another quant method (a layer the
         checkpoint leaves dense; core.contract.quant.apply_ignore). Only before loading."""
         for name in [n for n, _ in self.named_parameters(recurse=False)]:
@@ -196,20 +185,10 @@ class Linear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard: str | None = None) -> None:
         """Copy an HF tensor into `param` (the whole of it, or one shard's part: its rows, or
-        what core.contract.quant.mark says the shard owns of a quantized parameter). A quant method
-        with its own `weight_loader(layer, param, loaded, shard)` takes the tensor instead
-        (one that reads the file's blocks as they are: GGUF). Under tensor parallelism the
-        tensor is first cut to this rank's part."""
-        loaded = self._tp_part(param, loaded, shard)
-        own = getattr(self.quant_method, "weight_loader", None)
-        if own is not None:
-            own(self, param, loaded, shard)
-            return
-        if shard is None or param.dim() == 0:
-            load_shard(param, loaded, None, None)
-        else:
-            self.shard_slice(shard)  # KeyError for an unknown shard
-            load_shard(param, loaded, self.shard_slice(shard), self.shard_names.index(shard))
+        what core.contract.quant.mark says the shard owns of a quantized parameter), through the
+        quant method's `weight_loader` (its default: that copy; GGUF's reads the file's blocks
+        as they are). Under tensor parallelism the tensor is first cut to this rank's part."""
+        self.quant_method.weight_loader(self, param, self._tp_part(param, loaded, shard), shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)
@@ -219,9 +198,9 @@ class Linear(nn.Module):
         return self._in_part is not None and self.reduce and self.tp.active
 
     def bound(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x -> y as a plain callable; quant methods may offer `bind(layer)` for a faster one."""
-        bind = getattr(self.quant_method, "bind", None)
-        f = bind(self) if bind is not None else partial(self.quant_method.apply, self)
+        """x -> y as a plain callable: the quant method's `bind` (partial(apply, layer) unless
+        it offers a faster one)."""
+        f = self.quant_method.bind(self)
         if self._reduces():
             reduce = self.tp.all_reduce
             return lambda x: reduce(f(x))
@@ -240,25 +219,25 @@ def _reset_bindings(model: nn.Module) -> None:
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Let every layer's quant method finish its weights once the checkpoint is loaded."""
+    """Let every layer's quant method finish its weights once the checkpoint is loaded (a
+    linear's, and a MoE layer's experts')."""
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-        experts = getattr(module, "expert_quant_method", None)  # a MoE layer's experts
-        if experts is not None and hasattr(experts, "process_moe_weights_after_loading"):
+        if isinstance(module, Linear):
+            module.quant_method.process_weights_after_loading(module)
+        experts = getattr(module, "expert_quant_method", None)  # a MoE layer (core.layers.moe)
+        if experts is not None:
             experts.process_moe_weights_after_loading(module)
     _reset_bindings(model)
 
 
 def repack_dense_weights(model: nn.Module, pack: Packer, matmul: Matmul) -> None:
-    """Move a loaded model's dense weights to a platform's layout (quant methods and modules
-    offering `repack`; others are left alone). Call it once loading is over: repacked weights
-    can no longer be loaded into. Idempotent when `pack` returns None for a packed weight."""
+    """Move a loaded model's dense weights to a platform's layout (each linear's quant method's
+    `repack`, a no-op for methods without dense weights, and modules offering `repack`: the LM
+    head). Call it once loading is over: repacked weights can no longer be loaded into.
+    Idempotent when `pack` returns None for a packed weight."""
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "repack"):
-            method.repack(module, pack, matmul)
-        elif method is None and hasattr(module, "repack"):
+        if isinstance(module, Linear):
+            module.quant_method.repack(module, pack, matmul)
+        elif hasattr(module, "repack"):  # a module's own weight (core.layers.embedding.LMHead)
             module.repack(pack, matmul)
     _reset_bindings(model)

@@ -64,9 +64,9 @@ class MoE(nn.Module):
         self.runner = ctx.moe_runner
         self.gate = Linear(hidden_size, num_experts, router_bias,
                            replace(ctx, quant_method=DenseLinearMethod()))
-        # Not named `quant_method`: the linear-layer passes (process / pack_for_cpu) would treat
-        # this module as a Linear. The quant method's MoE duties are create_moe_weights and,
-        # optionally, moe_weights(layer) -> MoEWeights.
+        # Not named `quant_method`: that is a Linear's. The quant method's MoE duties
+        # (core.contract.quant.QuantMethod): create_moe_weights, process_moe_weights_after_loading
+        # and moe_weights(layer) -> MoEWeights (None: the dense form).
         self.expert_quant_method = ctx.quant_method
         self.expert_quant_method.create_moe_weights(self, local or num_experts, hidden_size,
                                                     intermediate_size, ctx.dtype, ctx.device)
@@ -157,9 +157,9 @@ class MoE(nn.Module):
 
     def weights(self) -> MoEWeights:
         if self._weights is None:
-            describe = getattr(self.expert_quant_method, "moe_weights", None)
-            self._weights = (describe(self) if describe is not None
-                             else MoEWeights(self.w13_weight, self.w2_weight))
+            own = self.expert_quant_method.moe_weights(self)
+            self._weights = own if own is not None else MoEWeights(self.w13_weight,
+                                                                   self.w2_weight)
         return self._weights
 
     def forward(self, hidden: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,7 +12,12 @@ from typing import Any
 FORMATS = ("dense", "fp8_block", "fp8_channel", "fp8_tensor", "int8_channel",
            "int4_awq", "int4_gptq", "int4_pack", "gguf")
 ACTIVATION_SCHEMES = ("none", "dynamic", "static")  # none: weight-only
-ONLINE_FORMATS = ("fp8_channel", "fp8_tensor", "int8_channel")  # a dense checkpoint -> at load
+# Core's formats a dense checkpoint is quantized into at load (8-bit, per output channel or per
+# tensor); a plugin may name its own format instead (QuantCaps.online_format).
+ONLINE_FORMATS = ("fp8_channel", "fp8_tensor", "int8_channel")
+# What activations can be when the weights are quantized at load: no calibration data, so no
+# static scales ("dynamic": per-token scales at run time, W8A8; "none": weight-only).
+ONLINE_ACTIVATIONS = ("dynamic", "none")
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,8 @@ class QuantScheme:
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def describe(self) -> str:
-        if self.format == "dense" or self.format not in FORMATS:
-            return self.format
+        if self.format == "dense" or self.format not in FORMATS and not self.online:
+            return self.format  # a plugin's own checkpoint format: its fields are in `raw`
         bits = f"w{self.weight_bits}" if self.weight_bits else ""
         acts = {"none": "a16", "dynamic": "a8 dynamic", "static": "a8 static"}[self.activations]
         grain = (f"block {self.block[0]}x{self.block[1]}" if self.block else
@@ -53,12 +58,23 @@ class QuantScheme:
         return ", ".join(p for p in parts if p)
 
 
-def online_scheme(fmt: str) -> QuantScheme:
-    """The scheme of quantizing a dense checkpoint at load into `fmt` (fp8_channel or
-    int8_channel: per-output-channel weight scales, dynamic per-token activation scales)."""
-    if fmt not in ONLINE_FORMATS:
-        raise ValueError(f"no online quantization into {fmt}")
-    return QuantScheme(method="none", format=fmt, weight_bits=8, activations="dynamic",
+def online_scheme(fmt: str, activations: str = "dynamic", weight_bits: int | None = None
+                  ) -> QuantScheme:
+    """The scheme of quantizing a dense checkpoint at load into `fmt`: one of core's
+    ONLINE_FORMATS (8-bit weights, per output channel or per tensor) or any other format a
+    plugin makes (its own name, typically; `weight_bits` as it declares them). `activations`:
+    "dynamic" (per-token scales at run time: W8A8, what the built-in methods do) or "none"
+    (weight-only). ValueError for what cannot be quantized at load (the message says why);
+    QuantCaps.online_scheme() calls this with what a method declares."""
+    if not fmt or fmt == "dense":
+        raise ValueError(f"no online quantization into {fmt!r}: name the format the weights "
+                         "become")
+    if activations not in ONLINE_ACTIVATIONS:
+        raise ValueError(f"online quantization into {fmt} with {activations!r} activations: "
+                         f"{' or '.join(ONLINE_ACTIVATIONS)} (static scales need a calibrated "
+                         "checkpoint)")
+    bits = 8 if fmt in ONLINE_FORMATS else weight_bits
+    return QuantScheme(method="none", format=fmt, weight_bits=bits, activations=activations,
                        online=True)
 
 

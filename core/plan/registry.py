@@ -24,6 +24,7 @@ from packaging.version import Version
 
 from core.contract import hookspecs
 from core.contract.capabilities import CAPS_TYPES, KINDS, DeviceInfo
+from core.contract.platform import platform_problem
 
 log = logging.getLogger("core.plugins")
 
@@ -64,18 +65,25 @@ class Registration:
     caps: Any
     factory: Callable | str
     origin: Origin
-    # hardware only: the target's core.contract.platform.Platform factory (called with the DeviceInfo)
-    platform: Callable | str | None = None
+    # hardware only: the target's core.contract.platform.BasePlatform subclass (or a factory of
+    # one), called with the DeviceInfo; resolved and checked when the plugin registers
+    platform: Callable | None = None
 
     def load(self) -> Callable:
         """Resolve a lazy "module:attr" factory; this is where kernel libraries get imported."""
-        if callable(self.factory):
-            return self.factory
-        module, _, attr = self.factory.partition(":")
-        obj = importlib.import_module(module)
-        for part in attr.split(".") if attr else []:
-            obj = getattr(obj, part)
-        return obj
+        return load_ref(self.factory)
+
+
+def load_ref(ref: Callable | str) -> Any:
+    """The object a plugin's "module:attr" reference names (attr may be dotted); a callable is
+    its own object. The one loader of lazy references."""
+    if callable(ref):
+        return ref
+    module, _, attr = ref.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split(".") if attr else []:
+        obj = getattr(obj, part)
+    return obj
 
 
 @dataclass
@@ -179,12 +187,27 @@ class _Register:
             if not (callable(platform) or (isinstance(platform, str) and ":" in platform)):
                 raise PluginError(f"hardware {name!r}: platform must be callable or "
                                   "'module:attr'")
+            platform = _platform(name, platform)
         existing = self.registry.entries[self.kind].get(name)
         if existing is not None:
             raise PluginError(f"duplicate {self.kind} name {name!r}: registered by "
                               f"{existing.origin.describe()} and by {self.origin.describe()}")
         self.registry.entries[self.kind][name] = Registration(self.kind, name, caps, factory,
                                                               self.origin, platform)
+
+
+def _platform(name: str, ref: Callable | str) -> Callable:
+    """A hardware target's platform reference, resolved and checked now: a wrong one is refused
+    when its plugin registers, not when an engine starts on it."""
+    what = f"hardware {name!r}: platform" + (f" {ref!r}" if isinstance(ref, str) else "")
+    try:
+        obj = load_ref(ref)
+    except Exception as exc:  # noqa: BLE001 - the reason names the reference
+        raise PluginError(f"{what} cannot be loaded ({type(exc).__name__}: {exc})") from exc
+    problem = platform_problem(obj)
+    if problem is not None:
+        raise PluginError(f"{what} is refused: {problem}")
+    return obj
 
 
 def _register_plugin(registry: Registry, pm: pluggy.PluginManager, plugin: Any,

@@ -30,7 +30,7 @@ from core.plan.checks import (
 )
 from core.plan.model_spec import ModelSpec
 from core.plan.plan import Candidate, Plan, ResolveError
-from core.plan.quant_scheme import QuantScheme, online_scheme, parse_quant_config
+from core.plan.quant_scheme import QuantScheme, parse_quant_config
 from core.plan.registry import Registry
 from core.plan.slots import SLOT_LABELS, Slot, merge_errors
 
@@ -122,19 +122,28 @@ def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry:
         conflict = None
         if user in regs:
             pick = user
-            online = regs[user].caps.online_format
-            if ckpt in DEQUANTIZED_AT_LOAD and online:
-                scheme = online_scheme(online)
+            caps = regs[user].caps
+            if ckpt in DEQUANTIZED_AT_LOAD and caps.online_format:
+                errors = caps.declaration_errors()
+                if errors:  # the plugin's mistake, said as such (not a traceback)
+                    raise ResolveError(
+                        f"--quantization {user} cannot quantize the checkpoint at load: its "
+                        f"QuantCaps ({regs[user].origin.describe()}) do not hold together",
+                        errors)
+                scheme = caps.online_scheme()
                 what = "dense checkpoint" if ckpt == "none" else f"{ckpt} weights, dequantized,"
                 notes.append(f"quantization: {user} quantizes the {what} at load "
                              f"({scheme.describe()})")
-            elif ckpt != "none" and ckpt not in regs[user].caps.config_names:
-                conflict = f"{user} loads {', '.join(sorted(regs[user].caps.config_names))}"
+            elif ckpt != "none" and ckpt not in caps.config_names:
+                conflict = f"{user} loads {', '.join(sorted(caps.config_names))}"
         elif user != ckpt:
             if not any(user in r.caps.config_names for r in regs.values()):
+                failed = [f"plugin {f.origin.describe()} failed to load ({f.stage}): {f.error}"
+                          for f in registry.failures]
                 raise ResolveError(
                     f"unknown quant method {user!r} (--quantization)",
-                    [f"registered quant methods: {', '.join(sorted(regs)) or 'none'}"])
+                    [f"registered quant methods: {', '.join(sorted(regs)) or 'none'}",
+                     *failed])
             conflict = f"the checkpoint's weights are stored as {ckpt}"
         if conflict:
             what = ("it is not quantized" if ckpt == "none" else
@@ -309,7 +318,11 @@ def resolve_tool_parser(plan: Plan, chat_template: str | None, args: ServerArgs,
     if raw == TOOL_PARSER_OFF:
         notes.append("auto tool calls off: --tool-call-parser none (tool_choice required or "
                      "a named function still works: the grammar constrains the call)")
-        return dataclasses.replace(plan, tool_call_parser=None, notes=plan.notes + tuple(notes))
+        off = tuple(Candidate(slot="tool_call_parser", name=n, origin=regs[n].origin.describe(),
+                              fits=False, reasons=("--tool-call-parser none",),
+                              priority=regs[n].caps.priority) for n in sorted(regs))
+        return dataclasses.replace(plan, tool_call_parser=None, notes=plan.notes + tuple(notes),
+                                   candidates=plan.candidates + off)
     user = _tool_parser_arg(args, registry)
     found = {n: [m for m in r.caps.markers if m in template] for n, r in regs.items()}
     any_markup = any(found.values())

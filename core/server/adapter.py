@@ -179,20 +179,16 @@ class EngineAdapter:
             except ValueError as e:  # the engine's own checks (sampling, fits in context/pool,
                 finished = True  # a constraint its grammar backend cannot enforce)
                 raise invalid(_constraint_param(req, str(e)), str(e)) from None
-            produced = False
             while True:
                 chunk = await q.get()
-                if "error" in chunk:  # the worker died, or the client was closed
-                    finished = True
-                    if not produced:
-                        raise APIError(503, f"the engine is not running: {chunk['error']}",
-                                       code="engine_unavailable", retry_after=5)
-                    yield {"text": "", "token_ids": [], "finished": True,
-                           "error": chunk["error"]}
-                    return
+                if "error" in chunk:  # the worker (a rank, a replica) died, or was closed
+                    finished = True  # one status, tokens sent or not (README "Probes")
+                    raise APIError(503, f"the engine is not running: {chunk['error']}",
+                                   code="engine_unavailable", retry_after=5)
                 fin = chunk.get("finish_reason")
-                if fin is not None and fin.get("type") == "abort" and fin.get("status_code") \
-                        and not produced:  # rejected at admission (queue full, too big)
+                if fin is not None and fin.get("type") == "abort" and fin.get("status_code"):
+                    # refused by the engine: at admission (queue full, too big, a constraint
+                    # that did not compile), or a constraint that reached a dead end
                     finished = True
                     status = int(fin["status_code"])
                     message = fin.get("message") or "rejected by the scheduler"
@@ -201,7 +197,6 @@ class EngineAdapter:
                     raise APIError(status, message,
                                    code="queue_full" if status == 503 else None,
                                    retry_after=1 if status in (429, 503) else None)
-                produced = True
                 yield self._event(chunk, req)
                 if fin is not None:
                     finished = True

@@ -54,10 +54,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.contract.tools import (
+    MAX_ARGUMENT_DEPTH,
     Piece,
     ToolCall,
     ToolParser,
     call_at,
+    json_depth,
     skip_ws,
     template_reads_tools,
     value_end,
@@ -272,6 +274,9 @@ def _message_call(c: Any, where: str) -> dict[str, Any]:
         raise invalid(f"{where}.function.name", f"{where}.function.name must be a string",
                       code="invalid_type")
     args = f.get("arguments")
+    if isinstance(args, str) and json_depth(args) > MAX_ARGUMENT_DEPTH:
+        raise invalid(f"{where}.function.arguments", f"{where}.function.arguments nest deeper "
+                      f"than {MAX_ARGUMENT_DEPTH} levels")
     try:
         parsed = json.loads(args) if isinstance(args, str) else None
     except ValueError:

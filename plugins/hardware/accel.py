@@ -12,19 +12,18 @@ import dataclasses
 import importlib
 from typing import Any
 
-from core.contract.capabilities import DeviceInfo
-from core.contract.platform import GraphSupport, MemoryDefaults, ModelGeometry
+from core.contract.platform import BasePlatform, MemoryDefaults, ModelGeometry
 from plugins.hardware.gpu import gpu_memory_defaults
 
 
-class TorchAccelPlatform:
-    """core.contract.platform.Platform over torch.<device_type> for accelerators checked by nobody here."""
+class TorchAccelPlatform(BasePlatform):
+    """The Platform over torch.<device_type> for accelerators checked by nobody here: the GPU
+    memory defaults without graphs, non-blocking copies to the device. Devices "<type>:N", no
+    graphs, no warm-up and the backend's device binding are BasePlatform's defaults; what
+    touches torch.<type> first imports the extensions that attach it."""
 
     module_name = ""  # the torch attribute: "xpu", "npu"
     imports: tuple[str, ...] = ()  # extensions that attach that attribute (torch_npu)
-
-    def __init__(self, info: DeviceInfo):
-        self.info = info
 
     def _module(self) -> Any:
         import torch
@@ -32,9 +31,6 @@ class TorchAccelPlatform:
         for name in self.imports:
             importlib.import_module(name)
         return getattr(torch, self.module_name)
-
-    def torch_device(self, index: int = 0) -> str:
-        return f"{self.info.device_type}:{index}"
 
     def memory(self, index: int = 0) -> tuple[int, int]:
         free, total = self._module().mem_get_info(index)
@@ -48,31 +44,16 @@ class TorchAccelPlatform:
     def to_device(self, host: Any, device: Any) -> Any:
         return host.to(device, non_blocking=True)
 
-    def copy_to_host(self, tensor: Any) -> tuple[Any, Any]:
-        return tensor.to("cpu"), None  # synchronous: the overlap schedule is off here
-
     def synchronize(self, device: Any) -> None:
         self._module().synchronize(device)
-
-    def graphs(self) -> GraphSupport:
-        return GraphSupport(False, f"{self.info.target}: graph capture is not implemented for "
-                                   "this target")
-
-    def graph_runner(self, runner: Any, sizes: Any, vocab_size: int) -> Any:
-        raise RuntimeError(f"{self.info.target} has no graph runner")
-
-    def post_load(self, model: Any) -> list[str]:
-        return []
 
     def overlap_schedule(self) -> tuple[bool, str]:
         return False, (f"overlap schedule off: not checked on {self.info.target} (its copies "
                        "here are synchronous)")
 
-    def warmup_shapes(self) -> list[tuple[int, int]]:
-        return []
-
-    def dist_backend(self) -> str:
-        return self.info.dist_backend
+    def dist_bind(self, device: Any) -> dict[str, Any]:
+        self._module()  # torch.npu exists once torch_npu is imported
+        return super().dist_bind(device)
 
 
 class XpuPlatform(TorchAccelPlatform):

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from core.contract.capabilities import DeviceInfo, HardwareCaps
 from core.contract.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.0,<2"
+CORE_PLUGIN_API = ">=1.8,<2"
 
 CAPS = HardwareCaps(
     device_type="cpu",
@@ -72,6 +72,37 @@ def read_meminfo(key: str, path: str | None = None) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def cgroup_headroom() -> int | None:
+    """Bytes this process's memory cgroup may still take, or None when there is no limit."""
+    candidates = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                   "/sys/fs/cgroup/memory/memory.usage_in_bytes"))  # cgroup v1
+    for limit_path, usage_path in candidates:
+        try:
+            with open(limit_path) as f:
+                raw = f.read().strip()
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if raw == "max":
+            return None
+        limit = int(raw)
+        if limit >= 2**62:  # v1 spells "unlimited" as a huge page-aligned number
+            return None
+        return max(limit - usage, 0)
+    return None
+
+
+def host_free_bytes() -> int:
+    """Host memory this process may still take: MemAvailable, capped by its cgroup's headroom."""
+    avail = read_meminfo("MemAvailable")
+    if avail is None:
+        raise ValueError(f"cannot read MemAvailable from {MEMINFO} to size host memory")
+    headroom = cgroup_headroom()
+    return avail if headroom is None else min(avail, headroom)
 
 
 def _torch_isa_flags() -> tuple[set[str], str]:

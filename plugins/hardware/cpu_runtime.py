@@ -1,4 +1,5 @@
-"""The runtime of the `cpu` target: host memory, CPU defaults, and oneDNN weight packing.
+"""The runtime of the `cpu` target: host memory, CPU defaults, calloc'd KV buffers, and oneDNN
+weight packing.
 
 After loading, dense fp32 / bf16 weights (linear layers and the LM head) move to oneDNN's blocked
 layout, which streams 1.4-1.9x faster than `F.linear` at the decode shapes (M = 1..16) and
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-from core.contract.capabilities import DeviceInfo
-from core.contract.platform import GraphSupport, MemoryDefaults, ModelGeometry
+from core.contract.platform import BasePlatform, GraphSupport, MemoryDefaults, ModelGeometry
 from core.layers.linear import repack_dense_weights
+from plugins.hardware.cpu import host_free_bytes
 
 MAX_RUNNING = 64
 KV_CAP_TOKENS = 32768  # host RAM is not the KV cache's to fill by default
@@ -50,40 +52,39 @@ def pack_model(model: Any) -> int:
     return sum(1 for p in model.parameters() if p.is_mkldnn)
 
 
-class CpuPlatform:
-    """core.contract.platform.Platform for the host CPU."""
-
-    def __init__(self, info: DeviceInfo):
-        self.info = info
-
-    def torch_device(self, index: int = 0) -> str:
-        return "cpu"
+class CpuPlatform(BasePlatform):
+    """The Platform of the host CPU: host memory, CPU defaults, KV buffers from calloc, oneDNN
+    weight packing. Nothing to copy, wait for, capture or overlap; the device is the host
+    ("cpu") and gloo its backend: BasePlatform's defaults."""
 
     def memory(self, index: int = 0) -> tuple[int, int]:
-        from core.plan.devices import host_free_bytes
-
         return host_free_bytes(), int(self.info.memory_bytes)
 
     def memory_defaults(self, total_bytes: int, geometry: ModelGeometry) -> MemoryDefaults:
+        # host memory is shared with every other process: the KV pool is what a model needs
+        # (KV_CAP_TOKENS), within FRACTION of the memory available when the engine starts
+        # (core.engine.memory.memory_pool.kv_pool_tokens), fewer tokens when that is short
         return MemoryDefaults(CHUNK, FRACTION, MAX_RUNNING, KV_CAP_TOKENS, 0,
-                              f"CPU defaults: chunked prefill {CHUNK}, mem fraction {FRACTION}, "
-                              f"{MAX_RUNNING} running requests, KV pool at most "
-                              f"{KV_CAP_TOKENS} tokens")
+                              f"CPU defaults: chunked prefill {CHUNK}, {MAX_RUNNING} running "
+                              f"requests, KV pool {KV_CAP_TOKENS} tokens within {FRACTION} of "
+                              "the host memory available (fewer when that is short)")
+
+    def zeros(self, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # calloc (through numpy): the OS maps zero pages as they are first touched, so a large
+        # pool costs neither start-up time nor resident memory until its slots are used
+        # (torch.zeros writes every byte up front).
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
+        return torch.from_numpy(np.zeros(tuple(shape), dtype=raw)).view(dtype)
 
     def to_device(self, host: Any, device: Any) -> Any:
         return host  # already there
 
     def copy_to_host(self, tensor: Any) -> tuple[Any, Any]:
-        return tensor, None
-
-    def synchronize(self, device: Any) -> None:
-        return None
+        return tensor, None  # already there
 
     def graphs(self) -> GraphSupport:
         return GraphSupport(False, "device type cpu has no decode graphs")
-
-    def graph_runner(self, runner: Any, sizes: Any, vocab_size: int) -> Any:
-        raise RuntimeError("the cpu target captures no graphs")
 
     def post_load(self, model: Any) -> list[str]:
         dense = sum(1 for p in model.parameters()
@@ -98,9 +99,3 @@ class CpuPlatform:
     def overlap_schedule(self) -> tuple[bool, str]:
         return False, ("overlap schedule off: a CPU computes while the host schedules, nothing "
                        "to overlap")
-
-    def warmup_shapes(self) -> list[tuple[int, int]]:
-        return []
-
-    def dist_backend(self) -> str:
-        return "gloo"

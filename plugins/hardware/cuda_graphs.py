@@ -1,4 +1,5 @@
-"""Decode graphs on CUDA and ROCm (torch.cuda.CUDAGraph): the capture half of core.graphs.
+"""Decode graphs on CUDA and ROCm (torch.cuda.CUDAGraph): the capture half of
+core.contract.graphs.GraphRunner, which replays.
 
 Every bucket is captured, largest first, into one shared memory pool, on a side stream after two
 eager warm-up forwards (kernels compile and the allocator settles outside the capture).
@@ -8,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from core.engine.graphs import GraphRunner
+from core.contract.graphs import GraphRunner
 
 
 class CudaGraphRunner(GraphRunner):
-    """core.engine.graphs.GraphRunner with torch.cuda graph capture."""
+    """core.contract.graphs.GraphRunner with torch.cuda graph capture."""
 
     def stage(self, host: torch.Tensor) -> torch.Tensor:
         # pinned, so the copy does not wait for the GPU (see the platform's to_device)

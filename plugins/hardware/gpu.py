@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.contract.capabilities import DeviceInfo
-from core.contract.platform import GraphSupport, MemoryDefaults, ModelGeometry
+from core.contract.platform import BasePlatform, GraphSupport, MemoryDefaults, ModelGeometry
 
 GiB = 2**30
 GB = 10**9
@@ -63,20 +62,11 @@ class _Event:
         self.event.synchronize()
 
 
-class TorchCudaPlatform:
-    """core.contract.platform.Platform over torch.cuda (CUDA and ROCm builds of torch)."""
-
-    def __init__(self, info: DeviceInfo):
-        self.info = info
-
-    def torch_device(self, index: int = 0) -> str:
-        return f"cuda:{index}"
-
-    def memory(self, index: int = 0) -> tuple[int, int]:
-        import torch
-
-        free, total = torch.cuda.mem_get_info(index)
-        return int(free), int(total)
+class TorchCudaPlatform(BasePlatform):
+    """The Platform over torch.cuda (CUDA and ROCm builds of torch): memory-scaled defaults,
+    pinned non-blocking copies with events, decode graphs, the overlap schedule, warm-up shapes.
+    Devices "cuda:N", memory from torch.cuda.mem_get_info and the nccl binding are
+    BasePlatform's defaults."""
 
     def memory_defaults(self, total_bytes: int, geometry: ModelGeometry) -> MemoryDefaults:
         return gpu_memory_defaults(total_bytes, geometry)
@@ -108,9 +98,6 @@ class TorchCudaPlatform:
 
         return CudaGraphRunner(runner.model, runner.decode_backend, runner.kv_pool,
                                runner.req_to_token, runner.device, sizes, vocab_size)
-
-    def post_load(self, model: Any) -> list[str]:
-        return []
 
     def overlap_schedule(self) -> tuple[bool, str]:
         return True, ("overlap schedule on: decode step N+1 is launched before the host reads "

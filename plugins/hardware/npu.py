@@ -12,7 +12,7 @@ import importlib.util
 from core.contract.capabilities import DeviceInfo, HardwareCaps
 from core.contract.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.0,<2"
+CORE_PLUGIN_API = ">=1.8,<2"
 
 CAPS = HardwareCaps(
     device_type="npu",

@@ -8,7 +8,7 @@ itself for router gates and the layers a quantized checkpoint leaves dense.
 from core.contract.capabilities import QuantCaps
 from core.contract.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.2,<2"
+CORE_PLUGIN_API = ">=1.8,<2"
 
 CAPS = QuantCaps(
     devices={"*"},  # F.linear on any torch device (a vendor's target included)

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from core.contract.platform import Platform, platform_for_device
+
 
 class KVPool:
     """K and V buffers for every layer, indexed by token slot.
@@ -22,12 +24,15 @@ class KVPool:
     per forward, a test or tool before a write of its own) calls `begin_step()` first. A backend
     that keeps a copy of some slots across steps (torch_native's dense decode cache) knows that
     nobody else wrote the pool when the step it sees is the one after its own.
+
+    The buffers come from the Platform's `zeros` (the cpu target's cost nothing until touched);
+    `platform` defaults to the one of `device`'s type (in-process use: tests, tools).
     """
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, page_size: int = 1,
                  v_head_dim: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                 store: Callable | None = None):
+                 store: Callable | None = None, platform: Platform | None = None):
         if num_slots < page_size * 2:
             raise ValueError(f"KV pool of {num_slots} slots is too small for page size "
                              f"{page_size}")
@@ -44,10 +49,12 @@ class KVPool:
                              f"v_scale={v_scale}")
         self.k_scale = float(k_scale)
         self.v_scale = float(v_scale)
-        self.k_buffers = [zeros((num_slots, num_kv_heads, head_dim), dtype, self.device)
+        if platform is None:
+            platform = platform_for_device(self.device)
+        self.k_buffers = [platform.zeros((num_slots, num_kv_heads, head_dim), dtype, self.device)
                           for _ in range(num_layers)]
-        self.v_buffers = [zeros((num_slots, num_kv_heads, self.v_head_dim), dtype, self.device)
-                          for _ in range(num_layers)]
+        self.v_buffers = [platform.zeros((num_slots, num_kv_heads, self.v_head_dim), dtype,
+                                         self.device) for _ in range(num_layers)]
         self.step = 0
         # the layer ops' KV store (core.contract.layer_ops: one kernel for K and V where fused); returns
         # False for tensors it does not take, which the pool then writes itself
@@ -78,19 +85,6 @@ class KVPool:
             return
         kb[loc] = k.to(self.dtype)
         vb[loc] = v.to(self.dtype)
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled buffer. In host memory it comes from calloc (through numpy): the OS maps
-    zero pages as they are first touched, so a large pool costs neither start-up time nor
-    resident memory until its slots are used (torch.zeros writes every byte up front)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
-    size = torch.empty((), dtype=dtype).element_size()
-    raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
-    return torch.from_numpy(np.zeros(shape, dtype=raw)).view(dtype)
 
 
 def checkpoint_kv_scales(model: object, kv_dtype: torch.dtype, notes: list[str]

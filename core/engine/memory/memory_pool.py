@@ -116,16 +116,42 @@ def kv_pool_tokens(*, max_total_tokens: int | None, mem_fraction_static: float |
                    default_fraction: float, cap_tokens: int | None = None) -> tuple[int, str]:
     """How many KV tokens to allocate, and a note saying where the number came from.
 
-    With --max-total-tokens the answer is that number. Otherwise, like SGLang, the static part of
-    memory (weights, already loaded, plus the KV cache) may use `fraction` of the device's total
-    memory: the KV cache gets `free - total * (1 - fraction)`. `cap_tokens` bounds the default
-    (on a CPU host the "device memory" is all of RAM, which a KV cache need not fill).
+    With --max-total-tokens the answer is that number. Otherwise it depends on whose memory it
+    is, which the platform says through `cap_tokens` (MemoryDefaults.kv_cap_tokens):
+
+    - None: the device is the engine's (a GPU). Like SGLang, the static part of memory (weights,
+      already loaded, plus the KV cache) may use `fraction` of the device's total memory: the
+      KV cache gets `free - total * (1 - fraction)`; nothing left is an error saying what to set.
+    - a number: the memory is the host's, shared with every other process on it (a CPU), so
+      what others hold is not counted as ours: the pool is what the model needs, `cap_tokens`,
+      within `fraction` of the memory free now (`free_bytes`: this engine process's share of
+      it). When that holds fewer tokens the pool starts smaller and the note says so; only
+      less than two pages is an error.
     """
+    fraction = mem_fraction_static if mem_fraction_static is not None else default_fraction
+    flag = "--mem-fraction-static" + ("" if mem_fraction_static is not None else " default")
     if max_total_tokens is not None:
         tokens = max_total_tokens
         note = f"KV cache {tokens} tokens (--max-total-tokens)"
+    elif cap_tokens is not None:
+        share = int(free_bytes * fraction)
+        fits = share // bytes_per_token
+        tokens = min(cap_tokens, fits)
+        where = (f"{flag} {fraction} of the {free_bytes / 2**20:.0f} MiB of host memory "
+                 f"available to this engine process is {share / 2**20:.0f} MiB at "
+                 f"{bytes_per_token} B/token")
+        if fits >= cap_tokens:
+            note = (f"KV cache {tokens} tokens, the default for host memory (set "
+                    f"--max-total-tokens for more; {where})")
+        else:
+            note = (f"KV cache {tokens} tokens, fewer than the default {cap_tokens}: host memory "
+                    f"is short ({where}); free memory or set --max-total-tokens")
+        if tokens < 2 * page_size:
+            raise ValueError(
+                f"no memory left for the KV cache: {where}, less than two pages of {page_size} "
+                f"tokens; free host memory, raise --mem-fraction-static or set "
+                f"--max-total-tokens")
     else:
-        fraction = mem_fraction_static if mem_fraction_static is not None else default_fraction
         budget = free_bytes - int(total_bytes * (1 - fraction))
         if budget < bytes_per_token * page_size * 2:
             raise ValueError(
@@ -136,9 +162,6 @@ def kv_pool_tokens(*, max_total_tokens: int | None, mem_fraction_static: float |
         tokens = budget // bytes_per_token
         note = (f"KV cache {tokens} tokens from --mem-fraction-static {fraction} "
                 f"({budget / 2**20:.0f} MiB at {bytes_per_token} B/token)")
-        if cap_tokens is not None and tokens > cap_tokens:
-            tokens = cap_tokens
-            note += f", capped at {cap_tokens} tokens (set --max-total-tokens for more)"
     tokens = (tokens // page_size) * page_size
     if tokens < 2 * page_size:
         raise ValueError(f"KV cache of {tokens} tokens is smaller than two pages of {page_size}")

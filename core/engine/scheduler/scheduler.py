@@ -378,8 +378,8 @@ class Scheduler:
         if r.params.logprobs:
             r.pending_lps.append(lp)
         m = r.state.matcher
-        if m is not None and not m.accept(tok):  # the mask allowed it: a backend bug
-            r.finish = {"type": "abort", "message": f"the grammar refused sampled token {tok}"}
+        if m is not None and not m.accept(tok):
+            r.finish = self._refused(r, tok)
         else:
             r.finish = self._check_finish(r, tok)
             if r.finish is None and m is not None and self.cfg.jump_forward \
@@ -389,6 +389,22 @@ class Scheduler:
             self.pages.release(r)
             self.counters["finished"] += 1
             self._done(r)
+
+    def _refused(self, r: Req, tok: int) -> dict[str, Any]:
+        """r's grammar refused its sampled token: either it allows no token at all here (a
+        dead end the backend could not see at compile time: the constraint can never be
+        completed, a 400 naming it) or its mask allowed the token (a backend bug, a 500)."""
+        mask = torch.zeros((1, -(-self.vocab_size // 32)), dtype=torch.int32)
+        r.state.matcher.fill_bitmask(mask, 0)
+        if any(mask[0].tolist()):
+            return {"type": "abort", "status_code": 500,
+                    "message": f"the grammar refused sampled token {tok}, which its mask "
+                               "allowed (a grammar backend bug)"}
+        c = r.params.constraint
+        return {"type": "abort", "status_code": 400,
+                "message": f"{c.where}: the constraint can never be satisfied: after "
+                           f"{len(r.output_ids) - 1} tokens its grammar allows no next token, "
+                           "not even an end"}
 
     def _jump(self, r: Req) -> None:
         """Jump-forward: the tokens r's grammar forces after its last token join its output

@@ -18,7 +18,7 @@ from core.contract.hookspecs import hookimpl
 
 # The core plugin API versions this package was written against (PEP 440 specifier). A core
 # outside this range rejects the plugin with a clear reason instead of crashing later.
-CORE_PLUGIN_API = ">=1.1,<2"  # 1.1: hardware targets register a Platform
+CORE_PLUGIN_API = ">=1.8,<2"  # 1.8: its Platform subclasses BasePlatform
 
 ATTENTION_CAPS = AttentionCaps(
     devices={"cpu", "cuda", "example_accel"},

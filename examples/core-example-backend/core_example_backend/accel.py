@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from core.contract.capabilities import DeviceInfo
-from core.contract.platform import GraphSupport, MemoryDefaults, ModelGeometry
+from core.contract.platform import BasePlatform, GraphSupport, MemoryDefaults, ModelGeometry
 
 ENABLE_ENV = "CORE_EXAMPLE_ACCEL"
 
@@ -51,17 +51,13 @@ def probe() -> DeviceInfo:
     )
 
 
-class ExampleAccelPlatform:
-    """The example target's runtime: small fixed defaults of its own, synchronous copies, no
-    graphs, no weight repacking, no overlap. Every method of core.contract.platform.Platform."""
+class ExampleAccelPlatform(BasePlatform):
+    """The example target's runtime: a BasePlatform subclass that overrides only what this
+    device does differently (its memory figures and defaults, its notes). Everything else is
+    BasePlatform's default: tensors on "cpu" (its device_type), synchronous copies, no graph
+    runner, no warm-up, gloo."""
 
     KV_TOKENS = 8192  # at most this many tokens of KV cache unless --max-total-tokens says
-
-    def __init__(self, info: DeviceInfo):
-        self.info = info
-
-    def torch_device(self, index: int = 0) -> str:
-        return "cpu"  # where its tensors live
 
     def memory(self, index: int = 0) -> tuple[int, int]:
         total = self.info.memory_bytes
@@ -74,29 +70,11 @@ class ExampleAccelPlatform:
                               note="example_accel defaults: chunked prefill 512, 8 running "
                                    f"requests, KV cache at most {self.KV_TOKENS} tokens")
 
-    def to_device(self, host: Any, device: Any) -> Any:
-        return host.to(device)
-
-    def copy_to_host(self, tensor: Any) -> tuple[Any, Any]:
-        return tensor.to("cpu"), None
-
-    def synchronize(self, device: Any) -> None:
-        return None
-
     def graphs(self) -> GraphSupport:
         return GraphSupport(False, "example_accel captures no graphs (a teaching target)")
-
-    def graph_runner(self, runner: Any, sizes: Any, vocab_size: int) -> Any:
-        raise RuntimeError("example_accel has no graph runner")
 
     def post_load(self, model: Any) -> list[str]:
         return ["example_accel: weights left in the checkpoint's layout"]
 
     def overlap_schedule(self) -> tuple[bool, str]:
         return False, "overlap schedule off: example_accel computes on the host thread"
-
-    def warmup_shapes(self) -> list[tuple[int, int]]:
-        return []
-
-    def dist_backend(self) -> str:
-        return "gloo"

@@ -59,6 +59,8 @@ class LLGuidanceMatcher:
         v = bitmask[row]  # [ceil(V / 32)] int32, CPU, contiguous: written in place
         assert v.is_contiguous() and v.dtype.itemsize == 4 and v.device.type == "cpu"
         self.m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * 4)
+        if self.m.is_error():  # no way on (`start: start` has no string): llguidance then
+            v.fill_(0)  # allows a stop token that accept refuses; nothing is allowed
 
     def accept(self, token: int) -> bool:
         token = int(token)

@@ -14,7 +14,7 @@ scales). Elsewhere (the CPU): an fp32 reference that dequantizes on every call -
 from core.contract.capabilities import CapabilityRange, QuantCaps
 from core.contract.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.2,<2"
+CORE_PLUGIN_API = ">=1.8,<2"
 
 CAPS = QuantCaps(
     devices={"cuda", "cpu"},

@@ -10,13 +10,11 @@ dynamic activation amax.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.contract.quant import QuantScheme, mark
+from core.contract.quant import QuantMethod, QuantScheme, mark
 from plugins.quant.common import (
     FP8,
     FP8_MAX,
@@ -32,11 +30,11 @@ from plugins.quant.common import (
 )
 
 
-class Fp8LinearMethod:
+class Fp8LinearMethod(QuantMethod):
     def __init__(self, scheme: QuantScheme):
         if scheme.format not in ("fp8_block", "fp8_channel", "fp8_tensor"):
             raise ValueError(f"fp8 cannot compute {scheme.format} weights")
-        self.scheme = scheme
+        super().__init__(scheme)
 
     # ---- creation: the checkpoint's own tensor names and shapes ----
 
@@ -104,9 +102,6 @@ class Fp8LinearMethod:
         else:
             y = reference_fp8_linear(x2, layer, self.scheme)
         return y.reshape(*shape[:-1], y.shape[-1])
-
-    def bind(self, layer: nn.Module):
-        return partial(self.apply, layer)
 
     # ---- MoE experts (form "fp8" of core.contract.moe.MoEWeights) ----
 

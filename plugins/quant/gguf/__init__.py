@@ -24,7 +24,7 @@ from core.contract.capabilities import QuantCaps
 from core.contract.hookspecs import hookimpl
 from plugins.cbuild import ISA_FEATURES
 
-CORE_PLUGIN_API = ">=1.4,<2"
+CORE_PLUGIN_API = ">=1.8,<2"
 
 _COMMON = dict(
     devices={"cpu"},

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.contract.quant import load_shard
+from core.contract.quant import QuantMethod, QuantScheme, load_shard
 from plugins.quant.gguf.formats import SUPPORTED, Packed, from_ggml, stack
 from plugins.quant.gguf.kernels import Kernels
 
@@ -66,15 +66,15 @@ class GGUFTable:
         return self.kernels.dequantize(self.packed, dtype, rows=ids)
 
 
-class GGUFLinearMethod:
+class GGUFLinearMethod(QuantMethod):
     """core.contract.quant protocol for GGUF checkpoints (one object per model; one ISA variant)."""
 
     takes_raw_gguf = True
     variant = "portable"
     act_bits = 16
 
-    def __init__(self, scheme: object = None):
-        self.scheme = scheme
+    def __init__(self, scheme: QuantScheme | None = None):
+        super().__init__(scheme)
         # builds / loads the library now, not mid-request
         self.kernels = Kernels(self.variant, self.act_bits)
         self.counts: dict[str, int] = {}  # GGML type -> linears / tables holding it
@@ -90,6 +90,7 @@ class GGUFLinearMethod:
         layer.gguf_parts = {}
         layer.packed = None
         layer.dense = None
+        layer.dense_matmul = None  # a platform's product over `dense`, once repacked for it
         layer.compute_dtype = dtype
 
     def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: object,
@@ -159,7 +160,7 @@ class GGUFLinearMethod:
 
     def bind(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         if layer.dense is not None:
-            matmul = getattr(layer, "dense_matmul", None)
+            matmul = layer.dense_matmul
             if matmul is not None:
                 return lambda x: matmul(x, weight=layer.dense, bias=layer.bias)
             return lambda x: F.linear(x, layer.dense, layer.bias)

@@ -13,7 +13,7 @@ with no dense copy kept.
 from core.contract.capabilities import CapabilityRange, QuantCaps
 from core.contract.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.2,<2"
+CORE_PLUGIN_API = ">=1.8,<2"
 
 _COMMON = dict(
     devices={"cuda", "cpu"},

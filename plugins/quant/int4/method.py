@@ -10,12 +10,10 @@ one Triton launch and multiplied by cuBLAS; on other devices the dequantize-per-
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
-from core.contract.quant import QuantScheme, mark
+from core.contract.quant import QuantMethod, QuantScheme, mark
 from plugins.quant.common import cuda_capability, parameter, replace_param
 from plugins.quant.int4.packing import (
     dequant_linear,
@@ -42,13 +40,13 @@ def _whole_layer(layer: nn.Module, shape: tuple[int, ...], dtype: torch.dtype,
     return mark(p, per_shard=True)
 
 
-class Int4LinearMethod:
+class Int4LinearMethod(QuantMethod):
     def __init__(self, scheme: QuantScheme):
         if scheme.format not in FORMATS:
             raise ValueError(f"int4 cannot compute {scheme.format} weights")
         if scheme.weight_bits not in (None, 4):
             raise ValueError(f"int4: {scheme.weight_bits}-bit weights")
-        self.scheme = scheme
+        super().__init__(scheme)
 
     # ---- creation: the checkpoint's own tensor names and shapes ----
 
@@ -157,9 +155,6 @@ class Int4LinearMethod:
             y = dequant_linear(x2, layer.w_q, layer.w_scales, layer.w_zeros, layer.int4_group,
                                layer.bias)
         return y.reshape(*shape[:-1], y.shape[-1])
-
-    def bind(self, layer: nn.Module):
-        return partial(self.apply, layer)
 
 
 # From this many rows the weight is dequantized to the compute dtype per call (one Triton

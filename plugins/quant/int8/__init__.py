@@ -8,7 +8,7 @@ the CPU: `torch._int_mm` (int32 accumulation), the scales applied in fp32 after 
 from core.contract.capabilities import CapabilityRange, QuantCaps
 from core.contract.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.2,<2"
+CORE_PLUGIN_API = ">=1.8,<2"
 
 CAPS = QuantCaps(
     devices={"cuda", "cpu"},

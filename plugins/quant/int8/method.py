@@ -3,13 +3,11 @@ fp32 [N, 1] and, for static activations, `input_scale` fp32 []."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.contract.quant import QuantScheme, mark
+from core.contract.quant import QuantMethod, QuantScheme, mark
 from plugins.quant.common import (
     INT8_MAX,
     int8_acts,
@@ -22,11 +20,11 @@ from plugins.quant.common import (
 _MIN_ROWS = 17  # torch._int_mm on CUDA wants more than 16 rows
 
 
-class Int8LinearMethod:
+class Int8LinearMethod(QuantMethod):
     def __init__(self, scheme: QuantScheme):
         if scheme.format != "int8_channel":
             raise ValueError(f"w8a8_int8 cannot compute {scheme.format} weights")
-        self.scheme = scheme
+        super().__init__(scheme)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int, bias: bool,
                        dtype: torch.dtype, device: torch.device) -> None:
@@ -58,9 +56,6 @@ class Int8LinearMethod:
         y = linear(x.reshape(-1, shape[-1]), layer.weight, layer.weight_scale,
                    getattr(layer, "input_scale", None), layer.bias)
         return y.reshape(*shape[:-1], y.shape[-1])
-
-    def bind(self, layer: nn.Module):
-        return partial(self.apply, layer)
 
 
 def gpu_int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

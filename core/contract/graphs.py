@@ -1,0 +1,126 @@
+"""Decode graph replay, the part a hardware plugin builds on: `GraphRunner`, the base class of a
+Platform's graph runner (core.contract.platform.BasePlatform.graph_runner).
+
+Static input buffers of the largest bucket; a bucket of size bs runs the model on views [:bs] of
+them. A smaller batch is padded: padded rows decode token 0 at position 0 (seq_len 1) of request
+row 0, writing their K/V into slot 0, which the KV pool reserves as a padding sink. Reading row
+0's first slot is harmless (every table entry is a valid slot) and the padded rows' logits are
+dropped. Batches above the largest bucket run eagerly. Capturing is the device's: a subclass
+implements `capture` (and `stage` where its copies want pinned memory), e.g.
+plugins/hardware/cuda_graphs.py for CUDA and ROCm. Which sizes are captured and whether capture
+happens at all is the engine's (core/engine/graphs.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from core.contract.forward_batch import ForwardBatch, ForwardMode
+
+
+def pick_bucket(batch_size: int, sizes: Sequence[int]) -> int | None:
+    """Smallest captured size >= batch_size, or None when the batch is too big (run eagerly)."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    i = bisect.bisect_left(sizes, batch_size)
+    return sizes[i] if i < len(sizes) else None
+
+
+class GraphRunner:
+    """Replays captured decode forwards with padded batches; `capture` is the device's."""
+
+    def __init__(self, model: Any, backend: Any, kv_pool: Any, req_to_token: Any,
+                 device: torch.device, sizes: Sequence[int], vocab_size: int):
+        self.model = model
+        self.backend = backend
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token  # core.engine.memory.memory_pool.ReqToTokenPool
+        self.device = device
+        self.sizes = list(sizes)
+        self.max_bs = self.sizes[-1]
+        n = self.max_bs
+        # [4, max_bs]: input ids, positions, slots, table rows; one host->device copy per step.
+        self.packed = torch.zeros(4, n, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.ones = torch.ones(n, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[int, Any] = {}  # bucket -> captured graph (has replay())
+        self.batches: dict[int, ForwardBatch] = {}
+        self.replays = 0
+
+    def can_run(self, batch_size: int) -> bool:
+        return pick_bucket(batch_size, self.sizes) is not None
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        ids, pos, loc, rows = (self.packed[i, :bs] for i in range(4))
+        seq = self.seq_lens[:bs]
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=ids, positions=pos, seq_lens=seq,
+            prefix_lens=seq, extend_lens=self.ones[:bs], out_cache_loc=loc,
+            req_pool_indices=rows, req_to_token=self.req_to_token.req_to_token,
+            kv_pool=self.kv_pool, seq_lens_cpu=[1] * bs, prefix_lens_cpu=[0] * bs,
+            extend_lens_cpu=[1] * bs, attn_backend=self.backend)
+
+    def _forward(self, batch: ForwardBatch, bs: int) -> None:
+        # seq_lens (prefix_lens aliases them: decode backends do not read those) follow from positions
+        # inside the graph, so a replay needs only the packed copy.
+        self.seq_lens[:bs].copy_(batch.positions + 1)
+        hidden = self.model.forward(batch.input_ids, batch.positions, batch)  # [bs, H]
+        self.logits[:bs].copy_(self.model.compute_logits(hidden))  # [bs, V] fp32
+
+    def capture(self) -> None:
+        """Capture every bucket into self.graphs (each value has `replay()`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not capture: a Platform's graph "
+                                  "runner implements capture()")
+
+    def prepare_capture(self) -> None:
+        """What every capture starts with: rotary tables grown to the whole context (lookups past
+        their end would sync the host), the backend's graph state, every row a padded row."""
+        for m in self.model.modules():
+            if hasattr(m, "cover_all_positions"):
+                m.cover_all_positions()
+        self.backend.init_graph_state(self.max_bs, self.req_to_token.max_context)
+        self.packed.zero_()
+
+    def stage(self, host: torch.Tensor) -> torch.Tensor:
+        """The host copy of the packed inputs as the device's copy wants it (CUDA: pinned, so
+        the copy does not wait for the device)."""
+        return host
+
+    def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
+               positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+        """Same contract as ModelRunner.decode -> logits [B, V] (a view, valid until the next
+        decode)."""
+        B = len(rows)
+        bs = pick_bucket(B, self.sizes)
+        if bs is None:
+            raise ValueError(f"batch of {B} is larger than the largest captured graph "
+                             f"({self.max_bs}); run it eagerly")
+        on_device = isinstance(input_ids, torch.Tensor)  # overlap: last step's tokens
+        host = torch.tensor(padded_inputs(rows, [0] * B if on_device else input_ids, positions,
+                                          slots, bs), dtype=torch.long)  # [4, bs]
+        self.packed[:, :bs].copy_(self.stage(host), non_blocking=True)
+        if on_device:
+            self.packed[0, :B].copy_(input_ids)
+        real = self.packed[:, :B]
+        # The real rows' new slots into the table, outside the graph: a padded row must never
+        # write into row 0's entries.
+        self.req_to_token.req_to_token[real[3], real[1]] = real[2].to(torch.int32)
+        self.graphs[bs].replay()
+        self.replays += 1
+        return self.logits[:B]
+
+
+def padded_inputs(rows: Sequence[int], input_ids: Sequence[int], positions: Sequence[int],
+                  slots: Sequence[int], bs: int) -> list[list[int]]:
+    """The [4, bs] rows CudaGraphRunner copies in: real entries, then padding (token 0,
+    position 0, slot 0 = the sink, table row 0). Exposed for tests."""
+    pad = bs - len(rows)
+    if pad < 0:
+        raise ValueError(f"batch of {len(rows)} does not fit a bucket of {bs}")
+    return [[*input_ids, *[0] * pad], [*positions, *[0] * pad], [*slots, *[0] * pad],
+            [*rows, *[0] * pad]]
