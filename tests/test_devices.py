@@ -6,14 +6,11 @@ import dataclasses
 import json
 
 import pytest
-import torch
 
 from core.contract.capabilities import DeviceInfo, HardwareCaps
 from core.contract.hookspecs import hookimpl
-from core.plan import devices
 from core.plan.devices import (
     PROFILES,
-    free_memory_bytes,
     load_profile,
     profile_to_json,
     select_device,
@@ -43,7 +40,6 @@ def test_every_builtin_profile_loads(name):
     assert info.memory_bytes > 2**30 and info.name and info.dist_backend
     assert "fp16" in info.features
     assert torch_device(info) == ("cpu" if info.target == "cpu" else f"{info.device_type}:0")
-    assert free_memory_bytes(info) == info.memory_bytes
     # builtin profiles are JSON-clean
     json.dumps(profile_to_json(info))
 
@@ -230,38 +226,7 @@ def test_select_on_this_machine_uses_the_real_plugins():
 
 
 # ---------------------------------------------------------------------------------------------
-# free memory and torch device strings
-
-
-def test_host_free_memory_is_plausible():
-    host = cpu.probe()
-    free = free_memory_bytes(host)
-    assert 0 < free <= host.memory_bytes
-
-
-def test_free_memory_asks_torch_for_the_device_type(monkeypatch):
-    gpu = DeviceInfo(target="cuda", device_type="cuda", count=2, memory_bytes=80 * 2**30)
-    calls = []
-
-    def mem_get_info(index):
-        calls.append(index)
-        return (12345, 80 * 2**30)
-
-    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    assert free_memory_bytes(gpu, 1) == 12345 and calls == [1]
-    with pytest.raises(ValueError, match="index 2 out of range"):
-        free_memory_bytes(gpu, 2)
-    odd = DeviceInfo(target="hpu", device_type="hpu", count=1)
-    with pytest.raises(ValueError, match="torch.hpu.mem_get_info does not exist"):
-        free_memory_bytes(odd)
-    gone = DeviceInfo(target="xpu", device_type="xpu", available=False, reason="no XPU")
-    with pytest.raises(ValueError, match="not available: no XPU"):
-        free_memory_bytes(gone)
-
-
-def test_cgroup_limit_caps_host_free_memory(monkeypatch):
-    monkeypatch.setattr(devices, "_cgroup_headroom", lambda: 1024)
-    assert free_memory_bytes(cpu.probe()) == 1024
+# torch device strings
 
 
 def test_torch_device_strings():
