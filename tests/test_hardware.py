@@ -332,14 +332,15 @@ def test_raising_probe_is_fatal_in_strict_mode(monkeypatch):
 @pytest.mark.gpu
 def test_real_cuda_probe_matches_torch():
     assert torch.cuda.is_available(), "run -m gpu on a machine with a CUDA GPU"
-    from core.plan.devices import free_memory_bytes
+    from core.contract.platform import load_platform
 
-    info = build_registry().probe("rocm" if torch.version.hip else "cuda")
+    registry = build_registry()
+    info = registry.probe("rocm" if torch.version.hip else "cuda")
     major, minor = torch.cuda.get_device_capability(0)
     assert info.available and info.count == torch.cuda.device_count()
     assert info.memory_bytes == torch.cuda.get_device_properties(0).total_memory
     if not torch.version.hip:
         assert info.capability == major * 10 + minor
         assert info.features == cuda.features_for(info.capability)
-    free = free_memory_bytes(info, 0)
-    assert 0 < free <= info.memory_bytes
+    free, total = load_platform(registry, info).memory(0)  # what the engine sizes KV from
+    assert 0 < free <= total == info.memory_bytes
