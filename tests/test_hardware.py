@@ -342,5 +342,5 @@ def test_real_cuda_probe_matches_torch():
     if not torch.version.hip:
         assert info.capability == major * 10 + minor
         assert info.features == cuda.features_for(info.capability)
-    free, total = load_platform(registry, info).memory(0)  # what the engine sizes KV from
-    assert 0 < free <= total == info.memory_bytes
+    free, _ = load_platform(registry, info).memory(0)  # what the engine sizes KV from
+    assert 0 < free <= info.memory_bytes
