@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from installed_plugin import install
 
 from core.contract.grammar import Constraint, GrammarError
 from core.contract.grammar_limits import LIMITS, LimitError, check_limits, nesting
@@ -168,15 +168,7 @@ def core_register_grammar_backends(register):
 def hostile_site(tmp_path_factory):
     """The `hostile` backend as an installed package: a folder with it and its dist-info on
     PYTHONPATH, so that the worker and its compile processes discover it by entry point."""
-    site = tmp_path_factory.mktemp("hostile") / "site"
-    (site / "hostile_grammar").mkdir(parents=True)
-    (site / "hostile_grammar" / "__init__.py").write_text(textwrap.dedent(HOSTILE))
-    info = site / "hostile_grammar-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hostile-grammar\n"
-                                   "Version: 0.1\n")
-    (info / "entry_points.txt").write_text("[core.plugins]\nhostile = hostile_grammar\n")
-    return site
+    return install(tmp_path_factory.mktemp("hostile") / "site", "hostile_grammar", HOSTILE)
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import ast
 import inspect
-import os
 import re
 import subprocess
 import sys
-import textwrap
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from installed_plugin import child_env, install
 from torch import nn
 
 from core.contract.capabilities import QuantCaps
@@ -315,24 +314,13 @@ def third_party(tmp_path_factory) -> Path:
     """The package and its dist-info (as `pip install --target` leaves them), and an empty
     project folder to run pytest in."""
     root = tmp_path_factory.mktemp("quant_tp")
-    site = root / "site"
-    (site / "tp_quant").mkdir(parents=True)
-    (site / "tp_quant" / "__init__.py").write_text(textwrap.dedent(PACKAGE))
-    info = site / "tp_quant-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tp-quant\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[core.plugins]\ntp_quant = tp_quant\n")
+    install(root / "site", "tp_quant", PACKAGE)
     (root / "project").mkdir()
     return root
 
 
 def _run_suite(third_party: Path, *names: str) -> tuple[int, str, dict[str, str]]:
-    env = dict(os.environ)
-    for name in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD",
-                 "CORE_PLUGINS_ALLOW", "CORE_PLUGINS_DENY", "CORE_STRICT_PLUGINS"):
-        env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(third_party / "site"), str(REPO),
-                                         env.get("PYTHONPATH", "")])
+    env = child_env(third_party / "site")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider",
          "--conformance-device", "cpu", "--conformance-quant", ",".join(names)],

@@ -6,15 +6,14 @@ folder, the parser found through its entry point."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-import textwrap
 import types
 from pathlib import Path
 
 import pytest
+from installed_plugin import child_env, install
 
 from conformance import tool_parser_suite as suite
 from conformance.tool_parser_suite import *  # noqa: F401,F403 - the suite, over every parser
@@ -24,7 +23,6 @@ from core.contract.tools import ToolCall
 from core.plan.registry import get_registry
 
 BUILT_IN = ("hermes", "llama3")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_built_in_parsers_are_registered_and_every_case_is_collected():
@@ -240,24 +238,13 @@ def third_party(tmp_path_factory) -> Path:
     """A folder holding the package and its dist-info (as `pip install --target` leaves it),
     and an empty project folder to run pytest in."""
     root = tmp_path_factory.mktemp("tp")
-    site = root / "site"
-    (site / "tp_parsers").mkdir(parents=True)
-    (site / "tp_parsers" / "__init__.py").write_text(textwrap.dedent(PACKAGE))
-    info = site / "tp_parsers-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tp-parsers\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[core.plugins]\ntp_parsers = tp_parsers\n")
+    install(root / "site", "tp_parsers", PACKAGE)
     (root / "project").mkdir()
     return root
 
 
 def test_a_third_party_parser_runs_the_suite_from_its_folder(third_party):
-    env = dict(os.environ)
-    for name in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD",
-                 "CORE_PLUGINS_ALLOW", "CORE_PLUGINS_DENY", "CORE_STRICT_PLUGINS"):
-        env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(third_party / "site"), str(REPO),
-                                         env.get("PYTHONPATH", "")])
+    env = child_env(third_party / "site")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider",
          "--conformance-tool-parser", "tp_one,tp_leaky", "--conformance-tool-parser", "tp_one"],
