@@ -62,6 +62,7 @@ decode step each, then samples the next free token (core.engine.scheduler).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -86,12 +87,13 @@ class GrammarBackendError(GrammarError):
     status = 500
 
 
-def _check_structural_tag(value: str, where: str) -> None:
+def _check_structural_tag(c: Constraint) -> None:
     """SGLang's / vLLM's structural tag: {"structures": [{"begin", "schema", "end"}, ...],
     "triggers": [...]}: outside a structure the text is free; a trigger opens one of the
     structures that begin with it, whose body follows its JSON schema, then its end."""
+    where = c.where
     try:
-        tag = json.loads(value)
+        tag = c.parsed()
     except ValueError as exc:
         raise GrammarError(f"{where}: invalid structural tag: not JSON ({exc})") from None
     bad = None
@@ -129,6 +131,24 @@ class Constraint:
     def key(self) -> tuple[str, str]:
         return (self.kind, self.value)
 
+    @functools.cached_property
+    def _json(self) -> tuple[Any, Exception | None]:
+        try:
+            return json.loads(self.value), None
+        except RecursionError:
+            return None, LimitError(f"{self.where}: the JSON nests too deeply to parse")
+        except ValueError as exc:
+            return None, exc
+
+    def parsed(self) -> Any:
+        """The value parsed as JSON, once for this constraint however often it is asked
+        (ValueError when it is not JSON; LimitError when it nests deeper than the parser
+        goes)."""
+        value, error = self._json
+        if error is not None:
+            raise error
+        return value
+
     @property
     def where(self) -> str:
         return self.source or self.kind
@@ -156,14 +176,14 @@ class Constraint:
         if not isinstance(self.value, str) or not isinstance(self.source, str):
             raise ValueError("constraint value and source must be strings")
         try:
-            check_limits(self.kind, self.value, self.where)
+            check_limits(self.kind, self.value, self.where, parse=self.parsed)
         except LimitError as exc:
             raise GrammarError(str(exc)) from None
         if self.kind == "structural_tag":
-            _check_structural_tag(self.value, self.where)
+            _check_structural_tag(self)
         elif self.kind == "json_schema":
             try:
-                v = json.loads(self.value)
+                v = self.parsed()
             except ValueError as exc:
                 raise GrammarError(f"{self.where}: invalid JSON schema: not JSON ({exc})") \
                     from None
@@ -171,7 +191,7 @@ class Constraint:
                 raise GrammarError(f"{self.where}: invalid JSON schema: a schema is an object "
                                    f"or a boolean, got {type(v).__name__}")
         elif self.kind == "choice":
-            v = json.loads(self.value) if self.value.startswith("[") else None
+            v = self.parsed() if self.value.startswith("[") else None
             if not (isinstance(v, list) and v and all(isinstance(x, str) and x for x in v)):
                 raise GrammarError(f"{self.where}: choices must be a non-empty array of "
                                    f"non-empty strings")
@@ -179,10 +199,13 @@ class Constraint:
             raise GrammarError(f"{self.where}: the {self.kind} is empty")
 
     def schema(self) -> Any:
-        return json.loads(self.value) if self.kind == "json_schema" else None
+        """The JSON schema (json_schema constraints; else None): parsed once and shared, so
+        read it, do not modify it."""
+        return self.parsed() if self.kind == "json_schema" else None
 
     def choices(self) -> list[str]:
-        return json.loads(self.value) if self.kind == "choice" else []
+        """The choices (choice constraints; else []): shared like schema()."""
+        return self.parsed() if self.kind == "choice" else []
 
 
 @runtime_checkable

@@ -23,6 +23,7 @@ nesting and 100 properties; tool schemas rarely pass 10 levels):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +44,13 @@ class LimitError(ValueError):
     """A constraint past one of the limits (core.contract.grammar.GrammarError is raised from it)."""
 
 
-def check_limits(kind: str, value: str, where: str, limits: GrammarLimits = LIMITS) -> None:
+def check_limits(kind: str, value: str, where: str, limits: GrammarLimits = LIMITS,
+                 parse: Callable[[], Any] | None = None) -> None:
     """Raise LimitError naming the limit a constraint (its kind and text) passes. Runs before
-    the constraint's shape is checked: its JSON is parsed only once its size is known."""
+    the constraint's shape is checked: its JSON is parsed only once its size is known, by
+    `parse()` when given (the caller's parse, kept for its own checks), else here."""
+    if parse is None:
+        parse = lambda: json.loads(value)  # noqa: E731
     if len(value) > limits.value_chars:
         raise LimitError(f"{where}: the constraint is {len(value)} characters; the limit "
                          f"is {limits.value_chars}")
@@ -55,28 +60,30 @@ def check_limits(kind: str, value: str, where: str, limits: GrammarLimits = LIMI
             raise LimitError(f"{where}: the {kind} nests {depth} levels of parentheses; "
                              f"the limit is {limits.regex_depth}")
     elif kind == "choice":
-        choices = parse_json(value, where)
+        choices = parse_json(parse, where)
         if isinstance(choices, list) and len(choices) > limits.choices:
             raise LimitError(f"{where}: {len(choices)} choices; the limit is {limits.choices}")
     elif kind == "json_schema":
-        check_schema(parse_json(value, where), where, limits)
+        check_schema(parse_json(parse, where), where, limits)
     elif kind == "structural_tag":
-        tag = parse_json(value, where)
+        tag = parse_json(parse, where)
         structures = tag.get("structures") if isinstance(tag, dict) else None
         for i, s in enumerate(structures if isinstance(structures, list) else []):
             if isinstance(s, dict):
                 check_schema(s.get("schema"), f"{where} structure {i}", limits)
 
 
-def parse_json(value: str, where: str) -> Any:
-    """A constraint's JSON value (None when it is not JSON: the shape check says why);
-    LimitError, not a RecursionError, when it nests deeper than Python's parser goes."""
+def parse_json(parse: Callable[[], Any], where: str) -> Any:
+    """A constraint's JSON value, from `parse()` (None when it is not JSON: the shape check says
+    why); LimitError, not a RecursionError, when it nests deeper than Python's parser goes."""
     try:
-        return json.loads(value)
+        return parse()
+    except LimitError:
+        raise
     except RecursionError:
         raise LimitError(f"{where}: the JSON nests too deeply to parse") from None
     except ValueError:
-        return None  # the shape check says what is wrong with it
+        return None
 
 
 def nesting(text: str, kind: str) -> int:
