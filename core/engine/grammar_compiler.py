@@ -68,12 +68,11 @@ class CompilerSpec:
 
 
 class _Job:
-    __slots__ = ("cid", "constraint", "future", "child", "deadline", "cancelled")
+    __slots__ = ("cid", "constraint", "future", "deadline", "cancelled")
 
     def __init__(self, cid: int, constraint: Constraint):
         self.cid, self.constraint = cid, constraint
         self.future: Future = Future()
-        self.child: _Child | None = None
         self.deadline = 0.0
         self.cancelled = False
 
@@ -202,6 +201,9 @@ class CompileService:
             pass
 
     def _finish(self, job: _Job, outcome: str, error: Exception | None = None) -> None:
+        """Count the job's outcome and drop it (the caller holds the lock); a cancelled one's
+        future is cancelled, a failed one's gets `error` (an ok one's result is the caller's
+        to set)."""
         self._jobs.pop(id(job.future), None)
         self.counts[outcome] += 1
         if outcome == "cancelled":
@@ -246,7 +248,7 @@ class CompileService:
                 except OSError:  # the child died: the reaper starts another
                     self._queue.appendleft(job)
                     continue
-                child.job, job.child = job, child
+                child.job = job
                 job.deadline = time.monotonic() + self.timeout_s
             now = time.monotonic()
             for child in list(self._children):  # long idle: its memory goes back
@@ -323,8 +325,7 @@ class CompileService:
                                                  f"{type(exc).__name__}: {exc}"))
             return
         with self._lock:
-            self._jobs.pop(id(job.future), None)
-            self.counts["ok"] += 1
+            self._finish(job, "ok")
         job.future.set_result(compiled)
 
     def _reap(self, children: list[_Child], dead: list[_Child]) -> None:
