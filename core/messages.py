@@ -388,10 +388,10 @@ def _dataclass_reader(cls: type) -> Reader:
     hints = typing.get_type_hints(cls)
     fields = dataclasses.fields(cls)
     names = frozenset(f.name for f in fields) | ({"type"} if hasattr(cls, "TYPE") else set())
-    required = frozenset(f.name for f in fields if f.default is not None)  # None: optional
-    plan = [(f.name, _reader(hints[f.name])) for f in fields]
+    required = [f.name for f in fields if f.default is not None]  # None-default: optional
 
     if getattr(cls, "POSITIONAL", False):
+        plan = [(f.name, _reader(hints[f.name])) for f in fields]
         want = "[" + ", ".join(f.name for f in fields) + "]"
 
         def positional(v: Any) -> Any:
@@ -405,7 +405,6 @@ def _dataclass_reader(cls: type) -> Reader:
 
     # per field: (name, the exact type a plain field's value has (None: read it), may it be
     # null, reader, description); plain fields are checked inline (a 256-request step's items)
-    exact = {str: str, int: int, bool: bool}
     checks = []
     for f in fields:
         tp = hints[f.name]
@@ -413,7 +412,8 @@ def _dataclass_reader(cls: type) -> Reader:
         nullable = typing.get_origin(tp) in (typing.Union, types.UnionType) and \
             type(None) in args and len(args) == 2
         base = next(a for a in args if a is not type(None)) if nullable else tp
-        checks.append((f.name, exact.get(base), nullable, *_reader(tp)))
+        exact = base if base in (str, int, bool) else None
+        checks.append((f.name, exact, nullable, *_reader(tp)))
 
     def read(d: Any) -> Any:
         if type(d) is not dict:
@@ -425,7 +425,7 @@ def _dataclass_reader(cls: type) -> Reader:
         for name, kind, nullable, reader, want in checks:
             if name not in d:
                 if name in required:
-                    missing = [k for k in required if k not in d]
+                    missing = [k for k in required if k not in d]  # in field order
                     raise ValueError(f"malformed {what}: missing field(s) "
                                      f"{', '.join(missing)}")
                 continue
