@@ -545,7 +545,7 @@ KEYWORDS = (
 
 # -- parametrization ------------------------------------------------------------------------------
 
-CHECKS = ("rows", "matchers", "invalid", "jump_forward")
+CHECKS = ("rows", "matchers", "invalid", "jump_forward", "serialize")
 
 
 def _skip(id: str, reason: str):
@@ -802,6 +802,25 @@ def check_protocol(grammar: Grammar, check: str) -> None:
             m.close()
         assert jumped, (f"{grammar.name} declares jump_forward, but jump_forward() returned no "
                         f"token along the cases' words")
+    elif check == "serialize":
+        if not grammar.caps.serialize:
+            pytest.skip(f"{grammar.name} does not declare serialize (the engine compiles its "
+                        f"constraints twice)")
+        b = grammar.backend
+        for case in CASES:
+            if case.constraint.kind not in kinds or case.keywords & grammar.caps.schema_lacks:
+                continue
+            data = b.serialize(b.compile(case.constraint))
+            assert isinstance(data, bytes), f"serialize() must return bytes, got {type(data)}"
+            # what the engine's compile process sends back: the same language, token by token
+            m, again = b.matcher(b.compile(case.constraint)), b.matcher(b.deserialize(data))
+            for t in _longest_path(v, case.language.words[0], m):
+                assert allowed(again, v.size) == allowed(m, v.size), \
+                    f"{case.id}: the deserialized grammar allows other tokens"
+                assert m.accept(t) and again.accept(t)
+            assert allowed(again, v.size) == allowed(m, v.size)
+            m.close()
+            again.close()
     else:
         raise ValueError(check)
 

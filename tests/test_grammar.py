@@ -330,6 +330,34 @@ def test_the_suite_fails_rows_bitmask_and_messages():
         check_protocol(Grammar("mute", grammar.caps, Mute(), grammar.vocab_size), "invalid")
 
 
+def test_the_suite_fails_a_backend_whose_serialized_grammar_comes_back_different():
+    grammar = _reference()
+    check_protocol(grammar, "serialize")
+    base = grammar.backend
+    other = next(c.constraint for c in CASES if c.constraint.kind in grammar.caps.constraints
+                 and c.constraint.kind != "json_object")
+
+    class Forgetful:  # sends back another constraint's grammar
+        def validate(self, c):
+            base.validate(c)
+
+        def compile(self, c):
+            return base.compile(c)
+
+        def serialize(self, compiled):
+            return base.serialize(base.compile(other))
+
+        def deserialize(self, data):
+            return base.deserialize(data)
+
+        def matcher(self, compiled):
+            return base.matcher(compiled)
+
+    wrong = Grammar("forgetful", grammar.caps, Forgetful(), grammar.vocab_size)
+    with pytest.raises(AssertionError, match="deserialized grammar allows other tokens"):
+        check_protocol(wrong, "serialize")
+
+
 # -- declarations and refusals the suite does not decide ------------------------------------------
 
 def _declared() -> list:
