@@ -262,6 +262,19 @@ class Ranks:
         got = broadcast_bytes(data, self.comm)
         return [] if not got else [decode(line) for line in got.split(b"\n")]
 
+    def leave(self) -> None:
+        """Leave the process group before the interpreter ends: left to the exit, the group's
+        native threads can outlive its teardown and abort the process ("terminate called
+        without an active exception", seen on a rank of node 1 in CI)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001 - leaving is best-effort; say why
+                print(f"core: rank {self.spec.rank}: leaving the process group: {exc}",
+                      file=sys.stderr, flush=True)
+
 
 def join_ranks(spec: Any, payload: bytes | None) -> tuple[Ranks, bytes]:
     """Join the process group of `spec` and share rank 0's args and plan (`payload`, JSON;
@@ -525,13 +538,18 @@ def follow(core: EngineCore, ranks: Ranks) -> None:
     moves on alike)."""
     sched = core.scheduler
     sched.grammar_by_message = True
-    while True:
-        for msg in ranks.share(None):
-            if not _apply(core, msg, None):
-                return
-        if sched.has_work:
-            for r in sched.step():
-                _item(r)
+    grammar = getattr(sched, "grammar", None)
+    try:
+        while True:
+            for msg in ranks.share(None):
+                if not _apply(core, msg, None):
+                    return
+            if sched.has_work:
+                for r in sched.step():
+                    _item(r)
+    finally:
+        if grammar is not None:
+            grammar.close()  # its compile processes
 
 
 def plan_from_parent(args_json: str, plan_json: str) -> tuple[ServerArgs, Plan, Any, Any]:
@@ -598,6 +616,9 @@ def worker_main(conn: Any, args_json: str, plan_json: str, rank_json: str | None
             chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         except ChannelClosed:
             pass
+    finally:
+        if ranks is not None:
+            ranks.leave()
 
 
 def rank_main(rank_json: str) -> None:
@@ -620,6 +641,7 @@ def rank_main(rank_json: str) -> None:
               file=sys.stderr, flush=True)
         traceback.print_exc()
         sys.exit(1)
+    ranks.leave()
 
 
 def worker_prestarted(conn: Any) -> None:
