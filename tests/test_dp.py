@@ -19,7 +19,9 @@ import pytest
 from model_fixtures import write_tiny_model
 
 from core.frontend import router
+from core.frontend.delta import Delta
 from core.frontend.router import PrefixAware, PrefixRecord, RoundRobin, ShortestQueue, make_policy
+from core.messages import Finish
 from core.plan.args import LOAD_BALANCE_METHODS, ServerArgs
 from core.server.metrics import ServerMetrics
 from core.server.testing import ServerThread, http_request
@@ -156,8 +158,7 @@ class FakeClient:
         return rid
 
     def finish(self, rid, kind="length"):
-        self.sinks.pop(rid)({"rid": rid, "index": 0, "text": "", "token_ids": [],
-                             "finish_reason": {"type": kind}, "meta_info": {}})
+        self.sinks.pop(rid)(Delta(rid, 0, "", (), Finish(kind)))
 
     def abort(self, rid):
         self.aborted.append(rid)
@@ -171,8 +172,7 @@ class FakeClient:
     def close(self):
         self.closed = True
         for rid in list(self.sinks):
-            self.sinks.pop(rid)({"rid": rid, "error": "engine closed", "finish_reason": {
-                "type": "abort"}})
+            self.sinks.pop(rid)(Delta.failed(rid, 0, "engine closed"))
 
 
 @pytest.fixture
@@ -318,14 +318,14 @@ def test_shortest_queue_prefers_the_idle_replica_on_the_engine(served):
     for i in range(3):  # one at a time: replica 0 is busy, 1 idle
         rid = rs.submit(input_ids=[73 + i], params=GREEDY)
         assert rs.owner(rid) == 1 and rs.loads()[0] == 1
-        assert list(rs.stream(rid, timeout=60))[-1]["finish_reason"]["type"] == "length"
+        assert list(rs.stream(rid, timeout=60))[-1].finish.type == "length"
     both = [rs.submit(input_ids=[77], params=LONG) for _ in range(2)]
     assert [rs.owner(r) for r in both] == [1, 0]  # 1 while idle; then a tie: the lower index
     for rid in both:
         rs.abort(rid)
         list(rs.stream(rid, timeout=60))
     rs.abort(busy)
-    assert list(rs.stream(busy, timeout=60))[-1]["finish_reason"]["type"] == "abort"
+    assert list(rs.stream(busy, timeout=60))[-1].finish.type == "abort"
     assert rs.loads() == [0, 0]
 
 
@@ -345,7 +345,7 @@ def test_prefix_aware_sends_a_shared_prefix_to_the_same_replica(served):
     rid = rs.submit(input_ids=system + [4, 5], params=GREEDY)
     assert rs.owner(rid) == 1
     last = list(rs.stream(rid, timeout=60))[-1]
-    assert last["meta_info"]["cached_tokens"] >= len(system)  # replica 1's prefix cache
+    assert last.cached_tokens >= len(system)  # replica 1's prefix cache
     assert first["meta_info"]["cached_tokens"] < len(system)
     rs.policy = RoundRobin()
 
@@ -363,10 +363,10 @@ def test_abort_reaches_replica_1(served):
         time.sleep(0.01)
     adapter.abort(rid)  # the server's path: its sender thread, then the router
     deadline = time.monotonic() + 30
-    while not (chunks and chunks[-1]["finish_reason"]) and time.monotonic() < deadline:
+    while not (chunks and chunks[-1].finished) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert chunks[-1]["finish_reason"]["type"] == "abort"
-    assert sum(len(c["token_ids"]) for c in chunks) < LONG["max_new_tokens"]
+    assert chunks[-1].finish.type == "abort"
+    assert sum(len(c.token_ids) for c in chunks) < LONG["max_new_tokens"]
     assert rs.owner(hold) == 0 and rs.loads() == [1, 0]  # replica 0's request runs on
     per = engine.stats()["replicas"]
     assert per[1]["aborted"] >= 1 and per[1]["running"] == 0 and per[0]["running"] == 1
@@ -414,7 +414,7 @@ def test_a_killed_replica_is_the_engines_failure_and_close_leaves_nothing(served
     # until the server exits, new requests go to the live replica only, and are served
     rid = rs.submit(input_ids=[97], params=GREEDY)
     assert rs.owner(rid) == 0
-    assert list(rs.stream(rid, timeout=60))[-1]["finish_reason"]["type"] == "length"
+    assert list(rs.stream(rid, timeout=60))[-1].finish.type == "length"
     assert rs.owner(hold) == 0
     adapter.close()
     assert not any(_alive(pid) for pid in pids)

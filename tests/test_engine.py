@@ -228,8 +228,8 @@ def test_abort_and_async_stream(tiny_path):
             chunks.append(chunk)
             if len(chunks) == 2:
                 client.abort(rid)
-        assert chunks[-1]["finish_reason"]["type"] == "abort"
-        assert len(chunks[-1]["meta_info"]) and sum(len(c["token_ids"]) for c in chunks) < 200
+        assert chunks[-1].finish.type == "abort"
+        assert chunks[-1].prompt_tokens and sum(len(c.token_ids) for c in chunks) < 200
 
         sync = engine.generate("hello", {"max_new_tokens": 12, "temperature": 0})
 
@@ -238,8 +238,8 @@ def test_abort_and_async_stream(tiny_path):
                                                                     "temperature": 0})]
 
         achunks = asyncio.run(collect())
-        assert sum((c["token_ids"] for c in achunks), []) == sync["output_ids"]
-        assert "".join(c["text"] for c in achunks) == sync["text"]
+        assert [t for c in achunks for t in c.token_ids] == sync["output_ids"]
+        assert "".join(c.text for c in achunks) == sync["text"]
         # a stream dropped early aborts its request
         gen = engine.generate("hello", {"max_new_tokens": 200, "temperature": 0,
                                         "ignore_eos": True}, stream=True)

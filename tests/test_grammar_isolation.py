@@ -285,7 +285,7 @@ def test_a_compile_whose_requests_all_left_is_stopped(engine):
         time.sleep(0.05)
     s = engine.stats()
     assert s["grammar_compiles_running"] == 0 and s["compiling"] == 0
-    assert chunks and chunks[-1]["finish_reason"]["type"] == "abort"
+    assert chunks and chunks[-1].finish.type == "abort"
     fin, _ = finish(engine, regex("after"))
     assert fin["type"] == "length"
 

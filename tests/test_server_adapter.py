@@ -1,15 +1,18 @@
-"""EngineAdapter's translation of core.frontend.offline.Engine's chunks, rejections, aborts and stats,
+"""EngineAdapter over core.frontend.offline.Engine: its deltas, rejections, aborts and stats,
 checked against a scripted stand-in with Engine's public methods (no model, no worker process)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 
 import pytest
 
+from core.frontend.delta import Delta
 from core.frontend.offline import Engine, EngineError
+from core.messages import Finish, TokenLogprob
 from core.plan.args import ServerArgs
 from core.server.adapter import EngineAdapter, _served_name
 from core.server.engine_api import GenRequest
@@ -19,17 +22,13 @@ INFO = {"vocab_size": 100, "max_context": 512, "pool_tokens": 256, "page_size": 
         "max_running_requests": 8, "eos_token_ids": [2], "device": "cpu"}
 
 
-def chunk(rid, text="", ids=(), finish=None, logprobs=None, **meta):
-    c = {"rid": rid, "index": 0, "text": text, "token_ids": list(ids), "finish_reason": finish,
-         "meta_info": {"id": rid, "prompt_tokens": 3, "completion_tokens": len(ids),
-                       "cached_tokens": 0, **meta}}
-    if logprobs is not None:
-        c["logprobs"] = logprobs
-    return c
+def delta(rid, text="", ids=(), finish=None, logprobs=None, cached_tokens=0, error=None):
+    return Delta(rid, 0, text, tuple(ids), finish, 3, len(ids), cached_tokens, logprobs,
+                 error=error)
 
 
 class ScriptedClient:
-    """Replays a list of chunks per request from another thread, like the reader thread; has
+    """Replays a list of deltas per request from another thread, like the reader thread; has
     exactly the public methods of core.frontend.offline.Engine that the adapter may use."""
 
     tokenizer = plan = spec = None
@@ -43,7 +42,7 @@ class ScriptedClient:
         self._stats = stats or {}
         self.submitted: list[tuple] = []
         self.aborted: list[str] = []
-        self.release = threading.Event()  # chunks after the first wait for this
+        self.release = threading.Event()  # deltas after the first wait for this
         self.beat_age = 0.0
 
     def submit(self, input_ids, params, *, rid, sink, **kw):
@@ -52,10 +51,10 @@ class ScriptedClient:
         self.submitted.append((rid, input_ids, params))
 
         def play():
-            for i, c in enumerate(self.script):
+            for i, d in enumerate(self.script):
                 if i == 1:
                     self.release.wait(5)
-                sink({**c, "rid": rid})
+                sink(dataclasses.replace(d, rid=rid))
 
         threading.Thread(target=play, daemon=True).start()
         return rid
@@ -101,7 +100,7 @@ def test_the_adapter_uses_only_the_engines_public_methods():
     assert scripted <= public, scripted - public  # the stand-in offers nothing Engine lacks
 
 
-async def collect(a: EngineAdapter, req: GenRequest, limit: int | None = None) -> list[dict]:
+async def collect(a: EngineAdapter, req: GenRequest, limit: int | None = None) -> list[Delta]:
     out = []
     gen = a.generate(req)
     try:
@@ -118,20 +117,15 @@ REQ = GenRequest(rid="r1", input_ids=(5, 6, 7), sampling={"max_new_tokens": 2},
                  logprobs=True, top_logprobs=1)
 
 
-def test_chunks_become_events():
-    lp = [{"token_id": 11, "logprob": -0.1, "top_logprobs": [(11, -0.1)]}]
-    client = ScriptedClient([
-        chunk("r1", "he", [11], logprobs=lp),
-        chunk("r1", "llo", [12], {"type": "stop", "matched": 2}, cached_tokens=2,
-              logprobs=[{"token_id": 12, "logprob": -0.2, "top_logprobs": [(12, -0.2)]}])])
+def test_the_engines_deltas_reach_the_server_as_they_are():
+    script = [delta("r1", "he", [11], logprobs=(TokenLogprob(-0.1, ((11, -0.1),)),)),
+              delta("r1", "llo", [12], Finish("stop", matched=2), cached_tokens=2,
+                    logprobs=(TokenLogprob(-0.2, ((12, -0.2),)),))]
+    client = ScriptedClient(script)
     client.release.set()
     a = adapter(client)
-    events = asyncio.run(collect(a, REQ))
-    assert [e["text"] for e in events] == ["he", "llo"]
-    assert events[0]["logprobs"] == [{"token_id": 11, "logprob": -0.1, "top": [[11, -0.1]]}]
-    last = events[-1]
-    assert last["finished"] and last["finish_reason"] == "stop" and last["matched_stop"] == 2
-    assert (last["prompt_tokens"], last["cached_tokens"]) == (3, 2)
+    got = asyncio.run(collect(a, REQ))
+    assert got == script  # no re-keying: the typed delta is what the server reads
     rid, ids, params = client.submitted[0]
     assert ids == [5, 6, 7] and params["logprobs"] is True and params["top_logprobs"] == 1
     assert client.aborted == []  # it finished: nothing to abort
@@ -139,8 +133,8 @@ def test_chunks_become_events():
 
 
 def test_queue_full_rejection_is_503():
-    client = ScriptedClient([chunk("r1", finish={"type": "abort", "status_code": 503,
-                                                 "message": "the queue is full"})])
+    client = ScriptedClient([delta("r1", finish=Finish("abort", status_code=503,
+                                                       message="the queue is full"))])
     with pytest.raises(APIError) as e:
         asyncio.run(collect(adapter(client), REQ))
     assert e.value.status == 503 and e.value.retry_after == 1 and e.value.code == "queue_full"
@@ -159,10 +153,10 @@ def test_admission_error_is_400_and_dead_engine_503():
     # the worker dies before any output: 503 too; after some output: the same 503 (it was a
     # 500 there: one status for a dead engine, whichever process died, README "Probes")
     with pytest.raises(APIError) as e:
-        asyncio.run(collect(adapter(ScriptedClient([{**chunk("r1"), "error": "worker died"}])),
+        asyncio.run(collect(adapter(ScriptedClient([Delta.failed("r1", 0, "worker died")])),
                             REQ))
     assert e.value.status == 503
-    client = ScriptedClient([chunk("r1", "a", [1]), {**chunk("r1"), "error": "worker died"}])
+    client = ScriptedClient([delta("r1", "a", [1]), Delta.failed("r1", 0, "worker died")])
     client.release.set()
     with pytest.raises(APIError) as e:
         asyncio.run(collect(adapter(client), REQ))
@@ -174,8 +168,8 @@ def test_a_refusal_after_some_output_is_its_status():
     """A constraint that reaches a dead end mid-answer ends with the engine's 400 naming it
     (it was a 200 with finish_reason "abort"), after the tokens it produced."""
     msg = "regex: the constraint can never be satisfied: after 1 tokens its grammar allows no"
-    client = ScriptedClient([chunk("r1", "a", [1]), chunk("r1", finish={
-        "type": "abort", "status_code": 400, "message": msg})])
+    client = ScriptedClient([delta("r1", "a", [1]), delta("r1", finish=Finish(
+        "abort", status_code=400, message=msg))])
     client.release.set()
     with pytest.raises(APIError) as e:
         asyncio.run(collect(adapter(client), REQ))
@@ -183,7 +177,7 @@ def test_a_refusal_after_some_output_is_its_status():
 
 
 def test_leaving_early_aborts():
-    client = ScriptedClient([chunk("r1", "a", [1]), chunk("r1", "b", [2], {"type": "length"})])
+    client = ScriptedClient([delta("r1", "a", [1]), delta("r1", "b", [2], Finish("length"))])
     a = adapter(client)
     events = asyncio.run(collect(a, REQ, limit=1))
     assert len(events) == 1

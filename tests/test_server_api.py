@@ -372,7 +372,7 @@ def test_engine_failure_fails_alone():
         assert s.call(lambda: len(eng.active)) == 0
 
 
-def test_malformed_engine_event_ends_the_stream_cleanly():
+def test_a_broken_engine_delta_ends_the_stream_cleanly():
     with start() as s:
         status, _, raw = post(s, "/v1/completions", {"prompt": "MALFORMED", "max_tokens": 5,
                                                      "stream": True, "logprobs": 1})

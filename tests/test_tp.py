@@ -212,7 +212,7 @@ def test_abort_mid_stream_leaves_the_ranks_in_step(tp2, tiny_llama):
     rid = client.submit(input_ids=PROMPT, params={"max_new_tokens": 200, "temperature": 0,
                                                   "ignore_eos": True})
     for chunk in client.stream(rid, timeout=60):
-        if chunk["token_ids"] or chunk["finish_reason"]:
+        if chunk.token_ids or chunk.finished:
             client.abort(rid)
             break
     # the ranks still agree afterwards: a fresh request is exactly transformers' greedy

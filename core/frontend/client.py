@@ -5,9 +5,10 @@ gives it the resolved plan as data, and talks to it with typed messages sent as 
 (core.messages; nothing is pickled). Requests are validated here, once (`prepare`); the worker trusts
 them. The client
 tokenizes prompts and detokenizes outputs, so text work stays off the scheduler's critical path:
-a background reader thread turns the worker's token ids into text deltas (holding back text that
-might be the start of a stop string) and hands each chunk to the request's sink, a queue for
-synchronous callers or an asyncio queue (through loop.call_soon_threadsafe) for the HTTP server.
+a background reader thread turns the worker's token ids into text (holding back text that
+might be the start of a stop string) and hands each `core.frontend.delta.Delta` to the request's
+sink, a queue for synchronous callers or an asyncio queue (through loop.call_soon_threadsafe) for
+the HTTP server.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from typing import Any
 
 from core import messages as ipc
 from core.engine.sampling import SamplingParams
+from core.frontend.delta import Delta
 from core.frontend.request_checks import RequestChecks
 from core.messages import Channel, ChannelClosed
 from core.plan.args import ServerArgs
 from core.plan.plan import Plan
 
-Chunk = dict[str, Any]
 log = logging.getLogger("core.frontend.client")
 
 
@@ -47,7 +48,7 @@ class _ReqState:
     rid: str
     index: int
     params: SamplingParams
-    sink: Callable[[Chunk], None]
+    sink: Callable[[Delta], None]
     detok: Any
     raw_text: str = ""  # everything detokenized so far
     emitted: int = 0  # characters of raw_text already sent
@@ -166,29 +167,29 @@ class RequestStreams:
 
     def submit(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
                *, input_ids: list[int] | None = None, rid: str | None = None,
-               priority: int | None = None, sink: Callable[[Chunk], None] | None = None,
+               priority: int | None = None, sink: Callable[[Delta], None] | None = None,
                index: int = 0) -> str:
         """Queue one request (n = 1); returns its id. Without a sink, read it with stream(id)."""
         ids, p = self.prepare(prompt, input_ids, params)
         return self.submit_prepared(ids, p, rid=rid, priority=priority, sink=sink, index=index)
 
-    def stream(self, rid: str, timeout: float | None = None) -> Iterator[Chunk]:
+    def stream(self, rid: str, timeout: float | None = None) -> Iterator[Delta]:
         """Incremental outputs of a request submitted without a sink, until it finishes."""
         q = self._take_queue(rid)
         if q is None:
             raise KeyError(f"no streamable request {rid!r} (unknown, or streamed already)")
         while True:
-            chunk = q.get(timeout=timeout)
-            if "error" in chunk:
-                raise EngineError(chunk["error"])
-            yield chunk
-            if chunk["finish_reason"] is not None:
+            delta = q.get(timeout=timeout)
+            if delta.error is not None:
+                raise EngineError(delta.error)
+            yield delta
+            if delta.finished:
                 return
 
     async def submit_async(self, prompt: str | None = None,
                            params: SamplingParams | dict | None = None, **kw: Any
                            ) -> tuple[str, asyncio.Queue]:
-        """Like submit, for an event loop: returns (id, asyncio.Queue of chunks)."""
+        """Like submit, for an event loop: returns (id, asyncio.Queue of deltas)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = self.submit(prompt, params, sink=lambda c: loop.call_soon_threadsafe(
@@ -197,17 +198,17 @@ class RequestStreams:
 
     async def stream_async(self, prompt: str | None = None,
                            params: SamplingParams | dict | None = None, **kw: Any
-                           ) -> AsyncIterator[Chunk]:
-        """Submit and yield chunks; aborts the request if the consumer stops early."""
+                           ) -> AsyncIterator[Delta]:
+        """Submit and yield deltas; aborts the request if the consumer stops early."""
         rid, q = await self.submit_async(prompt, params, **kw)
         finished = False
         try:
             while True:
-                chunk = await q.get()
-                if "error" in chunk:
-                    raise EngineError(chunk["error"])
-                finished = chunk["finish_reason"] is not None
-                yield chunk
+                delta = await q.get()
+                if delta.error is not None:
+                    raise EngineError(delta.error)
+                finished = delta.finished
+                yield delta
                 if finished:
                     return
         finally:
@@ -372,7 +373,7 @@ class EngineClient(RequestStreams):
         self._checks.check_constraint(constraint, self.info)
 
     def submit_prepared(self, ids: list[int], p: SamplingParams, *, rid: str | None = None,
-                        priority: int | None = None, sink: Callable[[Chunk], None] | None = None,
+                        priority: int | None = None, sink: Callable[[Delta], None] | None = None,
                         index: int = 0) -> str:
         """`submit` for what `prepare` returned (validated already: not checked again)."""
         rid = rid or uuid.uuid4().hex
@@ -468,20 +469,18 @@ class EngineClient(RequestStreams):
             states = list(self._reqs.values())
             self._reqs.clear()
         for st in states:
-            st.sink({"rid": st.rid, "index": st.index, "text": "", "token_ids": [],
-                     "finish_reason": {"type": "abort", "message": reason}, "error": reason,
-                     "meta_info": {}})
+            st.sink(Delta.failed(st.rid, st.index, reason))
 
     def _on_item(self, item: ipc.OutputItem) -> None:
         with self._lock:
             st = self._reqs.get(item.rid)
         if st is None:  # finished here already (a stop string seen in the text)
             return
-        ids = list(item.ids)
-        finish = None if item.finish is None else ipc.to_json(item.finish)
+        ids = item.ids
+        finish = item.finish
         st.output_ids += ids
         if ids:
-            st.raw_text += st.detok.add(ids)
+            st.raw_text += st.detok.add(list(ids))
         if finish is not None:
             st.raw_text += st.detok.flush()
         end = len(st.raw_text)
@@ -495,32 +494,22 @@ class EngineClient(RequestStreams):
             if len(st.output_ids) < st.params.min_new_tokens:
                 # min_new_tokens: what completes a stop string before then is plain text
                 st.stop_floor = len(st.raw_text)
-            matched = finish.get("matched") if finish is not None else None
+            matched = finish.matched if finish is not None else None
             if isinstance(matched, str):
                 at = st.raw_text.find(matched, max(0, st.emitted - longest,
                                                    st.stop_floor - len(matched) + 1))
                 end = at if at >= 0 else end
             elif finish is None:
                 end = max(st.emitted, len(st.raw_text) - (longest - 1))
-        delta = st.raw_text[st.emitted:end]
+        text = st.raw_text[st.emitted:end]
         st.emitted = end
-        chunk: Chunk = {
-            "rid": st.rid, "index": st.index, "text": delta, "token_ids": ids,
-            "finish_reason": finish,
-            "meta_info": {"id": st.rid, "prompt_tokens": item.prompt_tokens,
-                          "completion_tokens": len(st.output_ids),
-                          "cached_tokens": item.cached_tokens}}
-        if st.params.logprobs:
-            chunk["logprobs"] = [
-                {"token_id": t, "logprob": lp.logprob, "top_logprobs": list(lp.top)}
-                for t, lp in zip(ids, item.logprobs or (), strict=True)]
-        if item.prompt_logprobs is not None:  # prompt tokens 1.. (the first has none)
-            chunk["prompt_logprobs"] = [{"logprob": lp.logprob, "top_logprobs": list(lp.top)}
-                                        for lp in item.prompt_logprobs]
+        delta = Delta(st.rid, st.index, text, ids, finish, item.prompt_tokens,
+                      len(st.output_ids), item.cached_tokens,
+                      item.logprobs if st.params.logprobs else None, item.prompt_logprobs)
         if finish is not None:
             with self._lock:
                 self._reqs.pop(st.rid, None)
         try:
-            st.sink(chunk)
+            st.sink(delta)
         except Exception:  # noqa: BLE001 - e.g. a closed event loop: that caller is gone
             log.warning("dropping output of request %s: its consumer is gone", st.rid)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 from core.engine.sampling import SamplingParams, expand_n
-from core.frontend.client import Chunk, EngineClient, EngineError, StartedWorker
+from core.frontend.client import EngineClient, EngineError, StartedWorker
+from core.frontend.delta import Delta
 from core.frontend.router import ReplicaSet
 from core.messages import to_json
 from core.plan.args import ServerArgs, apply_environment, make_server_args
@@ -80,7 +81,7 @@ class Engine:
     # -- generation ------------------------------------------------------------------------------
 
     def _submit_all(self, prompt: Any, input_ids: Any, sampling_params: Any,
-                    priority: int | None, sink: Callable[[Chunk], None]
+                    priority: int | None, sink: Callable[[Delta], None]
                     ) -> tuple[list[str], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
@@ -114,51 +115,61 @@ class Engine:
                  sampling_params: dict | list[dict] | None = None, *,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                  priority: int | None = None) -> Any:
-        """Generate for one prompt (a dict) or a list (a list of dicts; n > 1 expands in place).
+        """Generate for one prompt (a dict) or a list (a list of dicts; n > 1 expands in place),
+        in SGLang's shape: {"text", "output_ids", "meta_info": {"id", "finish_reason",
+        "prompt_tokens", "completion_tokens", "cached_tokens"[, "output_token_logprobs",
+        "output_top_logprobs"]}}.
 
-        stream=True returns an iterator of chunks {"index", "text" (delta), "token_ids" (new),
-        "finish_reason", "meta_info"} in arrival order.
+        stream=True returns an iterator of chunks in arrival order, each the same shape for
+        what is new ("text", "token_ids" and the logprobs: new since the request's previous
+        chunk) plus "rid" and "index" (the request's place in the batch).
         """
-        q: queue.Queue = queue.Queue()
+        q: queue.Queue[Delta] = queue.Queue()
         rids, batched = self._submit_all(prompt, input_ids, sampling_params, priority, q.put)
         if stream:
-            return self._stream(q, rids)
+            return self._chunks(self._stream(q, rids))
+        texts: list[list[str]] = [[] for _ in rids]
         results: list[dict[str, Any]] = [
             {"text": "", "output_ids": [], "meta_info": {}} for _ in rids]
-        for chunk in self._stream(q, rids):
-            r = results[chunk["index"]]
-            r["text"] += chunk["text"]
-            r["output_ids"] += chunk["token_ids"]
-            meta = r["meta_info"]
-            meta.update(chunk["meta_info"])
-            meta["finish_reason"] = chunk["finish_reason"]
-            if "logprobs" in chunk:
-                meta.setdefault("output_token_logprobs", []).extend(
-                    (x["logprob"], x["token_id"]) for x in chunk["logprobs"])
-                meta.setdefault("output_top_logprobs", []).extend(
-                    [(lp, t) for t, lp in x["top_logprobs"]] for x in chunk["logprobs"])
+        for d in self._stream(q, rids):
+            texts[d.index].append(d.text)
+            r = results[d.index]
+            r["output_ids"] += d.token_ids
+            _add_logprobs(r["meta_info"], d)
+            if d.finished:
+                r["meta_info"].update(_meta(d))
+        for r, text in zip(results, texts, strict=True):
+            r["text"] = "".join(text)
         return results if batched else results[0]
 
-    def _stream(self, q: queue.Queue, rids: list[str]) -> Iterator[Chunk]:
-        """Chunks of `rids` until all finish; a consumer that stops early aborts the rest."""
+    @staticmethod
+    def _chunks(deltas: Generator[Delta, None, None]) -> Iterator[dict[str, Any]]:
+        try:
+            for d in deltas:
+                yield sglang_chunk(d)
+        finally:
+            deltas.close()  # now, not when collected: it aborts what is unfinished
+
+    def _stream(self, q: queue.Queue[Delta], rids: list[str]) -> Generator[Delta, None, None]:
+        """Deltas of `rids` until all finish; a consumer that stops early aborts the rest."""
         open_ = set(rids)
         try:
             while open_:
-                chunk = q.get()
-                if "error" in chunk:
-                    raise EngineError(chunk["error"])
-                if chunk["finish_reason"] is not None:
-                    open_.discard(chunk["rid"])
-                yield chunk
+                delta = q.get()
+                if delta.error is not None:
+                    raise EngineError(delta.error)
+                if delta.finished:
+                    open_.discard(delta.rid)
+                yield delta
         finally:
             if open_ and self.client.health():
                 for rid in open_:
                     self.client.abort(rid)
 
     def submit(self, input_ids: list[int], sampling_params: dict | SamplingParams | None, *,
-               sink: Callable[[Chunk], None], rid: str | None = None,
+               sink: Callable[[Delta], None], rid: str | None = None,
                priority: int | None = None) -> str:
-        """Queue one request (n = 1) whose chunks go to `sink` (called on the client's reader
+        """Queue one request (n = 1) whose deltas go to `sink` (called on the client's reader
         thread); returns its id. Raises ValueError for what cannot run, EngineError when the
         engine is gone."""
         return self.client.submit(None, sampling_params, input_ids=input_ids, rid=rid,
@@ -212,6 +223,32 @@ class Engine:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _meta(d: Delta) -> dict[str, Any]:
+    """SGLang's meta_info counts of a request, final on its last delta."""
+    return {"id": d.rid, "finish_reason": None if d.finish is None else to_json(d.finish),
+            "prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
+            "cached_tokens": d.cached_tokens}
+
+
+def _add_logprobs(meta: dict[str, Any], d: Delta) -> None:
+    """SGLang's output_token_logprobs ([logprob, token id] per token) and output_top_logprobs
+    ([[logprob, token id], ...] per token), extended by one delta's."""
+    if d.logprobs is None:
+        return
+    meta.setdefault("output_token_logprobs", []).extend(
+        (lp.logprob, t) for t, lp in zip(d.token_ids, d.logprobs, strict=True))
+    meta.setdefault("output_top_logprobs", []).extend(
+        [(v, t) for t, v in lp.top] for lp in d.logprobs)
+
+
+def sglang_chunk(d: Delta) -> dict[str, Any]:
+    """One streamed chunk of the offline API (Engine.generate(stream=True)) from a delta."""
+    meta = _meta(d)
+    _add_logprobs(meta, d)
+    return {"rid": d.rid, "index": d.index, "text": d.text, "token_ids": list(d.token_ids),
+            "finish_reason": meta["finish_reason"], "meta_info": meta}
 
 
 def _load_tokenizer(args: ServerArgs) -> Any:

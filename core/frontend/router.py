@@ -6,7 +6,7 @@ given `replica=i`, which offsets its device index). It speaks the EngineClient i
 `core.frontend.offline.Engine` and the server use (prepare, submit, submit_prepared, stream, abort, the
 asyncio pair, rpc, stats, health), so everything above it is written once. Every request goes
 to one replica; the router remembers which, so that abort and stream reach it, and counts each
-replica's load: its requests from submit to the chunk that ends them (finished, aborted, or an
+replica's load: its requests from submit to the delta that ends them (finished, aborted, or an
 error).
 
 Routing (`--load-balance-method`). Loads are the router's counts; a dead replica is never
@@ -33,7 +33,7 @@ capacity would look healthy to that supervisor and to the load balancer in front
 the lost replica never came back (restarting one in place would be a second supervisor,
 inside the server); the requests the dead replica held fail either way. Until the server
 exits, and for the offline Engine, the router sends new requests only to live replicas; the
-dead one's requests end with an error chunk (its client's reader says why), so nothing hangs.
+dead one's requests end with an error delta (its client's reader says why), so nothing hangs.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from typing import Any, Protocol
 
 from core import messages as ipc
 from core.engine.sampling import SamplingParams
-from core.frontend.client import Chunk, EngineClient, EngineError, RequestStreams, StartedWorker
+from core.frontend.client import EngineClient, EngineError, RequestStreams, StartedWorker
+from core.frontend.delta import Delta
 from core.plan.args import ServerArgs
 from core.plan.plan import Plan
 
@@ -331,7 +332,7 @@ class ReplicaSet(RequestStreams):
         self.replicas[0].check_constraint(constraint)
 
     def submit_prepared(self, ids: list[int], p: SamplingParams, *, rid: str | None = None,
-                        priority: int | None = None, sink: Callable[[Chunk], None] | None = None,
+                        priority: int | None = None, sink: Callable[[Delta], None] | None = None,
                         index: int = 0) -> str:
         """`submit` for what `prepare` returned."""
         rid = rid or uuid.uuid4().hex
@@ -356,10 +357,10 @@ class ReplicaSet(RequestStreams):
                 self._sync_queues[rid] = q
         user_sink = sink
 
-        def routed_sink(chunk: Chunk) -> None:  # on replica i's reader thread
-            if chunk.get("finish_reason") is not None or "error" in chunk:
+        def routed_sink(delta: Delta) -> None:  # on replica i's reader thread
+            if delta.finished:  # (a failed request's delta is finished too)
                 self._release(rid)
-            user_sink(chunk)
+            user_sink(delta)
 
         try:
             self.replicas[i].submit_prepared(ids, p, rid=rid, priority=priority,

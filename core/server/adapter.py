@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
+from core.frontend.delta import Delta
 from core.plan.args import ServerArgs
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError, invalid
@@ -151,15 +152,15 @@ class EngineAdapter:
         except RuntimeError:  # shut down meanwhile: the engine is being stopped anyway
             pass
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, req: GenRequest) -> AsyncGenerator[Delta, None]:
         from core.frontend.offline import EngineError
 
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        q: asyncio.Queue[Delta] = asyncio.Queue()
 
-        def sink(chunk: dict[str, Any]) -> None:  # called on the client's reader thread
+        def sink(delta: Delta) -> None:  # called on the client's reader thread
             try:
-                loop.call_soon_threadsafe(q.put_nowait, chunk)
+                loop.call_soon_threadsafe(q.put_nowait, delta)
             except RuntimeError:  # the server's loop is closed: nobody is listening any more
                 pass
 
@@ -180,24 +181,24 @@ class EngineAdapter:
                 finished = True  # a constraint its grammar backend cannot enforce)
                 raise invalid(_constraint_param(req, str(e)), str(e)) from None
             while True:
-                chunk = await q.get()
-                if "error" in chunk:  # the worker (a rank, a replica) died, or was closed
+                d = await q.get()
+                if d.error is not None:  # the worker (a rank, a replica) died, or was closed
                     finished = True  # one status, tokens sent or not (README "Probes")
-                    raise APIError(503, f"the engine is not running: {chunk['error']}",
+                    raise APIError(503, f"the engine is not running: {d.error}",
                                    code="engine_unavailable", retry_after=5)
-                fin = chunk.get("finish_reason")
-                if fin is not None and fin.get("type") == "abort" and fin.get("status_code"):
+                fin = d.finish
+                if fin is not None and fin.type == "abort" and fin.status_code:
                     # refused by the engine: at admission (queue full, too big, a constraint
                     # that did not compile), or a constraint that reached a dead end
                     finished = True
-                    status = int(fin["status_code"])
-                    message = fin.get("message") or "rejected by the scheduler"
+                    status = fin.status_code
+                    message = fin.message or "rejected by the scheduler"
                     if status == 400:  # e.g. its constraint failed to compile in the worker
                         raise invalid(_constraint_param(req, message), message)
                     raise APIError(status, message,
                                    code="queue_full" if status == 503 else None,
                                    retry_after=1 if status in (429, 503) else None)
-                yield self._event(chunk, req)
+                yield d
                 if fin is not None:
                     finished = True
                     return
@@ -207,30 +208,6 @@ class EngineAdapter:
                 fut.add_done_callback(
                     lambda f: f.cancelled() or f.exception() is not None
                     or self.abort(req.rid))
-
-    @staticmethod
-    def _event(chunk: dict[str, Any], req: GenRequest) -> dict[str, Any]:
-        fin = chunk.get("finish_reason")
-        meta = chunk.get("meta_info") or {}
-        ev: dict[str, Any] = {"text": chunk.get("text") or "",
-                              "token_ids": list(chunk.get("token_ids") or ()),
-                              "finished": fin is not None}
-        if chunk.get("logprobs"):
-            ev["logprobs"] = [{"token_id": x["token_id"], "logprob": x["logprob"],
-                               "top": [list(t) for t in x.get("top_logprobs") or []]}
-                              for x in chunk["logprobs"]]
-        if chunk.get("prompt_logprobs") is not None:  # entries for prompt tokens 1..
-            ids = req.input_ids
-            ev["prompt_logprobs"] = [
-                {"token_id": ids[j + 1], "logprob": x["logprob"],
-                 "top": [list(t) for t in x.get("top_logprobs") or []]}
-                for j, x in enumerate(chunk["prompt_logprobs"])]
-        if fin is not None:
-            ev.update(finish_reason=fin.get("type"), matched_stop=fin.get("matched"),
-                      prompt_tokens=meta.get("prompt_tokens", len(req.input_ids)),
-                      completion_tokens=meta.get("completion_tokens", 0),
-                      cached_tokens=meta.get("cached_tokens", 0))
-        return ev
 
     # -- health and figures ---------------------------------------------------------------------
 

@@ -143,10 +143,10 @@ async def _probe(st: ServerState) -> tuple[int, dict[str, Any]]:
     gr = GenRequest(rid=rid, input_ids=(0,), sampling={"max_new_tokens": 1, "temperature": 0.0})
 
     async def one() -> bool:
-        async with contextlib.aclosing(st.engine.generate(gr)) as events:
-            async for ev in events:
-                if ev.get("finished"):
-                    return not ev.get("error")
+        async with contextlib.aclosing(st.engine.generate(gr)) as deltas:
+            async for d in deltas:
+                if d.finished:
+                    return d.error is None
         return False
 
     result: tuple[int, dict[str, Any]] = (503, {"status": "engine_unavailable"})

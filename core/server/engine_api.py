@@ -3,28 +3,22 @@
 The real engine client (core.frontend.offline) is wrapped by `core.server.adapter.EngineAdapter`; tests use
 `core.server.testing.FakeEngine`. Nothing here imports torch.
 
-Events. `EngineLike.generate(req)` yields plain dicts, one per step that produced output:
-
-    {"text": str,                # new text since the previous event (may be "")
-     "token_ids": list[int],     # new output token ids since the previous event
-     "logprobs": list[dict] | None,   # per new token, when req.logprobs is set:
-                                      #   {"token_id", "logprob", "top": [[id, logprob], ...]}
-     "finished": bool,
-     # present on the last event (finished=True):
-     "finish_reason": "stop" | "length" | "abort",
-     "matched_stop": int | str | None,
-     "prompt_tokens": int, "completion_tokens": int, "cached_tokens": int}
-
-A request that fails inside the engine ends with an event carrying "error": str (and finished=True),
-or the iterator raises; either way only that request fails. Rejections that are the client's or
-the load's fault (queue full, prompt can never fit) raise `errors.APIError` before the first event.
+Output. `EngineLike.generate(req)` yields `core.frontend.delta.Delta`s, one per step that
+produced output for the request: its new text and token ids (and their logprobs when
+`req.logprobs`; the prompt's on the first delta when the sampling asks for `prompt_logprobs`),
+and on the last one its `finish` and final token counts. A request that fails inside the engine
+ends with a delta carrying `error`, or the iterator raises; either way only that request fails.
+Rejections that are the client's or the load's fault (queue full, prompt can never fit) raise
+`errors.APIError` before the first delta.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from core.frontend.delta import Delta
 
 
 @dataclass(frozen=True)
@@ -97,8 +91,9 @@ class EngineLike(Protocol):
         """Raise ValueError naming the parameter if the engine would refuse these values."""
         ...
 
-    def generate(self, req: GenRequest) -> AsyncIterator[dict[str, Any]]:
-        """Submit and stream events (see module docstring). Closing the iterator early aborts."""
+    def generate(self, req: GenRequest) -> AsyncGenerator[Delta, None]:
+        """Submit and stream deltas (see module docstring). Closing the generator early
+        aborts the request."""
         ...
 
     def abort(self, rid: str) -> None:

@@ -1,6 +1,6 @@
 """The generation routes: parse -> tokenize (worker thread) -> fan out to the engine -> answer.
 
-A request becomes len(prompts) x n engine requests. Their event streams are merged; whatever ends
+A request becomes len(prompts) x n engine requests. Their delta streams are merged; whatever ends
 the HTTP request early (client gone, handler cancelled, an error) aborts every engine request that
 has not finished, so its KV pages are freed at once.
 """
@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from core.frontend.delta import Delta
 from core.server import protocol, responses, tools
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError, invalid
@@ -166,7 +167,7 @@ class _Job:
         self.tool_streams: dict[int, tools.ToolStream] = {}
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
-        self._q: asyncio.Queue[tuple[int, Any]] | None = None
+        self._q: asyncio.Queue[tuple[int, Delta | APIError]] | None = None
         self.cut_error: APIError | None = None
 
     def rids(self) -> set[str]:
@@ -182,20 +183,20 @@ class _Job:
     def piece(self, tid: int) -> bytes:
         return self.st.engine.tokenizer.token_bytes(tid)
 
-    def observe(self, i: int, ev: dict[str, Any]) -> None:
-        """Metrics for one event of sequence i."""
+    def observe(self, i: int, d: Delta) -> None:
+        """Metrics for one delta of sequence i."""
         m, now = self.st.metrics, time.monotonic()
-        k = len(ev.get("token_ids") or ())
+        k = len(d.token_ids)
         if k:
             if i not in self.first:
                 self.first[i] = now
                 m.ttft.observe(now - self.t0)
-            else:  # tokens arriving together share the gap since the previous event
+            else:  # tokens arriving together share the gap since the previous delta
                 gap = (now - self.last[i]) / k
                 for _ in range(k):
                     m.itl.observe(gap)
             self.last[i] = now
-        if ev.get("finished") and not ev.get("error"):
+        if d.finished and d.error is None:
             m.e2e.observe(now - self.t0)
             s = self.seqs[i]
             m.generation_tokens += s.completion_tokens
@@ -203,9 +204,9 @@ class _Job:
                 m.prompt_tokens += s.prompt_tokens
                 m.cached_tokens += s.cached_tokens
 
-    async def events(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """Merged (sequence index, event) stream; leaving it early aborts the unfinished."""
-        q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        """Merged (sequence index, delta) stream; leaving it early aborts the unfinished."""
+        q: asyncio.Queue[tuple[int, Delta | APIError]] = asyncio.Queue()
         self._q = q
         if self.cut_error is not None:
             raise self.cut_error
@@ -216,35 +217,33 @@ class _Job:
             try:
                 it = engine.generate(gr)
                 try:
-                    async for ev in it:
-                        q.put_nowait((i, ev))
-                        if ev.get("finished"):
+                    async for d in it:
+                        q.put_nowait((i, d))
+                        if d.finished:
                             return
                 finally:
-                    aclose = getattr(it, "aclose", None)
-                    if aclose is not None:
-                        await aclose()
-                q.put_nowait((i, {"finished": True, "error": "the engine ended the stream "
-                                  "before the request finished"}))
+                    await it.aclose()
+                q.put_nowait((i, Delta.failed(gr.rid, i, "the engine ended the stream before "
+                                              "the request finished")))
             except APIError as e:
                 q.put_nowait((i, e))
             except Exception as e:  # one failing request fails alone
                 log.exception("request %r failed in the engine", gr.rid)
-                q.put_nowait((i, {"finished": True, "error": f"{type(e).__name__}: {e}"}))
+                q.put_nowait((i, Delta.failed(gr.rid, i, f"{type(e).__name__}: {e}")))
 
         tasks = [asyncio.create_task(pump(i, gr)) for i, gr in enumerate(self.gen)]
         try:
             while len(done) < len(self.gen):
-                i, ev = await q.get()
-                if isinstance(ev, APIError):
+                i, d = await q.get()
+                if isinstance(d, APIError):
                     if i >= 0:  # refused by the engine: nothing of it to abort
                         done.add(i)
-                    raise ev
-                if ev.get("finished"):
+                    raise d
+                if d.finished:
                     done.add(i)
-                self.seqs[i].add(ev)
-                self.observe(i, ev)
-                yield i, ev
+                self.seqs[i].add(d)
+                self.observe(i, d)
+                yield i, d
         finally:
             for i, gr in enumerate(self.gen):
                 if i not in done:
@@ -285,8 +284,8 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
 
 async def _complete(job: _Job) -> web.Response:
     req = job.req
-    async with contextlib.aclosing(job.events()) as evs:
-        async for i, _ev in evs:
+    async with contextlib.aclosing(job.deltas()) as evs:
+        async for i, _d in evs:
             if job.seqs[i].error:
                 raise APIError(500, f"generation failed: {job.seqs[i].error}",
                                code="engine_error")
@@ -304,11 +303,11 @@ async def _complete(job: _Job) -> web.Response:
     return web.Response(body=responses.dumps(body), content_type="application/json")
 
 
-def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
-    """What to send for one event of sequence i."""
+def _chunks(job: _Job, i: int, d: Delta) -> list[Any]:
+    """What to send for one delta of sequence i."""
     req, s = job.req, job.seqs[i]
-    text, fin = ev.get("text") or "", s.finish_reason if ev.get("finished") else None
-    entries = ev.get("logprobs") or []
+    text, fin = d.text, s.finish_reason if d.finished else None
+    entries = s.output_entries(len(s.token_ids) - len(d.token_ids)) if d.logprobs else []
     if req.route == "generate":
         if not (text or fin or entries):
             return []
@@ -332,7 +331,7 @@ def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
                                             {"content": text} if text else {}, fin, lp))
         return out
     first = not s.started
-    offset = len(s.full_text) - len(ev.get("text") or "")
+    offset = len(s.full_text) - len(d.text)
     if first and req.echo:
         text = (s.prompt_text or "") + text
         offset = 0
@@ -342,7 +341,7 @@ def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
         offset += len(s.prompt_text or "")
     s.started = True
     extras = (first and (req.return_token_ids or req.prompt_logprobs is not None)) or (
-        req.return_token_ids and ev.get("token_ids"))
+        req.return_token_ids and d.token_ids)
     if not (text or entries or fin or extras):
         return []
     lp = None
@@ -351,7 +350,7 @@ def _chunks(job: _Job, i: int, ev: dict[str, Any]) -> list[Any]:
     chunk = responses.completion_chunk(job.base, job.created, job.model, s.index, text, fin, lp)
     choice = chunk["choices"][0]
     if req.return_token_ids:
-        choice["token_ids"] = list(ev.get("token_ids") or ())
+        choice["token_ids"] = list(d.token_ids)
         if first:
             choice["prompt_token_ids"] = list(s.prompt_ids)
     if first and req.prompt_logprobs is not None and not (req.echo and req.logprobs):
@@ -388,9 +387,9 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
 
     try:
         try:
-            async with contextlib.aclosing(job.events()) as evs:
-                async for i, ev in evs:
-                    # headers go out with the first event, so that a rejection before it (queue
+            async with contextlib.aclosing(job.deltas()) as evs:
+                async for i, d in evs:
+                    # headers go out with the first delta, so that a rejection before it (queue
                     # full, a request that can never fit) is still an HTTP status
                     if resp is None:
                         resp = await start()
@@ -400,7 +399,7 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
                                        code="engine_error")
                         await resp.write(responses.sse(err.body()))
                         break
-                    for chunk in _chunks(job, i, ev):
+                    for chunk in _chunks(job, i, d):
                         await resp.write(responses.sse(chunk))
                 else:
                     if job.req.include_usage:
@@ -427,7 +426,7 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
             resp = await start()
         await resp.write(responses.SSE_DONE)
         await resp.write_eof()
-    except ConnectionResetError:  # the client went away; events() already aborted the rest
+    except ConnectionResetError:  # the client went away; deltas() already aborted the rest
         request[OUTCOME] = "aborted"
         if job.st.args.log_requests:
             log.info("request %r: client disconnected, aborted", job.base)

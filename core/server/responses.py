@@ -1,7 +1,9 @@
 """Response bodies: OpenAI completion / chat objects and chunks, SGLang /generate objects.
 
-`SeqOut` accumulates one generated sequence from engine events; the builders turn finished
-sequences (or one event's delta) into the JSON shapes clients expect.
+`SeqOut` accumulates one generated sequence from the engine's deltas (core.frontend.delta.Delta);
+the builders turn finished sequences (or what one delta added) into the JSON shapes clients
+expect. A logprob is the engine's `TokenLogprob` beside its token id (`Entry`) until a builder
+spells it the way its API does.
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.frontend.delta import Delta
+from core.messages import TokenLogprob
 from core.server.protocol import ParsedRequest
 from core.server.tools import final_message
 
 Piece = Callable[[int], bytes]  # token id -> the bytes it stands for (TokenizerLike.token_bytes)
+# a token and its logprob with the top alternatives; None for the first prompt token (it has none)
+Entry = tuple[int, TokenLogprob | None]
 
 
 def token_text(piece: bytes) -> str:
@@ -48,11 +54,11 @@ class SeqOut:
     rid: str
     prompt_text: str | None = None  # for echo
     prompt_ids: tuple[int, ...] = ()
-    # prompt tokens 1.. as the engine sent them ({"token_id", "logprob", "top"}), when asked for
-    prompt_logprobs: list[dict[str, Any]] | None = None
+    # prompt tokens 1.. as the engine sent them, when asked for
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked
     finished: bool = False
     finish_reason: str | None = None
     matched_stop: int | str | None = None
@@ -62,22 +68,26 @@ class SeqOut:
     error: str | None = None
     started: bool = False  # a first chunk was sent (stream)
 
-    def add(self, ev: dict[str, Any]) -> None:
-        self.text.append(ev.get("text") or "")
-        self.token_ids.extend(ev.get("token_ids") or ())
-        if ev.get("logprobs"):
-            self.logprobs.extend(ev["logprobs"])
-        if ev.get("prompt_logprobs") is not None:
-            self.prompt_logprobs = ev["prompt_logprobs"]
-        if ev.get("error"):
-            self.error = str(ev["error"])
-        if ev.get("finished"):
+    def add(self, d: Delta) -> None:
+        self.text.append(d.text)
+        self.token_ids.extend(d.token_ids)
+        if d.logprobs:
+            self.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
+        if d.error is not None:
+            self.error = d.error
+        if d.finish is not None:
             self.finished = True
-            self.finish_reason = ev.get("finish_reason") or ("error" if self.error else "stop")
-            self.matched_stop = ev.get("matched_stop")
-            self.prompt_tokens = int(ev.get("prompt_tokens") or 0)
-            self.completion_tokens = int(ev.get("completion_tokens") or len(self.token_ids))
-            self.cached_tokens = int(ev.get("cached_tokens") or 0)
+            self.finish_reason = "error" if self.error is not None else d.finish.type
+            self.matched_stop = d.finish.matched
+            self.prompt_tokens = d.prompt_tokens
+            self.completion_tokens = d.completion_tokens or len(self.token_ids)
+            self.cached_tokens = d.cached_tokens
+
+    def output_entries(self, start: int = 0) -> list[Entry]:
+        """The output tokens from `start` with their logprobs (those asked for)."""
+        return list(zip(self.token_ids[start:], self.logprobs[start:], strict=True))
 
     @property
     def full_text(self) -> str:
@@ -99,21 +109,22 @@ def usage(seqs: Sequence[SeqOut], prompt_lens: Sequence[int], cache_report: bool
     return u
 
 
-def prompt_entries(s: SeqOut) -> list[dict[str, Any]]:
+def prompt_entries(s: SeqOut) -> list[Entry]:
     """The prompt's tokens as logprob entries: the first has none (logprob and top null, as
     OpenAI and SGLang give it), then what the engine sent."""
     if not s.prompt_ids:
         return []
-    return [{"token_id": s.prompt_ids[0], "logprob": None, "top": None},
-            *(s.prompt_logprobs or ())]
+    rest = s.prompt_logprobs or ()
+    return [(s.prompt_ids[0], None), *zip(s.prompt_ids[1:1 + len(rest)], rest, strict=True)]
 
 
-def echo_entries(s: SeqOut, top: int) -> list[dict[str, Any]]:
+def echo_entries(s: SeqOut, top: int) -> list[Entry]:
     """completions' echo with logprobs: prompt_entries with up to `top` alternatives each."""
-    return [e if e["top"] is None else {**e, "top": e["top"][:top]} for e in prompt_entries(s)]
+    return [(t, lp if lp is None else TokenLogprob(lp.logprob, lp.top[:top]))
+            for t, lp in prompt_entries(s)]
 
 
-def completion_logprobs(entries: list[dict[str, Any]], piece: Piece, offset: int
+def completion_logprobs(entries: Sequence[Entry], piece: Piece, offset: int
                         ) -> dict[str, Any]:
     """OpenAI's legacy shape. `top_logprobs` holds the top alternatives and, as OpenAI's does,
     the sampled token too (so logprobs=0 gives {sampled: logprob}); `text_offset` counts the
@@ -122,34 +133,36 @@ def completion_logprobs(entries: list[dict[str, Any]], piece: Piece, offset: int
     null logprob and top_logprobs."""
     tokens, lps, tops, offsets = [], [], [], []
     done = b""
-    for e in entries:
-        raw = piece(e["token_id"])
+    for tid, e in entries:
+        raw = piece(tid)
         tok = token_text(raw)
         tokens.append(tok)
-        lps.append(e["logprob"])
-        if e["logprob"] is None:
-            tops.append(None)
-            offsets.append(offset + len(done.decode("utf-8", "ignore")))
-            done += raw
-            continue
-        top = {token_text(piece(t)): lp for t, lp in e.get("top") or []}
-        top.setdefault(tok, e["logprob"])
-        tops.append(top)
         offsets.append(offset + len(done.decode("utf-8", "ignore")))
         done += raw
+        if e is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        lps.append(e.logprob)
+        top = {token_text(piece(t)): lp for t, lp in e.top}
+        top.setdefault(tok, e.logprob)
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[dict[str, Any]], piece: Piece) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[Entry], piece: Piece) -> dict[str, Any]:
+    """Chat's shape: per token its text, logprob and bytes, and its top alternatives alike."""
     def one(tid: int, lp: float) -> dict[str, Any]:
         raw = piece(tid)
         return {"token": token_text(raw), "logprob": lp, "bytes": list(raw)}
 
     content = []
-    for e in entries:
-        item = one(e["token_id"], e["logprob"])
-        item["top_logprobs"] = [one(t, lp) for t, lp in e.get("top") or []]
+    for tid, e in entries:
+        if e is None:  # (chat has no echo: never the first prompt token)
+            raise ValueError("chat logprobs need every token's logprob")
+        item = one(tid, e.logprob)
+        item["top_logprobs"] = [one(t, lp) for t, lp in e.top]
         content.append(item)
     return {"content": content}
 
@@ -162,11 +175,12 @@ def vllm_prompt_logprobs(s: SeqOut, piece: Piece) -> list[Any] | None:
     if s.prompt_logprobs is None:
         return None
     out: list[Any] = [None] if s.prompt_ids else []
-    for e in s.prompt_logprobs:
+    for tid, e in prompt_entries(s)[1:]:
+        assert e is not None  # only the first prompt token has none
         d = {str(t): {"logprob": lp, "rank": r, "decoded_token": token_text(piece(t))}
-             for r, (t, lp) in enumerate(e.get("top") or [], 1)}
-        d.setdefault(str(e["token_id"]), {"logprob": e["logprob"], "rank": None,
-                                          "decoded_token": token_text(piece(e["token_id"]))})
+             for r, (t, lp) in enumerate(e.top, 1)}
+        d.setdefault(str(tid), {"logprob": e.logprob, "rank": None,
+                                "decoded_token": token_text(piece(tid))})
         out.append(d)
     return out
 
@@ -190,7 +204,7 @@ def completion_object(rid: str, created: int, model: str, req: ParsedRequest,
     choices = []
     for s in seqs:
         prefix = s.prompt_text if req.echo and s.prompt_text is not None else ""
-        entries = s.logprobs
+        entries = s.output_entries() if req.logprobs else []
         if req.echo and req.logprobs:
             entries = echo_entries(s, req.top_logprobs) + entries
         choices.append(_extras(
@@ -212,7 +226,7 @@ def chat_object(rid: str, created: int, model: str, req: ParsedRequest, seqs: li
         if tool_parser is not None:
             message, finish = final_message(tool_parser, req.tools, s.full_text, finish)
         choices.append(_extras({"index": s.index, "message": message,
-                                "logprobs": chat_logprobs(s.logprobs, piece)
+                                "logprobs": chat_logprobs(s.output_entries(), piece)
                                 if req.logprobs else None,
                                 "finish_reason": finish}, s, req, piece, False))
     body = {"id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -248,19 +262,19 @@ def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
         meta["e2e_latency"] = e2e
     if req.logprobs:
         # SGLang's shape: [logprob, token_id, token_text] per token, top-k likewise per token
-        meta["output_token_logprobs"] = [[e["logprob"], e["token_id"],
-                                          token_text(piece(e["token_id"]))]
-                                         for e in s.logprobs]
-        meta["output_top_logprobs"] = [[[lp, t, token_text(piece(t))]
-                                        for t, lp in e.get("top") or []] for e in s.logprobs]
+        entries = s.output_entries()
+        meta["output_token_logprobs"] = [[e.logprob, t, token_text(piece(t))]
+                                         for t, e in entries if e is not None]
+        meta["output_top_logprobs"] = [[[lp, t, token_text(piece(t))] for t, lp in e.top]
+                                       for _, e in entries if e is not None]
     if req.prompt_logprobs is not None and s.prompt_logprobs is not None:
         # SGLang's input_token_logprobs from logprob_start_len (the first prompt token: null)
         entries = prompt_entries(s)[req.logprob_start_len:]
-        meta["input_token_logprobs"] = [[e["logprob"], e["token_id"],
-                                         token_text(piece(e["token_id"]))] for e in entries]
-        meta["input_top_logprobs"] = [None if e["top"] is None else
-                                      [[lp, t, token_text(piece(t))] for t, lp in e["top"]]
-                                      for e in entries]
+        meta["input_token_logprobs"] = [[None if e is None else e.logprob, t,
+                                         token_text(piece(t))] for t, e in entries]
+        meta["input_top_logprobs"] = [None if e is None else
+                                      [[lp, t, token_text(piece(t))] for t, lp in e.top]
+                                      for _, e in entries]
     return meta
 
 

@@ -4,9 +4,9 @@ FakeEngine speaks `EngineLike`. Its tokenizer is byte-level (id = byte + 3; 0 pa
 Its greedy "model" answers with the bytes of `reply` (default "hello world "), repeated, one
 token per step, so outputs are predictable. Knobs for fault tests:
   - token_delay: seconds between tokens (asyncio.sleep: the loop stays free);
-  - a prompt containing "FAIL_EVENT" ends with an error event after its first token,
+  - a prompt containing "FAIL_EVENT" ends with an error delta after its first token,
     "FAIL_RAISE" raises inside the engine after its first token, "MALFORMED" sends a
-    malformed logprobs entry with its second token;
+    logprob whose top alternative is no token of the vocabulary with its second token;
   - max_active: more concurrent requests than this are rejected as "queue full" (503);
   - alive / wedged: what health() says (wedged: it never answers);
   - failed: set to a reason to play a dead engine process (failure() returns it);
@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
+from core.frontend.delta import Delta
+from core.messages import Finish, TokenLogprob
 from core.server.engine_api import GenRequest
 from core.server.errors import invalid, overloaded
 
@@ -124,7 +126,7 @@ class FakeEngine:
             best = max(best, n)
         return min(best, len(ids) - 1) // self.page_size * self.page_size
 
-    async def generate(self, req: GenRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, req: GenRequest) -> AsyncGenerator[Delta, None]:
         if not self.alive:
             raise RuntimeError("the engine process is gone")
         if self.max_active is not None and len(self.active) >= self.max_active:
@@ -154,29 +156,29 @@ class FakeEngine:
                     raise RuntimeError("simulated kernel failure")
                 tid = tokens[step]
                 self.active[rid] += 1
-                ev: dict[str, Any] = {"text": full[step:step + 1] if step < cut else "",
-                                      "token_ids": [tid], "finished": False}
+                lps = None
                 if req.logprobs:
-                    alts = [[tid, -0.25], [EOS, -1.5], [OFFSET + 33, -2.5]][:req.top_logprobs]
-                    ev["logprobs"] = [{"token_id": tid, "logprob": -0.25, "top": alts}]
+                    alts = ((tid, -0.25), (EOS, -1.5), (OFFSET + 33, -2.5))[:req.top_logprobs]
+                    lps = (TokenLogprob(-0.25, alts),)
+                    if step == 1 and "MALFORMED" in text:  # a broken delta: the server copes
+                        lps = (TokenLogprob(-0.25, ((10**9, -1.0),)),)
                 k = req.sampling.get("prompt_logprobs")
+                plps = None
                 if step == 0 and k is not None:  # like the engine: with the first token
-                    ev["prompt_logprobs"] = [
-                        {"token_id": t, "logprob": -1.0,
-                         "top": [[t, -1.0], [EOS, -3.0], [OFFSET + 33, -4.0]][:k]}
-                        for t in prompt[1:]]
-                if step == 1 and "MALFORMED" in text:  # a broken event: the server must cope
-                    ev["logprobs"] = [{"not": "a logprob entry"}]
+                    plps = tuple(TokenLogprob(-1.0, ((t, -1.0), (EOS, -3.0),
+                                                     (OFFSET + 33, -4.0))[:k])
+                                 for t in prompt[1:])
+                piece = full[step:step + 1] if step < cut else ""
                 if step == 1 and "FAIL_EVENT" in text:
-                    ev.update(finished=True, error="simulated failure in the engine")
-                    yield ev
+                    yield Delta(rid, 0, piece, (tid,), Finish("abort"), logprobs=lps,
+                                prompt_logprobs=plps, error="simulated failure in the engine")
                     return
+                finish = None
                 if step == last:
-                    ev.update(finished=True, finish_reason="stop" if matched else "length",
-                              matched_stop=matched, prompt_tokens=len(prompt),
-                              completion_tokens=step + 1, cached_tokens=cached)
+                    finish = Finish("stop", matched=matched) if matched else Finish("length")
                     self.finished += 1
-                yield ev
+                yield Delta(rid, 0, piece, (tid,), finish, len(prompt), step + 1,
+                            cached if finish is not None else 0, lps, plps)
         finally:
             self.active.pop(rid, None)
 
