@@ -181,7 +181,7 @@ def worker_ours(job: dict[str, Any]) -> dict[str, Any]:
                        "dtype": plan.dtype, "prefill_attention": plan.prefill_attention,
                        "decode_attention": plan.decode_attention, "layer_ops": plan.layer_ops,
                        "kv_cache_dtype": plan.kv_cache_dtype, "notes": list(plan.notes),
-                       "engine_notes": list(engine.info.get("notes", []))}
+                       "engine_notes": list(engine.info.notes)}
         res["path"] = (f"quant {plan.quant_method} (weights {plan.quant_format}, compute "
                        f"{plan.dtype}), {plan.decode_attention} attention")
 

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {mode}: {res[mode]['error']}", flush=True)
                 break
             with engine:
-                vocab = engine.info["vocab_size"]
+                vocab = engine.info.vocab_size
                 rng = random.Random(0)  # the same prompts for both engines
                 run(engine, prompts(random.Random(1), 2, a.input_len, vocab), 16)  # warm-up
                 res[mode] = {label: run(engine, prompts(rng, n, a.input_len, vocab),

@@ -269,11 +269,11 @@ def bench_engine(model_dir: str, a: argparse.Namespace, *, graphs: bool = True,
     t = time.perf_counter()
     with Engine(model_dir, **engine_kwargs(a, **extra)) as engine:
         res: dict[str, Any] = {"startup_s": time.perf_counter() - t,
-                               "cuda_graph_batch_sizes": engine.info.get(
-                                   "cuda_graph_batch_sizes", []),
-                               "notes": engine.info.get("notes", []),
-                               "max_running_requests": engine.info.get("max_running_requests"),
-                               "pool_tokens": engine.info.get("pool_tokens"),
+                               "cuda_graph_batch_sizes": list(
+                                   engine.info.cuda_graph_batch_sizes),
+                               "notes": list(engine.info.notes),
+                               "max_running_requests": engine.info.max_running_requests,
+                               "pool_tokens": engine.info.pool_tokens,
                                "decode_attention": engine.plan.decode_attention}
         if batch1:
             res["batch1"] = measure_batch1(engine, a)

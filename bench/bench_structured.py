@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {report['backends'][name]['error']}", flush=True)
             continue
         with engine:
-            vocab = engine.info["vocab_size"]
+            vocab = engine.info.vocab_size
             run(engine, prompts(rng, 2, a.input_len, vocab), 8, False)  # warm-up
             run(engine, prompts(rng, 2, a.input_len, vocab), 8, True)  # (and the compile)
             res = {"startup_s": time.perf_counter() - t}

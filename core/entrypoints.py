@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.plan.args import ServerArgs
 
+if TYPE_CHECKING:
+    from core.messages import EngineInfo
 
-def plan_summary(plan: Any, info: dict[str, Any]) -> str:
+
+def plan_summary(plan: Any, info: EngineInfo) -> str:
     """The plan in one line: model, device, quant method, attention, KV pool."""
     attention = plan.decode_attention if plan.prefill_attention == plan.decode_attention else \
         f"{plan.prefill_attention} / {plan.decode_attention}"
     quant = plan.quant_method + ("" if plan.quant_format == "dense" else f" ({plan.quant_format})")
-    kv = f", KV cache {info['pool_tokens']} tokens" if info.get("pool_tokens") else ""
+    kv = f", KV cache {info.pool_tokens} tokens" if info.pool_tokens else ""
     return (f"core generate: {plan.model_impl or '?'} on {plan.device.describe()}: {quant}, "
             f"{plan.dtype}, attention {attention}{kv} (--verbose: the whole plan)")
 
@@ -33,7 +36,7 @@ def generate_main(args: ServerArgs, ns: argparse.Namespace) -> int:
     with Engine(server_args=args) as engine:
         if getattr(ns, "verbose", False):
             print(explain(engine.plan), file=sys.stderr)
-            for note in engine.info.get("notes", []):
+            for note in engine.info.notes:
                 print(f"  - {note}", file=sys.stderr)
         else:
             print(plan_summary(engine.plan, engine.info), file=sys.stderr)

@@ -451,7 +451,13 @@ class _FakeEngine:
         spec = load_model_spec(str(Path(__file__).parent / "fixtures" / "configs" /
                                    "llama-3.1-8b.json"))
         self.plan = resolve(spec, PROFILES["x86-cpu"], server_args, get_registry())
-        self.info = {"pool_tokens": 32768, "notes": ["KV cache 32768 tokens, the default"]}
+        from core.messages import EngineInfo
+
+        self.info = EngineInfo(max_context=8192, pool_tokens=32768, page_size=1,
+                               max_running_requests=8, vocab_size=128256, eos_token_ids=(2,),
+                               chunked_prefill_size=None, kv_bytes_per_token=64,
+                               notes=("KV cache 32768 tokens, the default",),
+                               cuda_graph_batch_sizes=(), device="cpu", pid=1)
         self.tokenizer = types.SimpleNamespace(chat_template=None, encode=lambda p: [1, 2])
 
     def __enter__(self):

@@ -289,8 +289,8 @@ def _gpu_run(model_dir: str, dtype: str, **kw):
 @pytest.mark.gpu
 def test_greedy_with_graphs_equals_without_on_cuda(gpu_model_dir):
     with_graphs, stats, info = _gpu_run(gpu_model_dir, "float32", cuda_graph_max_bs=8)
-    assert info["cuda_graph_batch_sizes"] == [1, 2, 4, 8]
-    assert any(n.startswith("captured decode graphs") for n in info["notes"])
+    assert info.cuda_graph_batch_sizes == (1, 2, 4, 8)
+    assert any(n.startswith("captured decode graphs") for n in info.notes)
     assert stats["graph_replays"] > 0
     assert stats["graph_replays"] < stats["forward_count"]["decode"]  # the bs-10 steps: eager
     without, stats_off, info_off = _gpu_run(gpu_model_dir, "float32", disable_cuda_graph=True)

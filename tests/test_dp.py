@@ -277,7 +277,7 @@ def test_round_robin_serves_on_both_replicas_like_one_engine(served, reference):
     rs = engine.client
     assert isinstance(rs, router.ReplicaSet) and rs.policy.name == "round_robin"
     pids = [info.pid for info in rs.infos]
-    assert len(set(pids)) == 2 and engine.info["pid"] == pids[0]
+    assert len(set(pids)) == 2 and engine.info.pid == pids[0]
     before = list(rs.routed)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
     assert [o["output_ids"] for o in outs] == reference

@@ -186,7 +186,7 @@ def _alive(pid: int) -> bool:
 
 def test_close_leaves_no_process(tiny_path):
     engine = core.Engine(tiny_path, max_total_tokens=512)
-    pid = engine.info["pid"]
+    pid = engine.info.pid
     assert _alive(pid) and engine.health()
     assert engine.client.process in mp.active_children()
     out = engine.generate("abc", {"max_new_tokens": 4, "temperature": 0})
@@ -204,7 +204,7 @@ def test_worker_death_is_detected(tiny_path):
     with core.Engine(tiny_path, max_total_tokens=512) as engine:
         rid = engine.client.submit("abc", {"max_new_tokens": 200, "temperature": 0,
                                            "ignore_eos": True})
-        os.kill(engine.info["pid"], signal.SIGKILL)
+        os.kill(engine.info.pid, signal.SIGKILL)
         with pytest.raises(EngineError, match="exited|failed"):
             for _ in engine.client.stream(rid, timeout=60):
                 pass
@@ -215,7 +215,7 @@ def test_worker_death_is_detected(tiny_path):
         with pytest.raises(EngineError):
             engine.generate("abc", {"max_new_tokens": 2})
     assert engine.client.process not in mp.active_children()
-    assert not _alive(engine.info["pid"])
+    assert not _alive(engine.info.pid)
 
 
 def test_abort_and_async_stream(tiny_path):

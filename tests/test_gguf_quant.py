@@ -172,7 +172,7 @@ def test_the_default_engine_serves_the_blocks_and_answers():
         plan = engine.plan
         assert plan.quant_method.startswith("gguf_") and plan.quant_format == "gguf"
         assert plan.layer_ops.startswith("cpu_c") and plan.decode_attention.startswith("cpu_c")
-        notes = engine.info["notes"]
+        notes = engine.info.notes
         assert any("GGUF blocks kept" in n and "120 Q4_1, 1 Q8_0 table" in n for n in notes)
         assert any("no dense weights to pack" in n for n in notes), notes
         tok = engine.tokenizer

@@ -43,9 +43,9 @@ def run(path: str, load_format: str = "dummy", **kw) -> tuple[list[int], dict]:
 def test_a_one_rank_nccl_group_gives_the_plain_engines_tokens(tiny):
     plain, _ = run(tiny)
     got, info = run(tiny, dist_init_addr=f"127.0.0.1:{free_loopback_port()}")
-    assert any("rank 0 of 1 (nccl)" in n for n in info["notes"]), info["notes"]
+    assert any("rank 0 of 1 (nccl)" in n for n in info.notes), info.notes
     # the all-reduces were captured in the graphs
-    assert info["cuda_graph_batch_sizes"], info["notes"]
+    assert info.cuda_graph_batch_sizes, info.notes
     assert got == plain
 
 
@@ -63,5 +63,5 @@ def test_tp2_on_two_gpus(tmp_path):
     write_tokenizer(path)
     plain, _ = run(str(path), "safetensors")
     got, info = run(str(path), "safetensors", tp_size=2)
-    assert any("rank 0 of 2 (nccl)" in n for n in info["notes"])
+    assert any("rank 0 of 2 (nccl)" in n for n in info.notes)
     assert got == plain

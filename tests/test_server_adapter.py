@@ -12,14 +12,16 @@ import pytest
 
 from core.frontend.delta import Delta
 from core.frontend.offline import Engine, EngineError
-from core.messages import Finish, TokenLogprob
+from core.messages import EngineInfo, Finish, TokenLogprob
 from core.plan.args import ServerArgs
 from core.server.adapter import EngineAdapter, _served_name
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError
 
-INFO = {"vocab_size": 100, "max_context": 512, "pool_tokens": 256, "page_size": 1,
-        "max_running_requests": 8, "eos_token_ids": [2], "device": "cpu"}
+INFO = EngineInfo(max_context=512, pool_tokens=256, page_size=1, max_running_requests=8,
+                  vocab_size=100, eos_token_ids=(2,), chunked_prefill_size=None,
+                  kv_bytes_per_token=64, notes=(), cuda_graph_batch_sizes=(), device="cpu",
+                  pid=1)
 
 
 def delta(rid, text="", ids=(), finish=None, logprobs=None, cached_tokens=0, error=None):

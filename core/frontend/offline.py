@@ -18,7 +18,7 @@ from core.engine.sampling import SamplingParams, expand_n
 from core.frontend.client import EngineClient, EngineError, StartedWorker
 from core.frontend.delta import Delta
 from core.frontend.router import ReplicaSet
-from core.messages import to_json
+from core.messages import EngineInfo, to_json
 from core.plan.args import ServerArgs, apply_environment, make_server_args
 
 __all__ = ["Engine", "EngineClient", "EngineError", "expand_n"]
@@ -74,8 +74,8 @@ class Engine:
             self.client = ReplicaSet(self.args, self.plan, self.tokenizer, started=started)
         else:
             self.client = EngineClient(self.args, self.plan, self.tokenizer, started=started[0])
-        self.info: dict[str, Any] = to_json(self.client.info)  # core.messages.EngineInfo's fields
-        for note in self.info["notes"]:  # KV sizing, graph capture: found at startup
+        self.info: EngineInfo = self.client.info  # what the worker built (its pid: replica 0's)
+        for note in self.info.notes:  # KV sizing, graph capture: found at startup
             log.info("engine: %s", note)
 
     # -- generation ------------------------------------------------------------------------------

@@ -80,9 +80,9 @@ class EngineAdapter:
         self.engine = engine  # its public methods only (core.frontend.offline.Engine)
         info = engine.info
         self.info = info
-        self.tokenizer = TokenizerAdapter(engine.tokenizer, int(info["vocab_size"]))
+        self.tokenizer = TokenizerAdapter(engine.tokenizer, info.vocab_size)
         # the longest sequence that can run: the context, or the KV pool if that is smaller
-        self.context_length = int(min(info["max_context"], info["pool_tokens"]))
+        self.context_length = min(info.max_context, info.pool_tokens)
         self.model_name = model_name
         self.plan = engine.plan
         if self.plan is not None:  # the tool-call parser is chosen by the chat template
@@ -122,12 +122,12 @@ class EngineAdapter:
         return {"model_path": args.model_path,
                 "tokenizer_path": args.tokenizer_path or args.model_path,
                 "architecture": getattr(spec, "architecture", None),
-                "max_context": self.info["max_context"], "kv_pool_tokens": self.info["pool_tokens"],
-                "kv_bytes_per_token": self.info.get("kv_bytes_per_token"),
-                "page_size": self.info["page_size"],
-                "max_running_requests": self.info["max_running_requests"],
-                "eos_token_ids": self.info.get("eos_token_ids"),
-                "device": self.info.get("device"),
+                "max_context": self.info.max_context, "kv_pool_tokens": self.info.pool_tokens,
+                "kv_bytes_per_token": self.info.kv_bytes_per_token,
+                "page_size": self.info.page_size,
+                "max_running_requests": self.info.max_running_requests,
+                "eos_token_ids": list(self.info.eos_token_ids),
+                "device": self.info.device,
                 **({"dp_size": args.dp_size, "load_balance_method": args.load_balance_method}
                    if args.dp_size > 1 else {})}
 
