@@ -15,11 +15,21 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from core.contract.grammar import Constraint, apply_bitmask
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from concurrent.futures import Future, ThreadPoolExecutor
+    from typing import TypeAlias
+
+    from core.contract.grammar import GrammarMatcher
+
+    # one token's (logprob, [(token, logprob) of its top alternatives]), as sampling reports it
+    TokenLogprobs: TypeAlias = tuple[float, list[tuple[int, float]]]
 
 MAX_TOP_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: a bias is in [-100, 100]
@@ -64,7 +74,7 @@ class SamplingParams:
                                  f"{sorted(map(str, self.logit_bias))[:3]}") from None
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+    def from_dict(cls, d: dict[str, object] | SamplingParams | None) -> SamplingParams:
         """Build from a request dict (or check an instance); unknown keys and bad values raise
         ValueError naming them."""
         if d is None:
@@ -85,7 +95,7 @@ class SamplingParams:
         p.validate()
         return p
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
     def validate(self) -> None:
@@ -198,7 +208,7 @@ class SamplingState:
         self.stop_ids = stop_ids  # masked while fewer than min_new_tokens were produced
         self.num_out = 0
         # the request's grammar matcher (core.contract.grammar.GrammarMatcher), set at admission
-        self.matcher: Any = None
+        self.matcher: GrammarMatcher | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device)
@@ -238,7 +248,7 @@ class MaskJob:
     """The grammar masks of one step's constrained rows, filled on a host thread while the
     step's forward runs (Sampler.start_masks); `wait()` gives (bitmask, rows)."""
 
-    def __init__(self, future: Any, bitmask: torch.Tensor, rows: list[int]):
+    def __init__(self, future: Future[float], bitmask: torch.Tensor, rows: list[int]):
         self.future, self.bitmask, self.rows = future, bitmask, rows
 
     def wait(self) -> tuple[torch.Tensor, list[int]]:
@@ -249,14 +259,16 @@ class MaskJob:
 class Sampler:
     """Batched sampling over [B, V] fp32 logits with per-request states."""
 
-    def __init__(self, device: torch.device, seed: int = 0, to_device: Any = None):
+    def __init__(self, device: torch.device, seed: int = 0,
+                 to_device: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None):
         """to_device(host, device): the Platform's host-to-device copy (grammar masks go
         through it: pinned and non-blocking on a GPU); None: a plain `.to`."""
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._move = (lambda t: to_device(t, device)) if to_device is not None else None
-        self._pool: Any = None  # one host thread for grammar masks, made on first use
+        # one host thread for grammar masks, made on first use
+        self._pool: ThreadPoolExecutor | None = None
         # seconds spent filling grammar masks, and of those the scheduler waited for (the
         # rest ran behind the forward); mask_fills: masks filled
         self.mask_stats = {"mask_fill_s": 0.0, "mask_wait_s": 0.0, "mask_fills": 0}
@@ -276,7 +288,7 @@ class Sampler:
         matchers = [states[i].matcher for i in rows]
         return MaskJob(self._pool.submit(self._fill, matchers, bitmask), bitmask, rows)
 
-    def _fill(self, matchers: list[Any], bitmask: torch.Tensor) -> float:
+    def _fill(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> float:
         t = time.perf_counter()
         for j, m in enumerate(matchers):
             m.fill_bitmask(bitmask, j)
@@ -296,7 +308,7 @@ class Sampler:
         token_list = tokens.tolist()  # the step's one host sync
         for s, t in zip(states, token_list, strict=True):
             s.observe(t)
-        lps: list[Any] = [None] * B
+        lps: list[TokenLogprobs | None] = [None] * B
         if want_lp:
             lps_rows = self._logprobs(raw, tokens[want_lp], [states[i] for i in want_lp])
             for i, lp in zip(want_lp, lps_rows, strict=True):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 from core.engine.memory.memory_pool import PageAllocator
 
@@ -63,7 +62,7 @@ class RadixCache:
             i += 1
         return i - i % self.page_size
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], Any]:
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], _Node]:
         """Longest cached page-aligned prefix of `tokens`: (its pages, the node to lock)."""
         tick = next(self._tick)
         node, at, pages = self.root, 0, []
@@ -95,7 +94,7 @@ class RadixCache:
 
     # -- locking --------------------------------------------------------------------------------
 
-    def lock(self, node: Any) -> None:
+    def lock(self, node: _Node | None) -> None:
         while node is not None and node is not self.root:
             if node.lock_ref == 0:
                 self.evictable_pages -= len(node.pages)
@@ -103,7 +102,7 @@ class RadixCache:
             node.lock_ref += 1
             node = node.parent
 
-    def unlock(self, node: Any) -> None:
+    def unlock(self, node: _Node | None) -> None:
         while node is not None and node is not self.root:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "radix node unlocked more often than locked"
@@ -140,7 +139,7 @@ class RadixCache:
         return len(pages)
 
     def cache_finished(self, tokens: Sequence[int], pages: list[int], num_shared: int,
-                       node: Any) -> None:
+                       node: _Node | None) -> None:
         """Take a request's pages for `tokens` (the ones with KV); drop its lock on `node`."""
         ps = self.page_size
         full = min(len(tokens) // ps, len(pages))
@@ -205,17 +204,17 @@ class NoPrefixCache:
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], Any]:
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], None]:
         return [], None
 
-    def lock(self, node: Any) -> None:
+    def lock(self, node: _Node | None) -> None:
         pass
 
-    def unlock(self, node: Any) -> None:
+    def unlock(self, node: _Node | None) -> None:
         pass
 
     def cache_finished(self, tokens: Sequence[int], pages: list[int], num_shared: int,
-                       node: Any) -> None:
+                       node: _Node | None) -> None:
         self.allocator.free(pages)
 
     def evict(self, num_pages: int) -> int:

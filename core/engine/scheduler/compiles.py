@@ -5,19 +5,25 @@ compile is stopped)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.engine.scheduler.request import Queues, Req
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from core.contract.grammar import Constraint, Grammar
 
 
 class Compiles:
     """The `compiling` queue's manager."""
 
-    def __init__(self, grammar: Any, queues: Queues, counters: dict[str, int]):
-        self.grammar = grammar  # core.contract.grammar.Grammar; None: structured output off
+    def __init__(self, grammar: Grammar | None, queues: Queues, counters: dict[str, int]):
+        self.grammar = grammar  # None: structured output off
         self.q, self.counters = queues, counters
-        self._compiles: dict[int, tuple[Any, Any, list[Req]]] = {}  # id: (constraint, future,
-        self._compile_ids: dict[tuple[str, str], int] = {}  # reqs); constraint key: id
+        # id: (constraint, the future of its compiled grammar, the requests waiting on it)
+        self._compiles: dict[int, tuple[Constraint, Future[object], list[Req]]] = {}
+        self._compile_ids: dict[tuple[str, str], int] = {}  # constraint key: id
         self._next = 0
 
     def __bool__(self) -> bool:

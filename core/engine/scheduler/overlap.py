@@ -18,11 +18,23 @@ count of its jumps, changed), and it waits for the extend of its forced tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from core.engine.scheduler.request import Queues, Req, SchedulerConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from core.engine.model_runner import ModelRunner
+    from core.engine.sampling import Sampler, TokenLogprobs
+
+
+class CopyWaiter(Protocol):
+    """What a Platform's copy_to_host gives for a copy still under way."""
+
+    def synchronize(self) -> None: ...
 
 
 @dataclass
@@ -30,9 +42,9 @@ class InflightDecode:
     """A decode step launched on the device whose sampled tokens the host has not read yet."""
 
     batch: list[Req]
-    tokens: Any  # torch.Tensor [B] on the device (the next step's input ids)
-    host: Any  # torch.Tensor [B] on the host, filled by a non-blocking copy
-    waiter: Any  # the platform's waiter for that copy (synchronize()), or None: already done
+    tokens: torch.Tensor  # [B] on the device (the next step's input ids)
+    host: torch.Tensor  # [B] on the host, filled by a non-blocking copy
+    waiter: CopyWaiter | None  # the platform's waiter for that copy; None: already done
     epochs: list[int]  # each request's jump count at the launch: a jump since drops its token
 
 
@@ -43,9 +55,11 @@ class Overlap:
     accept(req, token, logprob): a landed token joins its request's output; decode_room() ->
     bool: the pages for one more decode token each are there (evicting cache if needed)."""
 
-    def __init__(self, cfg: SchedulerConfig, queues: Queues, sampler: Any, runner: Any,
-                 counters: dict[str, int], forward: Callable[[Any], Any],
-                 accept: Callable[[Req, int, Any], None], decode_room: Callable[[], bool]):
+    def __init__(self, cfg: SchedulerConfig, queues: Queues, sampler: Sampler,
+                 runner: ModelRunner, counters: dict[str, int],
+                 forward: Callable[[Sequence[int] | torch.Tensor], torch.Tensor],
+                 accept: Callable[[Req, int, TokenLogprobs | None], None],
+                 decode_room: Callable[[], bool]):
         self.cfg, self.q, self.sampler, self.runner = cfg, queues, sampler, runner
         self.counters = counters
         self._forward, self._accept, self._decode_room = forward, accept, decode_room
@@ -67,7 +81,8 @@ class Overlap:
             return False
         return self._decode_room()
 
-    def launch(self, input_ids: Any, land_first: bool = False) -> list[Req]:
+    def launch(self, input_ids: Sequence[int] | torch.Tensor, land_first: bool = False
+               ) -> list[Req]:
         """Forward and sampling of one decode step for the running batch, left in flight.
         land_first (a batch with grammars): the in-flight step lands between the forward and
         the sampling, so its tokens reach the grammars before the masks are filled (in this

@@ -3,17 +3,20 @@ prefix cache behind one manager, so that the other managers never touch the pool
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.engine.memory.memory_pool import PageAllocator, ReqToTokenPool, token_slots
 from core.engine.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from core.engine.memory.radix_cache import NoPrefixCache, RadixCache, _Node
 
 
 class Pages:
     """Gives requests rows and pages, takes them back to the prefix cache."""
 
-    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool, cache: Any,
-                 page_size: int):
+    def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool,
+                 cache: RadixCache | NoPrefixCache, page_size: int):
         self.allocator, self.req_to_token, self.cache = allocator, req_to_token, cache
         self.page_size = page_size
 
@@ -25,12 +28,12 @@ class Pages:
         """KV tokens free or held only by evictable prefix-cache pages."""
         return (self.allocator.free_pages + self.cache.evictable_pages) * self.page_size
 
-    def match(self, req: Req) -> tuple[list[int], Any]:
+    def match(self, req: Req) -> tuple[list[int], _Node | None]:
         """req's cached prefix (pages, node to lock); none for a request still computing prompt
         logprobs, which needs every prompt position's logits."""
         return self.cache.match_prefix([] if req.wants_prompt_lps else req.all_ids[:-1])
 
-    def take(self, req: Req, pages: list[int], node: Any) -> None:
+    def take(self, req: Req, pages: list[int], node: _Node | None) -> None:
         """Admit `req` over its cached prefix: lock it, give it a row holding the prefix."""
         ps = self.page_size
         self.cache.lock(node)

@@ -4,9 +4,13 @@ the queues that hold requests between steps (`Queues`), and the admission error.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.engine.sampling import SamplingParams, SamplingState
+
+if TYPE_CHECKING:
+    from core.engine.memory.radix_cache import _Node
+    from core.engine.sampling import TokenLogprobs
 
 CLIP_MAX_NEW_TOKENS = 4096  # reserve at most this many future tokens per request
 
@@ -70,7 +74,7 @@ class Req:
     row: int = -1  # req_to_token row while admitted
     pages: list[int] = field(default_factory=list)  # covers tokens [0, kv_len)
     num_shared: int = 0  # leading pages owned by the prefix cache (locked through `node`)
-    node: Any = None
+    node: _Node | None = None
     kv_len: int = 0  # tokens whose K/V is in the pool
     fill_len: int = 0  # tokens to cache before the next sample (prompt + output at admission)
     cached_tokens: int = -1  # prefix-cache hit of the first admission (reported)
@@ -80,10 +84,10 @@ class Req:
     finish: dict | None = None
     # output not yet reported: new ids and their logprobs
     pending_ids: list[int] = field(default_factory=list)
-    pending_lps: list[Any] = field(default_factory=list)
+    pending_lps: list[TokenLogprobs] = field(default_factory=list)
     # prompt_logprobs: (logprob, top) of prompt tokens 1.. as prefill computes them; reported
     # once, with the first output
-    prompt_lps: list[Any] = field(default_factory=list)
+    prompt_lps: list[TokenLogprobs] = field(default_factory=list)
     prompt_lps_sent: bool = False
 
     @property

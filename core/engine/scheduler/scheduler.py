@@ -21,8 +21,8 @@ decode step). It keeps the step itself, sampling and stop conditions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -49,21 +49,27 @@ from core.engine.scheduler.request import (
     new_counters,
 )
 
+if TYPE_CHECKING:
+    from core.contract.grammar import Grammar
+    from core.engine.memory.radix_cache import NoPrefixCache, RadixCache
+    from core.engine.sampling import MaskJob, TokenLogprobs
+
 
 class Scheduler:
     """Drives the model runner over the requests its managers hold (see the module doc)."""
 
     def __init__(self, runner: ModelRunner, allocator: PageAllocator,
-                 req_to_token: ReqToTokenPool, cache: Any, sampler: Sampler,
-                 cfg: SchedulerConfig, eos_token_ids: Iterable[int], vocab_size: int,
-                 decode_text: Callable[[list[int]], str] | None = None, grammar: Any = None):
+                 req_to_token: ReqToTokenPool, cache: RadixCache | NoPrefixCache,
+                 sampler: Sampler, cfg: SchedulerConfig, eos_token_ids: Iterable[int],
+                 vocab_size: int, decode_text: Callable[[list[int]], str] | None = None,
+                 grammar: Grammar | None = None):
         self.runner = runner
         self.sampler = sampler
         self.cfg = cfg
         self.eos = set(eos_token_ids)
         self.vocab_size = vocab_size
         self.decode_text = decode_text  # for stop strings; None disables them
-        self.grammar = grammar  # core.contract.grammar.Grammar; None: structured output off
+        self.grammar = grammar  # None: structured output off
         self.counters = new_counters()
         self.q = Queues()
         self.pages = Pages(allocator, req_to_token, cache, cfg.page_size)
@@ -113,7 +119,7 @@ class Scheduler:
         return self.pages.allocator
 
     @property
-    def cache(self) -> Any:
+    def cache(self) -> RadixCache | NoPrefixCache:
         return self.pages.cache
 
     @property
@@ -276,7 +282,7 @@ class Scheduler:
     def _decode_room(self) -> bool:
         return self.pages.ensure(self._decode_pages_needed())
 
-    def _forward_decode(self, input_ids: Any) -> Any:
+    def _forward_decode(self, input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """One decode forward of the running batch (pages already ensured) -> logits [B, V].
         input_ids: host ints, or the previous step's device tokens (overlap)."""
         ps = self.cfg.page_size
@@ -333,7 +339,7 @@ class Scheduler:
             if r.kv_len + n == r.fill_len:
                 ready.append(i)
         want = [i for i, (r, _) in enumerate(items) if r.wants_prompt_lps]
-        hidden: dict[int, Any] = {}
+        hidden: dict[int, torch.Tensor] = {}
         logits = self.runner.extend(rows, prefix, tokens, slots, ready, want, hidden)
         for i in want:
             self._prompt_logprobs(items[i][0], prefix[i], hidden[i])
@@ -348,7 +354,7 @@ class Scheduler:
             q.running += q.decoding(done)
         return done
 
-    def _prompt_logprobs(self, r: Req, start: int, hidden: Any) -> None:
+    def _prompt_logprobs(self, r: Req, start: int, hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens that follow positions start.. (their hidden states
         from this extend), computed PROMPT_LOGITS_ROWS positions at a time."""
         if start > len(r.prompt_lps):  # cannot happen: such requests take no cached prefix
@@ -365,12 +371,12 @@ class Scheduler:
 
     # -- sampling and stop conditions ------------------------------------------------------------
 
-    def _sample(self, reqs: list[Req], logits, masks: Any = None) -> None:
+    def _sample(self, reqs: list[Req], logits, masks: MaskJob | None = None) -> None:
         out = self.sampler.sample(logits, [r.state for r in reqs], masks)
         for r, tok, lp in zip(reqs, out.tokens, out.logprobs, strict=True):
             self._accept(r, tok, lp)
 
-    def _accept(self, r: Req, tok: int, lp: Any) -> None:
+    def _accept(self, r: Req, tok: int, lp: TokenLogprobs | None) -> None:
         """A sampled token joins r's output; finish (and hand back its KV) if it stops; with
         jump-forward, the tokens its grammar forces next join too (`_jump`)."""
         r.output_ids.append(tok)
@@ -390,7 +396,7 @@ class Scheduler:
             self.counters["finished"] += 1
             self._done(r)
 
-    def _refused(self, r: Req, tok: int) -> dict[str, Any]:
+    def _refused(self, r: Req, tok: int) -> dict[str, str | int]:
         """r's grammar refused its sampled token: either it allows no token at all here (a
         dead end the backend could not see at compile time: the constraint can never be
         completed, a 400 naming it) or its mask allowed the token (a backend bug, a 500)."""
@@ -461,7 +467,7 @@ class Scheduler:
         """Assert free + cached + in use == total pages, with no page owned twice."""
         self.pages.check_accounting(self.q.holding())
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int | float]:
         q, cache = self.q, self.pages.cache
         return {**self.counters,
                 "running": len(q.holding()),
