@@ -131,7 +131,11 @@ def test_the_engines_deltas_reach_the_server_as_they_are():
     rid, ids, params = client.submitted[0]
     assert ids == [5, 6, 7] and params["logprobs"] is True and params["top_logprobs"] == 1
     assert client.aborted == []  # it finished: nothing to abort
-    a.close()
+    # a consumer that stops at the last delta (as the server's fan-out does) aborts nothing
+    again = asyncio.run(collect(a, REQ, limit=len(script)))
+    assert again[-1].finished
+    a.close()  # flushes the sender thread, where aborts are sent
+    assert client.aborted == []
 
 
 def test_queue_full_rejection_is_503():

@@ -198,9 +198,10 @@ class EngineAdapter:
                     raise APIError(status, message,
                                    code="queue_full" if status == 503 else None,
                                    retry_after=1 if status in (429, 503) else None)
+                if fin is not None:  # (the consumer may close this generator at its last
+                    finished = True  # delta: nothing is left to abort then)
                 yield d
                 if fin is not None:
-                    finished = True
                     return
         finally:
             if not finished:
