@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -57,7 +56,7 @@ class AttentionBackend(ABC):
     def __init__(self, ctx: BackendContext):
         self.ctx = ctx
 
-    def prepare(self, batch: ForwardBatch) -> Any:  # noqa: B027 - optional hook
+    def prepare(self, batch: ForwardBatch) -> object:  # noqa: B027 - optional hook
         """Per-step metadata computed once for all layers (e.g. index tensors)."""
         return None
 
@@ -70,7 +69,7 @@ class AttentionBackend(ABC):
         """Allocate whatever static buffers decode graphs of up to `max_bs` rows need (called
         once, before any capture)."""
 
-    def prepare_for_graph(self, batch: ForwardBatch, bs: int) -> Any:
+    def prepare_for_graph(self, batch: ForwardBatch, bs: int) -> object:
         """Metadata for a decode batch of `bs` rows whose tensors are the graph's static buffers.
 
         Called once per captured batch size; every replay reuses the returned object, so it may

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 from core.plan.quant_scheme import ONLINE_ACTIVATIONS, QuantScheme, online_scheme
 
@@ -151,7 +150,7 @@ class DeviceInfo:
     dist_backend: str = ""  # nccl, rccl, xccl, hccl, gloo
     graph_capture: bool = False
     simulated: bool = False
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, object] = field(default_factory=dict)  # a plugin's own facts, opaque
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", _frozenset(self.features))

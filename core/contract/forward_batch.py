@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from core.contract.attention import AttentionBackend  # it imports this module
+    from core.engine.memory.kv_cache import KVPool
 
 
 class ForwardMode(enum.Enum):
@@ -41,12 +45,13 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
     req_to_token: torch.Tensor  # [max_reqs, max_context] int32 (the pool's table)
-    kv_pool: Any  # core.engine.memory.memory_pool.KVPool
+    kv_pool: KVPool
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
-    attn_backend: Any = None  # core.contract.attention.AttentionBackend chosen for this step's phase
-    attn_meta: Any = None  # prepared once per step by that backend (opaque to others)
+    attn_backend: AttentionBackend | None = None  # the one chosen for this step's phase
+    # prepared once per step by that backend, of its own type (opaque to others)
+    attn_meta: Any = None
 
     @property
     def batch_size(self) -> int:

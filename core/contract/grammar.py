@@ -67,10 +67,20 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from core.contract.capabilities import CONSTRAINT_TYPES, GrammarCaps
 from core.contract.grammar_limits import LimitError, check_limits, subschemas
+from core.contract.json_types import JSON
+
+if TYPE_CHECKING:  # the planner and the client import this module and no torch
+    from collections.abc import Callable
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    import torch
+
+    from core.plan.registry import Registry
+    from core.tokenizer import Tokenizer
 
 COMPILED_CACHE_SIZE = 256  # compiled grammars kept per process (LRU)
 
@@ -132,7 +142,7 @@ class Constraint:
         return (self.kind, self.value)
 
     @functools.cached_property
-    def _json(self) -> tuple[Any, Exception | None]:
+    def _json(self) -> tuple[JSON, Exception | None]:
         try:
             return json.loads(self.value), None
         except RecursionError:
@@ -140,7 +150,7 @@ class Constraint:
         except ValueError as exc:
             return None, exc
 
-    def parsed(self) -> Any:
+    def parsed(self) -> JSON:
         """The value parsed as JSON, once for this constraint however often it is asked
         (ValueError when it is not JSON; LimitError when it nests deeper than the parser
         goes)."""
@@ -157,7 +167,7 @@ class Constraint:
         return {"kind": self.kind, "value": self.value, "source": self.source}
 
     @classmethod
-    def from_dict(cls, d: Any) -> Constraint:
+    def from_dict(cls, d: object) -> Constraint:
         if isinstance(d, Constraint):
             return d
         if not isinstance(d, dict) or set(d) - {"kind", "value", "source"} or "kind" not in d:
@@ -198,7 +208,7 @@ class Constraint:
         elif self.kind in ("regex", "ebnf") and not self.value:
             raise GrammarError(f"{self.where}: the {self.kind} is empty")
 
-    def schema(self) -> Any:
+    def schema(self) -> JSON:
         """The JSON schema (json_schema constraints; else None): parsed once and shared, so
         read it, do not modify it."""
         return self.parsed() if self.kind == "json_schema" else None
@@ -210,7 +220,7 @@ class Constraint:
 
 @runtime_checkable
 class GrammarMatcher(Protocol):
-    def fill_bitmask(self, bitmask: Any, row: int) -> None: ...
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
 
     def accept(self, token: int) -> bool: ...
 
@@ -243,16 +253,30 @@ def forced_tokens(matcher: GrammarMatcher, limit: int) -> list[int]:
 class GrammarBackend(Protocol):
     def validate(self, constraint: Constraint) -> None: ...
 
+    # the compiled grammar is the backend's own type (core keeps it opaque: `object` below)
     def compile(self, constraint: Constraint) -> Any: ...
 
     def matcher(self, compiled: Any) -> GrammarMatcher: ...
 
 
-def schema_keywords(schema: Any) -> set[str]:
+class GrammarCompiler(Protocol):
+    """What `Grammar.compiler` is: the engine's compile processes
+    (core.engine.grammar_compiler.CompileService)."""
+
+    def submit(self, c: Constraint) -> Future[object]: ...
+
+    def cancel(self, fut: Future[object]) -> None: ...
+
+    def stats(self) -> dict[str, int | float]: ...
+
+    def close(self) -> None: ...
+
+
+def schema_keywords(schema: JSON) -> set[str]:
     """The keywords a JSON schema uses anywhere (property names are not keywords)."""
     seen: set[str] = set()
 
-    def walk(s: Any) -> None:
+    def walk(s: JSON) -> None:
         if not isinstance(s, dict):
             return
         seen.update(k for k in s if isinstance(k, str))
@@ -288,21 +312,22 @@ class Grammar:
     xgrammar with transformers, stays off the engine's start)."""
 
     def __init__(self, name: str, caps: GrammarCaps, backend: GrammarBackend | None,
-                 vocab_size: int, cache_size: int = COMPILED_CACHE_SIZE, build: Any = None):
+                 vocab_size: int, cache_size: int = COMPILED_CACHE_SIZE,
+                 build: Callable[[], GrammarBackend] | None = None):
         if backend is None and build is None:
             raise ValueError("Grammar needs a backend or a build function")
         self.name, self.caps = name, caps
         self._backend, self._build = backend, build
-        self._building: Any = None  # prepare()'s future
+        self._building: Future[GrammarBackend] | None = None  # prepare()'s future
         self._build_lock = threading.Lock()
         self.vocab_size = vocab_size
-        self._cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], object] = OrderedDict()
         self._cache_size = cache_size
         self.compiled = 0  # cache misses (tests and stats)
-        self._pool: Any = None  # the compile thread (submit), made on first use
+        self._pool: ThreadPoolExecutor | None = None  # the compile thread (submit), made on first use
         # the engine's compile processes (core.engine.grammar_compiler.CompileService); None: compiles
         # run on a thread of this process (tests, the conformance suite)
-        self.compiler: Any = None
+        self.compiler: GrammarCompiler | None = None
 
     @property
     def backend(self) -> GrammarBackend:
@@ -334,7 +359,7 @@ class Grammar:
         check_constraint(c, self.name, self.caps)
         self.backend.validate(c)
 
-    def cached(self, c: Constraint) -> Any:
+    def cached(self, c: Constraint) -> object | None:
         """The compiled grammar of `c` if the cache holds it (marked recently used), else None."""
         key = (self.name, *c.key())
         got = self._cache.get(key)
@@ -342,7 +367,7 @@ class Grammar:
             self._cache.move_to_end(key)
         return got
 
-    def compile(self, c: Constraint) -> Any:
+    def compile(self, c: Constraint) -> object:
         """Validate and compile `c`, which `check` passed (no cache; safe on another thread: it
         touches no state here). GrammarError for a refusal; GrammarBackendError when the
         library itself fails; a grammar that allows no token at its start (`root ::= root`)
@@ -366,7 +391,7 @@ class Grammar:
                                "this model can write)")
         return compiled
 
-    def _allows_a_first_token(self, compiled: Any) -> bool:
+    def _allows_a_first_token(self, compiled: object) -> bool:
         """Whether a fresh matcher allows any token (a stop token included): a grammar that
         allows none could never produce or finish an answer (one mask, plain Python over a
         small tensor: no parallel torch op on this thread)."""
@@ -380,14 +405,14 @@ class Grammar:
         finally:
             m.close()
 
-    def store(self, c: Constraint, compiled: Any) -> None:
+    def store(self, c: Constraint, compiled: object) -> None:
         """Keep a compiled grammar (least recently used out first)."""
         self.compiled += 1
         self._cache[(self.name, *c.key())] = compiled
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
 
-    def submit(self, c: Constraint) -> Any:
+    def submit(self, c: Constraint) -> Future[object]:
         """Compile `c` (which `check` passed) in a compile process (`compiler`), else on the
         grammar's host thread; a concurrent.futures.Future of the compiled grammar (the caller
         stores it: the cache is the scheduler thread's)."""
@@ -395,7 +420,7 @@ class Grammar:
             return self.compiler.submit(c)
         return self._thread().submit(self.compile, c)
 
-    def cancel(self, fut: Any) -> None:
+    def cancel(self, fut: Future[object]) -> None:
         """No request waits for this compile any more: stop it (its process is killed), or
         drop it if it has not started."""
         if self.compiler is not None:
@@ -403,7 +428,7 @@ class Grammar:
         else:
             fut.cancel()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int | float]:
         """The compile processes' counts (core.engine.grammar_compiler), {} without them."""
         return self.compiler.stats() if self.compiler is not None else {}
 
@@ -414,14 +439,14 @@ class Grammar:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _thread(self) -> Any:
+    def _thread(self) -> ThreadPoolExecutor:
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="core-grammar-compile")
         return self._pool
 
-    def compiled_for(self, c: Constraint) -> Any:
+    def compiled_for(self, c: Constraint) -> object:
         """The compiled grammar of `c`: cached, or compiled now and stored."""
         got = self.cached(c)
         if got is None:
@@ -430,7 +455,7 @@ class Grammar:
             self.store(c, got)
         return got
 
-    def matcher_of(self, compiled: Any) -> GrammarMatcher:
+    def matcher_of(self, compiled: object) -> GrammarMatcher:
         """A fresh matcher for one sequence over a compiled grammar."""
         return self.backend.matcher(compiled)
 
@@ -439,7 +464,8 @@ class Grammar:
         return self.backend.matcher(self.compiled_for(c))
 
 
-def apply_bitmask(logits: Any, bitmask: Any, rows: list[int], to_device: Any = None) -> None:
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+                  to_device: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """logits[rows[i]] = -inf where bitmask[i] forbids the token (plain PyTorch, any device).
 
     logits [B, V]; bitmask [len(rows), ceil(V / 32)] int32 (bit j of word w: token 32 w + j).
@@ -461,7 +487,7 @@ def apply_bitmask(logits: Any, bitmask: Any, rows: list[int], to_device: Any = N
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 
-def make_grammar(registry: Any, name: str | None, tokenizer: Any, vocab_size: int,
+def make_grammar(registry: Registry, name: str | None, tokenizer: Tokenizer, vocab_size: int,
                  stop_token_ids: list[int], lazy: bool = False) -> Grammar | None:
     """The plan's grammar backend, None when off. lazy: built on first use or by prepare()
     (its library imported then); else built, and its library imported, here."""

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from core.contract.json_types import JSON
+
 
 @dataclass(frozen=True)
 class GrammarLimits:
@@ -45,7 +47,7 @@ class LimitError(ValueError):
 
 
 def check_limits(kind: str, value: str, where: str, limits: GrammarLimits = LIMITS,
-                 parse: Callable[[], Any] | None = None) -> None:
+                 parse: Callable[[], JSON] | None = None) -> None:
     """Raise LimitError naming the limit a constraint (its kind and text) passes. Runs before
     the constraint's shape is checked: its JSON is parsed only once its size is known, by
     `parse()` when given (the caller's parse, kept for its own checks), else here."""
@@ -73,7 +75,7 @@ def check_limits(kind: str, value: str, where: str, limits: GrammarLimits = LIMI
                 check_schema(s.get("schema"), f"{where} structure {i}", limits)
 
 
-def parse_json(parse: Callable[[], Any], where: str) -> Any:
+def parse_json(parse: Callable[[], JSON], where: str) -> JSON:
     """A constraint's JSON value, from `parse()` (None when it is not JSON: the shape check says
     why); LimitError, not a RecursionError, when it nests deeper than Python's parser goes."""
     try:
@@ -125,7 +127,7 @@ _SUB_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def subschemas(s: Any) -> list[Any]:
+def subschemas(s: JSON) -> list[JSON]:
     """The direct subschemas of a JSON schema (values of its subschema keywords)."""
     if not isinstance(s, dict):
         return []
@@ -137,7 +139,7 @@ def subschemas(s: Any) -> list[Any]:
     return out
 
 
-def _local_ref(root: Any, ref: Any) -> Any:
+def _local_ref(root: JSON, ref: JSON) -> JSON:
     """The subschema a local `$ref` ("#", "#/$defs/x", "#/definitions/x/...") names, or None."""
     if not isinstance(ref, str) or not ref.startswith("#"):
         return None
@@ -153,7 +155,7 @@ def _local_ref(root: Any, ref: Any) -> Any:
     return node
 
 
-def _check_patterns(node: Any, where: str, limits: GrammarLimits) -> None:
+def _check_patterns(node: JSON, where: str, limits: GrammarLimits) -> None:
     """The regexes a schema node holds (`pattern`, `patternProperties`' names) nest within
     the regex limit."""
     if not isinstance(node, dict):
@@ -168,7 +170,7 @@ def _check_patterns(node: Any, where: str, limits: GrammarLimits) -> None:
                              f"groups; the limit is {limits.regex_depth}")
 
 
-def check_schema(schema: Any, where: str, limits: GrammarLimits = LIMITS) -> None:
+def check_schema(schema: JSON, where: str, limits: GrammarLimits = LIMITS) -> None:
     """Depth (local $refs followed, a $ref adding no level of its own, a reference back into
     its own chain counted once) and node count of a JSON schema, walked without recursion; LimitError naming the limit passed."""
     depth_of: dict[int, int] = {}  # id(subschema) -> its depth, once known

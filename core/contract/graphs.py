@@ -15,11 +15,23 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from core.contract.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from core.contract.attention import AttentionBackend
+    from core.engine.memory.kv_cache import KVPool
+    from core.engine.memory.memory_pool import ReqToTokenPool
+
+
+class CapturedGraph(Protocol):
+    """One bucket's captured decode forward (a torch.cuda.CUDAGraph, say)."""
+
+    def replay(self) -> None:
+        """Run the captured forward again over the static buffers' current values."""
 
 
 def pick_bucket(batch_size: int, sizes: Sequence[int]) -> int | None:
@@ -33,12 +45,14 @@ def pick_bucket(batch_size: int, sizes: Sequence[int]) -> int | None:
 class GraphRunner:
     """Replays captured decode forwards with padded batches; `capture` is the device's."""
 
-    def __init__(self, model: Any, backend: Any, kv_pool: Any, req_to_token: Any,
-                 device: torch.device, sizes: Sequence[int], vocab_size: int):
+    # model: the model plugin's module (its forward, compute_logits and modules are called)
+    def __init__(self, model: Any, backend: AttentionBackend, kv_pool: KVPool,
+                 req_to_token: ReqToTokenPool, device: torch.device, sizes: Sequence[int],
+                 vocab_size: int):
         self.model = model
         self.backend = backend
         self.kv_pool = kv_pool
-        self.req_to_token = req_to_token  # core.engine.memory.memory_pool.ReqToTokenPool
+        self.req_to_token = req_to_token
         self.device = device
         self.sizes = list(sizes)
         self.max_bs = self.sizes[-1]
@@ -48,7 +62,7 @@ class GraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.ones = torch.ones(n, dtype=torch.int32, device=device)
         self.logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
-        self.graphs: dict[int, Any] = {}  # bucket -> captured graph (has replay())
+        self.graphs: dict[int, CapturedGraph] = {}  # bucket -> captured graph
         self.batches: dict[int, ForwardBatch] = {}
         self.replays = 0
 

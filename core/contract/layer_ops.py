@@ -37,7 +37,17 @@ library; it must not allocate device memory until an op runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # the planner imports the contract and no torch
+    from torch import Tensor
+
+    # the callables the ops return (module docstring)
+    TensorFn = Callable[[Tensor], Tensor]  # rms_norm, silu_and_mul, linear: f(x) -> y
+    AddNormFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # add_rms_norm
+    # rotary_qk, qk_norm_rotary: f(qkv, cos, sin, num_q, num_k) -> (q, k)
+    QKFn = Callable[[Tensor, Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
+    StoreKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], bool]  # store_kv
 
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary",
        "linear")
@@ -49,22 +59,43 @@ OPTIONAL_OPS = ("qk_norm_rotary", "linear")
 
 @runtime_checkable
 class LayerOps(Protocol):
-    def rms_norm(self, weight: Any, eps: float) -> Callable | None: ...
+    def rms_norm(self, weight: Tensor, eps: float) -> TensorFn | None: ...
 
-    def add_rms_norm(self, weight: Any, eps: float) -> Callable | None: ...
+    def add_rms_norm(self, weight: Tensor, eps: float) -> AddNormFn | None: ...
 
-    def silu_and_mul(self) -> Callable | None: ...
+    def silu_and_mul(self) -> TensorFn | None: ...
 
-    def rotary_qk(self, head_dim: int) -> Callable | None: ...
+    def rotary_qk(self, head_dim: int) -> QKFn | None: ...
 
-    def store_kv(self) -> Callable | None: ...
+    def store_kv(self) -> StoreKVFn | None: ...
 
     # optional (OPTIONAL_OPS): qk_norm_rotary(head_dim, q_weight, k_weight, eps),
     # linear(weight, bias)
 
 
-def qk_norm_rotary(ops: Any, head_dim: int, q_weight: Any, k_weight: Any, eps: float,
-                   norms: Any = None) -> Callable:
+class CompleteLayerOps(Protocol):
+    """Layer ops that provide every op, the optional ones included, and never answer None:
+    what the layers are built with (a plugin's ops `WithReference`, or the reference,
+    core.layers.ops_ref.TorchLayerOps)."""
+
+    def rms_norm(self, weight: Tensor, eps: float) -> TensorFn: ...
+
+    def add_rms_norm(self, weight: Tensor, eps: float) -> AddNormFn: ...
+
+    def silu_and_mul(self) -> TensorFn: ...
+
+    def rotary_qk(self, head_dim: int) -> QKFn: ...
+
+    def store_kv(self) -> StoreKVFn: ...
+
+    def linear(self, weight: Tensor, bias: Tensor | None) -> TensorFn: ...
+
+    def qk_norm_rotary(self, head_dim: int, q_weight: Tensor, k_weight: Tensor, eps: float
+                       ) -> QKFn: ...
+
+
+def qk_norm_rotary(ops: LayerOps, head_dim: int, q_weight: Tensor, k_weight: Tensor, eps: float,
+                   norms: LayerOps | None = None) -> QKFn:
     """`ops`' qk_norm_rotary where it provides one for these arguments, else the reference's
     math over the rms_norm of `norms` (default `ops`): a plugin without the fused op keeps its
     norm kernel."""
@@ -82,34 +113,34 @@ def qk_norm_rotary(ops: Any, head_dim: int, q_weight: Any, k_weight: Any, eps: f
 class WithReference:
     """A plugin's ops where it provides them, the reference's elsewhere (never None)."""
 
-    def __init__(self, ops: Any, reference: Any):
+    def __init__(self, ops: LayerOps, reference: CompleteLayerOps):
         self.ops, self.reference = ops, reference
         self.name = getattr(ops, "name", type(ops).__name__)
 
-    def _pick(self, op: str, *args: Any) -> Callable:
+    def _pick(self, op: str, *args: object) -> Callable:
         fn = getattr(self.ops, op, None)
         got = fn(*args) if fn is not None else None
         return got if got is not None else getattr(self.reference, op)(*args)
 
-    def rms_norm(self, weight: Any, eps: float) -> Callable:
+    def rms_norm(self, weight: Tensor, eps: float) -> TensorFn:
         return self._pick("rms_norm", weight, eps)
 
-    def add_rms_norm(self, weight: Any, eps: float) -> Callable:
+    def add_rms_norm(self, weight: Tensor, eps: float) -> AddNormFn:
         return self._pick("add_rms_norm", weight, eps)
 
-    def silu_and_mul(self) -> Callable:
+    def silu_and_mul(self) -> TensorFn:
         return self._pick("silu_and_mul")
 
-    def rotary_qk(self, head_dim: int) -> Callable:
+    def rotary_qk(self, head_dim: int) -> QKFn:
         return self._pick("rotary_qk", head_dim)
 
-    def store_kv(self) -> Callable:
+    def store_kv(self) -> StoreKVFn:
         return self._pick("store_kv")
 
-    def linear(self, weight: Any, bias: Any) -> Callable:
+    def linear(self, weight: Tensor, bias: Tensor | None) -> TensorFn:
         return self._pick("linear", weight, bias)
 
-    def qk_norm_rotary(self, head_dim: int, q_weight: Any, k_weight: Any, eps: float
-                       ) -> Callable:
+    def qk_norm_rotary(self, head_dim: int, q_weight: Tensor, k_weight: Tensor, eps: float
+                       ) -> QKFn:
         # not fused by the plugin: its norms where it has them (else the reference's), rotary
         return qk_norm_rotary(self.ops, head_dim, q_weight, k_weight, eps, norms=self)

@@ -27,16 +27,28 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core.contract.capabilities import DeviceInfo
 
 if TYPE_CHECKING:  # the planner imports this module and no torch
     import torch
+    from torch import nn
 
     from core.contract.graphs import GraphRunner
+    from core.engine.model_runner import ModelRunner
+    from core.plan.registry import Registry
 
 GiB = 2**30
+
+
+class CopyWaiter(Protocol):
+    """What `copy_to_host` returns for a copy still in flight (a device event, a stream)."""
+
+    def synchronize(self) -> None:
+        """Block until the copy is complete."""
+
+
 @dataclass(frozen=True)
 class MemoryDefaults:
     """Settings the user left open, from the device's memory, with the note that explains them.
@@ -143,7 +155,7 @@ class BasePlatform:
         (synchronous) `host.to(device)`."""
         return host.to(device)
 
-    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, CopyWaiter | None]:
         """Start copying a device tensor to the host: (host tensor, waiter); `waiter` is None when
         the copy is already complete, else an object whose `synchronize()` blocks until it is.
         Default: a synchronous copy, no waiter."""
@@ -162,14 +174,15 @@ class BasePlatform:
         return GraphSupport(False, f"target {self.info.target!r} captures no decode graphs "
                                    f"({self.default_reason})")
 
-    def graph_runner(self, runner: Any, sizes: Sequence[int], vocab_size: int) -> GraphRunner:
+    def graph_runner(self, runner: ModelRunner, sizes: Sequence[int], vocab_size: int
+                     ) -> GraphRunner:
         """A graph runner (a core.contract.graphs.GraphRunner subclass with `capture`) for
         `runner` (core.engine.model_runner.ModelRunner) at batch `sizes`; only called when
         `graphs().available`. Default: refused, as graphs() says none."""
         raise RuntimeError(f"target {self.info.target!r} has no graph runner: graph_runner() is "
                            f"called only when graphs().available ({self.default_reason})")
 
-    def post_load(self, model: Any) -> list[str]:
+    def post_load(self, model: nn.Module) -> list[str]:
         """Transform a loaded model for this device once loading is over (weight layouts its
         kernels stream fastest; outputs unchanged within rounding); returns notes for the
         engine's log. Default: the model as loaded, no notes."""
@@ -226,7 +239,7 @@ class GenericPlatform(BasePlatform):
     default_reason = "it registers no Platform"
 
 
-def platform_problem(obj: Any) -> str | None:
+def platform_problem(obj: object) -> str | None:
     """Why `obj` cannot be registered as a hardware target's platform (None: it can). A class
     must subclass BasePlatform; any other callable is a factory, whose product load_platform
     checks; anything else is refused."""
@@ -244,12 +257,12 @@ def platform_problem(obj: Any) -> str | None:
     return None
 
 
-def load_platform(registry: Any, info: DeviceInfo) -> BasePlatform:
+def load_platform(registry: Registry, info: DeviceInfo) -> BasePlatform:
     """The Platform of the target that produced `info` (GenericPlatform when none registered).
     The registry checked the registered class at registration; a factory's product is checked
     here."""
     reg = registry.get("hardware", info.target)
-    factory: Callable[[DeviceInfo], Any] | None = reg.platform if reg is not None else None
+    factory: Callable[[DeviceInfo], object] | None = reg.platform if reg is not None else None
     if factory is None:
         return GenericPlatform(info)
     platform = factory(info)
@@ -260,7 +273,7 @@ def load_platform(registry: Any, info: DeviceInfo) -> BasePlatform:
     return platform
 
 
-def with_graph_support(registry: Any, info: DeviceInfo) -> DeviceInfo:
+def with_graph_support(registry: Registry, info: DeviceInfo) -> DeviceInfo:
     """`info` with `graph_capture` set from its target's Platform.graphs(): the one source of
     graph ability (probes and profiles do not decide it; a target without a Platform has none)."""
     if not info.available:
@@ -271,7 +284,7 @@ def with_graph_support(registry: Any, info: DeviceInfo) -> DeviceInfo:
     return dataclasses.replace(info, graph_capture=available)
 
 
-def platform_for_device(device: Any) -> Platform:
+def platform_for_device(device: torch.device) -> Platform:
     """The Platform of the available registered target whose torch device type `device` has
     (for in-process use: tests and tools that build a ModelRunner or a KVPool by hand)."""
     from core.plan.registry import get_registry

@@ -66,7 +66,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -89,6 +89,16 @@ if TYPE_CHECKING:
 Matmul = Callable[..., torch.Tensor]
 # weight [out, in] -> the packed form `Matmul` takes, or None where it does not apply
 Packer = Callable[[torch.Tensor], "torch.Tensor | None"]
+
+
+class QuantTable(Protocol):
+    """A token embedding's / LM head's weight in a quant method's own form (load_table)."""
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The embedding rows of token ids [T] -> [T, hidden] in `dtype`."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, rows] in fp32 (the LM head)."""
 
 
 class QuantMethod(ABC):
@@ -116,7 +126,7 @@ class QuantMethod(ABC):
         marked with `mark(param, ...)`, which says how a checkpoint tensor of one stacked shard
         (q/k/v, gate/up) lands in it; `layer.bias` needs no mark (the module doc)."""
 
-    def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: Any,
+    def weight_loader(self, layer: nn.Module, param: nn.Parameter, loaded: object,
                       shard: str | None) -> None:
         """Take one checkpoint tensor (already cut to this rank's part) into `param`: the whole
         of it (shard None, or a 0-d parameter), or the part shard `shard` owns as `mark` said.
@@ -154,7 +164,7 @@ class QuantMethod(ABC):
 
     # ---- the token embedding and the LM head ----
 
-    def load_table(self, module: nn.Module, loaded: Any) -> Any:
+    def load_table(self, module: nn.Module, loaded: object) -> QuantTable | None:
         """The embedding's / LM head's weight kept in the method's own form: a table with
         rows(ids, dtype) and logits(h) (fp32), or None to leave the tensor dense (default)."""
         return None
@@ -259,7 +269,7 @@ def _matches(name: str, ignore: Sequence[str]) -> bool:
     return False
 
 
-def apply_ignore(model: nn.Module, scheme: QuantScheme, dense: Any) -> list[str]:
+def apply_ignore(model: nn.Module, scheme: QuantScheme, dense: QuantMethod) -> list[str]:
     """Rebuild the linears the scheme leaves dense with the `dense` method (before loading);
     returns their names."""
     rebuilt = []

@@ -60,7 +60,12 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from core.contract.json_types import JSONObject
+
+if TYPE_CHECKING:
+    from core.plan.registry import Registry
 
 TOOL_PARSER_OFF = "none"
 MAX_ARGUMENT_DEPTH = 128  # objects and arrays nested in a call's arguments (module docstring)
@@ -84,9 +89,9 @@ Piece = str | ToolCall
 class ToolParser(Protocol):
     def parse(self, text: str, final: bool) -> list[Piece]: ...
 
-    def tools_prompt(self, tools: Sequence[dict[str, Any]]) -> str: ...
+    def tools_prompt(self, tools: Sequence[JSONObject]) -> str: ...
 
-    def format_calls(self, calls: Sequence[dict[str, Any]]) -> str: ...
+    def format_calls(self, calls: Sequence[JSONObject]) -> str: ...
 
     def format_response(self, content: str, name: str | None) -> str: ...
 
@@ -286,7 +291,7 @@ def template_reads_tools(template: str | None) -> bool:
         return re.search(r"\btools\b", template) is not None
 
 
-def make_tool_parser(registry: Any, name: str | None) -> ToolParser | None:
+def make_tool_parser(registry: Registry, name: str | None) -> ToolParser | None:
     """Build the plan's tool-call parser; None when off."""
     if name is None:
         return None
