@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TypedDict
 
 from aiohttp import web
 
@@ -23,6 +23,19 @@ _TYPES = {
 }
 
 
+class ErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(TypedDict):
+    """The body of every error answer (and a stream's error event)."""
+
+    error: ErrorDetail
+
+
 class APIError(Exception):
     """An error answered to the client with `status` and the OpenAI error body."""
 
@@ -39,7 +52,7 @@ class APIError(Exception):
         self.retry_after = retry_after
         self.headers = dict(headers or {})
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorBody:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 

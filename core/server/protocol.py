@@ -10,11 +10,21 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from core.server.errors import APIError, invalid
 from core.server.structured import NATIVE_FIELDS, OPENAI_FIELDS, constraint_of
-from core.server.tools import check_with_constraint, message_fields, name_tool_results, parse_tools
+from core.server.tools import (
+    MessageToolFields,
+    ToolRequest,
+    check_with_constraint,
+    message_fields,
+    name_tool_results,
+    parse_tools,
+)
+
+if TYPE_CHECKING:
+    from core.contract.json_types import JSON, JSONObject
 
 MAX_N = 16  # choices per prompt
 MAX_SEQUENCES = 64  # prompts x n in one request
@@ -38,13 +48,24 @@ NATIVE_SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_
                         "sampling_seed", "logit_bias", *NATIVE_FIELDS)
 
 
+class _ChatMessageBase(TypedDict):
+    role: str  # one of CHAT_ROLES, developer turned into system
+    content: str
+
+
+class ChatMessage(_ChatMessageBase, MessageToolFields, total=False):
+    """One checked chat message (`_messages`), in the shape chat templates take."""
+
+    name: str
+
+
 @dataclass
 class Prompt:
     """One prompt as given: exactly one of text, ids, messages is set."""
 
     text: str | None = None
     ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] | None = None
 
 
 @dataclass
@@ -68,10 +89,10 @@ class ParsedRequest:
     prompt_logprobs: int | None = None
     logprob_start_len: int = -1  # /generate: prompt position its input logprobs start at
     return_token_ids: bool = False  # vLLM: prompt_token_ids / token_ids in the response
-    tools: Any = None  # chat: core.server.tools.ToolRequest, or None without tools
+    tools: ToolRequest | None = None  # chat: the tool fields, None without tools
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
+def parse_json_body(raw: bytes) -> JSONObject:
     """Bytes -> JSON object; malformed, non-UTF-8, too deep or non-object bodies are 400."""
     try:
         body = json.loads(raw.decode("utf-8"))
@@ -90,7 +111,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _jtype(v: Any) -> str:
+def _jtype(v: JSON) -> str:
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -106,7 +127,7 @@ def _jtype(v: Any) -> str:
 
 # -- typed getters: each rejects bools posing as numbers, NaN/inf, and out-of-range values --------
 
-def get_int(d: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None,
+def get_int(d: JSONObject, name: str, lo: int | None = None, hi: int | None = None,
             param: str | None = None) -> int | None:
     param = param or name
     v = d.get(name)
@@ -124,7 +145,7 @@ def get_int(d: dict[str, Any], name: str, lo: int | None = None, hi: int | None 
     return v
 
 
-def get_float(d: dict[str, Any], name: str, lo: float | None = None, hi: float | None = None,
+def get_float(d: JSONObject, name: str, lo: float | None = None, hi: float | None = None,
               param: str | None = None) -> float | None:
     param = param or name
     v = d.get(name)
@@ -146,7 +167,7 @@ def get_float(d: dict[str, Any], name: str, lo: float | None = None, hi: float |
     return f
 
 
-def get_bool(d: dict[str, Any], name: str, param: str | None = None) -> bool | None:
+def get_bool(d: JSONObject, name: str, param: str | None = None) -> bool | None:
     param = param or name
     v = d.get(name)
     if v is None:
@@ -157,7 +178,7 @@ def get_bool(d: dict[str, Any], name: str, param: str | None = None) -> bool | N
     return v
 
 
-def get_str(d: dict[str, Any], name: str, param: str | None = None) -> str | None:
+def get_str(d: JSONObject, name: str, param: str | None = None) -> str | None:
     param = param or name
     v = d.get(name)
     if v is None:
@@ -177,12 +198,12 @@ def check_text(s: str, param: str) -> str:
     return s
 
 
-def _short(v: Any) -> str:
+def _short(v: object) -> str:
     s = repr(v)
     return s if len(s) <= 40 else s[:37] + "..."
 
 
-def _stop(d: dict[str, Any], name: str = "stop", param: str | None = None) -> list[str] | None:
+def _stop(d: JSONObject, name: str = "stop", param: str | None = None) -> list[str] | None:
     param = param or name
     v = d.get(name)
     if v is None:
@@ -203,7 +224,7 @@ def _stop(d: dict[str, Any], name: str = "stop", param: str | None = None) -> li
     return stops or None
 
 
-def token_ids(v: Any, param: str, vocab_size: int, max_len: int | None = None) -> list[int]:
+def token_ids(v: JSON, param: str, vocab_size: int, max_len: int | None = None) -> list[int]:
     """A JSON array of token ids, each in [0, vocab_size)."""
     if not isinstance(v, list):
         raise invalid(param, f"{param} must be an array of token ids", code="invalid_type")
@@ -219,7 +240,7 @@ def token_ids(v: Any, param: str, vocab_size: int, max_len: int | None = None) -
     return list(v)
 
 
-def max_tokens_arg(d: dict[str, Any], name: str, context_length: int,
+def max_tokens_arg(d: JSONObject, name: str, context_length: int,
                    param: str | None = None) -> int | None:
     param = param or name
     v = get_int(d, name, 1, None, param)
@@ -288,7 +309,7 @@ OFF_STRINGS = {"service_tier": ("auto", "default"),
 OFF_ALSO = {"modalities": (["text"],)}
 
 
-def _is_off(name: str, v: Any) -> bool:
+def _is_off(name: str, v: JSON) -> bool:
     """Whether a refused field's value asks for nothing (so taking it changes nothing)."""
     if v is None or v is False:
         return True
@@ -299,7 +320,7 @@ def _is_off(name: str, v: Any) -> bool:
     return isinstance(v, (list, dict)) and v in OFF_ALSO.get(name, ())
 
 
-def check_fields(body: dict[str, Any], route: str) -> None:
+def check_fields(body: JSONObject, route: str) -> None:
     """Refuse unknown fields and refused fields with a value that would have an effect."""
     known, refused = ROUTE_FIELDS[route], REFUSED_FIELDS[route]
     for name in body:
@@ -316,7 +337,7 @@ def check_fields(body: dict[str, Any], route: str) -> None:
 
 # -- the OpenAI routes -------------------------------------------------------------------------
 
-def _openai_sampling(body: dict[str, Any], vocab_size: int, context_length: int,
+def _openai_sampling(body: JSONObject, vocab_size: int, context_length: int,
                      req: ParsedRequest) -> None:
     """Fill req from the OpenAI fields common to completions and chat (+ vLLM/SGLang extras)."""
     req.model = get_str(body, "model")
@@ -387,7 +408,7 @@ def _openai_sampling(body: dict[str, Any], vocab_size: int, context_length: int,
     req.sampling = s
 
 
-def parse_completion(body: dict[str, Any], vocab_size: int, context_length: int
+def parse_completion(body: JSONObject, vocab_size: int, context_length: int
                      ) -> ParsedRequest:
     req = ParsedRequest(route="completions", prompts=[])
     check_fields(body, "completions")
@@ -426,7 +447,7 @@ def _prompt_logprobs_sampling(req: ParsedRequest) -> None:
         req.sampling["prompt_logprobs"] = req.prompt_logprobs
 
 
-def logit_bias(v: Any, param: str, vocab_size: int) -> dict[int, float] | None:
+def logit_bias(v: JSON, param: str, vocab_size: int) -> dict[int, float] | None:
     """OpenAI's logit_bias: {token id (a string key in JSON): bias in [-100, 100]}."""
     if v is None:
         return None
@@ -452,7 +473,7 @@ def logit_bias(v: Any, param: str, vocab_size: int) -> dict[int, float] | None:
     return out
 
 
-def parse_chat(body: dict[str, Any], vocab_size: int, context_length: int) -> ParsedRequest:
+def parse_chat(body: JSONObject, vocab_size: int, context_length: int) -> ParsedRequest:
     req = ParsedRequest(route="chat", prompts=[])
     check_fields(body, "chat")
     _openai_sampling(body, vocab_size, context_length, req)
@@ -471,7 +492,7 @@ def parse_chat(body: dict[str, Any], vocab_size: int, context_length: int) -> Pa
     return req
 
 
-def _messages(v: Any) -> list[dict[str, Any]]:
+def _messages(v: JSON) -> list[ChatMessage]:
     if v is None:
         raise invalid("messages", "messages is required", code="missing_required_parameter")
     if not isinstance(v, list):
@@ -480,7 +501,7 @@ def _messages(v: Any) -> list[dict[str, Any]]:
         raise invalid("messages", "messages must not be empty")
     if len(v) > MAX_MESSAGES:
         raise invalid("messages", f"messages has {len(v)} entries; at most {MAX_MESSAGES}")
-    out = []
+    out: list[ChatMessage] = []
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -519,8 +540,8 @@ def _messages(v: Any) -> list[dict[str, Any]]:
         elif not isinstance(content, str):
             raise invalid(f"{where}.content", f"{where}.content must be a string or an array "
                           f"of text parts, got {_jtype(content)}", code="invalid_type")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": check_text(content, f"{where}.content")}
+        msg: ChatMessage = {"role": "system" if role == "developer" else role,
+                            "content": check_text(content, f"{where}.content")}
         name = get_str(m, "name", f"{where}.name")
         if name is not None:
             msg["name"] = name
@@ -532,7 +553,7 @@ def _messages(v: Any) -> list[dict[str, Any]]:
 
 # -- the native route --------------------------------------------------------------------------
 
-def parse_generate(body: dict[str, Any], vocab_size: int, context_length: int) -> ParsedRequest:
+def parse_generate(body: JSONObject, vocab_size: int, context_length: int) -> ParsedRequest:
     """SGLang's /generate: text or input_ids (one or a batch), sampling_params, stream."""
     req = ParsedRequest(route="generate", prompts=[])
     check_fields(body, "generate")

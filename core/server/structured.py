@@ -17,9 +17,12 @@ admission (a 400 naming the problem), and structured output being off is a 400 t
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.server.errors import invalid
+
+if TYPE_CHECKING:
+    from core.contract.json_types import JSON, JSONObject
 
 # top-level fields of the OpenAI routes, and what constraint kind each gives
 OPENAI_FIELDS = {"response_format": None, "regex": "regex", "ebnf": "ebnf",
@@ -33,7 +36,7 @@ STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "c
 JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
 
 
-def _value(kind: str, v: Any, param: str) -> dict[str, str]:
+def _value(kind: str, v: JSON, param: str) -> dict[str, str]:
     """One field's value as a constraint dict (shape checks only)."""
     if kind == "json_schema":
         if isinstance(v, str):
@@ -59,7 +62,7 @@ def _value(kind: str, v: Any, param: str) -> dict[str, str]:
     return {"kind": kind, "value": v, "source": param}
 
 
-def _response_format(v: Any) -> dict[str, str] | None:
+def _response_format(v: JSON) -> dict[str, str] | None:
     p = "response_format"
     if not isinstance(v, dict) or not isinstance(v.get("type"), str):
         raise invalid(p, f"{p} must be an object with a type", code="invalid_type")
@@ -104,7 +107,7 @@ def _response_format(v: Any) -> dict[str, str] | None:
     return _value("json_schema", js["schema"], f"{p}.json_schema.schema")
 
 
-def _structured_outputs(v: Any) -> list[dict[str, str]]:
+def _structured_outputs(v: JSON) -> list[dict[str, str]]:
     p = "structured_outputs"
     if not isinstance(v, dict):
         raise invalid(p, f"{p} must be an object", code="invalid_type")
@@ -119,7 +122,7 @@ def _structured_outputs(v: Any) -> list[dict[str, str]]:
     return out
 
 
-def constraint_of(body: dict[str, Any], fields: dict[str, str | None],
+def constraint_of(body: JSONObject, fields: dict[str, str | None],
                   prefix: str = "") -> dict[str, str] | None:
     """The one constraint `body`'s structured-output fields ask for (None: none); 400 for a
     malformed value or for two constraints."""

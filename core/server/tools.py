@@ -51,7 +51,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict
 
 from core.contract.tools import (
     MAX_ARGUMENT_DEPTH,
@@ -66,20 +66,115 @@ from core.contract.tools import (
 )
 from core.server.errors import invalid
 
+if TYPE_CHECKING:
+    from core.contract.json_types import JSON, JSONObject
+    from core.plan.registry import Registry
+    from core.server.engine_api import EngineLike
+    from core.server.protocol import ChatMessage, ParsedRequest
+
 MAX_TOOLS = 128  # OpenAI's limit
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 TOOL_KEYS = ("type", "function")
 FUNCTION_KEYS = ("name", "description", "parameters", "strict")
 CHOICES = ("none", "auto", "required")
 CALL_KEYS = ("id", "type", "function")
-NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+NO_ARGUMENTS: JSONObject = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class _FunctionSpecBase(TypedDict):
+    name: str
+
+
+class FunctionSpec(_FunctionSpecBase, total=False):
+    """A checked tool's function: the fields given (not null) of FUNCTION_KEYS."""
+
+    description: str
+    parameters: JSONObject  # the JSON schema of the arguments object
+    strict: bool
+
+
+class ToolSpec(TypedDict):
+    """One checked entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class CalledFunction(TypedDict):
+    name: str
+    arguments: JSONObject  # parsed from the client's JSON text, as templates render it
+
+
+class MessageToolCall(TypedDict):
+    """A call of a request's assistant message, in HF's shape (`_message_call`)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class MessageToolFields(TypedDict, total=False):
+    """What `message_fields` adds to a checked message."""
+
+    tool_calls: list[MessageToolCall]  # assistant messages
+    tool_call_id: str  # tool messages
+
+
+class ResponseFunction(TypedDict):
+    name: str
+    arguments: str  # the arguments' JSON text as the model wrote it
+
+
+class ResponseToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: ResponseFunction
+
+
+class _AssistantMessageBase(TypedDict):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class AssistantMessage(_AssistantMessageBase, total=False):
+    """The non-streamed message of a choice read for tool calls (`final_message`)."""
+
+    tool_calls: list[ResponseToolCall]
+
+
+class FunctionDelta(TypedDict, total=False):
+    name: str  # in a call's first delta only
+    arguments: str
+
+
+class _ToolCallDeltaBase(TypedDict):
+    index: int
+    function: FunctionDelta
+
+
+class ToolCallDelta(_ToolCallDeltaBase, total=False):
+    id: str  # in a call's first delta only
+    type: Literal["function"]
+
+
+class MessageDelta(TypedDict, total=False):
+    """One streamed delta of `ToolStream.step`: new content or one call's header / fragment."""
+
+    content: str
+    tool_calls: list[ToolCallDelta]
+
+
+class CallReader(Protocol):
+    """What reads an answer for tool calls: the server's ToolParser, NamedCall or CallArray."""
+
+    def parse(self, text: str, final: bool) -> list[Piece]: ...
 
 
 @dataclass(frozen=True)
 class ToolRequest:
     """A chat request's tool fields, checked. choice: none | auto | required | named."""
 
-    tools: tuple[dict[str, Any], ...]
+    tools: tuple[ToolSpec, ...]
     choice: str
     name: str | None = None  # the named function
     parallel: bool = True
@@ -88,26 +183,26 @@ class ToolRequest:
     def names(self) -> list[str]:
         return [t["function"]["name"] for t in self.tools]
 
-    def parameters(self, i: int) -> dict[str, Any]:
+    def parameters(self, i: int) -> JSONObject:
         p = self.tools[i]["function"].get("parameters")
         if not p:
             return dict(NO_ARGUMENTS)
         return p if "type" in p else {"type": "object", **p}
 
 
-def _type(v: Any) -> str:
+def _type(v: JSON) -> str:
     return {type(None): "null", bool: "boolean", str: "string", list: "array",
             dict: "object"}.get(type(v), "number")
 
 
-def _keys(d: dict[str, Any], allowed: Sequence[str], where: str) -> None:
+def _keys(d: JSONObject, allowed: Sequence[str], where: str) -> None:
     for key in d:
         if key not in allowed:
             raise invalid(f"{where}.{key}", f"unknown parameter {where}.{str(key)[:40]}: it takes "
                           f"{', '.join(allowed)}", code="unknown_parameter")
 
 
-def _tool(t: Any, i: int) -> dict[str, Any]:
+def _tool(t: JSON, i: int) -> ToolSpec:
     where = f"tools[{i}]"
     if not isinstance(t, dict):
         raise invalid(where, f"{where} must be an object", code="invalid_type")
@@ -137,7 +232,7 @@ def _tool(t: Any, i: int) -> dict[str, Any]:
                                              if f.get(k) is not None}}
 
 
-def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
+def parse_tools(body: JSONObject) -> ToolRequest | None:
     """The tool fields of a chat body; None when there are no tools (then tool_choice may only
     be none / auto, which ask for nothing). 400 naming the field otherwise."""
     tools, choice = body.get("tools"), body.get("tool_choice")
@@ -217,11 +312,12 @@ def tool_constraint(treq: ToolRequest, key: str) -> dict[str, str] | None:
                 "source": f"tools[{i}].function.parameters"}
     if treq.choice != "required":
         return None
-    items = [{"type": "object", "properties": {"name": {"enum": [n]}, key: treq.parameters(i)},
-              "required": ["name", key], "additionalProperties": False}
-             for i, n in enumerate(treq.names)]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    items: list[JSON] = [
+        {"type": "object", "properties": {"name": {"enum": [n]}, key: treq.parameters(i)},
+         "required": ["name", key], "additionalProperties": False}
+        for i, n in enumerate(treq.names)]
+    schema: JSONObject = {"type": "array", "minItems": 1,
+                          "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not treq.parallel:
         schema["maxItems"] = 1
     return {"kind": "json_schema", "value": json.dumps(schema), "source": "tools"}
@@ -229,10 +325,10 @@ def tool_constraint(treq: ToolRequest, key: str) -> dict[str, str] | None:
 
 # -- messages --------------------------------------------------------------------------------
 
-def message_fields(m: dict[str, Any], where: str, role: str) -> dict[str, Any]:
+def message_fields(m: JSONObject, where: str, role: str) -> MessageToolFields:
     """tool_calls (assistant) and tool_call_id (tool) of one message, in HF's shape: a call's
     arguments parsed into an object, as chat templates render them (`| tojson`)."""
-    out: dict[str, Any] = {}
+    out: MessageToolFields = {}
     calls, cid = m.get("tool_calls"), m.get("tool_call_id")
     if calls:  # null / [] are what SDKs write back for a reply without calls
         if role != "assistant":
@@ -255,7 +351,7 @@ def message_fields(m: dict[str, Any], where: str, role: str) -> dict[str, Any]:
     return out
 
 
-def _message_call(c: Any, where: str) -> dict[str, Any]:
+def _message_call(c: JSON, where: str) -> MessageToolCall:
     if not isinstance(c, dict):
         raise invalid(where, f"{where} must be an object", code="invalid_type")
     _keys(c, CALL_KEYS, where)
@@ -288,7 +384,7 @@ def _message_call(c: Any, where: str) -> dict[str, Any]:
             "function": {"name": f["name"], "arguments": parsed}}
 
 
-def name_tool_results(messages: list[dict[str, Any]]) -> None:
+def name_tool_results(messages: list[ChatMessage]) -> None:
     """Give each tool message the name of the call it answers (templates may print it)."""
     names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls", ())}
     for m in messages:
@@ -296,7 +392,7 @@ def name_tool_results(messages: list[dict[str, Any]]) -> None:
             m["name"] = names[m["tool_call_id"]]
 
 
-def texts_of(messages: list[dict[str, Any]], treq: ToolRequest | None) -> list[tuple[str, str]]:
+def texts_of(messages: list[ChatMessage], treq: ToolRequest | None) -> list[tuple[str, str]]:
     """(field, text) the template renders besides message content: call names and arguments,
     tool definitions (special-token text in them is refused like in content)."""
     out = []
@@ -315,7 +411,7 @@ class ServerTools:
     takes tools."""
 
     def __init__(self, parser_name: str | None, chat_template: str | None,
-                 registry: Any = None):
+                 registry: Registry | None = None):
         self.parser_name = parser_name
         self.parser: ToolParser | None = None
         self.arguments_key = "parameters"  # vLLM's key, when no parser says otherwise
@@ -332,12 +428,12 @@ class ServerTools:
         self.template_reads_tools = template_reads_tools(chat_template)
 
     @classmethod
-    def of_engine(cls, engine: Any) -> ServerTools:
+    def of_engine(cls, engine: EngineLike) -> ServerTools:
         plan = engine.plan_dict() or {}
         return cls(plan.get("tool_call_parser"),
                    getattr(engine.tokenizer, "chat_template", None))
 
-    def prepare(self, req: Any) -> None:
+    def prepare(self, req: ParsedRequest) -> None:
         """Server-dependent checks, and the constraint of required / named (before the
         engine validates the sampling parameters)."""
         treq = req.tools
@@ -360,14 +456,14 @@ class ServerTools:
         if c is not None:
             req.sampling["constraint"] = c
 
-    def render(self, messages: list[dict[str, Any]], treq: ToolRequest | None
-               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    def render(self, messages: list[ChatMessage], treq: ToolRequest | None
+               ) -> tuple[list[ChatMessage], list[ToolSpec] | None]:
         """(messages, tools) for the chat template (module docstring)."""
         tools = [dict(t) for t in treq.tools] if treq else None
         if self.template_reads_tools or self.parser is None:
             return messages, tools
         p = self.parser
-        out: list[dict[str, Any]] = []
+        out: list[ChatMessage] = []
         merge = False
         for m in messages:
             if m["role"] == "tool":
@@ -392,7 +488,7 @@ class ServerTools:
                 out.insert(0, {"role": "system", "content": prompt})
         return out, None
 
-    def output_parser(self, treq: ToolRequest | None) -> ToolParser | None:
+    def output_parser(self, treq: ToolRequest | None) -> CallReader | None:
         """What reads a request's answer: the server's parser (auto), the constrained shapes
         (required / named), or nothing (no tools, none)."""
         if treq is None or treq.choice == "none":
@@ -468,11 +564,11 @@ def _settle(pieces: list[Piece], names: set[str], parallel: bool
     return "".join(parts).strip(), calls
 
 
-def final_message(parser: ToolParser, treq: ToolRequest, text: str, finish: str | None
-                  ) -> tuple[dict[str, Any], str | None]:
+def final_message(parser: CallReader, treq: ToolRequest, text: str, finish: str | None
+                  ) -> tuple[AssistantMessage, str | None]:
     """The non-streamed message of one choice and its finish_reason."""
     content, calls = _settle(parser.parse(text, True), set(treq.names), treq.parallel)
-    msg: dict[str, Any] = {"role": "assistant", "content": content or None}
+    msg: AssistantMessage = {"role": "assistant", "content": content or None}
     if calls:
         msg["tool_calls"] = [{"id": _call_id(), "type": "function",
                               "function": {"name": c.name, "arguments": c.arguments}}
@@ -485,7 +581,7 @@ def final_message(parser: ToolParser, treq: ToolRequest, text: str, finish: str 
 class ToolStream:
     """One streamed choice: each step re-parses the text so far and returns the new deltas."""
 
-    def __init__(self, parser: ToolParser, treq: ToolRequest):
+    def __init__(self, parser: CallReader, treq: ToolRequest):
         self.parser, self.names, self.parallel = parser, set(treq.names), treq.parallel
         self.content = ""
         self.sent: list[tuple[str, str]] = []  # per call sent: (name, arguments sent)
@@ -494,9 +590,9 @@ class ToolStream:
     def called(self) -> bool:
         return bool(self.sent)
 
-    def step(self, text: str, final: bool) -> list[dict[str, Any]]:
+    def step(self, text: str, final: bool) -> list[MessageDelta]:
         content, calls = _settle(self.parser.parse(text, final), self.names, self.parallel)
-        deltas: list[dict[str, Any]] = []
+        deltas: list[MessageDelta] = []
         if len(content) > len(self.content) and content.startswith(self.content):
             deltas.append({"content": content[len(self.content):]})
             self.content = content
