@@ -9,7 +9,7 @@ own refusals), which the descriptions name. `tests/test_openapi.py` holds the tw
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.server.protocol import (
     CHAT_ROLES,
@@ -32,34 +32,37 @@ from core.server.protocol import (
 from core.server.state import RID_PATTERN
 from core.server.tools import MAX_TOOLS, NAME
 
+if TYPE_CHECKING:
+    from core.contract.json_types import JSON, JSONObject
 
-def _ref(name: str) -> dict[str, str]:
+
+def _ref(name: str) -> JSONObject:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-_NUM = {"type": "number"}
-_BOOL = {"type": "boolean"}
-_STR = {"type": "string"}
-_SEED = {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}
-_STOP_STR = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
-_STOP = {"oneOf": [_STOP_STR, {"type": "array", "items": _STOP_STR, "maxItems": MAX_STOP}]}
-_TEXT = {"type": "string", "minLength": 1}  # an empty prompt is refused (0 tokens)
+_NUM: JSONObject = {"type": "number"}
+_BOOL: JSONObject = {"type": "boolean"}
+_STR: JSONObject = {"type": "string"}
+_SEED: JSONObject = {"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}
+_STOP_STR: JSONObject = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+_STOP: JSONObject = {"oneOf": [_STOP_STR, {"type": "array", "items": _STOP_STR,
+                                           "maxItems": MAX_STOP}]}
+_TEXT: JSONObject = {"type": "string", "minLength": 1}  # an empty prompt is refused (0 tokens)
 
 # A field peers define that this server does not implement: only values asking for nothing.
 _OFF_DOC = ("not supported: accepted only with a value that asks for nothing (null, false, "
             "empty, or the values listed); anything else is a 400 (code unsupported)")
-_LOGIT_BIAS = {"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
-                                                        "maximum": 100},
-               "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": 1024,
-               "description": "token id -> bias added to its logit before sampling"}
+_LOGIT_BIAS: JSONObject = {
+    "type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": 1024,
+    "description": "token id -> bias added to its logit before sampling"}
 _FIELD_POLICY = ("Unknown fields are refused with 400 (code unknown_parameter), whatever their "
                  "value; fields marked not supported are taken only with a value that asks for "
                  "nothing (code unsupported otherwise).")
 
 
-def _off(name: str) -> dict[str, Any]:
-    ok: list[dict[str, Any]] = [{"type": "null"}, {"const": False},
-                                {"type": "array", "maxItems": 0}]
+def _off(name: str) -> JSONObject:
+    ok: list[JSON] = [{"type": "null"}, {"const": False}, {"type": "array", "maxItems": 0}]
     if name not in SCHEMA_FIELDS:
         ok.append({"type": "object", "maxProperties": 0})
     if name in OFF_STRINGS:
@@ -74,17 +77,18 @@ _GRAMMAR_DOC = ("structured output: at most one constraint per request; one the 
                 "(--grammar-backend none), is a 400 naming the problem")
 
 
-def _structured() -> dict[str, Any]:
+def _structured() -> JSONObject:
     """The structured-output fields (core.server.structured) of the OpenAI routes."""
-    text = {**_STR, "minLength": 1, "description": _GRAMMAR_DOC}
-    schema = {"oneOf": [_STR, {"type": "object"}, _BOOL],
-              "description": "a JSON schema (or its JSON text); " + _GRAMMAR_DOC}
-    choice = {"type": "array", "items": {**_STR, "minLength": 1}, "minItems": 1,
-              "description": _GRAMMAR_DOC}
-    rf_schema = {"type": "object", "required": ["schema"], "additionalProperties": False,
-                 "properties": {"name": _STR, "description": _STR, "strict": _BOOL,
-                                "schema": {"oneOf": [{"type": "object"}, _BOOL]}}}
-    response_format = {"oneOf": [
+    text: JSONObject = {**_STR, "minLength": 1, "description": _GRAMMAR_DOC}
+    schema: JSONObject = {"oneOf": [_STR, {"type": "object"}, _BOOL],
+                          "description": "a JSON schema (or its JSON text); " + _GRAMMAR_DOC}
+    choice: JSONObject = {"type": "array", "items": {**_STR, "minLength": 1}, "minItems": 1,
+                          "description": _GRAMMAR_DOC}
+    rf_schema: JSONObject = {
+        "type": "object", "required": ["schema"], "additionalProperties": False,
+        "properties": {"name": _STR, "description": _STR, "strict": _BOOL,
+                       "schema": {"oneOf": [{"type": "object"}, _BOOL]}}}
+    response_format: JSONObject = {"oneOf": [
         {"type": "object", "required": ["type"], "additionalProperties": False,
          "properties": {"type": {"enum": ["text", "json_object"]}}},
         {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
@@ -102,9 +106,10 @@ def _structured() -> dict[str, Any]:
                         "triggers": {"type": "array", "minItems": 1,
                                      "items": {**_STR, "minLength": 1}}}}],
         "description": _GRAMMAR_DOC}
-    outputs = {"type": "object", "additionalProperties": False, "description": _GRAMMAR_DOC,
-               "properties": {"json": schema, "regex": text, "choice": choice,
-                              "grammar": text, "json_object": {"const": True}}}
+    outputs: JSONObject = {
+        "type": "object", "additionalProperties": False, "description": _GRAMMAR_DOC,
+        "properties": {"json": schema, "regex": text, "choice": choice, "grammar": text,
+                       "json_object": {"const": True}}}
     return {"response_format": response_format, "regex": text, "ebnf": text,
             "json_schema": schema, "guided_json": schema, "guided_regex": text,
             "guided_choice": choice, "guided_grammar": text, "structured_outputs": outputs}
@@ -118,25 +123,28 @@ _TOOLS_DOC = ("tool calling (core.server.tools): function names unique; tool_cho
               "choice other than none, a structured-output field is a 400")
 
 
-def _tools() -> dict[str, Any]:
+def _tools() -> JSONObject:
     """tools, tool_choice, parallel_tool_calls (core.server.tools.parse_tools)."""
-    function = {"type": "object", "required": ["name"], "additionalProperties": False,
-                "properties": {
-                    "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
-                    "description": {"type": ["string", "null"]},
-                    "parameters": {"oneOf": [{"type": "null"}, {
-                        "type": "object", "properties": {"type": {"const": "object"}},
-                        "description": "the JSON schema of the arguments object (absent: no "
-                                       "arguments)"}]},
-                    "strict": {"type": ["boolean", "null"],
-                               "description": "enforced under required / a named choice; "
-                                              "refused under auto"}}}
-    tool = {"type": "object", "required": ["type", "function"], "additionalProperties": False,
-            "properties": {"type": {"const": "function"}, "function": function}}
-    named = {"type": "object", "required": ["type", "function"], "additionalProperties": False,
-             "properties": {"type": {"const": "function"}, "function": {
-                 "type": "object", "required": ["name"], "additionalProperties": False,
-                 "properties": {"name": _STR}}}}
+    function: JSONObject = {
+        "type": "object", "required": ["name"], "additionalProperties": False,
+        "properties": {
+            "name": {"type": "string", "pattern": f"^{NAME.pattern}$"},
+            "description": {"type": ["string", "null"]},
+            "parameters": {"oneOf": [{"type": "null"}, {
+                "type": "object", "properties": {"type": {"const": "object"}},
+                "description": "the JSON schema of the arguments object (absent: no "
+                               "arguments)"}]},
+            "strict": {"type": ["boolean", "null"],
+                       "description": "enforced under required / a named choice; "
+                                      "refused under auto"}}}
+    tool: JSONObject = {
+        "type": "object", "required": ["type", "function"], "additionalProperties": False,
+        "properties": {"type": {"const": "function"}, "function": function}}
+    named: JSONObject = {
+        "type": "object", "required": ["type", "function"], "additionalProperties": False,
+        "properties": {"type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name"], "additionalProperties": False,
+            "properties": {"name": _STR}}}}
     return {"tools": {"oneOf": [{"type": "null"}, {"type": "array", "maxItems": MAX_TOOLS,
                                                    "items": tool}],
                       "description": _TOOLS_DOC},
@@ -147,17 +155,18 @@ def _tools() -> dict[str, Any]:
             "parallel_tool_calls": {**_BOOL, "description": "false: at most one call"}}
 
 
-def _message() -> dict[str, Any]:
-    text_part = {"type": "object", "required": ["type", "text"], "properties": {
+def _message() -> JSONObject:
+    text_part: JSONObject = {"type": "object", "required": ["type", "text"], "properties": {
         "type": {"const": "text"}, "text": _STR}}
-    call = {"type": "object", "required": ["id", "function"], "additionalProperties": False,
-            "properties": {"id": _STR, "type": {"const": "function"}, "function": {
-                "type": "object", "required": ["name", "arguments"],
-                "additionalProperties": False, "properties": {
-                    "name": {**_STR, "minLength": 1},
-                    "arguments": {**_STR, "description": "the JSON text of an object"}}}}}
-    no_calls = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
-    calls_something = {"required": ["tool_calls"], "properties": {
+    call: JSONObject = {
+        "type": "object", "required": ["id", "function"], "additionalProperties": False,
+        "properties": {"id": _STR, "type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name", "arguments"],
+            "additionalProperties": False, "properties": {
+                "name": {**_STR, "minLength": 1},
+                "arguments": {**_STR, "description": "the JSON text of an object"}}}}}
+    no_calls: JSONObject = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+    calls_something: JSONObject = {"required": ["tool_calls"], "properties": {
         "role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}}
     return {"type": "object", "required": ["role"], "additionalProperties": False,
             "properties": {
@@ -186,22 +195,22 @@ def _message() -> dict[str, Any]:
                  "then": {"properties": {"tool_calls": no_calls}}}]}
 
 
-def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
-    tok_id: dict[str, Any] = {"type": "integer", "minimum": 0}
+def _schemas(context: int | None, vocab: int | None) -> JSONObject:
+    tok_id: JSONObject = {"type": "integer", "minimum": 0}
     if vocab:
         tok_id["maximum"] = vocab - 1
-    ids = {"type": "array", "items": tok_id, "minItems": 1}
-    max_tokens: dict[str, Any] = {"type": "integer", "minimum": 1}
-    count: dict[str, Any] = {"type": "integer", "minimum": 0}
+    ids: JSONObject = {"type": "array", "items": tok_id, "minItems": 1}
+    max_tokens: JSONObject = {"type": "integer", "minimum": 1}
+    count: JSONObject = {"type": "integer", "minimum": 0}
     if context:
         max_tokens["maximum"] = count["maximum"] = context
         max_tokens["description"] = (f"prompt tokens + this must fit the context ({context} "
                                      "tokens)")
-    top_k: dict[str, Any] = {"type": "integer", "minimum": -1, "not": {"const": 0},
-                             "description": "-1: off"}
+    top_k: JSONObject = {"type": "integer", "minimum": -1, "not": {"const": 0},
+                         "description": "-1: off"}
     if vocab:
         top_k["maximum"] = vocab
-    common = {
+    common: JSONObject = {
         "model": _STR, "stream": _BOOL, "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
         "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_N,
                     "description": "only equal to n"},
@@ -229,17 +238,17 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
         **_structured(),
     }
     # stream_options only with stream=true
-    only_streamed = {"stream_options": {"required": ["stream"],
-                                        "properties": {"stream": {"const": True}}}}
+    only_streamed: JSONObject = {"stream_options": {"required": ["stream"],
+                                                    "properties": {"stream": {"const": True}}}}
 
-    def request(route: str, required: list[str], own: dict[str, Any], **extra: Any
-                ) -> dict[str, Any]:
+    def request(route: str, required: list[str], own: JSONObject, **extra: JSON
+                ) -> JSONObject:
         props = {**{n: _off(n) for n in sorted(REFUSED_FIELDS[route])}, **own}
         return {"type": "object", "required": required, "additionalProperties": False,
                 "description": _FIELD_POLICY, "properties": props, **extra}
 
     message = _message()
-    sampling = {
+    sampling: JSONObject = {
         "max_new_tokens": max_tokens, "min_new_tokens": count,
         **{k: common[k] for k in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty",
                                   "presence_penalty", "repetition_penalty", "stop",
@@ -293,7 +302,7 @@ def _schemas(context: int | None, vocab: int | None) -> dict[str, Any]:
     }
 
 
-def _error(why: str) -> dict[str, Any]:
+def _error(why: str) -> JSONObject:
     return {"description": why, "content": {"application/json": {"schema": _ref("Error")}}}
 
 
@@ -308,8 +317,8 @@ _POST_ERRORS = {
 }
 
 
-def _post(summary: str, schema: str) -> dict[str, Any]:
-    ok: dict[str, Any] = {
+def _post(summary: str, schema: str) -> JSONObject:
+    ok: JSONObject = {
         "application/json": {"schema": {"type": "object"}},
         # OpenAPI's media type object has no description; the summary says what streams
         "text/event-stream": {"schema": _STR}}
@@ -322,9 +331,9 @@ def _post(summary: str, schema: str) -> dict[str, Any]:
 
 
 def _get(summary: str, public: bool = False, content: str = "application/json",
-         unavailable: bool = False, not_found: str | None = None) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object"} if content == "application/json" else _STR
-    responses: dict[str, Any] = {"200": {"description": "ok", "content": {
+         unavailable: bool = False, not_found: str | None = None) -> JSONObject:
+    schema: JSONObject = {"type": "object"} if content == "application/json" else _STR
+    responses: JSONObject = {"200": {"description": "ok", "content": {
         content: {"schema": schema}}}}
     if not public:
         responses["401"] = _UNAUTHORIZED
@@ -332,18 +341,18 @@ def _get(summary: str, public: bool = False, content: str = "application/json",
         responses["404"] = _error(not_found)
     if unavailable:
         responses["503"] = _error("not live / not ready (the body says which)")
-    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    op: JSONObject = {"summary": summary, "responses": responses}
     if public:
         op["security"] = []
     return {"get": op}
 
 
 def openapi_spec(version: str, context_length: int | None = None,
-                 vocab_size: int | None = None) -> dict[str, Any]:
+                 vocab_size: int | None = None) -> JSONObject:
     """The document; with the served model's context length and vocabulary size, the limits
     that depend on them are in the schemas too."""
-    model_param = {"name": "model", "in": "path", "required": True, "schema": _STR,
-                   "description": "the served model's name"}
+    model_param: JSONObject = {"name": "model", "in": "path", "required": True, "schema": _STR,
+                               "description": "the served model's name"}
     return {
         "openapi": "3.1.0",
         "info": {"title": "core-serve", "version": version,
