@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from aiohttp import web
 
@@ -33,6 +33,11 @@ from core.server.state import (
     state,
 )
 
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler
+
+    from core.contract.json_types import JSONObject
+
 log = logging.getLogger("core.server")
 
 UNCOUNTED_ROUTES = frozenset({"/metrics"})  # scrapes would drown the request counts
@@ -50,7 +55,7 @@ def _outcome(request: web.Request, status: int) -> str:
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure leaves in OpenAI's error shape; a client error is never a 500."""
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
@@ -90,7 +95,18 @@ async def native_generate(request: web.Request) -> web.StreamResponse:
     return await generation.handle(request, "generate")
 
 
-def _model_card(st: ServerState) -> dict[str, Any]:
+class ModelCard(TypedDict):
+    """One entry of /v1/models (OpenAI's model object, with vLLM's root and max_model_len)."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+def _model_card(st: ServerState) -> ModelCard:
     info = st.engine.model_info()
     return {"id": st.model_name, "object": "model", "created": int(st.started),
             "owned_by": "core-serve", "root": info.get("model_path") or st.model_name,
@@ -121,12 +137,18 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+class ReadyBody(TypedDict):
+    status: str  # ok | draining | engine_unavailable | busy
+    sequences: int
+    max_sequences: int | None
+
+
 async def ready(request: web.Request) -> web.Response:
     """Readiness: live, not draining, and room for one more request under the admission limit
     (--max-running-requests + --max-queued-requests); 503 "busy" while full."""
     st = state(request)
-    body: dict[str, Any] = {"status": "ok", "sequences": st.active_sequences,
-                            "max_sequences": st.max_sequences}
+    body: ReadyBody = {"status": "ok", "sequences": st.active_sequences,
+                       "max_sequences": st.max_sequences}
     if st.draining:
         return web.json_response({**body, "status": "draining"}, status=503)
     if not await st.engine_alive():
@@ -137,7 +159,7 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-async def _probe(st: ServerState) -> tuple[int, dict[str, Any]]:
+async def _probe(st: ServerState) -> tuple[int, dict[str, str]]:
     """One token end to end through the scheduler; (status, body) for /health_generate."""
     rid = f"health-{uuid.uuid4().hex}"
     gr = GenRequest(rid=rid, input_ids=(0,), sampling={"max_new_tokens": 1, "temperature": 0.0})
@@ -149,7 +171,7 @@ async def _probe(st: ServerState) -> tuple[int, dict[str, Any]]:
                     return d.error is None
         return False
 
-    result: tuple[int, dict[str, Any]] = (503, {"status": "engine_unavailable"})
+    result: tuple[int, dict[str, str]] = (503, {"status": "engine_unavailable"})
     try:
         with st.reserved([rid]):
             if await asyncio.wait_for(one(), HEALTH_GENERATE_TIMEOUT_S):
@@ -196,7 +218,7 @@ async def get_model_info(request: web.Request) -> web.Response:
     return web.json_response(info)
 
 
-def redacted_args(args: ServerArgs, key_set: bool = False) -> dict[str, Any]:
+def redacted_args(args: ServerArgs, key_set: bool = False) -> JSONObject:
     d = dataclasses.asdict(args)
     if d.get("api_key") or key_set:
         d["api_key"] = "<redacted>"

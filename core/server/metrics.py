@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from typing import Any
 
 PREFIX = "core_"
@@ -93,14 +94,14 @@ class ServerMetrics:
     def render(self, stats: dict[str, Any], engine_alive: bool) -> str:
         out: list[str] = []
 
-        def metric(name: str, kind: str, help: str, samples: list[tuple[dict[str, str], float]]
-                   ) -> None:
+        def metric(name: str, kind: str, help: str,
+                   samples: Sequence[tuple[dict[str, str], float]]) -> None:
             full = PREFIX + name
             out.extend([f"# HELP {full} {help}", f"# TYPE {full} {kind}"])
             out.extend(f"{full}{_labels(lab)} {_num(v)}" for lab, v in samples)
 
-        samples = [({"endpoint": ep, "outcome": oc}, n)
-                   for (ep, oc), n in sorted(self.requests.items())]
+        samples: list[tuple[dict[str, str], float]] = [
+            ({"endpoint": ep, "outcome": oc}, n) for (ep, oc), n in sorted(self.requests.items())]
         metric("requests_total", "counter", "finished HTTP API requests by endpoint and outcome",
                samples)
         metric("prompt_tokens_total", "counter", "prompt tokens processed",
@@ -112,11 +113,12 @@ class ServerMetrics:
         for h in (self.ttft, self.itl, self.e2e):
             out.extend(h.render())
         metric("engine_up", "gauge", "1 when the engine process answers", [({}, int(engine_alive))])
-        gauges = (("num_running_reqs", "requests being decoded"),
-                  ("num_queued_reqs", "requests waiting for admission"),
-                  ("kv_pages_used", "KV-cache pages held by requests and the prefix cache"),
-                  ("kv_pages_total", "KV-cache pages in the pool"),
-                  ("prefix_cache_hit_rate", "fraction of prompt tokens found in the prefix cache"))
+        gauges: tuple[tuple[str, str], ...] = (
+            ("num_running_reqs", "requests being decoded"),
+            ("num_queued_reqs", "requests waiting for admission"),
+            ("kv_pages_used", "KV-cache pages held by requests and the prefix cache"),
+            ("kv_pages_total", "KV-cache pages in the pool"),
+            ("prefix_cache_hit_rate", "fraction of prompt tokens found in the prefix cache"))
         replicas = stats.get("replicas")
         if isinstance(replicas, list):  # data parallel: per replica, labelled dp_rank
             ranks = [({"dp_rank": str(r.get("dp_rank", i))}, r) for i, r in enumerate(replicas)]

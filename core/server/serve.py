@@ -23,7 +23,8 @@ import ipaddress
 import logging
 import signal
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeAlias
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -32,7 +33,7 @@ from core.plan.args import ServerArgs
 from core.server.app import SERVER_NAME, create_app
 from core.server.engine_api import EngineLike
 from core.server.errors import APIError
-from core.server.state import STATE
+from core.server.state import STATE, ServerState
 
 log = logging.getLogger("core.server")
 
@@ -42,6 +43,9 @@ HEADER_TIMEOUT_S = 10.0  # from a request's first byte to the end of its headers
 WATCHDOG_S = 0.5  # how often the server checks that the engine is still there
 ERROR_GRACE_S = 2.0  # how long requests that were just ended with an error get to say so
 EXIT_ENGINE_DIED = 4
+
+# what ends serving: ("signal", SIGTERM / SIGINT) or ("engine", the reason it stopped)
+_Event: TypeAlias = tuple[str, signal.Signals | str]
 
 
 def _address(host: str, port: int) -> str:
@@ -95,7 +99,8 @@ class _Handler(RequestHandler):
         self._cancel_header_timer()
         super().connection_lost(exc)
 
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+    def handle_error(self, request: web.BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         """Errors raised outside the application (malformed HTTP, mostly) in the OpenAI shape,
         without the request's bytes; a traceback is logged only for a server error."""
@@ -122,7 +127,7 @@ class _Handler(RequestHandler):
 
 class _Server(web.Server):
     header_timeout = HEADER_TIMEOUT_S
-    on_malformed: Any = None
+    on_malformed: Callable[[], None] | None = None
 
     def __call__(self) -> RequestHandler:
         return _Handler(self, loop=self._loop, **self._kwargs)
@@ -163,7 +168,7 @@ def _failure(engine: EngineLike) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-async def _watch(engine: EngineLike, events: asyncio.Queue) -> None:
+async def _watch(engine: EngineLike, events: asyncio.Queue[_Event]) -> None:
     while True:
         await asyncio.sleep(WATCHDOG_S)
         reason = _failure(engine)
@@ -172,7 +177,7 @@ async def _watch(engine: EngineLike, events: asyncio.Queue) -> None:
             return
 
 
-async def _settle(st: Any, timeout: float) -> None:
+async def _settle(st: ServerState, timeout: float) -> None:
     """Let requests that were just ended write their error, for up to `timeout` seconds."""
     try:
         await asyncio.wait_for(st.idle.wait(), timeout)
@@ -209,7 +214,7 @@ async def run_server(engine: EngineLike, args: ServerArgs) -> int:
           f"{st.model_name!r})", flush=True)
 
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    events: asyncio.Queue[_Event] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, events.put_nowait, ("signal", sig))
     watchdog = asyncio.ensure_future(_watch(engine, events))

@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -26,12 +26,22 @@ from core.server.metrics import ServerMetrics
 from core.server.protocol import parse_json_body
 from core.server.tools import ServerTools
 
+if TYPE_CHECKING:
+    from core.contract.json_types import JSONObject
+
 HEALTH_TIMEOUT_S = 5.0  # an engine that does not answer a ping within this is wedged
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 HEALTH_GENERATE_CACHE_S = 2.0  # /health_generate answers from its last probe for this long
 BODY_TIMEOUT_S = 30.0  # the whole request body must arrive within this (slow senders hold sockets)
 RID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 JSON_TYPES = ("application/json",)
+
+
+class Cuttable(Protocol):
+    """A generation job in flight (generation's), as cut_all ends it."""
+
+    def cut(self, error: APIError) -> None: ...
+
 
 class ServerState:
     """What the handlers share: engine, args, metrics, admission and drain bookkeeping."""
@@ -55,9 +65,10 @@ class ServerState:
         self.idle = asyncio.Event()
         self.idle.set()
         self.rids: set[str] = set()  # every engine rid (and client base rid) in flight
-        self.jobs: set[Any] = set()  # generation jobs in flight (generation._Job), for cut_all
-        self.probe: asyncio.Task | None = None  # /health_generate's one engine request
-        self.probe_result: tuple[float, int, dict[str, Any]] | None = None  # (when, status, body)
+        self.jobs: set[Cuttable] = set()  # generation jobs in flight (generation._Job): cut_all
+        # /health_generate's one engine request: its (status, body)
+        self.probe: asyncio.Task[tuple[int, dict[str, str]]] | None = None
+        self.probe_result: tuple[float, int, dict[str, str]] | None = None  # (when, status, body)
         # the server's own bound on work it accepts; the engine enforces its queue limit too.
         # Without --max-running-requests the engine's own default counts. Both limits are per
         # engine: --dp-size replicas hold that many times as much.
@@ -103,7 +114,7 @@ class ServerState:
                           code="invalid_rid")
 
     @contextlib.contextmanager
-    def reserved(self, rids: Iterable[str], job: Any = None) -> Iterator[None]:
+    def reserved(self, rids: Iterable[str], job: Cuttable | None = None) -> Iterator[None]:
         """Hold `rids` for one request (and list `job` for cut_all); 400 if one is in use."""
         want = set(rids)
         taken = want & self.rids
@@ -127,7 +138,7 @@ class ServerState:
             job.cut(error)
         return len(jobs)
 
-    async def read_json(self, request: web.Request) -> dict[str, Any]:
+    async def read_json(self, request: web.Request) -> JSONObject:
         # JSON only: a browser's cross-origin "simple" POST (text/plain, form types, or no
         # type at all) is refused before anything runs
         ctype = request.content_type
@@ -189,4 +200,5 @@ def state(request: web.Request) -> ServerState:
 
 STATE = web.AppKey("state", ServerState)
 # per-request outcome override for the request counter (aiohttp >= 3.12 has typed request keys)
-OUTCOME: Any = web.RequestKey("outcome", str) if hasattr(web, "RequestKey") else "outcome"
+OUTCOME: web.RequestKey[str] | str = (web.RequestKey("outcome", str) if hasattr(web, "RequestKey")
+                                      else "outcome")
