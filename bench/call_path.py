@@ -95,10 +95,10 @@ class Tracer:
 
 
 def http_side(args: Any, max_tokens: int) -> list[dict[str, Any]]:
+    from conformance.server_kit import ServerThread, http_request
     from core.frontend.offline import Engine
     from core.server.adapter import EngineAdapter
     from core.server.app import create_app
-    from core.server.testing import ServerThread, http_request
 
     tracer = Tracer()
     tracer.install()  # before the threads start (the server's, the client's reader, pools)
@@ -118,8 +118,8 @@ def http_side(args: Any, max_tokens: int) -> list[dict[str, Any]]:
     finally:
         tracer.uninstall()
         adapter.close()
-    # the test client's own calls (core.server.testing.http_request) are not the server's
-    return [p for p in tracer.report() if "core.server.testing" not in (p["from"], p["to"])]
+    # the test client's own calls (conformance.server_kit.http_request) are not the server's
+    return [p for p in tracer.report() if "conformance.server_kit" not in (p["from"], p["to"])]
 
 
 def worker_side(args: Any, max_tokens: int) -> list[dict[str, Any]]:

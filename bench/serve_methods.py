@@ -27,7 +27,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from bench_serving import LLAMA_31_8B, QUANT_CONFIGS, make_model_dir  # noqa: E402
 from serving_online import ServerProcess  # noqa: E402
 
-from core.server.testing import http_request  # noqa: E402
+from conformance.server_kit import http_request  # noqa: E402
 
 # case -> (quantization_config key or None, --quantization or None, the method the plan names)
 CASES = {"bf16": (None, None, "unquantized"), "fp8": (None, "fp8", "fp8"),
@@ -37,7 +37,7 @@ CASES = {"bf16": (None, None, "unquantized"), "fp8": (None, "fp8", "fp8"),
 
 def _call(srv: ServerProcess, method: str, path: str, body: dict | None = None,
           timeout: float = 60.0) -> dict:
-    """One JSON request to the server (core.server.testing.http_request); a non-200 raises
+    """One JSON request to the server (conformance.server_kit.http_request); a non-200 raises
     with the server's answer."""
     status, _, data = http_request(srv.url, method, path, body,
                                    {"Authorization": f"Bearer {srv.api_key}"}, timeout=timeout)

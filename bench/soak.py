@@ -7,7 +7,7 @@ first written, so the worker grows until the pool has been touched once (kv_pool
     python bench/soak.py --duration 300              # starts its own `core serve` (SmolLM2)
     python bench/soak.py --url http://host:30000 --key-file KEY --duration 600
 
-Traffic (core.server.testing.soak_traffic): non-streaming completions, chat streams read to the
+Traffic (conformance.server_kit.soak_traffic): non-streaming completions, chat streams read to the
 end, streams cut after their first event, /generate with n=2, malformed requests (must be 4xx),
 health / readiness / metrics probes. The server started here has a small admission limit, so
 some requests are turned away with 503 + Retry-After; those are counted as "overloaded", not as
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from machine_info import cpu_model
 
-from core.server.testing import http_request, soak_traffic
+from conformance.server_kit import http_request, soak_traffic
 
 
 def _rss_mb(pid: int) -> float | None:

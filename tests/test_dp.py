@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import pytest
 from model_fixtures import write_tiny_model
 
+from conformance.server_kit import ServerThread, http_request
 from core.frontend import router
 from core.frontend.delta import Delta
 from core.frontend.router import PrefixAware, PrefixRecord, RoundRobin, ShortestQueue, make_policy
 from core.messages import Finish
 from core.plan.args import LOAD_BALANCE_METHODS, ServerArgs
 from core.server.metrics import ServerMetrics
-from core.server.testing import ServerThread, http_request
 
 pytest.importorskip("transformers")
 

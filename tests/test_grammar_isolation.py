@@ -301,11 +301,11 @@ def test_a_library_refusal_is_a_400_naming_the_field(engine):
 @pytest.fixture(scope="module")
 def server():
     pytest.importorskip("xgrammar")
+    from conformance.server_kit import ServerThread
     from core.frontend.offline import Engine
     from core.plan.args import ServerArgs
     from core.server.adapter import EngineAdapter
     from core.server.app import create_app
-    from core.server.testing import ServerThread
 
     args = ServerArgs(max_total_tokens=2048, grammar_backend="xgrammar")
     eng = Engine(server_args=args)
@@ -318,7 +318,7 @@ def server():
 
 
 def test_hostile_schemas_through_the_server_are_400s_and_it_keeps_serving(server):
-    from core.server.testing import http_request
+    from conformance.server_kit import http_request
 
     def post(path: str, body: dict) -> tuple[int, dict]:
         status, _, raw = http_request(server.url, "POST", path, body, timeout=60)
@@ -352,7 +352,7 @@ def test_hostile_schemas_through_the_server_are_400s_and_it_keeps_serving(server
 
 
 def test_compiles_show_in_metrics(server):
-    from core.server.testing import http_request
+    from conformance.server_kit import http_request
 
     status, _, raw = http_request(server.url, "GET", "/metrics", timeout=30)
     text = raw.decode()

@@ -13,8 +13,8 @@ import re
 import openai
 import pytest
 
+from conformance.server_kit import FakeEngine, ServerThread, http_request
 from core.plan.args import ServerArgs
-from core.server.testing import FakeEngine, ServerThread, http_request
 
 jsonschema = pytest.importorskip("jsonschema")
 

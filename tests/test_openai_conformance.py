@@ -10,11 +10,11 @@ import os
 import openai
 import pytest
 
+from conformance.server_kit import EOS, OFFSET, FakeEngine, ServerThread, http_request
 from core.plan.args import ServerArgs
 from core.server import protocol
 from core.server.app import create_app
 from core.server.state import STATE
-from core.server.testing import EOS, OFFSET, FakeEngine, ServerThread, http_request
 
 KEY = "sk-conf"
 AUTH = {"Authorization": f"Bearer {KEY}"}

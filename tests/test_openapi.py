@@ -9,9 +9,9 @@ import json
 import jsonschema
 import pytest
 
+from conformance.server_kit import FakeEngine, ServerThread, http_request
 from core.plan.args import ServerArgs
 from core.server.app import create_app
-from core.server.testing import FakeEngine, ServerThread, http_request
 
 KEY = "sk-oas"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -1,6 +1,6 @@
 """The server's routes and behaviour on a deterministic fake engine (no model; fast).
 
-The fake's greedy reply is "hello world " repeated, one byte per token; see core.server.testing.
+The fake's greedy reply is "hello world " repeated, one byte per token; see conformance.server_kit.
 """
 
 from __future__ import annotations
@@ -14,11 +14,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from core.plan.args import ServerArgs
-from core.server.app import create_app
-from core.server.auth import PUBLIC_ROUTES
-from core.server.state import STATE
-from core.server.testing import (
+from conformance.server_kit import (
     FakeEngine,
     ServerThread,
     http_request,
@@ -26,6 +22,10 @@ from core.server.testing import (
     send_stream_request,
     sse_payloads,
 )
+from core.plan.args import ServerArgs
+from core.server.app import create_app
+from core.server.auth import PUBLIC_ROUTES
+from core.server.state import STATE
 
 KEY = "sk-api"
 AUTH = {"Authorization": f"Bearer {KEY}"}

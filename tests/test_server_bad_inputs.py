@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from conformance.server_kit import FakeEngine, ServerThread, http_request
 from core.plan.args import ServerArgs
 from core.server.app import create_app
 from core.server.state import STATE
-from core.server.testing import FakeEngine, ServerThread, http_request
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -11,9 +11,9 @@ import socket
 import aiohttp
 import pytest
 
+from conformance.server_kit import FakeEngine, sse_payloads
 from core.plan.args import ServerArgs
 from core.server.serve import run_server
-from core.server.testing import FakeEngine, sse_payloads
 
 
 def free_port() -> int:

@@ -20,8 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from core.plan.args import ServerArgs
-from core.server.testing import (
+from conformance.server_kit import (
     ServerThread,
     free_port,
     http_request,
@@ -30,6 +29,7 @@ from core.server.testing import (
     send_stream_request,
     sse_payloads,
 )
+from core.plan.args import ServerArgs
 
 pytest.importorskip("transformers")
 try:

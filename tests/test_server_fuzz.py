@@ -15,9 +15,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from conformance.server_kit import FakeEngine, ServerThread, http_request, sse_payloads  # noqa: E402
 from core.plan.args import ServerArgs  # noqa: E402
 from core.server.app import create_app  # noqa: E402
-from core.server.testing import FakeEngine, ServerThread, http_request, sse_payloads  # noqa: E402
 
 KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {KEY}"}

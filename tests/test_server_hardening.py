@@ -19,11 +19,7 @@ from types import SimpleNamespace
 import aiohttp
 import pytest
 
-from core.plan.args import ServerArgs, make_server_args
-from core.server.app import create_app
-from core.server.serve import EXIT_ENGINE_DIED, KEEPALIVE_S, is_loopback, run_server
-from core.server.state import STATE
-from core.server.testing import (
+from conformance.server_kit import (
     FakeEngine,
     ServerThread,
     http_request,
@@ -31,6 +27,11 @@ from core.server.testing import (
     send_stream_request,
     sse_payloads,
 )
+from core.messages import EngineInfo
+from core.plan.args import ServerArgs, make_server_args
+from core.server.app import create_app
+from core.server.serve import EXIT_ENGINE_DIED, KEEPALIVE_S, is_loopback, run_server
+from core.server.state import STATE
 
 KEY = "sk-hard"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -169,8 +170,10 @@ class _SlowEngine:
     """An engine (core.frontend.offline.Engine's public methods) whose scheduler is inside a long step:
     stats time out."""
 
-    info = {"max_context": 64, "pool_tokens": 64, "page_size": 1, "vocab_size": 10,
-            "max_running_requests": 4}
+    info = EngineInfo(max_context=64, pool_tokens=64, page_size=1, max_running_requests=4,
+                      vocab_size=10, eos_token_ids=(2,), chunked_prefill_size=None,
+                      kv_bytes_per_token=64, notes=(), cuda_graph_batch_sizes=(), device="cpu",
+                      pid=1)
     tokenizer = SimpleNamespace(special_tokens=())
     plan = spec = None
     args = ServerArgs(model_path="/m/x.gguf")

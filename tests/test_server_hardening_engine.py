@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from core.server.serve import EXIT_ENGINE_DIED
-from core.server.testing import (
+from conformance.server_kit import (
     free_port,
     http_request,
     read_until_listening,
     send_stream_request,
     sse_payloads,
 )
+from core.server.serve import EXIT_ENGINE_DIED
 
 pytest.importorskip("transformers")
 

@@ -10,10 +10,10 @@ import asyncio
 import os
 import time
 
+from conformance.server_kit import FakeEngine, ServerThread, soak_traffic
 from core.plan.args import ServerArgs
 from core.server.app import create_app
 from core.server.state import STATE
-from core.server.testing import FakeEngine, ServerThread, soak_traffic
 
 SOAK_S = 12.0
 KEY = "sk-soak"

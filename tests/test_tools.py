@@ -14,6 +14,7 @@ import os
 import openai
 import pytest
 
+from conformance.server_kit import FakeEngine, ServerThread
 from core.contract.tools import (
     MAX_ARGUMENT_DEPTH,
     json_depth,
@@ -24,7 +25,6 @@ from core.plan.args import ServerArgs
 from core.plan.plan import ResolveError
 from core.plan.registry import get_registry
 from core.server.errors import APIError
-from core.server.testing import FakeEngine, ServerThread
 from core.server.tools import (
     CallArray,
     NamedCall,

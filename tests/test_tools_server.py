@@ -34,10 +34,10 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def srv():
+    from conformance.server_kit import ServerThread
     from core.frontend.offline import Engine
     from core.server.adapter import EngineAdapter
     from core.server.app import create_app
-    from core.server.testing import ServerThread
 
     args = ServerArgs(api_key=KEY, max_total_tokens=4096)
     engine = Engine(server_args=args)
@@ -76,7 +76,7 @@ def _streamed(stream) -> tuple[str, list[dict], list]:
 
 
 def test_plan_shows_the_parser(srv):
-    from core.server.testing import http_request
+    from conformance.server_kit import http_request
 
     status, _, raw = http_request(srv.url, "GET", "/get_server_info", None,
                                   {"Authorization": f"Bearer {KEY}"})

@@ -26,7 +26,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core import messages as ipc
 from core.engine.sampling import SamplingParams
@@ -35,6 +35,15 @@ from core.frontend.request_checks import RequestChecks
 from core.messages import Channel, ChannelClosed
 from core.plan.args import ServerArgs
 from core.plan.plan import Plan
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from core.contract.capabilities import DeviceInfo
+    from core.contract.grammar import Constraint
+    from core.contract.json_types import JSON, JSONObject
+    from core.engine.distributed import RankSpec
+    from core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("core.frontend.client")
 
@@ -49,7 +58,7 @@ class _ReqState:
     index: int
     params: SamplingParams
     sink: Callable[[Delta], None]
-    detok: Any
+    detok: IncrementalDetokenizer
     raw_text: str = ""  # everything detokenized so far
     emitted: int = 0  # characters of raw_text already sent
     stop_floor: int = 0  # stop strings ending at or before this character do not count
@@ -79,14 +88,14 @@ class StartedWorker:
             self.process.join(timeout=5)
 
 
-def device_index(args: ServerArgs, device: Any, replica: int, local_rank: int = 0) -> int:
+def device_index(args: ServerArgs, device: DeviceInfo, replica: int, local_rank: int = 0) -> int:
     """The device of one engine process on this node: replica r's ranks take devices
     r x (ranks per node) onwards, round-robin when there are fewer devices than ranks x
     replicas (a CPU, or --dp-size 2 on one GPU)."""
     return (replica * (args.tp_size // args.nnodes) + local_rank) % max(device.count, 1)
 
 
-def rank_specs(args: ServerArgs, device: Any, replica: int = 0) -> list[Any]:
+def rank_specs(args: ServerArgs, device: DeviceInfo, replica: int = 0) -> list[RankSpec]:
     """The RankSpecs of this node's ranks of one engine (core.engine.distributed) on `device` (a
     DeviceInfo: the plan's), this node's first rank first; empty when the engine is one
     process without torch.distributed (--tp-size 1, one node, no --dist-init-addr)."""
@@ -107,7 +116,7 @@ def rank_specs(args: ServerArgs, device: Any, replica: int = 0) -> list[Any]:
             for i, index in enumerate(indices)]
 
 
-def start_ranks(specs: list[Any]) -> list[Any]:
+def start_ranks(specs: list[RankSpec]) -> list[BaseProcess]:
     """Spawn one process per RankSpec (core.engine.worker.rank_main), daemonic: a parent that exits
     normally takes them along, and a parent that is killed leaves rank 0 orphaned, which then
     stops them."""
@@ -123,7 +132,7 @@ def start_ranks(specs: list[Any]) -> list[Any]:
     return procs
 
 
-def reap(proc: Any, wait: float, grace: float = 5.0) -> None:
+def reap(proc: BaseProcess, wait: float, grace: float = 5.0) -> None:
     """Let `proc` end by itself for `wait` s, then SIGTERM it (`grace` s), then SIGKILL it."""
     proc.join(timeout=wait)
     if proc.is_alive():
@@ -187,20 +196,24 @@ class RequestStreams:
                 return
 
     async def submit_async(self, prompt: str | None = None,
-                           params: SamplingParams | dict | None = None, **kw: Any
-                           ) -> tuple[str, asyncio.Queue]:
+                           params: SamplingParams | dict | None = None, *,
+                           input_ids: list[int] | None = None, rid: str | None = None,
+                           priority: int | None = None
+                           ) -> tuple[str, asyncio.Queue[Delta]]:
         """Like submit, for an event loop: returns (id, asyncio.Queue of deltas)."""
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        rid = self.submit(prompt, params, sink=lambda c: loop.call_soon_threadsafe(
-            q.put_nowait, c), **kw)
+        q: asyncio.Queue[Delta] = asyncio.Queue()
+        rid = self.submit(prompt, params, input_ids=input_ids, rid=rid, priority=priority,
+                          sink=lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
         return rid, q
 
     async def stream_async(self, prompt: str | None = None,
-                           params: SamplingParams | dict | None = None, **kw: Any
-                           ) -> AsyncIterator[Delta]:
+                           params: SamplingParams | dict | None = None, *,
+                           input_ids: list[int] | None = None, rid: str | None = None,
+                           priority: int | None = None) -> AsyncIterator[Delta]:
         """Submit and yield deltas; aborts the request if the consumer stops early."""
-        rid, q = await self.submit_async(prompt, params, **kw)
+        rid, q = await self.submit_async(prompt, params, input_ids=input_ids, rid=rid,
+                                         priority=priority)
         finished = False
         try:
             while True:
@@ -219,7 +232,7 @@ class RequestStreams:
 class EngineClient(RequestStreams):
     """Starts the worker, submits requests, streams their outputs, shuts everything down."""
 
-    def __init__(self, args: ServerArgs, plan: Plan, tokenizer: Any,
+    def __init__(self, args: ServerArgs, plan: Plan, tokenizer: Tokenizer,
                  start_timeout: float = 900.0, started: StartedWorker | None = None,
                  replica: int = 0):
         """`args` with the model path filled in and `plan` resolved for them (core.engine.worker.
@@ -245,7 +258,7 @@ class EngineClient(RequestStreams):
         # the worker's heartbeat (core.engine.worker._Heartbeat): when it last came, and what it said
         self.last_heartbeat = time.monotonic()
         self.heartbeat: ipc.Heartbeat | None = None
-        self.ranks: list[Any] = []  # processes of this node's ranks 1.. (tensor parallel)
+        self.ranks: list[BaseProcess] = []  # processes of this node's ranks 1.. (tensor parallel)
         specs = rank_specs(args, plan.device, replica)
         rank0 = specs[0].to_json() if specs else None
         index = device_index(args, plan.device, replica)  # of this replica's first rank
@@ -349,7 +362,7 @@ class EngineClient(RequestStreams):
     def __enter__(self) -> EngineClient:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- submitting ------------------------------------------------------------------------------
@@ -368,7 +381,7 @@ class EngineClient(RequestStreams):
         """Tokenize and validate (raises ValueError naming the problem)."""
         return self._checks.prepare(prompt, input_ids, params, self.info)
 
-    def check_constraint(self, constraint: Any) -> None:
+    def check_constraint(self, constraint: Constraint) -> None:
         """ValueError naming the problem when the engine cannot enforce this constraint."""
         self._checks.check_constraint(constraint, self.info)
 
@@ -410,7 +423,7 @@ class EngineClient(RequestStreams):
 
     # -- control ---------------------------------------------------------------------------------
 
-    def rpc(self, op: str, timeout: float = 60.0) -> Any:
+    def rpc(self, op: str, timeout: float = 60.0) -> JSON:
         rid = next(self._rpc_ids)
         done, box = threading.Event(), []
         self._replies[rid] = (done, box)
@@ -423,8 +436,10 @@ class EngineClient(RequestStreams):
             raise EngineError(msg.error or "engine failed")
         return msg.result
 
-    def stats(self) -> dict[str, Any]:
-        return self.rpc("stats")
+    def stats(self) -> JSONObject:
+        stats = self.rpc("stats")
+        assert isinstance(stats, dict)
+        return stats
 
     def check_accounting(self) -> None:
         """Ask the worker to assert its KV page accounting (raises EngineError if broken)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.engine.sampling import SamplingParams, expand_n
 from core.frontend.client import EngineClient, EngineError, StartedWorker
@@ -21,12 +21,20 @@ from core.frontend.router import ReplicaSet
 from core.messages import EngineInfo, to_json
 from core.plan.args import ServerArgs, apply_environment, make_server_args
 
+if TYPE_CHECKING:
+    from core.contract.json_types import JSONObject
+    from core.tokenizer import Tokenizer
+
+Prompts = str | list[str] | None
+InputIds = list[int] | list[list[int]] | None
+SamplingArg = SamplingParams | dict | list[dict] | None
+
 __all__ = ["Engine", "EngineClient", "EngineError", "expand_n"]
 
 log = logging.getLogger("core.frontend.offline")
 
 
-def _as_list(value: Any, kind: str) -> tuple[list, bool]:
+def _as_list(value: Prompts | InputIds, kind: str) -> tuple[list, bool]:
     if value is None:
         return [], False
     if kind == "ids":
@@ -48,7 +56,7 @@ class Engine:
     """
 
     def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None,
-                 **kwargs: Any):
+                 **kwargs: object):
         from core.engine.worker import make_plan
         from core.plan.resolver import explain
 
@@ -80,7 +88,7 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def _submit_all(self, prompt: Any, input_ids: Any, sampling_params: Any,
+    def _submit_all(self, prompt: Prompts, input_ids: InputIds, sampling_params: SamplingArg,
                     priority: int | None, sink: Callable[[Delta], None]
                     ) -> tuple[list[str], bool]:
         if (prompt is None) == (input_ids is None):
@@ -114,7 +122,8 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None, *,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
-                 priority: int | None = None) -> Any:
+                 priority: int | None = None
+                 ) -> JSONObject | list[JSONObject] | Iterator[JSONObject]:
         """Generate for one prompt (a dict) or a list (a list of dicts; n > 1 expands in place),
         in SGLang's shape: {"text", "output_ids", "meta_info": {"id", "finish_reason",
         "prompt_tokens", "completion_tokens", "cached_tokens"[, "output_token_logprobs",
@@ -129,7 +138,7 @@ class Engine:
         if stream:
             return self._chunks(self._stream(q, rids))
         texts: list[list[str]] = [[] for _ in rids]
-        results: list[dict[str, Any]] = [
+        results: list[JSONObject] = [
             {"text": "", "output_ids": [], "meta_info": {}} for _ in rids]
         for d in self._stream(q, rids):
             texts[d.index].append(d.text)
@@ -143,7 +152,7 @@ class Engine:
         return results if batched else results[0]
 
     @staticmethod
-    def _chunks(deltas: Generator[Delta, None, None]) -> Iterator[dict[str, Any]]:
+    def _chunks(deltas: Generator[Delta, None, None]) -> Iterator[JSONObject]:
         try:
             for d in deltas:
                 yield sglang_chunk(d)
@@ -181,11 +190,13 @@ class Engine:
 
     # -- control ---------------------------------------------------------------------------------
 
-    def stats(self, timeout: float = 60.0) -> dict[str, Any]:
+    def stats(self, timeout: float = 60.0) -> JSONObject:
         """The scheduler's figures, answered between steps (EngineError after `timeout`)."""
-        return self.client.rpc("stats", timeout)
+        stats = self.client.rpc("stats", timeout)
+        assert isinstance(stats, dict)
+        return stats
 
-    def heartbeat_stats(self) -> dict[str, Any] | None:
+    def heartbeat_stats(self) -> JSONObject | None:
         """The figures the worker published between its last steps (its latest heartbeat)."""
         beat = self.client.heartbeat
         return beat.stats if beat is not None else None
@@ -221,18 +232,18 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _meta(d: Delta) -> dict[str, Any]:
+def _meta(d: Delta) -> JSONObject:
     """SGLang's meta_info counts of a request, final on its last delta."""
     return {"id": d.rid, "finish_reason": None if d.finish is None else to_json(d.finish),
             "prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
             "cached_tokens": d.cached_tokens}
 
 
-def _add_logprobs(meta: dict[str, Any], d: Delta) -> None:
+def _add_logprobs(meta: JSONObject, d: Delta) -> None:
     """SGLang's output_token_logprobs ([logprob, token id] per token) and output_top_logprobs
     ([[logprob, token id], ...] per token), extended by one delta's."""
     if d.logprobs is None:
@@ -243,7 +254,7 @@ def _add_logprobs(meta: dict[str, Any], d: Delta) -> None:
         [(v, t) for t, v in lp.top] for lp in d.logprobs)
 
 
-def sglang_chunk(d: Delta) -> dict[str, Any]:
+def sglang_chunk(d: Delta) -> JSONObject:
     """One streamed chunk of the offline API (Engine.generate(stream=True)) from a delta."""
     meta = _meta(d)
     _add_logprobs(meta, d)
@@ -251,7 +262,7 @@ def sglang_chunk(d: Delta) -> dict[str, Any]:
             "finish_reason": meta["finish_reason"], "meta_info": meta}
 
 
-def _load_tokenizer(args: ServerArgs) -> Any:
+def _load_tokenizer(args: ServerArgs) -> Tokenizer:
     """The same tokenizer the worker's loader uses."""
     from core.engine.loader import load_tokenizer
 

@@ -5,13 +5,18 @@ enforce. Each check raises ValueError naming the problem."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.contract.grammar import check_constraint
 from core.engine.sampling import SamplingParams
 from core.engine.scheduler import check_fits
 from core.plan.plan import Plan
 from core.plan.registry import get_registry
+
+if TYPE_CHECKING:
+    from core.contract.grammar import Constraint
+    from core.messages import EngineInfo
+    from core.tokenizer import Tokenizer
 
 # what turns structured output on after the quick start (pyproject.toml's `grammar` extra)
 GRAMMAR_EXTRA_HINT = ("install a grammar backend: pip install 'core-serve[grammar]' (from a clone: "
@@ -21,12 +26,12 @@ GRAMMAR_EXTRA_HINT = ("install a grammar backend: pip install 'core-serve[gramma
 class RequestChecks:
     """The client's checks for one engine: its plan (the grammar backend) and tokenizer."""
 
-    def __init__(self, plan: Plan, tokenizer: Any):
+    def __init__(self, plan: Plan, tokenizer: Tokenizer):
         self.plan = plan
         self.tokenizer = tokenizer
 
     def prepare(self, prompt: str | None, input_ids: list[int] | None,
-                params: SamplingParams | dict | None, info: Any
+                params: SamplingParams | dict | None, info: EngineInfo
                 ) -> tuple[list[int], SamplingParams]:
         """(input ids, sampling params) of a valid n = 1 request; `info` is the engine's
         core.messages.EngineInfo (vocabulary, context, pool)."""
@@ -51,7 +56,7 @@ class RequestChecks:
             self.check_constraint(p.constraint, info)
         return input_ids, p
 
-    def check_constraint(self, constraint: Any, info: Any) -> None:
+    def check_constraint(self, constraint: Constraint, info: EngineInfo) -> None:
         """Raise ValueError (core.contract.grammar.GrammarError) naming the problem when the engine's
         grammar backend cannot enforce this constraint (its shape, the size limits, what the
         backend declares), or structured output is off. Checked here, before admission, so

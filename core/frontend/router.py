@@ -44,7 +44,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from core import messages as ipc
 from core.engine.sampling import SamplingParams
@@ -52,6 +52,11 @@ from core.frontend.client import EngineClient, EngineError, RequestStreams, Star
 from core.frontend.delta import Delta
 from core.plan.args import ServerArgs
 from core.plan.plan import Plan
+
+if TYPE_CHECKING:
+    from core.contract.grammar import Constraint
+    from core.contract.json_types import JSON, JSONObject
+    from core.tokenizer import Tokenizer
 
 MIN_CHUNK_TOKENS = 16  # prefix_aware's block: at least this, at least one KV page
 RECORD_CAPACITY = 1 << 16  # blocks remembered per replica (1M tokens at 16 per block)
@@ -201,11 +206,11 @@ def client_failure(client: EngineClient) -> str | None:
     return ranks() if ranks is not None else None
 
 
-def merge_stats(replicas: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_stats(replicas: list[JSONObject]) -> JSONObject:
     """The engine's figures from each replica's: numbers (and dicts of numbers) summed, the
     ones that do not add up kept where every replica agrees; `replicas` holds each one's."""
-    total: dict[str, Any] = {}
-    same: dict[str, set] = {}
+    total: JSONObject = {}
+    same: dict[str, set[JSON]] = {}
     for r in replicas:
         for k, v in r.items():
             if k in _PER_REPLICA:
@@ -224,7 +229,7 @@ def merge_stats(replicas: list[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
-def _add(a: Any, b: Any) -> Any:
+def _add(a: JSON, b: JSON) -> JSON:
     if isinstance(b, bool):
         return a if a is not None else b
     if isinstance(b, (int, float)):
@@ -241,7 +246,7 @@ class ReplicaSet(RequestStreams):
     """N engine replicas (worker processes) behind EngineClient's interface; see the module
     docstring for how a request finds its replica and what a dead one means."""
 
-    def __init__(self, args: ServerArgs, plan: Plan, tokenizer: Any, *,
+    def __init__(self, args: ServerArgs, plan: Plan, tokenizer: Tokenizer, *,
                  started: Sequence[StartedWorker] | None = None, start_timeout: float = 900.0,
                  policy: Policy | None = None):
         """`args.dp_size` replicas of (`args`, `plan`); `started`: one prestarted worker per
@@ -310,7 +315,7 @@ class ReplicaSet(RequestStreams):
     def __enter__(self) -> ReplicaSet:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -328,7 +333,7 @@ class ReplicaSet(RequestStreams):
         """Tokenize and validate (ValueError naming the problem); the same for every replica."""
         return self.replicas[0].prepare(prompt, input_ids, params)
 
-    def check_constraint(self, constraint: Any) -> None:
+    def check_constraint(self, constraint: Constraint) -> None:
         self.replicas[0].check_constraint(constraint)
 
     def submit_prepared(self, ids: list[int], p: SamplingParams, *, rid: str | None = None,
@@ -394,13 +399,13 @@ class ReplicaSet(RequestStreams):
 
     # -- control -----------------------------------------------------------------------------
 
-    def _meta(self, i: int) -> dict[str, Any]:
+    def _meta(self, i: int) -> JSONObject:
         with self._lock:
             load, routed = self._loads[i], self.routed[i]
         return {"dp_rank": i, "alive": self.replicas[i].health(), "in_flight": load,
                 "routed": routed}
 
-    def _replica_stats(self, i: int, timeout: float) -> dict[str, Any]:
+    def _replica_stats(self, i: int, timeout: float) -> JSONObject:
         c = self.replicas[i]
         meta = self._meta(i)
         if not meta["alive"]:
@@ -413,7 +418,7 @@ class ReplicaSet(RequestStreams):
                 return meta
             return {**beat.stats, **meta, "stale": True}
 
-    def rpc(self, op: str, timeout: float = 60.0) -> Any:
+    def rpc(self, op: str, timeout: float = 60.0) -> JSON:
         """`op` on every replica at once. "stats": merge_stats of theirs (a busy replica's from
         its last heartbeat; EngineError when none answers); other ops: their results, in
         replica order (EngineError naming the first replica that failed)."""
@@ -433,8 +438,10 @@ class ReplicaSet(RequestStreams):
                 raise EngineError(f"data-parallel replica {i}: {e}") from e
         return results
 
-    def stats(self) -> dict[str, Any]:
-        return self.rpc("stats")
+    def stats(self) -> JSONObject:
+        stats = self.rpc("stats")
+        assert isinstance(stats, dict)  # (merge_stats')
+        return stats
 
     def check_accounting(self) -> None:
         """Every replica asserts its KV page accounting (EngineError naming one that fails)."""
@@ -446,7 +453,7 @@ class ReplicaSet(RequestStreams):
             self.policy.forget()
 
 
-def _start_all(args: ServerArgs, plan: Plan, tokenizer: Any,
+def _start_all(args: ServerArgs, plan: Plan, tokenizer: Tokenizer,
                started: Sequence[StartedWorker] | None, timeout: float) -> list[EngineClient]:
     """The N clients, started in parallel; if one fails, the others are stopped and its error
     raised (naming the replica)."""

@@ -20,12 +20,17 @@ import asyncio
 import concurrent.futures
 import os
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.frontend.delta import Delta
 from core.plan.args import ServerArgs
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError, invalid
+
+if TYPE_CHECKING:
+    from core.contract.json_types import JSONObject
+    from core.frontend.offline import Engine
+    from core.tokenizer import Tokenizer
 
 HEARTBEAT_STALE_S = 10.0  # no heartbeat for this long (sent every second): the worker is wedged
 STATS_RPC_TIMEOUT_S = 1.0  # longer than this, a step is running: use the heartbeat's figures
@@ -34,7 +39,7 @@ STATS_RPC_TIMEOUT_S = 1.0  # longer than this, a step is running: use the heartb
 class TokenizerAdapter:
     """core.tokenizer.Tokenizer under the server's TokenizerLike protocol."""
 
-    def __init__(self, tok: Any, vocab_size: int):
+    def __init__(self, tok: Tokenizer, vocab_size: int):
         self.tok = tok
         self.vocab_size = vocab_size  # the model's (ids the engine accepts)
 
@@ -55,10 +60,10 @@ class TokenizerAdapter:
     def chat_template(self) -> str | None:
         return self.tok.chat_template
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+    def apply_chat_template(self, messages: list[JSONObject], *,
                             chat_template: str | None = None,
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[JSONObject] | None = None) -> str:
         # --chat-template was already given to the tokenizer when it was loaded
         return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                             tools=tools)
@@ -76,7 +81,7 @@ def _served_name(args: ServerArgs, model_path: str) -> str:
 class EngineAdapter:
     """The server's engine: wraps core.frontend.offline.Engine (which owns the worker process)."""
 
-    def __init__(self, engine: Any, model_name: str):
+    def __init__(self, engine: Engine, model_name: str):
         self.engine = engine  # its public methods only (core.frontend.offline.Engine)
         info = engine.info
         self.info = info
@@ -98,7 +103,7 @@ class EngineAdapter:
 
     # -- facts ----------------------------------------------------------------------------------
 
-    def plan_dict(self) -> dict[str, Any] | None:
+    def plan_dict(self) -> JSONObject | None:
         return self.plan.to_dict() if self.plan is not None else None
 
     def describe_plan(self) -> str:
@@ -116,7 +121,7 @@ class EngineAdapter:
             text = "\n".join(lines)
         return text
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> JSONObject:
         args = self.engine.args
         spec = getattr(self.engine, "spec", None)
         return {"model_path": args.model_path,
@@ -131,7 +136,7 @@ class EngineAdapter:
                 **({"dp_size": args.dp_size, "load_balance_method": args.load_balance_method}
                    if args.dp_size > 1 else {})}
 
-    def validate_sampling(self, sampling: dict[str, Any]) -> None:
+    def validate_sampling(self, sampling: JSONObject) -> None:
         from core.engine.sampling import SamplingParams
 
         SamplingParams.from_dict(sampling).check_vocab(self.tokenizer.vocab_size)
@@ -223,7 +228,7 @@ class EngineAdapter:
         return (not self._closed and self.engine.health()
                 and self.engine.heartbeat_age() < HEARTBEAT_STALE_S)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> JSONObject:
         try:
             s = await asyncio.wrap_future(self._rpc.submit(self.engine.stats,
                                                            STATS_RPC_TIMEOUT_S))
@@ -265,7 +270,7 @@ def _constraint_param(req: GenRequest, message: str) -> str | None:
     return source if source and message.startswith(source) else None
 
 
-def _figures(s: dict[str, Any]) -> dict[str, Any]:
+def _figures(s: JSONObject) -> JSONObject:
     """The server's names for a scheduler's figures (core.engine.scheduler.Scheduler.stats)."""
     total, free = s.get("total_pages", 0), s.get("free_pages", 0)
     # pages held by requests; reusable prefix-cache pages count as free (as SGLang counts)

@@ -1,7 +1,7 @@
 """The server's view of an engine: a small protocol the HTTP layer is written against.
 
 The real engine client (core.frontend.offline) is wrapped by `core.server.adapter.EngineAdapter`; tests use
-`core.server.testing.FakeEngine`. Nothing here imports torch.
+`conformance.server_kit.FakeEngine`.
 
 Output. `EngineLike.generate(req)` yields `core.frontend.delta.Delta`s, one per step that
 produced output for the request: its new text and token ids (and their logprobs when
@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from core.frontend.delta import Delta
+
+if TYPE_CHECKING:
+    from core.contract.json_types import JSONObject
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class GenRequest:
     # max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, frequency_penalty,
     # presence_penalty, repetition_penalty, stop, stop_token_ids, ignore_eos, seed,
     # skip_special_tokens -- only the keys the client gave, plus max_new_tokens (always set)
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: JSONObject = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -56,10 +59,10 @@ class TokenizerLike(Protocol):
         token holds, so this is not `decode([token_id])`)."""
         ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+    def apply_chat_template(self, messages: list[JSONObject], *,
                             chat_template: str | None = None,
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[JSONObject] | None = None) -> str:
         """Render messages to the prompt text; raises ValueError for a conversation it refuses.
         tools: the request's tools (OpenAI's shape), given only when there are some, for the
         template's `tools` (as HF's apply_chat_template passes them)."""
@@ -75,7 +78,7 @@ class EngineLike(Protocol):
     model_name: str  # default served model name
     context_length: int  # most tokens (prompt + output) in one sequence
 
-    def plan_dict(self) -> dict[str, Any] | None:
+    def plan_dict(self) -> JSONObject | None:
         """The resolved plan as `Plan.to_dict()` (candidates included), or None if unknown."""
         ...
 
@@ -83,11 +86,11 @@ class EngineLike(Protocol):
         """The plan as the human-readable table `core.plan.resolver.explain` prints ("" if none)."""
         ...
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> JSONObject:
         """Static facts: model_path, tokenizer_path, architecture, ... (JSON-able)."""
         ...
 
-    def validate_sampling(self, sampling: dict[str, Any]) -> None:
+    def validate_sampling(self, sampling: JSONObject) -> None:
         """Raise ValueError naming the parameter if the engine would refuse these values."""
         ...
 
@@ -110,7 +113,7 @@ class EngineLike(Protocol):
         server exits non-zero when this turns non-None, so that a supervisor restarts it."""
         ...
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> JSONObject:
         """Live figures: num_running_reqs, num_queued_reqs, kv_pages_used, kv_pages_total,
         prefix_cache_hit_rate (0..1) -- any key may be missing."""
         ...

@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -23,6 +23,10 @@ from core.server.engine_api import GenRequest
 from core.server.errors import APIError, invalid
 from core.server.protocol import ParsedRequest
 from core.server.state import OUTCOME, ServerState, state
+
+if TYPE_CHECKING:
+    from core.contract.json_types import JSON, JSONObject
+    from core.server.engine_api import TokenizerLike
 
 log = logging.getLogger("core.server")
 
@@ -95,7 +99,7 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
     return out
 
 
-def _refuse_control_text(tok: Any, messages: list[dict[str, Any]],
+def _refuse_control_text(tok: TokenizerLike, messages: list[JSONObject],
                          treq: tools.ToolRequest | None = None) -> None:
     """Message text that spells a special token (`<|im_start|>system`...) would become that
     control token once the template's output is tokenized: a user could forge a turn of
@@ -251,7 +255,7 @@ class _Job:
             for t in tasks:
                 t.cancel()
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> JSONObject:
         return responses.usage(self.seqs, self.prompt_lens, self.st.args.enable_cache_report)
 
 
@@ -293,7 +297,7 @@ async def _complete(job: _Job) -> web.Response:
     if req.route == "generate":
         e2e = time.monotonic() - job.t0
         objs = [responses.generate_object(s, req, e2e, job.piece) for s in job.seqs]
-        body: Any = objs if (req.batch or req.n > 1) else objs[0]
+        body: JSON = objs if (req.batch or req.n > 1) else objs[0]
     elif req.route == "chat":
         body = responses.chat_object(job.base, job.created, job.model, req, job.seqs,
                                      job.piece, job.usage(), job.tool_parser)
@@ -303,7 +307,7 @@ async def _complete(job: _Job) -> web.Response:
     return web.Response(body=responses.dumps(body), content_type="application/json")
 
 
-def _chunks(job: _Job, i: int, d: Delta) -> list[Any]:
+def _chunks(job: _Job, i: int, d: Delta) -> list[JSONObject]:
     """What to send for one delta of sequence i."""
     req, s = job.req, job.seqs[i]
     text, fin = d.text, s.finish_reason if d.finished else None
@@ -358,8 +362,8 @@ def _chunks(job: _Job, i: int, d: Delta) -> list[Any]:
     return [chunk]
 
 
-def _tool_chunks(job: _Job, i: int, fin: str | None, lp: dict[str, Any] | None
-                 ) -> list[Any]:
+def _tool_chunks(job: _Job, i: int, fin: str | None, lp: JSONObject | None
+                 ) -> list[JSONObject]:
     """Chunks of a choice whose answer is read for tool calls: the text so far re-parsed, what
     is new sent (content, a call's header, argument fragments); logprobs ride on the first
     chunk, the finish reason on the last."""

@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.frontend.delta import Delta
 from core.messages import TokenLogprob
 from core.server.protocol import ParsedRequest
 from core.server.tools import final_message
+
+if TYPE_CHECKING:
+    from core.contract.json_types import JSON, JSONObject
+    from core.server.tools import CallReader
 
 Piece = Callable[[int], bytes]  # token id -> the bytes it stands for (TokenizerLike.token_bytes)
 # a token and its logprob with the top alternatives; None for the first prompt token (it has none)
@@ -33,12 +37,12 @@ def token_text(piece: bytes) -> str:
         return "bytes:" + piece.decode("utf-8", "backslashreplace")
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: JSON) -> bytes:
     # UTF-8 out; a stray surrogate cannot reach here from input (rejected), 'replace' is a guard
     return json.dumps(obj, ensure_ascii=False).encode("utf-8", "replace")
 
 
-def sse(obj: Any) -> bytes:
+def sse(obj: JSON | bytes) -> bytes:
     return b"data: " + (obj if isinstance(obj, bytes) else dumps(obj)) + b"\n\n"
 
 
@@ -95,11 +99,11 @@ class SeqOut:
 
 
 def usage(seqs: Sequence[SeqOut], prompt_lens: Sequence[int], cache_report: bool,
-          cached_by_prompt: dict[int, int] | None = None) -> dict[str, Any]:
+          cached_by_prompt: dict[int, int] | None = None) -> JSONObject:
     # prompt tokens count once per prompt, not once per choice (as OpenAI reports n > 1)
     prompt = sum(prompt_lens)
     completion = sum(s.completion_tokens for s in seqs)
-    u: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+    u: JSONObject = {"prompt_tokens": prompt, "completion_tokens": completion,
                          "total_tokens": prompt + completion}
     if cache_report:
         cached = cached_by_prompt or {}
@@ -125,7 +129,7 @@ def echo_entries(s: SeqOut, top: int) -> list[Entry]:
 
 
 def completion_logprobs(entries: Sequence[Entry], piece: Piece, offset: int
-                        ) -> dict[str, Any]:
+                        ) -> JSONObject:
     """OpenAI's legacy shape. `top_logprobs` holds the top alternatives and, as OpenAI's does,
     the sampled token too (so logprobs=0 gives {sampled: logprob}); `text_offset` counts the
     characters before each token (the tokens of a character split over several all sit at
@@ -151,9 +155,9 @@ def completion_logprobs(entries: Sequence[Entry], piece: Piece, offset: int
             "text_offset": offsets}
 
 
-def chat_logprobs(entries: Sequence[Entry], piece: Piece) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[Entry], piece: Piece) -> JSONObject:
     """Chat's shape: per token its text, logprob and bytes, and its top alternatives alike."""
-    def one(tid: int, lp: float) -> dict[str, Any]:
+    def one(tid: int, lp: float) -> JSONObject:
         raw = piece(tid)
         return {"token": token_text(raw), "logprob": lp, "bytes": list(raw)}
 
@@ -167,14 +171,14 @@ def chat_logprobs(entries: Sequence[Entry], piece: Piece) -> dict[str, Any]:
     return {"content": content}
 
 
-def vllm_prompt_logprobs(s: SeqOut, piece: Piece) -> list[Any] | None:
+def vllm_prompt_logprobs(s: SeqOut, piece: Piece) -> list[JSON] | None:
     """vLLM's prompt_logprobs: null for the first prompt token, then per token
     {token id: {"logprob", "rank", "decoded_token"}} holding the prompt token and its top
     alternatives (rank: 1-based among the vocabulary; null for a prompt token outside the
     top alternatives, whose rank is not computed)."""
     if s.prompt_logprobs is None:
         return None
-    out: list[Any] = [None] if s.prompt_ids else []
+    out: list[JSON] = [None] if s.prompt_ids else []
     for tid, e in prompt_entries(s)[1:]:
         assert e is not None  # only the first prompt token has none
         d = {str(t): {"logprob": lp, "rank": r, "decoded_token": token_text(piece(t))}
@@ -185,8 +189,8 @@ def vllm_prompt_logprobs(s: SeqOut, piece: Piece) -> list[Any] | None:
     return out
 
 
-def _extras(choice: dict[str, Any], s: SeqOut, req: ParsedRequest, piece: Piece,
-            prompt_side: bool) -> dict[str, Any]:
+def _extras(choice: JSONObject, s: SeqOut, req: ParsedRequest, piece: Piece,
+            prompt_side: bool) -> JSONObject:
     """vLLM's extra response fields a request asked for: prompt_logprobs, token ids (the
     prompt's on the choice for completions, on the response for chat: prompt_side)."""
     if req.return_token_ids:
@@ -199,8 +203,8 @@ def _extras(choice: dict[str, Any], s: SeqOut, req: ParsedRequest, piece: Piece,
 
 
 def completion_object(rid: str, created: int, model: str, req: ParsedRequest,
-                      seqs: list[SeqOut], piece: Piece, use: dict[str, Any]
-                      ) -> dict[str, Any]:
+                      seqs: list[SeqOut], piece: Piece, use: JSONObject
+                      ) -> JSONObject:
     choices = []
     for s in seqs:
         prefix = s.prompt_text if req.echo and s.prompt_text is not None else ""
@@ -217,11 +221,11 @@ def completion_object(rid: str, created: int, model: str, req: ParsedRequest,
 
 
 def chat_object(rid: str, created: int, model: str, req: ParsedRequest, seqs: list[SeqOut],
-                piece: Piece, use: dict[str, Any], tool_parser: Any = None) -> dict[str, Any]:
+                piece: Piece, use: JSONObject, tool_parser: CallReader | None = None) -> JSONObject:
     """tool_parser: what reads each answer for tool calls (core.server.tools), or None."""
     choices = []
     for s in seqs:
-        message: dict[str, Any] = {"role": "assistant", "content": s.full_text}
+        message: JSONObject = {"role": "assistant", "content": s.full_text}
         finish = s.finish_reason
         if tool_parser is not None:
             message, finish = final_message(tool_parser, req.tools, s.full_text, finish)
@@ -234,10 +238,10 @@ def chat_object(rid: str, created: int, model: str, req: ParsedRequest, seqs: li
     return {**body, **chat_prompt_fields(seqs[0], req, piece)} if seqs else body
 
 
-def chat_prompt_fields(s: SeqOut, req: ParsedRequest, piece: Piece) -> dict[str, Any]:
+def chat_prompt_fields(s: SeqOut, req: ParsedRequest, piece: Piece) -> JSONObject:
     """Chat's response-level extras (vLLM): prompt_token_ids and prompt_logprobs (one prompt,
     so the same for every choice)."""
-    out: dict[str, Any] = {}
+    out: JSONObject = {}
     if req.return_token_ids:
         out["prompt_token_ids"] = list(s.prompt_ids)
     if req.prompt_logprobs is not None:
@@ -246,7 +250,7 @@ def chat_prompt_fields(s: SeqOut, req: ParsedRequest, piece: Piece) -> dict[str,
 
 
 def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
-                  ) -> dict[str, Any]:
+                  ) -> JSONObject:
     finish = None
     if s.finished:
         finish = {"type": s.finish_reason}
@@ -254,7 +258,7 @@ def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
             finish["matched"] = s.matched_stop
         if s.finish_reason == "length":
             finish["length"] = s.completion_tokens
-    meta: dict[str, Any] = {"id": s.rid, "finish_reason": finish,
+    meta: JSONObject = {"id": s.rid, "finish_reason": finish,
                             "prompt_tokens": s.prompt_tokens,
                             "completion_tokens": s.completion_tokens or len(s.token_ids),
                             "cached_tokens": s.cached_tokens}
@@ -279,27 +283,27 @@ def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
 
 
 def generate_object(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
-                    ) -> dict[str, Any]:
+                    ) -> JSONObject:
     return {"text": s.full_text, "output_ids": list(s.token_ids),
             "meta_info": generate_meta(s, req, e2e, piece)}
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
-                     finish_reason: str | None, logprobs: dict[str, Any] | None
-                     ) -> dict[str, Any]:
+                     finish_reason: str | None, logprobs: JSONObject | None
+                     ) -> JSONObject:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
 
 
-def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any],
-               finish_reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: JSONObject,
+               finish_reason: str | None, logprobs: JSONObject | None) -> JSONObject:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
 
 
-def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict[str, Any]
-                ) -> dict[str, Any]:
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: JSONObject
+                ) -> JSONObject:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
             "usage": use}

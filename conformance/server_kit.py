@@ -1,4 +1,6 @@
-"""A deterministic in-process engine for testing the server without a model (no torch).
+"""The server's test kit: a deterministic in-process engine (no model), a server thread,
+raw HTTP helpers and soak traffic, for testing the HTTP layer without a model (moved from
+core.server.testing: it is not the serving core).
 
 FakeEngine speaks `EngineLike`. Its tokenizer is byte-level (id = byte + 3; 0 pad, 1 bos, 2 eos).
 Its greedy "model" answers with the bytes of `reply` (default "hello world "), repeated, one
