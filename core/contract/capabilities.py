@@ -509,7 +509,11 @@ class ToolParserCaps(_Frozen):
 
 KINDS = ("hardware", "attention", "moe", "quant", "models", "layer_ops", "grammar",
          "tool_parser")
-CAPS_TYPES: dict[str, type] = {
+# the caps of any kind (a registration holds its kind's: CAPS_TYPES[kind])
+Caps = (HardwareCaps | AttentionCaps | MoECaps | QuantCaps | ModelCaps | LayerOpsCaps
+        | GrammarCaps | ToolParserCaps)
+
+CAPS_TYPES: dict[str, type[Caps]] = {
     "hardware": HardwareCaps,
     "attention": AttentionCaps,
     "moe": MoECaps,

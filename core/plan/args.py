@@ -12,7 +12,9 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
@@ -22,7 +24,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 DISABLE_FUSED_OPS_ENV = "CORE_DISABLE_FUSED_OPS"  # =1: --layer-ops torch unless the flag is given
 
 
-def _f(default: Any, group: str, help: str, **kw: Any) -> Any:
+def _f(default: T, group: str, help: str, **kw: object) -> T:
     return field(default=default, metadata={"group": group, "help": help, **kw})
 
 
@@ -158,7 +160,8 @@ def add_cli_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = tupl
 _ARG_TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
 
 
-def from_namespace(ns: argparse.Namespace, base: dict[str, Any] | None = None) -> ServerArgs:
+def from_namespace(ns: argparse.Namespace, base: dict[str, object] | None = None
+                   ) -> ServerArgs:
     """Build ServerArgs from a YAML-file dict (if any) overridden by the flags that were given."""
     values = dict(base or {})
     names = {f.name for f in dataclasses.fields(ServerArgs)}
@@ -187,7 +190,7 @@ def apply_environment(args: ServerArgs, environ: Mapping[str, str] | None = None
     return args
 
 
-def load_yaml_config(path: str) -> dict[str, Any]:
+def load_yaml_config(path: str) -> dict[str, object]:
     import yaml
 
     with open(path) as fh:

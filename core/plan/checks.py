@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from core.contract.capabilities import (
     AttentionCaps,
@@ -34,11 +34,29 @@ from core.plan.quant_scheme import QuantScheme
 # target's Platform gives (a vendor's own target included).
 ANY_DEVICE = "*"
 
+
+class DeviceNeeds(Protocol):
+    """The caps fields check_device reads: those of every backend kind but hardware, models and
+    tool parsers (attention, MoE, quant, layer ops, grammar)."""
+
+    @property
+    def devices(self) -> frozenset[str]: ...
+
+    @property
+    def capability(self) -> Mapping[str, CapabilityRange]: ...
+
+    @property
+    def cpu_isa(self) -> frozenset[str]: ...
+
+    @property
+    def requires(self) -> tuple[str, ...]: ...
+
+
 # How a device target's capability numbers are spelled in a reason.
 _CAPABILITY_WORD = {"cuda": "CUDA", "rocm": "ROCm", "xpu": "XPU", "npu": "NPU"}
 
 
-def _join(values: Iterable[Any]) -> str:
+def _join(values: Iterable[object]) -> str:
     items = sorted(str(v) for v in values)
     return ", ".join(items) if items else "none"
 
@@ -92,7 +110,7 @@ def _capability_reason(target: str, rng: CapabilityRange, device: DeviceInfo) ->
     return f"needs {word} {need} (device is {have})"
 
 
-def check_device(caps: Any, device: DeviceInfo) -> list[str]:
+def check_device(caps: DeviceNeeds, device: DeviceInfo) -> list[str]:
     """Reasons shared by every backend kind: target, capability range, CPU ISA, packages."""
     reasons: list[str] = []
     if ANY_DEVICE not in caps.devices and device.target not in caps.devices:

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any
 
 from core.contract.capabilities import DeviceInfo
 from core.contract.platform import with_graph_support
@@ -29,7 +28,7 @@ _SM100 = (*_SM89, "fp4")
 
 def _gpu(target: str, name: str, arch: str, capability: int | None, memory: int,
          features: tuple[str, ...], vendor: str, dist: str, device_type: str = "cuda",
-         **extra: Any) -> DeviceInfo:
+         **extra: object) -> DeviceInfo:
     # graph_capture: what the target's Platform declares (select_device re-derives it from the
     # Platform; a test checks the two agree): CUDA and ROCm capture, XPU and NPU do not yet.
     return DeviceInfo(target=target, device_type=device_type, name=name, vendor=vendor, count=1,
@@ -38,7 +37,8 @@ def _gpu(target: str, name: str, arch: str, capability: int | None, memory: int,
                       extra=extra)
 
 
-def _cpu(name: str, vendor: str, memory: int, features: tuple[str, ...], **extra: Any) -> DeviceInfo:
+def _cpu(name: str, vendor: str, memory: int, features: tuple[str, ...], **extra: object
+         ) -> DeviceInfo:
     return DeviceInfo(target="cpu", device_type="cpu", name=name, vendor=vendor, count=1,
                       arch="x86_64", memory_bytes=memory, features=features, dist_backend="gloo",
                       graph_capture=False, simulated=True, extra=extra)
@@ -88,7 +88,7 @@ def _known() -> str:
     return ", ".join(sorted(PROFILES))
 
 
-def _check_type(key: str, value: Any, path: str) -> None:
+def _check_type(key: str, value: object, path: str) -> None:
     """Type-check one JSON field against DeviceInfo; raise ValueError naming it."""
     def bad(want: str) -> ValueError:
         return ValueError(f"device profile {path}: {key!r} must be {want}, got {value!r}")
@@ -121,7 +121,7 @@ def _check_type(key: str, value: Any, path: str) -> None:
         raise bad("an object")
 
 
-def profile_from_dict(data: Any, source: str = "<dict>") -> DeviceInfo:
+def profile_from_dict(data: object, source: str = "<dict>") -> DeviceInfo:
     """Build a simulated DeviceInfo from a mapping of DeviceInfo fields (JSON-shaped)."""
     if not isinstance(data, dict):
         raise ValueError(f"device profile {source}: expected a JSON object of DeviceInfo fields, "
@@ -172,9 +172,9 @@ def load_profile(name_or_path: str) -> DeviceInfo:
                      f"(a name may end in xN for N devices, e.g. h100x8), or give a JSON file")
 
 
-def profile_to_json(info: DeviceInfo) -> dict[str, Any]:
+def profile_to_json(info: DeviceInfo) -> dict[str, object]:
     """The JSON-ready form of a DeviceInfo; load_profile reads it back (as simulated)."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for name in _FIELDS:
         value = getattr(info, name)
         if name == "features":

@@ -26,7 +26,11 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
+
+from core.contract.json_types import JSON
+
+T = TypeVar("T")
 
 
 def _root() -> Path | None:
@@ -68,12 +72,11 @@ def package_versions(*names: str) -> str:
     return "-".join(out)
 
 
-def cached(gguf_path: str, part: str, marker: str, build: Callable[[], Any],
-           load: Callable[[str], Any],
-           save: Callable[[Any, str], None] | None = None) -> Any:
+def cached(gguf_path: str, part: str, marker: str, build: Callable[[], T],
+           load: Callable[[str], T], save: Callable[[T, str], None] | None = None) -> T:
     """`load(dir)` of the cached `part` ("config" / "tokenizer"), or `build()` saved there
-    (by `save(obj, dir)`, else obj.save_pretrained(dir)). `marker` is the file whose presence
-    says the part was saved whole."""
+    (by `save(obj, dir)`, else obj.save_pretrained(dir): without `save`, T is a transformers
+    object). `marker` is the file whose presence says the part was saved whole."""
     where = entry(gguf_path)
     if where is not None:
         target = where / part
@@ -102,15 +105,15 @@ def cached(gguf_path: str, part: str, marker: str, build: Callable[[], Any],
     return obj
 
 
-def cached_json(gguf_path: str, part: str, build: Callable[[], Any]) -> Any:
+def cached_json(gguf_path: str, part: str, build: Callable[[], JSON]) -> JSON:
     """The JSON value cached as `part` of this file's entry, or `build()` (a JSON value)
     saved there. A build that raises is not cached (the error propagates)."""
 
-    def save(value: Any, where: str) -> None:
+    def save(value: JSON, where: str) -> None:
         with open(os.path.join(where, "value.json"), "w", encoding="utf-8") as fh:
             json.dump(value, fh)
 
-    def load(where: str) -> Any:
+    def load(where: str) -> JSON:
         with open(os.path.join(where, "value.json"), encoding="utf-8") as fh:
             return json.load(fh)
 

@@ -13,9 +13,14 @@ import os
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
+
+from core.contract.json_types import JSONObject
 
 GGUF_MAGIC = b"GGUF"
+# a header value: a scalar (integer, float, bool), a string, or an array of one of those
+GGUFScalar: TypeAlias = int | float | bool | str
+GGUFValue: TypeAlias = int | float | bool | str | list[int | float | bool] | list[str]
 # scalar value types: id -> struct format char
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -65,7 +70,7 @@ class GGUFMetadata:
 
     path: str
     version: int
-    fields: dict[str, Any]
+    fields: dict[str, GGUFValue]
     array_lengths: dict[str, int] = field(default_factory=dict)  # every array field, long or not
     tensor_types: dict[str, int] = field(default_factory=dict)  # tensor name -> ggml type id
     # tensor name -> (dims innermost-first, ggml type id, byte offset in the file)
@@ -80,7 +85,7 @@ class _Cursor:
     def __init__(self, buf: mmap.mmap, order: str, path: str):
         self.buf, self.pos, self.order, self.path = buf, 0, order, path
 
-    def unpack(self, fmt: str) -> Any:
+    def unpack(self, fmt: str) -> Any:  # int, float or bool as `fmt` says
         fmt = self.order + fmt
         size = struct.calcsize(fmt)
         if self.pos + size > len(self.buf):
@@ -97,7 +102,7 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int) -> GGUFScalar:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
         if vtype == _STRING:
@@ -105,7 +110,7 @@ class _Cursor:
         raise ValueError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
 
 
-def _read_array(cur: _Cursor) -> tuple[Any, int]:
+def _read_array(cur: _Cursor) -> tuple[list[int | float | bool] | list[str] | None, int]:
     """Returns (values or None when skipped, length)."""
     etype, count = cur.unpack("I"), cur.unpack("Q")
     if etype in _SCALARS:
@@ -156,7 +161,7 @@ def read_gguf_metadata(path: str) -> GGUFMetadata:
         cur = _Cursor(buf, order, path)
         cur.pos = 8
         n_tensors, n_kv = cur.unpack("Q"), cur.unpack("Q")
-        fields: dict[str, Any] = {}
+        fields: dict[str, GGUFValue] = {}
         lengths: dict[str, int] = {}
         for _ in range(n_kv):
             key, vtype = cur.string(), cur.unpack("I")
@@ -191,7 +196,7 @@ def _type_name(enum_name: str, value: int) -> str:
         return str(value)
 
 
-def gguf_to_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
+def gguf_to_hf_config(meta: GGUFMetadata) -> JSONObject:
     """A HF-style config dict from GGUF metadata (keys named as in config.json).
 
     `architectures` and `torch_dtype` are left out: a GGUF file names neither (the caller says so).
@@ -201,7 +206,7 @@ def gguf_to_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         raise ValueError(f"{meta.path}: GGUF metadata has no general.architecture")
     f = meta.fields
     prefix = arch + "."
-    cfg: dict[str, Any] = {}
+    cfg: JSONObject = {}
     for suffix, hf_key in _COMMON_KEYS.items():
         value = f.get(prefix + suffix)
         if isinstance(value, list):  # per-layer values: only a uniform one maps to a HF scalar
@@ -243,7 +248,7 @@ def gguf_to_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         cfg["vocab_size"] = meta.array_lengths["tokenizer.ggml.tokens"]
     scaling_type = f.get(prefix + "rope.scaling.type")
     if scaling_type and scaling_type != "none":
-        scaling: dict[str, Any] = {"rope_type": scaling_type}
+        scaling: JSONObject = {"rope_type": scaling_type}
         if (factor := f.get(prefix + "rope.scaling.factor")) is not None:
             scaling["factor"] = factor
         if (orig := f.get(prefix + "rope.scaling.original_context_length")) is not None:
@@ -251,7 +256,7 @@ def gguf_to_hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         cfg["rope_scaling"] = scaling
     # no separate output matrix means the LM head reuses the embedding
     cfg["tie_word_embeddings"] = "output.weight" not in meta.tensor_types
-    quant: dict[str, Any] = {"quant_method": "gguf"}
+    quant: JSONObject = {"quant_method": "gguf"}
     if (file_type := f.get("general.file_type")) is not None:
         quant["file_type"] = _type_name("LlamaFileType", file_type)
     counts = Counter(_type_name("GGMLQuantizationType", t) for t in meta.tensor_types.values())

@@ -13,8 +13,11 @@ import copy
 import dataclasses
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from core.contract.json_types import JSONObject
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -77,10 +80,10 @@ class ModelSpec:
     # (q_lora_rank is None where queries are not compressed, as in DeepSeek-V2-Lite)
     mla: dict[str, int | None] | None = None
     moe: MoESpec | None = None
-    quantization: dict[str, Any] | None = None  # the HF quantization_config as given
+    quantization: JSONObject | None = None  # the HF quantization_config as given
     quant_method: str = "none"  # quantization_config["quant_method"], or "none"
     tie_word_embeddings: bool = False
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: JSONObject | None = None
     intermediate_size: int | None = None  # the dense MLP's (None: not in the config)
     unread: tuple[str, ...] = ()
     source: str = ""
@@ -123,10 +126,10 @@ class _Fields:
     to None when `use_sliding_window` is false, while config.json still holds a number).
     """
 
-    def __init__(self, objs: list[Any], dicts: list[dict[str, Any]], where: str):
+    def __init__(self, objs: list[PretrainedConfig], dicts: list[JSONObject], where: str):
         self.objs, self.dicts, self.where = objs, dicts, where
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str) -> Any:  # whatever the config holds (read by attribute)
         for obj in self.objs:
             try:
                 if hasattr(obj, name):
@@ -147,7 +150,8 @@ class _Fields:
         return None, None
 
 
-def _transformers_config(model_type: str, raw: dict[str, Any]) -> tuple[Any, str | None]:
+def _transformers_config(model_type: str, raw: JSONObject
+                         ) -> tuple[PretrainedConfig | None, str | None]:
     """transformers' config object for `raw`, or (None, why not)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -169,7 +173,7 @@ def _causal_lm_class(model_type: str) -> str | None:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
 
 
-def _dtype_name(value: Any, notes: list[str]) -> str | None:
+def _dtype_name(value: object, notes: list[str]) -> str | None:
     if value is None:
         notes.append("dtype missing: no torch_dtype / dtype in the config")
         return None
@@ -180,7 +184,7 @@ def _dtype_name(value: Any, notes: list[str]) -> str | None:
     return _DTYPE_NAMES[name]
 
 
-def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
+def _rope_scaling(raw: JSONObject) -> JSONObject | None:
     """The config's rope scaling as given (transformers 5 saves it as `rope_parameters`)."""
     scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
     if not isinstance(scaling, dict):
@@ -219,7 +223,7 @@ def _sliding_windows(f: _Fields, num_layers: int, known: bool, notes: list[str],
 
 
 def moe_layer_ids(num_layers: int, sparse_step: int | None = None,
-                  mlp_only_layers: Any = None, first_k_dense: int | None = None
+                  mlp_only_layers: Iterable[int] | None = None, first_k_dense: int | None = None
                   ) -> tuple[int, ...]:
     """The layers holding experts: every `sparse_step`-th (Qwen2-MoE counts from 1), minus
     `mlp_only_layers`, minus the first `first_k_dense` (DeepSeek)."""
@@ -272,8 +276,8 @@ def _moe(f: _Fields, notes: list[str], num_layers: int = 0) -> MoESpec | None:
     )
 
 
-def _quantization(f: _Fields, raw: dict[str, Any],
-                  notes: list[str]) -> tuple[dict[str, Any] | None, str]:
+def _quantization(f: _Fields, raw: JSONObject,
+                  notes: list[str]) -> tuple[JSONObject | None, str]:
     q = raw.get("quantization_config") or f.get("quantization_config")
     if q is None and isinstance(raw.get("compression_config"), dict):
         q = {"quant_method": "compressed-tensors", **raw["compression_config"]}  # older name
@@ -288,7 +292,7 @@ def _quantization(f: _Fields, raw: dict[str, Any],
     return dict(q), str(method).lower()
 
 
-def spec_from_config(config: dict[str, Any] | PretrainedConfig, source: str = "") -> ModelSpec:
+def spec_from_config(config: JSONObject | PretrainedConfig, source: str = "") -> ModelSpec:
     """Derive a ModelSpec from a HF config (a config.json dict or a transformers config)."""
     where = source or "config"
     if isinstance(config, dict):
@@ -309,7 +313,7 @@ def spec_from_config(config: dict[str, Any] | PretrainedConfig, source: str = ""
     known = cfg is not None
 
     # multimodal checkpoints keep the language model's fields in a text config
-    objs: list[Any] = []
+    objs: list[PretrainedConfig] = []
     if cfg is not None:
         try:
             text = cfg.get_text_config()
@@ -419,7 +423,7 @@ def spec_from_config(config: dict[str, Any] | PretrainedConfig, source: str = ""
     )
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def _read_json(path: str) -> JSONObject:
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)

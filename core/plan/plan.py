@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
 
 from core.contract.capabilities import DeviceInfo
 
@@ -50,7 +50,7 @@ class Plan:
     # (core.plan.resolver.resolve_tool_parser), so a plan made without one leaves it None.
     tool_call_parser: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         # Not asdict(self): it deep-copies DeviceInfo.extra, a mappingproxy, which cannot be.
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["device"] = {f.name: getattr(self.device, f.name) for f in fields(self.device)}
@@ -61,7 +61,7 @@ class Plan:
         return d
 
     @classmethod
-    def from_dict(cls, d: Any) -> Plan:
+    def from_dict(cls, d: object) -> Plan:
         """The plan `to_dict` gave (how the worker receives it: resolved once, in the parent);
         ValueError when `d` is not that shape."""
         if not isinstance(d, dict) or not isinstance(d.get("device"), dict):
@@ -79,7 +79,7 @@ class Plan:
             raise ValueError(f"malformed plan: {type(exc).__name__}: {exc}") from None
 
 
-def _check_keys(d: dict[str, Any], cls: type, what: str) -> None:
+def _check_keys(d: Mapping[str, object], cls: type, what: str) -> None:
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:

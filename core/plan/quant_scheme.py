@@ -4,9 +4,11 @@ the method's protocol). Pure: no torch, so plans are made anywhere."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from core.contract.json_types import JSON
 
 # Weight formats a QuantScheme can name (QuantCaps.formats lists those a method computes).
 FORMATS = ("dense", "fp8_block", "fp8_channel", "fp8_tensor", "int8_channel",
@@ -45,7 +47,7 @@ class QuantScheme:
     ignore: tuple[str, ...] = ()
     kv_scales: bool = False
     checkpoint_format: str | None = None  # gptq: "gptq" (zeros stored minus one) or "gptq_v2"
-    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    raw: Mapping[str, JSON] = field(default_factory=dict, compare=False, repr=False)
 
     def describe(self) -> str:
         if self.format == "dense" or self.format not in FORMATS and not self.online:
@@ -78,7 +80,7 @@ def online_scheme(fmt: str, activations: str = "dynamic", weight_bits: int | Non
                        online=True)
 
 
-def parse_quant_config(q: Mapping[str, Any] | None) -> QuantScheme:
+def parse_quant_config(q: Mapping[str, JSON] | None) -> QuantScheme:
     """The scheme a HF `quantization_config` describes; ValueError for what no format here
     can hold (the message names the field)."""
     if not q:
@@ -105,10 +107,11 @@ def parse_quant_config(q: Mapping[str, Any] | None) -> QuantScheme:
     return QuantScheme(method=method, format=method, raw=q)
 
 
-def _names(value: Any) -> tuple[str, ...]:
+def _names(value: Iterable[object] | None) -> tuple[str, ...]:
     return tuple(str(v) for v in value or ())
 
 
+# the helpers below read the config's nested values as they find them, checking each
 def _fp8(q: Mapping[str, Any]) -> QuantScheme:
     fmt = str(q.get("fmt", "e4m3")).lower()
     if fmt not in ("e4m3", "float8_e4m3fn"):

@@ -23,7 +23,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from core.contract import hookspecs
-from core.contract.capabilities import CAPS_TYPES, KINDS, DeviceInfo
+from core.contract.capabilities import CAPS_TYPES, KINDS, Caps, DeviceInfo
 from core.contract.platform import platform_problem
 
 log = logging.getLogger("core.plugins")
@@ -62,7 +62,7 @@ class Registration:
 
     kind: str
     name: str
-    caps: Any
+    caps: Caps  # its kind's: CAPS_TYPES[kind]
     factory: Callable | str
     origin: Origin
     # hardware only: the target's core.contract.platform.BasePlatform subclass (or a factory of
@@ -74,7 +74,7 @@ class Registration:
         return load_ref(self.factory)
 
 
-def load_ref(ref: Callable | str) -> Any:
+def load_ref(ref: Callable | str) -> Any:  # whatever the reference names
     """The object a plugin's "module:attr" reference names (attr may be dotted); a callable is
     its own object. The one loader of lazy references."""
     if callable(ref):
@@ -148,7 +148,7 @@ def _env_list(name: str) -> set[str] | None:
     return {p.strip() for p in raw.split(",") if p.strip()}
 
 
-def _check_api(module: Any) -> str | None:
+def _check_api(module: object) -> str | None:
     """Return a rejection reason if the plugin's declared API range excludes ours."""
     spec = getattr(module, "CORE_PLUGIN_API", None)
     if spec is None:
@@ -169,7 +169,7 @@ class _Register:
     def __init__(self, registry: Registry, kind: str, origin: Origin):
         self.registry, self.kind, self.origin = registry, kind, origin
 
-    def __call__(self, name: str, caps: Any, factory: Callable | str,
+    def __call__(self, name: str, caps: Caps, factory: Callable | str,
                  platform: Callable | str | None = None) -> None:
         if not isinstance(name, str) or not name or not name.replace("-", "_").replace(".", "_") \
                 .isidentifier():
@@ -210,7 +210,7 @@ def _platform(name: str, ref: Callable | str) -> Callable:
     return obj
 
 
-def _register_plugin(registry: Registry, pm: pluggy.PluginManager, plugin: Any,
+def _register_plugin(registry: Registry, pm: pluggy.PluginManager, plugin: object,
                      origin: Origin) -> None:
     """Run every registration hook of one plugin; on any failure, roll back its entries."""
     reason = _check_api(plugin)
@@ -250,7 +250,8 @@ def _entry_points() -> Iterable[md.EntryPoint]:
             yield ep
 
 
-def build_registry(extra: Iterable[tuple[str, Any]] = (), entry_points: bool = True) -> Registry:
+def build_registry(extra: Iterable[tuple[str, object]] = (), entry_points: bool = True
+                   ) -> Registry:
     """Discover plugins and build a fresh registry.
 
     `extra` is a list of (name, plugin object) registered in-process after the entry points, the
@@ -261,7 +262,7 @@ def build_registry(extra: Iterable[tuple[str, Any]] = (), entry_points: bool = T
     pm.add_hookspecs(hookspecs)
     allow, deny = _env_list("CORE_PLUGINS_ALLOW"), _env_list("CORE_PLUGINS_DENY")
     if entry_points:
-        dists: dict[Any, tuple[str, str]] = {}  # a distribution's metadata is parsed once
+        dists: dict[object, tuple[str, str]] = {}  # a distribution's metadata is parsed once
         for ep in _entry_points():
             dist, version = "<unknown>", ""
             if ep.dist is not None:
@@ -290,7 +291,7 @@ def build_registry(extra: Iterable[tuple[str, Any]] = (), entry_points: bool = T
 
 _lock = threading.Lock()
 _cached: Registry | None = None
-_extra: list[tuple[str, Any]] = []
+_extra: list[tuple[str, object]] = []
 
 
 def get_registry(reload: bool = False) -> Registry:
@@ -302,7 +303,7 @@ def get_registry(reload: bool = False) -> Registry:
         return _cached
 
 
-def add_plugin(name: str, plugin: Any) -> None:
+def add_plugin(name: str, plugin: object) -> None:
     """Register an in-process plugin for this process (takes effect at the next load)."""
     with _lock:
         _extra.append((name, plugin))

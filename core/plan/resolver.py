@@ -14,9 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
 
-from core.contract.capabilities import KV_CACHE_DTYPES, DeviceInfo, PageSizes
+from core.contract.capabilities import KV_CACHE_DTYPES, AttentionCaps, DeviceInfo, PageSizes
 from core.contract.tools import TOOL_PARSER_OFF, template_reads_tools
 from core.plan.args import ServerArgs
 from core.plan.checks import (
@@ -178,7 +177,8 @@ def _attention(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: 
         user = own if own is not None else args.attention_backend
         flag = f"--{phase}-attention-backend" if own is not None else "--attention-backend"
 
-        def check(caps: Any, _name: str = "", phase: str = phase, page: int | None = page
+        def check(caps: AttentionCaps, _name: str = "", phase: str = phase,
+                  page: int | None = page
                   ) -> list[str]:
             return check_attention(caps, spec, device, phase=phase, dtype=dtype,
                                    kv_cache_dtype=kv, page_size=page, cuda_graph=None)

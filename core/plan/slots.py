@@ -34,7 +34,8 @@ class Slot:
 
     def __init__(self, slot: str, kind: str, registry: Registry, target: str,
                  check: Callable[[Any, str], list[str]], user: str | None, flag: str):
-        """check(caps, name) -> reasons the named plugin does not fit (empty: it fits)."""
+        """check(caps, name) -> reasons the named plugin does not fit (empty: it fits); caps
+        are the kind's (CAPS_TYPES[kind]), so `check` takes that one type."""
         self.slot, self.kind, self.user, self.flag = slot, kind, user, flag
         self.label = SLOT_LABELS[slot]
         regs = registry.kind(kind)
@@ -86,7 +87,7 @@ class Slot:
         return [f"{c.name}: {r}" for c in self.candidates for r in c.reasons]
 
 
-def priority(caps: Any, target: str) -> int:
+def priority(caps: object, target: str) -> int:
     """The plugin's declared priority for a device target (0 when it declares none)."""
     return int(getattr(caps, "priority", {}).get(target, 0))
 
