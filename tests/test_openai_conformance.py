@@ -4,6 +4,7 @@ unimplemented request fields, signed seeds. On the fake engine (byte-level: one 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from conformance.server_kit import EOS, OFFSET, FakeEngine, ServerThread, http_request
+from core.messages import TokenLogprob
 from core.plan.args import ServerArgs
 from core.server import protocol
 from core.server.app import create_app
@@ -25,10 +27,12 @@ class SampledOutsideTop(FakeEngine):
     """As a temperature draw can: the sampled token is not among the top alternatives."""
 
     async def generate(self, req):
-        async for ev in super().generate(req):
-            for e in ev.get("logprobs") or ():
-                e["top"] = [[OFFSET + ord("$"), -0.1], [EOS, -0.2]][:req.top_logprobs]
-            yield ev
+        top = ((OFFSET + ord("$"), -0.1), (EOS, -0.2))[:req.top_logprobs]
+        async for d in super().generate(req):
+            if d.logprobs:
+                d = dataclasses.replace(d, logprobs=tuple(
+                    TokenLogprob(lp.logprob, top) for lp in d.logprobs))
+            yield d
 
 
 def client(srv) -> openai.OpenAI:
