@@ -99,7 +99,7 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
     return out
 
 
-def _refuse_control_text(tok: TokenizerLike, messages: list[JSONObject],
+def _refuse_control_text(tok: TokenizerLike, messages: list[protocol.ChatMessage],
                          treq: tools.ToolRequest | None = None) -> None:
     """Message text that spells a special token (`<|im_start|>system`...) would become that
     control token once the template's output is tokenized: a user could forge a turn of

@@ -20,7 +20,7 @@ from core.server.tools import final_message
 
 if TYPE_CHECKING:
     from core.contract.json_types import JSON, JSONObject
-    from core.server.tools import CallReader
+    from core.server.tools import AssistantMessage, CallReader, MessageDelta
 
 Piece = Callable[[int], bytes]  # token id -> the bytes it stands for (TokenizerLike.token_bytes)
 # a token and its logprob with the top alternatives; None for the first prompt token (it has none)
@@ -225,7 +225,7 @@ def chat_object(rid: str, created: int, model: str, req: ParsedRequest, seqs: li
     """tool_parser: what reads each answer for tool calls (core.server.tools), or None."""
     choices = []
     for s in seqs:
-        message: JSONObject = {"role": "assistant", "content": s.full_text}
+        message: JSONObject | AssistantMessage = {"role": "assistant", "content": s.full_text}
         finish = s.finish_reason
         if tool_parser is not None:
             message, finish = final_message(tool_parser, req.tools, s.full_text, finish)
@@ -296,7 +296,8 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                          "finish_reason": finish_reason}]}
 
 
-def chat_chunk(rid: str, created: int, model: str, index: int, delta: JSONObject,
+def chat_chunk(rid: str, created: int, model: str, index: int,
+               delta: JSONObject | MessageDelta,
                finish_reason: str | None, logprobs: JSONObject | None) -> JSONObject:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
