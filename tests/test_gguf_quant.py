@@ -15,7 +15,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from core.contract.capabilities import DeviceInfo
 from core.plan.checks import check_device
 from core.plan.registry import build_registry
-from plugins.cbuild import ISA_FEATURES
+from plugins._kit.cbuild import ISA_FEATURES
 from plugins.quant.gguf import formats
 from plugins.quant.gguf.formats import random_blocks
 from plugins.quant.gguf.kernels import Kernels
@@ -117,6 +117,21 @@ def test_the_resolver_picks_the_best_variant_and_explains_the_others():
                for n, r in registry.kind("quant").items() if n.startswith("gguf_")}
     assert reasons["gguf_avx2"] == [] and reasons["gguf_c"] == []
     assert any("avx512_vnni" in r for r in reasons["gguf_avx512"])
+
+
+@pytest.mark.parametrize("cc", [None, "gcc", "no-such-compiler"])
+@pytest.mark.parametrize("path", [None, ""])
+def test_the_kit_builds_with_the_compiler_the_resolver_checks(monkeypatch, cc, path):
+    """plugins/_kit/cbuild.py finds its compiler itself (a plugin imports no core.plan): the one
+    core.plan.checks.c_compiler finds for `programs=("cc",)`, or none where that finds none."""
+    from core.plan.checks import c_compiler
+    from plugins._kit.cbuild import compiler
+
+    for name, value in (("CC", cc), ("PATH", path)):
+        if value is None:
+            continue
+        monkeypatch.setenv(name, value)
+    assert compiler() == c_compiler()
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,12 @@
 """The folder rules of the layout (ARCHITECTURE.md), read from the source:
 
 - plugins import from core only core.contract and core.layers;
+- a plugin package imports from plugins only itself and plugins._kit (the shared helpers);
 - core/engine/ never imports core.frontend or core.server;
 - core/plan/ imports no torch (checked by importing every module of it in a fresh interpreter);
 - core's modules import one another without a cycle (module-level imports).
 
-A rule that a file still breaks is listed in KNOWN with the change that will make it hold; the
-test fails once the file holds, so the entry goes with the fix.
+Every rule holds without exceptions: a file that breaks one is fixed, not listed.
 """
 
 from __future__ import annotations
@@ -17,14 +17,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# plugin file -> why it still imports a core module outside the contract
-KNOWN_PLUGIN_IMPORTS = {
-    "plugins/cbuild.py": "core.plan.checks (missing_packages): belongs in the plugin kit",
-    "plugins/models/qwen2_moe.py": "core.plan.model_spec (a config helper): belongs in "
-                                   "core.contract or core.layers",
-}
-
 
 def _module_name(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
@@ -75,14 +67,33 @@ def _plugin_violations() -> dict[str, set[str]]:
 
 
 def test_plugins_import_only_the_contract_and_the_layers():
-    found = {f: m for f, m in _plugin_violations().items() if f not in KNOWN_PLUGIN_IMPORTS}
+    found = _plugin_violations()
     assert not found, found
 
 
-def test_the_known_plugin_imports_still_need_their_fix():
-    found = _plugin_violations()
-    assert all(f in found for f in KNOWN_PLUGIN_IMPORTS), \
-        sorted(set(KNOWN_PLUGIN_IMPORTS) - set(found))
+KIT = "plugins._kit"
+
+
+def _plugin_package(module: str) -> str:
+    """The plugin package of a module under plugins/: plugins.<kind>.<name> where that is a
+    folder (plugins.attention.cpu_c, plugins.quant.int4), else the kind's folder, whose
+    one-module plugins share it (plugins.models, plugins.hardware); the kit is plugins._kit."""
+    parts = module.split(".")
+    if len(parts) >= 3 and ROOT.joinpath(*parts[:3]).is_dir():
+        return ".".join(parts[:3])
+    return ".".join(parts[:2])
+
+
+def _cross_plugin_imports(path: Path) -> set[str]:
+    own = _plugin_package(_module_name(path))
+    return {m for m in _imports(path) if m.split(".")[0] == "plugins"
+            and _plugin_package(m) not in (own, KIT)}
+
+
+def test_plugin_packages_share_code_only_through_the_kit():
+    found = {str(p.relative_to(ROOT)): sorted(m) for p in _files("plugins")
+             if (m := _cross_plugin_imports(p))}
+    assert not found, found
 
 
 def test_the_engine_never_imports_the_frontend_or_the_server():
@@ -142,3 +153,20 @@ def test_the_plugin_rule_catches_what_it_forbids(tmp_path):
                    "from core.contract.attention import AttentionBackend\n")
     assert _bad_plugin_imports(bad, _core_modules()) == {"core.engine.scheduler",
                                                          "core.frontend.client"}
+
+
+def test_the_plugin_package_rule_catches_what_it_forbids(tmp_path, monkeypatch):
+    backend = tmp_path / "plugins" / "attention" / "cpu_c" / "backend.py"
+    backend.parent.mkdir(parents=True)
+    (tmp_path / "plugins" / "attention" / "torch_native").mkdir()
+    (tmp_path / "plugins" / "quant" / "int4").mkdir(parents=True)  # quant/common.py: a module
+    backend.write_text("from plugins.attention.torch_native.backend import TorchNativeMeta\n"
+                       "from plugins.quant.common import parameter\n"
+                       "from . import kernels\n"
+                       "from plugins.attention.cpu_c.kernels import decode\n"
+                       "from plugins._kit.pool_attention import PoolDecodeAttention\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _cross_plugin_imports(backend) == {
+        "plugins.attention.torch_native.backend",
+        "plugins.attention.torch_native.backend.TorchNativeMeta",
+        "plugins.quant.common", "plugins.quant.common.parameter"}

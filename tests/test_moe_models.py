@@ -246,6 +246,19 @@ def test_model_spec_describes_the_experts(arch):
     assert moe.scoring_func == "softmax"
 
 
+@pytest.mark.parametrize("step, dense", [(1, [1]), (2, []), (2, [3]), (3, [0, 2])])
+def test_the_model_puts_experts_where_the_spec_does(step, dense):
+    """Qwen2MoeForCausalLM reads its MoE layers from the config itself (a plugin imports no
+    core.plan): the layers the plan's spec counts."""
+    import transformers
+
+    from plugins.models.qwen2_moe import Qwen2MoeForCausalLM
+
+    config = transformers.Qwen2MoeConfig(num_hidden_layers=6, num_experts=4,
+                                         decoder_sparse_step=step, mlp_only_layers=dense)
+    assert Qwen2MoeForCausalLM.moe_layers(config) == spec_from_config(config).moe.moe_layers
+
+
 def test_moe_layer_ids():
     assert moe_layer_ids(6, 2) == (1, 3, 5)  # Qwen2-MoE counts layers from 1
     assert moe_layer_ids(4, 1, [0, 3]) == (1, 2)

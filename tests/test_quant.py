@@ -180,7 +180,7 @@ def test_ignored_layers_are_rebuilt_dense():
 
 _KERNELS = textwrap.dedent("""
     import torch
-    from plugins.quant.w8a8_triton import quantize_acts, scaled_mm, small_m_linear
+    from plugins._kit.w8a8_triton import quantize_acts, scaled_mm, small_m_linear
     torch.manual_seed(0)
 
     def rel(y, ref):
@@ -196,7 +196,7 @@ _KERNELS = textwrap.dedent("""
     assert torch.allclose(s, g.abs().amax(-1) / 127)
     # ... and the same scales and codes, bit for bit, as the torch path (core.contract.quant.reciprocal:
     # x * (1 / scale)) on bf16-valued inputs, where x / scale often sits on a rounding midpoint
-    from plugins.quant.common import INT8_MAX, int8_acts, per_token_scale
+    from plugins._kit.quant_common import INT8_MAX, int8_acts, per_token_scale
     xb = (torch.randn(64, 512) * 3).to(torch.bfloat16).float()
     q, s = quantize_acts(xb, torch.int8)
     assert torch.equal(s, per_token_scale(xb, INT8_MAX))

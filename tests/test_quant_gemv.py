@@ -1,4 +1,4 @@
-"""The one-row (batch-1 decode) W8A8 kernel of plugins/quant/w8a8_triton.py under the Triton
+"""The one-row (batch-1 decode) W8A8 kernel of plugins/_kit/w8a8_triton.py under the Triton
 interpreter, against the fp32 product of the same quantized operands: int8 weights with
 per-token and static activation scales (and the FBGEMM clamp), fp16 standing in for e4m3 (the
 interpreter has no fp8) with per-channel and 128-wide block scales, split K, ragged N and K;
@@ -13,7 +13,7 @@ from interpreted import run_interpreted
 
 _SCRIPT = textwrap.dedent("""
     import torch
-    from plugins.quant.w8a8_triton import small_m_linear
+    from plugins._kit.w8a8_triton import small_m_linear
     torch.manual_seed(0)
 
     def rel(y, ref):

@@ -36,7 +36,7 @@ def _needs_fp8_gpu():
 
 @pytest.mark.parametrize("act,block", [("token", None), ("group", (128, 128))])
 def test_split_k_decode_kernel_replays_in_a_graph(act, block):
-    from plugins.quant.w8a8_triton import small_m_linear
+    from plugins._kit.w8a8_triton import small_m_linear
 
     torch.manual_seed(0)
     n, k = 4096, 4096
@@ -59,9 +59,9 @@ def test_decode_kernels_replay_in_a_graph_at_every_row_count(rows):
     """The one-row kernels (fp8 per channel and block, int4) and the 16-row ones, eager vs
     graph replays, and against the fp32 product of the quantized operands."""
     from conformance.quant_refs import fake_quant_acts
+    from plugins._kit.w8a8_triton import small_m_linear
     from plugins.quant.int4 import gemm
     from plugins.quant.int4.packing import dequantize, pack_rows
-    from plugins.quant.w8a8_triton import small_m_linear
 
     torch.manual_seed(1)
     n, k = 6144, 4096

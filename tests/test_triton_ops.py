@@ -156,8 +156,8 @@ def test_gemv_rows_and_splits(m, split_tiles):
     """The few-row product (the `linear` op's kernel) for 1..4 rows, unsplit and with K split
     over several programs (the last summing in order), bias on odd sizes; the lock counts are
     left at zero for the next call."""
+    from plugins._kit.splitk import LockTable
     from plugins.ops.triton import gemv
-    from plugins.splitk import LockTable
 
     g = torch.Generator().manual_seed(m)
     n, k = 37, 640

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from core.layers import Linear, ModelContext, MoE
-from core.plan.model_spec import moe_layer_ids
 from plugins.models.llama import STACKED, DecoderMLP, LlamaForCausalLM
 from plugins.models.qwen2 import layer_sliding_window
 from plugins.models.weights import load_named_weights
@@ -97,8 +96,12 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def moe_layers(config: PretrainedConfig) -> tuple[int, ...]:
-        return moe_layer_ids(config.num_hidden_layers, getattr(config, "decoder_sparse_step", 1),
-                             getattr(config, "mlp_only_layers", None))
+        """Every `decoder_sparse_step`-th layer, counted from 1, outside `mlp_only_layers` (as
+        core.plan.model_spec.moe_layer_ids reads it for the plan)."""
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(config, "mlp_only_layers", None) or ())
+        return tuple(i for i in range(config.num_hidden_layers)
+                     if (i + 1) % step == 0 and i not in dense)
 
     @staticmethod
     def num_experts(config: PretrainedConfig) -> int:

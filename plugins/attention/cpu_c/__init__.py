@@ -2,14 +2,14 @@
 
 Decode reads each request's K/V rows straight from the pool, one work item per (request, KV
 head) over OpenMP threads; prefill / extend is torch_native's. The same source built per
-instruction set (plugins/cbuild.py): `cpu_c_avx512`, `cpu_c_avx2`, `cpu_c`; ahead of numba_cpu,
-whose per-call dispatch (~25 us) is most of a small model's decode attention. Needs a C
-compiler.
+instruction set (plugins/_kit/cbuild.py): `cpu_c_avx512`, `cpu_c_avx2`, `cpu_c`; ahead of
+numba_cpu, whose per-call dispatch (~25 us) is most of a small model's decode attention. Needs a
+C compiler.
 """
 
 from core.contract.capabilities import AttentionCaps, PageSizes
 from core.contract.hookspecs import hookimpl
-from plugins.cbuild import ISA_FEATURES
+from plugins._kit.cbuild import ISA_FEATURES
 
 CORE_PLUGIN_API = ">=1.4,<2"
 

@@ -11,9 +11,9 @@ import torch
 
 from core.contract.attention import AttentionLayerParams, BackendContext
 from core.contract.forward_batch import ForwardBatch
-from plugins.attention.torch_native.backend import TorchNativeMeta
-from plugins.attention.torch_native.pool_decode import PoolDecodeAttention
-from plugins.cbuild import build
+from plugins._kit.cbuild import build
+from plugins._kit.pool_attention import PoolDecodeAttention
+from plugins._kit.torch_attention import TorchNativeMeta
 
 SOURCE = Path(__file__).with_name("attn.c")
 

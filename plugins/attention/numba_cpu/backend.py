@@ -9,9 +9,9 @@ import torch
 
 from core.contract.attention import AttentionLayerParams, BackendContext
 from core.contract.forward_batch import ForwardBatch
+from plugins._kit.pool_attention import PoolDecodeAttention
+from plugins._kit.torch_attention import TorchNativeMeta
 from plugins.attention.numba_cpu.kernels import decode_attention
-from plugins.attention.torch_native.backend import TorchNativeMeta
-from plugins.attention.torch_native.pool_decode import PoolDecodeAttention
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """`torch_native` attention: pure PyTorch over the paged KV cache, on any torch device.
 
-The reference every other attention backend is tested against. Declared here; the class lives in
-`backend.py` and is imported only when this backend is chosen.
+The reference every other attention backend is tested against. Declared here; the class
+(plugins/_kit/torch_attention.py, which cpu_c and numba_cpu build on) is imported through
+`backend.py` only when this backend is chosen.
 """
 
 from core.contract.capabilities import AttentionCaps, PageSizes

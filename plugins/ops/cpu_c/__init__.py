@@ -1,13 +1,13 @@
 """`cpu_c*` layer ops: the fused element-wise ops in C for CPUs (ops.c, built on first use).
 
-One source compiled per instruction set (plugins/cbuild.py); the resolver takes the best variant
-this CPU has: `cpu_c_avx512` (AVX-512), `cpu_c_avx2`, `cpu_c` (portable), all ahead of the
-`torch` reference on a CPU. A CPU without a C compiler rejects them (the `torch` ops run).
+One source compiled per instruction set (plugins/_kit/cbuild.py); the resolver takes the best
+variant this CPU has: `cpu_c_avx512` (AVX-512), `cpu_c_avx2`, `cpu_c` (portable), all ahead of
+the `torch` reference on a CPU. A CPU without a C compiler rejects them (the `torch` ops run).
 """
 
 from core.contract.capabilities import LayerOpsCaps
 from core.contract.hookspecs import hookimpl
-from plugins.cbuild import ISA_FEATURES
+from plugins._kit.cbuild import ISA_FEATURES
 
 CORE_PLUGIN_API = ">=1.4,<2"
 

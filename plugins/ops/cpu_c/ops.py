@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from core.layers import ops_ref
-from plugins.cbuild import build
+from plugins._kit.cbuild import build
 
 SOURCE = Path(__file__).with_name("ops.c")
 _BF = {torch.float32: 0, torch.bfloat16: 1}

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from plugins.splitk import LockTable
+from plugins._kit.splitk import LockTable
 
 # Rows the kernel takes: batch-1 decode only for now. The kernel handles up to 4 (a row block
 # of 2 or 4, K steps shortened to match), but only one row was measured against cuBLAS.

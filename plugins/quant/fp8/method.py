@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.contract.quant import QuantMethod, QuantScheme, mark
-from plugins.quant.common import (
+from plugins._kit.quant_common import (
     FP8,
     FP8_MAX,
     cuda_capability,
@@ -182,7 +182,7 @@ def _act_quant(x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.T
 def _gpu_linear(x: torch.Tensor, layer: nn.Module, scheme: QuantScheme) -> torch.Tensor:
     """CUDA sm89+: one fused Triton launch for decode-sized M; otherwise the activations
     quantized in one launch, then the block-scaled Triton GEMM or cuBLASLt's `_scaled_mm`."""
-    from plugins.quant.w8a8_triton import SMALL_M, quantize_acts, scaled_mm, small_m_linear
+    from plugins._kit.w8a8_triton import SMALL_M, quantize_acts, scaled_mm, small_m_linear
 
     blocked = hasattr(layer, "weight_scale_inv")
     static = getattr(layer, "input_scale", None)

@@ -22,7 +22,7 @@ machine's C compiler (cached; kernels.py), so a CPU without one rejects these me
 
 from core.contract.capabilities import QuantCaps
 from core.contract.hookspecs import hookimpl
-from plugins.cbuild import ISA_FEATURES
+from plugins._kit.cbuild import ISA_FEATURES
 
 CORE_PLUGIN_API = ">=1.8,<2"
 

@@ -1,5 +1,5 @@
 """Call kernels.c through ctypes: one library per ISA variant, built on first use
-(plugins/cbuild.py)."""
+(plugins/_kit/cbuild.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from plugins.cbuild import build
+from plugins._kit.cbuild import build
 from plugins.quant.gguf.formats import Packed
 
 SOURCE = Path(__file__).with_name("kernels.c")

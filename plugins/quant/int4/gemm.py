@@ -18,7 +18,7 @@ loads), turns nibble i into the float 2^23 + q by or-ing it into a float's manti
 op and a subtraction, no conversion instruction), multiplies it by x[8r + i], and the zero point
 is taken out once per group (sum_k x_k (q_k - z) = sum_k x_k q_k - z sum_k x_k). K is split so
 that a few programs per multiprocessor stream weights; the last program of a tile sums the
-partials in slice order (plugins.splitk.LockTable): one launch, deterministic.
+partials in slice order (plugins._kit.splitk.LockTable): one launch, deterministic.
 
 From DEQUANT_ROWS rows (prefill) `int4_dequant` writes W^T in x's dtype in one launch and the
 vendor GEMM multiplies: the dequantization is a pass over the weight (0.5 B read, 2 B written per
@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.quant.tiles import grouped_tile, split_for, split_k_range, store_row_split
-from plugins.splitk import LockTable
+from plugins._kit.splitk import LockTable
+from plugins._kit.tiles import grouped_tile, split_for, split_k_range, store_row_split
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from core.contract.quant import QuantMethod, QuantScheme, mark
-from plugins.quant.common import cuda_capability, parameter, replace_param
+from plugins._kit.quant_common import cuda_capability, parameter, replace_param
 from plugins.quant.int4.packing import (
     dequant_linear,
     pack_rows,

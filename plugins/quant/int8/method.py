@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.contract.quant import QuantMethod, QuantScheme, mark
-from plugins.quant.common import (
+from plugins._kit.quant_common import (
     INT8_MAX,
     int8_acts,
     parameter,
@@ -62,7 +62,7 @@ def gpu_int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                     input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """CUDA: decode-sized M in one fused Triton launch; larger M: activations quantized in one
     launch, then the Triton scaled GEMM (int32 dots, both scales applied per K step)."""
-    from plugins.quant.w8a8_triton import SMALL_M, quantize_acts, scaled_mm, small_m_linear
+    from plugins._kit.w8a8_triton import SMALL_M, quantize_acts, scaled_mm, small_m_linear
 
     if x.shape[0] <= SMALL_M:
         return small_m_linear(x, weight, weight_scale, bias,

@@ -1,4 +1,4 @@
-/* fp32 <-> bf16 for the plugins' C kernels (included by their sources; plugins/cbuild.py puts
+/* fp32 <-> bf16 for the plugins' C kernels (included by their sources; plugins/_kit/cbuild.py puts
  * this directory on the include path and hashes this file into every build's key). */
 #ifndef CORE_CBF16_H
 #define CORE_CBF16_H

@@ -11,7 +11,7 @@ import torch
 
 from core.contract.attention import AttentionLayerParams, BackendContext
 from core.contract.forward_batch import ForwardBatch
-from plugins.attention.torch_native.backend import TorchNativeAttention, TorchNativeMeta
+from plugins._kit.torch_attention import TorchNativeAttention, TorchNativeMeta
 
 
 class PoolDecodeAttention(TorchNativeAttention):

@@ -1,4 +1,5 @@
-"""Triton helpers shared by the quant plugins' GEMM kernels."""
+"""Triton helpers shared by the quant plugins' GEMM kernels (int4, and fp8 / int8 through
+w8a8_triton)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def store_row_split(acc, y_ptr, bias_ptr, part_ptr, lock_ptr, pid, split, rn, n_
                     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """The end of a one-row product split over K: program (pid, split) holds the fp32 partial
     `acc` of outputs `rn`. With SPLIT_K > 1 it stores the partial; the last program of the tile
-    to finish (a count per tile in lock_ptr, plugins.splitk.LockTable) sums the partials in
+    to finish (a count per tile in lock_ptr, plugins._kit.splitk.LockTable) sums the partials in
     slice order, adds the bias, stores y and resets the count (graph replays): deterministic."""
     if SPLIT_K > 1:
         tl.store(part_ptr + split * N + rn, acc, mask=n_ok)

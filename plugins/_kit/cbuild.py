@@ -1,0 +1,94 @@
+"""Build a plugin's C source into a shared library on first use, and load it with ctypes.
+
+For CPU kernels shipped as source (plugins/quant/gguf, plugins/ops/cpu_c,
+plugins/attention/cpu_c): the library is compiled with the machine's C compiler (`cc`, or $CC)
+into a cache directory
+($CORE_KERNEL_CACHE, else ~/.cache/core-serve/kernels) under a name that hashes the source,
+the flags and the compiler's version, so a changed source or compiler rebuilds and a second
+process reuses the file. Libraries link OpenMP (-fopenmp): torch's own libgomp is already
+loaded, so they share its thread pool. ctypes releases the GIL during a call.
+
+Instruction-set variants are the same source compiled with different flags (`ISA_FLAGS`); a
+plugin registers one entry per variant with the CPU features it needs (QuantCaps /
+LayerOpsCaps `cpu_isa`), so the resolver, not the kernel, picks by what the CPU has.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+# variant -> compiler flags; the sources pick their loops by the macros these define
+ISA_FLAGS = {
+    "avx512_vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma",
+                    "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "portable": (),
+}
+# the CPU features (plugins/hardware/cpu.py spelling) each variant needs
+ISA_FEATURES = {
+    "avx512_vnni": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma",
+                              "f16c"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "portable": frozenset(),
+}
+BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-shared", "-fPIC")
+
+
+# headers the sources include (`#include "cbf16.h"`): this directory is on the include path
+INCLUDE = Path(__file__).parent
+HEADERS = ("cbf16.h",)
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: $CC, else cc / gcc / clang on PATH (the same search as
+    core.plan.checks.c_compiler, which answers a capability's `programs=("cc",)`)."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("CORE_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "core-serve" / "kernels"
+
+
+def _version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+@functools.cache
+def build(source: Path, variant: str) -> ctypes.CDLL:
+    """The loaded library of `source` for one ISA variant (compiled if the cache lacks it);
+    RuntimeError with the compiler's message when it cannot be built."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc / clang)")
+    flags = (*BASE_FLAGS, *ISA_FLAGS[variant], f"-I{INCLUDE}")
+    headers = b"".join((INCLUDE / h).read_bytes() for h in HEADERS)
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()
+                         + _version(cc).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{source.stem}_{variant}_{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"building {source.name} ({variant}) failed: "
+                               f"{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent builders leave one good file
+    return ctypes.CDLL(str(out))
