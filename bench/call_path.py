@@ -97,13 +97,13 @@ class Tracer:
 def http_side(args: Any, max_tokens: int) -> list[dict[str, Any]]:
     from conformance.server_kit import ServerThread, http_request
     from core.frontend.offline import Engine
-    from core.server.adapter import EngineAdapter
+    from core.frontend.serving import AsyncEngine
     from core.server.app import create_app
 
     tracer = Tracer()
     tracer.install()  # before the threads start (the server's, the client's reader, pools)
     engine = Engine(server_args=args)
-    adapter = EngineAdapter(engine, "m")
+    adapter = AsyncEngine(engine, "m")
     try:
         with ServerThread(create_app(adapter, args)) as srv:
             body = {"model": "m", "messages": QUESTION, "max_tokens": max_tokens,

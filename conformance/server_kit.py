@@ -27,8 +27,8 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from core.frontend.delta import Delta
+from core.frontend.serving import GenRequest
 from core.messages import Finish, TokenLogprob
-from core.server.engine_api import GenRequest
 from core.server.errors import invalid, overloaded
 
 PAD, BOS, EOS = 0, 1, 2

@@ -254,11 +254,11 @@ def reference(tiny_path):
 def served(tiny_path, reference):
     """(Engine with two replicas, server thread over it)."""
     import core
-    from core.server.adapter import EngineAdapter
+    from core.frontend.serving import AsyncEngine
     from core.server.app import create_app
 
     engine = core.Engine(tiny_path, max_total_tokens=POOL, dp_size=2)
-    adapter = EngineAdapter(engine, "tiny")
+    adapter = AsyncEngine(engine, "tiny")
     try:
         with ServerThread(create_app(adapter, engine.args)) as srv:
             yield engine, adapter, srv

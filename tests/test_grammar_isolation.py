@@ -303,14 +303,14 @@ def server():
     pytest.importorskip("xgrammar")
     from conformance.server_kit import ServerThread
     from core.frontend.offline import Engine
+    from core.frontend.serving import AsyncEngine
     from core.plan.args import ServerArgs
-    from core.server.adapter import EngineAdapter
     from core.server.app import create_app
 
     args = ServerArgs(max_total_tokens=2048, grammar_backend="xgrammar")
     eng = Engine(server_args=args)
     try:
-        with ServerThread(create_app(EngineAdapter(eng, "smollm2"), args)) as s:
+        with ServerThread(create_app(AsyncEngine(eng, "smollm2"), args)) as s:
             s.engine = eng
             yield s
     finally:

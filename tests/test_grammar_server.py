@@ -34,8 +34,8 @@ BACKENDS = {"xgrammar": ("xgrammar", "xgrammar", False),
     pytest.param(b, marks=[] if b == "xgrammar" else [pytest.mark.slow]) for b in sorted(BACKENDS)])
 def srv(request):
     from core.frontend.offline import Engine
+    from core.frontend.serving import AsyncEngine
     from core.plan.registry import get_registry
-    from core.server.adapter import EngineAdapter
     from core.server.app import create_app
 
     name, package, jump = BACKENDS[request.param]
@@ -46,7 +46,7 @@ def srv(request):
     engine = Engine(server_args=args)
     assert engine.plan.grammar_backend == name
     try:
-        with ServerThread(create_app(EngineAdapter(engine, "smollm2"), args)) as s:
+        with ServerThread(create_app(AsyncEngine(engine, "smollm2"), args)) as s:
             s.grammar, s.engine = name, engine
             s.caps = get_registry().get("grammar", name).caps
             yield s

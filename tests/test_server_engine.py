@@ -49,12 +49,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def served():
     """(offline Engine, server thread) over one engine worker."""
     from core.frontend.offline import Engine
-    from core.server.adapter import EngineAdapter
+    from core.frontend.serving import AsyncEngine
     from core.server.app import create_app
 
     args = ServerArgs(api_key=KEY, max_total_tokens=MAX_TOTAL_TOKENS, enable_cache_report=True)
     engine = Engine(server_args=args)
-    adapter = EngineAdapter(engine, "smollm2")
+    adapter = AsyncEngine(engine, "smollm2")
     try:
         with ServerThread(create_app(adapter, args)) as srv:
             yield engine, srv

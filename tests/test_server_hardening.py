@@ -202,9 +202,9 @@ class _SlowEngine:
 
 
 def _adapter(engine):
-    from core.server.adapter import EngineAdapter
+    from core.frontend.serving import AsyncEngine
 
-    return EngineAdapter(engine, "x")
+    return AsyncEngine(engine, "x")
 
 
 def test_liveness_does_not_wait_for_a_scheduler_step():

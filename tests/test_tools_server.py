@@ -36,13 +36,13 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 def srv():
     from conformance.server_kit import ServerThread
     from core.frontend.offline import Engine
-    from core.server.adapter import EngineAdapter
+    from core.frontend.serving import AsyncEngine
     from core.server.app import create_app
 
     args = ServerArgs(api_key=KEY, max_total_tokens=4096)
     engine = Engine(server_args=args)
     try:
-        adapter = EngineAdapter(engine, "smollm2")
+        adapter = AsyncEngine(engine, "smollm2")
         assert adapter.plan.tool_call_parser == "hermes"  # no tool markup in SmolLM2's template
         with ServerThread(create_app(adapter, args)) as s:
             yield s

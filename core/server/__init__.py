@@ -1,7 +1,7 @@
 """The HTTP server: OpenAI-compatible and SGLang-native routes on aiohttp.
 
 `serve_main(args)` runs `core serve`; `create_app(engine, args)` builds the application over any
-`EngineLike` (the real engine through core.server.adapter, or conformance.server_kit.FakeEngine).
+`EngineLike` (the real engine through core.frontend.serving, or conformance.server_kit.FakeEngine).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, TypedDict
 from aiohttp import web
 
 import core
+from core.frontend.refusal import Refused
 from core.plan.args import ServerArgs
 from core.server import generation
 from core.server.auth import PUBLIC_ROUTES, make_auth_middleware, resolve_api_key
@@ -176,7 +177,7 @@ async def _probe(st: ServerState) -> tuple[int, dict[str, str]]:
         with st.reserved([rid]):
             if await asyncio.wait_for(one(), HEALTH_GENERATE_TIMEOUT_S):
                 result = (200, {"status": "ok"})
-    except APIError as e:
+    except Refused as e:  # (an APIError is one)
         if e.status in (429, 503) and e.code == "queue_full":  # alive, but its queue is full
             result = (503, {"status": "busy"})
     except Exception:

@@ -1,7 +1,7 @@
 """The server's view of an engine: a small protocol the HTTP layer is written against.
 
-The real engine client (core.frontend.offline) is wrapped by `core.server.adapter.EngineAdapter`; tests use
-`conformance.server_kit.FakeEngine`.
+The real engine is `core.frontend.serving.AsyncEngine` (over core.frontend.offline.Engine); tests
+use `conformance.server_kit.FakeEngine`. A request is a `core.frontend.serving.GenRequest`.
 
 Output. `EngineLike.generate(req)` yields `core.frontend.delta.Delta`s, one per step that
 produced output for the request: its new text and token ids (and their logprobs when
@@ -9,33 +9,21 @@ produced output for the request: its new text and token ids (and their logprobs 
 and on the last one its `finish` and final token counts. A request that fails inside the engine
 ends with a delta carrying `error`, or the iterator raises; either way only that request fails.
 Rejections that are the client's or the load's fault (queue full, prompt can never fit) raise
-`errors.APIError` before the first delta.
+`core.frontend.refusal.Refused` (a `core.server.errors.APIError` is one) before the first delta.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from core.frontend.delta import Delta
+from core.frontend.serving import GenRequest
+
+__all__ = ["EngineLike", "GenRequest", "TokenizerLike"]
 
 if TYPE_CHECKING:
     from core.contract.json_types import JSONObject
-
-
-@dataclass(frozen=True)
-class GenRequest:
-    """One sequence to generate: token ids in, sampling parameters in SGLang's names."""
-
-    rid: str
-    input_ids: tuple[int, ...]
-    # max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, frequency_penalty,
-    # presence_penalty, repetition_penalty, stop, stop_token_ids, ignore_eos, seed,
-    # skip_special_tokens -- only the keys the client gave, plus max_new_tokens (always set)
-    sampling: JSONObject = field(default_factory=dict)
-    logprobs: bool = False
-    top_logprobs: int = 0
 
 
 @runtime_checkable

@@ -7,6 +7,8 @@ from typing import TypedDict
 
 from aiohttp import web
 
+from core.frontend.refusal import Refused
+
 # OpenAI's error types by status (the `type` field); `code` is a finer machine-readable reason.
 _TYPES = {
     400: "invalid_request_error",
@@ -36,21 +38,24 @@ class ErrorBody(TypedDict):
     error: ErrorDetail
 
 
-class APIError(Exception):
+class APIError(Refused):
     """An error answered to the client with `status` and the OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, type: str | None = None,
                  retry_after: int | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
+        super().__init__(status, message, param=param, code=code, retry_after=retry_after)
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500
                                        else "internal_server_error")
-        self.retry_after = retry_after
         self.headers = dict(headers or {})
+
+    @staticmethod
+    def of(exc: Refused) -> APIError:
+        """The server's error for the engine's refusal (itself when it is one already)."""
+        if isinstance(exc, APIError):
+            return exc
+        return APIError(exc.status, exc.message, param=exc.param, code=exc.code,
+                        retry_after=exc.retry_after)
 
     def body(self) -> ErrorBody:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from core.frontend.delta import Delta
+from core.frontend.refusal import Refused
 from core.server import protocol, responses, tools
 from core.server.engine_api import GenRequest
 from core.server.errors import APIError, invalid
@@ -229,8 +230,8 @@ class _Job:
                     await it.aclose()
                 q.put_nowait((i, Delta.failed(gr.rid, i, "the engine ended the stream before "
                                               "the request finished")))
-            except APIError as e:
-                q.put_nowait((i, e))
+            except Refused as e:  # (an APIError is one)
+                q.put_nowait((i, APIError.of(e)))
             except Exception as e:  # one failing request fails alone
                 log.exception("request %r failed in the engine", gr.rid)
                 q.put_nowait((i, Delta.failed(gr.rid, i, f"{type(e).__name__}: {e}")))

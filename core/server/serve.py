@@ -263,7 +263,7 @@ def serve_main(args: ServerArgs) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from core.server.adapter import start_engine
+    from core.frontend.serving import start_async_engine
     from core.server.auth import resolve_api_key
 
     if args.node_rank > 0:  # another node's ranks of node 0's engine: no HTTP here
@@ -277,7 +277,7 @@ def serve_main(args: ServerArgs) -> int:
         print(f"core serve: error: {e}", file=sys.stderr)
         return 2
     try:
-        engine = start_engine(args)
+        engine = start_async_engine(args)
     except Exception as e:  # a clear one-line reason; the engine already said what it knew
         from core.plan.plan import ResolveError
 

@@ -1,5 +1,7 @@
-"""`EngineLike` over the real engine (core.frontend.offline.Engine, through its public methods only): its
-worker process, tokenizer and plan.
+"""The engine as an asyncio server uses it (`AsyncEngine`, what core.server's `EngineLike`
+asks for), over core.frontend.offline.Engine's public methods only: its worker process,
+tokenizer and plan. Requests come as `GenRequest`s and outputs go as `Delta`s; what the engine
+refuses raises `core.frontend.refusal.Refused` with the status a server answers.
 
 Pipe sends (submit, abort) run on one worker thread, in order, so a full pipe never blocks the
 event loop; outputs come back through the client's reader thread into an asyncio queue.
@@ -20,12 +22,12 @@ import asyncio
 import concurrent.futures
 import os
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.frontend.delta import Delta
+from core.frontend.refusal import Refused, invalid
 from core.plan.args import ServerArgs
-from core.server.engine_api import GenRequest
-from core.server.errors import APIError, invalid
 
 if TYPE_CHECKING:
     from core.contract.json_types import JSONObject
@@ -36,7 +38,21 @@ HEARTBEAT_STALE_S = 10.0  # no heartbeat for this long (sent every second): the 
 STATS_RPC_TIMEOUT_S = 1.0  # longer than this, a step is running: use the heartbeat's figures
 
 
-class TokenizerAdapter:
+@dataclass(frozen=True)
+class GenRequest:
+    """One sequence to generate: token ids in, sampling parameters in SGLang's names."""
+
+    rid: str
+    input_ids: tuple[int, ...]
+    # max_new_tokens, min_new_tokens, temperature, top_p, top_k, min_p, frequency_penalty,
+    # presence_penalty, repetition_penalty, stop, stop_token_ids, ignore_eos, seed,
+    # skip_special_tokens -- only the keys the client gave, plus max_new_tokens (always set)
+    sampling: JSONObject = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class TokenizerView:
     """core.tokenizer.Tokenizer under the server's TokenizerLike protocol."""
 
     def __init__(self, tok: Tokenizer, vocab_size: int):
@@ -69,7 +85,7 @@ class TokenizerAdapter:
                                             tools=tools)
 
 
-def _served_name(args: ServerArgs, model_path: str) -> str:
+def served_name(args: ServerArgs, model_path: str) -> str:
     if args.served_model_name:
         return args.served_model_name
     if args.model_path:
@@ -78,14 +94,14 @@ def _served_name(args: ServerArgs, model_path: str) -> str:
     return os.path.basename(model_path).split(".")[0]
 
 
-class EngineAdapter:
+class AsyncEngine:
     """The server's engine: wraps core.frontend.offline.Engine (which owns the worker process)."""
 
     def __init__(self, engine: Engine, model_name: str):
         self.engine = engine  # its public methods only (core.frontend.offline.Engine)
         info = engine.info
         self.info = info
-        self.tokenizer = TokenizerAdapter(engine.tokenizer, info.vocab_size)
+        self.tokenizer = TokenizerView(engine.tokenizer, info.vocab_size)
         # the longest sequence that can run: the context, or the KV pool if that is smaller
         self.context_length = min(info.max_context, info.pool_tokens)
         self.model_name = model_name
@@ -171,7 +187,7 @@ class EngineAdapter:
 
         params = dict(req.sampling, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
         if self._closed:
-            raise APIError(503, "the engine is shutting down", code="engine_unavailable")
+            raise Refused(503, "the engine is shutting down", code="engine_unavailable")
         fut = self._sender.submit(self.engine.submit, list(req.input_ids), params, rid=req.rid,
                                   sink=sink)
         finished = False
@@ -180,7 +196,7 @@ class EngineAdapter:
                 await asyncio.wrap_future(fut)
             except EngineError as e:
                 finished = True
-                raise APIError(503, f"the engine is not running: {e}", code="engine_unavailable",
+                raise Refused(503, f"the engine is not running: {e}", code="engine_unavailable",
                                retry_after=5) from None
             except ValueError as e:  # the engine's own checks (sampling, fits in context/pool,
                 finished = True  # a constraint its grammar backend cannot enforce)
@@ -189,7 +205,7 @@ class EngineAdapter:
                 d = await q.get()
                 if d.error is not None:  # the worker (a rank, a replica) died, or was closed
                     finished = True  # one status, tokens sent or not (README "Probes")
-                    raise APIError(503, f"the engine is not running: {d.error}",
+                    raise Refused(503, f"the engine is not running: {d.error}",
                                    code="engine_unavailable", retry_after=5)
                 fin = d.finish
                 if fin is not None and fin.type == "abort" and fin.status_code:
@@ -200,7 +216,7 @@ class EngineAdapter:
                     message = fin.message or "rejected by the scheduler"
                     if status == 400:  # e.g. its constraint failed to compile in the worker
                         raise invalid(_constraint_param(req, message), message)
-                    raise APIError(status, message,
+                    raise Refused(status, message,
                                    code="queue_full" if status == 503 else None,
                                    retry_after=1 if status in (429, 503) else None)
                 if fin is not None:  # (the consumer may close this generator at its last
@@ -287,10 +303,10 @@ def _figures(s: JSONObject) -> JSONObject:
             **{k: v for k, v in s.items() if k.startswith("grammar_compile")}}
 
 
-def start_engine(args: ServerArgs) -> EngineAdapter:
+def start_async_engine(args: ServerArgs) -> AsyncEngine:
     """Resolve the plan, load the model in the worker process (with --dp-size N, N workers
     started together behind core.frontend.router.ReplicaSet), wrap it for the server."""
     from core.frontend.offline import Engine
 
     engine = Engine(server_args=args)
-    return EngineAdapter(engine, _served_name(args, engine.args.model_path))
+    return AsyncEngine(engine, served_name(args, engine.args.model_path))

@@ -1,5 +1,6 @@
-"""EngineAdapter over core.frontend.offline.Engine: its deltas, rejections, aborts and stats,
-checked against a scripted stand-in with Engine's public methods (no model, no worker process)."""
+"""AsyncEngine (core.frontend.serving) over core.frontend.offline.Engine: its deltas, refusals,
+aborts and stats, checked against a scripted stand-in with Engine's public methods (no model, no
+worker process)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import pytest
 
 from core.frontend.delta import Delta
 from core.frontend.offline import Engine, EngineError
+from core.frontend.refusal import Refused
+from core.frontend.serving import AsyncEngine, GenRequest, served_name
 from core.messages import EngineInfo, Finish, TokenLogprob
 from core.plan.args import ServerArgs
-from core.server.adapter import EngineAdapter, _served_name
-from core.server.engine_api import GenRequest
-from core.server.errors import APIError
 
 INFO = EngineInfo(max_context=512, pool_tokens=256, page_size=1, max_running_requests=8,
                   vocab_size=100, eos_token_ids=(2,), chunked_prefill_size=None,
@@ -85,14 +85,14 @@ class ScriptedClient:
         pass
 
 
-def adapter(engine) -> EngineAdapter:
-    return EngineAdapter(engine, "x")
+def adapter(engine) -> AsyncEngine:
+    return AsyncEngine(engine, "x")
 
 
 def test_the_adapter_uses_only_the_engines_public_methods():
-    import core.server.adapter
+    import core.frontend.serving
 
-    source = Path(core.server.adapter.__file__).read_text(encoding="utf-8")
+    source = Path(core.frontend.serving.__file__).read_text(encoding="utf-8")
     assert ".client" not in source  # Engine's own methods, never engine.client.x
     public = {n for n in dir(Engine) if not n.startswith("_")}
     assert {"submit", "abort", "stats", "health", "heartbeat_age", "heartbeat_stats",
@@ -102,7 +102,7 @@ def test_the_adapter_uses_only_the_engines_public_methods():
     assert scripted <= public, scripted - public  # the stand-in offers nothing Engine lacks
 
 
-async def collect(a: EngineAdapter, req: GenRequest, limit: int | None = None) -> list[Delta]:
+async def collect(a: AsyncEngine, req: GenRequest, limit: int | None = None) -> list[Delta]:
     out = []
     gen = a.generate(req)
     try:
@@ -141,30 +141,30 @@ def test_the_engines_deltas_reach_the_server_as_they_are():
 def test_queue_full_rejection_is_503():
     client = ScriptedClient([delta("r1", finish=Finish("abort", status_code=503,
                                                        message="the queue is full"))])
-    with pytest.raises(APIError) as e:
+    with pytest.raises(Refused) as e:
         asyncio.run(collect(adapter(client), REQ))
     assert e.value.status == 503 and e.value.retry_after == 1 and e.value.code == "queue_full"
     assert "queue is full" in e.value.message
 
 
 def test_admission_error_is_400_and_dead_engine_503():
-    with pytest.raises(APIError) as e:
+    with pytest.raises(Refused) as e:
         asyncio.run(collect(adapter(ScriptedClient(submit_error=ValueError(
             "prompt of 300 tokens + max_new_tokens 300 = 600 exceeds the context length 512"))),
             REQ))
     assert e.value.status == 400 and "600" in e.value.message
-    with pytest.raises(APIError) as e:
+    with pytest.raises(Refused) as e:
         asyncio.run(collect(adapter(ScriptedClient(submit_error=EngineError("gone"))), REQ))
     assert e.value.status == 503 and e.value.code == "engine_unavailable"
     # the worker dies before any output: 503 too; after some output: the same 503 (it was a
     # 500 there: one status for a dead engine, whichever process died, README "Probes")
-    with pytest.raises(APIError) as e:
+    with pytest.raises(Refused) as e:
         asyncio.run(collect(adapter(ScriptedClient([Delta.failed("r1", 0, "worker died")])),
                             REQ))
     assert e.value.status == 503
     client = ScriptedClient([delta("r1", "a", [1]), Delta.failed("r1", 0, "worker died")])
     client.release.set()
-    with pytest.raises(APIError) as e:
+    with pytest.raises(Refused) as e:
         asyncio.run(collect(adapter(client), REQ))
     assert (e.value.status, e.value.code, e.value.retry_after) == (503, "engine_unavailable", 5)
     assert "worker died" in e.value.message
@@ -177,7 +177,7 @@ def test_a_refusal_after_some_output_is_its_status():
     client = ScriptedClient([delta("r1", "a", [1]), delta("r1", finish=Finish(
         "abort", status_code=400, message=msg))])
     client.release.set()
-    with pytest.raises(APIError) as e:
+    with pytest.raises(Refused) as e:
         asyncio.run(collect(adapter(client), REQ))
     assert e.value.status == 400 and e.value.message == msg
 
@@ -205,8 +205,8 @@ def test_stats_and_health():
     assert a.context_length == 256  # the KV pool is smaller than the context here
 
 
-def test_served_name():
-    assert _served_name(ServerArgs(served_model_name="n"), "/p/m.gguf") == "n"
-    assert _served_name(ServerArgs(model_path="org/model"), "/p/m.gguf") == "org/model"
-    assert _served_name(ServerArgs(), "/site/SmolLM2-135M-Instruct.Q4_1.gguf") == \
+def testserved_name():
+    assert served_name(ServerArgs(served_model_name="n"), "/p/m.gguf") == "n"
+    assert served_name(ServerArgs(model_path="org/model"), "/p/m.gguf") == "org/model"
+    assert served_name(ServerArgs(), "/site/SmolLM2-135M-Instruct.Q4_1.gguf") == \
         "SmolLM2-135M-Instruct"
