@@ -471,7 +471,7 @@ def test_core_serve_runs_on_the_example_accelerator(example_site):
     The example's SDPA backend is the one attention backend declaring that target."""
     import signal
 
-    from core.server.testing import free_port, http_request, read_until_listening
+    from conformance.server_kit import free_port, http_request, read_until_listening
 
     port = free_port()
     script = Path(sys.executable).with_name("core")

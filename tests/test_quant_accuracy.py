@@ -64,7 +64,7 @@ def test_core_serve_with_online_quantization_answers():
     import subprocess
     import sys
 
-    from core.server.testing import free_port, http_request, read_until_listening
+    from conformance.server_kit import free_port, http_request, read_until_listening
 
     port = free_port()
     cmd = [sys.executable, "-m", "core.cli", "serve", "--port", str(port), "--max-total-tokens",
