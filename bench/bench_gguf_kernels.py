@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from plugins.cbuild import ISA_FEATURES  # noqa: E402
+from plugins._kit.cbuild import ISA_FEATURES  # noqa: E402
 from plugins.quant.gguf import formats  # noqa: E402
 from plugins.quant.gguf.formats import random_blocks  # noqa: E402
 from plugins.quant.gguf.kernels import Kernels  # noqa: E402

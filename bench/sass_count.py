@@ -1,7 +1,7 @@
 """Compile a Triton kernel for a CUDA target on any machine (no GPU needed) and count its SASS
 instructions: a static check of what a kernel change costs when no GPU is at hand.
 
-    python bench/sass_count.py plugins.quant.w8a8_triton:_small_m_kernel \
+    python bench/sass_count.py plugins._kit.w8a8_triton:_small_m_kernel \
         --const ACT=0,BLOCKED_W=0,GROUP_N=1,QMAX=448.0,IS_INT=0,HAS_BIAS=0,HAS_UB=0,SPLIT_K=2,\
 BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,PRO_R=4,PRO_K=1024 \
         --ptr w_ptr=fp8e4nv,x_ptr=bf16,y_ptr=bf16,bias_ptr=bf16,lock_ptr=i32 --warps 4 --stages 3

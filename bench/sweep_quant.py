@@ -1,4 +1,4 @@
-"""Tile sweep of the W8A8 Triton kernels (plugins/quant/w8a8_triton.py) at Llama-3.1-8B shapes.
+"""Tile sweep of the W8A8 Triton kernels (plugins/_kit/w8a8_triton.py) at Llama-3.1-8B shapes.
 
     python bench/sweep_quant.py --out sweep_quant.json
     python bench/sweep_quant.py --only gemv,int4 --out sweep_gemv.json   # batch-1 kernels
@@ -45,7 +45,7 @@ def _fp8_operands(n: int, k: int, m: int, block: bool):
 
 
 def sweep_decode(rows: list) -> None:
-    from plugins.quant.w8a8_triton import small_m_linear
+    from plugins._kit.w8a8_triton import small_m_linear
 
     configs = [dict(BLOCK_N=bn, SPLIT_K=sk, num_warps=4, num_stages=st)
                for bn, sk, st in itertools.product((16, 32, 64), (1, 2, 4, 8, 16), (3, 5))]
@@ -73,7 +73,7 @@ def sweep_decode(rows: list) -> None:
 
 
 def sweep_prefill(rows: list) -> None:
-    from plugins.quant.w8a8_triton import scaled_mm
+    from plugins._kit.w8a8_triton import scaled_mm
 
     configs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=nw, num_stages=st)
                for bm, bn, nw, st in itertools.product((64, 128), (128, 256), (4, 8), (3, 4))]
@@ -130,7 +130,7 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def sweep_gemv(rows: list, copy_gbps: float) -> None:
-    from plugins.quant.w8a8_triton import small_m_linear
+    from plugins._kit.w8a8_triton import small_m_linear
 
     channel = [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, per_sm=ps)
                for bn, bk, nw, ps in ((16, 512, 4, 8), (32, 256, 4, 8), (16, 512, 8, 8),
@@ -286,7 +286,7 @@ def sweep_peers(rows: list, copy_gbps: float) -> None:
     from conformance.quant_refs import fake_quant_acts
     from plugins.quant.int4 import gemm
     from plugins.quant.int4.packing import dequantize
-    from plugins.quant.w8a8_triton import quantize_acts, small_m_linear
+    from plugins._kit.w8a8_triton import quantize_acts, small_m_linear
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     dots = [dict(kernel="dot", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=nw, num_stages=st)
