@@ -284,9 +284,9 @@ def sweep_peers(rows: list, copy_gbps: float) -> None:
     its in-place unpack. fp8_prequant_*: the small-M kernel with x quantized by a launch of its
     own or in its prologue."""
     from conformance.quant_refs import fake_quant_acts
+    from plugins._kit.w8a8_triton import quantize_acts, small_m_linear
     from plugins.quant.int4 import gemm
     from plugins.quant.int4.packing import dequantize
-    from plugins._kit.w8a8_triton import quantize_acts, small_m_linear
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     dots = [dict(kernel="dot", BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=nw, num_stages=st)
