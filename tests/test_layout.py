@@ -3,6 +3,7 @@
 - plugins import from core only core.contract and core.layers;
 - a plugin package imports from plugins only itself and plugins._kit (the shared helpers);
 - core/engine/ never imports core.frontend or core.server;
+- core/frontend/ never imports core.server;
 - core/plan/ imports no torch (checked by importing every module of it in a fresh interpreter);
 - core's modules import one another without a cycle (module-level imports).
 
@@ -100,6 +101,16 @@ def test_the_engine_never_imports_the_frontend_or_the_server():
     found = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p)
                                               if m.startswith(("core.frontend", "core.server")))
              for p in _files("core/engine")}
+    found = {f: m for f, m in found.items() if m}
+    assert not found, found
+
+
+def test_the_frontend_never_imports_the_server():
+    """The client side of the engine serves the offline Engine and any server alike: what it
+    refuses is a core.frontend.refusal.Refused, which the HTTP server turns into its answer."""
+    found = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p)
+                                              if m.startswith("core.server"))
+             for p in _files("core/frontend")}
     found = {f: m for f, m in found.items() if m}
     assert not found, found
 
