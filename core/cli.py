@@ -19,12 +19,17 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from core.contract.capabilities import KINDS
 from core.contract.hookspecs import PLUGIN_API_VERSION
+from core.contract.json_types import JSON
 from core.plan.args import add_cli_args, from_namespace, load_yaml_config
 from core.plan.registry import PluginError, Registry, get_registry
+
+if TYPE_CHECKING:
+    from core.plan.args import ServerArgs
+    from core.plan.registry import Registration
 
 EXIT_OK, EXIT_NO_FIT, EXIT_USAGE, EXIT_PLUGIN = 0, 1, 2, 3
 # core.engine.worker.STARTUP_PROGRESS_ENV (not imported: the worker module imports torch)
@@ -82,7 +87,7 @@ def _add_field_flag(parser: argparse.ArgumentParser, name: str) -> None:
 
 # ------------------------------------------------------------------------------------ backends
 
-def _backend_status(registry: Registry, kind: str, reg: Any) -> tuple[str, str]:
+def _backend_status(registry: Registry, kind: str, reg: Registration) -> tuple[str, str]:
     """(status, reason) of one registration: available, unavailable or failed."""
     if kind == "hardware":
         info = registry.probe(reg.name)
@@ -98,7 +103,7 @@ def _backend_status(registry: Registry, kind: str, reg: Any) -> tuple[str, str]:
     return "available", ""
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: object) -> JSON:
     """A capability value as JSON: dataclasses as objects of every field, sets sorted, tuples
     as lists, maps with string keys; anything else its str()."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -114,12 +119,30 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _backends_rows(registry: Registry) -> list[dict[str, Any]]:
-    rows = []
+class _BackendRow(TypedDict):
+    kind: str
+    name: str
+    plugin: str
+    distribution: str
+    version: str
+    status: str  # available | unavailable | failed
+    reason: str
+    summary: str
+    caps: JSON
+
+
+class BackendRow(_BackendRow, total=False):
+    """One registration as `core backends` lists it (--json: one object of "plugins")."""
+
+    device: str  # an available hardware target's device
+
+
+def _backends_rows(registry: Registry) -> list[BackendRow]:
+    rows: list[BackendRow] = []
     for kind in KINDS:
         for name, reg in sorted(registry.kind(kind).items()):
             status, reason = _backend_status(registry, kind, reg)
-            row = {"kind": kind, "name": name, "plugin": reg.origin.plugin,
+            row: BackendRow = {"kind": kind, "name": name, "plugin": reg.origin.plugin,
                    "distribution": reg.origin.dist, "version": reg.origin.version,
                    "status": status, "reason": reason, "summary": reg.caps.summary(),
                    "caps": jsonable(reg.caps)}
@@ -129,7 +152,7 @@ def _backends_rows(registry: Registry) -> list[dict[str, Any]]:
     return rows
 
 
-def _failure_rows(registry: Registry) -> list[dict[str, Any]]:
+def _failure_rows(registry: Registry) -> list[dict[str, str]]:
     return [{"plugin": f.origin.plugin, "distribution": f.origin.dist,
              "version": f.origin.version, "stage": f.stage, "error": f.error}
             for f in registry.failures]
@@ -166,7 +189,7 @@ def _cmd_backends(ns: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------- resolve
 
-def _server_args(ns: argparse.Namespace, base: dict[str, Any] | None = None):
+def _server_args(ns: argparse.Namespace, base: dict[str, object] | None = None) -> ServerArgs:
     try:
         return from_namespace(ns, base)
     except (ValueError, TypeError) as exc:
@@ -190,7 +213,7 @@ def _model_spec(path: str | None):
         raise _UsageError(f"--model-path {path}: {exc}") from exc
 
 
-def chat_template_of(args: Any, path: str | None) -> tuple[str | None, str]:
+def chat_template_of(args: ServerArgs, path: str | None) -> tuple[str | None, str]:
     """The chat template the server would read for the model at `path` (what the tool-call
     parser is chosen by), without loading the tokenizer: (its text or None, where it came
     from). --chat-template wins; else a GGUF file's tokenizer.chat_template, else

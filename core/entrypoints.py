@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from core.plan.args import ServerArgs
 
 if TYPE_CHECKING:
     from core.messages import EngineInfo
+    from core.plan.plan import Plan
 
 
-def plan_summary(plan: Any, info: EngineInfo) -> str:
+def plan_summary(plan: Plan, info: EngineInfo) -> str:
     """The plan in one line: model, device, quant method, attention, KV pool."""
     attention = plan.decode_attention if plan.prefill_attention == plan.decode_attention else \
         f"{plan.prefill_attention} / {plan.decode_attention}"

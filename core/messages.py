@@ -21,13 +21,16 @@ import dataclasses
 import json
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from core.contract.grammar import Constraint
+from core.contract.json_types import JSON, JSONObject
 from core.engine.sampling import SamplingParams
+
+T = TypeVar("T")
 
 RPC_OPS = ("stats", "check_accounting", "flush_cache")
 FINISH_TYPES = ("stop", "length", "abort")
@@ -192,8 +195,9 @@ class Heartbeat:
 
 Message = (AddRequest | Abort | Rpc | Shutdown | GrammarReady | Ready | Fatal | StepOutput | Reply
            | Heartbeat)
-MESSAGES: dict[str, Any] = {m.TYPE: m for m in (AddRequest, Abort, Rpc, Shutdown, GrammarReady,
-                                                Ready, Fatal, StepOutput, Reply, Heartbeat)}
+MESSAGES: dict[str, type[Message]] = {
+    m.TYPE: m for m in (AddRequest, Abort, Rpc, Shutdown, GrammarReady, Ready, Fatal, StepOutput,
+                        Reply, Heartbeat)}
 # how errors name a value of each class (messages: "<type> message")
 _WHAT = {EngineInfo: "engine info", TokenLogprob: "logprob", Finish: "finish reason",
          OutputItem: "output item", SamplingParams: "sampling params", Constraint: "constraint"}
@@ -201,7 +205,7 @@ _WHAT = {EngineInfo: "engine info", TokenLogprob: "logprob", Finish: "finish rea
 
 # -- the codec -------------------------------------------------------------------------------------
 
-def to_json(value: Any) -> Any:
+def to_json(value: object) -> JSON:
     """A message, or any value of a message's field, as JSON-able data."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _writer(type(value))(value)
@@ -212,11 +216,14 @@ def to_json(value: Any) -> Any:
     return value
 
 
-Writer = Callable[[Any], Any]  # typed value -> JSON value
-_WRITERS: dict[Any, Writer] = {}
+# typed value (of the annotation the writer was built for) -> JSON value
+Writer = Callable[[Any], JSON]
+_WRITERS: dict[object, Writer] = {}  # annotation -> its writer
 _SCALARS = (str, int, float, bool, type(None))
 
 
+# An annotation (`tp`) is whatever typing accepts as a type: a class, `X | None`,
+# `tuple[int, ...]`, `Literal[...]`; no static type names type forms.
 def _writer(tp: Any) -> Writer:
     """The writer of a field annotation (or a dataclass), built once per annotation."""
     got = _WRITERS.get(tp)
@@ -234,7 +241,7 @@ def _plain(tp: Any) -> bool:
     return False
 
 
-def _identity(v: Any) -> Any:
+def _identity(v: JSON) -> JSON:
     return v
 
 
@@ -259,9 +266,9 @@ def _build_writer(tp: Any) -> Writer:
                 for f in dataclasses.fields(tp)]
         if getattr(tp, "POSITIONAL", False):
             return lambda v: [w(getattr(v, n)) for n, w, _ in plan]
-        tag = {"type": tp.TYPE} if hasattr(tp, "TYPE") else {}
+        tag: JSONObject = {"type": tp.TYPE} if hasattr(tp, "TYPE") else {}
 
-        def obj(v: Any) -> dict[str, Any]:
+        def obj(v: object) -> JSONObject:
             out = dict(tag)
             for name, w, optional in plan:
                 x = getattr(v, name)
@@ -273,26 +280,29 @@ def _build_writer(tp: Any) -> Writer:
     return to_json  # dict[...], Any: walked as it is
 
 
-Reader = Callable[[Any], Any]  # JSON value -> typed value; ValueError(what it must be)
+# JSON value -> typed value (of the annotation the reader was built for); ValueError(what it
+# must be)
+Reader = Callable[[JSON], Any]
 
 
 class _Bad(ValueError):
     """A value that is not what its annotation says (the message names the field)."""
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return type(v) is int
 
 
-def _scalar(check: Callable[[Any], bool], want: str, convert: Any = None) -> tuple[Reader, str]:
-    def read(v: Any) -> Any:
+def _scalar(check: Callable[[JSON], bool], want: str,
+            convert: Callable[[float], float] | None = None) -> tuple[Reader, str]:
+    def read(v: JSON) -> JSON:
         if not check(v):
             raise _Bad(want)
         return v if convert is None else convert(v)
     return read, want
 
 
-_READERS: dict[Any, tuple[Reader, str]] = {}
+_READERS: dict[object, tuple[Reader, str]] = {}  # annotation -> its reader
 
 
 def _reader(tp: Any) -> tuple[Reader, str]:
@@ -325,7 +335,7 @@ def _build(tp: Any) -> tuple[Reader, str]:
             return (lambda v: None if v is None else inner(v)), f"{want} or null"
         readers = [_reader(a) for a in args]
 
-        def union(v: Any) -> Any:
+        def union(v: JSON) -> object:
             for read, _ in readers:
                 try:
                     return read(v)
@@ -338,7 +348,7 @@ def _build(tp: Any) -> tuple[Reader, str]:
             parts = [_reader(a) for a in args]
             want = f"a list of {len(parts)}"
 
-            def fixed(v: Any) -> Any:
+            def fixed(v: JSON) -> tuple[object, ...]:
                 if type(v) is not list or len(v) != len(parts):
                     raise _Bad(want)
                 return tuple(r(x) for (r, _), x in zip(parts, v, strict=True))
@@ -349,13 +359,13 @@ def _build(tp: Any) -> tuple[Reader, str]:
         wrap = tuple if origin is tuple else list
         exact = {int: int, str: str, bool: bool}.get(args[0])
         if exact is not None:  # the common lists (token ids): one pass, no call per item
-            def flat(v: Any) -> Any:
+            def flat(v: JSON) -> Sequence[JSON]:
                 if type(v) is not list or not all(type(x) is exact for x in v):
                     raise _Bad(want)
                 return wrap(v)
             return flat, want
 
-        def seq(v: Any) -> Any:
+        def seq(v: JSON) -> Sequence[object]:
             if type(v) is not list:
                 raise _Bad(want)
             try:
@@ -367,7 +377,7 @@ def _build(tp: Any) -> tuple[Reader, str]:
         key, value = args
         keyed = int if key is int else None
 
-        def mapping(v: Any) -> Any:
+        def mapping(v: JSON) -> JSONObject | dict[int, object]:
             if type(v) is not dict:
                 raise _Bad("an object")
             if keyed is None:
@@ -394,7 +404,7 @@ def _dataclass_reader(cls: type) -> Reader:
         plan = [(f.name, _reader(hints[f.name])) for f in fields]
         want = "[" + ", ".join(f.name for f in fields) + "]"
 
-        def positional(v: Any) -> Any:
+        def positional(v: JSON) -> object:
             if type(v) is not list or len(v) != len(plan):
                 raise ValueError(f"malformed {what}: expected {want}, got {v!r:.80}")
             try:
@@ -415,7 +425,7 @@ def _dataclass_reader(cls: type) -> Reader:
         exact = base if base in (str, int, bool) else None
         checks.append((f.name, exact, nullable, *_reader(tp)))
 
-    def read(d: Any) -> Any:
+    def read(d: JSON) -> object:
         if type(d) is not dict:
             raise ValueError(f"malformed {what}: expected an object, got {type(d).__name__}")
         if not d.keys() <= names:
@@ -442,7 +452,7 @@ def _dataclass_reader(cls: type) -> Reader:
     return read
 
 
-def from_json(cls: type, value: Any) -> Any:
+def from_json(cls: type[T], value: JSON) -> T:
     """`value` (parsed JSON) as an instance of the dataclass `cls`; ValueError naming the
     problem."""
     return _reader(cls)[0](value)

@@ -8,9 +8,25 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from core.contract.json_types import JSON, JSONObject
+
+if TYPE_CHECKING:
+    import jinja2
+    import jinja2.nodes
+    import jinja2.parser
+    from tokenizers import Tokenizer as Backend
+    from transformers import PreTrainedTokenizerBase
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback
+
+# What tokenizer_record reads off transformers' tokenizer (the cache's record.json); "class" is
+# a keyword, hence the functional form.
+TokenizerRecord = TypedDict("TokenizerRecord", {
+    "usable": bool, "class": str, "eos_token_id": int | None, "bos_token_id": int | None,
+    "len": int, "special_tokens": list[str], "special_tokens_map": dict[str, str],
+    "chat_template": str | None, "added_ids": list[int]})
 
 
 class Tokenizer:
@@ -22,12 +38,12 @@ class Tokenizer:
     `hf`, transformers' tokenizer, is then built on first use (grammar backends read it).
     """
 
-    def __init__(self, hf_tokenizer: Any, eos_token_ids: set[int] | None = None,
-                 chat_template: str | None = None):
-        self._hf = hf_tokenizer
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase,
+                 eos_token_ids: set[int] | None = None, chat_template: str | None = None):
+        self._hf: PreTrainedTokenizerBase | None = hf_tokenizer  # None: built by _load_hf
         self._hf_lock = threading.Lock()
-        self._load_hf: Callable[[], Any] | None = None
-        self._fast: Any = None  # a tokenizers.Tokenizer where transformers is not needed
+        self._load_hf: Callable[[], PreTrainedTokenizerBase] | None = None
+        self._fast: Backend | None = None  # where transformers is not needed
         self._special_map: dict[str, str] = {}
         self._added_ids: frozenset[int] = frozenset()
         ids = set(eos_token_ids or ())
@@ -43,8 +59,10 @@ class Tokenizer:
         self._unicode_to_byte: dict[str, int] = {}
 
     @classmethod
-    def _from_record(cls, backend: Any, record: dict[str, Any], load_hf: Callable[[], Any],
-                     hf: Any = None, eos_token_ids: set[int] | None = None,
+    def _from_record(cls, backend: Backend, record: TokenizerRecord,
+                     load_hf: Callable[[], PreTrainedTokenizerBase],
+                     hf: PreTrainedTokenizerBase | None = None,
+                     eos_token_ids: set[int] | None = None,
                      chat_template: str | None = None) -> Tokenizer:
         """On `backend` (a tokenizers.Tokenizer), with what tokenizer_record read off
         transformers' tokenizer; `load_hf` builds that tokenizer when `hf` is first read."""
@@ -71,7 +89,7 @@ class Tokenizer:
         return self
 
     @property
-    def hf(self) -> Any:
+    def hf(self) -> PreTrainedTokenizerBase:
         """transformers' tokenizer (built on first use where the wrapper runs without it)."""
         if self._hf is None:
             with self._hf_lock:
@@ -158,7 +176,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+                            tools: list[JSONObject] | None = None, **kwargs: Any) -> str:
         """Render chat messages to a prompt string with the model's (or overriding) template.
 
         tools: function definitions in OpenAI's shape, the template's `tools` variable (as
@@ -180,7 +198,7 @@ class Tokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
 
-def _special_texts(hf: Any) -> tuple[str, ...]:
+def _special_texts(hf: PreTrainedTokenizerBase) -> tuple[str, ...]:
     """Control tokens' texts (special added tokens, e.g. <|im_start|>), longest first."""
     added = getattr(hf, "added_tokens_decoder", None) or {}
     texts = {t.content for t in added.values() if getattr(t, "special", False)}
@@ -188,7 +206,7 @@ def _special_texts(hf: Any) -> tuple[str, ...]:
     return tuple(sorted(texts, key=lambda t: (-len(t), t)))
 
 
-def _hf_tokenizer(path: str, gguf_file: str | None) -> Any:
+def _hf_tokenizer(path: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
     """transformers' tokenizer of an HF directory, or of a GGUF file: converted from its
     vocabulary once (core.plan.gguf_cache), then read back."""
     from transformers import AutoTokenizer
@@ -210,7 +228,7 @@ _RECORDED_METHODS = ("encode", "decode", "_decode", "_encode_plus", "__call__",
                      "get_chat_template", "__len__")
 
 
-def tokenizer_record(hf: Any) -> dict[str, Any]:
+def tokenizer_record(hf: PreTrainedTokenizerBase) -> TokenizerRecord:
     """What the wrapper reads off transformers' tokenizer `hf`, as JSON, and whether the
     `tokenizers` backend alone gives what `hf` gives (`usable`): a fast tokenizer of the
     plain class whose backend survives serialization, no clean-up of decoded spaces or
@@ -247,21 +265,21 @@ def _fast_from_gguf(path: str, gguf_file: str, eos: set[int],
     from core.plan.gguf_cache import cached
 
     gguf = os.path.join(path, gguf_file)
-    made: list[Any] = []  # transformers' tokenizer, where this call built the entry
+    made: list[PreTrainedTokenizerBase] = []  # transformers' tokenizer, where this call built it
 
-    def build() -> tuple[dict[str, Any], Any]:
+    def build() -> tuple[TokenizerRecord, Backend]:
         hf = _hf_tokenizer(path, gguf_file)
         made.append(hf)
         return tokenizer_record(hf), Backend.from_str(hf.backend_tokenizer.to_str())
 
-    def save(obj: tuple[dict[str, Any], Any], where: str) -> None:
+    def save(obj: tuple[TokenizerRecord, Backend], where: str) -> None:
         record, backend = obj
         with open(os.path.join(where, "tokenizer.json"), "w", encoding="utf-8") as fh:
             fh.write(backend.to_str())
         with open(os.path.join(where, "record.json"), "w", encoding="utf-8") as fh:
             json.dump(record, fh)  # written last: its presence says the part is whole
 
-    def load(where: str) -> tuple[dict[str, Any], Any]:
+    def load(where: str) -> tuple[TokenizerRecord, Backend]:
         with open(os.path.join(where, "record.json"), encoding="utf-8") as fh:
             record = json.load(fh)
         return record, Backend.from_file(os.path.join(where, "tokenizer.json"))
@@ -320,7 +338,7 @@ class IncrementalDetokenizer:
         return delta
 
 
-def _has_byte_level_decoder(backend: Any) -> bool:
+def _has_byte_level_decoder(backend: Backend | None) -> bool:
     """Whether a `tokenizers` backend decodes with `ByteLevel` (alone or inside a Sequence)."""
     decoder = getattr(backend, "decoder", None)
     if decoder is None:
@@ -330,7 +348,7 @@ def _has_byte_level_decoder(backend: Any) -> bool:
     except (AttributeError, TypeError, ValueError):
         return False
 
-    def walk(d: Any) -> bool:
+    def walk(d: JSON) -> bool:
         return isinstance(d, dict) and (d.get("type") == "ByteLevel"
                                         or any(walk(x) for x in d.get("decoders") or ()))
 
@@ -381,7 +399,7 @@ _HF_ONLY_KWARGS = frozenset({"documents", "continue_final_message", "tokenize",
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # the first is the standard
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> Any:  # JSON, with tuples kept as tuples
     """A copy of a JSON-shaped value (what the template sees); other objects -> _Unsupported
     (transformers turns them into placeholders, dataclasses and models into dicts)."""
     if value is None or type(value) in (str, int, float, bool):
@@ -395,9 +413,9 @@ def _plain(value: Any) -> Any:
     raise _Unsupported(type(value).__name__)
 
 
-def render_chat(template: str, messages: Any, add_generation_prompt: bool,
-                tools: list[dict[str, Any]] | None, special_tokens_map: dict[str, str],
-                kwargs: dict[str, Any]) -> str:
+def render_chat(template: str, messages: object, add_generation_prompt: bool,
+                tools: list[JSONObject] | None, special_tokens_map: dict[str, str],
+                kwargs: dict[str, object]) -> str:
     """transformers' apply_chat_template(messages, chat_template=template, tokenize=False,
     add_generation_prompt=..., tools=..., **kwargs) for one conversation of plain dicts and
     tools given as JSON schemas: messages' None-valued keys dropped, reasoning copied under
@@ -426,7 +444,7 @@ def render_chat(template: str, messages: Any, add_generation_prompt: bool,
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(template: str) -> Any:
+def _compiled(template: str) -> jinja2.Template:
     """The template compiled in an environment like transformers': sandboxed (immutable),
     trim_blocks and lstrip_blocks, loop controls, the `{% generation %}` block (rendered as
     its body), a `tojson` that keeps non-ASCII text, raise_exception, strftime_now, and `dict`
@@ -445,20 +463,20 @@ def _compiled(template: str) -> Any:
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}  # noqa: RUF012 - jinja2's class attribute
 
-        def parse(self, parser: Any) -> Any:
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body
                                           ).set_lineno(lineno)
 
-        def _body(self, caller: Any) -> str:
+        def _body(self, caller: Callable[[], str]) -> str:
             return caller()
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(x: object, ensure_ascii: bool = False, indent: int | str | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
@@ -472,7 +490,7 @@ def _compiled(template: str) -> Any:
         def fromkeys(self, *args: Any) -> dict:
             return dict.fromkeys(*args)
 
-    def refuse_private(name: Any) -> None:
+    def refuse_private(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
                 f"Chat templates cannot store underscore-prefixed attributes on a namespace, "
@@ -486,7 +504,7 @@ def _compiled(template: str) -> Any:
                 refuse_private(name)
             jinja2.utils.Namespace.__init__(self, attrs)
 
-        def __setitem__(self, name: str, value: Any) -> None:
+        def __setitem__(self, name: str, value: object) -> None:
             refuse_private(name)
             jinja2.utils.Namespace.__setitem__(self, name, value)
 

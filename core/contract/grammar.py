@@ -324,7 +324,8 @@ class Grammar:
         self._cache: OrderedDict[tuple[str, str, str], object] = OrderedDict()
         self._cache_size = cache_size
         self.compiled = 0  # cache misses (tests and stats)
-        self._pool: ThreadPoolExecutor | None = None  # the compile thread (submit), made on first use
+        # the compile thread (submit), made on first use
+        self._pool: ThreadPoolExecutor | None = None
         # the engine's compile processes (core.engine.grammar_compiler.CompileService); None: compiles
         # run on a thread of this process (tests, the conformance suite)
         self.compiler: GrammarCompiler | None = None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from core.contract.layer_ops import LayerOps
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -22,7 +25,7 @@ class GatedAct(nn.Module):
 
     SiLU runs through the layer ops' silu_and_mul (one kernel where they fuse it)."""
 
-    def __init__(self, act: str = "silu", ops: Any = None):
+    def __init__(self, act: str = "silu", ops: LayerOps | None = None):
         super().__init__()
         self.act = get_act_fn(act)
         self._fused = ops.silu_and_mul() if ops is not None and act == "silu" else None

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from core.engine.distributed import SINGLE, TPGroup
 from core.layers.linear import UnquantizedLinearMethod
 from core.layers.ops_ref import TorchLayerOps
+
+if TYPE_CHECKING:
+    from core.contract.layer_ops import CompleteLayerOps
 
 
 @dataclass(frozen=True)
@@ -26,5 +30,5 @@ class ModelContext:
     device: torch.device | None = None  # None: torch's default device
     quant_method: object = field(default_factory=UnquantizedLinearMethod)
     moe_runner: object | None = None
-    ops: object = field(default_factory=TorchLayerOps)
+    ops: CompleteLayerOps = field(default_factory=TorchLayerOps)
     tp: TPGroup = SINGLE

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from core.layers.ops_ref import TorchLayerOps, rms_norm
+
+if TYPE_CHECKING:
+    from core.contract.layer_ops import CompleteLayerOps
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +21,7 @@ class RMSNorm(nn.Module):
     when none are given): `bound()` / `bound_add()` ask them once for the callables."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, ops: Any = None):
+                 device: torch.device | None = None, ops: CompleteLayerOps | None = None):
         super().__init__()
         self.eps = eps
         self.hidden_size = hidden_size

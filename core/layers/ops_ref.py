@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +70,7 @@ class TorchLayerOps:
 
     name = "torch"
 
-    def __init__(self, dtype: Any = None, device: Any = None):
+    def __init__(self, dtype: torch.dtype | None = None, device: torch.device | None = None):
         self.dtype, self.device = dtype, device
 
     def rms_norm(self, weight: torch.Tensor, eps: float) -> Callable:

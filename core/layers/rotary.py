@@ -7,13 +7,14 @@ transformers 5 form (`rope_parameters`) or the older one (`rope_theta` + `rope_s
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
 
+from core.contract.json_types import JSONObject
 
-def rope_parameters(config: Any) -> dict[str, Any]:
+
+def rope_parameters(config: object) -> JSONObject:
     """The config's RoPE parameters as one dict with at least rope_type and rope_theta."""
     params = getattr(config, "rope_parameters", None)
     if params and "rope_theta" not in params and all(isinstance(v, dict) for v in params.values()):
@@ -26,7 +27,7 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
-def inv_frequencies(head_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
+def inv_frequencies(head_dim: int, params: JSONObject, max_position: int) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in fp32 for the given rope parameters."""
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
@@ -55,7 +56,7 @@ def inv_frequencies(head_dim: int, params: dict[str, Any], max_position: int) ->
 class RotaryEmbedding(nn.Module):
     """Looks up cos/sin for positions from a table grown on demand (fp32, computed once)."""
 
-    def __init__(self, head_dim: int, params: dict[str, Any], max_position: int,
+    def __init__(self, head_dim: int, params: JSONObject, max_position: int,
                  device: torch.device | None = None):
         super().__init__()
         self.head_dim = head_dim
