@@ -119,21 +119,6 @@ def test_the_resolver_picks_the_best_variant_and_explains_the_others():
     assert any("avx512_vnni" in r for r in reasons["gguf_avx512"])
 
 
-@pytest.mark.parametrize("cc", [None, "gcc", "no-such-compiler"])
-@pytest.mark.parametrize("path", [None, ""])
-def test_the_kit_builds_with_the_compiler_the_resolver_checks(monkeypatch, cc, path):
-    """plugins/_kit/cbuild.py finds its compiler itself (a plugin imports no core.plan): the one
-    core.plan.checks.c_compiler finds for `programs=("cc",)`, or none where that finds none."""
-    from core.plan.checks import c_compiler
-    from plugins._kit.cbuild import compiler
-
-    for name, value in (("CC", cc), ("PATH", path)):
-        if value is None:
-            continue
-        monkeypatch.setenv(name, value)
-    assert compiler() == c_compiler()
-
-
 @pytest.fixture(scope="module")
 def smollm_pair():
     """The default model loaded from its blocks (the best variant here) and dequantized, with

@@ -6,11 +6,22 @@ Python values, so capabilities can be read (and plans made) without importing an
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from core.plan.quant_scheme import ONLINE_ACTIVATIONS, QuantScheme, online_scheme
+
+
+def c_compiler() -> str | None:
+    """The C compiler a capability's `programs=("cc",)` asks for, and the one a plugin builds
+    its kernels with (plugins/_kit/cbuild.py): $CC, else cc / gcc / clang on PATH."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
 
 # Names used across the contract. Open strings are checked against these sets where they matter.
 DEVICE_TYPES = ("cuda", "rocm", "xpu", "npu", "cpu")

@@ -12,7 +12,6 @@ checking a backend must not load its kernel library.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from collections.abc import Iterable, Mapping
 from typing import Protocol
@@ -26,6 +25,7 @@ from core.contract.capabilities import (
     ModelCaps,
     MoECaps,
     QuantCaps,
+    c_compiler,
 )
 from core.plan.model_spec import ModelSpec
 from core.plan.quant_scheme import QuantScheme
@@ -76,14 +76,6 @@ def missing_packages(requires: Iterable[str]) -> list[str]:
         if not found:
             missing.append(name)
     return missing
-
-
-def c_compiler() -> str | None:
-    """The C compiler a plugin builds its kernels with: $CC, else cc / gcc / clang on PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
 
 
 def missing_programs(programs: Iterable[str]) -> list[str]:

@@ -19,10 +19,11 @@ import ctypes
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from core.contract.capabilities import c_compiler
 
 # variant -> compiler flags; the sources pick their loops by the macros these define
 ISA_FLAGS = {
@@ -46,15 +47,6 @@ INCLUDE = Path(__file__).parent
 HEADERS = ("cbf16.h",)
 
 
-def compiler() -> str | None:
-    """The C compiler to build with: $CC, else cc / gcc / clang on PATH (the same search as
-    core.plan.checks.c_compiler, which answers a capability's `programs=("cc",)`)."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
 def cache_dir() -> Path:
     root = os.environ.get("CORE_KERNEL_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "core-serve" / "kernels"
@@ -72,7 +64,7 @@ def _version(cc: str) -> str:
 def build(source: Path, variant: str) -> ctypes.CDLL:
     """The loaded library of `source` for one ISA variant (compiled if the cache lacks it);
     RuntimeError with the compiler's message when it cannot be built."""
-    cc = compiler()
+    cc = c_compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc / clang)")
     flags = (*BASE_FLAGS, *ISA_FLAGS[variant], f"-I{INCLUDE}")
