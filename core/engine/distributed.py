@@ -24,11 +24,14 @@ import json
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from core.contract.platform import Platform
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     ep: bool = False  # experts placed whole on ranks (expert parallel) instead of split
-    group: Any = None  # the torch.distributed process group; None: world group or single
+    group: ProcessGroup | None = None  # None: the world group, or single
 
     @property
     def active(self) -> bool:
@@ -62,7 +65,7 @@ class TPGroup:
         torch.distributed.all_gather(parts, x, group=self._pg())
         return torch.cat(parts, dim=-1) if self.size > 1 else parts[0]
 
-    def _pg(self) -> Any:
+    def _pg(self) -> ProcessGroup | None:
         return self.group if self.group is not None else torch.distributed.group.WORLD
 
     # ---- sizes ----
@@ -177,7 +180,7 @@ def share_threads(ranks_here: int) -> None:
         torch.set_num_threads(max(1, cores // ranks_here))
 
 
-def broadcast_bytes(data: bytes | None, dev: Any, src: int = 0) -> bytes:
+def broadcast_bytes(data: bytes | None, dev: torch.device, src: int = 0) -> bytes:
     """Rank src's bytes on every rank (two broadcasts: the length, then the payload); `dev`:
     where the worker's collectives run (Platform.dist_device)."""
     n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
@@ -193,7 +196,7 @@ def broadcast_bytes(data: bytes | None, dev: Any, src: int = 0) -> bytes:
     return bytes(buf.cpu().numpy().tobytes()) if data is None else data
 
 
-def all_min(value: int, dev: Any) -> int:
+def all_min(value: int, dev: torch.device) -> int:
     """The smallest of every rank's value (so pool sizes agree across ranks)."""
     t = torch.tensor([value], dtype=torch.int64, device=dev)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)

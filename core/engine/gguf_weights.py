@@ -11,11 +11,21 @@ transformers' own GGUF loader does).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    from gguf import GGUFReader, ReaderTensor
+    from gguf.constants import GGMLQuantizationType
+
+    from core.engine.loader import HFConfig
+
+    _Rows = TypeVar("_Rows", torch.Tensor, np.ndarray)
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {
@@ -77,7 +87,7 @@ def hf_name(gguf_name: str) -> str:
     return gguf_name
 
 
-def unpermute_rope_rows(w: Any, n_heads: int) -> Any:
+def unpermute_rope_rows(w: _Rows, n_heads: int) -> _Rows:
     """Undo llama.cpp's Q/K row permutation: per head, rows (d/2, 2) interleaved -> (2, d/2).
     A torch tensor or a numpy array of rows (a quantized tensor's rows of blocks: each row is
     whole, so permuting rows of bytes permutes the rows it holds)."""
@@ -89,7 +99,7 @@ def unpermute_rope_rows(w: Any, n_heads: int) -> Any:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def field_value(reader: Any, key: str) -> Any:
+def field_value(reader: GGUFReader, key: str) -> object:
     field = reader.fields.get(key)
     if field is None:
         return None
@@ -103,7 +113,8 @@ class _Tensor:
     """What gguf_weights reads of a GGUFReader tensor: name, shape (innermost first), type,
     data (a view of the file: uint8 [rows, bytes per row] for block types)."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], tensor_type: Any, data: np.ndarray):
+    def __init__(self, name: str, shape: tuple[int, ...], tensor_type: GGMLQuantizationType,
+                 data: np.ndarray):
         self.name, self.shape, self.tensor_type, self.data = name, shape, tensor_type, data
 
 
@@ -138,12 +149,14 @@ def _tensor_table(path: str) -> tuple[str, list[_Tensor]]:
     return str(meta.fields.get("general.architecture", "")), out
 
 
-def gguf_weights(path: str, config: Any, reader: Any = None, raw: bool = False
-                 ) -> tuple[int, Iterator[tuple[str, Any]]]:
+def gguf_weights(path: str, config: HFConfig, reader: GGUFReader | None = None,
+                 raw: bool = False) -> tuple[int, Iterator[tuple[str, torch.Tensor | GGUFBlocks]]]:
     """(tensor count, iterator of (HF name, fp32 tensor)) for a GGUF file (or its reader);
     raw: quantized tensors come as GGUFBlocks instead."""
     from gguf.quants import dequantize
 
+    arch: object  # the file's architecture field
+    tensors: Sequence[_Tensor | ReaderTensor]
     if reader is None:  # the header's tensor table read by core.plan.gguf_metadata: no field parse
         try:
             arch, tensors = _tensor_table(path)
@@ -156,7 +169,7 @@ def gguf_weights(path: str, config: Any, reader: Any = None, raw: bool = False
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     tensors = [t for t in tensors if t.name not in _SKIP]
 
-    def it() -> Iterator[tuple[str, torch.Tensor]]:
+    def it() -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
         for t in tensors:
             shape = tuple(int(d) for d in reversed(t.shape))
             name = hf_name(t.name)

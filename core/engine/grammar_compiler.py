@@ -42,7 +42,6 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
 
 from core.contract.grammar import Constraint, Grammar, GrammarBackendError, GrammarError
 
@@ -72,7 +71,7 @@ class _Job:
 
     def __init__(self, cid: int, constraint: Constraint):
         self.cid, self.constraint = cid, constraint
-        self.future: Future = Future()
+        self.future: Future[object] = Future()  # of the compiled grammar
         self.deadline = 0.0
         self.cancelled = False
 
@@ -139,7 +138,7 @@ class CompileService:
 
     # -- the scheduler's side ------------------------------------------------------------------
 
-    def submit(self, c: Constraint) -> Future:
+    def submit(self, c: Constraint) -> Future[object]:
         """A Future of the compiled grammar of `c` (which Grammar.check passed): its result,
         or GrammarError (400; GrammarBackendError 500) naming why it was refused."""
         with self._lock:
@@ -157,7 +156,7 @@ class CompileService:
         self._wake()
         return job.future
 
-    def cancel(self, fut: Future) -> None:
+    def cancel(self, fut: Future[object]) -> None:
         """No request waits for this compile any more: drop it (queued) or kill its child."""
         with self._lock:
             job = self._jobs.get(id(fut))
@@ -166,7 +165,7 @@ class CompileService:
             job.cancelled = True
         self._wake()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int | float]:
         with self._lock:
             running = sum(c.job is not None for c in self._children)
             return {"grammar_compiles_queued": len(self._queue),
@@ -408,7 +407,7 @@ def child_main(down_fd: int, up_fd: int) -> None:
         except (EOFError, OSError):
             return
         t0 = time.perf_counter()
-        reply: dict[str, Any] = {"id": msg["id"]}
+        reply: dict[str, object] = {"id": msg["id"]}  # sent as JSON
         try:
             c = Constraint(msg["kind"], msg["value"], msg["source"])
             compiled = grammar.compile(c)

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from core.contract.graphs import GraphRunner, padded_inputs, pick_bucket
+
+if TYPE_CHECKING:
+    from core.contract.platform import GraphSupport, Platform
+    from core.engine.model_runner import ModelRunner
 
 __all__ = ["GRAPH_FIXED_RESERVE", "GraphDecision", "GraphRunner", "capture_graphs", "decide",
            "graph_batch_sizes", "graph_memory_reserve", "padded_inputs", "pick_bucket"]
@@ -65,7 +69,7 @@ class GraphDecision:
         return self.sizes[-1] if self.sizes else 0
 
 
-def decide(plan_cuda_graph: bool, support: Any, max_bs: int | None, default_max_bs: int,
+def decide(plan_cuda_graph: bool, support: GraphSupport, max_bs: int | None, default_max_bs: int,
            max_running_requests: int) -> GraphDecision:
     """Capture or not, given the plan (the resolver already turned graphs off for a decode
     backend, MoE runner or layer ops that cannot be captured, with its note), the platform's
@@ -89,9 +93,10 @@ def decide(plan_cuda_graph: bool, support: Any, max_bs: int | None, default_max_
                                       f"larger batches run eagerly")
 
 
-def capture_graphs(runner: Any, decision: GraphDecision, vocab_size: int, platform: Any) -> str:
-    """Capture per `decision` with the platform's graph runner and attach it to `runner` (a
-    core.engine.model_runner.ModelRunner); returns the note for the engine's log. A failed capture
+def capture_graphs(runner: ModelRunner, decision: GraphDecision, vocab_size: int,
+                   platform: Platform) -> str:
+    """Capture per `decision` with the platform's graph runner and attach it to `runner`;
+    returns the note for the engine's log. A failed capture
     leaves decode eager and says why."""
     if not decision.enabled:
         log.info("%s", decision.note)

@@ -10,18 +10,24 @@ the batch's *_cpu lists so backends never sync with the device to read them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from core.contract.attention import AttentionBackend, BackendContext
 from core.contract.forward_batch import ForwardBatch, ForwardMode
-from core.contract.platform import platform_for_device
+from core.contract.platform import Platform, platform_for_device
 from core.engine.memory.kv_cache import KVPool
 from core.engine.memory.memory_pool import ReqToTokenPool
 
+if TYPE_CHECKING:
+    from torch import nn
 
-def make_backends(registry: Any, prefill: str, decode: str, ctx: BackendContext
+    from core.contract.graphs import GraphRunner
+    from core.plan.registry import Registry
+
+
+def make_backends(registry: Registry, prefill: str, decode: str, ctx: BackendContext
                   ) -> tuple[AttentionBackend, AttentionBackend]:
     """Instantiate the plan's attention backends (the factories import their kernels here)."""
     made: dict[str, AttentionBackend] = {}
@@ -37,9 +43,9 @@ def make_backends(registry: Any, prefill: str, decode: str, ctx: BackendContext
 class ModelRunner:
     """Runs extend (prefill, possibly over a cached prefix or in chunks) and decode forwards."""
 
-    def __init__(self, model: Any, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+    def __init__(self, model: nn.Module, kv_pool: KVPool, req_to_token: ReqToTokenPool,
                  prefill_backend: AttentionBackend, decode_backend: AttentionBackend,
-                 device: torch.device | str, platform: Any = None):
+                 device: torch.device | str, platform: Platform | None = None):
         self.model = model
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
@@ -48,13 +54,13 @@ class ModelRunner:
         self.device = torch.device(device)
         if platform is None:  # in-process use (tests, tools): the platform of this device
             platform = platform_for_device(self.device)
-        self.platform = platform  # core.contract.platform.Platform
+        self.platform = platform
         # Loading is over: weights move to the layout the device's kernels stream fastest.
         self.notes: list[str] = list(platform.post_load(model))
         self.forward_count = {"extend": 0, "decode": 0}
-        # A graph runner (core.engine.graphs.GraphRunner) when decode graphs were captured; batches it
-        # cannot take (larger than its largest bucket) run eagerly below.
-        self.graph_runner: Any = None
+        # The platform's graph runner when decode graphs were captured; batches it cannot take
+        # (larger than its largest bucket) run eagerly below.
+        self.graph_runner: GraphRunner | None = None
 
     def _tensor(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return self.platform.to_device(torch.tensor(values, dtype=dtype), self.device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -95,7 +95,7 @@ class SamplingParams:
         p.validate()
         return p
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> dict[str, Any]:  # asdict's: expand_n passes it back to the class
         return asdict(self)
 
     def validate(self) -> None:
