@@ -16,7 +16,7 @@ import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,18 +34,35 @@ from core.layers import Linear, ModelContext, process_weights_after_loading
 from core.layers.linear import DenseLinearMethod
 from core.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import TypeAlias
+
+    from gguf import GGUFReader
+    from transformers import PretrainedConfig
+
+    from core.contract.layer_ops import LayerOps
+    from core.engine.distributed import TPGroup
+    from core.engine.gguf_weights import GGUFBlocks
+    from core.plan.args import ServerArgs
+    from core.plan.plan import Plan
+    from core.plan.registry import Registry
+
+    # a model's config: transformers' (its class varies by architecture), or a ConfigView of one
+    HFConfig: TypeAlias = "PretrainedConfig | ConfigView"
+
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
 class LoadedModel:
     model: nn.Module
-    hf_config: Any  # transformers.PretrainedConfig, or a ConfigView of one (GGUF)
+    hf_config: HFConfig
     tokenizer: Tokenizer | None  # None only for --load-format dummy without a tokenizer
     model_path: str
     dtype: torch.dtype
     notes: list[str] = field(default_factory=list)
-    ops: Any = None  # the layer ops the model was built with (core.contract.layer_ops)
+    ops: LayerOps | None = None  # the layer ops the model was built with
 
 
 @dataclass(frozen=True)
@@ -132,7 +149,7 @@ def _listed_files(directory: str, index_name: str, pattern: str) -> tuple[str, .
     return tuple(sorted(glob.glob(os.path.join(directory, pattern))))
 
 
-def load_config(source: WeightSource, trust_remote_code: bool = False) -> Any:
+def load_config(source: WeightSource, trust_remote_code: bool = False) -> HFConfig:
     """The model's config: transformers' (AutoConfig) for a model directory; for a GGUF file a
     ConfigView of the attributes transformers' config has, kept in the file's GGUF cache
     entry (core.plan.gguf_cache), so a start with the entry in place imports no transformers."""
@@ -154,7 +171,7 @@ def load_config(source: WeightSource, trust_remote_code: bool = False) -> Any:
                          f"{f' ({source.gguf_file})' if source.gguf_file else ''}: {exc}") from exc
 
 
-def _gguf_hf_config(source: WeightSource, saved: bool = False) -> Any:
+def _gguf_hf_config(source: WeightSource, saved: bool = False) -> PretrainedConfig:
     """transformers' config of a GGUF file: converted from its header once, then read back.
     saved: as read back (where the conversion was just saved, it is read back too: the two
     differ, e.g. in transformers_version), so a ConfigView is the same on every start."""
@@ -165,7 +182,7 @@ def _gguf_hf_config(source: WeightSource, saved: bool = False) -> Any:
     gguf = os.path.join(source.directory, source.gguf_file)
     converted: list[bool] = []
 
-    def convert() -> Any:
+    def convert() -> PretrainedConfig:
         converted.append(True)
         return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
 
@@ -179,7 +196,7 @@ CONFIG_RECORD_VERSION = 1  # of config_record's layout: a change misses the old 
 _INT_KEYS = "__int_keys__"  # a dict with int keys (id2label), which JSON would make strings
 
 
-def _encode(value: Any) -> Any:
+def _encode(value: object) -> object:
     if isinstance(value, dict):
         if value and all(type(k) is int for k in value):
             return {_INT_KEYS: [[k, _encode(v)] for k, v in value.items()]}
@@ -189,7 +206,8 @@ def _encode(value: Any) -> Any:
     return value
 
 
-def _decode(value: Any) -> Any:
+# untyped result: what _encode was given, in the shape its caller knows (a record's dicts...)
+def _decode(value: object) -> Any:
     if isinstance(value, dict):
         if set(value) == {_INT_KEYS}:
             return {int(k): _decode(v) for k, v in value[_INT_KEYS]}
@@ -199,7 +217,7 @@ def _decode(value: Any) -> Any:
     return value
 
 
-def _json_exact(value: Any) -> Any:
+def _json_exact(value: object) -> object:
     """value encoded for JSON when it reads back equal (tuples, dtypes, objects do not), else
     a _Lost."""
     try:
@@ -214,7 +232,7 @@ def _json_exact(value: Any) -> Any:
 _LOST = object()
 
 
-def config_record(config: Any) -> dict[str, Any]:
+def config_record(config: PretrainedConfig) -> dict[str, object]:
     """What a ConfigView needs of a transformers config, as JSON: every instance attribute and
     property value (aliases such as rope_scaling / torch_dtype included), to_dict(), the
     class's attribute_map. `usable` is false where an instance attribute or to_dict() (a
@@ -227,7 +245,7 @@ def config_record(config: Any) -> dict[str, Any]:
     names = set(vars(config))
     names |= {n for n in dir(type(config))
               if not n.startswith("__") and isinstance(getattr(type(config), n, None), property)}
-    attrs: dict[str, Any] = {}
+    attrs: dict[str, object] = {}
     dropped: list[str] = []
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # deprecated aliases warn when read
@@ -264,6 +282,7 @@ class ConfigView:
     importing transformers to rebuild it would cost a second. Attributes that did not
     survive JSON (properties that raise or give objects) are absent."""
 
+    # record: config_record's JSON read back, its fields used as config_record wrote them
     def __init__(self, record: dict[str, Any]):
         self.__dict__.update(_decode(record["attrs"]))  # copies of its own
         self.__dict__["_record"] = {"class": record.get("class", "PretrainedConfig"),
@@ -271,14 +290,15 @@ class ConfigView:
                                     "attribute_map": dict(record.get("attribute_map") or {}),
                                     "dropped": tuple(record.get("dropped") or ())}
 
-    def __getattr__(self, name: str) -> Any:  # only for names not set on the instance
+    # only for names not set on the instance: a config attribute (of whatever type it has)
+    def __getattr__(self, name: str) -> Any:
         rec = self.__dict__.get("_record")
         if rec is not None and name in rec["attribute_map"]:
             return getattr(self, rec["attribute_map"][name])
         raise AttributeError(f"{type(self).__name__} ({rec['class'] if rec else '?'}) has no "
                              f"attribute {name!r}")
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         rec = self.__dict__["_record"]
         name = rec["attribute_map"].get(name, name)
         self.__dict__[name] = value
@@ -292,19 +312,19 @@ class ConfigView:
         new.__dict__["_record"] = {**rec, "to_dict": dict(rec["to_dict"])}
         return new
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return _decode(_encode(self.__dict__["_record"]["to_dict"]))  # a copy
 
-    def get_text_config(self, *args: Any, **kwargs: Any) -> ConfigView:
+    def get_text_config(self, *args: object, **kwargs: object) -> ConfigView:
         return self  # only configs without sub-configs are viewed (record["usable"])
 
     def __repr__(self) -> str:
         return f"ConfigView[{self.__dict__['_record']['class']}]({self.to_dict()})"
 
 
-def count_and_iter_weights(source: WeightSource, config: Any, reader: Any = None,
-                           raw_gguf: bool = False, *, host: str
-                           ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+def count_and_iter_weights(source: WeightSource, config: HFConfig,
+                           reader: GGUFReader | None = None, raw_gguf: bool = False, *, host: str
+                           ) -> tuple[int, Iterator[tuple[str, torch.Tensor | GGUFBlocks]]]:
     """(number of tensors, iterator of (HF name, tensor)) for the source's format; raw_gguf:
     a GGUF file's quantized tensors as their blocks (core.engine.gguf_weights.GGUFBlocks);
     host: the torch device tensors are read into (the Platform's host_device)."""
@@ -341,7 +361,7 @@ def count_and_iter_weights(source: WeightSource, config: Any, reader: Any = None
 
 
 @contextlib.contextmanager
-def shared_gguf_reader(path: str) -> Iterator[Any]:
+def shared_gguf_reader(path: str) -> Iterator[Callable[..., GGUFReader]]:
     """Parse a GGUF file once for config, tokenizer and weights; yields the shared reader.
 
     transformers' AutoConfig and AutoTokenizer each build their own `gguf.GGUFReader`, whose
@@ -352,9 +372,10 @@ def shared_gguf_reader(path: str) -> Iterator[Any]:
 
     original = gguf.GGUFReader
     key = os.path.realpath(path)
-    cache: dict[str, Any] = {}
+    cache: dict[str, GGUFReader] = {}
 
-    def reader(p: Any, *args: Any, **kwargs: Any) -> Any:
+    # *args, **kwargs: passed unread to gguf.GGUFReader
+    def reader(p: str | os.PathLike[str], *args: Any, **kwargs: Any) -> GGUFReader:
         if args or kwargs or os.path.realpath(str(p)) != key:
             return original(p, *args, **kwargs)
         if key not in cache:
@@ -399,15 +420,16 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     process_weights_after_loading(model)
 
 
-def _instantiate(registry: Any, kind: str, name: str) -> Any:
+def _instantiate(registry: Registry, kind: str, name: str) -> object:
     reg = registry.get(kind, name)
     if reg is None:
         raise ValueError(f"no {kind} plugin named {name!r} is registered")
     return reg.load()()
 
 
-def load_model(args: Any, plan: Any, registry: Any, tokenizer: bool = True,
-               device: Any = None, tp: Any = None) -> LoadedModel:
+def load_model(args: ServerArgs, plan: Plan, registry: Registry, tokenizer: bool = True,
+               device: torch.device | str | None = None, tp: TPGroup | None = None
+               ) -> LoadedModel:
     """Build plan.model_impl's class for args.model_path and fill it in the plan's dtype
     (and load its tokenizer, unless `tokenizer` is False: LoadedModel.tokenizer is then None).
     `device`: where the weights go (default: the plan's device type, index 0); `tp`: this
@@ -424,9 +446,9 @@ def load_model(args: Any, plan: Any, registry: Any, tokenizer: bool = True,
         return _load(args, plan, registry, model_path, source, reader, tokenizer, device, tp)
 
 
-def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSource,
-          reader: Any, with_tokenizer: bool = True, device: Any = None, tp: Any = None
-          ) -> LoadedModel:
+def _load(args: ServerArgs, plan: Plan, registry: Registry, model_path: str,
+          source: WeightSource, reader: GGUFReader | None, with_tokenizer: bool = True,
+          device: torch.device | str | None = None, tp: TPGroup | None = None) -> LoadedModel:
     notes: list[str] = []
     if args.load_format == "auto":
         notes.append(f"load format: {source.load_format} (found in {source.directory})")
@@ -478,7 +500,7 @@ def _load(args: Any, plan: Any, registry: Any, model_path: str, source: WeightSo
     return LoadedModel(model, config, tokenizer, model_path, dtype, notes, ctx.ops)
 
 
-def quant_scheme(config: Any, plan: Any, registry: Any = None) -> QuantScheme:
+def quant_scheme(config: HFConfig, plan: Plan, registry: Registry | None = None) -> QuantScheme:
     """What the weights are (the config's quantization_config), or become when the plan
     quantizes a dense checkpoint at load (plan.quant_format names the online format; the
     method's QuantCaps.online_scheme() says the rest, as the resolver read it; without a
@@ -498,7 +520,7 @@ def quant_scheme(config: Any, plan: Any, registry: Any = None) -> QuantScheme:
     return scheme
 
 
-def make_quant_method(registry: Any, name: str, scheme: QuantScheme) -> QuantMethod:
+def make_quant_method(registry: Registry, name: str, scheme: QuantScheme) -> QuantMethod:
     """The plan's quant method, built once for the model from the scheme (core.contract.quant);
     TypeError, naming the plugin, for a factory that does not give a QuantMethod."""
     reg = registry.get("quant", name)
@@ -513,7 +535,8 @@ def make_quant_method(registry: Any, name: str, scheme: QuantScheme) -> QuantMet
     return method
 
 
-def make_layer_ops(registry: Any, name: str, dtype: torch.dtype, device: torch.device) -> Any:
+def make_layer_ops(registry: Registry, name: str, dtype: torch.dtype, device: torch.device
+                   ) -> LayerOps:
     """The plan's layer-ops plugin, built once, with the reference behind the ops it lacks."""
     from core.contract.layer_ops import WithReference
     from core.layers.ops_ref import TorchLayerOps
@@ -527,7 +550,7 @@ def make_layer_ops(registry: Any, name: str, dtype: torch.dtype, device: torch.d
     return WithReference(reg.load()(dtype=dtype, device=device), reference)
 
 
-def load_tokenizer(args: Any) -> Tokenizer | None:
+def load_tokenizer(args: ServerArgs) -> Tokenizer | None:
     """The tokenizer `load_model(args, ...)` would give (for processes that need no weights).
 
     None only for --load-format dummy with no tokenizer beside the config.
@@ -536,7 +559,8 @@ def load_tokenizer(args: Any) -> Tokenizer | None:
     return _load_tokenizer(args, source, [])
 
 
-def _load_tokenizer(args: Any, source: WeightSource, notes: list[str]) -> Tokenizer | None:
+def _load_tokenizer(args: ServerArgs, source: WeightSource, notes: list[str]
+                    ) -> Tokenizer | None:
     if args.tokenizer_path:
         path, gguf_file = args.tokenizer_path, None
         if path.endswith(".gguf") and os.path.isfile(path):

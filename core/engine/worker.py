@@ -16,7 +16,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.messages import (
     Abort,
@@ -42,6 +42,23 @@ from core.messages import (
 from core.plan.args import ServerArgs, make_server_args
 from core.plan.plan import Plan
 
+if TYPE_CHECKING:  # torch and the engine's modules are imported where a phase needs them
+    from collections.abc import Callable
+    from multiprocessing.connection import Connection
+
+    import torch
+
+    from core.contract.platform import ModelGeometry, Platform
+    from core.engine.distributed import RankSpec, TPGroup
+    from core.engine.graphs import GraphDecision
+    from core.engine.loader import HFConfig, LoadedModel
+    from core.engine.memory.kv_cache import KVPool
+    from core.engine.memory.memory_pool import ReqToTokenPool
+    from core.engine.model_runner import ModelRunner
+    from core.engine.scheduler import Req, Scheduler
+    from core.plan.model_spec import ModelSpec
+    from core.plan.registry import Registry
+
 GiB = 2**30
 HEARTBEAT_S = 1.0  # the worker's liveness beat, sent from its own thread (steps may be long)
 SNAPSHOT_S = 0.25  # how often, at most, the loop refreshes the stats the heartbeat carries
@@ -50,7 +67,8 @@ SNAPSHOT_S = 0.25  # how often, at most, the loop refreshes the stats the heartb
 GRAMMAR_COMPILE_PROCESSES = 2
 
 
-def make_plan(args: ServerArgs, registry: Any = None) -> tuple[ServerArgs, Plan, Any, Any]:
+def make_plan(args: ServerArgs, registry: Registry | None = None
+              ) -> tuple[ServerArgs, Plan, ModelSpec, Registry]:
     """(args with the model path filled in, plan, model spec, registry)."""
     from core.plan.devices import select_device
     from core.plan.model_spec import load_model_spec
@@ -71,12 +89,12 @@ def make_plan(args: ServerArgs, registry: Any = None) -> tuple[ServerArgs, Plan,
 class EngineCore:
     """Everything the worker loop drives, plus what the client needs to know about it."""
 
-    scheduler: Any  # core.engine.scheduler.Scheduler
+    scheduler: Scheduler
     info: EngineInfo
-    loaded: Any  # core.engine.loader.LoadedModel
+    loaded: LoadedModel
 
 
-def geometry_of(spec: Any, cfg: Any, dtype_bytes: int) -> Any:
+def geometry_of(spec: ModelSpec, cfg: HFConfig, dtype_bytes: int) -> ModelGeometry:
     """What a Platform's memory defaults depend on, from the model spec and its HF config."""
     from core.contract.platform import ModelGeometry
 
@@ -94,12 +112,12 @@ class MemoryPlan:
     bytes_per_token: int
     max_running: int
     chunked_prefill_size: int | None  # None: no chunking
-    graphs: Any  # core.engine.graphs.GraphDecision
+    graphs: GraphDecision
     notes: tuple[str, ...]
 
 
-def plan_memory(args: ServerArgs, plan: Plan, spec: Any, cfg: Any, dtype_bytes: int,
-                bytes_per_token: int, free_bytes: int, platform: Any) -> MemoryPlan:
+def plan_memory(args: ServerArgs, plan: Plan, spec: ModelSpec, cfg: HFConfig, dtype_bytes: int,
+                bytes_per_token: int, free_bytes: int, platform: Platform) -> MemoryPlan:
     """Phase 1, pure given the platform's answers: sizes from the flags, the device's memory
     and the platform's defaults. `free_bytes` is the device's free memory now (0 when
     --max-total-tokens fixes the pool)."""
@@ -131,7 +149,7 @@ def plan_memory(args: ServerArgs, plan: Plan, spec: Any, cfg: Any, dtype_bytes: 
                       (defaults.note, kv_note))
 
 
-def kv_dtype_of(plan: Plan) -> Any:
+def kv_dtype_of(plan: Plan) -> torch.dtype:
     """The torch dtype of the plan's KV cache (the contract's fp8 names map to torch's)."""
     import torch
 
@@ -143,9 +161,10 @@ def kv_dtype_of(plan: Plan) -> Any:
     return kv_dtype
 
 
-def build_kv(plan: Plan, spec: Any, mem: MemoryPlan, kv_dtype: Any, device: Any,
-             max_context: int, loaded: Any, kv_heads: int | None = None, platform: Any = None
-             ) -> tuple[Any, Any]:
+def build_kv(plan: Plan, spec: ModelSpec, mem: MemoryPlan, kv_dtype: torch.dtype,
+             device: torch.device, max_context: int, loaded: LoadedModel,
+             kv_heads: int | None = None, platform: Platform | None = None
+             ) -> tuple[KVPool, ReqToTokenPool]:
     """Phase 2: the paged KV pool (writing through the layer ops' store, its buffers from the
     platform) and the request table. kv_heads: the KV heads this rank holds (default: the
     model's)."""
@@ -163,10 +182,11 @@ def build_kv(plan: Plan, spec: Any, mem: MemoryPlan, kv_dtype: Any, device: Any,
     return kv_pool, ReqToTokenPool(mem.max_running, max_context, device)
 
 
-def build_runner(plan: Plan, spec: Any, registry: Any, platform: Any, loaded: Any,
-                 kv_pool: Any, req_to_token: Any, kv_dtype: Any, device: Any, max_context: int,
+def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Platform,
+                 loaded: LoadedModel, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+                 kv_dtype: torch.dtype, device: torch.device, max_context: int,
                  mem: MemoryPlan, heads: int | None = None, kv_heads: int | None = None
-                 ) -> tuple[Any, str]:
+                 ) -> tuple[ModelRunner, str]:
     """Phase 3: attention backends, the model runner (the platform's post-load transform runs
     here), decode graphs, startup compilation. Returns (runner, graph note). heads, kv_heads:
     what this rank holds (default: the model's)."""
@@ -188,9 +208,10 @@ def build_runner(plan: Plan, spec: Any, registry: Any, platform: Any, loaded: An
     return runner, graph_note
 
 
-def build_scheduler(args: ServerArgs, plan: Plan, runner: Any, req_to_token: Any,
-                    mem: MemoryPlan, platform: Any, loaded: Any, max_context: int,
-                    device: Any, registry: Any = None) -> tuple[Any, set[int], str]:
+def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
+                    req_to_token: ReqToTokenPool, mem: MemoryPlan, platform: Platform,
+                    loaded: LoadedModel, max_context: int, device: torch.device,
+                    registry: Registry | None = None) -> tuple[Scheduler, set[int], str]:
     """Phase 4: pages, prefix cache, sampler, the grammar backend and the scheduler. Returns
     (scheduler, EOS ids, overlap note)."""
     from core.contract.grammar import make_grammar
@@ -249,9 +270,9 @@ class Ranks:
     """This worker's place among the tensor-parallel ranks of its engine (None of it when the
     engine is one process without torch.distributed)."""
 
-    spec: Any  # core.engine.distributed.RankSpec
-    tp: Any  # core.engine.distributed.TPGroup
-    comm: Any  # torch.device of the worker's own collectives (Platform.dist_device)
+    spec: RankSpec
+    tp: TPGroup
+    comm: torch.device  # where the worker's own collectives run (Platform.dist_device)
 
     def share(self, msgs: list[Message] | None) -> list[Message]:
         """Rank 0's messages of this loop turn, on every rank (rank 0 passes them, the others
@@ -276,7 +297,7 @@ class Ranks:
                       file=sys.stderr, flush=True)
 
 
-def join_ranks(spec: Any, payload: bytes | None) -> tuple[Ranks, bytes]:
+def join_ranks(spec: RankSpec, payload: bytes | None) -> tuple[Ranks, bytes]:
     """Join the process group of `spec` and share rank 0's args and plan (`payload`, JSON;
     None on the other ranks, which may be on another node and know nothing yet)."""
     import torch
@@ -297,14 +318,15 @@ def join_ranks(spec: Any, payload: bytes | None) -> tuple[Ranks, bytes]:
     return Ranks(spec, tp, comm), payload
 
 
-def local_heads(spec: Any, tp: Any) -> tuple[int, int]:
+def local_heads(spec: ModelSpec, tp: TPGroup) -> tuple[int, int]:
     """(query heads, KV heads) one rank holds."""
     return tp.split(spec.num_heads, "attention heads")[1], tp.kv_heads(spec.num_kv_heads)[1]
 
 
-def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
-                      loaded: Any = None, ranks: Ranks | None = None,
-                      device_index: int = 0, progress: Any = None) -> EngineCore:
+def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: Registry,
+                      loaded: LoadedModel | None = None, ranks: Ranks | None = None,
+                      device_index: int = 0, progress: Callable[[str], None] | None = None
+                      ) -> EngineCore:
     """Load (unless given), then the four phases: memory, KV, runner, scheduler. `ranks`:
     this worker's tensor-parallel place (its device index, its slice of the model, a KV pool
     for its heads, sized the same on every rank); `device_index`: the device of a worker
@@ -379,7 +401,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: Any, registry: Any,
     return EngineCore(scheduler, info, loaded)
 
 
-def _item(req: Any) -> OutputItem:
+def _item(req: Req) -> OutputItem:
     lps = None
     if req.params.logprobs:
         lps = tuple(TokenLogprob(lp, tuple(top)) for lp, top in req.pending_lps)
@@ -395,6 +417,7 @@ def _item(req: Any) -> OutputItem:
     return out
 
 
+# the result (JSON) has the shape its op gives it: stats' dict, or True
 def _rpc(core: EngineCore, op: str) -> Any:
     sched = core.scheduler
     if op == "stats":
@@ -418,9 +441,9 @@ class _Heartbeat:
     end. It carries the latest stats the loop published between steps and how long the current
     step has been running."""
 
-    def __init__(self, send: Any, interval: float = HEARTBEAT_S):
+    def __init__(self, send: Callable[[Message], None], interval: float = HEARTBEAT_S):
         self.send, self.interval = send, interval
-        self.stats: dict[str, Any] | None = None  # replaced whole by the loop, never mutated
+        self.stats: dict[str, object] | None = None  # replaced whole by the loop, never mutated
         self.step_started: float | None = None  # time.monotonic() of the running step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="core-heartbeat", daemon=True)
@@ -443,7 +466,7 @@ class _Heartbeat:
                 return
 
 
-def _apply(core: EngineCore, msg: Message, send: Any) -> bool:
+def _apply(core: EngineCore, msg: Message, send: Callable[[Message], None] | None) -> bool:
     """Carry out one client message on this rank's scheduler; `send` answers the client (rank
     0), None on the other ranks, which apply the same messages silently. False: shut down."""
     sched = core.scheduler
@@ -552,7 +575,8 @@ def follow(core: EngineCore, ranks: Ranks) -> None:
             grammar.close()  # its compile processes
 
 
-def plan_from_parent(args_json: str, plan_json: str) -> tuple[ServerArgs, Plan, Any, Any]:
+def plan_from_parent(args_json: str, plan_json: str
+                     ) -> tuple[ServerArgs, Plan, ModelSpec, Registry]:
     """(args, plan, model spec, registry) from what the parent sent: its plan is rebuilt from
     data, not resolved again; plugins load here as in every process (idempotent)."""
     from core.plan.model_spec import load_model_spec
@@ -566,7 +590,7 @@ def plan_from_parent(args_json: str, plan_json: str) -> tuple[ServerArgs, Plan, 
 STARTUP_PROGRESS_ENV = "CORE_STARTUP_PROGRESS"  # "1": print a line per start-up phase
 
 
-def _progress_printer(args: ServerArgs) -> Any:
+def _progress_printer(args: ServerArgs) -> Callable[[str], None] | None:
     """The worker's start-up progress, one line per phase on its stderr (the terminal of
     `core serve`, which sets STARTUP_PROGRESS_ENV; `core generate --verbose` too); None when
     the environment does not ask for it (the offline Engine, tests)."""
@@ -580,7 +604,7 @@ def _progress_printer(args: ServerArgs) -> Any:
     return show
 
 
-def worker_main(conn: Any, args_json: str, plan_json: str, rank_json: str | None = None,
+def worker_main(conn: Connection, args_json: str, plan_json: str, rank_json: str | None = None,
                 device_index: int = 0) -> None:
     """Entry of the spawned worker process (rank 0 of its engine): the parent's args (model
     path filled in) and its resolved plan, both JSON; `rank_json` (core.engine.distributed.RankSpec)
@@ -644,7 +668,7 @@ def rank_main(rank_json: str) -> None:
     ranks.leave()
 
 
-def worker_prestarted(conn: Any) -> None:
+def worker_prestarted(conn: Connection) -> None:
     """Entry of a worker spawned before the parent has resolved its plan (core.frontend.client.
     start_worker): import what building the engine needs (torch: seconds) while the parent
     resolves, then read the args and plan (one JSON message) and run worker_main. transformers
