@@ -1,4 +1,4 @@
-"""The server's test kit: a deterministic in-process engine (no model), a server thread,
+"""The server's test kit: a deterministic in-process engine (no model, no torch), a server thread,
 raw HTTP helpers and soak traffic, for testing the HTTP layer without a model (moved from
 core.server.testing: it is not the serving core).
 

@@ -5,6 +5,7 @@
 - core/engine/ never imports core.frontend or core.server;
 - core/frontend/ never imports core.server;
 - core/plan/ imports no torch (checked by importing every module of it in a fresh interpreter);
+- core.messages, core/server/ and the server's test kit import no torch (the same way);
 - core's modules import one another without a cycle (module-level imports).
 
 Every rule holds without exceptions: a file that breaks one is fixed, not listed.
@@ -126,6 +127,21 @@ def test_the_plan_imports_no_torch():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(mods) >= 10
+
+
+def test_the_process_boundary_and_the_http_layer_import_no_torch():
+    """core.messages (the pipe's vocabulary, SamplingParams included), the server's modules and
+    its test kit load without torch: the HTTP process needs torch only for what the engine
+    client starts."""
+    mods = ["core.messages", "core.frontend.delta", "core.frontend.serving",
+            "conformance.server_kit",
+            *sorted(_module_name(p) for p in _files("core/server"))]
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}:\n    importlib.import_module(m)\n"
+            "assert 'torch' not in sys.modules, [m for m in sys.modules if 'torch' in m][:5]\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_core_modules_import_one_another_without_a_cycle():

@@ -1,4 +1,5 @@
-"""Sampling parameters (validated, SGLang's names) and the batched sampler that runs on the device.
+"""The batched sampler that runs on the device, and each request's sampler state. The sampling
+parameters (validated, SGLang's names) are core.messages.SamplingParams, re-exported here.
 
 Order of operations per step, per request: repetition / frequency / presence penalties,
 logit_bias (added to the logits, OpenAI's semantics), min_new_tokens (stop tokens masked), a grammar's token bitmask (structured output,
@@ -12,14 +13,20 @@ logits (the scheduler computes them; such a request does not reuse a cached pref
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from core.contract.grammar import Constraint, apply_bitmask
+from core.contract.grammar import apply_bitmask
+from core.messages import (  # noqa: F401 - their old home: importers keep these names
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    expand_n,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -30,173 +37,6 @@ if TYPE_CHECKING:
 
     # one token's (logprob, [(token, logprob) of its top alternatives]), as sampling reports it
     TokenLogprobs: TypeAlias = tuple[float, list[tuple[int, float]]]
-
-MAX_TOP_LOGPROBS = 20
-LOGIT_BIAS_LIMIT = 100.0  # OpenAI: a bias is in [-100, 100]
-MAX_LOGIT_BIAS = 1024  # entries per request (OpenAI caps it at 300 tokens; vLLM takes any)
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: no top-k
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int | None = None
-    n: int = 1
-    logprobs: bool = False
-    top_logprobs: int = 0
-    skip_special_tokens: bool = True
-    # token id -> bias added to its logit before the draw (JSON keys arrive as strings)
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    # None: off; k >= 0: each prompt token's logprob (after the first) and its k top alternatives
-    prompt_logprobs: int | None = None
-    # structured output: the grammar the output must follow (core.contract.grammar), or None
-    constraint: Constraint | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.constraint, dict):  # from JSON (the wire, to_dict)
-            self.constraint = Constraint.from_dict(self.constraint)
-        if isinstance(self.logit_bias, dict) and any(isinstance(k, str)
-                                                     for k in self.logit_bias):
-            try:  # JSON object keys are strings: "50256" -> 50256
-                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got "
-                                 f"{sorted(map(str, self.logit_bias))[:3]}") from None
-
-    @classmethod
-    def from_dict(cls, d: dict[str, object] | SamplingParams | None) -> SamplingParams:
-        """Build from a request dict (or check an instance); unknown keys and bad values raise
-        ValueError naming them."""
-        if d is None:
-            d = {}
-        if isinstance(d, SamplingParams):
-            d.validate()
-            return d
-        if not isinstance(d, dict):
-            raise ValueError(f"sampling_params must be a dict, not {type(d).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        values = {k: v for k, v in d.items() if v is not None or k == "seed"}
-        if isinstance(values.get("stop"), str):
-            values["stop"] = [values["stop"]]
-        p = cls(**values)
-        p.validate()
-        return p
-
-    def to_dict(self) -> dict[str, Any]:  # asdict's: expand_n passes it back to the class
-        return asdict(self)
-
-    def validate(self) -> None:
-        def integer(name: str, lo: int, hi: float = math.inf) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
-            if not lo <= v <= hi:
-                rng = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
-                raise ValueError(f"{name} must be {rng}, got {v}")
-
-        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{name} must be a number, got {v!r}")
-            if math.isnan(v) or math.isinf(v):
-                raise ValueError(f"{name} must be finite, got {v}")
-            if v < lo or v > hi or (lo_open and v == lo):
-                raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], "
-                                 f"got {v}")
-
-        def boolean(name: str) -> None:
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-
-        integer("max_new_tokens", 1)
-        integer("min_new_tokens", 0, self.max_new_tokens)
-        number("temperature", 0.0, 100.0)
-        number("top_p", 0.0, 1.0, lo_open=True)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (
-                self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
-        number("min_p", 0.0, 1.0)
-        number("repetition_penalty", 0.0, 2.0, lo_open=True)
-        number("frequency_penalty", -2.0, 2.0)
-        number("presence_penalty", -2.0, 2.0)
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s
-                                                      for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, "
-                             f"got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, "
-                             f"got {self.stop_token_ids!r}")
-        boolean("ignore_eos")
-        if self.seed is not None:
-            integer("seed", -(2**63), 2**63 - 1)  # any signed 64-bit integer
-        integer("n", 1, 128)
-        boolean("logprobs")
-        integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
-        boolean("skip_special_tokens")
-        if not isinstance(self.logit_bias, dict):
-            raise ValueError(f"logit_bias must be an object of token id -> bias, "
-                             f"got {type(self.logit_bias).__name__}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most "
-                             f"{MAX_LOGIT_BIAS} are allowed")
-        for tok, bias in self.logit_bias.items():
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0, got {tok!r}")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
-                    not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-                raise ValueError(f"logit_bias[{tok}] must be a number in [-100, 100], "
-                                 f"got {bias!r}")
-        if self.prompt_logprobs is not None:
-            integer("prompt_logprobs", 0, MAX_TOP_LOGPROBS)
-        if self.constraint is not None:
-            if not isinstance(self.constraint, Constraint):
-                raise ValueError(f"constraint must be a core.contract.grammar.Constraint or its dict, "
-                                 f"got {type(self.constraint).__name__}")
-            self.constraint.validate()
-            if self.min_new_tokens:
-                # its mask would fight the grammar's where only a stop token may follow
-                raise ValueError("min_new_tokens together with a structured-output constraint "
-                                 "is not supported yet")
-
-    def check_vocab(self, vocab_size: int) -> None:
-        bad = [t for t in self.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary of {vocab_size}")
-        bad = sorted(t for t in self.logit_bias if t >= vocab_size)
-        if bad:
-            raise ValueError(f"logit_bias keys {bad[:5]} are outside the vocabulary of "
-                             f"{vocab_size}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-
-def expand_n(params: SamplingParams) -> list[SamplingParams]:
-    """n > 1 becomes n requests of n = 1; with a seed, copy i draws with seed + i."""
-    if params.n == 1:
-        return [params]
-    out = []
-    for i in range(params.n):
-        d = params.to_dict()
-        d.update(n=1, seed=None if params.seed is None else params.seed + i)
-        out.append(SamplingParams(**d))
-    return out
 
 
 class SamplingState:

@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core import messages as ipc
-from core.engine.sampling import SamplingParams
 from core.frontend.delta import Delta
 from core.frontend.request_checks import RequestChecks
-from core.messages import Channel, ChannelClosed
+from core.messages import Channel, ChannelClosed, SamplingParams
 from core.plan.args import ServerArgs
 from core.plan.plan import Plan
 

@@ -14,11 +14,10 @@ import queue
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING
 
-from core.engine.sampling import SamplingParams, expand_n
 from core.frontend.client import EngineClient, EngineError, StartedWorker
 from core.frontend.delta import Delta
 from core.frontend.router import ReplicaSet
-from core.messages import EngineInfo, to_json
+from core.messages import EngineInfo, SamplingParams, expand_n, to_json
 from core.plan.args import ServerArgs, apply_environment, make_server_args
 
 if TYPE_CHECKING:

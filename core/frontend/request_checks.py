@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from core.contract.grammar import check_constraint
-from core.engine.sampling import SamplingParams
 from core.engine.scheduler import check_fits
+from core.messages import SamplingParams
 from core.plan.plan import Plan
 from core.plan.registry import get_registry
 

@@ -47,9 +47,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from core import messages as ipc
-from core.engine.sampling import SamplingParams
 from core.frontend.client import EngineClient, EngineError, RequestStreams, StartedWorker
 from core.frontend.delta import Delta
+from core.messages import SamplingParams
 from core.plan.args import ServerArgs
 from core.plan.plan import Plan
 

@@ -153,7 +153,7 @@ class AsyncEngine:
                    if args.dp_size > 1 else {})}
 
     def validate_sampling(self, sampling: JSONObject) -> None:
-        from core.engine.sampling import SamplingParams
+        from core.messages import SamplingParams
 
         SamplingParams.from_dict(sampling).check_vocab(self.tokenizer.vocab_size)
 
