@@ -168,8 +168,8 @@ def serve_node(args: ServerArgs) -> int:
 
 class RequestStreams:
     """What EngineClient and core.frontend.router.ReplicaSet both offer callers on top of their own
-    `prepare`, `submit_prepared`, `abort` and `health`: submit, the synchronous stream of a
-    request submitted without a sink, and the asyncio pair. `_take_queue(rid)` hands over that
+    `prepare`, `submit_prepared`, `abort`, `health` and `rpc`: submit, the synchronous stream of
+    a request submitted without a sink, the asyncio pair, and stats. `_take_queue(rid)` hands over that
     request's queue (None: unknown or streamed already); `_abortable(rid)` says whether an
     early-stopped stream can still abort its request."""
 
@@ -226,6 +226,16 @@ class RequestStreams:
         finally:
             if not finished and self._abortable(rid):
                 self.abort(rid)
+
+    def rpc(self, op: str, timeout: float = 60.0) -> JSON:
+        """`op` answered by the worker(s) between steps (each subclass sends it its way)."""
+        raise NotImplementedError
+
+    def stats(self, timeout: float = 60.0) -> JSONObject:
+        """The scheduler's figures (a ReplicaSet's: merged), answered between steps."""
+        stats = self.rpc("stats", timeout)
+        assert isinstance(stats, dict)
+        return stats
 
 
 class EngineClient(RequestStreams):
@@ -434,11 +444,6 @@ class EngineClient(RequestStreams):
         if not msg.ok:
             raise EngineError(msg.error or "engine failed")
         return msg.result
-
-    def stats(self) -> JSONObject:
-        stats = self.rpc("stats")
-        assert isinstance(stats, dict)
-        return stats
 
     def check_accounting(self) -> None:
         """Ask the worker to assert its KV page accounting (raises EngineError if broken)."""

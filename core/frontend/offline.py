@@ -191,9 +191,7 @@ class Engine:
 
     def stats(self, timeout: float = 60.0) -> JSONObject:
         """The scheduler's figures, answered between steps (EngineError after `timeout`)."""
-        stats = self.client.rpc("stats", timeout)
-        assert isinstance(stats, dict)
-        return stats
+        return self.client.stats(timeout)
 
     def heartbeat_stats(self) -> JSONObject | None:
         """The figures the worker published between its last steps (its latest heartbeat)."""

@@ -438,11 +438,6 @@ class ReplicaSet(RequestStreams):
                 raise EngineError(f"data-parallel replica {i}: {e}") from e
         return results
 
-    def stats(self) -> JSONObject:
-        stats = self.rpc("stats")
-        assert isinstance(stats, dict)  # (merge_stats')
-        return stats
-
     def check_accounting(self) -> None:
         """Every replica asserts its KV page accounting (EngineError naming one that fails)."""
         self.rpc("check_accounting")

@@ -89,7 +89,7 @@ class SeqOut:
             self.completion_tokens = d.completion_tokens or len(self.token_ids)
             self.cached_tokens = d.cached_tokens
 
-    def output_entries(self, start: int = 0) -> list[Entry]:
+    def output_entries(self, start: int = 0) -> list[tuple[int, TokenLogprob]]:
         """The output tokens from `start` with their logprobs (those asked for)."""
         return list(zip(self.token_ids[start:], self.logprobs[start:], strict=True))
 
@@ -268,9 +268,9 @@ def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
         # SGLang's shape: [logprob, token_id, token_text] per token, top-k likewise per token
         entries = s.output_entries()
         meta["output_token_logprobs"] = [[e.logprob, t, token_text(piece(t))]
-                                         for t, e in entries if e is not None]
+                                         for t, e in entries]
         meta["output_top_logprobs"] = [[[lp, t, token_text(piece(t))] for t, lp in e.top]
-                                       for _, e in entries if e is not None]
+                                       for _, e in entries]
     if req.prompt_logprobs is not None and s.prompt_logprobs is not None:
         # SGLang's input_token_logprobs from logprob_start_len (the first prompt token: null)
         entries = prompt_entries(s)[req.logprob_start_len:]
