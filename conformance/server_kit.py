@@ -51,7 +51,6 @@ class FakeTokenizer:
     chat_template = None  # not Jinja: it never reads `tools` (they come as a system message)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
-                            chat_template: str | None = None,
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> str:
         for i, m in enumerate(messages):
@@ -71,6 +70,7 @@ class FakeEngine:
                  token_delay: float = 0.0, max_active: int | None = None,
                  tool_call_parser: str | None = None):
         self.tokenizer = FakeTokenizer()
+        self.vocab_size = self.tokenizer.vocab_size
         self.model_name = "fake-model"
         self.context_length = context_length
         self.reply = reply

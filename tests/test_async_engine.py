@@ -31,7 +31,8 @@ def delta(rid, text="", ids=(), finish=None, logprobs=None, cached_tokens=0, err
 
 class ScriptedClient:
     """Replays a list of deltas per request from another thread, like the reader thread; has
-    exactly the public methods of core.frontend.offline.Engine that the adapter may use."""
+    exactly the public methods of core.frontend.offline.Engine that the adapter may use, and is
+    its own `client` (submit and abort, as core.frontend.client.RequestStreams has them)."""
 
     tokenizer = plan = spec = None
     args = ServerArgs(model_path="/m/x.gguf")
@@ -47,7 +48,12 @@ class ScriptedClient:
         self.release = threading.Event()  # deltas after the first wait for this
         self.beat_age = 0.0
 
-    def submit(self, input_ids, params, *, rid, sink, **kw):
+    @property
+    def client(self):  # requests go to the engine's client (core.frontend.client.RequestStreams)
+        return self
+
+    def submit(self, prompt, params, *, input_ids, rid, sink, **kw):
+        assert prompt is None  # the server sends token ids
         if self.submit_error is not None:
             raise self.submit_error
         self.submitted.append((rid, input_ids, params))
@@ -90,15 +96,26 @@ def adapter(engine) -> AsyncEngine:
 
 
 def test_the_adapter_uses_only_the_engines_public_methods():
+    """AsyncEngine reads the offline Engine's public methods, and sends requests through the
+    engine's client (one worker's EngineClient or a ReplicaSet) with their public methods."""
+    import re
+
     import core.frontend.serving
+    from core.frontend.client import EngineClient
+    from core.frontend.router import ReplicaSet
 
     source = Path(core.frontend.serving.__file__).read_text(encoding="utf-8")
-    assert ".client" not in source  # Engine's own methods, never engine.client.x
+    on_client = set(re.findall(r"engine\.client\.(\w+)", source))
+    assert on_client == {"submit", "abort"}, on_client
+    for cls in (EngineClient, ReplicaSet):
+        assert on_client <= {n for n in dir(cls) if not n.startswith("_")}, cls
     public = {n for n in dir(Engine) if not n.startswith("_")}
-    assert {"submit", "abort", "stats", "health", "heartbeat_age", "heartbeat_stats",
+    assert {"abort", "stats", "health", "heartbeat_age", "heartbeat_stats",
             "failure", "close"} <= public
+    on_engine = set(re.findall(r"(?<!core\.)engine\.(\w+)", source)) - {"client"}
+    assert on_engine <= public | {"args", "plan", "spec", "info", "tokenizer"}, on_engine - public
     scripted = {n for n in vars(ScriptedClient) if not n.startswith("_")} - {
-        "tokenizer", "plan", "spec", "args"}
+        "tokenizer", "plan", "spec", "args", "client", "submit"}
     assert scripted <= public, scripted - public  # the stand-in offers nothing Engine lacks
 
 

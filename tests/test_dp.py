@@ -356,7 +356,7 @@ def test_abort_reaches_replica_1(served):
     rs.policy = ShortestQueue()
     hold = rs.submit(input_ids=[90], params=LONG)  # replica 0
     chunks = []
-    rid = engine.submit([91, 92], LONG, sink=chunks.append, rid="dp-abort-1")
+    rid = rs.submit(input_ids=[91, 92], params=LONG, sink=chunks.append, rid="dp-abort-1")
     assert rs.owner(rid) == 1 and rs.owner(hold) == 0
     deadline = time.monotonic() + 30
     while not chunks and time.monotonic() < deadline:

@@ -273,8 +273,9 @@ def test_a_compile_whose_requests_all_left_is_stopped(engine):
     last request waiting on a compile kills its process."""
     before = engine.stats()
     chunks: list = []
-    rid = engine.submit(engine.client.tokenizer.encode("Hi"), regex("sleep:600"),
-                        sink=chunks.append)
+    rid = engine.client.submit(None, regex("sleep:600"),
+                               input_ids=engine.client.tokenizer.encode("Hi"),
+                               sink=chunks.append)
     deadline = time.monotonic() + 30
     while engine.stats()["grammar_compiles_running"] < 1:  # a compile process took it
         assert time.monotonic() < deadline

@@ -174,15 +174,6 @@ class Engine:
                 for rid in open_:
                     self.client.abort(rid)
 
-    def submit(self, input_ids: list[int], sampling_params: dict | SamplingParams | None, *,
-               sink: Callable[[Delta], None], rid: str | None = None,
-               priority: int | None = None) -> str:
-        """Queue one request (n = 1) whose deltas go to `sink` (called on the client's reader
-        thread); returns its id. Raises ValueError for what cannot run, EngineError when the
-        engine is gone."""
-        return self.client.submit(None, sampling_params, input_ids=input_ids, rid=rid,
-                                  priority=priority, sink=sink)
-
     def abort(self, rid: str) -> None:
         """Stop a request; its stream ends with finish_reason {"type": "abort"}."""
         self.client.abort(rid)

@@ -1,6 +1,7 @@
 """The engine as an asyncio server uses it (`AsyncEngine`, what core.server's `EngineLike`
 asks for), over core.frontend.offline.Engine's public methods only: its worker process,
-tokenizer and plan. Requests come as `GenRequest`s and outputs go as `Delta`s; what the engine
+tokenizer and plan. Requests go straight to the engine's client (`Engine.client`: a
+core.frontend.client.RequestStreams, one worker or a core.frontend.router.ReplicaSet). Requests come as `GenRequest`s and outputs go as `Delta`s; what the engine
 refuses raises `core.frontend.refusal.Refused` with the status a server answers.
 
 Pipe sends (submit, abort) run on one worker thread, in order, so a full pipe never blocks the
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,6 @@ from core.plan.args import ServerArgs
 if TYPE_CHECKING:
     from core.contract.json_types import JSONObject
     from core.frontend.offline import Engine
-    from core.tokenizer import Tokenizer
 
 HEARTBEAT_STALE_S = 10.0  # no heartbeat for this long (sent every second): the worker is wedged
 STATS_RPC_TIMEOUT_S = 1.0  # longer than this, a step is running: use the heartbeat's figures
@@ -52,39 +52,6 @@ class GenRequest:
     top_logprobs: int = 0
 
 
-class TokenizerView:
-    """core.tokenizer.Tokenizer under the server's TokenizerLike protocol."""
-
-    def __init__(self, tok: Tokenizer, vocab_size: int):
-        self.tok = tok
-        self.vocab_size = vocab_size  # the model's (ids the engine accepts)
-
-    @property
-    def special_tokens(self) -> tuple[str, ...]:
-        return self.tok.special_tokens
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids))
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self.tok.token_bytes(token_id)
-
-    @property
-    def chat_template(self) -> str | None:
-        return self.tok.chat_template
-
-    def apply_chat_template(self, messages: list[JSONObject], *,
-                            chat_template: str | None = None,
-                            add_generation_prompt: bool = True,
-                            tools: list[JSONObject] | None = None) -> str:
-        # --chat-template was already given to the tokenizer when it was loaded
-        return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                            tools=tools)
-
-
 def served_name(args: ServerArgs, model_path: str) -> str:
     if args.served_model_name:
         return args.served_model_name
@@ -101,7 +68,8 @@ class AsyncEngine:
         self.engine = engine  # its public methods only (core.frontend.offline.Engine)
         info = engine.info
         self.info = info
-        self.tokenizer = TokenizerView(engine.tokenizer, info.vocab_size)
+        self.tokenizer = engine.tokenizer  # (core.tokenizer.Tokenizer is a TokenizerLike)
+        self.vocab_size = info.vocab_size  # the model's: the ids the engine accepts
         # the longest sequence that can run: the context, or the KV pool if that is smaller
         self.context_length = min(info.max_context, info.pool_tokens)
         self.model_name = model_name
@@ -139,7 +107,7 @@ class AsyncEngine:
 
     def model_info(self) -> JSONObject:
         args = self.engine.args
-        spec = getattr(self.engine, "spec", None)
+        spec = self.engine.spec
         return {"model_path": args.model_path,
                 "tokenizer_path": args.tokenizer_path or args.model_path,
                 "architecture": getattr(spec, "architecture", None),
@@ -155,13 +123,13 @@ class AsyncEngine:
     def validate_sampling(self, sampling: JSONObject) -> None:
         from core.messages import SamplingParams
 
-        SamplingParams.from_dict(sampling).check_vocab(self.tokenizer.vocab_size)
+        SamplingParams.from_dict(sampling).check_vocab(self.vocab_size)
 
     # -- requests -------------------------------------------------------------------------------
 
     def _abort_quietly(self, rid: str) -> None:
         try:
-            self.engine.abort(rid)
+            self.engine.client.abort(rid)
         except Exception:  # the engine is gone: nothing left to free
             pass
 
@@ -188,8 +156,8 @@ class AsyncEngine:
         params = dict(req.sampling, logprobs=req.logprobs, top_logprobs=req.top_logprobs)
         if self._closed:
             raise Refused(503, "the engine is shutting down", code="engine_unavailable")
-        fut = self._sender.submit(self.engine.submit, list(req.input_ids), params, rid=req.rid,
-                                  sink=sink)
+        fut = self._sender.submit(self.engine.client.submit, None, params,
+                                  input_ids=list(req.input_ids), rid=req.rid, sink=sink)
         finished = False
         try:
             try:

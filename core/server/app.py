@@ -21,7 +21,7 @@ import core
 from core.frontend.refusal import Refused
 from core.plan.args import ServerArgs
 from core.server import generation
-from core.server.auth import PUBLIC_ROUTES, make_auth_middleware, resolve_api_key
+from core.server.auth import PUBLIC_ROUTES, authorize, resolve_api_key
 from core.server.engine_api import EngineLike, GenRequest
 from core.server.errors import APIError, from_http_exception
 from core.server.openapi import openapi_spec
@@ -57,11 +57,13 @@ def _outcome(request: web.Request, status: int) -> str:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure leaves in OpenAI's error shape; a client error is never a 500."""
+    """The API key checked (core.server.auth), then the route; every failure leaves in
+    OpenAI's error shape; a client error is never a 500."""
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
     st = state(request)
     try:
+        authorize(request, st.api_key_bytes)
         resp = await handler(request)
     except APIError as e:
         resp = e.response()
@@ -215,7 +217,7 @@ async def get_model_info(request: web.Request) -> web.Response:
     info = dict(st.engine.model_info())
     info.update({"served_model_name": st.model_name, "is_generation": True,
                  "context_length": st.engine.context_length,
-                 "vocab_size": st.engine.tokenizer.vocab_size})
+                 "vocab_size": st.engine.vocab_size})
     return web.json_response(info)
 
 
@@ -250,7 +252,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     eng = state(request).engine
     return web.json_response(openapi_spec(core.__version__, eng.context_length,
-                                          eng.tokenizer.vocab_size))
+                                          eng.vocab_size))
 
 
 async def _server_header(_request: web.Request, resp: web.StreamResponse) -> None:
@@ -264,7 +266,7 @@ def create_app(engine: EngineLike, args: ServerArgs, tokenizer_threads: int = 2
     for an API key that cannot be used (empty, unreadable file)."""
     api_key = resolve_api_key(args.api_key, args.api_key_file)
     app = web.Application(client_max_size=args.max_request_bytes,
-                          middlewares=[error_middleware, make_auth_middleware(api_key)])
+                          middlewares=[error_middleware])
     st = ServerState(engine, args, tokenizer_threads)
     st.api_key = api_key
     app[STATE] = st

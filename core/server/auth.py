@@ -1,4 +1,7 @@
-"""API-key check as a middleware: every route is guarded unless it is on the public allow-list.
+"""The API-key check: every route is guarded unless it is on the public allow-list.
+
+core.server.app's one middleware calls `authorize(request, key)` before the route's handler, so
+a refusal leaves in OpenAI's error shape like any other error.
 
 Guarding by default means a route added later is protected without anyone remembering to. The
 check uses the route aiohttp resolved (not the raw path), so `/health/../v1/models` tricks nothing.
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -24,9 +27,6 @@ PUBLIC_ROUTES = frozenset({"/health", "/ready", "/metrics"})
 API_KEY_ENV = "CORE_API_KEY"
 # RFC 6750: a 401 names the scheme the client should use
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="core-serve"'}
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 
 def _presented_key(request: web.Request) -> bytes | None:
     auth = request.headers.get("Authorization")
@@ -77,27 +77,19 @@ def resolve_api_key(api_key: str | None, api_key_file: str | None,
     return None
 
 
-def make_auth_middleware(api_key: str | None) -> Callable:
-    """Require `api_key` on every route but PUBLIC_ROUTES (None: every route is open)."""
-    expected = api_key.encode("utf-8") if api_key else None
-
-    @web.middleware
-    async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if expected is None:
-            return await handler(request)
-        route = request.match_info.route
-        resource = route.resource
-        canonical = resource.canonical if resource is not None else None
-        if canonical in PUBLIC_ROUTES:
-            return await handler(request)
-        presented = _presented_key(request)
-        if presented is None:
-            raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="missing_api_key", headers=CHALLENGE)
-        if not hmac.compare_digest(presented, expected):
-            raise APIError(401, "invalid API key", code="invalid_api_key",
-                           headers={"WWW-Authenticate": CHALLENGE["WWW-Authenticate"]
-                                    + ', error="invalid_token"'})
-        return await handler(request)
-
-    return auth_middleware
+def authorize(request: web.Request, expected: bytes | None) -> None:
+    """Raise APIError 401 unless the request presents `expected` (the key's UTF-8 bytes; None:
+    every route is open) or its route is public."""
+    if expected is None:
+        return
+    resource = request.match_info.route.resource
+    if resource is not None and resource.canonical in PUBLIC_ROUTES:
+        return
+    presented = _presented_key(request)
+    if presented is None:
+        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                       code="missing_api_key", headers=CHALLENGE)
+    if not hmac.compare_digest(presented, expected):
+        raise APIError(401, "invalid API key", code="invalid_api_key",
+                       headers={"WWW-Authenticate": CHALLENGE["WWW-Authenticate"]
+                                + ', error="invalid_token"'})

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class TokenizerLike(Protocol):
-    """Text <-> token ids, and the chat template. Called from a worker thread, never the loop."""
-
-    vocab_size: int
+    """Text <-> token ids, and the chat template (core.tokenizer.Tokenizer is one). Called from
+    a worker thread, never the loop. The ids the model accepts are EngineLike.vocab_size (a
+    model's embedding may have more rows than its tokenizer has tokens)."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -38,8 +38,8 @@ class TokenizerLike(Protocol):
 
     # texts of the special (control) tokens, e.g. "<|im_start|>": chat content must not spell them
     special_tokens: Sequence[str]
-    # the Jinja chat template's text, None when unknown (tool calling reads whether it uses
-    # `tools`: core.server.tools); an implementation may leave it out
+    # the Jinja chat template's text (--chat-template's when given), None when unknown (tool
+    # calling reads whether it uses `tools`: core.server.tools)
     chat_template: str | None
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -48,7 +48,6 @@ class TokenizerLike(Protocol):
         ...
 
     def apply_chat_template(self, messages: list[JSONObject], *,
-                            chat_template: str | None = None,
                             add_generation_prompt: bool = True,
                             tools: list[JSONObject] | None = None) -> str:
         """Render messages to the prompt text; raises ValueError for a conversation it refuses.
@@ -63,6 +62,7 @@ class EngineLike(Protocol):
     run model code on the caller's thread (the server's event loop)."""
 
     tokenizer: TokenizerLike
+    vocab_size: int  # the model's: token ids in [0, vocab_size) are accepted
     model_name: str  # default served model name
     context_length: int  # most tokens (prompt + output) in one sequence
 

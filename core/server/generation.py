@@ -82,7 +82,7 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
             # tools= only when there are some: a template or tokenizer without tools takes it
             kw = {"tools": offered} if offered else {}
             try:
-                text = tok.apply_chat_template(messages, chat_template=st.chat_template,
+                text = tok.apply_chat_template(messages,
                                                add_generation_prompt=req.add_generation_prompt,
                                                **kw)
             except Exception as e:  # a template's raise_exception(...) or a type it refuses
@@ -266,7 +266,7 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
     st.refuse_if_draining()
     body = await st.read_json(request)
     eng = st.engine
-    req = PARSERS[route](body, eng.tokenizer.vocab_size, eng.context_length)
+    req = PARSERS[route](body, eng.vocab_size, eng.context_length)
     st.check_client_rid(req.rid)
     if route != "generate" and req.model is not None and req.model not in st.served_names:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves "

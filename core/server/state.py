@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -52,7 +51,6 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.model_name = args.served_model_name or engine.model_name
         self.served_names = frozenset({self.model_name})
-        self.chat_template = _load_template(args.chat_template)
         self.tools = ServerTools.of_engine(engine)  # tool calling: the plan's parser
         self.pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="core-tokenize")
         self.started = time.time()
@@ -78,6 +76,11 @@ class ServerState:
         mq, mr = (None if mq is None else dp * mq), (None if mr is None else dp * mr)
         self.max_running, self.max_queued = mr, mq
         self.max_sequences = mr + mq if mr is not None and mq is not None else None
+
+    @property
+    def api_key_bytes(self) -> bytes | None:
+        """The key as core.server.auth.authorize compares it (None: no authentication)."""
+        return None if self.api_key is None else self.api_key.encode("utf-8")
 
     def refuse_if_draining(self) -> None:
         if self.draining:
@@ -184,14 +187,6 @@ def _engine_max_running(engine: EngineLike) -> int | None:
     except Exception:
         return None
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-
-
-def _load_template(value: str | None) -> str | None:
-    """--chat-template is a file path or the template itself."""
-    if value and os.path.isfile(value):
-        with open(value, encoding="utf-8") as fh:
-            return fh.read()
-    return value
 
 
 def state(request: web.Request) -> ServerState:

@@ -431,7 +431,7 @@ class ServerTools:
     def of_engine(cls, engine: EngineLike) -> ServerTools:
         plan = engine.plan_dict() or {}
         return cls(plan.get("tool_call_parser"),
-                   getattr(engine.tokenizer, "chat_template", None))
+                   engine.tokenizer.chat_template)
 
     def prepare(self, req: ParsedRequest) -> None:
         """Server-dependent checks, and the constraint of required / named (before the
