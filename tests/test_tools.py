@@ -338,6 +338,66 @@ def test_constraint_schemas_accept_exactly_calls():
     assert tool_constraint(ToolRequest((WEATHER,), "auto"), "arguments") is None
 
 
+# two tools that each define a DataType of their own (SGLang's
+# test_conflicting_defs_required_tool_choice), one recursive through "#", one with definitions
+SET_DATA = {"type": "function", "function": {"name": "set_data", "parameters": {
+    "type": "object", "required": ["value"], "additionalProperties": False,
+    "properties": {"value": {"$ref": "#/$defs/DataType"}},
+    "$defs": {"DataType": {"type": "string", "enum": ["alpha", "beta"]}}}}}
+SET_COUNT = {"type": "function", "function": {"name": "set_count", "parameters": {
+    "type": "object", "required": ["value"], "additionalProperties": False,
+    "properties": {"value": {"$ref": "#/$defs/DataType"}},
+    "$defs": {"DataType": {"type": "integer"}}}}}
+TREE = {"type": "function", "function": {"name": "make_tree", "parameters": {
+    "type": "object", "required": ["label"], "additionalProperties": False,
+    "properties": {"label": {"$ref": "#/definitions/Label"},
+                   "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+                   "enum": {"const": {"$ref": "#/not/a/reference"}}},
+    "definitions": {"Label": {"type": "string", "maxLength": 8}}}}}
+
+
+def test_required_keeps_each_tools_own_definitions():
+    req = tool_constraint(ToolRequest((SET_DATA, SET_COUNT, TREE, TIME), "required"), "a")
+    schema = json.loads(req["value"])
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate([{"name": "set_data", "a": {"value": "alpha"}},
+                         {"name": "set_count", "a": {"value": 3}},
+                         {"name": "make_tree", "a": {"label": "x", "kids": [
+                             {"label": "y", "kids": [{"label": "z"}]}]}},
+                         {"name": "make_tree", "a": {"label": "x",
+                                                     "enum": {"$ref": "#/not/a/reference"}}},
+                         {"name": "get_time", "a": {}}], schema)
+    for bad in ({"name": "set_data", "a": {"value": 3}},  # set_count's DataType, not its own
+                {"name": "set_count", "a": {"value": "alpha"}},
+                {"name": "make_tree", "a": {"label": "x", "kids": [{"label": 1}]}},
+                {"name": "make_tree", "a": {"label": "much too long"}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([bad], schema)
+    # the tools given are untouched; a tool without references stays inline
+    assert SET_DATA["function"]["parameters"]["properties"]["value"] == {
+        "$ref": "#/$defs/DataType"}
+    assert set(schema["$defs"]) == {"set_data", "set_count", "make_tree"}
+    plain = json.loads(tool_constraint(ToolRequest((WEATHER, TIME), "required"), "a")["value"])
+    assert "$defs" not in plain
+
+
+@pytest.mark.parametrize("backend,package,cls", [
+    ("xgrammar", "xgrammar", "XGrammarBackend"), ("llguidance", "llguidance", "LLGuidanceBackend"),
+    ("outlines", "outlines_core", "OutlinesBackend")])
+def test_required_with_definitions_compiles(backend, package, cls):
+    """Each grammar backend takes the required schema of tools with their own $defs (xgrammar
+    refused it: "Cannot find field '$defs' in #/$defs/DataType")."""
+    import importlib
+
+    from core.contract.grammar import Constraint
+
+    pytest.importorskip(package)
+    backend_cls = getattr(importlib.import_module(f"plugins.grammar.{backend}.backend"), cls)
+    c = tool_constraint(ToolRequest((SET_DATA, SET_COUNT), "required"), "arguments")
+    backend_cls(tokenizer=None, vocab_size=0, stop_token_ids=[]).validate(
+        Constraint(c["kind"], c["value"], c["source"]))
+
+
 @pytest.mark.parametrize("body,param", [
     ({"tools": {"type": "function"}}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),

@@ -129,6 +129,29 @@ def test_required_without_parallel_calls_gives_one(srv):
         _check(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
 
 
+def test_required_with_tools_that_define_the_same_name(srv):
+    """Two tools each with their own $defs DataType (SGLang's
+    test_conflicting_defs_required_tool_choice): a 400 "Cannot find field '$defs'" before;
+    now each call's arguments follow its own tool's DataType."""
+    def tool(name: str, data_type: dict) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "required": ["value"], "additionalProperties": False,
+            "properties": {"value": {"$ref": "#/$defs/DataType"}},
+            "$defs": {"DataType": data_type}}}}
+
+    tools = [tool("set_color", {"enum": ["red", "green"]}),
+             tool("set_size", {"enum": ["small", "large"]})]
+    r = client(srv).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Make it red."}], tools=tools,
+        tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=48)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    params = next(t["function"]["parameters"] for t in tools
+                  if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), params)
+
+
 @pytest.mark.slow  # ~30 s on a loaded 2-core CPU (three generations)
 def test_round_trip_with_tool_results(srv):
     c = client(srv)

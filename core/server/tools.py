@@ -17,7 +17,10 @@ What each choice does:
   backend is needed): named, the function's arguments object; required, a JSON array of
   {"name": <one of the tools>, <key>: <its arguments>} with at least one item (one with
   parallel_tool_calls false), <key> being the parser's arguments_key ("parameters" without
-  one). The answer is read directly: it is always a valid call.
+  one); a tool whose schema refers into itself ($ref "#/$defs/X", "#/definitions/X", "#")
+  sits in the array schema's $defs under its name, its references re-pointed there, so that
+  two tools' definitions of one name do not collide. The answer is read directly: it is
+  always a valid call.
 - none: no call is parsed or constrained; the chat template still gets the tools (vLLM's
   default; it has --exclude-tools-when-tool-choice-none).
 A structured-output field (response_format, guided_json, ...) together with tools and a
@@ -312,15 +315,62 @@ def tool_constraint(treq: ToolRequest, key: str) -> dict[str, str] | None:
                 "source": f"tools[{i}].function.parameters"}
     if treq.choice != "required":
         return None
-    items: list[JSON] = [
-        {"type": "object", "properties": {"name": {"enum": [n]}, key: treq.parameters(i)},
-         "required": ["name", key], "additionalProperties": False}
-        for i, n in enumerate(treq.names)]
+    items: list[JSON] = []
+    defs: JSONObject = {}
+    for i, n in enumerate(treq.names):
+        params = treq.parameters(i)
+        base = f"#/$defs/{n}"  # a tool name needs no JSON-pointer escape (NAME)
+        moved = _rebased(params, base)
+        if moved is not None:  # its $refs point into it: it sits in $defs, under its name
+            defs[n] = moved
+            params = {"$ref": base}
+        items.append({"type": "object", "properties": {"name": {"enum": [n]}, key: params},
+                      "required": ["name", key], "additionalProperties": False})
     schema: JSONObject = {"type": "array", "minItems": 1,
                           "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not treq.parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return {"kind": "json_schema", "value": json.dumps(schema), "source": "tools"}
+
+
+# keywords whose values are JSON data, not schemas (a "$ref" key in them is no reference)
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+# keywords whose values map names to schemas (a name may be any keyword's)
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
+
+
+def _rebased(params: JSONObject, base: str) -> JSONObject | None:
+    """A tool's parameters schema moved to the JSON pointer `base` of the required array's
+    schema: a copy whose local references ("#", "#/$defs/X", "#/definitions/X", any "#/..."
+    pointer into the tool's schema) point under `base`, so that each tool's definitions stay
+    its own (two tools may both define a DataType). None when it has no local reference: it
+    can stay inline as it is. Walked without recursion (a body may nest as deep as the JSON
+    parser goes)."""
+    copy = json.loads(json.dumps(params))
+    copy.pop("$id", None)  # it would make "#" mean the tool's schema again, not the root
+    copy.pop("$schema", None)  # (only a root may name its dialect)
+    found = False
+    todo: list[JSON] = [copy]
+    while todo:
+        s = todo.pop()
+        if isinstance(s, list):
+            todo.extend(s)
+            continue
+        if not isinstance(s, dict):
+            continue
+        for k, v in s.items():
+            if k == "$ref":
+                if isinstance(v, str) and (v == "#" or v.startswith("#/")):
+                    s[k] = base + v[1:]
+                    found = True
+            elif k in _SCHEMA_MAPS and isinstance(v, dict):
+                todo.extend(v.values())
+            elif k not in _DATA_KEYWORDS:
+                todo.append(v)
+    return copy if found else None
 
 
 # -- messages --------------------------------------------------------------------------------
