@@ -259,6 +259,33 @@ def test_echo_logprobs_and_prompt_logprobs_on_the_engine(served):
         assert abs(e[0] - want) < 1e-4
 
 
+def test_echo_of_special_token_ids_agrees_with_its_logprobs(served):
+    """vLLM's test_echo_logprob_completion with prompt [0, 0, 0, 0, 0]: the echoed text held
+    no special tokens while logprobs.tokens and text_offset did; now text, tokens and offsets
+    agree (the special tokens are echoed, as vLLM's decode keeps them), streamed or not."""
+    _, srv = served
+    c = client(srv)
+    prompt = [0, 0, 0, 0, 0]  # <|endoftext|> on SmolLM2
+    r = c.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0,
+                             echo=True, logprobs=1)
+    chunks = list(c.completions.create(model="smollm2", prompt=prompt, max_tokens=3,
+                                       temperature=0, echo=True, logprobs=1, stream=True))
+    streamed_text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    streamed_lp = [ch.choices[0].logprobs for ch in chunks if ch.choices and
+                   ch.choices[0].logprobs]
+    for text, tokens, offsets in (
+            (r.choices[0].text, r.choices[0].logprobs.tokens, r.choices[0].logprobs.text_offset),
+            (streamed_text, [t for lp in streamed_lp for t in lp.tokens],
+             [o for lp in streamed_lp for o in lp.text_offset])):
+        assert tokens[:5] == ["<|endoftext|>"] * 5 and len(tokens) == 8
+        assert text.startswith("<|endoftext|>" * 5)
+        assert offsets[:6] == [13 * i for i in range(6)]
+        for tok, at in zip(tokens, offsets, strict=True):
+            if not tok.startswith("bytes:"):
+                assert text[at:at + len(tok)] == tok, (tok, at, text)
+    assert streamed_text == r.choices[0].text
+
+
 def test_logit_bias_on_the_engine(served):
     _, srv = served
     c = client(srv)

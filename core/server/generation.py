@@ -73,7 +73,7 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
     out: list[tuple[list[int], str | None]] = []
     for i, p in enumerate(req.prompts):
         if p.ids is not None:
-            out.append((p.ids, tok.decode(p.ids) if req.echo else None))
+            out.append((p.ids, _echo_text(tok, p.ids) if req.echo else None))
             continue
         if p.messages is not None:
             if not st.args.allow_special_tokens_in_messages:
@@ -98,6 +98,13 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
             where = _prompt_param(req.route) + (f"[{i}]" if len(req.prompts) > 1 else "")
             raise invalid(where, f"{where} could not be tokenized: {e}") from None
     return out
+
+
+def _echo_text(tok: TokenizerLike, ids: list[int]) -> str:
+    """The echo of a prompt given as token ids: its tokens' bytes joined, as echo's logprobs
+    show each token, special tokens included (vLLM echoes them too: its decode keeps them),
+    so that text, tokens and text_offset agree."""
+    return b"".join(tok.token_bytes(t) for t in ids).decode("utf-8", "replace")
 
 
 def _refuse_control_text(tok: TokenizerLike, messages: list[protocol.ChatMessage],
