@@ -2,6 +2,8 @@
 
     core backends [--json]             every discovered plugin and whether it can run here
     core resolve [--model-path P] ...  the plan for a model on a (real or simulated) device
+    core matrix [--plans] [--json] ... the support matrix: every plugin's declared capabilities,
+                                       the plans for representative models on every profile
     core serve [--config FILE] ...     the HTTP server (core.server)
     core generate PROMPT ...           offline generation (core.entrypoints)
 
@@ -25,6 +27,7 @@ from core.contract.capabilities import KINDS
 from core.contract.hookspecs import PLUGIN_API_VERSION
 from core.contract.json_types import JSON
 from core.plan.args import add_cli_args, from_namespace, load_yaml_config
+from core.plan.matrix import jsonable
 from core.plan.registry import PluginError, Registry, get_registry
 
 if TYPE_CHECKING:
@@ -59,6 +62,26 @@ def _build_parser() -> argparse.ArgumentParser:
     add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel"))
     _add_field_flag(p, "tool_call_parser")
     _add_field_flag(p, "chat_template")
+
+    p = sub.add_parser("matrix", help="the support matrix, generated from the declarations",
+                       description="One markdown table per plugin kind: a row per registered "
+                                   "plugin, its distribution and what it declares. --plans "
+                                   "adds what the resolver chooses for representative models "
+                                   "in each dtype and weight format on every device profile.")
+    p.add_argument("--json", action="store_true",
+                   help="the capability dataclasses (and plans) as JSON")
+    p.add_argument("--kind", choices=KINDS, help="one kind's table only")
+    p.add_argument("--plans", action="store_true",
+                   help="add the resolver's plans on every device profile")
+    p.add_argument("--only", metavar="DISTRIBUTION",
+                   help="only this distribution's plugins (`--only core-serve`: the built-in "
+                        "ones, as docs/SUPPORT.md shows them; no version column)")
+    p.add_argument("--model-path", action="append", default=[], metavar="CONFIG",
+                   help="with --plans: plan this model (a config.json or a folder holding "
+                        "one) instead of the representative ones; repeatable")
+    p.add_argument("--device-profile", action="append", default=[], metavar="PROFILE",
+                   help="with --plans: plan on this profile (a name or a JSON file) instead of "
+                        "every built-in one; repeatable")
 
     p = sub.add_parser("serve", help="run the HTTP server",
                        description="Serve a model over HTTP. Flags override --config.")
@@ -101,22 +124,6 @@ def _backend_status(registry: Registry, kind: str, reg: Registration) -> tuple[s
     if missing:
         return "unavailable", "; ".join(f"package {m} is not installed" for m in missing)
     return "available", ""
-
-
-def jsonable(value: object) -> JSON:
-    """A capability value as JSON: dataclasses as objects of every field, sets sorted, tuples
-    as lists, maps with string keys; anything else its str()."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (set, frozenset)):
-        return sorted((jsonable(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, dict) or hasattr(value, "items"):
-        return {str(k): jsonable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 class _BackendRow(TypedDict):
@@ -306,6 +313,24 @@ def _cmd_resolve(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# -------------------------------------------------------------------------------------- matrix
+
+def _cmd_matrix(ns: argparse.Namespace) -> int:
+    from core.plan.matrix import document
+
+    if not ns.plans and (ns.model_path or ns.device_profile):
+        flag = "--model-path" if ns.model_path else "--device-profile"
+        raise _UsageError(f"{flag} chooses what --plans plans for: add --plans")
+    try:
+        text = document(get_registry(), kind=ns.kind, plans=ns.plans, dist=ns.only,
+                        model_paths=ns.model_path, profiles=ns.device_profile,
+                        as_json=ns.json)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from exc
+    sys.stdout.write(text)
+    return EXIT_OK
+
+
 # ------------------------------------------------------------------------- serve and generate
 
 def _engine_entry(command: str, module: str, attr: str):
@@ -356,8 +381,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return int(generate_main(args, ns) or 0)
 
 
-COMMANDS = {"backends": _cmd_backends, "resolve": _cmd_resolve, "serve": _cmd_serve,
-            "generate": _cmd_generate}
+COMMANDS = {"backends": _cmd_backends, "resolve": _cmd_resolve, "matrix": _cmd_matrix,
+            "serve": _cmd_serve, "generate": _cmd_generate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -266,6 +266,46 @@ def test_broken_plugin_is_fatal_in_strict_mode(broken_site):
     assert "Traceback" not in proc.stderr
 
 
+# --- the support matrix (core matrix, core/plan/matrix.py) ------------------------------------
+
+def test_matrix_lists_the_installed_example_with_its_distribution(example_site):
+    proc = _core(["matrix", "--json"], example_site)
+    assert proc.returncode == 0, proc.stderr
+    kinds = json.loads(proc.stdout)["kinds"]
+    sdpa = next(r for r in kinds["attention"] if r["name"] == "example_sdpa")
+    assert (sdpa["distribution"], sdpa["version"], sdpa["plugin"]) == \
+        ("core-example-backend", "0.1.0", "example")
+    # the dataclass, not a summary string
+    assert sdpa["caps"]["head_sizes"] == [64, 128]
+    assert sdpa["caps"]["page_sizes"] == {"mode": "set", "values": [16]}
+    assert sdpa["caps"]["priority"] == {"cpu": 5, "cuda": 0, "example_accel": 10}
+    accel = next(r for r in kinds["hardware"] if r["name"] == "example_accel")
+    assert accel["distribution"] == "core-example-backend"
+    proc = _core(["matrix", "--kind", "attention"], example_site)
+    assert proc.returncode == 0, proc.stderr
+    row = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| example_sdpa |"))
+    assert "| core-example-backend 0.1.0 (example) | cpu, cuda, example_accel |" in row
+    assert "| 64, 128 | 16 |" in row
+    assert "| torch_native | core-serve " in proc.stdout
+
+
+def test_matrix_lists_the_broken_plugin_with_its_error(broken_site):
+    proc = _core(["matrix", "--kind", "hardware"], broken_site)
+    assert proc.returncode == 0, proc.stderr
+    failed = proc.stdout.split("## Plugins that failed to load")[1]
+    assert "| broken | core-broken-plugin 0.0.1 | import |" in failed
+    assert "deliberately broken" in failed
+
+
+def test_support_doc_leaves_the_installed_example_out(example_site, broken_site):
+    """`core matrix --plans --only core-serve` gives docs/SUPPORT.md whatever else is
+    installed (and the example's example_sdpa is never chosen in its plans)."""
+    proc = _core(["matrix", "--plans", "--only", "core-serve"], example_site, broken_site)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (REPO / "docs" / "SUPPORT.md").read_text(), \
+        "docs/SUPPORT.md is stale: core matrix --plans --only core-serve > docs/SUPPORT.md"
+
+
 # --- numerics: example_sdpa against torch_native and a dense reference ------------------------
 
 # Runs one mixed extend step (requests with and without a cached prefix) and one decode step on

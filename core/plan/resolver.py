@@ -162,7 +162,9 @@ def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry:
             loads = sorted({c for r in regs.values() for c in r.caps.config_names})
             msg = (f"no quant method loads {ckpt} checkpoints (registered methods load: "
                    f"{', '.join(loads) or 'nothing'})")
-        raise ResolveError(msg, slot.all_reasons())
+        # the reasons of the methods that load this format first: they came closest
+        fmt = [n for n in loaders if scheme.format in (regs[n].caps.formats or {scheme.format})]
+        raise ResolveError(msg, slot.all_reasons(first=fmt or loaders))
     return slot.options()[0].name, scheme
 
 

@@ -7,7 +7,7 @@ in messages and in the plan's explanation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from core.plan.plan import Candidate, ResolveError
@@ -81,10 +81,14 @@ class Slot:
     def nothing_fits(self) -> str:
         return f"no {self.label} fits"
 
-    def all_reasons(self) -> list[str]:
+    def all_reasons(self, first: Sequence[str] = ()) -> list[str]:
+        """Every candidate's reasons, those most likely meant first: the candidates named in
+        `first`, then by priority on the target (the backends that would rank first), then
+        name."""
         if not self.candidates:
             return [f"no {self.label} is registered"]
-        return [f"{c.name}: {r}" for c in self.candidates for r in c.reasons]
+        order = sorted(self.candidates, key=lambda c: (c.name not in first, -c.priority, c.name))
+        return [f"{c.name}: {r}" for c in order for r in c.reasons]
 
 
 def priority(caps: object, target: str) -> int:
