@@ -322,3 +322,24 @@ def test_return_token_ids(srv):
                                                  extra_body={"return_token_ids": True}))
     ids = [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]]
     assert len(ids) == 3 and chunks[0].choices[0].model_extra["prompt_token_ids"]
+
+
+def test_streamed_chat_sends_token_ids(srv):
+    """vLLM's test_chat_completion_with_emoji_and_token_ids, streamed: prompt_token_ids on the
+    first chunk only, then each chunk's token_ids; joined they are the non-streamed ids, those
+    of a delta with no text (part of an emoji) included, and decode to the content."""
+    ask = {"model": "fake-model", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}],
+           "extra_body": {"return_token_ids": True}}
+    chunks = list(client(srv).chat.completions.create(stream=True, **ask))
+    assert chunks[0].model_extra["prompt_token_ids"]
+    assert all("prompt_token_ids" not in ch.model_extra for ch in chunks[1:])
+    ids, content = [], ""
+    for ch in chunks:
+        for c in ch.choices:
+            content += c.delta.content or ""
+            if "token_ids" in c.model_dump():
+                ids += c.model_extra["token_ids"]
+    whole = client(srv).chat.completions.create(**ask).choices[0]
+    assert ids == whole.model_extra["token_ids"] and len(ids) == 8
+    assert bytes(t - OFFSET for t in ids).decode("utf-8", "replace").startswith(content)
+    assert content == whole.message.content

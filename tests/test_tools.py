@@ -642,6 +642,21 @@ def test_auto_streamed_through_the_server(fake):
     assert reasons[-1] == "tool_calls" and set(reasons[:-1]) == {None}
 
 
+def test_auto_streamed_token_ids_are_all_sent(fake):
+    """return_token_ids on a streamed chat read for tool calls: every token's id comes in some
+    chunk's token_ids, those of text held back (the call's markup) too."""
+    stream = _client(fake).chat.completions.create(
+        model="fake-model", messages=ASK, tools=[WEATHER], max_tokens=400, stop=["END"],
+        stream=True, extra_body={"return_token_ids": True})
+    ids = [t for chunk in stream for c in chunk.choices
+           for t in (c.model_extra.get("token_ids") or ())]
+    r = _client(fake).chat.completions.create(
+        model="fake-model", messages=ASK, tools=[WEATHER], max_tokens=400, stop=["END"],
+        extra_body={"return_token_ids": True})
+    assert ids == r.choices[0].model_extra["token_ids"]
+    assert bytes(t - 3 for t in ids).decode().startswith(REPLY[:-3])
+
+
 def test_none_parses_nothing(fake):
     r = _client(fake).chat.completions.create(model="fake-model", messages=ASK, tools=[WEATHER],
                                               tool_choice="none", max_tokens=400, stop=["END"])

@@ -336,11 +336,16 @@ def _chunks(job: _Job, i: int, d: Delta) -> list[JSONObject]:
                                             {"role": "assistant", "content": ""}, None, None))
             out[-1].update(responses.chat_prompt_fields(s, req, job.piece))
         lp = responses.chat_logprobs(entries, job.piece) if req.logprobs else None
+        # return_token_ids: each delta's ids ride on its first chunk (vLLM's per-chunk
+        # token_ids), on an empty delta where nothing else is sent, so none is lost
+        ids = list(d.token_ids) if req.return_token_ids and d.token_ids else None
         if job.tool_parser is not None:
-            return out + _tool_chunks(job, i, fin, lp if entries else None)
-        if text or entries or fin:
+            return out + _tool_chunks(job, i, fin, lp if entries else None, ids)
+        if text or entries or fin or ids:
             out.append(responses.chat_chunk(job.base, job.created, job.model, s.index,
                                             {"content": text} if text else {}, fin, lp))
+            if req.return_token_ids:
+                out[-1]["choices"][0]["token_ids"] = ids or []
         return out
     first = not s.started
     offset = len(s.full_text) - len(d.text)
@@ -370,11 +375,11 @@ def _chunks(job: _Job, i: int, d: Delta) -> list[JSONObject]:
     return [chunk]
 
 
-def _tool_chunks(job: _Job, i: int, fin: str | None, lp: JSONObject | None
-                 ) -> list[JSONObject]:
+def _tool_chunks(job: _Job, i: int, fin: str | None, lp: JSONObject | None,
+                 ids: list[int] | None = None) -> list[JSONObject]:
     """Chunks of a choice whose answer is read for tool calls: the text so far re-parsed, what
-    is new sent (content, a call's header, argument fragments); logprobs ride on the first
-    chunk, the finish reason on the last."""
+    is new sent (content, a call's header, argument fragments); logprobs and the delta's
+    token ids (return_token_ids) ride on the first chunk, the finish reason on the last."""
     s = job.seqs[i]
     stream = job.tool_streams.get(i)
     if stream is None:
@@ -382,11 +387,16 @@ def _tool_chunks(job: _Job, i: int, fin: str | None, lp: JSONObject | None
     deltas = stream.step(s.full_text, fin is not None)
     if fin == "stop" and stream.called:
         fin = "tool_calls"
-    if fin is not None or lp is not None:
+    if fin is not None or lp is not None or ids:
         deltas = deltas or [{}]
-    return [responses.chat_chunk(job.base, job.created, job.model, s.index, d,
-                                 fin if k == len(deltas) - 1 else None, lp if k == 0 else None)
-            for k, d in enumerate(deltas)]
+    chunks = [responses.chat_chunk(job.base, job.created, job.model, s.index, d,
+                                   fin if k == len(deltas) - 1 else None,
+                                   lp if k == 0 else None)
+              for k, d in enumerate(deltas)]
+    if job.req.return_token_ids:
+        for k, chunk in enumerate(chunks):
+            chunk["choices"][0]["token_ids"] = (ids or []) if k == 0 else []
+    return chunks
 
 
 async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
