@@ -4,11 +4,12 @@ Every message is one UTF-8 JSON object (`encode`) sent with `Connection.send_byt
 pickled. One codec, driven by each dataclass's fields and their annotations, writes and reads
 them all (`to_json` / `from_json`): a message is an object with its "type" and its fields (a
 field whose default is None may be left out when None; every other one is required), a class
-with `POSITIONAL` travels as the list of its field values (logprobs: compact), a tuple as a
-list, a dict with int keys with string keys. `decode` checks the shape (the type, every field's
-JSON type, no unknown field) and returns the typed message, or raises ValueError naming what is
-wrong. Shape only: what a request asks for is validated once, at the edge
-(core.frontend.request_checks), and the worker trusts it.
+with `POSITIONAL` travels as the list of its field values (logprobs: compact; trailing fields
+whose default is None are left out while None), a tuple as a list, a dict with int keys with
+string keys. `decode` checks the shape (the type, every field's JSON type, no unknown field)
+and returns the typed message, or raises ValueError naming what is wrong. Shape only: what a
+request asks for is validated once, at the edge (core.frontend.request_checks), and the worker
+trusts it.
 
 The sampling parameters a request carries (`SamplingParams`, SGLang's names, validated where
 they are built) are defined here too: the boundary's vocabulary imports no torch.
@@ -294,11 +295,14 @@ class Fatal:
 @dataclass(frozen=True)
 class TokenLogprob:
     """The chosen token's logprob and the top (token, logprob) pairs (-inf travels as
-    -Infinity: both ends are Python's json)."""
+    -Infinity: both ends are Python's json); rank, where computed (prompt logprobs): how many
+    tokens of the vocabulary are at least as likely as the chosen one (1: the most likely;
+    vLLM's rank)."""
 
-    POSITIONAL: ClassVar[bool] = True  # [logprob, [[token, logprob], ...]]
+    POSITIONAL: ClassVar[bool] = True  # [logprob, [[token, logprob], ...]] or [..., rank]
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -436,7 +440,17 @@ def _build_writer(tp: Any) -> Writer:
         plan = [(f.name, _writer(hints[f.name]), f.default is None)
                 for f in dataclasses.fields(tp)]
         if getattr(tp, "POSITIONAL", False):
-            return lambda v: [w(getattr(v, n)) for n, w, _ in plan]
+            least = max((k + 1 for k, (_, _, optional) in enumerate(plan) if not optional),
+                        default=0)
+            if least == len(plan):
+                return lambda v: [w(getattr(v, n)) for n, w, _ in plan]
+
+            def shortest(v: object) -> list[JSON]:
+                out = [w(getattr(v, n)) for n, w, _ in plan]
+                while len(out) > least and out[-1] is None:
+                    out.pop()
+                return out
+            return shortest
         tag: JSONObject = {"type": tp.TYPE} if hasattr(tp, "TYPE") else {}
 
         def obj(v: object) -> JSONObject:
@@ -574,12 +588,15 @@ def _dataclass_reader(cls: type) -> Reader:
     if getattr(cls, "POSITIONAL", False):
         plan = [(f.name, _reader(hints[f.name])) for f in fields]
         want = "[" + ", ".join(f.name for f in fields) + "]"
+        # trailing fields whose default is None may be left out
+        least = max((k + 1 for k, f in enumerate(fields) if f.default is not None), default=0)
 
         def positional(v: JSON) -> object:
-            if type(v) is not list or len(v) != len(plan):
+            if type(v) is not list or not least <= len(v) <= len(plan):
                 raise ValueError(f"malformed {what}: expected {want}, got {v!r:.80}")
             try:
-                return cls(*(read(x) for (_, (read, _)), x in zip(plan, v, strict=True)))
+                return cls(*(read(x) for (_, (read, _)), x in zip(plan[:len(v)], v,
+                                                                    strict=True)))
             except _Bad:
                 raise ValueError(f"malformed {what}: expected {want}, got {v!r:.80}") from None
         return positional

@@ -30,7 +30,9 @@ MESSAGES = [
                        ipc.Finish("stop", matched=2), 3, 2, 1),
         ipc.OutputItem("r2", (), None, ipc.Finish("abort", message="queue full",
                                                   status_code=503), 1, 0, 0),
-        ipc.OutputItem("r3", (4,), None, None, 1, 1, 0))),
+        ipc.OutputItem("r3", (4,), None, None, 1, 1, 0),
+        ipc.OutputItem("r4", (5,), None, None, 3, 1, 0, prompt_logprobs=(
+            ipc.TokenLogprob(-2.0, ((9, -0.1),), rank=7), ipc.TokenLogprob(-0.1, (), 1))))),
     ipc.Reply(7, True, {"running": 1}), ipc.Reply(8, False, error="AssertionError: x"),
     ipc.Heartbeat({"running": 2}, 0.25), ipc.Heartbeat(None, 0.0),
 ]
@@ -49,6 +51,13 @@ def test_finish_and_logprobs_keep_their_wire_shape():
     d = json.loads(ipc.encode(MESSAGES[7]))["items"][0]
     assert d["logprobs"][0] == [-0.5, [[11, -0.5], [3, -1.5]]]
     assert d["logprobs"][1][0] == -math.inf
+    # a rank (prompt logprobs) rides third; without one the pair stays a pair
+    ranked = json.loads(ipc.encode(MESSAGES[7]))["items"][3]["prompt_logprobs"]
+    assert ranked == [[-2.0, [[9, -0.1]], 7], [-0.1, [], 1]]
+    assert ipc.from_json(ipc.TokenLogprob, [-0.5, []]) == ipc.TokenLogprob(-0.5, (), None)
+    for bad in ([-0.5], [-0.5, [], 1, 2], [-0.5, [], "1"]):
+        with pytest.raises(ValueError, match="malformed logprob"):
+            ipc.from_json(ipc.TokenLogprob, bad)
 
 
 def _raw(params=None, **changes):

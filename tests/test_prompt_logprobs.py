@@ -66,9 +66,11 @@ def params(k=2, max_new=4, **kw):
 
 def check_against_hf(req, prompt, ref, k):
     assert len(req.prompt_lps) == len(prompt) - 1
-    for j, (lp, top) in enumerate(req.prompt_lps):  # position j predicts prompt[j + 1]
+    for j, (lp, top, rank) in enumerate(req.prompt_lps):  # position j predicts prompt[j + 1]
         want = ref[j, prompt[j + 1]].item()
         assert abs(lp - want) < 1e-4, (j, lp, want)
+        # vLLM's rank: the tokens at least as likely (itself included; 1 = the most likely)
+        assert rank == int((ref[j] >= ref[j, prompt[j + 1]]).sum()), (j, rank)
         assert len(top) == k
         ref_v, ref_i = ref[j].topk(k)
         assert [t for t, _ in top] == ref_i.tolist()

@@ -286,6 +286,37 @@ def test_echo_of_special_token_ids_agrees_with_its_logprobs(served):
     assert streamed_text == r.choices[0].text
 
 
+def test_streamed_chat_token_ids_and_prompt_token_ranks(served):
+    """vLLM's test_chat_completion_with_emoji_and_token_ids: streamed chat sends token_ids per
+    chunk (it sent only prompt_token_ids), joined they decode to the content and the stop
+    token; and vLLM's prompt_logprobs give each prompt token its rank (it was null)."""
+    engine, srv = served
+    c = client(srv)
+    ask = {"model": "smollm2", "max_tokens": 24, "temperature": 0, "messages": [
+        {"role": "system", "content": "You like to use emojis in your responses."},
+        {"role": "user", "content": "Repeat after me: I love cats 🐱"}]}
+    r = c.chat.completions.create(**ask, extra_body={"return_token_ids": True,
+                                                     "prompt_logprobs": 1})
+    ids, content = [], ""
+    for chunk in c.chat.completions.create(**ask, stream=True,
+                                           extra_body={"return_token_ids": True}):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            if "token_ids" in ch.model_dump():
+                ids += ch.model_extra["token_ids"]
+    assert ids == r.choices[0].model_extra["token_ids"] and content == r.choices[0].message.content
+    tok = engine.tokenizer
+    decoded = tok.decode(ids, skip_special_tokens=False)
+    assert decoded == content + ("<|im_end|>" if r.choices[0].finish_reason == "stop" else "")
+    prompt_ids, plp = r.model_extra["prompt_token_ids"], r.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(prompt_ids)
+    for tid, entry in zip(prompt_ids[1:], plp[1:], strict=True):
+        mine = entry[str(tid)]
+        best = max(e["logprob"] for e in entry.values())
+        assert isinstance(mine["rank"], int) and mine["rank"] >= 1, entry
+        assert (mine["rank"] == 1) == (mine["logprob"] >= best), entry
+
+
 def test_logit_bias_on_the_engine(served):
     _, srv = served
     c = client(srv)

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
     # one token's (logprob, [(token, logprob) of its top alternatives]), as sampling reports it
     TokenLogprobs: TypeAlias = tuple[float, list[tuple[int, float]]]
+    # a prompt token's: the same and its rank (token_logprobs)
+    PromptLogprobs: TypeAlias = tuple[float, list[tuple[int, float]], int]
 
 
 class SamplingState:
@@ -267,14 +269,17 @@ PROMPT_LOGITS_ROWS = 512  # prompt positions turned into logits at once ([rows, 
 
 @torch.inference_mode()
 def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int
-                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+                   ) -> list[PromptLogprobs]:
     """Per row of fp32 logits [N, V]: the logprob of next_ids[row] under the model's raw
-    distribution and the k most likely (token, logprob) pairs (prompt logprobs)."""
+    distribution, the k most likely (token, logprob) pairs and the token's rank: how many
+    tokens are at least as likely (1: the most likely; vLLM's rank) (prompt logprobs)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, next_ids[:, None].to(lp.device))[:, 0].tolist()
+    chosen_t = lp.gather(1, next_ids[:, None].to(lp.device))  # [N, 1]
+    ranks = (lp >= chosen_t).sum(dim=-1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     if not k:
-        return [(c, []) for c in chosen]
+        return [(c, [], r) for c, r in zip(chosen, ranks, strict=True)]
     top_v, top_i = lp.topk(k, dim=-1)
-    return [(c, list(zip(i, v, strict=True)))
-            for c, i, v in zip(chosen, top_i.tolist(), top_v.tolist(), strict=True)]
+    return [(c, list(zip(i, v, strict=True)), r)
+            for c, i, v, r in zip(chosen, top_i.tolist(), top_v.tolist(), ranks, strict=True)]
 

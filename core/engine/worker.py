@@ -408,7 +408,7 @@ def _item(req: Req) -> OutputItem:
     plps = None
     if req.params.prompt_logprobs is not None and not req.prompt_lps_sent \
             and not req.wants_prompt_lps:  # all computed (an abort before then sends none)
-        plps = tuple(TokenLogprob(lp, tuple(top)) for lp, top in req.prompt_lps)
+        plps = tuple(TokenLogprob(lp, tuple(top), rank) for lp, top, rank in req.prompt_lps)
         req.prompt_lps_sent = True
     out = OutputItem(req.rid, tuple(req.pending_ids), lps,
                      None if req.finish is None else Finish(**req.finish),

@@ -174,8 +174,8 @@ def chat_logprobs(entries: Sequence[Entry], piece: Piece) -> JSONObject:
 def vllm_prompt_logprobs(s: SeqOut, piece: Piece) -> list[JSON] | None:
     """vLLM's prompt_logprobs: null for the first prompt token, then per token
     {token id: {"logprob", "rank", "decoded_token"}} holding the prompt token and its top
-    alternatives (rank: 1-based among the vocabulary; null for a prompt token outside the
-    top alternatives, whose rank is not computed)."""
+    alternatives (rank: 1-based among the vocabulary; the prompt token's is the engine's,
+    how many tokens are at least as likely, null where an engine sends none)."""
     if s.prompt_logprobs is None:
         return None
     out: list[JSON] = [None] if s.prompt_ids else []
@@ -183,7 +183,7 @@ def vllm_prompt_logprobs(s: SeqOut, piece: Piece) -> list[JSON] | None:
         assert e is not None  # only the first prompt token has none
         d = {str(t): {"logprob": lp, "rank": r, "decoded_token": token_text(piece(t))}
              for r, (t, lp) in enumerate(e.top, 1)}
-        d.setdefault(str(tid), {"logprob": e.logprob, "rank": None,
+        d.setdefault(str(tid), {"logprob": e.logprob, "rank": e.rank,
                                 "decoded_token": token_text(piece(tid))})
         out.append(d)
     return out

@@ -10,7 +10,7 @@ from core.engine.sampling import SamplingParams, SamplingState
 
 if TYPE_CHECKING:
     from core.engine.memory.radix_cache import _Node
-    from core.engine.sampling import TokenLogprobs
+    from core.engine.sampling import PromptLogprobs, TokenLogprobs
 
 CLIP_MAX_NEW_TOKENS = 4096  # reserve at most this many future tokens per request
 
@@ -85,9 +85,9 @@ class Req:
     # output not yet reported: new ids and their logprobs
     pending_ids: list[int] = field(default_factory=list)
     pending_lps: list[TokenLogprobs] = field(default_factory=list)
-    # prompt_logprobs: (logprob, top) of prompt tokens 1.. as prefill computes them; reported
-    # once, with the first output
-    prompt_lps: list[TokenLogprobs] = field(default_factory=list)
+    # prompt_logprobs: (logprob, top, rank) of prompt tokens 1.. as prefill computes them;
+    # reported once, with the first output
+    prompt_lps: list[PromptLogprobs] = field(default_factory=list)
     prompt_lps_sent: bool = False
 
     @property
