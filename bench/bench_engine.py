@@ -36,6 +36,9 @@ def _ceilings(model, dtype: torch.dtype) -> dict[str, float]:
     params = {id(p): p for p in model.parameters()}.values()  # tied weights once
     n_params = sum(p.numel() for p in params)
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    embed = model.get_input_embeddings().weight
+    if embed is not model.get_output_embeddings().weight:  # a lookup reads one row, not the
+        weight_bytes -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()  # table
     src = torch.empty(2**27, dtype=torch.float32)  # 512 MiB
     dst = torch.empty_like(src)
     dst.copy_(src)

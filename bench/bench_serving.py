@@ -91,17 +91,18 @@ DEFAULTS = {
 
 def weight_bytes(cfg: dict[str, Any], dtype_bytes: float, linear_bytes: float | None = None
                  ) -> int:
-    """Bytes of a Llama-shaped model's weights (what one decode step reads at batch 1); the
-    decoder's linear layers at `linear_bytes` per weight when quantized (1 for fp8 / int8),
-    embedding, LM head and norms at dtype_bytes."""
+    """Weight bytes one decode step reads at batch 1 in a Llama-shaped model: the decoder's
+    linear layers at `linear_bytes` per weight when quantized (1 for fp8 / int8), the norms, the
+    LM head (the whole vocab x hidden table, tied or not) and one row of the embedding table
+    (a lookup reads the row of its token, not the table), all but the linears at dtype_bytes."""
     h, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], \
         cfg["num_hidden_layers"]
     d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     qkv = h * (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * d
     linear = qkv + cfg["num_attention_heads"] * d * h + 3 * h * i
     lb = dtype_bytes if linear_bytes is None else linear_bytes
-    heads = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return int(n * linear * lb + (n * 2 * h + heads + h) * dtype_bytes)
+    head_and_row = v * h + h
+    return int(n * linear * lb + (n * 2 * h + head_and_row + h) * dtype_bytes)
 
 
 def copy_bandwidth(device: str) -> float:
