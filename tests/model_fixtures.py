@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 VOCAB = 260  # 256 bytes + 4 specials
 SLIDING_WINDOW = 8  # Mistral's window in the fixtures: short, so that tests cross it
 CHAT_TEMPLATE = (
@@ -45,6 +45,21 @@ def tiny_config(arch: str, **overrides):
         cfg = transformers.Qwen2Config(**common)
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**{**common, "head_dim": 32})
+    elif arch == "gemma2":  # windows on alternate layers, both soft-caps, its own softmax scale
+        cfg = transformers.Gemma2Config(
+            **{**common, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=24,
+            sliding_window=SLIDING_WINDOW, attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            attn_implementation="eager")  # (HF's sdpa path has no soft-cap)
+    elif arch == "gemma3":  # q/k norms, a rope per layer type (local and global)
+        cfg = transformers.Gemma3TextConfig(
+            **{**common, "tie_word_embeddings": True}, head_dim=16, query_pre_attn_scalar=24,
+            sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 10000.0}},
+            attn_implementation="eager")
     else:
         raise ValueError(f"no tiny fixture for {arch!r}")
     for key, value in overrides.items():
@@ -59,7 +74,8 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides):
     cfg = tiny_config(arch, **overrides)
     cls = {"llama": transformers.LlamaForCausalLM, "llama3": transformers.LlamaForCausalLM,
            "mistral": transformers.MistralForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM}[arch]
+           "qwen3": transformers.Qwen3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
+           "gemma3": transformers.Gemma3ForCausalLM}[arch]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()
     with torch.no_grad():

@@ -26,7 +26,7 @@ from core.plan.args import make_server_args
 from core.plan.registry import build_registry
 from plugins.hardware.cpu_runtime import pack_model as pack_for_cpu
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
 IMPL = {"llama3": "llama"}
 PAGE = 4
 RTOL = 1e-4

@@ -53,6 +53,7 @@ REGENERATE = f"core matrix --plans --only {BUILTIN_DIST} > {SUPPORT_DOC}"
 FAMILIES: tuple[tuple[str, str], ...] = (
     ("dense", "llama-3.1-8b.json"),
     ("MoE", "qwen3-30b-a3b.json"),
+    ("Gemma 2 (soft-caps, windows)", "gemma-2-9b.json"),
 )
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "configs"
 

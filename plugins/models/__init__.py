@@ -14,6 +14,8 @@ BUILTIN: dict[str, tuple[tuple[str, ...], str]] = {
     "mixtral": (("MixtralForCausalLM",), "plugins.models.mixtral:MixtralForCausalLM"),
     "qwen2_moe": (("Qwen2MoeForCausalLM",), "plugins.models.qwen2_moe:Qwen2MoeForCausalLM"),
     "qwen3_moe": (("Qwen3MoeForCausalLM",), "plugins.models.qwen3_moe:Qwen3MoeForCausalLM"),
+    "gemma2": (("Gemma2ForCausalLM",), "plugins.models.gemma:Gemma2ForCausalLM"),
+    "gemma3": (("Gemma3ForCausalLM",), "plugins.models.gemma:Gemma3ForCausalLM"),
 }
 
 

@@ -36,7 +36,10 @@ class DecoderAttention(nn.Module):
     """Holds the attention weights; the computation is in DecoderLayer.forward."""
 
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int,
-                 bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None):
+                 bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None,
+                 scaling: float | None = None, logit_softcap: float | None = None):
+        """scaling: the softmax scale (None: head_dim ** -0.5); logit_softcap: cap * tanh(s /
+        cap) over the attention scores (Gemma 2)."""
         super().__init__()
         tp = ctx.tp  # this rank's heads: an even share of q heads, its KV heads (or a replica)
         heads = config.num_attention_heads
@@ -57,21 +60,24 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device, ctx.ops)
             self.k_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device, ctx.ops)
         self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   sliding_window=sliding_window)
+                                   scaling=scaling, sliding_window=sliding_window,
+                                   logit_softcap=logit_softcap)
 
 
 class DecoderMLP(nn.Module):
     """Holds the gated MLP's weights; the computation is in DecoderLayer.forward."""
 
-    def __init__(self, config: PretrainedConfig, ctx: ModelContext, reduce: bool = True):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext, reduce: bool = True,
+                 act: str | None = None):
         """reduce=False: the down projection's partial sums are left to the caller (a MoE
-        block reduces its shared expert together with its routed experts)."""
+        block reduces its shared expert together with its routed experts); act: the gate's
+        activation (None: the config's hidden_act, silu when it has none)."""
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [inter, inter], bias, ctx,
                                    shard_names=("gate", "up"), parallel="column")
-        self.act = GatedAct(getattr(config, "hidden_act", "silu"), ctx.ops)
+        self.act = GatedAct(act or getattr(config, "hidden_act", None) or "silu", ctx.ops)
         self.down_proj = Linear(inter, config.hidden_size, bias, ctx, parallel="row",
                                 reduce=reduce)
 
