@@ -4,7 +4,7 @@ Axes: decode and extend; GQA ratios 1, 4, 8 (as MHA, GQA or MQA shapes, whicheve
 backend declares); head dims 64 and 128 plus every other size the backend declares; page sizes 1,
 16, 64 (those it accepts, else the ones it declares); each compute dtype it declares (with a KV
 cache of that dtype, where declared too); and, where declared, sliding windows, logit soft-cap,
-FP8 KV caches, and a multi-layer step. Batches are ragged: fresh requests, one-token extensions,
+attention sinks, FP8 KV caches, and a multi-layer step. Batches are ragged: fresh requests, one-token extensions,
 prefixes that end on and off page boundaries.
 
 What a backend does not declare is not run; `not_covered` names it (and what the suite cannot
@@ -140,6 +140,11 @@ def conformance_cases(caps: AttentionCaps, full: bool = False,
         if caps.sliding_window and caps.logit_softcap:
             cases.append(case(shapes[-1], dim, pages[0], dtypes[-1],
                               sliding_window=_windows(requests)[1], logit_softcap=8.0))
+        if caps.sinks:
+            cases.append(case(mid, dim, page, dtype, sinks=True))
+            if caps.sliding_window:  # GPT-OSS: sinks on its windowed layers too
+                cases.append(case(shapes[-1], dims[0], pages[0], dtypes[-1],
+                                  sliding_window=_windows(requests)[0], sinks=True))
         for kv in FP8:
             if kv in caps.kv_cache_dtypes:
                 compute = [d for d in DTYPES if d in caps.dtypes and d not in exclude_dtypes]
@@ -196,6 +201,6 @@ def not_covered(caps: AttentionCaps,
         out.append(("window", "sliding window not declared"))
     if not caps.logit_softcap:
         out.append(("softcap", "logit soft-cap not declared"))
-    if caps.sinks:
-        out.append(("sinks", "attention sinks are declared but not covered by this suite"))
+    if not caps.sinks:
+        out.append(("sinks", "attention sinks not declared"))
     return out

@@ -21,7 +21,8 @@ def reference_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
     """q [T, H*D] against the pool's K/V (already holding this step's tokens) -> [T, H*Dv] fp32.
 
     Query t of request i sits at position prefix_i + j and sees keys at positions p with
-    p <= prefix_i + j and, with a window w, p > prefix_i + j - w.
+    p <= prefix_i + j and, with a window w, p > prefix_i + j - w. With sinks, head h's sink
+    logit joins each of its rows' softmax as one more score whose value is zero.
     """
     H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
     Dv = layer.v_head_dim or D
@@ -50,7 +51,11 @@ def reference_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
             if layer.sliding_window:
                 visible &= key_pos[None, :] > q_pos - layer.sliding_window
             s = s.masked_fill(~visible, float("-inf"))
-            p = torch.softmax(s, dim=-1)
+            if layer.sinks is not None:  # one more column per head, dropped after the softmax
+                sink = layer.sinks.float().to(q.device).view(H, 1, 1).expand(H, c1 - c0, 1)
+                p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                p = torch.softmax(s, dim=-1)
             out[start + c0:start + c1] = torch.matmul(p, v).transpose(0, 1)
         start += n
     return out.view(T, H * Dv)

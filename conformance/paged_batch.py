@@ -60,6 +60,7 @@ class AttentionCase:
     extend_lens: tuple[int, ...]  # new tokens per request this step
     sliding_window: int | None = None
     logit_softcap: float | None = None
+    sinks: bool = False  # a random sink logit per query head (AttentionLayerParams.sinks)
     layers: int = 1  # layers run in the step (from the last one down), after one prepare
     tag: str = ""  # what the case is about, for its id
 
@@ -94,6 +95,7 @@ class AttentionCase:
         kv = "" if self.kv_dtype == self.dtype else f"-kv_{self.kv_dtype}"
         extra = "".join([f"-win{self.sliding_window}" if self.sliding_window else "",
                          f"-cap{self.logit_softcap:g}" if self.logit_softcap else "",
+                         "-sinks" if self.sinks else "",
                          f"-{self.layers}layers" if self.layers > 1 else "",
                          f"-{self.tag}" if self.tag else ""])
         return (f"{self.mode}-h{self.num_heads}kv{self.num_kv_heads}-d{self.head_dim}"
@@ -208,9 +210,12 @@ def build_inputs(case: AttentionCase, device: torch.device | str, seed: int) -> 
     q_gain = 4.0 if case.logit_softcap else 1.0  # large logits, so the cap really bites
     layers, qkv, expected = [], [], [list(b) for b in before]
     for layer_id in reversed(range(num_layers - case.layers, num_layers)):
+        # sinks of about the scores' size (some rows mostly sink, some barely), fp32
+        sinks = randn(H).float().mul_(2.0).to(device) if case.sinks else None
         layers.append(AttentionLayerParams(
             layer_id=layer_id, num_heads=H, num_kv_heads=Hkv, head_dim=D, scaling=D ** -0.5,
-            sliding_window=case.sliding_window, logit_softcap=case.logit_softcap))
+            sliding_window=case.sliding_window, logit_softcap=case.logit_softcap,
+            sinks=sinks))
         q = (randn(T, H * D) * q_gain).to(dtype)
         k = randn(T, Hkv * D).to(dtype)
         v = randn(T, Hkv * D).to(dtype)

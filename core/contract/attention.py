@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,11 @@ class AttentionLayerParams:
     sliding_window: int | None = None  # tokens visible including the current one; None = all
     logit_softcap: float | None = None
     v_head_dim: int | None = None  # defaults to head_dim
+    # Attention sinks (GPT-OSS): a learned logit per query head [num_heads] (fp32, this rank's
+    # heads) that joins each row's softmax denominator and carries no value:
+    # out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)). None: no sinks. Only a backend
+    # whose AttentionCaps declare sinks is given one (the resolver sees to it).
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ class PagedAttention(nn.Module):
 
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  scaling: float | None = None, sliding_window: int | None = None,
-                 logit_softcap: float | None = None, v_head_dim: int | None = None):
+                 logit_softcap: float | None = None, v_head_dim: int | None = None,
+                 sinks: torch.Tensor | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
@@ -22,7 +23,8 @@ class PagedAttention(nn.Module):
         self.params = AttentionLayerParams(
             layer_id=layer_id, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, scaling=head_dim ** -0.5 if scaling is None else scaling,
-            sliding_window=sliding_window, logit_softcap=logit_softcap, v_head_dim=v_head_dim)
+            sliding_window=sliding_window, logit_softcap=logit_softcap, v_head_dim=v_head_dim,
+            sinks=sinks)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:

@@ -131,9 +131,10 @@ class TorchNativeAttention(AttentionBackend):
             k = _gather(k_buf, meta.slots, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
             v = _gather(v_buf, meta.slots, q.dtype).transpose(1, 2)
         # [B, 1, 1, L]; additive (0 / -inf in q's dtype) for SDPA, whose CPU kernel runs 10-15%
-        # faster with it than with a bool mask; the soft-cap path fills by a bool mask
+        # faster with it than with a bool mask; the soft-cap / sinks path fills by a bool mask
         mask = self._decode_mask(meta, layer.sliding_window, q.device,
-                                 None if layer.logit_softcap else q.dtype)
+                                 None if layer.logit_softcap or layer.sinks is not None
+                                 else q.dtype)
         out = _attend(qg, k, v, mask, False, layer, grouped=True)  # [B, Hkv, G, Dv]
         return out.reshape(B, -1, out.shape[-1])
 
@@ -223,24 +224,35 @@ def _attend(q, k, v, mask, causal, layer: AttentionLayerParams, grouped: bool = 
 
     grouped: q is [B, Hkv, n, D] already, each KV head's query heads folded into n (decode)."""
     gqa = not grouped and layer.num_heads != layer.num_kv_heads
-    if layer.logit_softcap:
-        return _softcap_attention(q, k, v, mask, causal, layer, gqa)
+    if layer.logit_softcap or layer.sinks is not None:
+        return _explicit_attention(q, k, v, mask, causal, layer, gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           scale=layer.scaling, enable_gqa=gqa)
 
 
-def _softcap_attention(q, k, v, mask, causal, layer, gqa):
+def _explicit_attention(q, k, v, mask, causal, layer, gqa):
+    """Scores, soft-cap and sinks written out (SDPA has neither). A bool mask only.
+
+    Sinks: q's head axis is [H] (ungrouped) or [Hkv, G] folded as KV head x its G query heads
+    (grouped decode); either way its index order is the query heads' order, so the sinks
+    reshape onto it."""
     group = layer.num_heads // layer.num_kv_heads if gqa else 1
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     s = torch.matmul(q, k.transpose(-1, -2)).float() * layer.scaling  # [B, H, n, L]
     cap = layer.logit_softcap
-    s = torch.tanh(s / cap) * cap
+    if cap:
+        s = torch.tanh(s / cap) * cap
     if causal:
         n, L = s.shape[-2:]
         mask = torch.ones(n, L, dtype=torch.bool, device=s.device).tril(L - n)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(v.dtype)
-    return torch.matmul(p, v)
+    if layer.sinks is None:
+        p = torch.softmax(s, dim=-1)
+    else:  # one more score per row, whose value is zero: dropped after the softmax
+        B, A, n, L = s.shape
+        sink = layer.sinks.float().to(s.device).view(1, A, -1, 1).expand(B, A, n, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :L]
+    return torch.matmul(p.to(v.dtype), v)

@@ -19,7 +19,7 @@ CAPS = AttentionCaps(
     attention_kinds={"MHA", "GQA", "MQA"},
     sliding_window=True,
     logit_softcap=True,
-    sinks=False,
+    sinks=True,
     phases={"prefill", "decode"},
     # Like SGLang's torch_native: per-request Python loops cannot be captured in a CUDA graph.
     cuda_graph=False,

@@ -23,7 +23,7 @@ CAPS = AttentionCaps(
     attention_kinds={"MHA", "GQA", "MQA"},
     sliding_window=True,
     logit_softcap=True,
-    sinks=False,
+    sinks=True,
     phases={"prefill", "decode"},
     # Decode has static shapes: the grid depends on the batch size and a split count fixed per
     # captured batch size (from the longest context a graph may see); seq lens stay on the

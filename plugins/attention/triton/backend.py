@@ -114,7 +114,7 @@ class TritonAttention(AttentionBackend):
         q3 = q.view(T, H, D)
         kw = dict(scaling=layer.scaling, k_scale=getattr(pool, "k_scale", 1.0),
                   v_scale=getattr(pool, "v_scale", 1.0), sliding_window=layer.sliding_window,
-                  logit_softcap=layer.logit_softcap)
+                  logit_softcap=layer.logit_softcap, sinks=layer.sinks)
         if meta.decode:
             out = decode_attention(q3, k_buf, v_buf, batch.req_to_token, batch.req_pool_indices,
                                    batch.seq_lens, num_splits=meta.num_splits, **kw)

@@ -118,10 +118,11 @@ def _decode_stage1(
 
 @triton.jit(do_not_specialize=["num_splits", "min_split"])
 def _decode_stage2(
-    part_o, part_lse, Out, seq_lens, out_scale, window, num_splits, min_split,
+    part_o, part_lse, Out, seq_lens, Sinks, out_scale, window, num_splits, min_split,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, V_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
@@ -135,8 +136,13 @@ def _decode_stage2(
     # Only the splits stage 1 filled for this request are read (a short request in a graph
     # captured for long contexts uses few of them).
     _, _, used = _split_range(seq_len, 0, num_splits, window, min_split, BLOCK_N, USE_WINDOW)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    w_sum = tl.zeros([BLOCK_H], tl.float32)
+    if USE_SINKS:
+        # the head's sink is one more split whose value is zero: lse = sink (log2 units)
+        m = tl.load(Sinks + heads, mask=hmask, other=0.0).to(tl.float32) * LOG2E
+        w_sum = tl.full([BLOCK_H], 1.0, tl.float32)
+    else:
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        w_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for split in range(0, used):
         lse = tl.load(part_lse + b * stride_lb + heads * stride_lh + split, mask=hmask,
@@ -179,13 +185,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      seq_lens: torch.Tensor, *, scaling: float, k_scale: float = 1.0,
                      v_scale: float = 1.0, sliding_window: int | None = None,
                      logit_softcap: float | None = None, num_splits: int | None = None,
-                     config: DecodeConfig | None = None) -> torch.Tensor:
+                     config: DecodeConfig | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per request against its paged KV.
 
     q [B, H, D]; k_buf [slots, Hkv, D], v_buf [slots, Hkv, Dv] (any dtype, FP8 included:
     real K = k_buf * k_scale); req_to_token [rows, max_ctx] int32; req_pool_indices [B];
     seq_lens [B] (device). Returns [B, H, Dv] in q's dtype. `num_splits` defaults to the
-    heuristic for this batch shape without a context bound.
+    heuristic for this batch shape without a context bound. sinks: [H] fp32 logits, one per
+    query head, in each row's softmax denominator (AttentionLayerParams.sinks).
     """
     B, H, D = q.shape
     Hkv, Dv = k_buf.shape[1], v_buf.shape[2]
@@ -219,10 +227,11 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     )
     # real V = stored V * v_scale, and the merged softmax weights sum to one: scale the output.
     _decode_stage2[(B, Hkv * head_blocks)](
-        part_o, part_lse, out, seq_lens, v_scale, window, splits, cfg.min_split_tokens,
+        part_o, part_lse, out, seq_lens, sinks if sinks is not None else part_lse, v_scale,
+        window, splits, cfg.min_split_tokens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
         part_lse.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_BLOCKS=head_blocks, V_DIM=Dv, BLOCK_H=block_h, BLOCK_DV=block_dv,
-        BLOCK_N=cfg.block_n, USE_WINDOW=use_window, num_warps=4,
+        BLOCK_N=cfg.block_n, USE_WINDOW=use_window, USE_SINKS=sinks is not None, num_warps=4,
     )
     return out

@@ -103,7 +103,7 @@ def _attend_blocks(acc, l_sum, m, q, k_base, v_base, table, q_pos, lo, hi, sm_sc
 # tune_bucket is an autotuning key only: not specialised (0 and 1 would compile twice).
 @triton.jit(do_not_specialize=["tune_bucket"])
 def _extend_kernel(
-    Q, K, V, Out, req_to_token, req_pool_indices, seq_lens, extend_lens, q_starts,
+    Q, K, V, Out, req_to_token, req_pool_indices, seq_lens, extend_lens, q_starts, Sinks,
     sm_scale, qk_scale, cap, window, out_scale, tune_bucket,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_r2t,
     stride_ot, stride_oh,
@@ -111,6 +111,7 @@ def _extend_kernel(
     BLOCK_DV: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PACK_GQA: tl.constexpr, IDX64: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     # PACK_GQA: the program's BLOCK_M rows are POS positions x the GROUP query heads of one KV
     # head (row r: position r // GROUP, head r % GROUP), so each K/V tile serves the whole group.
@@ -170,6 +171,12 @@ def _extend_kernel(
         BLOCK_N=BLOCK_N, MASKED=True, USE_WINDOW=USE_WINDOW, USE_SOFTCAP=USE_SOFTCAP,
         FULL_TILES=False, PRECISION=PRECISION, IDX64=IDX64)
 
+    if USE_SINKS:  # each row's head sink: one more score, whose value is zero (log2 units)
+        sink = tl.load(Sinks + heads).to(tl.float32) * LOG2E
+        m_fin = tl.maximum(m, sink)
+        rescale = tl.exp2(m - m_fin)
+        l_sum = l_sum * rescale + tl.exp2(sink - m_fin)
+        acc = acc * rescale[:, None]
     out = acc * (out_scale / tl.where(l_sum > 0, l_sum, 1.0))[:, None]
     tl.store(Out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=mmask[:, None] & dvmask[None, :])
@@ -198,7 +205,8 @@ def _tuned_kernel(configs: list[ExtendConfig], group: int):
                      for c in configs],
             # Dtypes join the key by themselves; tune_bucket (0/1) keeps a short warm-up
             # prefill from choosing the tiling of long ones. No sequence length is a key.
-            key=["HEAD_DIM", "V_DIM", "GROUP", "USE_WINDOW", "USE_SOFTCAP", "tune_bucket"],
+            key=["HEAD_DIM", "V_DIM", "GROUP", "USE_WINDOW", "USE_SOFTCAP", "USE_SINKS",
+                 "tune_bucket"],
         )(_extend_kernel)
     return _TUNED[key]
 
@@ -209,13 +217,15 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      max_extend_len: int, *, scaling: float, k_scale: float = 1.0,
                      v_scale: float = 1.0, sliding_window: int | None = None,
                      logit_softcap: float | None = None,
-                     config: ExtendConfig | None = None) -> torch.Tensor:
+                     config: ExtendConfig | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens of every request against their cached prefix and themselves (causal).
 
     q [T, H, D] (request i's tokens at rows q_starts[i] .. + extend_lens[i]); k_buf/v_buf
     [slots, Hkv, D|Dv] with the new tokens already written; seq_lens = prefix + new per request.
     `max_extend_len` (a host int) sizes the grid. Returns [T, H, Dv] in q's dtype. `config` pins
-    one tiling instead of the tuning table (benchmarks of tilings use it).
+    one tiling instead of the tuning table (benchmarks of tilings use it). sinks: [H] fp32
+    logits, one per query head, in each row's softmax denominator.
     """
     T, H, D = q.shape
     Hkv, Dv = k_buf.shape[1], v_buf.shape[2]
@@ -225,7 +235,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
         return out
     sm_scale = scaling * k_scale
     args = (q, k_buf, v_buf, out, req_to_token, req_pool_indices, seq_lens, extend_lens, q_starts,
-            sm_scale, sm_scale * LOG2E_F, logit_softcap or 1.0, sliding_window or 0, v_scale,
+            sinks if sinks is not None else seq_lens, sm_scale, sm_scale * LOG2E_F, logit_softcap or 1.0, sliding_window or 0, v_scale,
             int(max_extend_len >= 1024),
             q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
             v_buf.stride(1), req_to_token.stride(0), out.stride(0), out.stride(1))
@@ -235,7 +245,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                   USE_SOFTCAP=logit_softcap is not None,
                   EVEN_D=triton.next_power_of_2(D) == D and triton.next_power_of_2(Dv) == Dv,
                   PRECISION="ieee" if q.dtype == torch.float32 else None,
-                  IDX64=needs_int64_offsets(q, k_buf, v_buf, out))
+                  IDX64=needs_int64_offsets(q, k_buf, v_buf, out), USE_SINKS=sinks is not None)
     configs = [config] if config else extend_configs(D, Dv, q.dtype, q.device)
     if config is None and not interpreting():
         small = small_extend_config(configs, H * B, max_extend_len, q.device,
