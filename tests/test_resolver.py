@@ -147,11 +147,14 @@ def test_named_backends_without_a_common_page_size_are_an_error(model_spec, test
 
 def test_gpt_oss_only_the_sinks_backend_fits(model_spec, test_registry):
     plan = plan_for(model_spec("gpt-oss-20b"), "h200", test_registry)
-    assert fitting(plan, "prefill_attention") == {"sinks_like"}
-    assert fitting(plan, "decode_attention") == {"sinks_like"}
+    # the backends that declare sinks (torch_native implements them since issue 35)
+    assert fitting(plan, "prefill_attention") == {"sinks_like", "torch_native"}
+    assert fitting(plan, "decode_attention") == {"sinks_like", "torch_native"}
+    assert plan.decode_attention == "sinks_like"
     assert plan.page_size == 16  # smallest of sinks_like's 16|32|64
-    assert "no attention-sink support (model GptOssForCausalLM uses sinks)" in \
-        reasons_of(plan, "decode_attention", "torch_native")
+    refused = [c for c in plan.candidates if c.slot == "decode_attention"
+               and "no attention-sink support (model GptOssForCausalLM uses sinks)" in c.reasons]
+    assert refused  # every backend without sinks says so
     assert (plan.quant_method, plan.moe_runner) == ("mxfp4_like", "mxfp4_moe_like")
     # The config has no torch_dtype: the plan says what it chose and why.
     assert plan.dtype == "bfloat16"
