@@ -378,9 +378,10 @@ def test_several_failing_slots_are_reported_together(model_spec, plain_registry)
     err = error_for(model_spec("gpt-oss-20b"), "h200", plain_registry)
     message = str(err)
     assert "no quant method loads mxfp4 checkpoints" in message
-    assert "no attention backend fits GptOssForCausalLM" in message
     assert "no MoE runner fits GptOssForCausalLM" in message
-    assert len(err.errors) == 3
+    # torch_native declares attention sinks (issue 35), so attention is not among the failures
+    assert "no attention backend fits" not in message
+    assert len(err.errors) == 2
 
 
 def test_unavailable_device_is_an_error(model_spec, test_registry):
