@@ -29,7 +29,6 @@ from torch import nn
 
 from core.contract.forward_batch import ForwardBatch
 from core.contract.json_types import JSONObject
-from core.contract.layer_ops import qk_norm_rotary
 from core.layers import (
     LMHead,
     ModelContext,
@@ -104,7 +103,6 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(h, eps, dt, dev, ops)
         self.post_feedforward_layernorm = RMSNorm(h, eps, dt, dev, ops)
         self.kind = kind
-        self.rotary_qk = ctx.ops.rotary_qk(self.self_attn.head_dim)
         self.ops = ctx.ops
         self._hot: tuple | None = None
 
@@ -113,11 +111,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def _bind(self) -> tuple:
         a = self.self_attn
-        if hasattr(a, "q_norm"):  # Gemma 3
-            rotate = qk_norm_rotary(self.ops, a.head_dim, a.q_norm.weight, a.k_norm.weight,
-                                    a.q_norm.eps)
-        else:
-            rotate = self.rotary_qk
+        rotate = a.rotate_fn(self.ops)
         self._hot = (
             self.input_layernorm.bound(), self.input_layernorm.bound_add(), a.qkv_proj.bound(),
             a.o_proj.bound(), self.post_attention_layernorm.bound(),

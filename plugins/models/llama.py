@@ -27,6 +27,8 @@ from plugins.models.weights import load_named_weights
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from core.contract.layer_ops import CompleteLayerOps, QKFn
+
 
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -62,6 +64,14 @@ class DecoderAttention(nn.Module):
         self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                    scaling=scaling, sliding_window=sliding_window,
                                    logit_softcap=logit_softcap)
+
+    def rotate_fn(self, ops: CompleteLayerOps) -> QKFn:
+        """(qkv, cos, sin, H, Hkv) -> rotated (q, k): with q/k norms (Qwen3, Gemma 3), RMSNorm
+        over each q and k head first; the layer ops' kernel (one writing both, where fused)."""
+        if hasattr(self, "q_norm"):
+            return qk_norm_rotary(ops, self.head_dim, self.q_norm.weight, self.k_norm.weight,
+                                  self.q_norm.eps)
+        return ops.rotary_qk(self.head_dim)
 
 
 class DecoderMLP(nn.Module):
@@ -106,8 +116,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device, ctx.ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device,
                                                 ctx.ops)
-        # q and k heads rotated by the layer ops (one kernel writing both, where fused)
-        self.rotary_qk = ctx.ops.rotary_qk(self.self_attn.head_dim)
         self.ops = ctx.ops
         self._hot: tuple | None = None
 
@@ -117,10 +125,7 @@ class DecoderLayer(nn.Module):
     def _bind(self) -> tuple:
         a, m = self.self_attn, self.mlp
         D = a.head_dim
-        if hasattr(a, "q_norm"):  # Qwen3: RMSNorm over each q and k head, then rotary
-            rotate = qk_norm_rotary(self.ops, D, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
-        else:
-            rotate = self.rotary_qk
+        rotate = a.rotate_fn(self.ops)
         self._hot = (
             self.input_layernorm.bound(), self.input_layernorm.bound_add(), a.qkv_proj.bound(),
             a.o_proj.bound(), self.post_attention_layernorm.bound_add(), *m.bound_parts(),
