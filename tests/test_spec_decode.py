@@ -287,6 +287,27 @@ def test_stop_token_inside_an_accepted_run_and_min_new_tokens(tiny, plain):
         sched.check_accounting()
 
 
+def test_stop_strings_inside_an_accepted_run(tiny, plain):
+    """A stop string completed by an accepted draft ends the output at that token, as without
+    speculation (the worker checks each emitted token)."""
+    core = make_core(tiny, **SPEC)
+    tok = core.loaded.tokenizer
+    cases = 0
+    for rid, (ids, _) in sorted(plain.items()):
+        hits = [i for i in range(3, len(ids) - 1) if all(32 <= t < 127 for t in ids[i:i + 2])]
+        if not hits:
+            continue
+        stop = tok.decode(ids[hits[0]:hits[0] + 2])
+        params = greedy(stop=[stop])
+        prompt = _prompts()[int(rid[1:])]
+        want = drive(make_core(tiny).scheduler, [("x", prompt, params)])["x"]
+        got = drive(core.scheduler, [("x", prompt, params)])["x"]
+        assert got == want and got[1] == {"type": "stop", "matched": stop}
+        cases += 1
+    assert cases, "no printable pair in any output (fixture changed?)"
+    core.scheduler.check_accounting()
+
+
 def test_abort_mid_generation_frees_everything(tiny, plain):
     sched = make_core(tiny, **SPEC).scheduler
     reqs = _requests()
