@@ -317,6 +317,9 @@ class Finish:
     status_code: int | None = None
 
 
+SPEC_FIELDS = ("spec_verify_ct", "spec_draft_tokens", "spec_accepted_tokens", "spec_note")
+
+
 @dataclass(frozen=True)
 class OutputItem:
     """One request's new tokens of a step (and their logprobs when asked for)."""
@@ -330,6 +333,12 @@ class OutputItem:
     cached_tokens: int
     # prompt_logprobs: one per prompt token after the first, on the request's first item only
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # speculative decoding, on the last item (None while off): verify steps with drafts,
+    # draft tokens, accepted ones; a note when speculation was off for this request
+    spec_verify_ct: int | None = None
+    spec_draft_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
+    spec_note: str | None = None
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and len(self.logprobs) != len(self.ids):

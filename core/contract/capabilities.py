@@ -518,11 +518,56 @@ class ToolParserCaps(_Frozen):
                 f"{'' if self.parallel_calls else ' one-call'}")
 
 
+DRAFT_SHAPES = ("chain", "tree")
+
+
+@dataclass(frozen=True)
+class SpecCaps(_Frozen):
+    """What a speculative-decoding proposer (the protocol is core.contract.spec) can do.
+
+    devices: where its drafting runs ("*": on the host, whatever the target). draft_shapes:
+    "chain" (one sequence of drafts per request) and/or "tree" (the engine verifies chains
+    only in this release, so a proposer must offer "chain"). max_draft_tokens: the most drafts
+    it proposes per request and step (--speculative-num-draft-tokens above it is refused).
+    needs_draft_weights: it runs a draft model (--speculative-draft-model-path needed).
+    graph_safe: its drafting can sit inside a captured graph. grammars: its drafts may be
+    checked against a grammar matcher and rolled back (else constrained requests decode
+    without speculation, with a note). tensor_parallel: it runs under --tp-size > 1.
+    aliases: other names for it (SGLang's and vLLM's spellings; matched case-insensitively).
+    """
+
+    devices: frozenset[str] = frozenset(("*",))
+    capability: Mapping[str, CapabilityRange] = field(default_factory=dict)
+    cpu_isa: frozenset[str] = frozenset()
+    draft_shapes: frozenset[str] = frozenset(("chain",))
+    max_draft_tokens: int = 8
+    needs_draft_weights: bool = False
+    graph_safe: bool = False
+    grammars: bool = False
+    tensor_parallel: bool = False
+    aliases: frozenset[str] = frozenset()
+    requires: tuple[str, ...] = ()
+    priority: Mapping[str, int] = field(default_factory=dict)
+    description: str = ""
+
+    _sets = ("devices", "cpu_isa", "draft_shapes", "aliases")
+    _maps = ("capability", "priority")
+
+    def summary(self) -> str:
+        flags = [f for f, on in (("draft_weights", self.needs_draft_weights),
+                                 ("graph_safe", self.graph_safe), ("grammars", self.grammars),
+                                 ("tp", self.tensor_parallel)) if on]
+        return (f"devices={','.join(sorted(self.devices))} shapes="
+                f"{','.join(s for s in DRAFT_SHAPES if s in self.draft_shapes)} "
+                f"max_draft_tokens={self.max_draft_tokens}"
+                + (f" {' '.join(flags)}" if flags else ""))
+
+
 KINDS = ("hardware", "attention", "moe", "quant", "models", "layer_ops", "grammar",
-         "tool_parser")
+         "tool_parser", "spec")
 # the caps of any kind (a registration holds its kind's: CAPS_TYPES[kind])
 Caps = (HardwareCaps | AttentionCaps | MoECaps | QuantCaps | ModelCaps | LayerOpsCaps
-        | GrammarCaps | ToolParserCaps)
+        | GrammarCaps | ToolParserCaps | SpecCaps)
 
 CAPS_TYPES: dict[str, type[Caps]] = {
     "hardware": HardwareCaps,
@@ -533,4 +578,5 @@ CAPS_TYPES: dict[str, type[Caps]] = {
     "layer_ops": LayerOpsCaps,
     "grammar": GrammarCaps,
     "tool_parser": ToolParserCaps,
+    "spec": SpecCaps,
 }

@@ -92,6 +92,25 @@ class ModelRunner:
         ([len(tokens[i]), H]; `logits` turns them into logits: prompt logprobs).
         """
         self.forward_count["extend"] += 1
+        batch, ext = self._extend_batch(rows, prefix_lens, tokens, slots)
+        ends, t = [], 0
+        for n in ext:
+            t += n
+            ends.append(t - 1)
+        keep = {i: (ends[i] + 1 - ext[i], ext[i]) for i in hidden_for}
+        if not logits_for:
+            self._run(batch, self.prefill_backend, torch.empty(0, dtype=torch.long,
+                                                               device=self.device),
+                      keep, hidden_out)
+            return None
+        index = self._tensor([ends[i] for i in logits_for], torch.long)
+        return self._run(batch, self.prefill_backend, index, keep, hidden_out)
+
+    def _extend_batch(self, rows: Sequence[int], prefix_lens: Sequence[int],
+                      tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]]
+                      ) -> tuple[ForwardBatch, list[int]]:
+        """The EXTEND batch of `tokens[i]` at positions prefix_lens[i]... of rows[i] (their
+        slots written into the table), and the extend lengths."""
         self.kv_pool.begin_step()
         ext = [len(t) for t in tokens]
         seq = [p + n for p, n in zip(prefix_lens, ext, strict=True)]
@@ -115,18 +134,17 @@ class ModelRunner:
             req_to_token=self.req_to_token.req_to_token,
             kv_pool=self.kv_pool,
             seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=ext)
-        ends, t = [], 0
-        for n in ext:
-            t += n
-            ends.append(t - 1)
-        keep = {i: (ends[i] + 1 - ext[i], ext[i]) for i in hidden_for}
-        if not logits_for:
-            self._run(batch, self.prefill_backend, torch.empty(0, dtype=torch.long,
-                                                               device=self.device),
-                      keep, hidden_out)
-            return None
-        index = self._tensor([ends[i] for i in logits_for], torch.long)
-        return self._run(batch, self.prefill_backend, index, keep, hidden_out)
+        return batch, ext
+
+    def verify(self, rows: Sequence[int], prefix_lens: Sequence[int],
+               tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]]
+               ) -> torch.Tensor:
+        """Speculative verification: one extend forward of each request's [last token +
+        drafts] over its cached prefix (K/V written to `slots`, the rejected ones' too: the
+        scheduler frees their pages) -> logits at every new position [sum(len(t)), V]."""
+        self.forward_count["verify"] = self.forward_count.get("verify", 0) + 1
+        batch, _ = self._extend_batch(rows, prefix_lens, tokens, slots)
+        return self._run(batch, self.prefill_backend, None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, H] (from extend's hidden_out) -> fp32 logits [N, V]."""

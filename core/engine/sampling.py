@@ -215,8 +215,10 @@ class Sampler:
             if s.num_out < p.min_new_tokens and s.stop_ids:
                 logits[i, s.stop_ids] = float("-inf")
 
-    def _draw(self, logits: torch.Tensor, states: list[SamplingState],
-              greedy: list[bool]) -> torch.Tensor:
+    def _filtered(self, logits: torch.Tensor, states: list[SamplingState],
+                  greedy: list[bool]) -> torch.Tensor:
+        """The processed distribution rows [B, V]: softmax at each request's temperature, with
+        what top-k, top-p and min-p drop set to 0 (not renormalized)."""
         dev = logits.device
         temps = torch.tensor([s.params.temperature if not g else 1.0
                               for s, g in zip(states, greedy, strict=True)], device=dev)
@@ -234,6 +236,12 @@ class Sampler:
             drop |= sorted_p < sorted_p[:, :1] * torch.tensor(mps, device=dev)[:, None]
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+        return probs
+
+    def _race(self, probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """One draw per row of (unnormalized) probs [B, V] -> [B], from each request's own
+        generator where it has one, else the shared one."""
+        dev = probs.device
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (no normalization needed).
         noise = torch.empty_like(probs)
         shared = [i for i, s in enumerate(states) if s.generator is None]
@@ -244,11 +252,66 @@ class Sampler:
             if s.generator is not None:
                 noise[i].exponential_(generator=s.generator)
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a 0 draw would divide to inf / nan
-        drawn = (probs / noise).argmax(dim=-1)
+        return (probs / noise).argmax(dim=-1)
+
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState],
+              greedy: list[bool]) -> torch.Tensor:
+        drawn = self._race(self._filtered(logits, states, greedy), states)
         if any(greedy):
-            g = torch.tensor(greedy, device=dev)
+            g = torch.tensor(greedy, device=logits.device)
             drawn = torch.where(g, logits.argmax(dim=-1), drawn)
         return drawn
+
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, states: list[SamplingState],
+               drafts: list[int | None]) -> tuple[list[int], list[bool],
+                                                  list[TokenLogprobs | None]]:
+        """Speculative verification of one draft position per row: logits [B, V] are the
+        target's at that position (each request's earlier drafts already observed). Row i's
+        logits go through exactly what `sample` applies (grammar mask, penalties, logit_bias,
+        min_new_tokens, temperature, top-k/p, min-p). Greedy: the argmax, the draft accepted
+        when equal. Sampled: the draft x (a deterministic proposal, so q is one-hot) is accepted
+        with probability p(x); else a token is drawn from p with x removed, renormalized, which
+        keeps the output distribution exactly p. drafts[i] None: a plain draw (the bonus token
+        after accepted drafts). Returns (tokens, accepted, logprobs of the raw distribution)."""
+        B = logits.shape[0]
+        want_lp = [i for i, s in enumerate(states) if s.params.logprobs]
+        raw = logits[want_lp].clone() if want_lp else None
+        self._constrain(logits, states)
+        self._penalize(logits, states)
+        greedy = [s.params.greedy for s in states]
+        tokens = logits.argmax(dim=-1).tolist()
+        accepted = [d is not None and g and t == d
+                    for t, d, g in zip(tokens, drafts, greedy, strict=True)]
+        sampled = [i for i in range(B) if not greedy[i]]
+        if sampled:
+            sub = [states[i] for i in sampled]
+            probs = self._filtered(logits[sampled], sub, [False] * len(sampled))
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            for j, i in enumerate(sampled):
+                x = drafts[i]
+                if x is None:
+                    continue
+                gen = states[i].generator or self.generator
+                u = torch.rand((), generator=gen, device=probs.device)
+                if bool(u < probs[j, x]):
+                    accepted[i], tokens[i] = True, x
+                else:  # the residual max(p - q, 0) with q one-hot at x: p without x
+                    probs[j, x] = 0.0
+            todo = [j for j, i in enumerate(sampled) if not accepted[i]]
+            if todo:
+                drawn = self._race(probs[todo], [sub[j] for j in todo]).tolist()
+                for j, t in zip(todo, drawn, strict=True):
+                    tokens[sampled[j]] = t
+        for s, t in zip(states, tokens, strict=True):
+            s.observe(t)
+        lps: list[TokenLogprobs | None] = [None] * B
+        if want_lp:
+            chosen = torch.tensor([tokens[i] for i in want_lp], device=logits.device)
+            for i, lp in zip(want_lp, self._logprobs(raw, chosen, [states[i] for i in want_lp]),
+                             strict=True):
+                lps[i] = lp
+        return tokens, accepted, lps
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor,
                   states: list[SamplingState]) -> list[tuple[float, list[tuple[int, float]]]]:

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # torch and the engine's modules are imported where a phase n
     import torch
 
     from core.contract.platform import ModelGeometry, Platform
+    from core.contract.spec import Proposer
     from core.engine.distributed import RankSpec, TPGroup
     from core.engine.graphs import GraphDecision
     from core.engine.loader import HFConfig, LoadedModel
@@ -211,9 +212,11 @@ def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Plat
 def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
                     req_to_token: ReqToTokenPool, mem: MemoryPlan, platform: Platform,
                     loaded: LoadedModel, max_context: int, device: torch.device,
-                    registry: Registry | None = None) -> tuple[Scheduler, set[int], str]:
-    """Phase 4: pages, prefix cache, sampler, the grammar backend and the scheduler. Returns
-    (scheduler, EOS ids, overlap note)."""
+                    registry: Registry | None = None
+                    ) -> tuple[Scheduler, set[int], tuple[str, ...]]:
+    """Phase 4: pages, prefix cache, sampler, the grammar backend, the speculative proposer
+    and the scheduler. Returns (scheduler, EOS ids, notes: the overlap schedule's, the
+    proposer's)."""
     from core.contract.grammar import make_grammar
     from core.engine.grammar_compiler import CompilerSpec, CompileService
     from core.engine.memory.memory_pool import PageAllocator
@@ -228,6 +231,10 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
     overlap, overlap_note = platform.overlap_schedule()
     if args.disable_overlap_schedule:
         overlap, overlap_note = False, "overlap schedule off: --disable-overlap-schedule"
+    elif plan.spec_proposer is not None and overlap:
+        overlap, overlap_note = False, ("overlap schedule off: speculative decoding "
+                                        "(--speculative-algorithm) verifies each step's "
+                                        "drafts before proposing the next")
     sched_cfg = SchedulerConfig(
         page_size=page, max_context=max_context, max_running_requests=mem.max_running,
         max_queued_requests=args.max_queued_requests,
@@ -237,7 +244,8 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
         priority_preemption_threshold=args.priority_scheduling_preemption_threshold,
         schedule_conservativeness=args.schedule_conservativeness, seed=args.seed,
         overlap=overlap,
-        jump_forward=args.enable_jump_forward and plan.grammar_backend is not None)
+        jump_forward=args.enable_jump_forward and plan.grammar_backend is not None,
+        spec_draft_tokens=plan.spec_draft_tokens)
     tok, cfg = loaded.tokenizer, loaded.hf_config
     eos = set(tok.eos_token_ids) if tok is not None else set()
     cfg_eos = getattr(cfg, "eos_token_id", None)
@@ -258,11 +266,43 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
             grammar, CompilerSpec(args_to_json(args), plan.grammar_backend,
                                   int(cfg.vocab_size), tuple(sorted(eos))),
             workers=GRAMMAR_COMPILE_PROCESSES, timeout_s=args.grammar_compile_timeout)
+    proposer, spec_grammars, notes = None, False, [overlap_note]
+    if plan.spec_proposer is not None:
+        proposer, spec_grammars = make_proposer(args, plan, int(cfg.vocab_size), registry)
+        said = getattr(proposer, "notes", None)  # optional: what the proposer chose
+        if callable(said):
+            notes += [str(n) for n in said()]
     scheduler = Scheduler(runner, allocator, req_to_token, cache,
                           Sampler(device, args.seed, to_device=platform.to_device),
                           sched_cfg, eos, int(cfg.vocab_size),
-                          decode_text=tok.decode if tok is not None else None, grammar=grammar)
-    return scheduler, eos, overlap_note
+                          decode_text=tok.decode if tok is not None else None, grammar=grammar,
+                          proposer=proposer, proposer_grammars=spec_grammars)
+    return scheduler, eos, tuple(notes)
+
+
+def make_proposer(args: ServerArgs, plan: Plan, vocab_size: int,
+                  registry: Registry | None = None) -> tuple[Proposer, bool]:
+    """The plan's speculative proposer built from the --speculative-* flags, and whether it
+    checks drafts against grammars (SpecCaps.grammars)."""
+    from core.contract import spec as contract
+
+    if registry is None:
+        from core.plan.registry import get_registry
+
+        registry = get_registry()
+    reg = registry.get("spec", plan.spec_proposer)
+    if reg is None:
+        raise ValueError(f"speculative proposer {plan.spec_proposer!r} is not registered")
+    config = contract.SpecConfig(num_draft_tokens=plan.spec_draft_tokens,
+                        min_match=args.speculative_ngram_min_match_window_size,
+                        max_match=args.speculative_ngram_max_match_window_size,
+                        vocab_size=vocab_size)
+    proposer = reg.load()(config)
+    if not isinstance(proposer, contract.Proposer):
+        raise TypeError(f"speculative proposer {plan.spec_proposer!r} from "
+                        f"{reg.origin.describe()} does not implement propose / observe / reset "
+                        "(core.contract.spec.Proposer)")
+    return proposer, reg.caps.grammars
 
 
 @dataclass
@@ -385,7 +425,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
                                       req_to_token, kv_dtype, device, max_context, mem,
                                       heads, kv_heads)
     done("model runner ready (kernels built, warmed up)")
-    scheduler, eos, overlap_note = build_scheduler(args, plan, runner, req_to_token, mem,
+    scheduler, eos, sched_notes = build_scheduler(args, plan, runner, req_to_token, mem,
                                                    platform, loaded, max_context, device,
                                                    registry)
     done("scheduler ready")
@@ -394,7 +434,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
         page_size=plan.page_size, max_running_requests=mem.max_running,
         vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(sorted(eos)),
         chunked_prefill_size=mem.chunked_prefill_size, kv_bytes_per_token=per_token,
-        notes=(*loaded.notes, *notes, *runner.notes, *mem.notes, graph_note, overlap_note),
+        notes=(*loaded.notes, *notes, *runner.notes, *mem.notes, graph_note, *sched_notes),
         cuda_graph_batch_sizes=tuple(sorted(runner.graph_runner.graphs))
         if runner.graph_runner is not None else (),
         device=str(device), pid=os.getpid())
@@ -410,9 +450,14 @@ def _item(req: Req) -> OutputItem:
             and not req.wants_prompt_lps:  # all computed (an abort before then sends none)
         plps = tuple(TokenLogprob(lp, tuple(top), rank) for lp, top, rank in req.prompt_lps)
         req.prompt_lps_sent = True
+    spec: dict[str, int | str | None] = {}
+    if req.finish is not None and (req.spec_verify_steps or req.spec_note):
+        spec = {"spec_verify_ct": req.spec_verify_steps, "spec_draft_tokens": req.spec_drafts,
+                "spec_accepted_tokens": req.spec_accepted, "spec_note": req.spec_note}
     out = OutputItem(req.rid, tuple(req.pending_ids), lps,
                      None if req.finish is None else Finish(**req.finish),
-                     len(req.prompt_ids), len(req.output_ids), max(req.cached_tokens, 0), plps)
+                     len(req.prompt_ids), len(req.output_ids), max(req.cached_tokens, 0), plps,
+                     **spec)
     req.pending_ids, req.pending_lps = [], []
     return out
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from core import messages as ipc
 from core.frontend.delta import Delta
 from core.frontend.request_checks import RequestChecks
-from core.messages import Channel, ChannelClosed, SamplingParams
+from core.messages import SPEC_FIELDS, Channel, ChannelClosed, SamplingParams
 from core.plan.args import ServerArgs
 from core.plan.plan import Plan
 
@@ -522,9 +522,11 @@ class EngineClient(RequestStreams):
                 end = max(st.emitted, len(st.raw_text) - (longest - 1))
         text = st.raw_text[st.emitted:end]
         st.emitted = end
+        spec = {k: v for k in SPEC_FIELDS if (v := getattr(item, k)) is not None} or None
         delta = Delta(st.rid, st.index, text, ids, finish, item.prompt_tokens,
                       len(st.output_ids), item.cached_tokens,
-                      item.logprobs if st.params.logprobs else None, item.prompt_logprobs)
+                      item.logprobs if st.params.logprobs else None, item.prompt_logprobs,
+                      spec=spec)
         if finish is not None:
             with self._lock:
                 self._reqs.pop(st.rid, None)

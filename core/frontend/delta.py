@@ -35,6 +35,8 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     error: str | None = None
+    # speculative decoding's per-request counts, on the last delta (OutputItem's spec_*)
+    spec: dict[str, int | str] | None = None
 
     @property
     def finished(self) -> bool:

@@ -126,7 +126,9 @@ class Engine:
         """Generate for one prompt (a dict) or a list (a list of dicts; n > 1 expands in place),
         in SGLang's shape: {"text", "output_ids", "meta_info": {"id", "finish_reason",
         "prompt_tokens", "completion_tokens", "cached_tokens"[, "output_token_logprobs",
-        "output_top_logprobs"]}}.
+        "output_top_logprobs"][, with speculative decoding: "spec_verify_ct" (verify steps
+        with drafts), "spec_draft_tokens", "spec_accepted_tokens", or "spec_note" (why it was
+        off for this request)]}}.
 
         stream=True returns an iterator of chunks in arrival order, each the same shape for
         what is new ("text", "token_ids" and the logprobs: new since the request's previous
@@ -228,7 +230,7 @@ def _meta(d: Delta) -> JSONObject:
     """SGLang's meta_info counts of a request, final on its last delta."""
     return {"id": d.rid, "finish_reason": None if d.finish is None else to_json(d.finish),
             "prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
-            "cached_tokens": d.cached_tokens}
+            "cached_tokens": d.cached_tokens, **(d.spec or {})}
 
 
 def _add_logprobs(meta: JSONObject, d: Delta) -> None:

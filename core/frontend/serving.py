@@ -268,7 +268,9 @@ def _figures(s: JSONObject) -> JSONObject:
             "prefix_cache_hit_rate": cached / (cached + computed) if cached + computed
             else 0.0,
             # grammar compiles (core.engine.grammar_compiler): queued, running, outcomes
-            **{k: v for k, v in s.items() if k.startswith("grammar_compile")}}
+            **{k: v for k, v in s.items() if k.startswith("grammar_compile")},
+            # speculative decoding (core.engine.scheduler.spec): drafts, tokens, accepted
+            **{k: v for k, v in s.items() if k.startswith("spec_")}}
 
 
 def start_async_engine(args: ServerArgs) -> AsyncEngine:

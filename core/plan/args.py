@@ -110,6 +110,21 @@ class ServerArgs:
                                    "(needs a grammar backend that can jump forward)")
     disable_cuda_graph: bool = _f(False, "kernels", "never capture CUDA graphs")
     cuda_graph_max_bs: int | None = _f(None, "kernels", "largest captured decode batch")
+    # speculative decoding (core.contract.spec; core.engine.scheduler.spec verifies)
+    speculative_algorithm: str | None = _f(
+        None, "speculative", "speculative decoding proposer, case-insensitive: ngram (prompt "
+        "lookup), or a plugin's; suffix, standalone and eagle are not implemented yet")
+    speculative_num_draft_tokens: int | None = _f(
+        None, "speculative", "most draft tokens per request and step (default: 4, at most the "
+        "proposer's limit)")
+    speculative_ngram_min_match_window_size: int = _f(
+        1, "speculative", "ngram: shortest suffix of a request's tokens that must match earlier")
+    speculative_ngram_max_match_window_size: int = _f(
+        12, "speculative", "ngram: longest suffix tried")
+    speculative_config: str | None = _f(
+        None, "speculative", "vLLM's form, JSON: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}, "
+        "mapped onto the --speculative-* flags")
     # parallelism (core.engine.distributed)
     tp_size: int = _f(1, "parallel", "tensor-parallel ranks per engine (heads, MLP and vocab "
                       "split; one all-reduce per row-parallel output)")
@@ -134,6 +149,7 @@ GROUP_TITLES = {
     "scheduling": "memory and scheduling",
     "kernels": "kernels and devices",
     "parallel": "parallelism (tensor, expert, data; several nodes)",
+    "speculative": "speculative decoding",
 }
 
 
@@ -176,9 +192,57 @@ def make_server_args(**kwargs: Any) -> ServerArgs:
     unknown = sorted(set(clean) - names)
     if unknown:
         raise ValueError(f"unknown argument(s): {', '.join(unknown)}")
-    args = ServerArgs(**clean)
+    args = apply_speculative_config(ServerArgs(**clean))
     validate(args)
     return apply_environment(args)
+
+
+# vLLM's --speculative-config keys and the flag each one sets
+SPEC_CONFIG_KEYS = {"method": "speculative_algorithm",
+                    "num_speculative_tokens": "speculative_num_draft_tokens",
+                    "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+                    "prompt_lookup_max": "speculative_ngram_max_match_window_size"}
+
+
+def apply_speculative_config(args: ServerArgs) -> ServerArgs:
+    """`args` with vLLM's --speculative-config JSON mapped onto the --speculative-* flags;
+    a key this engine does not read, or one that contradicts a flag given too, is refused."""
+    import json
+
+    raw = args.speculative_config
+    if raw is None:
+        return args
+    try:
+        conf = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(conf, dict):
+        raise ValueError("--speculative-config must be a JSON object, e.g. "
+                         '{"method": "ngram", "num_speculative_tokens": 4}')
+    unknown = sorted(set(conf) - set(SPEC_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: key(s) {', '.join(unknown)} not supported here "
+                         f"(supported: {', '.join(SPEC_CONFIG_KEYS)})")
+    if "method" not in conf:
+        raise ValueError('--speculative-config needs "method" (e.g. "ngram")')
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    changes: dict[str, object] = {}
+    for key, name in SPEC_CONFIG_KEYS.items():
+        if key not in conf:
+            continue
+        value, given = conf[key], getattr(args, name)
+        if name != "speculative_algorithm" and (isinstance(value, bool)
+                                                or not isinstance(value, int)):
+            raise ValueError(f"--speculative-config: {key} must be an integer, got {value!r}")
+        if name == "speculative_algorithm" and not isinstance(value, str):
+            raise ValueError(f"--speculative-config: method must be a string, got {value!r}")
+        same = (given.lower() == value.lower() if isinstance(given, str) and
+                isinstance(value, str) else given == value)
+        if given != defaults[name] and not same:
+            raise ValueError(f"--speculative-config {key}={value!r} contradicts "
+                             f"--{name.replace('_', '-')} {given!r}")
+        changes[name] = value
+    return args.replace(**changes)
 
 
 def apply_environment(args: ServerArgs, environ: Mapping[str, str] | None = None) -> ServerArgs:
@@ -232,10 +296,32 @@ def validate(args: ServerArgs) -> None:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     _validate_parallel(args)
+    _validate_speculative(args)
     # Accepted by SGLang, not (yet) implemented here: refused, never silently ignored.
     if args.revision is not None:
         raise ValueError(f"--revision {args.revision}: models load from a local path here, so "
                          "there is no revision to choose; drop the flag")
+
+
+def _validate_speculative(args: ServerArgs) -> None:
+    """The speculative flags' own ranges; which proposer and what it allows is the
+    resolver's check (core.plan.resolver)."""
+    spec_only = ("speculative_num_draft_tokens",)
+    if args.speculative_algorithm is None:
+        given = [n for n in spec_only if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --speculative-algorithm")
+        return
+    if not args.speculative_algorithm.strip():
+        raise ValueError("--speculative-algorithm is empty")
+    n = args.speculative_num_draft_tokens
+    if n is not None and not 1 <= n <= 64:
+        raise ValueError(f"--speculative-num-draft-tokens must be in 1..64, got {n}")
+    lo = args.speculative_ngram_min_match_window_size
+    hi = args.speculative_ngram_max_match_window_size
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--speculative-ngram-min-match-window-size {lo} and "
+                         f"--speculative-ngram-max-match-window-size {hi}: need 1 <= min <= max")
 
 
 def _validate_parallel(args: ServerArgs) -> None:

@@ -25,6 +25,7 @@ from core.contract.capabilities import (
     ModelCaps,
     MoECaps,
     QuantCaps,
+    SpecCaps,
     c_compiler,
 )
 from core.plan.model_spec import ModelSpec
@@ -335,4 +336,22 @@ def check_model(caps: ModelCaps, spec: ModelSpec) -> list[str]:
     if spec.attention_kind not in caps.attention_kinds:
         reasons.append(f"attention kind {spec.attention_kind} not implemented "
                        f"(implements {_join(caps.attention_kinds)})")
+    return reasons
+
+
+def check_spec(caps: SpecCaps, device: DeviceInfo, *, num_draft_tokens: int | None,
+               tp_size: int) -> list[str]:
+    """Reasons a speculative proposer cannot run in this engine: its device and packages, a
+    draft shape the engine verifies (chains), the draft length asked for, a draft model (not
+    loaded by this engine yet), tensor parallelism."""
+    reasons = check_device(caps, device)
+    if "chain" not in caps.draft_shapes:
+        reasons.append(f"drafts {_join(caps.draft_shapes)} only; the engine verifies chains")
+    if num_draft_tokens is not None and num_draft_tokens > caps.max_draft_tokens:
+        reasons.append(f"proposes at most {caps.max_draft_tokens} draft tokens "
+                       f"(--speculative-num-draft-tokens {num_draft_tokens})")
+    if caps.needs_draft_weights:
+        reasons.append("needs a draft model, which this engine does not load yet")
+    if tp_size > 1 and not caps.tensor_parallel:
+        reasons.append(f"does not run under tensor parallelism (--tp-size {tp_size})")
     return reasons

@@ -25,6 +25,7 @@ from core.plan.checks import (
     check_model,
     check_moe,
     check_quant,
+    check_spec,
     missing_packages,
 )
 from core.plan.model_spec import ModelSpec
@@ -273,6 +274,64 @@ def _grammar_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slot
     return name
 
 
+# Names SGLang and vLLM give algorithms this engine has no proposer for yet (refused as such,
+# unless a plugin registers one under that name)
+SPEC_NOT_YET = {"suffix": "suffix (SuffixDecoding)", "standalone": "standalone (a draft model)",
+                "draft_model": "draft_model (a draft model)", "eagle": "EAGLE", "eagle3": "EAGLE-3",
+                "nextn": "NEXTN (multi-token prediction)", "mtp": "MTP", "medusa": "Medusa",
+                "mlp_speculator": "MLP speculator", "deepseek_mtp": "DeepSeek MTP"}
+DEFAULT_DRAFT_TOKENS = 4
+
+
+def spec_named(registry: Registry, name: str) -> str | None:
+    """The registered proposer `name` stands for: its name or an alias, case-insensitively."""
+    want = name.strip().lower()
+    for reg_name, reg in registry.kind("spec").items():
+        if want == reg_name.lower() or want in {a.lower() for a in reg.caps.aliases}:
+            return reg_name
+    return None
+
+
+def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: list[Slot],
+               grammar: str | None, notes: list[str]) -> tuple[str | None, int]:
+    """The speculative proposer --speculative-algorithm names (None: speculation off) and the
+    drafts per step; an unknown name, one not built yet, or one that does not fit is refused."""
+    raw = args.speculative_algorithm
+    if raw is None:
+        return None, 0
+    name = spec_named(registry, raw)
+    regs = registry.kind("spec")
+    if name is None:
+        key = raw.strip().lower()
+        if key in SPEC_NOT_YET:
+            raise ResolveError(f"--speculative-algorithm {raw}: {SPEC_NOT_YET[key]} is not "
+                               "implemented yet",
+                               [f"registered speculative proposers: {', '.join(sorted(regs))}"
+                                " (or a plugin's, core_register_spec_proposers)"],
+                               sorted(regs))
+    n = args.speculative_num_draft_tokens
+    slot = Slot("spec_proposer", "spec", registry, device.target,
+                lambda caps, _: check_spec(caps, device, num_draft_tokens=n,
+                                           tp_size=args.tp_size),
+                name if name is not None else raw, "--speculative-algorithm")
+    slots.append(slot)
+    chosen = slot.options()[0].name
+    caps = registry.get("spec", chosen).caps
+    if n is None:
+        n = min(DEFAULT_DRAFT_TOKENS, caps.max_draft_tokens)
+        notes.append(f"speculative decoding: {chosen}, up to {n} draft tokens per request and "
+                     "step (--speculative-num-draft-tokens left open)")
+    else:
+        notes.append(f"speculative decoding: {chosen}, up to {n} draft tokens per request and "
+                     "step")
+    notes.append("speculative verify steps run eagerly (one extend-like forward over the last "
+                 "token and its drafts); decode graphs serve the steps without drafts")
+    if grammar is not None and not caps.grammars:
+        notes.append(f"requests with a grammar constraint decode without speculation: {chosen} "
+                     "cannot check drafts against a grammar (counted as spec_skipped_grammar)")
+    return chosen, n
+
+
 def tool_parser_named(registry: Registry, name: str) -> str | None:
     """The registered tool-call parser `name` stands for (its name or one of its aliases)."""
     regs = registry.kind("tool_parser")
@@ -455,6 +514,12 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     except ResolveError as exc:
         errors.append(exc)
 
+    spec_name, spec_n = None, 0
+    try:
+        spec_name, spec_n = _spec_slot(device, args, registry, slots, grammar, notes)
+    except ResolveError as exc:
+        errors.append(exc)
+
     try:
         _parallel(spec, device, args, notes)
     except ResolveError as exc:
@@ -467,14 +532,14 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     cuda_graph = _graph_capture(device, args, registry, decode, moe, ops, notes)
     chosen = {"quant_method": quant, "prefill_attention": prefill, "decode_attention": decode,
               "moe_runner": moe, "layer_ops": ops, "model": model_impl,
-              "grammar_backend": grammar}
+              "grammar_backend": grammar, "spec_proposer": spec_name}
     candidates = tuple(dataclasses.replace(c, chosen=chosen.get(c.slot) == c.name)
                        for s in slots for c in s.candidates)
     return Plan(device=device, dtype=dtype, prefill_attention=prefill, decode_attention=decode,
                 moe_runner=moe, quant_method=quant, kv_cache_dtype=kv, page_size=page,
                 cuda_graph=cuda_graph, model_impl=model_impl, notes=tuple(notes),
                 candidates=candidates, layer_ops=ops, quant_format=scheme.format,
-                grammar_backend=grammar)
+                grammar_backend=grammar, spec_proposer=spec_name, spec_draft_tokens=spec_n)
 
 
 def _parallel(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, notes: list[str]) -> None:
@@ -591,6 +656,8 @@ def explain(plan: Plan) -> str:
             ("graph capture", "on" if plan.cuda_graph else "off"),
             ("model impl", plan.model_impl or "- (none registered)"),
             ("grammar backend", plan.grammar_backend or "- (structured output off)")]
+    rows.append(("speculative", f"{plan.spec_proposer}, {plan.spec_draft_tokens} draft tokens"
+                 if plan.spec_proposer else "- (off)"))
     if any(c.slot == "tool_call_parser" for c in plan.candidates):  # chosen with a template
         rows.append(("tool-call parser", plan.tool_call_parser or "- (auto tool calls off)"))
     lines = ["Plan:"] + [f"  {k:<18} {v}" for k, v in rows]

@@ -22,11 +22,13 @@ SLOT_LABELS = {
     "model": "model implementation",
     "grammar_backend": "grammar backend",
     "tool_call_parser": "tool-call parser",
+    "spec_proposer": "speculative proposer",
 }
 KIND_LABELS = {"attention": "attention backends", "moe": "MoE runners",
                "quant": "quant methods", "models": "model implementations",
                "layer_ops": "layer-ops plugins",
-               "grammar": "grammar backends", "tool_parser": "tool-call parsers"}
+               "grammar": "grammar backends", "tool_parser": "tool-call parsers",
+               "spec": "speculative proposers"}
 
 
 class Slot:

@@ -19,6 +19,10 @@ from collections.abc import Sequence
 from typing import Any
 
 PREFIX = "core_"
+# speculative decoding's counters (the scheduler's spec_* stats): core_spec_decode_<name>_total
+SPEC_COUNTERS = (("num_drafts", "requests' draft lists verified (one per request and verify step)"),
+                 ("num_draft_tokens", "draft tokens verified"),
+                 ("num_accepted_tokens", "draft tokens the target accepted"))
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -141,4 +145,8 @@ class ServerMetrics:
             metric("grammar_compiles_total", "counter", "grammar compiles by outcome (ok, "
                    "refused by the library, timeout, crashed, cancelled with their requests, "
                    "failed in the backend)", samples)
+        for key, help in SPEC_COUNTERS:  # speculative decoding, when it is on
+            samples = [(lab, r[f"spec_{key}"]) for lab, r in ranks if f"spec_{key}" in r]
+            if samples:
+                metric(f"spec_decode_{key}_total", "counter", help, samples)
         return "\n".join(out) + "\n"

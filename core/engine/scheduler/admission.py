@@ -9,6 +9,7 @@ ones; retraction hands a running request's KV back and queues it to be recompute
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from core.engine.scheduler.pages import Pages
 from core.engine.scheduler.request import CLIP_MAX_NEW_TOKENS, Queues, Req, SchedulerConfig
@@ -20,8 +21,10 @@ class Admission:
     """The extend batch's choice, priority preemption, retraction, and the new-token ratio."""
 
     def __init__(self, cfg: SchedulerConfig, queues: Queues, pages: Pages,
-                 counters: dict[str, int]):
+                 counters: dict[str, int], on_retract: Callable[[Req], None] | None = None):
+        """on_retract(req): told of each retracted request (speculation forgets it)."""
         self.cfg, self.q, self.pages, self.counters = cfg, queues, pages, counters
+        self.on_retract = on_retract
         self._rng = random.Random(cfg.seed)
         self.init_ratio = min(0.7 * cfg.schedule_conservativeness, 1.0)
         self.min_ratio = min(0.1 * cfg.schedule_conservativeness, 1.0)
@@ -188,6 +191,8 @@ class Admission:
             q.running.remove(req)
         self.pages.release(req)
         q.waiting.append(req)
+        if self.on_retract is not None:
+            self.on_retract(req)
         if preempted:  # not a shortage of KV: admission keeps its pace
             self.counters["preemptions"] += 1
             return

@@ -57,6 +57,7 @@ class SchedulerConfig:
     seed: int = 0
     overlap: bool = False  # launch decode step N+1 before the host sees step N's tokens
     jump_forward: bool = False  # append grammar-forced tokens, computed by one extend
+    spec_draft_tokens: int = 0  # speculative decoding: most drafts per request and step
 
 
 @dataclass
@@ -89,6 +90,12 @@ class Req:
     # reported once, with the first output
     prompt_lps: list[PromptLogprobs] = field(default_factory=list)
     prompt_lps_sent: bool = False
+    # speculative decoding (core.engine.scheduler.spec): drafts verified, accepted, verify
+    # steps with drafts; a note when speculation is off for this request (and why)
+    spec_drafts: int = 0
+    spec_accepted: int = 0
+    spec_verify_steps: int = 0
+    spec_note: str | None = None
 
     @property
     def all_ids(self) -> list[int]:

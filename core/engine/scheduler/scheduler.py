@@ -16,7 +16,8 @@ its KV), whose last position samples its next token, and rejoins the batch.
 The scheduler composes managers that own their state: `Queues` (where each request is),
 `Pages` (rows, pages, the prefix cache), `Admission` (the extend batch, retraction, the
 new-token ratio), `Compiles` (requests waiting for their grammar), `Overlap` (the in-flight
-decode step). It keeps the step itself, sampling and stop conditions.
+decode step), `Speculation` (drafts and their verification, when a proposer is given). It
+keeps the step itself, sampling and stop conditions.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ from core.engine.scheduler.request import (
     check_fits,
     new_counters,
 )
+from core.engine.scheduler.spec import Speculation
 
 if TYPE_CHECKING:
     from core.contract.grammar import Grammar
+    from core.contract.spec import Proposer
     from core.engine.memory.radix_cache import NoPrefixCache, RadixCache
     from core.engine.sampling import MaskJob, TokenLogprobs
 
@@ -62,7 +65,11 @@ class Scheduler:
                  req_to_token: ReqToTokenPool, cache: RadixCache | NoPrefixCache,
                  sampler: Sampler, cfg: SchedulerConfig, eos_token_ids: Iterable[int],
                  vocab_size: int, decode_text: Callable[[list[int]], str] | None = None,
-                 grammar: Grammar | None = None):
+                 grammar: Grammar | None = None, proposer: Proposer | None = None,
+                 proposer_grammars: bool = False):
+        """proposer: speculative decoding's (core.contract.spec; cfg.spec_draft_tokens drafts
+        per request and step at most), None: off; proposer_grammars: it can check drafts
+        against a grammar (SpecCaps.grammars)."""
         self.runner = runner
         self.sampler = sampler
         self.cfg = cfg
@@ -73,7 +80,15 @@ class Scheduler:
         self.counters = new_counters()
         self.q = Queues()
         self.pages = Pages(allocator, req_to_token, cache, cfg.page_size)
-        self.admission = Admission(cfg, self.q, self.pages, self.counters)
+        self.spec: Speculation | None = None
+        if proposer is not None:
+            if cfg.overlap:
+                raise ValueError("speculative decoding runs without the overlap schedule")
+            self.spec = Speculation(proposer, cfg.spec_draft_tokens, self.pages, runner,
+                                    sampler, self.counters, self._accept, vocab_size,
+                                    grammars=proposer_grammars)
+        self.admission = Admission(cfg, self.q, self.pages, self.counters,
+                                   on_retract=self.spec.forget if self.spec else None)
         self.compiles = Compiles(grammar, self.q, self.counters)
         self.overlap = Overlap(cfg, self.q, sampler, runner, self.counters,
                                forward=self._forward_decode, accept=self._accept,
@@ -313,6 +328,9 @@ class Scheduler:
             self.overlap.launch([r.output_ids[-1] for r in q.running])
             return []
         batch = q.running
+        if self.spec is not None and self._speculate(batch):
+            q.running = q.decoding(batch)
+            return list(batch)
         # Grammar masks: where the forward runs on the host (no overlap schedule: a CPU) they
         # fill on a host thread meanwhile; where it runs on a device they fill in this thread
         # after the forward's launch, while the device computes (at sampling).
@@ -322,6 +340,16 @@ class Scheduler:
         self._sample(batch, logits, masks)
         q.running = q.decoding(batch)
         return list(batch)
+
+    def _speculate(self, batch: list[Req]) -> bool:
+        """A verify step over the batch when a request has drafts and their pages are there
+        (else False: a plain decode step; never a retraction for drafts' sake)."""
+        drafts = self.spec.propose(batch)
+        if drafts is None or not self.pages.ensure(self.spec.pages_needed(batch, drafts)):
+            return False
+        self.spec.verify(batch, drafts)
+        self.admission.decayed()
+        return True
 
     def _extend_step(self) -> list[Req]:
         self.admission.preempt_for_priority()
@@ -457,6 +485,8 @@ class Scheduler:
 
     def _done(self, req: Req) -> None:
         self.q.by_id.pop(req.rid, None)
+        if self.spec is not None:
+            self.spec.forget(req)
         if req.state.matcher is not None:  # finished or aborted: its grammar state goes
             req.state.matcher.close()
             req.state.matcher = None

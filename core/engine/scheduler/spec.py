@@ -1,0 +1,160 @@
+"""Speculative decoding in the scheduler: drafts for the decode batch from the plan's proposer
+(core.contract.spec), verified by one forward of the target over each request's
+[last token + drafts], exactly.
+
+A decode step with speculation: every running request asks the proposer for up to
+`budget(req)` drafts (the governor's hook: today the flag's number, bounded by what is left of
+max_new_tokens, so no request ever computes or emits past it). When no request has a draft the
+step is a plain decode (graphs included). Otherwise one extend-like forward runs every request
+(those without drafts with their one token), with pages for all its tokens; position j of a
+request is verified with its drafts 0..j-1 observed first (penalties, min_new_tokens), by
+Sampler.verify: greedy by exact match, sampled by rejection sampling. A request emits its
+accepted drafts and one token of the target's (the correction, or the bonus after all were
+accepted); stop conditions run per emitted token, and what follows a stop is dropped. K/V of the
+accepted tokens stays; the pages that only held rejected drafts go back to the allocator before
+anything else sees the request, so the pool and the prefix cache never hold a rejected token.
+
+Constrained requests (a grammar matcher) decode without drafts when the proposer cannot check
+drafts against a grammar (SpecCaps.grammars); each such request is counted once
+(spec_skipped_grammar) and its meta_info says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from core.contract.spec import DraftRequest, Proposer
+from core.engine.memory.memory_pool import token_slots
+
+if TYPE_CHECKING:
+    from core.engine.model_runner import ModelRunner
+    from core.engine.sampling import Sampler, TokenLogprobs
+    from core.engine.scheduler.pages import Pages
+    from core.engine.scheduler.request import Req
+
+GRAMMAR_NOTE = "speculation off for this request: its proposer cannot check drafts against a " \
+               "grammar"
+
+
+class Speculation:
+    """Proposes drafts for the decode batch and verifies them in one forward."""
+
+    def __init__(self, proposer: Proposer, num_draft_tokens: int, pages: Pages,
+                 runner: ModelRunner, sampler: Sampler, counters: dict[str, int],
+                 accept: Callable[[Req, int, TokenLogprobs | None], None],
+                 vocab_size: int, grammars: bool = False):
+        """accept(req, token, logprobs): the scheduler's, one emitted token joins the output
+        (stop checks, finishing). Drafts must lie below vocab_size."""
+        self.proposer, self.num_draft_tokens = proposer, num_draft_tokens
+        self.pages, self.runner, self.sampler = pages, runner, sampler
+        self.counters, self.accept, self.grammars = counters, accept, grammars
+        self.vocab_size = vocab_size
+        # the stats' spec_* counts, present only while speculation is on (/metrics shows
+        # core_spec_decode_*_total then)
+        counters.update({"spec_verify_steps": 0, "spec_num_drafts": 0,
+                         "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0,
+                         "spec_skipped_grammar": 0})
+
+    # -- the governor's hook ---------------------------------------------------------------------
+
+    def budget(self, req: Req) -> int:
+        """The most drafts `req` may have this step: the flag's number, none for a constrained
+        request the proposer cannot check, and never past max_new_tokens (the last of its
+        tokens is always the target's own). A governor (issue 33) replaces this per step."""
+        if req.state.matcher is not None and not self.grammars:
+            if req.spec_note is None:
+                req.spec_note = GRAMMAR_NOTE
+                self.counters["spec_skipped_grammar"] += 1
+            return 0
+        return max(0, min(self.num_draft_tokens, req.remaining_new() - 1))
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def propose(self, batch: list[Req]) -> list[list[int]] | None:
+        """Drafts per request of the batch, or None when none has any."""
+        asks = [(i, r, n) for i, r in enumerate(batch) if (n := self.budget(r)) > 0]
+        if not asks:
+            return None
+        got = self.proposer.propose([DraftRequest(r.rid, r.all_ids, len(r.prompt_ids), n)
+                                     for _, r, n in asks])
+        if len(got) != len(asks):
+            raise RuntimeError(f"speculative proposer gave {len(got)} draft lists for "
+                               f"{len(asks)} requests")
+        drafts: list[list[int]] = [[] for _ in batch]
+        vocab = self.vocab_size
+        for (i, r, n), d in zip(asks, got, strict=True):
+            d = [int(t) for t in d[:n]]
+            if vocab and any(not 0 <= t < vocab for t in d):
+                raise RuntimeError(f"speculative proposer drafted a token outside the "
+                                   f"vocabulary of {vocab} for request {r.rid}")
+            drafts[i] = d
+        return drafts if any(drafts) else None
+
+    def pages_needed(self, batch: list[Req], drafts: list[list[int]]) -> int:
+        alloc = self.pages.allocator
+        return sum(alloc.pages_for(r.kv_len, 1 + len(d)) for r, d in
+                   zip(batch, drafts, strict=True))
+
+    def verify(self, batch: list[Req], drafts: list[list[int]]) -> None:
+        """One forward over each request's [last token + drafts] (pages already ensured),
+        then acceptance, token by token, and the rejected drafts' pages freed."""
+        ps = self.pages.page_size
+        alloc = self.pages.allocator
+        rows, prefix, tokens, slots = [], [], [], []
+        for r, d in zip(batch, drafts, strict=True):
+            n = 1 + len(d)
+            r.pages.extend(alloc.alloc(alloc.pages_for(r.kv_len, n)))
+            rows.append(r.row)
+            prefix.append(r.kv_len)
+            tokens.append([r.output_ids[-1], *d])
+            slots.append(token_slots(r.pages, r.kv_len, r.kv_len + n, ps))
+        logits = self.runner.verify(rows, prefix, tokens, slots)  # [sum(1 + k), V]
+        starts, at = [], 0
+        for t in tokens:
+            starts.append(at)
+            at += len(t)
+        # position j of every request still verifying, in one sampler call per position
+        emitted: list[list[tuple[int, TokenLogprobs | None]]] = [[] for _ in batch]
+        live = list(range(len(batch)))
+        j = 0
+        while live:
+            index = torch.tensor([starts[i] + j for i in live], device=logits.device)
+            toks, ok, lps = self.sampler.verify(
+                logits.index_select(0, index), [batch[i].state for i in live],
+                [drafts[i][j] if j < len(drafts[i]) else None for i in live])
+            nxt = []
+            for i, t, a, lp in zip(live, toks, ok, lps, strict=True):
+                emitted[i].append((t, lp))
+                if a:
+                    nxt.append(i)
+            live, j = nxt, j + 1
+        self.counters["spec_verify_steps"] += 1
+        self.counters["decode_tokens"] += len(batch)
+        for r, d, out in zip(batch, drafts, emitted, strict=True):
+            accepted = len(out) - 1
+            base = r.kv_len
+            keep = base + 1 + accepted  # K/V of the last token and the accepted drafts
+            need = -(-keep // ps)
+            if len(r.pages) > need:  # pages that held only rejected drafts
+                alloc.free(r.pages[need:])
+                del r.pages[need:]
+            if d:
+                self.counters["spec_num_drafts"] += 1
+                self.counters["spec_num_draft_tokens"] += len(d)
+                self.counters["spec_num_accepted_tokens"] += accepted
+                r.spec_drafts += len(d)
+                r.spec_accepted += accepted
+                r.spec_verify_steps += 1
+                self.proposer.observe(r.rid, len(d), accepted)
+            for e, (t, lp) in enumerate(out):
+                r.kv_len = base + 1 + e  # tokens before this one have their K/V
+                self.accept(r, t, lp)
+                if r.finish is not None:
+                    break
+
+    def forget(self, req: Req) -> None:
+        """req finished, was aborted or retracted: the proposer drops what it kept."""
+        self.proposer.reset(req.rid)

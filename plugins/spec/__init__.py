@@ -1,0 +1,1 @@
+"""Speculative-decoding proposers (core.contract.spec): one package per proposer."""
