@@ -19,7 +19,7 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.8"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.9"  # 1.1: hardware targets may register a Platform; layer ops
 # 1.2: quant factories take the checkpoint's QuantScheme (core.contract.quant); QuantCaps formats
 # 1.3: grammar backends (structured output, core.contract.grammar)
 # 1.4: QuantCaps.programs; quant methods may load tensors themselves (weight_loader,
@@ -31,6 +31,7 @@ PLUGIN_API_VERSION = "1.8"  # 1.1: hardware targets may register a Platform; lay
 # 1.8: QuantMethod and Platform are base classes (core.contract.quant / .platform): a method
 #      or platform that does not subclass them is refused at load; QuantCaps.online_activations
 #      (online weight-only methods); BasePlatform.zeros / host_device / dist_bind / dist_device
+# 1.9: reasoning parsers (reasoning_content in chat, core.contract.reasoning)
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -94,3 +95,10 @@ def core_register_tool_parsers(register):
     """Register tool-call parsers (tool calling in chat): register(name, ToolParserCaps,
     factory); factory() returns a core.contract.tools.ToolParser (model output text -> content and
     tool calls; the tools offered in a system message for templates that ignore them)."""
+
+
+@hookspec
+def core_register_reasoning_parsers(register):
+    """Register reasoning parsers (reasoning_content in chat): register(name,
+    ReasoningParserCaps, factory); factory() returns a core.contract.reasoning.ReasoningParser
+    (model output text -> reasoning and content, whole or streamed)."""

@@ -37,6 +37,7 @@ HOOK_FOR_KIND = {
     "layer_ops": "core_register_layer_ops",
     "grammar": "core_register_grammar_backends",
     "tool_parser": "core_register_tool_parsers",
+    "reasoning_parser": "core_register_reasoning_parsers",
 }
 
 

@@ -22,11 +22,13 @@ SLOT_LABELS = {
     "model": "model implementation",
     "grammar_backend": "grammar backend",
     "tool_call_parser": "tool-call parser",
+    "reasoning_parser": "reasoning parser",
 }
 KIND_LABELS = {"attention": "attention backends", "moe": "MoE runners",
                "quant": "quant methods", "models": "model implementations",
                "layer_ops": "layer-ops plugins",
-               "grammar": "grammar backends", "tool_parser": "tool-call parsers"}
+               "grammar": "grammar backends", "tool_parser": "tool-call parsers",
+               "reasoning_parser": "reasoning parsers"}
 
 
 class Slot:
