@@ -19,11 +19,13 @@ conformance/moe_suite.py (a Triton runner on a CPU: set TRITON_INTERPRET=1), and
 plugin with `--conformance-layer-ops NAME` (conformance/layer_ops_suite.py), a quant method
 with `--conformance-quant NAME` (conformance/quant_suite.py), a grammar backend with
 `--conformance-grammar NAME` (conformance/grammar_suite.py), a tool-call parser with
-`--conformance-tool-parser NAME` (conformance/tool_parser_suite.py; no torch, seconds), and a
-hardware target's Platform with `--conformance-platform TARGET` (conformance/platform_suite.py).
+`--conformance-tool-parser NAME` (conformance/tool_parser_suite.py; no torch, seconds), a
+reasoning parser with `--conformance-reasoning-parser NAME`
+(conformance/reasoning_parser_suite.py; no torch, seconds), and a hardware target's Platform with `--conformance-platform TARGET` (conformance/platform_suite.py).
 Options (each NAME option repeatable or a comma list): --conformance-backend NAME,
 --conformance-moe NAME, --conformance-layer-ops NAME, --conformance-quant NAME,
---conformance-grammar NAME, --conformance-tool-parser NAME, --conformance-platform TARGET,
+--conformance-grammar NAME, --conformance-tool-parser NAME, --conformance-reasoning-parser
+NAME, --conformance-platform TARGET,
 --conformance-device DEV (repeatable; default cpu plus cuda when present), --conformance-full,
 --conformance-seed N.
 """
@@ -82,6 +84,9 @@ SUITES = (
           "run the grammar-backend conformance suite on this registered backend (repeatable)"),
     Suite("--conformance-tool-parser", "tool_parser_suite", "NAME",
           "run the tool-call-parser conformance suite on this registered parser (repeatable, "
+          "or a comma list)"),
+    Suite("--conformance-reasoning-parser", "reasoning_parser_suite", "NAME",
+          "run the reasoning-parser conformance suite on this registered parser (repeatable, "
           "or a comma list)"),
     Suite("--conformance-platform", "platform_suite", "TARGET",
           "run the Platform conformance suite on this registered hardware target "
