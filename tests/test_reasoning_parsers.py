@@ -133,3 +133,56 @@ def test_core_resolve_explains_the_choice(tmp_path, capsys, clean_plugin_env):
     assert "unknown reasoning parser 'nope' (--reasoning-parser)" in capsys.readouterr().out
     assert main(["resolve"]) == 0  # off by default: no row
     assert "reasoning parser" not in capsys.readouterr().out.split("Notes:")[0]
+
+
+# -- the server's side, without a server (core.server.reasoning) -------------------------------
+
+def _chat_request(**fields):
+    from core.server.protocol import parse_chat
+
+    return parse_chat({"messages": [{"role": "user", "content": "hi"}], **fields}, 300, 4096)
+
+
+def test_harmony_markers_are_kept_when_detokenizing():
+    from core.server.errors import APIError
+    from core.server.reasoning import ServerChatOptions
+
+    opts = ServerChatOptions("gpt-oss", HARMONY_TEMPLATE, ("<|channel|>", "<|message|>"))
+    req = _chat_request()
+    opts.prepare(req)
+    assert req.split_reasoning and req.sampling["skip_special_tokens"] is False
+    with pytest.raises(APIError) as e:
+        opts.prepare(_chat_request(skip_special_tokens=True))
+    assert e.value.status == 400 and e.value.param == "skip_special_tokens"
+    req = _chat_request(skip_special_tokens=True, separate_reasoning=False)
+    opts.prepare(req)  # not split: the client's choice stands
+    assert not req.split_reasoning and req.sampling["skip_special_tokens"] is True
+    # <think> is no special token in Qwen3's tokenizer: nothing to keep
+    plain = ServerChatOptions("qwen3", QWEN3_TEMPLATE, ("<|im_start|>", "<|im_end|>"))
+    req = _chat_request()
+    plain.prepare(req)
+    assert req.split_reasoning and "skip_special_tokens" not in req.sampling
+
+
+def test_template_kwargs_must_be_read_by_the_template():
+    from core.server.errors import APIError
+    from core.server.reasoning import ServerChatOptions
+
+    opts = ServerChatOptions("qwen3", QWEN3_TEMPLATE)
+    req = _chat_request(chat_template_kwargs={"enable_thinking": False})
+    opts.prepare(req)
+    assert not req.split_reasoning  # thinking off: all content
+    with pytest.raises(APIError) as e:
+        opts.prepare(_chat_request(chat_template_kwargs={"reasoning_effort": "high"}))
+    assert e.value.param == "chat_template_kwargs.reasoning_effort"
+    assert "never reads `reasoning_effort`" in str(e.value)
+
+
+def test_the_real_renderer_takes_template_kwargs():
+    from core.tokenizer import render_chat
+
+    msgs = [{"role": "user", "content": "hi"}]
+    off = render_chat(QWEN3_TEMPLATE, msgs, True, None, {}, {"enable_thinking": False})
+    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert render_chat(QWEN3_TEMPLATE, msgs, True, None, {}, {}).endswith("assistant\n")
+    assert Qwen3ReasoningParser().prompt_in_reasoning(off) is False
