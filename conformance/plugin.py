@@ -20,12 +20,14 @@ plugin with `--conformance-layer-ops NAME` (conformance/layer_ops_suite.py), a q
 with `--conformance-quant NAME` (conformance/quant_suite.py), a grammar backend with
 `--conformance-grammar NAME` (conformance/grammar_suite.py), a tool-call parser with
 `--conformance-tool-parser NAME` (conformance/tool_parser_suite.py; no torch, seconds), a
-speculative proposer with `--conformance-spec NAME` (conformance/spec_suite.py; seconds), and a
-hardware target's Platform with `--conformance-platform TARGET` (conformance/platform_suite.py).
+speculative proposer with `--conformance-spec NAME` (conformance/spec_suite.py; seconds), a
+reasoning parser with `--conformance-reasoning-parser NAME` (conformance/reasoning_parser_suite.py;
+no torch, seconds), and a hardware target's Platform with `--conformance-platform TARGET`
+(conformance/platform_suite.py).
 Options (each NAME option repeatable or a comma list): --conformance-backend NAME,
 --conformance-moe NAME, --conformance-layer-ops NAME, --conformance-quant NAME,
 --conformance-grammar NAME, --conformance-tool-parser NAME, --conformance-spec NAME,
---conformance-platform TARGET,
+--conformance-reasoning-parser NAME, --conformance-platform TARGET,
 --conformance-device DEV (repeatable; default cpu plus cuda when present), --conformance-full,
 --conformance-seed N.
 """
@@ -88,6 +90,9 @@ SUITES = (
     Suite("--conformance-spec", "spec_suite", "NAME",
           "run the speculative-proposer conformance suite on this registered proposer "
           "(repeatable, or a comma list; host only, seconds)"),
+    Suite("--conformance-reasoning-parser", "reasoning_parser_suite", "NAME",
+          "run the reasoning-parser conformance suite on this registered parser (repeatable, "
+          "or a comma list)"),
     Suite("--conformance-platform", "platform_suite", "TARGET",
           "run the Platform conformance suite on this registered hardware target "
           "(repeatable)"),

@@ -15,6 +15,9 @@ token per step, so outputs are predictable. Knobs for fault tests:
   - a rid already in flight is refused with 400, as the real engine client refuses it;
   - tool_call_parser: the plan's tool-call parser (None: auto tool calls off); its template
     reads no `tools`, so they reach the prompt as the parser's system message.
+  - reasoning_parser: the plan's reasoning parser (None: off); give a `reply` that writes the
+    parser's markup (`<think>...</think>answer`). Its template takes chat_template_kwargs as
+    Qwen3's does: `enable_thinking: false` closes an empty think block in the prompt.
 It keeps KV accounting like the real pool: pages_in_use() counts pages of live requests only, so
 a test can check that aborted and finished requests give their pages back.
 """
@@ -26,6 +29,7 @@ import math
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
+from core.contract.json_types import JSON
 from core.frontend.delta import Delta
 from core.frontend.serving import GenRequest
 from core.messages import Finish, TokenLogprob
@@ -52,12 +56,17 @@ class FakeTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            **template_vars: JSON) -> str:
         for i, m in enumerate(messages):
             if m["role"] == "system" and i:
                 raise ValueError("a system message may only come first")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+        if not add_generation_prompt:
+            return text
+        # Qwen3's way: thinking off closes an empty think block in the prompt
+        off = template_vars.get("enable_thinking") is False
+        return text + "<assistant>" + ("<think>\n\n</think>\n\n" if off else "")
 
 
 class FakeEngine:
@@ -68,7 +77,7 @@ class FakeEngine:
 
     def __init__(self, context_length: int = 256, reply: str = "hello world ",
                  token_delay: float = 0.0, max_active: int | None = None,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.tokenizer = FakeTokenizer()
         self.vocab_size = self.tokenizer.vocab_size
         self.model_name = "fake-model"
@@ -77,6 +86,7 @@ class FakeEngine:
         self.token_delay = token_delay
         self.max_active = max_active
         self.tool_call_parser = tool_call_parser  # the plan's (None: auto tool calls off)
+        self.reasoning_parser = reasoning_parser  # the plan's (None: off)
         self.alive = True
         self.wedged = False
         self.failed: str | None = None
@@ -92,6 +102,7 @@ class FakeEngine:
         return {"device": {"name": "fake"}, "prefill_attention": "fake", "decode_attention":
                 "fake", "page_size": self.page_size,
                 "tool_call_parser": self.tool_call_parser,
+                "reasoning_parser": self.reasoning_parser,
                 "candidates": [{"slot": "decode_attention", "name": "fake", "fits": True,
                                 "chosen": True, "reasons": []}]}
 

@@ -61,6 +61,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel", "speculative"))
     _add_field_flag(p, "tool_call_parser")
+    _add_field_flag(p, "reasoning_parser")
     _add_field_flag(p, "chat_template")
 
     p = sub.add_parser("matrix", help="the support matrix, generated from the declarations",
@@ -273,6 +274,7 @@ def _with_assumptions(text: str, unread: Sequence[str]) -> str:
 def _cmd_resolve(ns: argparse.Namespace) -> int:
     from core.plan.devices import select_device
     from core.plan.plan import ResolveError
+    from core.plan.reasoning import resolve_reasoning_parser
     from core.plan.resolver import error_table, explain, resolve, resolve_tool_parser
 
     args = _server_args(ns)
@@ -287,8 +289,12 @@ def _cmd_resolve(ns: argparse.Namespace) -> int:
         # the tool-call parser is chosen by the chat template, read as the server would
         template, whence = chat_template_of(args, spec.source or args.model_path)
         plan = resolve_tool_parser(plan, template, args, registry)
+        plan = resolve_reasoning_parser(plan, template, args, registry)
         plan = dataclasses.replace(plan, notes=plan.notes + (
             f"chat template (for the tool-call parser): {whence}",))
+        if plan.reasoning_parser is not None:
+            plan = dataclasses.replace(plan, notes=plan.notes + (
+                f"chat template (for the reasoning parser): {whence}",))
     except ResolveError as err:
         if ns.json:
             print(json.dumps({"error": err.args[0], "reasons": err.reasons,

@@ -54,7 +54,9 @@ TABLE = {
              "max_completion_tokens": ({}, 2), "add_generation_prompt": ({}, False),
              "messages": ({}, [{"role": "user", "content": "other words"}]),
              "tools": ({}, [TOOL]), "tool_choice": ({"tools": [TOOL]}, "required"),
-             "parallel_tool_calls": ({"tools": [TOOL]}, False)},
+             "parallel_tool_calls": ({"tools": [TOOL]}, False),
+             "separate_reasoning": ({}, False), "stream_reasoning": ({"stream": True}, False),
+             "chat_template_kwargs": ({}, {"enable_thinking": False})},
     "generate": {"text": ({}, "other words"), "input_ids": ({"text": None, "input_ids": [104, 105]}, [72, 105]),
                  "sampling_params": ({}, {"max_new_tokens": 2}), "stream": ({}, True),
                  "rid": ({}, "my-own-rid"), "return_logprob": ({}, True),
@@ -68,6 +70,11 @@ HARMLESS = {"user"}
 TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "a"}}</tool_call>'
              '<tool_call>{"name": "get_weather", "arguments": {"city": "b"}}</tool_call>')
 ON_TWO_CALLS = {("chat", "parallel_tool_calls")}
+# rows that act on a server with a reasoning parser (without one, they are 400s or no-ops
+# with the value that asks for nothing: tests/test_reasoning_server.py)
+THINKS = "<think>\nfirst this, then that\n</think>\n\nthe answer"
+ON_REASONING = {("chat", "separate_reasoning"), ("chat", "stream_reasoning"),
+                ("chat", "chat_template_kwargs")}
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
          "generate": "/generate"}
 
@@ -85,6 +92,14 @@ def srv():
 def srv_calls():
     with ServerThread(create_app(FakeEngine(context_length=4096, reply=TWO_CALLS,
                                             tool_call_parser="hermes"),
+                                 ServerArgs(api_key=KEY))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def srv_reasoning():
+    with ServerThread(create_app(FakeEngine(context_length=4096, reply=THINKS,
+                                            reasoning_parser="qwen3"),
                                  ServerArgs(api_key=KEY))) as s:
         yield s
 
@@ -127,6 +142,9 @@ def test_a_field_has_its_effect_or_is_refused(request, route, name):
     if (route, name) in ON_TWO_CALLS:
         srv = request.getfixturevalue("srv_calls")
         base["max_tokens"] = len(TWO_CALLS)
+    if (route, name) in ON_REASONING:
+        srv = request.getfixturevalue("srv_reasoning")
+        base["max_tokens"] = len(THINKS)
     status0, raw0, gen0 = _send(srv, route, base)
     assert status0 == 200, raw0[:300]
     status, raw, gen = _send(srv, route, {**base, name: value})

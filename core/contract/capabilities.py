@@ -563,11 +563,50 @@ class SpecCaps(_Frozen):
                 + (f" {' '.join(flags)}" if flags else ""))
 
 
+@dataclass(frozen=True)
+class ReasoningParserCaps(_Frozen):
+    """What a reasoning parser (`reasoning_content` in chat; the protocol is
+    core.contract.reasoning) reads and fits.
+
+    markers: text whose presence in a chat template says the model writes this format; under
+    --reasoning-parser auto the parsers whose markers the template holds all fit, and the one
+    holding the most of them (the most specific), then the best priority, is chosen (Qwen3's
+    template holds `<think>` and `enable_thinking`, DeepSeek-R1's only `<think>`). reads: every
+    marker the parser takes out of the text (none reaches a response; the conformance suite
+    checks it); a marker that is a special token's text makes the core keep special tokens
+    when it detokenizes. starts_in_reasoning: the model may begin inside its reasoning without
+    writing the start marker (DeepSeek-R1: its template puts `<think>` in the prompt), so an
+    output with no marker is all reasoning. thinking_kwarg: the chat-template variable that
+    switches thinking (Qwen3's `enable_thinking`): a request whose chat_template_kwargs set it
+    to false is not split (its output is all content); None: thinking cannot be switched off.
+    families and aliases as ToolParserCaps'. Parsers are pure Python text work: no device, no
+    package beyond `requires`.
+    """
+
+    markers: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
+    starts_in_reasoning: bool = False
+    thinking_kwarg: str | None = None
+    families: frozenset[str] = frozenset()
+    aliases: frozenset[str] = frozenset()
+    requires: tuple[str, ...] = ()
+    priority: int = 0
+    description: str = ""
+
+    _sets = ("families", "aliases")
+
+    def summary(self) -> str:
+        aka = f" aliases={','.join(sorted(self.aliases))}" if self.aliases else ""
+        switch = f" thinking_kwarg={self.thinking_kwarg}" if self.thinking_kwarg else ""
+        return (f"markers={','.join(self.markers) or '-'} reads={','.join(self.reads) or '-'}"
+                f"{' starts_in_reasoning' if self.starts_in_reasoning else ''}{switch}{aka}")
+
+
 KINDS = ("hardware", "attention", "moe", "quant", "models", "layer_ops", "grammar",
-         "tool_parser", "spec")
+         "tool_parser", "spec", "reasoning_parser")
 # the caps of any kind (a registration holds its kind's: CAPS_TYPES[kind])
 Caps = (HardwareCaps | AttentionCaps | MoECaps | QuantCaps | ModelCaps | LayerOpsCaps
-        | GrammarCaps | ToolParserCaps | SpecCaps)
+        | GrammarCaps | ToolParserCaps | SpecCaps | ReasoningParserCaps)
 
 CAPS_TYPES: dict[str, type[Caps]] = {
     "hardware": HardwareCaps,
@@ -579,4 +618,5 @@ CAPS_TYPES: dict[str, type[Caps]] = {
     "grammar": GrammarCaps,
     "tool_parser": ToolParserCaps,
     "spec": SpecCaps,
+    "reasoning_parser": ReasoningParserCaps,
 }

@@ -32,6 +32,7 @@ PLUGIN_API_VERSION = "1.9"  # 1.1: hardware targets may register a Platform; lay
 #      or platform that does not subclass them is refused at load; QuantCaps.online_activations
 #      (online weight-only methods); BasePlatform.zeros / host_device / dist_bind / dist_device
 # 1.9: speculative-decoding proposers (core_register_spec_proposers, SpecCaps, core.contract.spec)
+#      and reasoning parsers (reasoning_content in chat, core.contract.reasoning)
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -103,3 +104,10 @@ def core_register_spec_proposers(register):
     factory(config: core.contract.spec.SpecConfig) returns a core.contract.spec.Proposer
     (drafts for a batch from each request's tokens; told what was accepted; reset per request).
     The engine verifies the drafts exactly (greedy match, rejection sampling)."""
+
+
+@hookspec
+def core_register_reasoning_parsers(register):
+    """Register reasoning parsers (reasoning_content in chat): register(name,
+    ReasoningParserCaps, factory); factory() returns a core.contract.reasoning.ReasoningParser
+    (model output text -> reasoning and content, whole or streamed)."""

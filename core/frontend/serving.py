@@ -75,11 +75,14 @@ class AsyncEngine:
         self.model_name = model_name
         self.plan = engine.plan
         if self.plan is not None:  # the tool-call parser is chosen by the chat template
+            from core.plan.reasoning import resolve_reasoning_parser
             from core.plan.registry import get_registry
             from core.plan.resolver import resolve_tool_parser
 
             self.plan = resolve_tool_parser(self.plan, engine.tokenizer.chat_template,
                                             engine.args, get_registry())
+            self.plan = resolve_reasoning_parser(self.plan, engine.tokenizer.chat_template,
+                                                 engine.args, get_registry())
         # one thread for pipe sends keeps submit-then-abort in order
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-send")
         self._rpc = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="core-rpc")

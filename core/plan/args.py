@@ -53,6 +53,11 @@ class ServerArgs:
                                "(hermes, llama3, their SGLang/vLLM names, or a plugin's; auto: "
                                "chosen by the chat template's tool markup; none: auto tool "
                                "calls off)")
+    reasoning_parser: str = _f("none", "http", "reasoning parser: chat answers carry the model's "
+                               "reasoning in reasoning_content, apart from content (deepseek-r1, "
+                               "qwen3, gpt-oss, their SGLang/vLLM names, or a plugin's; auto: "
+                               "chosen by the chat template's markers; none: off, the reasoning "
+                               "stays in content)")
     allow_special_tokens_in_messages: bool = _f(
         False, "http", "let chat message text spell the tokenizer's special tokens (e.g. "
         "<|im_start|>), which the template would turn into real control tokens; refused "

@@ -13,7 +13,7 @@ class Candidate:
     """One registered backend considered for one slot."""
 
     slot: str  # prefill_attention | decode_attention | moe_runner | quant_method | layer_ops |
-    # model | grammar_backend | tool_call_parser | spec_proposer
+    # model | grammar_backend | tool_call_parser | spec_proposer | reasoning_parser
     name: str
     origin: str  # distribution and version that registered it
     fits: bool
@@ -53,6 +53,10 @@ class Plan:
     # speculation off (no --speculative-algorithm)
     spec_proposer: str | None = None
     spec_draft_tokens: int = 0
+    # the reasoning parser (core.contract.reasoning); None: off (--reasoning-parser none, or
+    # auto found none of its markers in the template). Chosen with the tool-call parser
+    # (core.plan.reasoning.resolve_reasoning_parser).
+    reasoning_parser: str | None = None
 
     def to_dict(self) -> dict[str, object]:
         # Not asdict(self): it deep-copies DeviceInfo.extra, a mappingproxy, which cannot be.

@@ -38,6 +38,7 @@ HOOK_FOR_KIND = {
     "grammar": "core_register_grammar_backends",
     "tool_parser": "core_register_tool_parsers",
     "spec": "core_register_spec_proposers",
+    "reasoning_parser": "core_register_reasoning_parsers",
 }
 
 

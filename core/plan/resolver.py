@@ -31,6 +31,7 @@ from core.plan.checks import (
 from core.plan.model_spec import ModelSpec
 from core.plan.plan import Candidate, Plan, ResolveError
 from core.plan.quant_scheme import QuantScheme, parse_quant_config
+from core.plan.reasoning import reasoning_parser_arg
 from core.plan.registry import Registry
 from core.plan.slots import SLOT_LABELS, Slot, merge_errors
 
@@ -513,6 +514,10 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
         _tool_parser_arg(args, registry)
     except ResolveError as exc:
         errors.append(exc)
+    try:  # the same for the reasoning parser (core.plan.reasoning)
+        reasoning_parser_arg(args, registry)
+    except ResolveError as exc:
+        errors.append(exc)
 
     spec_name, spec_n = None, 0
     try:
@@ -660,6 +665,8 @@ def explain(plan: Plan) -> str:
                  if plan.spec_proposer else "- (off)"))
     if any(c.slot == "tool_call_parser" for c in plan.candidates):  # chosen with a template
         rows.append(("tool-call parser", plan.tool_call_parser or "- (auto tool calls off)"))
+    if any(c.slot == "reasoning_parser" for c in plan.candidates):  # asked for, and chosen
+        rows.append(("reasoning parser", plan.reasoning_parser or "- (off)"))
     lines = ["Plan:"] + [f"  {k:<18} {v}" for k, v in rows]
     if plan.notes:
         lines += ["", "Notes:"] + [f"  - {n}" for n in plan.notes]

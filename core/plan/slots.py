@@ -23,12 +23,13 @@ SLOT_LABELS = {
     "grammar_backend": "grammar backend",
     "tool_call_parser": "tool-call parser",
     "spec_proposer": "speculative proposer",
+    "reasoning_parser": "reasoning parser",
 }
 KIND_LABELS = {"attention": "attention backends", "moe": "MoE runners",
                "quant": "quant methods", "models": "model implementations",
                "layer_ops": "layer-ops plugins",
                "grammar": "grammar backends", "tool_parser": "tool-call parsers",
-               "spec": "speculative proposers"}
+               "spec": "speculative proposers", "reasoning_parser": "reasoning parsers"}
 
 
 class Slot:

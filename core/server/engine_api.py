@@ -23,7 +23,7 @@ from core.frontend.serving import GenRequest
 __all__ = ["EngineLike", "GenRequest", "TokenizerLike"]
 
 if TYPE_CHECKING:
-    from core.contract.json_types import JSONObject
+    from core.contract.json_types import JSON, JSONObject
 
 
 @runtime_checkable
@@ -49,10 +49,13 @@ class TokenizerLike(Protocol):
 
     def apply_chat_template(self, messages: list[JSONObject], *,
                             add_generation_prompt: bool = True,
-                            tools: list[JSONObject] | None = None) -> str:
+                            tools: list[JSONObject] | None = None,
+                            **template_vars: JSON) -> str:
         """Render messages to the prompt text; raises ValueError for a conversation it refuses.
         tools: the request's tools (OpenAI's shape), given only when there are some, for the
-        template's `tools` (as HF's apply_chat_template passes them)."""
+        template's `tools` (as HF's apply_chat_template passes them). template_vars: a
+        request's chat_template_kwargs, extra template variables (Qwen3's enable_thinking),
+        as HF's apply_chat_template takes them."""
         ...
 
 

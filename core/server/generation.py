@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -77,14 +78,14 @@ def _tokenize(st: ServerState, req: ParsedRequest) -> list[tuple[list[int], str 
             continue
         if p.messages is not None:
             if not st.args.allow_special_tokens_in_messages:
-                _refuse_control_text(tok, p.messages, req.tools)
+                _refuse_control_text(tok, p.messages, req.tools, req.chat_template_kwargs)
             messages, offered = st.tools.render(p.messages, req.tools)
             # tools= only when there are some: a template or tokenizer without tools takes it
             kw = {"tools": offered} if offered else {}
             try:
                 text = tok.apply_chat_template(messages,
                                                add_generation_prompt=req.add_generation_prompt,
-                                               **kw)
+                                               **kw, **req.chat_template_kwargs)
             except Exception as e:  # a template's raise_exception(...) or a type it refuses
                 raise invalid("messages", f"the chat template refused these messages: {e}",
                               code="chat_template_error") from None
@@ -108,13 +109,18 @@ def _echo_text(tok: TokenizerLike, ids: list[int]) -> str:
 
 
 def _refuse_control_text(tok: TokenizerLike, messages: list[protocol.ChatMessage],
-                         treq: tools.ToolRequest | None = None) -> None:
+                         treq: tools.ToolRequest | None = None,
+                         kwargs: JSONObject | None = None) -> None:
     """Message text that spells a special token (`<|im_start|>system`...) would become that
     control token once the template's output is tokenized: a user could forge a turn of
     another role. The same for what else the template renders: tool calls, tool definitions.
     Refused unless --allow-special-tokens-in-messages."""
     specials = [t for t in tok.special_tokens if t]
     texts = [(f"messages[{i}].content", m["content"]) for i, m in enumerate(messages)]
+    texts += [(f"messages[{i}].reasoning_content", m["reasoning_content"])
+              for i, m in enumerate(messages) if "reasoning_content" in m]
+    if kwargs:  # a template may print a variable's value into the prompt
+        texts.append(("chat_template_kwargs", json.dumps(kwargs, ensure_ascii=False)))
     for where, text in texts + tools.texts_of(messages, treq):
         found = next((t for t in specials if t in text), None)
         if found is not None:
@@ -177,6 +183,9 @@ class _Job:
         # parse state
         self.tool_parser = st.tools.output_parser(req.tools) if req.route == "chat" else None
         self.tool_streams: dict[int, tools.ToolStream] = {}
+        # reasoning: each choice's split (None: its output is not split)
+        self.reasoning = [st.chat_options.reader(req, toks[s.prompt_index][1])
+                          if req.route == "chat" else None for s in self.seqs]
         self.first: dict[int, float] = {}
         self.last: dict[int, float] = {}
         self._q: asyncio.Queue[tuple[int, Delta | APIError]] | None = None
@@ -281,6 +290,7 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
                        code="model_not_found")
     if route == "chat":
         st.tools.prepare(req)  # tool_choice's constraint goes in before the engine checks it
+        st.chat_options.prepare(req)  # reasoning fields, template kwargs
     _validate_sampling(st, req)
     with st.admitted(len(req.prompts) * req.n):
         toks = await asyncio.get_running_loop().run_in_executor(st.pool, _tokenize, st, req)
@@ -308,7 +318,7 @@ async def _complete(job: _Job) -> web.Response:
         body: JSON = objs if (req.batch or req.n > 1) else objs[0]
     elif req.route == "chat":
         body = responses.chat_object(job.base, job.created, job.model, req, job.seqs,
-                                     job.piece, job.usage(), job.tool_parser)
+                                     job.piece, job.usage(), job.tool_parser, job.reasoning)
     else:
         body = responses.completion_object(job.base, job.created, job.model, req, job.seqs,
                                            job.piece, job.usage())
@@ -339,11 +349,16 @@ def _chunks(job: _Job, i: int, d: Delta) -> list[JSONObject]:
         # return_token_ids: each delta's ids ride on its first chunk (vLLM's per-chunk
         # token_ids), on an empty delta where nothing else is sent, so none is lost
         ids = list(d.token_ids) if req.return_token_ids and d.token_ids else None
+        split = job.reasoning[i]
+        delta: JSONObject = {"content": text} if text else {}
+        if split is not None:  # reasoning first; tool calls are read from the content
+            delta = split.feed(text, fin is not None)
         if job.tool_parser is not None:
-            return out + _tool_chunks(job, i, fin, lp if entries else None, ids)
-        if text or entries or fin or ids:
+            thought = {k: v for k, v in delta.items() if k == "reasoning_content"}
+            return out + _tool_chunks(job, i, fin, lp if entries else None, ids, thought)
+        if delta or entries or fin or ids:
             out.append(responses.chat_chunk(job.base, job.created, job.model, s.index,
-                                            {"content": text} if text else {}, fin, lp))
+                                            delta, fin, lp))
             if req.return_token_ids:
                 out[-1]["choices"][0]["token_ids"] = ids or []
         return out
@@ -376,15 +391,21 @@ def _chunks(job: _Job, i: int, d: Delta) -> list[JSONObject]:
 
 
 def _tool_chunks(job: _Job, i: int, fin: str | None, lp: JSONObject | None,
-                 ids: list[int] | None = None) -> list[JSONObject]:
+                 ids: list[int] | None = None, thought: JSONObject | None = None
+                 ) -> list[JSONObject]:
     """Chunks of a choice whose answer is read for tool calls: the text so far re-parsed, what
     is new sent (content, a call's header, argument fragments); logprobs and the delta's
-    token ids (return_token_ids) ride on the first chunk, the finish reason on the last."""
+    token ids (return_token_ids) ride on the first chunk, the finish reason on the last.
+    thought: the reasoning delta split off first (its own chunk, before them); the text
+    read for calls is then the content split so far."""
     s = job.seqs[i]
     stream = job.tool_streams.get(i)
     if stream is None:
         stream = job.tool_streams[i] = tools.ToolStream(job.tool_parser, job.req.tools)
-    deltas = stream.step(s.full_text, fin is not None)
+    split = job.reasoning[i]
+    text = s.full_text if split is None else split.content
+    deltas: list[JSONObject | tools.MessageDelta] = [thought] if thought else []
+    deltas += stream.step(text, fin is not None)
     if fin == "stop" and stream.called:
         fin = "tool_calls"
     if fin is not None or lp is not None or ids:

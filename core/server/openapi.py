@@ -20,11 +20,14 @@ from core.server.protocol import (
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TEMPLATE_KWARGS,
+    MAX_TEMPLATE_KWARGS_BYTES,
     MESSAGE_REFUSED_FIELDS,
     NATIVE_SAMPLING_KEYS,
     OFF_ALSO,
     OFF_STRINGS,
     REFUSED_FIELDS,
+    RESERVED_TEMPLATE_VARS,
     SCHEMA_FIELDS,
     SEED_MAX,
     SEED_MIN,
@@ -123,6 +126,24 @@ _TOOLS_DOC = ("tool calling (core.server.tools): function names unique; tool_cho
               "choice other than none, a structured-output field is a 400")
 
 
+def _reasoning() -> JSONObject:
+    """separate_reasoning, stream_reasoning, chat_template_kwargs (core.server.reasoning)."""
+    return {
+        "separate_reasoning": {**_BOOL, "description": "SGLang's: true (the default with a "
+                               "reasoning parser) puts the reasoning in "
+                               "message.reasoning_content / delta.reasoning_content, apart from "
+                               "content; true without --reasoning-parser is a 400"},
+        "stream_reasoning": {**_BOOL, "description": "SGLang's: false sends the streamed "
+                             "reasoning in one delta once it ends; needs a reasoning parser"},
+        "chat_template_kwargs": {
+            "type": "object", "maxProperties": MAX_TEMPLATE_KWARGS,
+            "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]{0,63}$",
+                              "not": {"enum": sorted(RESERVED_TEMPLATE_VARS)}},
+            "description": "extra chat-template variables (Qwen3's enable_thinking: false "
+                           "turns thinking off, the output is then all content); the template "
+                           f"must read each; at most {MAX_TEMPLATE_KWARGS_BYTES} bytes of JSON"}}
+
+
 def _tools() -> JSONObject:
     """tools, tool_choice, parallel_tool_calls (core.server.tools.parse_tools)."""
     function: JSONObject = {
@@ -182,6 +203,10 @@ def _message() -> JSONObject:
                                "description": "assistant messages only"},
                 "tool_call_id": {"type": ["string", "null"],
                                  "description": "tool messages: the call answered"},
+                "reasoning_content": {"type": ["string", "null"],
+                                      "description": "assistant messages only: a reply's "
+                                                     "reasoning replayed, for the chat template "
+                                                     "(Qwen3's shows the latest turn's)"},
                 **{n: _off(n) for n in sorted(MESSAGE_REFUSED_FIELDS)}},
             "allOf": [
                 {"if": {"not": calls_something}, "then": {
@@ -281,7 +306,7 @@ def _schemas(context: int | None, vocab: int | None) -> JSONObject:
                                       "(when both are given they must be equal)"},
             "logprobs": _BOOL,
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
-            "add_generation_prompt": _BOOL, **_tools()},
+            "add_generation_prompt": _BOOL, **_tools(), **_reasoning()},
             dependentSchemas={**only_streamed, "top_logprobs": {
                 "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}),
         "GenerateRequest": request("generate", [], {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -57,6 +58,7 @@ class ChatMessage(_ChatMessageBase, MessageToolFields, total=False):
     """One checked chat message (`_messages`), in the shape chat templates take."""
 
     name: str
+    reasoning_content: str  # an assistant turn's reasoning, replayed
 
 
 @dataclass
@@ -90,6 +92,11 @@ class ParsedRequest:
     logprob_start_len: int = -1  # /generate: prompt position its input logprobs start at
     return_token_ids: bool = False  # vLLM: prompt_token_ids / token_ids in the response
     tools: ToolRequest | None = None  # chat: the tool fields, None without tools
+    # chat's reasoning fields (core.server.reasoning): as given (None: not given)
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    chat_template_kwargs: dict[str, JSON] = field(default_factory=dict)
+    split_reasoning: bool = False  # decided by the server (ServerChatOptions.prepare)
 
 
 def parse_json_body(raw: bytes) -> JSONObject:
@@ -275,10 +282,11 @@ _PEER_EXTRAS = ("guided_decoding_backend", "guided_whitespace_pattern",
                 "return_tokens_as_token_ids", "priority", "logits_processors",
                 "min_tokens_stop", "add_special_tokens", "request_id", "kv_transfer_params",
                 "vllm_xargs", "custom_logit_processor", "return_hidden_states", "lora_path",
-                "separate_reasoning", "stream_reasoning", "chat_template_kwargs",
                 "chat_template", "documents", "mm_processor_kwargs", "media_io_kwargs")
+# chat's (core.server.reasoning); on completions there is no template and no reasoning split
+_CHAT_ONLY = ("separate_reasoning", "stream_reasoning", "chat_template_kwargs")
 REFUSED_FIELDS = {
-    "completions": frozenset(("suffix",) + _PEER_EXTRAS),
+    "completions": frozenset(("suffix",) + _PEER_EXTRAS + _CHAT_ONLY),
     "chat": frozenset(("functions", "function_call", "audio", "prediction", "modalities",
                        "store", "metadata", "web_search_options", "reasoning_effort",
                        "service_tier", "echo", "continue_final_message") + _PEER_EXTRAS),
@@ -287,16 +295,29 @@ REFUSED_FIELDS = {
                            "return_hidden_states", "session_params", "bootstrap_host",
                            "data_parallel_rank", "stream_interval")),
 }
-MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id",
+                            "reasoning_content"})
 # what SDKs write back when a reply object is replayed as a message (null / empty there)
-MESSAGE_REFUSED_FIELDS = frozenset({"function_call", "audio", "refusal", "annotations",
-                                    "reasoning_content"})
+MESSAGE_REFUSED_FIELDS = frozenset({"function_call", "audio", "refusal", "annotations"})
+MAX_TEMPLATE_KWARGS = 32  # chat_template_kwargs: variables
+MAX_TEMPLATE_KWARGS_BYTES = 16 << 10  # chat_template_kwargs: its JSON text
+# variables chat_template_kwargs may not set: the renderer's own, and the special tokens' names
+# (a request must not rename the BOS token or replace raise_exception)
+RESERVED_TEMPLATE_VARS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "chat_template", "conversation", "return_dict", "return_tensors", "padding",
+    "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask",
+    "sanitize_control_tokens", "raise_exception", "strftime_now", "bos_token", "eos_token",
+    "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens"})
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 ROUTE_FIELDS = {
     "completions": _COMMON_FIELDS | HARMLESS_FIELDS | set(OPENAI_FIELDS) | {"prompt", "echo"},
     "chat": _COMMON_FIELDS | HARMLESS_FIELDS | set(OPENAI_FIELDS) | {"messages", "top_logprobs",
                                                 "max_completion_tokens",
                                                 "add_generation_prompt", "tools",
-                                                "tool_choice", "parallel_tool_calls"},
+                                                "tool_choice", "parallel_tool_calls",
+                                                *_CHAT_ONLY},
     "generate": frozenset({"text", "input_ids", "sampling_params", "stream", "rid",
                            "return_logprob", "top_logprobs_num", "logprob_start_len"}),
 }
@@ -487,9 +508,40 @@ def parse_chat(body: JSONObject, vocab_size: int, context_length: int) -> Parsed
     req.logprobs, req.top_logprobs = bool(lp), top or 0
     agp = get_bool(body, "add_generation_prompt")
     req.add_generation_prompt = True if agp is None else agp
+    req.separate_reasoning = get_bool(body, "separate_reasoning")
+    req.stream_reasoning = get_bool(body, "stream_reasoning")
+    req.chat_template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
     _prompt_logprobs_sampling(req)
     _check_sequences(req)
     return req
+
+
+def _template_kwargs(v: JSON) -> dict[str, JSON]:
+    """chat_template_kwargs: an object of template variables, bounded, none of the reserved."""
+    param = "chat_template_kwargs"
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise invalid(param, f"{param} must be an object of template variables",
+                      code="invalid_type")
+    if len(v) > MAX_TEMPLATE_KWARGS:
+        raise invalid(param, f"{param} has {len(v)} entries; at most {MAX_TEMPLATE_KWARGS}")
+    for key in v:
+        if not _VARIABLE.fullmatch(key):
+            raise invalid(param, f"{param} key {_short(key)} is not a template variable name "
+                          "(letters, digits and '_', at most 64)")
+        if key in RESERVED_TEMPLATE_VARS:
+            raise invalid(f"{param}.{key}", f"{param}.{key}: the server sets `{key}` itself; "
+                          "it cannot be given here")
+    try:
+        size = len(json.dumps(v, ensure_ascii=False).encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise invalid(param, f"{param} is not valid Unicode text (lone surrogate at character "
+                      f"{e.start})") from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise invalid(param, f"{param} is {size} bytes of JSON; at most "
+                      f"{MAX_TEMPLATE_KWARGS_BYTES}")
+    return dict(v)
 
 
 def _messages(v: JSON) -> list[ChatMessage]:
@@ -545,6 +597,12 @@ def _messages(v: JSON) -> list[ChatMessage]:
         name = get_str(m, "name", f"{where}.name")
         if name is not None:
             msg["name"] = name
+        reasoning = get_str(m, "reasoning_content", f"{where}.reasoning_content")
+        if reasoning is not None:  # a reply replayed: the template may show it (Qwen3's does)
+            if role != "assistant":
+                raise invalid(f"{where}.reasoning_content", f"{where}.reasoning_content: only "
+                              "assistant messages carry reasoning")
+            msg["reasoning_content"] = check_text(reasoning, f"{where}.reasoning_content")
         msg.update(extra)
         out.append(msg)
     name_tool_results(out)

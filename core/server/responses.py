@@ -20,6 +20,7 @@ from core.server.tools import final_message
 
 if TYPE_CHECKING:
     from core.contract.json_types import JSON, JSONObject
+    from core.server.reasoning import ChoiceReasoning
     from core.server.tools import AssistantMessage, CallReader, MessageDelta
 
 Piece = Callable[[int], bytes]  # token id -> the bytes it stands for (TokenizerLike.token_bytes)
@@ -221,14 +222,23 @@ def completion_object(rid: str, created: int, model: str, req: ParsedRequest,
 
 
 def chat_object(rid: str, created: int, model: str, req: ParsedRequest, seqs: list[SeqOut],
-                piece: Piece, use: JSONObject, tool_parser: CallReader | None = None) -> JSONObject:
-    """tool_parser: what reads each answer for tool calls (core.server.tools), or None."""
+                piece: Piece, use: JSONObject, tool_parser: CallReader | None = None,
+                reasoning: Sequence[ChoiceReasoning | None] = ()) -> JSONObject:
+    """tool_parser: what reads each answer for tool calls (core.server.tools), or None;
+    reasoning: each choice's split (core.server.reasoning; None or absent: not split). The
+    reasoning is split off first, then calls are read from the content."""
     choices = []
-    for s in seqs:
-        message: JSONObject | AssistantMessage = {"role": "assistant", "content": s.full_text}
+    for k, s in enumerate(seqs):
+        split = reasoning[k] if k < len(reasoning) else None
+        thought, text = split.split(s.full_text) if split is not None else (None, s.full_text)
+        message: JSONObject | AssistantMessage = {"role": "assistant", "content": text}
         finish = s.finish_reason
         if tool_parser is not None:
-            message, finish = final_message(tool_parser, req.tools, s.full_text, finish)
+            message, finish = final_message(tool_parser, req.tools, text, finish)
+        if split is not None:
+            message = {**message, "reasoning_content": thought}
+            if tool_parser is None and not text and thought is not None:
+                message["content"] = None  # the reasoning took the whole output
         choices.append(_extras({"index": s.index, "message": message,
                                 "logprobs": chat_logprobs(s.output_entries(), piece)
                                 if req.logprobs else None,

@@ -23,6 +23,7 @@ from core.server.engine_api import EngineLike
 from core.server.errors import APIError, invalid, overloaded
 from core.server.metrics import ServerMetrics
 from core.server.protocol import parse_json_body
+from core.server.reasoning import ServerChatOptions
 from core.server.tools import ServerTools
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ class ServerState:
         self.model_name = args.served_model_name or engine.model_name
         self.served_names = frozenset({self.model_name})
         self.tools = ServerTools.of_engine(engine)  # tool calling: the plan's parser
+        # reasoning_content and chat_template_kwargs: the plan's reasoning parser
+        self.chat_options = ServerChatOptions.of_engine(engine)
         self.pool = ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="core-tokenize")
         self.started = time.time()
         self.draining = False
