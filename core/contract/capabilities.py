@@ -196,7 +196,13 @@ class HardwareCaps(_Frozen):
 
 @dataclass(frozen=True)
 class AttentionCaps(_Frozen):
-    """What an attention backend supports. Every field is checked by the resolver."""
+    """What an attention backend supports. Every field is checked by the resolver.
+
+    A backend declaring "MLA" in attention_kinds implements core.contract.mla (its factory
+    returns an MLAAttentionBackend); for an MLA model `head_sizes` is checked against the
+    latent width (kv_lora_rank + qk_rope_head_dim, 576 for DeepSeek-V2/V3), `kv_cache_dtypes`
+    against the latent cache's dtype, `page_sizes` as for any backend (FlashMLA's 64).
+    """
 
     devices: frozenset[str] = frozenset()  # targets: cuda, rocm, xpu, npu, cpu
     capability: Mapping[str, CapabilityRange] = field(default_factory=dict)  # per device
