@@ -221,3 +221,27 @@ def test_resolver_refuses_triton_moe_for_noaux_tc_and_names_why():
     v2 = tiny_config("v2").to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
     assert resolve(spec_from_config(v2), PROFILES["h200"], ServerArgs(), registry
                    ).moe_runner == "triton"
+
+
+def test_offline_engine_matches_hf(tmp_path):
+    """core.Engine (the worker process, as `core serve` runs it) on the tiny V3: greedy tokens
+    and each step's logprob as HF's; a second request over the same prompt hits the radix
+    cache and decodes the same."""
+    import core
+
+    hf = tiny_hf_model("v3")
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    write_tokenizer(tmp_path)
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True,
+          "top_logprobs": 2}
+    with core.Engine(str(tmp_path), dtype="float32", max_total_tokens=512, page_size=4) as eng:
+        first = eng.generate(input_ids=PROMPTS[0], sampling_params=sp)
+        again = eng.generate(input_ids=PROMPTS[0], sampling_params=sp)
+    assert again["meta_info"]["cached_tokens"] >= 24
+    ref = hf_logprobs(hf, PROMPTS[0] + first["output_ids"])
+    for out in (first, again):
+        assert out["output_ids"] == first["output_ids"]
+        for step, (lp, tok) in enumerate(out["meta_info"]["output_token_logprobs"]):
+            row = ref[len(PROMPTS[0]) - 1 + step]
+            assert tok == int(row.argmax())
+            assert abs(lp - row[tok].item()) < 1e-4, (step, lp, row[tok].item())
