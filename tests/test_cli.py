@@ -152,10 +152,8 @@ def test_resolve_fixture_on_profile(capsys, configs_dir, clean_plugin_env):
 def test_resolve_with_test_plugins_explains_adoption(capsys, configs_dir, global_test_plugins):
     code, out, err = run(capsys, "resolve", "--model-path",
                          config(configs_dir, "deepseek-v2-lite"), "--device-profile", "h200")
-    # the kernels are planned and explained, but no model implementation serves DeepSeek-V2:
-    # exit 1 now, not an engine failing after it loaded
-    assert code == 1 and "no model implementation serves DeepseekV2ForCausalLM" in err
-    assert "model impl         - (none registered)" in out
+    assert code == 0, err
+    assert "model impl         deepseek_v2" in out
     assert "decode attention   flashmla_like" in out
     assert "page size 64 adopted: required by flashmla_like" in out
     assert "MLA models need an MLA backend" in out  # the rejected candidates are explained
@@ -203,11 +201,17 @@ def test_resolve_unknown_backend_lists_registered_names(capsys, configs_dir, cle
     assert "registered attention backends: " in out and "torch_native" in out
 
 
-def test_resolve_mla_with_builtins_only_fails(capsys, configs_dir, clean_plugin_env):
+@pytest.mark.parametrize("profile", ["x86-cpu", "h200"])
+def test_resolve_mla_with_builtins(capsys, configs_dir, clean_plugin_env, profile):
+    """The built-in MLA backend (torch_native_mla, the reference; no triton MLA yet) serves
+    DeepSeek-V2-Lite; the per-head backends are refused with the reason."""
     code, out, _ = run(capsys, "resolve", "--model-path", config(configs_dir, "deepseek-v2-lite"),
-                       "--device-profile", "h200")
-    assert code == 1
-    assert "torch_native: MLA models need an MLA backend" in out
+                       "--device-profile", profile)
+    assert code == 0, out
+    assert "prefill attention  torch_native_mla" in out
+    assert "decode attention   torch_native_mla" in out
+    assert "model impl         deepseek_v2" in out
+    assert "MLA models need an MLA backend" in out  # torch_native and the others, refused
 
 
 def test_resolve_default_model(capsys, clean_plugin_env):

@@ -80,8 +80,32 @@ def test_old_style_rope_config():
 
     p = rope_parameters(Old())
     assert p["rope_type"] == "linear" and p["rope_theta"] == 1234.0
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
-        inv_frequencies(16, {"rope_type": "yarn", "rope_theta": 1.0}, 8)
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
+        inv_frequencies(16, {"rope_type": "longrope", "rope_theta": 1.0}, 8)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707},  # DeepSeek-V2(-Lite)
+    {"factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 16},
+    {"factor": 8.0}])  # no mscales: YaRN's default attention factor
+def test_yarn_matches_hf(scaling):
+    """DeepSeek's YaRN: inverse frequencies and cos/sin factor as transformers computes them,
+    and the softmax mscale it folds into MLA's scale."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_mscale
+
+    from core.layers.rotary import attention_factor, yarn_softmax_mscale
+
+    params = {"rope_type": "yarn", "rope_theta": 10000.0,
+              "original_max_position_embeddings": 4096, **scaling}
+    cfg = transformers.DeepseekV2Config(qk_rope_head_dim=64, max_position_embeddings=163840,
+                                        rope_parameters=dict(params))
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    ours = rope_parameters(cfg)
+    torch.testing.assert_close(inv_frequencies(64, ours, 163840), inv.float())
+    assert attention_factor(ours, 163840) == pytest.approx(factor)
+    assert 0.5 * yarn_softmax_mscale(ours, 163840) == pytest.approx(
+        yarn_apply_mscale(cfg.rope_parameters, 0.5))
 
 
 def test_rotary_matches_hf_apply():

@@ -196,7 +196,13 @@ class HardwareCaps(_Frozen):
 
 @dataclass(frozen=True)
 class AttentionCaps(_Frozen):
-    """What an attention backend supports. Every field is checked by the resolver."""
+    """What an attention backend supports. Every field is checked by the resolver.
+
+    A backend declaring "MLA" in attention_kinds implements core.contract.mla (its factory
+    returns an MLAAttentionBackend); for an MLA model `head_sizes` is checked against the
+    latent width (kv_lora_rank + qk_rope_head_dim, 576 for DeepSeek-V2/V3), `kv_cache_dtypes`
+    against the latent cache's dtype, `page_sizes` as for any backend (FlashMLA's 64).
+    """
 
     devices: frozenset[str] = frozenset()  # targets: cuda, rocm, xpu, npu, cpu
     capability: Mapping[str, CapabilityRange] = field(default_factory=dict)  # per device
@@ -269,14 +275,18 @@ class MoECaps(_Frozen):
     # Runs one expert-parallel rank's share: weights of experts [expert_offset, + local) only,
     # routing over all of them (MoELayerParams.expert_offset / num_local_experts, core.contract.moe).
     expert_parallel: bool = False
+    # Routes with a per-expert correction bias (DeepSeek-V3's noaux_tc: experts chosen on
+    # scores + bias, groups ranked by their top-2 sum, weights the unbiased scores;
+    # MoELayerParams.correction_bias).
+    correction_bias: bool = False
 
     _sets = ("devices", "cpu_isa", "dtypes", "quant_methods", "quant_formats", "activations",
              "scoring_funcs")
     _maps = ("capability", "priority")
 
     def summary(self) -> str:
-        flags = [n for n in ("grouped_topk", "shared_experts", "cuda_graph", "expert_parallel")
-                 if getattr(self, n)]
+        flags = [n for n in ("grouped_topk", "correction_bias", "shared_experts", "cuda_graph",
+                             "expert_parallel") if getattr(self, n)]
         limits = [f"{n}={getattr(self, n)}" for n in ("max_experts", "max_top_k")
                   if getattr(self, n) is not None]
         return (f"devices={','.join(sorted(self.devices))} dtypes={','.join(sorted(self.dtypes))} "

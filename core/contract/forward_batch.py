@@ -10,7 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from core.contract.attention import AttentionBackend  # it imports this module
-    from core.engine.memory.kv_cache import KVPool
+    from core.engine.memory.kv_cache import KVPool, MLAKVPool
 
 
 class ForwardMode(enum.Enum):
@@ -45,7 +45,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor
     req_pool_indices: torch.Tensor
     req_to_token: torch.Tensor  # [max_reqs, max_context] int32 (the pool's table)
-    kv_pool: KVPool
+    kv_pool: KVPool | MLAKVPool  # MLAKVPool for MLA models (core.contract.mla)
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]

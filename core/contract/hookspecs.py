@@ -55,7 +55,8 @@ def core_register_attention_backends(register):
     """Register attention backends: register(name, AttentionCaps, factory).
 
     `factory(ctx: core.contract.attention.BackendContext)` returns an object implementing
-    core.contract.attention.AttentionBackend.
+    core.contract.attention.AttentionBackend; one declaring the "MLA" attention kind returns a
+    core.contract.mla.MLAAttentionBackend (the latent cache, absorbed / materialised forms).
     """
 
 

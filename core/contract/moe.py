@@ -72,6 +72,11 @@ class MoELayerParams:
     # theirs; `shared`, when given, is added once, here). None: every expert is local.
     expert_offset: int = 0
     num_local_experts: int | None = None
+    # DeepSeek-V3's noaux_tc routing: a per-expert bias [E] fp32 (the checkpoint's
+    # e_score_correction_bias) added to the scores to choose the experts (and, with groups, to
+    # rank each group by the sum of its two best biased scores); the weights are the unbiased
+    # scores. None: experts (and groups, by their best score) chosen on the scores themselves.
+    correction_bias: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.scoring_func not in SCORING_FUNCS:
@@ -131,19 +136,26 @@ def expert_scores(router_logits: torch.Tensor, scoring_func: str = "softmax") ->
     raise ValueError(f"unknown scoring function {scoring_func!r} (known: {SCORING_FUNCS})")
 
 
-def limit_to_groups(scores: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+def limit_to_groups(scores: torch.Tensor, num_groups: int, topk_groups: int,
+                    top2_sum: bool = False) -> torch.Tensor:
     """Grouped top-k: experts split into `num_groups` equal groups, each scored by its best
-    expert; experts outside the best `topk_groups` groups get score 0 (never selected before
-    an eligible one). scores [T, E] -> [T, E]."""
+    expert (or, top2_sum, by the sum of its two best: DeepSeek-V3's noaux_tc); experts outside
+    the best `topk_groups` groups get score 0, or -inf with top2_sum (biased scores may be
+    negative); never selected before an eligible one. scores [T, E] -> [T, E]."""
     T, E = scores.shape
     if E % num_groups:
         raise ValueError(f"{E} experts do not split into {num_groups} groups")
     if not 1 <= topk_groups <= num_groups:
         raise ValueError(f"topk_groups {topk_groups} must be in 1..{num_groups}")
-    group_scores = scores.view(T, num_groups, E // num_groups).amax(dim=-1)  # [T, G]
+    grouped = scores.view(T, num_groups, E // num_groups)
+    if top2_sum:
+        group_scores = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(dim=-1)
+    else:
+        group_scores = grouped.amax(dim=-1)  # [T, G]
     keep = torch.zeros_like(group_scores, dtype=torch.bool)
     keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
-    return scores.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1), 0.0)
+    return scores.masked_fill(~keep.repeat_interleave(E // num_groups, dim=1),
+                              float("-inf") if top2_sum else 0.0)
 
 
 def renormalized(weights: torch.Tensor) -> torch.Tensor:
@@ -153,17 +165,28 @@ def renormalized(weights: torch.Tensor) -> torch.Tensor:
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool = True,
                    grouped_topk: tuple[int, int] | None = None, scoring_func: str = "softmax",
-                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   routed_scaling_factor: float = 1.0,
+                   correction_bias: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k routing: (weights [T, k] fp32, expert ids [T, k] int64), best expert first.
 
     Scores (softmax or sigmoid, fp32), optionally limited to the best expert groups, then the k
     best experts; their weights are the scores, renormalized to sum 1 when asked, then scaled.
+    With a correction bias [E] (noaux_tc) the choice (groups ranked by their top-2 sum, then
+    experts) is made on scores + bias, and the weights are the chosen experts' unbiased scores.
     No host sync: usable inside a CUDA graph.
     """
     scores = expert_scores(router_logits, scoring_func)
-    if grouped_topk is not None:
-        scores = limit_to_groups(scores, *grouped_topk)
-    weights, ids = scores.topk(top_k, dim=-1)
+    if correction_bias is not None:
+        choice = scores + correction_bias.float()
+        if grouped_topk is not None:
+            choice = limit_to_groups(choice, *grouped_topk, top2_sum=True)
+        ids = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    else:
+        if grouped_topk is not None:
+            scores = limit_to_groups(scores, *grouped_topk)
+        weights, ids = scores.topk(top_k, dim=-1)
     if renormalize:
         weights = renormalized(weights)
     if routed_scaling_factor != 1.0:
@@ -175,7 +198,8 @@ def route(router_logits: torch.Tensor, layer: MoELayerParams
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """`select_experts` with one layer's parameters."""
     return select_experts(router_logits, layer.top_k, layer.renormalize, layer.grouped_topk,
-                          layer.scoring_func, layer.routed_scaling_factor)
+                          layer.scoring_func, layer.routed_scaling_factor,
+                          layer.correction_bias)
 
 
 # ---- form "fp8" (see MoEWeights): reference dequantization for runners ----------------------

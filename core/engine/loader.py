@@ -492,6 +492,7 @@ def _load(args: ServerArgs, plan: Plan, registry: Registry, model_path: str,
                    file=sys.stderr, leave=False)
         model.load_weights(bar)
         bar.close()
+        notes.extend(getattr(model, "load_notes", ()))  # what the model skipped, in its words
     held = quant.load_summary()  # what a method kept, in its own words (None: nothing to say)
     if held:
         notes.append(held)

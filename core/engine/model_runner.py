@@ -17,7 +17,7 @@ import torch
 from core.contract.attention import AttentionBackend, BackendContext
 from core.contract.forward_batch import ForwardBatch, ForwardMode
 from core.contract.platform import Platform, platform_for_device
-from core.engine.memory.kv_cache import KVPool
+from core.engine.memory.kv_cache import KVPool, MLAKVPool
 from core.engine.memory.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def make_backends(registry: Registry, prefill: str, decode: str, ctx: BackendCon
 class ModelRunner:
     """Runs extend (prefill, possibly over a cached prefix or in chunks) and decode forwards."""
 
-    def __init__(self, model: nn.Module, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+    def __init__(self, model: nn.Module, kv_pool: KVPool | MLAKVPool, req_to_token: ReqToTokenPool,
                  prefill_backend: AttentionBackend, decode_backend: AttentionBackend,
                  device: torch.device | str, platform: Platform | None = None):
         self.model = model

@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # torch and the engine's modules are imported where a phase n
     from core.engine.distributed import RankSpec, TPGroup
     from core.engine.graphs import GraphDecision
     from core.engine.loader import HFConfig, LoadedModel
-    from core.engine.memory.kv_cache import KVPool
+    from core.engine.memory.kv_cache import KVPool, MLAKVPool
     from core.engine.memory.memory_pool import ReqToTokenPool
     from core.engine.model_runner import ModelRunner
     from core.engine.scheduler import Req, Scheduler
@@ -150,6 +150,19 @@ def plan_memory(args: ServerArgs, plan: Plan, spec: ModelSpec, cfg: HFConfig, dt
                       (defaults.note, kv_note))
 
 
+def kv_bytes_per_token(spec: ModelSpec, kv_heads: int, kv_dtype: torch.dtype) -> int:
+    """KV-cache bytes one token takes over all layers: K and V of `kv_heads` heads, or for MLA
+    models one latent row of kv_lora_rank + qk_rope_head_dim values (core.contract.mla)."""
+    from core.engine.memory.kv_cache import KVPool, MLAKVPool
+
+    if spec.attention_kind == "MLA":
+        mla = spec.mla or {}
+        return MLAKVPool.bytes_per_token(spec.num_layers, int(mla["kv_lora_rank"]),
+                                         int(mla["qk_rope_head_dim"]), kv_dtype)
+    return KVPool.bytes_per_token(spec.num_layers, kv_heads, spec.head_dim, kv_dtype,
+                                  spec.v_head_dim)
+
+
 def kv_dtype_of(plan: Plan) -> torch.dtype:
     """The torch dtype of the plan's KV cache (the contract's fp8 names map to torch's)."""
     import torch
@@ -165,16 +178,22 @@ def kv_dtype_of(plan: Plan) -> torch.dtype:
 def build_kv(plan: Plan, spec: ModelSpec, mem: MemoryPlan, kv_dtype: torch.dtype,
              device: torch.device, max_context: int, loaded: LoadedModel,
              kv_heads: int | None = None, platform: Platform | None = None
-             ) -> tuple[KVPool, ReqToTokenPool]:
+             ) -> tuple[KVPool | MLAKVPool, ReqToTokenPool]:
     """Phase 2: the paged KV pool (writing through the layer ops' store, its buffers from the
     platform) and the request table. kv_heads: the KV heads this rank holds (default: the
     model's)."""
-    from core.engine.memory.kv_cache import KVPool, checkpoint_kv_scales
+    from core.engine.memory.kv_cache import KVPool, MLAKVPool, checkpoint_kv_scales
     from core.engine.memory.memory_pool import ReqToTokenPool
 
     page = plan.page_size
     k_scale, v_scale = checkpoint_kv_scales(loaded.model, kv_dtype, loaded.notes)
     # One extra page: page 0 is the padding sink, so `kv_tokens` stay usable.
+    if spec.attention_kind == "MLA":  # one latent row per token (core.contract.mla)
+        mla = spec.mla or {}
+        pool = MLAKVPool(mem.kv_tokens + page, spec.num_layers, int(mla["kv_lora_rank"]),
+                         int(mla["qk_rope_head_dim"]), kv_dtype, device, page,
+                         platform=platform)
+        return pool, ReqToTokenPool(mem.max_running, max_context, device)
     kv_heads = spec.num_kv_heads if kv_heads is None else kv_heads
     kv_pool = KVPool(mem.kv_tokens + page, spec.num_layers, kv_heads, spec.head_dim,
                      kv_dtype, device, page, spec.v_head_dim, k_scale=k_scale, v_scale=v_scale,
@@ -184,7 +203,7 @@ def build_kv(plan: Plan, spec: ModelSpec, mem: MemoryPlan, kv_dtype: torch.dtype
 
 
 def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Platform,
-                 loaded: LoadedModel, kv_pool: KVPool, req_to_token: ReqToTokenPool,
+                 loaded: LoadedModel, kv_pool: KVPool | MLAKVPool, req_to_token: ReqToTokenPool,
                  kv_dtype: torch.dtype, device: torch.device, max_context: int,
                  mem: MemoryPlan, heads: int | None = None, kv_heads: int | None = None
                  ) -> tuple[ModelRunner, str]:
@@ -385,7 +404,6 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
     from core.contract.platform import load_platform
     from core.engine.distributed import SINGLE, all_min, share_threads
     from core.engine.loader import load_model
-    from core.engine.memory.kv_cache import KVPool
 
     if plan.device.simulated:
         raise ValueError(f"cannot run on a simulated device ({plan.device.describe()}); "
@@ -406,8 +424,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
     max_context = int(getattr(cfg, "max_position_embeddings", None) or spec.context_length)
     kv_dtype = kv_dtype_of(plan)
     heads, kv_heads = local_heads(spec, tp)
-    per_token = KVPool.bytes_per_token(spec.num_layers, kv_heads, spec.head_dim,
-                                       kv_dtype, spec.v_head_dim)
+    per_token = kv_bytes_per_token(spec, kv_heads, kv_dtype)
     mem = plan_memory(args, plan, spec, cfg, loaded.dtype.itemsize, per_token,
                       platform.memory(index)[0] // sharing if args.max_total_tokens is None
                       else 0, platform)

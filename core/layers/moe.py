@@ -39,7 +39,7 @@ class MoE(nn.Module):
                  ctx, renormalize: bool = True, activation: str = "silu",
                  grouped_topk: tuple[int, int] | None = None, router_bias: bool = False,
                  scoring_func: str = "softmax", routed_scaling_factor: float = 1.0,
-                 layer_id: int = 0):
+                 layer_id: int = 0, correction_bias: bool = False):
         super().__init__()
         if ctx.moe_runner is None:
             raise ValueError("this model has MoE layers but no MoE runner was chosen")
@@ -52,12 +52,19 @@ class MoE(nn.Module):
             self._i_part = self.tp.split(intermediate_size, "MoE intermediate size")
             intermediate_size = self._i_part[1]
         e0, local = self._e_part or (0, None)
+        # noaux_tc routing (DeepSeek-V3): the checkpoint's per-expert bias, fp32, loaded in
+        # place (the params below hold this tensor)
+        bias = None
+        if correction_bias:
+            bias = self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32, device=ctx.device),
+                requires_grad=False)
         self.params = MoELayerParams(
             layer_id=layer_id, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
             intermediate_size=intermediate_size, renormalize=renormalize,
             scoring_func=scoring_func, grouped_topk=grouped_topk,
             routed_scaling_factor=routed_scaling_factor, activation=activation,
-            expert_offset=e0, num_local_experts=local)
+            expert_offset=e0, num_local_experts=local, correction_bias=bias)
         self.num_experts = num_experts
         self.top_k = top_k
         self.intermediate_size = intermediate_size

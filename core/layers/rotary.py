@@ -1,6 +1,7 @@
 """Rotary position embedding (NeoX / HF half-rotation layout), cos/sin computed in fp32.
 
-Supported `rope_type`s: default, linear, llama3. Parameters are read from an HF config in either
+Supported `rope_type`s: default, linear, llama3, yarn (DeepSeek's: its attention factor scales
+cos/sin; the softmax-scale part, mscale_all_dim, is the model's: `yarn_softmax_mscale`). Parameters are read from an HF config in either
 transformers 5 form (`rope_parameters`) or the older one (`rope_theta` + `rope_scaling`).
 """
 
@@ -50,7 +51,68 @@ def inv_frequencies(head_dim: int, params: JSONObject, max_position: int) -> tor
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn_inv_frequencies(inv, head_dim, base, params, max_position)
+    raise ValueError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3, "
+                     f"yarn)")
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_factor(params: JSONObject, max_position: int) -> float:
+    factor = params.get("factor")
+    if factor is None:  # DeepSeek-V3 may leave it to the two lengths
+        return max_position / float(params["original_max_position_embeddings"])
+    return float(factor)
+
+
+def _yarn_inv_frequencies(inv: torch.Tensor, head_dim: int, base: float, params: JSONObject,
+                          max_position: int) -> torch.Tensor:
+    """YaRN: low frequencies interpolated by `factor`, high ones kept, a linear ramp between
+    the dims that turn beta_slow and beta_fast times over the original context."""
+    factor = _yarn_factor(params, max_position)
+    old_len = float(params["original_max_position_embeddings"])
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times over old_len
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    return (inv / factor) * (1 - keep) + inv * keep
+
+
+def attention_factor(params: JSONObject, max_position: int) -> float:
+    """What cos/sin are multiplied by: YaRN's attention factor (given, or mscale / mscale_all_dim
+    ratio, or its default mscale); 1 for the other rope types."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = _yarn_factor(params, max_position)
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all))
+    return yarn_mscale(factor)
+
+
+def yarn_softmax_mscale(params: JSONObject, max_position: int) -> float:
+    """The factor MLA models (DeepSeek) fold into the softmax scale: mscale(factor,
+    mscale_all_dim) ** 2 under YaRN with mscale_all_dim set, else 1."""
+    if params["rope_type"] == "default" or not params.get("mscale_all_dim"):
+        return 1.0
+    m = yarn_mscale(_yarn_factor(params, max_position), float(params["mscale_all_dim"]))
+    return m * m
 
 
 class RotaryEmbedding(nn.Module):
@@ -62,6 +124,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         self.inv_freq = inv_frequencies(head_dim, params, max_position).to(device)
+        self.scale = attention_factor(params, max_position)  # YaRN's; 1 otherwise
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
         # The whole table when it is small (up to 4M entries), so that lookups never sync.
@@ -71,6 +134,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)  # [n, D/2]; the product HF computes, in fp32
         cos, sin = freqs.cos(), freqs.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
         self._cos = torch.cat((cos, cos), dim=-1)  # [n, D]
         self._sin = torch.cat((-sin, sin), dim=-1)
 

@@ -220,6 +220,9 @@ def check_moe(caps: MoECaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str 
     if moe.grouped_topk and not caps.grouped_topk:
         reasons.append(f"no grouped top-k routing (model {spec.architecture} routes within "
                        f"expert groups)")
+    if moe.correction_bias and not caps.correction_bias:
+        reasons.append(f"no routing with a correction bias (model {spec.architecture} routes "
+                       f"with noaux_tc: e_score_correction_bias, groups by their top-2 sum)")
     if moe.num_shared_experts and not caps.shared_experts:
         reasons.append(f"no shared-expert support (model has {moe.num_shared_experts})")
     if caps.max_experts is not None and moe.num_experts > caps.max_experts:

@@ -54,6 +54,7 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("dense", "llama-3.1-8b.json"),
     ("MoE", "qwen3-30b-a3b.json"),
     ("Gemma 2 (soft-caps, windows)", "gemma-2-9b.json"),
+    ("MLA", "deepseek-v2-lite.json"),  # DeepSeek-V2 / V3: MLA attention, DeepSeek MoE
 )
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "configs"
 

@@ -48,6 +48,8 @@ class MoESpec:
     shared_expert_gate: bool = False
     routed_scaling_factor: float = 1.0
     moe_layers: tuple[int, ...] = ()
+    # DeepSeek-V3's noaux_tc: experts chosen on scores + e_score_correction_bias
+    correction_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -249,10 +251,13 @@ def _moe(f: _Fields, notes: list[str], num_layers: int = 0) -> MoESpec | None:
     if shared and shared_size is None and inter:
         shared_size = int(shared) * int(inter)  # DeepSeek: n_shared experts as one wide MLP
     norm = f.get("norm_topk_prob")
-    scoring = str(f.get("scoring_func") or "softmax")
+    method = f.get("topk_method")
+    if method is None and f.get("model_type") == "deepseek_v3":
+        method = "noaux_tc"  # transformers' DeepseekV3 routes so whatever the config says
+    scoring = str(f.get("scoring_func") or ("sigmoid" if method == "noaux_tc" else "softmax"))
     groups, topk_groups = f.get("n_group"), f.get("topk_group")
     grouped = ((groups or 1) > 1 or (topk_groups or 1) > 1
-               or f.get("topk_method") == "group_limited_greedy")
+               or method == "group_limited_greedy")
     # GPT-OSS experts use a clamped SwiGLU with its own alpha, not plain SiLU gating
     activation = "swigluoai" if f.get("swiglu_limit") is not None else (f.get("hidden_act")
                                                                        or "silu")
@@ -271,6 +276,7 @@ def _moe(f: _Fields, notes: list[str], num_layers: int = 0) -> MoESpec | None:
         shared_expert_intermediate_size=int(shared_size) if shared_size else None,
         shared_expert_gate=bool(f.get("shared_expert_intermediate_size")),
         routed_scaling_factor=float(f.get("routed_scaling_factor") or 1.0),
+        correction_bias=method == "noaux_tc",
         moe_layers=moe_layer_ids(num_layers, f.get("decoder_sparse_step"),
                                  f.get("mlp_only_layers"), f.get("first_k_dense_replace")),
     )

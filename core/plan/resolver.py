@@ -193,10 +193,15 @@ def _attention(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: 
         try:
             options.append(slot.options())
         except ResolveError as exc:
-            if user is None:
-                exc = ResolveError(f"no {phase} attention backend fits {spec.architecture} on "
-                                   f"{_where(device)}", exc.reasons)
-            errors.append(exc)
+            if user is not None:
+                errors.append(exc)
+                continue
+            # the backends of the model's attention kind first (an MLA model's reasons start
+            # with the MLA backends', not with "MLA models need an MLA backend")
+            kind = [n for n in slot.names
+                    if spec.attention_kind in registry.kind("attention")[n].caps.attention_kinds]
+            errors.append(ResolveError(f"no {phase} attention backend fits {spec.architecture} "
+                                       f"on {_where(device)}", slot.all_reasons(first=kind)))
             continue
         if page is not None and user is None:
             # Say when the user's page size ruled out the backend that would otherwise win.

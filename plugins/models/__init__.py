@@ -16,10 +16,17 @@ BUILTIN: dict[str, tuple[tuple[str, ...], str]] = {
     "qwen3_moe": (("Qwen3MoeForCausalLM",), "plugins.models.qwen3_moe:Qwen3MoeForCausalLM"),
     "gemma2": (("Gemma2ForCausalLM",), "plugins.models.gemma:Gemma2ForCausalLM"),
     "gemma3": (("Gemma3ForCausalLM",), "plugins.models.gemma:Gemma3ForCausalLM"),
+    "deepseek_v2": (("DeepseekV2ForCausalLM",),
+                    "plugins.models.deepseek_v2:DeepseekV2ForCausalLM"),
+    "deepseek_v3": (("DeepseekV3ForCausalLM",),
+                    "plugins.models.deepseek_v2:DeepseekV3ForCausalLM"),
 }
+# implementations whose attention is multi-head latent attention (core.contract.mla)
+MLA_MODELS = frozenset({"deepseek_v2", "deepseek_v3"})
 
 
 @hookimpl
 def core_register_models(register):
     for name, (archs, factory) in BUILTIN.items():
-        register(name, ModelCaps(architectures=set(archs)), factory)
+        kinds = {"MLA"} if name in MLA_MODELS else {"MHA", "GQA", "MQA"}
+        register(name, ModelCaps(architectures=set(archs), attention_kinds=kinds), factory)

@@ -87,6 +87,59 @@ class KVPool:
         vb[loc] = v.to(self.dtype)
 
 
+class MLAKVPool:
+    """The MLA latent cache (core.contract.mla): one row of kv_lora_rank + qk_rope_head_dim
+    values per token and layer, [latent | k_rope], shared by every head.
+
+    Slots, pages, the padding sink slot 0 and `step` as in KVPool. Shapes:
+    latent_buffers[layer]: [num_slots, latent_dim]. No FP8 scale yet (k_scale = v_scale = 1).
+    """
+
+    k_scale = 1.0
+    v_scale = 1.0
+
+    def __init__(self, num_slots: int, num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, page_size: int = 1,
+                 platform: Platform | None = None):
+        if num_slots < page_size * 2:
+            raise ValueError(f"KV pool of {num_slots} slots is too small for page size "
+                             f"{page_size}")
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.latent_dim = kv_lora_rank + qk_rope_head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.page_size = page_size
+        if platform is None:
+            platform = platform_for_device(self.device)
+        self.latent_buffers = [platform.zeros((num_slots, self.latent_dim), dtype, self.device)
+                               for _ in range(num_layers)]
+        self.step = 0
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_lora_rank: int, qk_rope_head_dim: int,
+                        dtype: torch.dtype) -> int:
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return num_layers * (kv_lora_rank + qk_rope_head_dim) * elem
+
+    def begin_step(self) -> int:
+        """Start a forward step (or any write outside one); returns its number."""
+        self.step += 1
+        return self.step
+
+    def get_latent_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.latent_buffers[layer_id]
+
+    def set_latent(self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor,
+                   k_rope: torch.Tensor) -> None:
+        """Write new tokens' rows. loc: [T] slots; latent [T, kv_lora_rank]; k_rope [T, Dr]."""
+        buf = self.latent_buffers[layer_id]
+        buf[loc, :self.kv_lora_rank] = latent.to(self.dtype)
+        buf[loc, self.kv_lora_rank:] = k_rope.to(self.dtype)
+
+
 def checkpoint_kv_scales(model: object, kv_dtype: torch.dtype, notes: list[str]
                          ) -> tuple[float, float]:
     """An FP8 pool's (k_scale, v_scale): the checkpoint's calibrated per-layer scales where the

@@ -12,6 +12,7 @@ CAPS = MoECaps(
     activations={"silu", "gelu"},
     scoring_funcs={"softmax", "sigmoid"},
     grouped_topk=True,
+    correction_bias=True,
     shared_experts=True,
     cuda_graph=False,
     deterministic=True,

@@ -22,6 +22,8 @@ CAPS = MoECaps(
     activations={"silu"},  # SiLU-and-mul is fused into the gate/up kernel's epilogue
     scoring_funcs={"softmax", "sigmoid"},
     grouped_topk=True,
+    # noaux_tc's correction bias is not in its routing kernels yet: refused, not ignored
+    correction_bias=False,
     shared_experts=True,
     # The routing weights are gathered per (token, slot) row; 2^31 rows would be needed to
     # overflow, so no limit on experts; top-k is bounded by the experts only.

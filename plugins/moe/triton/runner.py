@@ -94,6 +94,9 @@ class TritonMoE(MoERunner):
                 layer: MoELayerParams, shared: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         fp8 = weights.form == "fp8"
+        if layer.correction_bias is not None:  # its caps refuse noaux_tc models
+            raise ValueError("the triton MoE runner does not route with a correction bias "
+                             "(noaux_tc) yet")
         if weights.form not in ("unquantized", "fp8"):
             raise ValueError(f"the triton MoE runner runs unquantized and fp8 experts, not "
                              f"{weights.form}")
