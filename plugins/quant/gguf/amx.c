@@ -82,29 +82,56 @@ static inline void dequant32(const uint8_t *codes, int bits, int bs, const void 
                           _mm512_set1_ps(scale_at(mn, f32, b1)));
 }
 
+/* rows r[0..15] of 16 dwords -> their transpose in place (out[c][i] = in[i][c]): 32-bit then
+ * 64-bit interleaves inside 128-bit lanes, then two rounds of lane shuffles. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* b[4i + q], lane L: rows 4i..4i+3 of column 4L + q */
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int q = 0; q < 4; q++) {
+        __m512i c0 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0x44);
+        __m512i c1 = _mm512_shuffle_i32x4(b[q], b[4 + q], 0xEE);
+        __m512i c2 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0x44);
+        __m512i c3 = _mm512_shuffle_i32x4(b[8 + q], b[12 + q], 0xEE);
+        r[q] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+        r[4 + q] = _mm512_shuffle_i32x4(c0, c2, 0xDD);
+        r[8 + q] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[12 + q] = _mm512_shuffle_i32x4(c1, c3, 0xDD);
+    }
+}
+
 /* Columns n0 .. n0 + 31 of W (zeros past N) into `panel`: for each kb, two B tiles of
  * 16 rows x 64 bytes; tile t, row r, column c holds bf16 (w[n0+16t+c][32kb+2r],
- * w[n0+16t+c][32kb+2r+1]). */
+ * w[n0+16t+c][32kb+2r+1]). Each column's 32 weights of a kb are one vector of 16 bf16
+ * pairs; sixteen of them transposed give a tile's rows. */
 static void dequant_panel(const uint8_t *codes, int bits, int bs, const void *sc, const void *mn,
                           int f32, int64_t N, int64_t K, int64_t n0, uint32_t *panel) {
     const int64_t kblocks = K / 32;
-    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                             5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
-    for (int64_t j = 0; j < 32; j++) {
-        const int64_t n = n0 + j;
-        uint32_t *col = panel + (j / 16) * 256 + (j % 16); /* tile j / 16, column j % 16 */
-        for (int64_t kb = 0; kb < kblocks; kb++) {
-            __m512i pairs;
-            if (n < N) {
-                __m512 lo, hi;
-                dequant32(codes, bits, bs, sc, mn, f32, n, K, kb, &lo, &hi);
-                /* 32 bf16, k order: dword r = (k 2r, k 2r + 1) */
-                pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-            } else {
-                pairs = _mm512_setzero_si512();
+    __m512i col[16];
+    for (int64_t kb = 0; kb < kblocks; kb++) {
+        for (int t = 0; t < 2; t++) {
+            for (int j = 0; j < 16; j++) {
+                const int64_t n = n0 + 16 * t + j;
+                if (n < N) {
+                    __m512 lo, hi;
+                    dequant32(codes, bits, bs, sc, mn, f32, n, K, kb, &lo, &hi);
+                    /* 32 bf16 in k order: dword r = (k 2r, k 2r + 1) */
+                    col[j] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                } else {
+                    col[j] = _mm512_setzero_si512();
+                }
             }
-            _mm512_i32scatter_epi32(col + kb * 512, rows, pairs, 4);
+            transpose16(col);
+            uint32_t *tile = panel + kb * 512 + t * 256;
+            for (int r = 0; r < 16; r++) _mm512_store_si512((__m512i *)(tile + r * 16), col[r]);
         }
     }
 }
@@ -140,8 +167,20 @@ int gq_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                   int out_bf16, int64_t N, int nthreads) {
     if (K % 32 || (bits == 4 && bs != 32) || (bs != 32 && bs != 16)) return -1;
     const int64_t panels = (N + 31) / 32, kblocks = K / 32, Mp = (M + 31) / 32 * 32;
-    const int64_t stride = K * 2; /* bytes between rows of x */
     if (nthreads < 1) nthreads = 1;
+    /* x in the A tiles' order (block of 32 rows, then kb, then the two 16-row tiles), so each
+     * tile load reads 1 KiB in a row: strided loads of x's rows (one cache line each, from
+     * L2) kept the tiles waiting. */
+    uint16_t *xa = (uint16_t *)_mm_malloc((size_t)Mp * K * 2, 64);
+    if (!xa) return -2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (Mp * K >= 65536)
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            uint16_t *dst = xa + m0 * K + kb * 1024;
+            for (int64_t i = 0; i < 32; i++)
+                memcpy(dst + i * 32, x + (m0 + i) * K + kb * 32, 64);
+        }
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
@@ -160,10 +199,10 @@ int gq_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
                     _tile_zero(1);
                     _tile_zero(2);
                     _tile_zero(3);
-                    const char *a = (const char *)(x + m0 * K);
+                    const uint16_t *a = xa + m0 * K;
                     for (int64_t kb = 0; kb < kblocks; kb++) {
-                        _tile_loadd(4, a + kb * 64, stride);
-                        _tile_loadd(5, a + 16 * stride + kb * 64, stride);
+                        _tile_loadd(4, a + kb * 1024, 64);
+                        _tile_loadd(5, a + kb * 1024 + 512, 64);
                         _tile_loadd(6, panel + kb * 512, 64);
                         _tile_loadd(7, panel + kb * 512 + 256, 64);
                         _tile_dpbf16ps(0, 4, 6);
@@ -182,5 +221,6 @@ int gq_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
             _mm_free(panel);
         }
     }
+    _mm_free(xa);
     return failed ? -2 : 0;
 }
