@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     from plugins.hardware.cpu_runtime import onednn_linear, onednn_pack
 
     flags = cpu_flags()
-    variants = [v for v, need in ISA_FEATURES.items() if need <= flags]
+    # kernels.c's variants (amx.c has its own bench: bench/bench_gguf_amx.py)
+    variants = [v for v, need in ISA_FEATURES.items() if need <= flags and v != "amx"]
     bw = copy_bandwidth()
     report = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "copy_GBps": bw / 1e9, "variants": variants,

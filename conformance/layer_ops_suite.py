@@ -141,7 +141,7 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device,
         f = fn()
         if f is None:
             _not_provided(op, dtype, declared, "the layers run the reference")
-        for t, i in ((7, 96), (1, 1408), (0, 64)):
+        for t, i in ((7, 96), (1, 1408), (0, 64), (3, 37)):  # 37: a vector kernel's tail
             x = rnd(t, 2 * i)
             _close(f(x), ref.silu_and_mul()(x), dtype, f"silu_and_mul t={t} i={i}")
     elif op == "rotary_qk":

@@ -70,8 +70,11 @@ def _compute_dtype(spec: ModelSpec, device: DeviceInfo, args: ServerArgs,
     if asked is not None:
         return asked
     if device.device_type == "cpu":
+        amx = (" This CPU has AMX bf16 tiles: under --dtype bfloat16, prefill-sized products "
+               "run on them (quant gguf_amx, for GGUF checkpoints)."
+               if device.has("amx_bf16") else "")
         notes.append(f"compute dtype float32: the CPU default for --dtype auto (config says "
-                     f"{config or 'nothing'}; pass --dtype bfloat16 to use bf16)")
+                     f"{config or 'nothing'}; pass --dtype bfloat16 to use bf16).{amx}")
         return "float32"
     if config == "bfloat16" and not device.has("bf16"):
         notes.append(f"compute dtype float16: config says bfloat16 but {_where(device)} has "

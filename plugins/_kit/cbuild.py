@@ -31,6 +31,9 @@ ISA_FLAGS = {
                     "-mf16c"),
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "portable": (),
+    # AMX tiles (bf16 and int8) beside AVX-512 BF16 / VNNI: Sapphire Rapids and later Xeons
+    "amx": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mavx2",
+            "-mfma", "-mf16c", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
 }
 # the CPU features (plugins/hardware/cpu.py spelling) each variant needs
 ISA_FEATURES = {
@@ -38,6 +41,8 @@ ISA_FEATURES = {
                               "f16c"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "portable": frozenset(),
+    "amx": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx2",
+                      "fma", "f16c", "amx_tile", "amx_bf16", "amx_int8"}),
 }
 BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-shared", "-fPIC")
 

@@ -101,3 +101,64 @@ class Kernels:
         if rc != 0:
             raise RuntimeError(f"gq_dequant failed ({rc})")
         return out if rows is None else out.reshape(*rows.shape, k)
+
+
+AMX_SOURCE = Path(__file__).with_name("amx.c")
+
+
+@functools.cache
+def amx_library() -> ctypes.CDLL:
+    """amx.c built for the `amx` variant, with the process granted the AMX tile state
+    (RuntimeError when the compiler cannot build it or the kernel refuses the state)."""
+    lib = build(AMX_SOURCE, "amx")
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.gq_amx_linear.argtypes = [p, i64, i64, p, i32, i32, p, p, i32, p, p, i32, i64, i32]
+    lib.gq_amx_linear.restype = i32
+    lib.gq_amx_variant.restype = ctypes.c_char_p
+    if lib.gq_amx_init() != 0:
+        raise RuntimeError("the kernel did not grant this process the AMX tile state "
+                           "(arch_prctl ARCH_REQ_XCOMP_PERM)")
+    return lib
+
+
+class AmxKernels:
+    """x (bf16) @ W^T over Packed matrices on AMX bf16 tiles (amx.c): each call dequantizes
+    the weight panel by panel into the tiles' layout and streams every row of x past it, so
+    the weights stay in their blocks; for prefill and batched decode."""
+
+    def __init__(self):
+        self.lib = amx_library()
+
+    def bind(self, w: Packed, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None):
+        """x -> x @ W^T (+ bias, fp32) in out_dtype (x's); x bf16 [..., K]."""
+        n, k = w.shape
+        if k % 32 or (w.bits == 4 and w.bs != 32) or w.bs not in (16, 32):
+            raise ValueError(f"AMX kernel takes K a multiple of 32 and blocks of 16 / 32, "
+                             f"not K={k} with {w.bits}-bit blocks of {w.bs}")
+        fn = self.lib.gq_amx_linear
+        wargs = (w.codes.data_ptr(), w.bits, w.bs, w.scales.data_ptr(), w.mins.data_ptr(),
+                 int(w.scales.dtype == torch.float32),
+                 bias.data_ptr() if bias is not None else None)
+        threads = torch.get_num_threads()
+        keep = (w, bias)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            dt = out_dtype or x.dtype
+            if x.dtype != torch.bfloat16 or dt not in _DT:
+                raise ValueError(f"the AMX kernel takes bf16 activations, got {x.dtype} -> {dt}")
+            if x.shape[-1] != k:
+                raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
+            x2 = x.reshape(-1, k)
+            m = x2.shape[0]
+            pad = -m % 32  # the tiles read whole blocks of 32 rows
+            if pad or not x2.is_contiguous():
+                x2 = torch.cat((x2, x2.new_zeros(pad, k))) if pad else x2.contiguous()
+            y = torch.empty(m, n, dtype=dt)
+            rc = fn(x2.data_ptr(), m, k, *wargs, y.data_ptr(), _DT[dt], n, threads)
+            if rc != 0:
+                raise RuntimeError(f"gq_amx_linear failed ({rc})")
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+        run.keep = keep
+        return run

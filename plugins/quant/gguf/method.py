@@ -25,7 +25,7 @@ from torch import nn
 
 from core.contract.quant import QuantMethod, QuantScheme, load_shard
 from plugins.quant.gguf.formats import SUPPORTED, Packed, from_ggml, stack
-from plugins.quant.gguf.kernels import Kernels
+from plugins.quant.gguf.kernels import AmxKernels, Kernels
 
 # From this many rows of input on, dequantize + torch's GEMM (prefill) instead of the kernels:
 # bench/bench_gguf_kernels.py found the kernels ahead at 16 rows and behind at 512 (both on this
@@ -37,18 +37,32 @@ def _is_blocks(t: object) -> bool:
     return hasattr(t, "ggml_type") and hasattr(t, "data")
 
 
+# gguf_amx: from this many rows of bf16 input on, the AMX tile kernel (amx.c) instead of the
+# VNNI kernel and of dequantize + F.linear: bench/bench_gguf_amx.py on a 2-core Xeon with AMX
+# found it ahead of the VNNI kernel from 32 rows on (SmolLM2's and Llama-3-8B's shapes), and
+# level with or ahead of dequantize + F.linear up to 512 rows, without the dequantized copy.
+AMX_MIN_ROWS = 32
+
+
 def product(kernels: Kernels, w: Packed, bias: torch.Tensor | None = None,
-            out_dtype: torch.dtype | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+            out_dtype: torch.dtype | None = None,
+            amx: AmxKernels | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ W^T (+ bias): the kernels below DEQUANT_MIN_ROWS rows, dequantize + F.linear
-    from there on; out_dtype (None: x's) for the LM head's fp32 logits."""
-    small = kernels.bind(w, bias.detach().float().contiguous() if bias is not None else None,
-                         out_dtype)
+    from there on; out_dtype (None: x's) for the LM head's fp32 logits. With `amx`, bf16
+    inputs of AMX_MIN_ROWS rows or more go to the AMX tile kernel instead (each row's result
+    is then the same whatever the batch holds, as it is under the VNNI kernel)."""
+    fbias = bias.detach().float().contiguous() if bias is not None else None
+    small = kernels.bind(w, fbias, out_dtype)
+    tiles = amx.bind(w, fbias, out_dtype) if amx is not None else None
     dequantize = kernels.dequantize
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] >= DEQUANT_MIN_ROWS:
-            y = F.linear(x, dequantize(w, x.dtype), bias)
-            return y if out_dtype is None else y.to(out_dtype)
+        if x.dim() == 2:
+            if tiles is not None and x.dtype == torch.bfloat16 and x.shape[0] >= AMX_MIN_ROWS:
+                return tiles(x)
+            if x.shape[0] >= DEQUANT_MIN_ROWS:
+                y = F.linear(x, dequantize(w, x.dtype), bias)
+                return y if out_dtype is None else y.to(out_dtype)
         return small(x)
 
     return run
@@ -58,9 +72,9 @@ class GGUFTable:
     """A token embedding / LM head weight kept as blocks: rows for lookups, logits for the
     head."""
 
-    def __init__(self, packed: Packed, kernels: Kernels):
+    def __init__(self, packed: Packed, kernels: Kernels, amx: AmxKernels | None = None):
         self.packed, self.kernels = packed, kernels
-        self.logits = product(kernels, packed, out_dtype=torch.float32)  # hidden -> fp32
+        self.logits = product(kernels, packed, out_dtype=torch.float32, amx=amx)  # -> fp32
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.kernels.dequantize(self.packed, dtype, rows=ids)
@@ -72,11 +86,13 @@ class GGUFLinearMethod(QuantMethod):
     takes_raw_gguf = True
     variant = "portable"
     act_bits = 16
+    amx_tiles = False  # gguf_amx: bf16 products of AMX_MIN_ROWS rows on AMX tiles
 
     def __init__(self, scheme: QuantScheme | None = None):
         super().__init__(scheme)
         # builds / loads the library now, not mid-request
         self.kernels = Kernels(self.variant, self.act_bits)
+        self.amx = AmxKernels() if self.amx_tiles else None
         self.counts: dict[str, int] = {}  # GGML type -> linears / tables holding it
 
     # ---- weights ----
@@ -152,7 +168,7 @@ class GGUFLinearMethod(QuantMethod):
         packed = from_ggml(loaded.ggml_type, loaded.data, int(loaded.shape[-1]))
         self.counts[f"{loaded.ggml_type} table"] = self.counts.get(
             f"{loaded.ggml_type} table", 0) + 1
-        return GGUFTable(packed, self.kernels)
+        return GGUFTable(packed, self.kernels, self.amx)
 
     # ---- compute ----
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -164,7 +180,7 @@ class GGUFLinearMethod(QuantMethod):
             if matmul is not None:
                 return lambda x: matmul(x, weight=layer.dense, bias=layer.bias)
             return lambda x: F.linear(x, layer.dense, layer.bias)
-        return product(self.kernels, layer.packed, layer.bias)
+        return product(self.kernels, layer.packed, layer.bias, amx=self.amx)
 
     def repack(self, layer: nn.Module, pack: Callable, matmul: Callable) -> None:
         """A platform's dense layout applies to the layers served dense only."""
@@ -175,8 +191,10 @@ class GGUFLinearMethod(QuantMethod):
 
     def load_summary(self) -> str:
         held = ", ".join(f"{n} {t}" for t, n in sorted(self.counts.items()))
+        tiles = (f"; bf16 products of {AMX_MIN_ROWS}+ rows on AMX tiles" if self.amx is not None
+                 else "")
         return (f"GGUF blocks kept ({self.kernels.variant} kernels, int{self.act_bits} "
-                f"activations): {held or 'nothing yet'}")
+                f"activations{tiles}): {held or 'nothing yet'}")
 
 
 def method_class(variant: str, act_bits: int) -> type:
@@ -190,3 +208,5 @@ GGUFAvx512Q8Method = method_class("avx512_vnni", 8)
 GGUFAvx2Method = method_class("avx2", 16)
 GGUFAvx2Q8Method = method_class("avx2", 8)
 GGUFPortableQ8Method = method_class("portable", 8)
+GGUFAmxMethod = type("GGUF_amx_a16", (GGUFLinearMethod,),
+                     {"variant": "avx512_vnni", "act_bits": 16, "amx_tiles": True})
