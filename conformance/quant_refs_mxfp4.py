@@ -16,9 +16,13 @@ largest exponent; elements rounded to nearest, ties to even, saturating at 6).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+
+from conformance.quant_refs import RefCase
 
 BLOCK = 32
 EMAX_E2M1 = 2  # 6 = 1.5 x 2^2
@@ -95,3 +99,44 @@ def build_expert(w: torch.Tensor, edges: bool = True) -> tuple[dict[str, torch.T
     deq = decode_blocks(blocks, scales)
     return ({"blocks": torch.from_numpy(blocks), "scales": torch.from_numpy(scales)},
             torch.from_numpy(deq).float())
+
+
+def _dense(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    return {"weight": w.clone()}, w  # an mxfp4 checkpoint's linears are dense
+
+
+def moe_edges(make: Callable[..., Any]) -> None:
+    """The spec's special scale through a MoE layer of the method's experts: a 0xFF scale byte
+    (NaN) in one block of every expert's gate rows makes every output NaN (the block's gate
+    value is NaN for every token, and the down product spreads it to every column), where a
+    decoder that treats 0xFF as 2^128 (or clamps it) gives finite or inf values; and a hidden
+    size that is not a multiple of 32 is refused with a ValueError naming the 32."""
+    def nan_block(expert: int, proj: str, tensors: dict[str, torch.Tensor]) -> None:
+        if proj == "gate":
+            tensors["scales"][0, 0] = 0xFF
+
+    c = make(64, 64, nan_block)
+    with torch.no_grad():
+        y = c.moe(c.inputs(5).to(c.device))
+    assert torch.isnan(y).all(), f"a 0xFF (NaN) scale gave {int((~torch.isnan(y)).sum())} " \
+                                 "non-NaN outputs"
+    try:
+        make(48, 64, None)
+    except ValueError as exc:
+        assert "32" in str(exc), f"the refusal does not say why: {exc}"
+    else:
+        raise AssertionError("a hidden size of 48 (not whole blocks of 32) was accepted")
+
+
+# GPT-OSS's quantization_config, as its config.json has it
+CONFIG = {"quant_method": "mxfp4",
+          "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                     "model.embed_tokens", "lm_head"]}
+
+
+def _cases() -> tuple[RefCase, ...]:
+    return (RefCase("mxfp4", "mxfp4", CONFIG, _dense, "none", k_multiple=BLOCK,
+                    experts=build_expert, moe_edges=moe_edges),)
+
+
+CASES = _cases()
