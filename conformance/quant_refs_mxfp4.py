@@ -109,8 +109,10 @@ def moe_edges(make: Callable[..., Any]) -> None:
     """The spec's special scale through a MoE layer of the method's experts: a 0xFF scale byte
     (NaN) in one block of every expert's gate rows makes every output NaN (the block's gate
     value is NaN for every token, and the down product spreads it to every column), where a
-    decoder that treats 0xFF as 2^128 (or clamps it) gives finite or inf values; and a hidden
-    size that is not a multiple of 32 is refused with a ValueError naming the 32."""
+    decoder that clamps 0xFF or skips it gives finite values (one that reads it as 2^128 gives
+    inf, which the products turn into NaN too: tests/test_mxfp4.py tells those apart bit for
+    bit); and a hidden size that is not a multiple of 32 is refused with a ValueError naming
+    the 32."""
     def nan_block(expert: int, proj: str, tensors: dict[str, torch.Tensor]) -> None:
         if proj == "gate":
             tensors["scales"][0, 0] = 0xFF
