@@ -356,3 +356,22 @@ def test_triton_bf16_at_gpt_oss_20b_sizes(tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _random_layer_check(32, 2880, 2880, tokens, "cuda", torch.bfloat16, 1.2e-2)
+
+
+def test_moe_decode_counts_mxfp4_experts_at_their_packed_size():
+    """bench/moe_decode.py's active bytes for GPT-OSS-20B: the bf16 count of the same config
+    less what packing saves on the top-k experts (2 bytes -> 17/32 of a byte a weight)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(repo / "bench"))
+    from moe_decode import active_bytes_per_token
+
+    cfg = json.loads((repo / "tests/fixtures/configs/gpt-oss-20b.json").read_text())
+    dense = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    routed = cfg["num_hidden_layers"] * cfg["experts_per_token"] * 3 * cfg["hidden_size"] \
+        * cfg["intermediate_size"]
+    assert active_bytes_per_token(cfg) == pytest.approx(
+        active_bytes_per_token(dense) - routed * (2 - 17 / 32), rel=1e-9)
