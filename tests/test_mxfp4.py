@@ -103,10 +103,10 @@ def test_odd_shapes_and_types_are_refused():
         Mxfp4Method(parse_quant_config({"quant_method": "fp8", "weight_block_size": [128, 128]}))
 
 
-def _runner(name: str):
+def _runner(name: str, **options):
     from core.plan.registry import get_registry
 
-    return get_registry().get("moe", name).load()()
+    return get_registry().get("moe", name).load()(**options)
 
 
 def _ctx(dtype: torch.dtype, runner) -> ModelContext:
@@ -179,14 +179,17 @@ def test_gpt_oss_tensors_load_packed_with_the_checkpoints_bytes():
     assert "kept packed" in moe.expert_quant_method.load_summary()
 
 
-@pytest.mark.parametrize("runner,dtype,tol", [
-    ("torch_native", torch.float32, 1e-5), ("torch_native", torch.bfloat16, 1.2e-2),
-    ("triton", torch.float32, 1e-5), ("triton", torch.float16, 5e-3)])
-def test_runners_match_the_reference(runner, dtype, tol):
-    if runner == "triton" and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+# triton under the interpreter: its bf16 tl.dot cannot be trusted there, its tl.dot_scaled can
+@pytest.mark.parametrize("runner,dot,dtype,tol", [
+    ("torch_native", None, torch.float32, 1e-5), ("torch_native", None, torch.bfloat16, 1.2e-2),
+    ("triton", "auto", torch.float32, 1e-5), ("triton", "decode", torch.float16, 5e-3),
+    ("triton", "scaled", torch.float16, 5e-3), ("triton", "auto", torch.bfloat16, 1.2e-2)])
+def test_runners_match_the_reference(runner, dot, dtype, tol):
+    if runner == "triton" and os.environ.get("TRITON_INTERPRET", "") in ("", "0") \
+            and not torch.cuda.is_available():
         pytest.skip("the triton runner needs TRITON_INTERPRET=1 on the CPU")
     ref = GptOssExperts(experts=4, hidden=64, inter=64, seed=2)
-    moe = MoE(4, 2, 64, 64, _ctx(dtype, _runner(runner)))
+    moe = MoE(4, 2, 64, 64, _ctx(dtype, _runner(runner, **({"mxfp4_dot": dot} if dot else {}))))
     ref.load(moe)
     gen = torch.Generator().manual_seed(3)
     for m in (1, 5, 33):  # a decode step (fused sum), a few rows, several row blocks
@@ -265,7 +268,7 @@ def test_a_model_loads_gpt_oss_names_through_the_strict_loader():
 
 
 def _random_layer_check(e: int, h: int, i: int, tokens: int, device: str,
-                       dtype: torch.dtype, tol: float) -> None:
+                       dtype: torch.dtype, tol: float, dot: str = "auto") -> None:
     """Random HF GPT-OSS expert tensors (every code, scales 2^-9..2^-4) through the triton
     runner against each routed expert dequantized here, fp32 products, biases added."""
     gen = torch.Generator().manual_seed(6)
@@ -282,7 +285,7 @@ def _random_layer_check(e: int, h: int, i: int, tokens: int, device: str,
           "down_proj_blocks": codes(e, h, i // 32, 16), "down_proj_scales": exps(e, h, i // 32),
           "down_proj_bias": (torch.randn(e, h, generator=gen) * 0.1).bfloat16()}
     ctx = ModelContext(dtype=dtype, device=torch.device(device), quant_method=_method(),
-                       moe_runner=_runner("triton"))
+                       moe_runner=_runner("triton", mxfp4_dot=dot))
     moe = MoE(e, 4, h, i, ctx)
     for leaf, t in hf.items():
         name, ours = mxfp4.gpt_oss_expert_tensor(leaf, t)
@@ -340,22 +343,37 @@ def test_triton_tile_decoder_on_every_code_and_scale():
     assert np.array_equal(got.view(np.int32)[finite], want.view(np.int32)[finite])
 
 
-def test_triton_on_random_codes_interpreted():
+@pytest.mark.parametrize("dot", ["decode", "scaled"])
+def test_triton_on_random_codes_interpreted(dot):
     """The GPU check below at a tiny size under the interpreter (fp16: its bf16 dots are not
     to be trusted), 96 = 3 blocks of 32 that no tile divides."""
     if os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
         pytest.skip("the triton runner needs TRITON_INTERPRET=1 on the CPU")
-    _random_layer_check(8, 96, 64, 6, "cpu", torch.float16, 5e-3)
+    _random_layer_check(8, 96, 64, 6, "cpu", torch.float16, 5e-3, dot)
+
+
+def test_triton_scaled_dot_refuses_fp32():
+    ctx = ModelContext(dtype=torch.float32, device=torch.device("cpu"), quant_method=_method(),
+                       moe_runner=_runner("triton", mxfp4_dot="scaled"))
+    ref = GptOssExperts(experts=4, hidden=64, inter=32, seed=7)
+    moe = MoE(4, 2, 64, 32, ctx)
+    ref.load(moe)
+    with pytest.raises(ValueError, match="multiplies bf16 / fp16 activations, not torch.float32"):
+        moe(torch.randn(2, 64))
+    with pytest.raises(ValueError, match="mxfp4_dot must be one of"):
+        _runner("triton", mxfp4_dot="fast")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dot", ["scaled", "decode"])
 @pytest.mark.parametrize("tokens", [1, 4, 64, 512])
-def test_triton_bf16_at_gpt_oss_20b_sizes(tokens):
+def test_triton_bf16_at_gpt_oss_20b_sizes(tokens, dot):
     """One GPT-OSS-20B MoE layer's shapes (32 experts, top-4, hidden = intermediate = 2880,
-    not a multiple of the tiles) in bf16 on the GPU, against the fp32 reference."""
+    not a multiple of the tiles) in bf16 on the GPU, both products, against the fp32
+    reference."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    _random_layer_check(32, 2880, 2880, tokens, "cuda", torch.bfloat16, 1.2e-2)
+    _random_layer_check(32, 2880, 2880, tokens, "cuda", torch.bfloat16, 1.2e-2, dot)
 
 
 def test_moe_decode_counts_mxfp4_experts_at_their_packed_size():

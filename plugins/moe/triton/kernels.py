@@ -16,8 +16,10 @@ With FP8_BLOCK (form "fp8" of core.contract.moe with block scales), W is e4m3 wi
 SCALE_N x BLOCK_K block and each A tile is quantized per row in the kernel (one scale per
 BLOCK_K inputs, as the fp8 linears do); every K step is rescaled once into the fp32 accumulator.
 With MXFP4 (form "mxfp4": packed e2m1 + e8m0 scales, plugins/_kit/mxfp4.py) W is uint8 [E, N,
-K/2] with a scale byte per 32 inputs; each B tile is decoded in registers (exact in fp32, then
-cast to the activations' dtype) and multiplied with x as it is (weight-only). With HAS_BIAS a
+K/2] with a scale byte per 32 inputs, multiplied with x as it is (weight-only), one of two ways:
+MX_DOT "" decodes each B tile in registers (_mxfp4_tile: exact in fp32, then cast to x's dtype;
+any dtype), MX_DOT "bf16" / "fp16" (x's format) hands the packed tile and its scales to
+tl.dot_scaled, Triton's own MX product (upcast by the compiler where the GPU has no fp4 MMA). With HAS_BIAS a
 per-expert bias [E, N] (fp32) is added to the product: before SiLU for gate/up, before the
 routing weight for down.
 The k partial rows of a token are summed in a fixed order (by the runner, or by down_kernel's
@@ -67,13 +69,31 @@ def _mxfp4_tile(w_ptr, s_ptr, offs_k, offs_n, mask, stride_wn, stride_sn, stride
 
 
 @triton.jit
+def _mxfp4_dot_scaled(a, w_ptr, s_ptr, k0, offs_n, n_mask, k_size, stride_wn, stride_sn,
+                      stride_sk, acc, MX_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a [BLOCK_M, BLOCK_K] @ W^T for one expert's packed rows offs_n (w_ptr / s_ptr at
+    the expert) and inputs [k0, k0 + BLOCK_K), by tl.dot_scaled: the bytes as its [K/2, N]
+    e2m1 operand (low nibble first, as stored), the scales as its [N, K/32] e8m0 ones. The
+    inputs past k_size (a multiple of 32) read as zero codes at scale 1."""
+    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    rows = offs_n.to(tl.int64)
+    w = tl.load(w_ptr + rows[None, :] * stride_wn + offs_j[:, None],
+                mask=(offs_j < k_size // 2)[:, None] & n_mask[None, :], other=0)
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :] * stride_sk,
+                mask=n_mask[:, None] & (offs_g < k_size // 32)[None, :], other=127)
+    return tl.dot_scaled(a, None, MX_DOT, w, s, "e2m1", acc)
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
                    num_rows, hidden, inter, top_k,
                    stride_xm, stride_we, stride_wn, stride_om,
                    ws_ptr, stride_se, stride_sn, stride_sk, b_ptr, stride_be,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_N: tl.constexpr,
-                   MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
+                   MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+                   MX_DOT: tl.constexpr = ""):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -97,7 +117,15 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, tota
         k_mask = offs_k < hidden - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         b_mask = k_mask[:, None] & n_mask[None, :]
-        if MXFP4:  # packed rows: byte and scale offsets from k, not g_ptrs
+        if MXFP4 and MX_DOT != "":  # packed rows: byte and scale offsets from k, not g_ptrs
+            w_e = w_ptr + expert * stride_we
+            s_e = ws_ptr + expert * stride_se
+            acc_g = _mxfp4_dot_scaled(a, w_e, s_e, k0, offs_n, n_mask, hidden, stride_wn,
+                                      stride_sn, stride_sk, acc_g, MX_DOT, BLOCK_K)
+            acc_u = _mxfp4_dot_scaled(a, w_e + inter * stride_wn, s_e + inter * stride_sn, k0,
+                                      offs_n, n_mask, hidden, stride_wn, stride_sn, stride_sk,
+                                      acc_u, MX_DOT, BLOCK_K)
+        elif MXFP4:
             w_e = w_ptr + expert * stride_we
             s_e = ws_ptr + expert * stride_se
             g = _mxfp4_tile(w_e, s_e, k0 + offs_k, offs_n, b_mask, stride_wn, stride_sn,
@@ -140,7 +168,7 @@ def _down_tile(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_pt
                ws_ptr, stride_se, stride_sn, stride_sk, b_ptr, stride_be,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                PRECISION: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_N: tl.constexpr,
-               MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr):
+               MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, MX_DOT: tl.constexpr):
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row = tl.load(sorted_ids_ptr + offs_m)
@@ -157,18 +185,23 @@ def _down_tile(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_pt
     for k0 in range(0, inter, BLOCK_K):
         k_mask = offs_k < inter - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        if MXFP4:
+        if MXFP4 and MX_DOT != "":
+            acc = _mxfp4_dot_scaled(a, w_ptr + expert * stride_we, ws_ptr + expert * stride_se,
+                                    k0, offs_n, n_mask, inter, stride_wn, stride_sn, stride_sk,
+                                    acc, MX_DOT, BLOCK_K)
+        elif MXFP4:
             b = _mxfp4_tile(w_ptr + expert * stride_we, ws_ptr + expert * stride_se,
                             k0 + offs_k, offs_n, k_mask[:, None] & n_mask[None, :], stride_wn,
                             stride_sn, stride_sk, a_ptr.dtype.element_ty)
-        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        elif FP8_BLOCK:
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if FP8_BLOCK:
             aq, a_s = _quantize_rows(a, w_ptr.dtype.element_ty)
             sb = tl.load(ws_ptr + expert * stride_se + (offs_n // SCALE_N) * stride_sn
                          + (k0 // BLOCK_K) * stride_sk, mask=n_mask, other=0.0)
             acc += tl.dot(aq, b).to(tl.float32) * a_s[:, None] * sb[None, :]
         else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -190,7 +223,8 @@ def down_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_p
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 PRECISION: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_N: tl.constexpr,
                 FUSE_SUM: tl.constexpr = False, HAS_SHARED: tl.constexpr = False,
-                MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
+                MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+                MX_DOT: tl.constexpr = ""):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     busy = pid_m * BLOCK_M < tl.load(total_ptr)
@@ -200,7 +234,7 @@ def down_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_p
         _down_tile(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_ptr, pid_m,
                    pid_n, num_rows, hidden, inter, stride_am, stride_we, stride_wn, stride_om,
                    ws_ptr, stride_se, stride_sn, stride_sk, b_ptr, stride_be, BLOCK_M,
-                   BLOCK_N, BLOCK_K, PRECISION, FP8_BLOCK, SCALE_N, MXFP4, HAS_BIAS)
+                   BLOCK_N, BLOCK_K, PRECISION, FP8_BLOCK, SCALE_N, MXFP4, HAS_BIAS, MX_DOT)
     else:
         # decode: the last program of each column of output tiles sums every token's k rows
         # in slot order (+ shared) into sum_ptr [T, hidden]; idle programs only count
@@ -209,7 +243,7 @@ def down_kernel(a_ptr, w_ptr, out_ptr, route_ptr, sorted_ids_ptr, block_expert_p
                        pid_m, pid_n, num_rows, hidden, inter, stride_am, stride_we, stride_wn,
                        stride_om, ws_ptr, stride_se, stride_sn, stride_sk, b_ptr, stride_be,
                        BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, FP8_BLOCK, SCALE_N, MXFP4,
-                       HAS_BIAS)
+                       HAS_BIAS, MX_DOT)
         tl.debug_barrier()  # every thread's rows are written before the count moves
         done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")
         if done == tl.num_programs(0) - 1:

@@ -62,6 +62,9 @@ def _locks(device: torch.device, tiles: int) -> torch.Tensor:
 
 # see forward: the largest row tile fp8 block experts run on
 FP8_MAX_BLOCK_M = 32
+MXFP4_DOTS = ("auto", "scaled", "decode")
+# tl.dot_scaled's x format per compute dtype (fp32 has none: the decode path)
+_MX_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _scale_strides(scale: torch.Tensor, scaled: bool) -> tuple[int, int, int]:
@@ -93,13 +96,19 @@ def _arch(device: torch.device) -> str:
 class TritonMoE(MoERunner):
     """Fused MoE in two Triton kernels (see kernels.py); routing weights fp32."""
 
-    def __init__(self, tiling: tuning.Tiling | None = None):
+    def __init__(self, tiling: tuning.Tiling | None = None, mxfp4_dot: str = "auto"):
         """tiling: force one (block_m, block_n, block_k, warps, stages) for every call (the
-        sweep in bench/ does); None: the tuning table's pick per call."""
+        sweep in bench/ does); None: the tuning table's pick per call. mxfp4_dot: how mxfp4
+        experts are multiplied (kernels.py): "scaled" (tl.dot_scaled; bf16 / fp16 only),
+        "decode" (tiles decoded in registers, then tl.dot; any dtype), "auto": scaled for
+        bf16 / fp16, decode for fp32."""
+        if mxfp4_dot not in MXFP4_DOTS:
+            raise ValueError(f"mxfp4_dot must be one of {MXFP4_DOTS}, not {mxfp4_dot!r}")
         if os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available():
             raise RuntimeError("the triton MoE runner needs a GPU (or TRITON_INTERPRET=1 for "
                                "tests)")
         self.tiling = tiling
+        self.mxfp4_dot = mxfp4_dot
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, weights: MoEWeights,
                 layer: MoELayerParams, shared: torch.Tensor | None = None,
@@ -136,6 +145,15 @@ class TritonMoE(MoERunner):
             w13_b, w2_b = weights.extra.get("w13_bias"), weights.extra.get("w2_bias")
         if (w13_b is None) != (w2_b is None):
             raise ValueError("mxfp4 experts with a bias on one projection only")
+        mx_dot = ""
+        if mxfp4 and self.mxfp4_dot != "decode":
+            mx_dot = _MX_FORMAT.get(hidden.dtype, "")
+            if not mx_dot and self.mxfp4_dot == "scaled":
+                raise ValueError(f"mxfp4_dot='scaled' multiplies bf16 / fp16 activations, not "
+                                 f"{hidden.dtype}")
+            # one K step is whole scale groups, and at least two (a [N, 1] scale tile is not
+            # a dot operand everywhere)
+            block_k = max(block_k, 64)
         if fp8:  # a K step is one scale block: BLOCK_K is the block's K
             scale_n, block_k = (int(b) for b in weights.extra["block"].tolist())
             # Row tiles of 64 or more (Hopper's wgmma path) gave wrong fp8 products on the H200
@@ -169,8 +187,8 @@ class TritonMoE(MoERunner):
         x = hidden.contiguous()
         launch = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                   "PRECISION": precision, "FP8_BLOCK": fp8, "SCALE_N": scale_n,
-                  "MXFP4": mxfp4, "HAS_BIAS": w13_b is not None, "num_warps": warps,
-                  "num_stages": stages}
+                  "MXFP4": mxfp4, "HAS_BIAS": w13_b is not None, "MX_DOT": mx_dot,
+                  "num_warps": warps, "num_stages": stages}
 
         inter_rows = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)
         kernels.gate_up_kernel[kernels.grid(blocks, inter, block_n)](
