@@ -8,7 +8,8 @@ tuning-table entries (plugins/moe/triton/tuning.py) they imply.
 Shapes: Qwen3-30B-A3B's experts (128 of width 768 over hidden 2048, top-8) and Mixtral-8x7B's
 (8 of width 14336 over 4096, top-2), bf16, token counts from decode (1..64) to prefill (8192);
 with --form mxfp4, GPT-OSS-20B's (32 of width 2880 over 2880, top-4) as packed MXFP4 experts
-(random codes and biases; GB/s counts their bytes: 17/32 of a byte a weight).
+(random codes and biases; GB/s counts their bytes: 17/32 of a byte a weight), multiplied as
+--mxfp4-dot says (tl.dot_scaled, or tiles decoded in registers: compare both on the GPU).
 Per shape and candidate tiling (block_m, block_n, block_k, warps, stages) it times the whole
 runner forward (routing, alignment, both GEMMs, the k-sum) with the L2 flushed before every call
 (bench/ceilings.gpu_seconds), and reports TFLOP/s (2 * T * k * 3 * H * I) beside the bf16
@@ -93,6 +94,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device (CI check)")
     ap.add_argument("--form", choices=("unquantized", "mxfp4"), default="unquantized",
                     help="the experts' weight form (mxfp4: GPT-OSS-20B's shapes)")
+    ap.add_argument("--mxfp4-dot", choices=("auto", "scaled", "decode"), default="auto",
+                    help="--form mxfp4: the kernels' product (TritonMoE's mxfp4_dot)")
     ap.add_argument("--models", default=None,
                     help=f"comma list of {sorted(MODELS)} (--form mxfp4: {sorted(MXFP4_MODELS)})")
     ap.add_argument("--tokens", default=None, help="comma list of token counts")
@@ -123,7 +126,7 @@ def main() -> None:
             ap.error("a tiling is five integers: block_m,block_n,block_k,warps,stages")
     timer = _timer(device, smoke)
     info = {"device": str(device), "arch": _arch(device), "dtype": str(dtype),
-            "form": args.form}
+            "form": args.form, "mxfp4_dot": args.mxfp4_dot}
     if not smoke:
         from ceilings import measure
 
@@ -140,7 +143,7 @@ def main() -> None:
             nbytes = int(touched * 3 * H * inter * per_weight)
             timed = {}
             for tiling in tilings:
-                runner = TritonMoE(tiling=tiling)
+                runner = TritonMoE(tiling=tiling, mxfp4_dot=args.mxfp4_dot)
                 try:
                     seconds = timer(lambda r=runner, a=(x, logits, weights, layer): r.forward(*a))
                 except Exception as exc:  # a tiling this GPU cannot run (shared memory, ...)
