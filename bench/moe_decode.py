@@ -25,7 +25,8 @@ def active_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
     (each gate, up and down of moe_intermediate_size), plus the embedding row and the LM head.
     An fp8 checkpoint (quantization_config quant_method fp8) holds its projections and experts
     in one byte a weight (block scales: 1/16384 of that, left out); router, embedding and LM
-    head stay 16-bit."""
+    head stay 16-bit. An mxfp4 checkpoint (GPT-OSS) holds only its experts packed: half a byte
+    a weight plus one scale byte per 32 (17/32 of a byte), the rest 16-bit."""
     h = cfg["hidden_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
@@ -36,9 +37,13 @@ def active_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
     moe = h * experts + top_k * 3 * h * inter
     shared = cfg.get("shared_expert_intermediate_size") or 0
     moe += 3 * h * shared + (h if shared else 0)
-    if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method == "fp8":
         router = h * experts
         per_layer = (attn + moe - router) / dtype_bytes + router
+    elif method == "mxfp4":
+        routed = top_k * 3 * h * inter
+        per_layer = attn + moe - routed + routed * (17 / 32) / dtype_bytes
     else:
         per_layer = attn + moe
     return int(dtype_bytes * (cfg["num_hidden_layers"] * per_layer + h + cfg["vocab_size"] * h))

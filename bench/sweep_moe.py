@@ -6,7 +6,10 @@ tuning-table entries (plugins/moe/triton/tuning.py) they imply.
     TRITON_INTERPRET=1 python bench/sweep_moe.py --smoke   # the script itself, tiny, on a CPU
 
 Shapes: Qwen3-30B-A3B's experts (128 of width 768 over hidden 2048, top-8) and Mixtral-8x7B's
-(8 of width 14336 over 4096, top-2), bf16, token counts from decode (1..64) to prefill (8192).
+(8 of width 14336 over 4096, top-2), bf16, token counts from decode (1..64) to prefill (8192);
+with --form mxfp4, GPT-OSS-20B's (32 of width 2880 over 2880, top-4) as packed MXFP4 experts
+(random codes and biases; GB/s counts their bytes: 17/32 of a byte a weight), multiplied as
+--mxfp4-dot says (tl.dot_scaled, or tiles decoded in registers: compare both on the GPU).
 Per shape and candidate tiling (block_m, block_n, block_k, warps, stages) it times the whole
 runner forward (routing, alignment, both GEMMs, the k-sum) with the L2 flushed before every call
 (bench/ceilings.gpu_seconds), and reports TFLOP/s (2 * T * k * 3 * H * I) beside the bf16
@@ -32,6 +35,7 @@ import torch  # noqa: E402
 
 # name -> (experts, top_k, hidden, intermediate)
 MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+MXFP4_MODELS = {"gpt-oss-20b": (32, 4, 2880, 2880)}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192)
 QUICK_TOKENS = (1, 8, 64, 1024, 8192)
 # (block_m, block_n, block_k, num_warps, num_stages)
@@ -44,17 +48,29 @@ SMOKE_TILINGS = [(16, 32, 32, 1, 1), (16, 16, 16, 1, 1)]
 BUCKETS = (4, 16, 64, None)  # tuning.py's rows-per-expert bounds
 
 
-def _inputs(experts, top_k, hidden, inter, tokens, dtype, device, seed=0):
+def _inputs(experts, top_k, hidden, inter, tokens, dtype, device, seed=0, form="unquantized"):
     from core.contract.moe import MoELayerParams, MoEWeights
 
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=g)
     logits = torch.randn(tokens, experts, device=device, dtype=dtype, generator=g)
+    layer = MoELayerParams(0, experts, top_k, hidden, inter)
+    if form == "mxfp4":  # packed rows (plugins/_kit/mxfp4.py), scales 2^-9..2^-5
+        def packed(n, k):
+            return (torch.randint(0, 256, (experts, n, k // 2), device=device, generator=g,
+                                  dtype=torch.uint8),
+                    torch.randint(118, 123, (experts, n, k // 32), device=device, generator=g,
+                                  dtype=torch.uint8))
+
+        (w13, s13), (w2, s2) = packed(2 * inter, hidden), packed(hidden, inter)
+        extra = {"w13_scale": s13, "w2_scale": s2,
+                 "w13_bias": torch.zeros(experts, 2 * inter, device=device),
+                 "w2_bias": torch.zeros(experts, hidden, device=device)}
+        return x, logits, MoEWeights(w13, w2, form="mxfp4", extra=extra), layer
     w13 = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype, generator=g)
     w2 = torch.randn(experts, hidden, inter, device=device, dtype=dtype, generator=g)
     w13 *= hidden ** -0.5
     w2 *= inter ** -0.5
-    layer = MoELayerParams(0, experts, top_k, hidden, inter)
     return x, logits, MoEWeights(w13, w2), layer
 
 
@@ -76,7 +92,12 @@ def main() -> None:
     ap.add_argument("--out", default="sweep_moe.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device (CI check)")
-    ap.add_argument("--models", default=None, help=f"comma list of {sorted(MODELS)}")
+    ap.add_argument("--form", choices=("unquantized", "mxfp4"), default="unquantized",
+                    help="the experts' weight form (mxfp4: GPT-OSS-20B's shapes)")
+    ap.add_argument("--mxfp4-dot", choices=("auto", "scaled", "decode"), default="auto",
+                    help="--form mxfp4: the kernels' product (TritonMoE's mxfp4_dot)")
+    ap.add_argument("--models", default=None,
+                    help=f"comma list of {sorted(MODELS)} (--form mxfp4: {sorted(MXFP4_MODELS)})")
     ap.add_argument("--tokens", default=None, help="comma list of token counts")
     ap.add_argument("--tilings", default=None,
                     help="tilings to try, as 'm,n,k,warps,stages;...' (default: the built-in "
@@ -88,7 +109,8 @@ def main() -> None:
     smoke = args.smoke
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
-    models = {"smoke": (16, 4, 64, 32)} if smoke else MODELS
+    models = {"smoke": (16, 4, 64, 32)} if smoke else (
+        MXFP4_MODELS if args.form == "mxfp4" else MODELS)
     if args.models:
         unknown = set(args.models.split(",")) - set(models)
         if unknown:
@@ -103,7 +125,8 @@ def main() -> None:
         if any(len(t) != 5 for t in tilings):
             ap.error("a tiling is five integers: block_m,block_n,block_k,warps,stages")
     timer = _timer(device, smoke)
-    info = {"device": str(device), "arch": _arch(device), "dtype": str(dtype)}
+    info = {"device": str(device), "arch": _arch(device), "dtype": str(dtype),
+            "form": args.form, "mxfp4_dot": args.mxfp4_dot}
     if not smoke:
         from ceilings import measure
 
@@ -112,13 +135,15 @@ def main() -> None:
     rows, results = [], []
     for name, (E, k, H, inter) in models.items():
         for T in tokens_list:
-            x, logits, weights, layer = _inputs(E, k, H, inter, T, dtype, device)
+            x, logits, weights, layer = _inputs(E, k, H, inter, T, dtype, device,
+                                                form=args.form)
             touched = route(logits, layer)[1].unique().numel()
             flop = 2 * T * k * 3 * H * inter
-            nbytes = touched * 3 * H * inter * x.element_size()
+            per_weight = 17 / 32 if args.form == "mxfp4" else x.element_size()
+            nbytes = int(touched * 3 * H * inter * per_weight)
             timed = {}
             for tiling in tilings:
-                runner = TritonMoE(tiling=tiling)
+                runner = TritonMoE(tiling=tiling, mxfp4_dot=args.mxfp4_dot)
                 try:
                     seconds = timer(lambda r=runner, a=(x, logits, weights, layer): r.forward(*a))
                 except Exception as exc:  # a tiling this GPU cannot run (shared memory, ...)

@@ -36,7 +36,13 @@ class RefCase:
     reference quantizes x. k_multiple / n_multiple: shape grain the format needs.
     slack(x, w) (None: 0): the relative error allowed beyond the dtype's tolerance, for a
     case whose reference is the dense product of x [M, K] and w [N, K] (fp32) rather than the
-    exact dequantized weights (a format the suite cannot rebuild: `bounded_slack`)."""
+    exact dequantized weights (a format the suite cannot rebuild: `bounded_slack`).
+    experts (None: as `build`): build for one MoE expert projection, where the checkpoint
+    holds experts in another form than its linears (mxfp4: dense linears, packed experts);
+    a case with it is checked on MoE experts whatever its activations. moe_edges (None: none):
+    the format's own edge checks, called with make(hidden, inter, tamper) -> a
+    quant_suite.MoEExpertsCase whose expert tensors `tamper(expert, proj, tensors)` may edit
+    before loading."""
 
     name: str
     format: str
@@ -49,6 +55,8 @@ class RefCase:
     online: bool = False
     tags: tuple[str, ...] = field(default=())
     slack: Callable[[torch.Tensor, torch.Tensor], float] | None = None
+    experts: Callable[[torch.Tensor], Built] | None = None
+    moe_edges: Callable[[Callable[..., Any]], None] | None = None
 
 
 def _ct():
@@ -243,11 +251,13 @@ def online_cases(fmt: str, activations: str, weight_bits: int | None) -> tuple[R
 
 
 def all_cases() -> tuple[RefCase, ...]:
-    """The FP8/INT8 cases plus the INT4 ones where their reference module exists."""
+    """The FP8/INT8 cases, MXFP4's, plus the INT4 ones where their reference module exists."""
+    from conformance.quant_refs_mxfp4 import CASES as MXFP4
+
     try:
         from conformance.quant_refs_int4 import CASES as INT4
     except ImportError:
         INT4 = ()
     # Weight-only: x is not quantized; K in whole groups, N in whole packed int32 words.
-    return CASES + tuple(RefCase(c.name, c.format, c.config, c.build, "none", k_multiple=128,
+    return CASES + MXFP4 + tuple(RefCase(c.name, c.format, c.config, c.build, "none", k_multiple=128,
                                  n_multiple=16) for c in INT4)

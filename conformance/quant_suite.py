@@ -21,9 +21,11 @@ checkpoint's tensor names, processed, applied at M = 1, 4, 33, 300 (--conformanc
 output shape, dtype, device; x left unchanged. Then a two-layer Llama written as safetensors
 with the case's quantization_config, loaded by core.engine.loader.load_model, each projection
 checked the same way. Where the method declares MoE experts (QuantCaps.moe) and the case's
-activations are dynamic: a MoE layer's experts loaded expert by expert under the checkpoint's
-names and run by a runner that agrees with the method, against routing + fake-quantized x @
-dequantized experts in fp32. Where it declares QuantCaps.tensor_parallel: two ranks' layers,
+activations are dynamic, or the case holds experts in a form of its own (mxfp4: packed experts,
+dense linears; conformance/quant_refs_mxfp4.py, an independent decoder of the OCP MX spec): a
+MoE layer's experts loaded expert by expert under the checkpoint's names and run by every
+runner that agrees with the method, against routing + fake-quantized x @ dequantized experts in
+fp32, then the case's own format edges (mxfp4: a NaN scale, a refused odd shape). Where it declares QuantCaps.tensor_parallel: two ranks' layers,
 column- and row-parallel, against the ranks' own references (test_quant_linear_tensor_parallel).
 """
 
@@ -168,8 +170,9 @@ def _moe_applies(param) -> bool:
         return True  # a named method that cannot run here: keep its skip
     if isinstance(case, Untestable):
         return False  # fails once, in test_quant_linear_conformance
-    return (get_registry().get("quant", name).caps.moe and case.format != "fp8_tensor"
-            and case.acts not in ("fp8_static", "none"))
+    return get_registry().get("quant", name).caps.moe and (
+        case.experts is not None  # a format of its own for experts (mxfp4)
+        or case.format != "fp8_tensor" and case.acts not in ("fp8_static", "none"))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -179,7 +182,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                               tensor_parallel=fn == "test_quant_linear_tensor_parallel")
         if fn == "test_quant_moe_experts_conformance":
             # Methods with MoE experts (QuantCaps.moe), dynamic activations, channel or block
-            # weights; the others have nothing to check here.
+            # weights, or a case with its own expert form; the others have nothing to check.
             params = [p for p in params if _moe_applies(p)] or [pytest.param(
                 None, None, None, None, id="no-moe-experts", marks=pytest.mark.skip(
                     reason="no selected quant method declares MoE experts (QuantCaps.moe) "
@@ -432,12 +435,16 @@ class MoEExpertsCase:
     bench/diag_moe_fp8.py, which times nothing and checks tilings one by one."""
 
     def __init__(self, quant_name: str, case: RefCase, device: torch.device,
-                 dtype: torch.dtype, runner, seed: int):
+                 dtype: torch.dtype, runner, seed: int, hidden: int = 256, inter: int = 256,
+                 tamper=None):
+        """tamper(expert, proj, tensors): edits one expert projection's checkpoint tensors
+        before they load (a case's moe_edges); the reference then no longer holds."""
         from core.layers import MoE
 
-        self.case, self.dtype, self.top_k = case, dtype, 2
+        self.case, self.dtype, self.top_k, self.device = case, dtype, 2, device
         self.gen = gen = torch.Generator().manual_seed(seed)
-        experts, hidden, inter = 4, 256, 256
+        experts = 4
+        build = case.experts or case.build
         ctx = ModelContext(dtype=dtype, device=device, quant_method=_method(quant_name, case),
                            moe_runner=runner)
         self.moe = moe = MoE(experts, self.top_k, hidden, inter, ctx)
@@ -446,7 +453,9 @@ class MoEExpertsCase:
             parts = {}
             for proj, (n, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)),
                                  ("down", (hidden, inter))):
-                tensors, parts[proj] = case.build(_weights(n, k, dtype, gen) * 4)
+                tensors, parts[proj] = build(_weights(n, k, dtype, gen) * 4)
+                if tamper is not None:
+                    tamper(e, proj, tensors)
                 stacked = "w2" if proj == "down" else "w13"
                 for suffix, t in tensors.items():
                     moe.weight_loader(getattr(moe, f"{stacked}_{suffix}"), t.to(device),
@@ -487,3 +496,6 @@ def _check_moe_experts(quant_name, case, device, dtype, runner, seed: int, runne
         ref, _ = c.reference(x)
         assert y.shape == (m, ref.shape[1]) and y.dtype == dtype
         _check(y, ref, dtype, f"{runner_name} experts M={m}")
+    if case.moe_edges is not None:  # the format's own edges (e.g. mxfp4's NaN scale)
+        case.moe_edges(lambda hidden, inter, tamper: MoEExpertsCase(
+            quant_name, case, device, dtype, runner, seed, hidden, inter, tamper))

@@ -163,7 +163,7 @@ def test_fp8_moe_picks_a_runner_that_runs_fp8_experts(fp8_checkpoint):
     assert (online.quant_format, online.moe_runner) == ("fp8_channel", "torch_native")
     triton = next(c for c in online.candidates if c.slot == "moe_runner" and c.name == "triton")
     assert not triton.fits and triton.reasons == (
-        "fp8_channel experts not supported (runs fp8_block)",)
+        "fp8_channel experts not supported (runs fp8_block, mxfp4)",)
     with pytest.raises(ResolveError, match=r"fp8_channel experts not supported"):
         resolve(spec, PROFILES["h200"], ServerArgs(quantization="fp8",
                                                    moe_runner_backend="triton"), registry)

@@ -8,7 +8,8 @@ CORE_PLUGIN_API = ">=1.0,<2"
 CAPS = MoECaps(
     devices={"cuda", "rocm", "xpu", "npu", "cpu"},
     dtypes={"float32", "float16", "bfloat16"},
-    quant_methods={"unquantized", "fp8"},  # fp8: dequantized per call (a reference, slow)
+    # fp8 and mxfp4: each active expert dequantized per call (a reference, slow)
+    quant_methods={"unquantized", "fp8", "mxfp4"},
     activations={"silu", "gelu"},
     scoring_funcs={"softmax", "sigmoid"},
     grouped_topk=True,

@@ -14,6 +14,7 @@ from core.contract.moe import (
     select_experts,
 )
 from core.layers.activation import get_act_fn
+from plugins._kit import mxfp4
 
 __all__ = ["TorchNativeMoE", "select_experts"]
 
@@ -30,8 +31,9 @@ class TorchNativeMoE(MoERunner):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, weights: MoEWeights,
                 layer: MoELayerParams, shared: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        if weights.form not in ("unquantized", "fp8"):
-            raise ValueError(f"torch_native runs unquantized and fp8 experts, not {weights.form}")
+        if weights.form not in ("unquantized", "fp8", "mxfp4"):
+            raise ValueError("torch_native runs unquantized, fp8 and mxfp4 experts, not "
+                             f"{weights.form}")
         act = get_act_fn(layer.activation)
         w13, w2 = weights.w13, weights.w2
         route_w, ids = route(router_logits, layer)
@@ -46,13 +48,16 @@ class TorchNativeMoE(MoERunner):
             tok, slot = (ids == g).nonzero(as_tuple=True)
             x = hidden[tok]  # [n, H]
             if weights.form == "fp8":  # W8A8 in fp32: dequantized expert, fake-quantized x
-                gate, up = (fp8_fake_quant_input(x, weights)
-                            @ fp8_expert(weights, "w13", e).t()).chunk(2, dim=-1)
-                h = (act(gate) * up).to(hidden.dtype)
+                h = act_and_mul(act, fp8_fake_quant_input(x, weights)
+                                @ fp8_expert(weights, "w13", e).t()).to(hidden.dtype)
                 y = fp8_fake_quant_input(h, weights) @ fp8_expert(weights, "w2", e).t()
+            elif weights.form == "mxfp4":  # weight-only: this expert dequantized, fp32 products
+                h = act_and_mul(act, x.float() @ mxfp4_expert(weights, "w13", e).t()
+                                + weights.extra["w13_bias"][e].float())
+                y = (h.to(hidden.dtype).float() @ mxfp4_expert(weights, "w2", e).t()
+                     + weights.extra["w2_bias"][e].float())
             else:
-                gate, up = (x @ w13[e].t()).chunk(2, dim=-1)  # [n, I] each
-                y = (act(gate) * up) @ w2[e].t()  # [n, H]
+                y = act_and_mul(act, x @ w13[e].t()) @ w2[e].t()  # [n, H]
             acc.index_add_(0, tok, y.float() * route_w[tok, slot].unsqueeze(1))
         if shared is not None:
             acc += shared.float()
@@ -60,3 +65,15 @@ class TorchNativeMoE(MoERunner):
             return acc.to(hidden.dtype)
         out.copy_(acc)
         return out
+
+
+def act_and_mul(act, gate_up: torch.Tensor) -> torch.Tensor:
+    """[n, 2I] (gate | up) -> act(gate) * up [n, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def mxfp4_expert(weights: MoEWeights, which: str, expert: int) -> torch.Tensor:
+    """One expert's w13 or w2 of form "mxfp4" (plugins/_kit/mxfp4), dequantized to fp32."""
+    return mxfp4.dequantize(getattr(weights, which)[expert],
+                            weights.extra[f"{which}_scale"][expert])

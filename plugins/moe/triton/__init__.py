@@ -16,9 +16,10 @@ CAPS = MoECaps(
     capability={"cuda": CapabilityRange(min=80)},  # tl.dot on bf16 needs Ampere
     # fp32 runs with IEEE dots (no TF32), for reference-grade checks; serving uses fp16 / bf16.
     dtypes={"float16", "bfloat16", "float32"},
-    # fp8: block-scaled experts only (Qwen3-FP8 / DeepSeek's 128x128 weight_scale_inv)
-    quant_methods={"unquantized", "fp8"},
-    quant_formats={"fp8_block"},
+    # fp8: block-scaled experts only (Qwen3-FP8 / DeepSeek's 128x128 weight_scale_inv);
+    # mxfp4: packed e2m1 + e8m0 experts decoded in the GEMMs (weight-only)
+    quant_methods={"unquantized", "fp8", "mxfp4"},
+    quant_formats={"fp8_block", "mxfp4"},
     activations={"silu"},  # SiLU-and-mul is fused into the gate/up kernel's epilogue
     scoring_funcs={"softmax", "sigmoid"},
     grouped_topk=True,
@@ -37,7 +38,8 @@ CAPS = MoECaps(
     requires=("triton",),
     priority={"cuda": 20, "rocm": 20},
     description="Triton fused MoE: expert-sorted tokens, grouped GEMMs (gate+up with SiLU*up, "
-                "down with the routing weights); ROCm declared but untested",
+                "down with the routing weights), fp8 block and mxfp4 experts dequantized in "
+                "them; ROCm declared but untested",
 )
 
 

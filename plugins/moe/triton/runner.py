@@ -62,11 +62,25 @@ def _locks(device: torch.device, tiles: int) -> torch.Tensor:
 
 # see forward: the largest row tile fp8 block experts run on
 FP8_MAX_BLOCK_M = 32
+MXFP4_DOTS = ("auto", "scaled", "decode")
+# tl.dot_scaled's x format per compute dtype (fp32 has none: the decode path)
+_MX_FORMAT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _scale_strides(scale: torch.Tensor, fp8: bool) -> tuple[int, int, int]:
-    """(expert, output-block, K-block) strides of an fp8 block scale [E, N/bn, K/bk]."""
-    return (scale.stride(0), scale.stride(1), scale.stride(2)) if fp8 else (0, 0, 0)
+def _scale_strides(scale: torch.Tensor, scaled: bool) -> tuple[int, int, int]:
+    """(expert, output-block, K-block) strides of an fp8 block scale [E, N/bn, K/bk] or an
+    mxfp4 one [E, N, K/32]."""
+    return (scale.stride(0), scale.stride(1), scale.stride(2)) if scaled else (0, 0, 0)
+
+
+def _bias_args(bias: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(pointer, expert stride) of a per-expert bias [E, N] (None: an unused pointer)."""
+    if bias is None:
+        return dummy, 0
+    if bias.stride(-1) != 1:
+        raise ValueError("the triton MoE runner needs expert biases contiguous in their last "
+                         "dim")
+    return bias, bias.stride(0)
 
 
 @functools.lru_cache(maxsize=16)
@@ -82,24 +96,31 @@ def _arch(device: torch.device) -> str:
 class TritonMoE(MoERunner):
     """Fused MoE in two Triton kernels (see kernels.py); routing weights fp32."""
 
-    def __init__(self, tiling: tuning.Tiling | None = None):
+    def __init__(self, tiling: tuning.Tiling | None = None, mxfp4_dot: str = "auto"):
         """tiling: force one (block_m, block_n, block_k, warps, stages) for every call (the
-        sweep in bench/ does); None: the tuning table's pick per call."""
+        sweep in bench/ does); None: the tuning table's pick per call. mxfp4_dot: how mxfp4
+        experts are multiplied (kernels.py): "scaled" (tl.dot_scaled; bf16 / fp16 only),
+        "decode" (tiles decoded in registers, then tl.dot; any dtype), "auto": scaled for
+        bf16 / fp16, decode for fp32."""
+        if mxfp4_dot not in MXFP4_DOTS:
+            raise ValueError(f"mxfp4_dot must be one of {MXFP4_DOTS}, not {mxfp4_dot!r}")
         if os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available():
             raise RuntimeError("the triton MoE runner needs a GPU (or TRITON_INTERPRET=1 for "
                                "tests)")
         self.tiling = tiling
+        self.mxfp4_dot = mxfp4_dot
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor, weights: MoEWeights,
                 layer: MoELayerParams, shared: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         fp8 = weights.form == "fp8"
+        mxfp4 = weights.form == "mxfp4"
         if layer.correction_bias is not None:  # its caps refuse noaux_tc models
             raise ValueError("the triton MoE runner does not route with a correction bias "
                              "(noaux_tc) yet")
-        if weights.form not in ("unquantized", "fp8"):
-            raise ValueError(f"the triton MoE runner runs unquantized and fp8 experts, not "
-                             f"{weights.form}")
+        if weights.form not in ("unquantized", "fp8", "mxfp4"):
+            raise ValueError(f"the triton MoE runner runs unquantized, fp8 and mxfp4 experts, "
+                             f"not {weights.form}")
         if fp8 and "block" not in weights.extra:
             raise ValueError("the triton MoE runner runs block-scaled fp8 experts only (per-"
                              "channel fp8 experts: torch_native)")
@@ -117,7 +138,22 @@ class TritonMoE(MoERunner):
         block_m, block_n, block_k, warps, stages = self.tiling or tuning.fit_dtype(
             tuning.pick(arch, n / E), hidden.element_size(), arch)
         scale_n = 1
-        w13_s = w2_s = w13  # unused pointers when not fp8
+        w13_s = w2_s = w13  # unused pointers when not fp8 / mxfp4
+        w13_b = w2_b = None
+        if mxfp4:  # e8m0 bytes [E, N, K/32]; fp32 biases [E, N] where the form has them
+            w13_s, w2_s = weights.extra["w13_scale"], weights.extra["w2_scale"]
+            w13_b, w2_b = weights.extra.get("w13_bias"), weights.extra.get("w2_bias")
+        if (w13_b is None) != (w2_b is None):
+            raise ValueError("mxfp4 experts with a bias on one projection only")
+        mx_dot = ""
+        if mxfp4 and self.mxfp4_dot != "decode":
+            mx_dot = _MX_FORMAT.get(hidden.dtype, "")
+            if not mx_dot and self.mxfp4_dot == "scaled":
+                raise ValueError(f"mxfp4_dot='scaled' multiplies bf16 / fp16 activations, not "
+                                 f"{hidden.dtype}")
+            # one K step is whole scale groups, and at least two (a [N, 1] scale tile is not
+            # a dot operand everywhere)
+            block_k = max(block_k, 64)
         if fp8:  # a K step is one scale block: BLOCK_K is the block's K
             scale_n, block_k = (int(b) for b in weights.extra["block"].tolist())
             # Row tiles of 64 or more (Hopper's wgmma path) gave wrong fp8 products on the H200
@@ -151,13 +187,14 @@ class TritonMoE(MoERunner):
         x = hidden.contiguous()
         launch = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
                   "PRECISION": precision, "FP8_BLOCK": fp8, "SCALE_N": scale_n,
+                  "MXFP4": mxfp4, "HAS_BIAS": w13_b is not None, "MX_DOT": mx_dot,
                   "num_warps": warps, "num_stages": stages}
 
         inter_rows = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)
         kernels.gate_up_kernel[kernels.grid(blocks, inter, block_n)](
             x, w13, inter_rows, sorted_ids, block_expert, total, n, H, inter, k,
             x.stride(0), w13.stride(0), w13.stride(1), inter_rows.stride(0),
-            w13_s, *_scale_strides(w13_s, fp8), **launch)
+            w13_s, *_scale_strides(w13_s, fp8 or mxfp4), *_bias_args(w13_b, w13), **launch)
         partial = torch.empty(n, H, dtype=hidden.dtype, device=hidden.device)
         if out is None:
             out = torch.empty_like(hidden)
@@ -169,7 +206,8 @@ class TritonMoE(MoERunner):
         kernels.down_kernel[kernels.grid(blocks, H, block_n)](
             inter_rows, w2, partial, route_w.reshape(-1), sorted_ids, block_expert, total, n,
             H, inter, inter_rows.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
-            w2_s, *_scale_strides(w2_s, fp8), out, shared if shared is not None else out,
+            w2_s, *_scale_strides(w2_s, fp8 or mxfp4), *_bias_args(w2_b, w2), out,
+            shared if shared is not None else out,
             locks, k, out.stride(0), shared.stride(0) if shared is not None else 0,
             FUSE_SUM=fuse, HAS_SHARED=shared is not None, **launch)
         if fuse:
