@@ -102,7 +102,7 @@ def test_flags_sglang_names_case_insensitive_and_vllm_config():
             make_server_args(**kw)
 
 
-@pytest.mark.parametrize("name", ["suffix", "STANDALONE", "eagle", "EAGLE3", "draft_model"])
+@pytest.mark.parametrize("name", ["STANDALONE", "eagle", "EAGLE3", "draft_model"])
 def test_algorithms_not_built_yet_are_refused_as_such(name):
     with pytest.raises(ResolveError, match="not implemented yet") as e:
         make_plan(make_server_args(speculative_algorithm=name))

@@ -118,14 +118,16 @@ class ServerArgs:
     # speculative decoding (core.contract.spec; core.engine.scheduler.spec verifies)
     speculative_algorithm: str | None = _f(
         None, "speculative", "speculative decoding proposer, case-insensitive: ngram (prompt "
-        "lookup), or a plugin's; suffix, standalone and eagle are not implemented yet")
+        "lookup), suffix (the request and earlier outputs, SuffixDecoding-style), or a "
+        "plugin's; standalone and eagle are not implemented yet")
     speculative_num_draft_tokens: int | None = _f(
         None, "speculative", "most draft tokens per request and step (default: 4, at most the "
         "proposer's limit)")
     speculative_ngram_min_match_window_size: int = _f(
-        1, "speculative", "ngram: shortest suffix of a request's tokens that must match earlier")
+        1, "speculative", "ngram / suffix: shortest suffix of a request's tokens that must "
+        "match earlier")
     speculative_ngram_max_match_window_size: int = _f(
-        12, "speculative", "ngram: longest suffix tried")
+        12, "speculative", "ngram / suffix: longest suffix tried (suffix: its index depth)")
     speculative_config: str | None = _f(
         None, "speculative", "vLLM's form, JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}, "

@@ -285,7 +285,7 @@ def _grammar_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slot
 
 # Names SGLang and vLLM give algorithms this engine has no proposer for yet (refused as such,
 # unless a plugin registers one under that name)
-SPEC_NOT_YET = {"suffix": "suffix (SuffixDecoding)", "standalone": "standalone (a draft model)",
+SPEC_NOT_YET = {"standalone": "standalone (a draft model)",
                 "draft_model": "draft_model (a draft model)", "eagle": "EAGLE", "eagle3": "EAGLE-3",
                 "nextn": "NEXTN (multi-token prediction)", "mtp": "MTP", "medusa": "Medusa",
                 "mlp_speculator": "MLP speculator", "deepseek_mtp": "DeepSeek MTP"}
