@@ -4,8 +4,10 @@ prefix cache behind one manager, so that the other managers never touch the pool
 With a hybrid KV pool (core.engine.memory.kv_groups) there are windowed groups 1.. beside the
 full group 0: each has its allocator and table; a request's pages in them are positional like
 its full-group pages, and `trim` gives back (to the group's allocator, the entry becoming the
-group's dummy page, in the list and the table) the pages no later token can read: those wholly
-before position kv_len - window + 1. Pages shared with the prefix cache are the cache's: never
+group's dummy page, in the list and the table) the pages no later token can read, nor a prefix
+hit on its tokens cut to whole pages: those wholly before position m - window + 1, m = kv_len
+rounded down to a page (so a request holds at most window + one page there when the window is
+a multiple of the page, plus the extend in flight). Pages shared with the prefix cache are the cache's: never
 trimmed here.
 """
 
@@ -124,7 +126,9 @@ class Pages:
         ps = self.page_size
         for g, (w, alloc, win) in enumerate(zip(req.wpages, self.group_allocators, self.windows,
                                                 strict=True)):
-            first = max(0, req.kv_len - win + 1) // ps  # the first page the next token reads
+            # the first page a token at the last page boundary reads: what a prefix-cache hit
+            # on this request's tokens (cut to whole pages) needs, so it is kept too
+            first = max(0, req.kv_len // ps * ps - win + 1) // ps
             i = max(req.wtrimmed[g], req.num_shared)
             if i >= first:
                 continue
