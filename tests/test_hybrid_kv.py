@@ -238,3 +238,19 @@ def test_retraction_and_abort_give_everything_back(gemma3_path):
     st = sched.stats()
     assert st["free_pages"] == st["total_pages"]
     assert st["kv_group1_free_pages"] == st["kv_group1_total_pages"]
+
+
+def test_speculative_verify_over_the_hybrid_pool(gemma3_path):
+    """ngram drafts verified in extend-like forwards over windowed groups (pages of rejected
+    drafts given back in every group, windows trimmed after acceptance): greedy equals HF."""
+    hf = tiny_hf_model("gemma3")
+    prompt = _prompt(12, 30) * 4  # repeats: the ngram proposer finds drafts
+    core_ = _core(gemma3_path, max_total_tokens=512, page_size=4, chunked_prefill_size=16,
+                  speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+    sched = core_.scheduler
+    sched.add_request("s", prompt, {**GREEDY, "max_new_tokens": 40})
+    out = _run(sched)["s"]
+    assert sched.counters["spec_verify_steps"] > 0
+    assert out == _hf_greedy(hf, prompt, 40)
+    st = sched.stats()
+    assert st["kv_group1_total_pages"] - st["kv_group1_free_pages"] <= W // 4 + 1  # cached
