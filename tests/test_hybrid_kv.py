@@ -73,6 +73,20 @@ def test_groups_by_window():
     assert hybrid_reason(g, mla=True) is not None
 
 
+def test_a_group_pool_refuses_other_layers_and_the_ratio_is_checked():
+    from core.engine.memory.kv_cache import KVPool
+    from core.plan.args import make_server_args
+
+    pool = KVPool(8, 3, 1, 4, torch.float32, "cpu", 2, layers=(0, 2))
+    assert pool.k_buffers[1] is None and pool.layers == (0, 2)
+    kv = torch.zeros(1, 1, 4)
+    pool.set_kv(2, torch.tensor([3]), kv + 1, kv)
+    with pytest.raises(RuntimeError, match="batch.for_layer"):
+        pool.set_kv(1, torch.tensor([3]), kv, kv)
+    with pytest.raises(ValueError, match="--swa-full-tokens-ratio"):
+        make_server_args(swa_full_tokens_ratio=0)
+
+
 # -- the radix cache's windowed pages ------------------------------------------------------------
 
 def _tree(ps=2, window=4, pages=64):

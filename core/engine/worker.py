@@ -521,7 +521,9 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
     per_token = mem.bytes_per_token
     notes: tuple[str, ...] = ()
     if ranks is not None:  # every rank schedules alike: one pool size, the smallest
-        mem = dataclasses.replace(mem, kv_tokens=all_min(mem.kv_tokens, ranks.comm))
+        mem = dataclasses.replace(mem, kv_tokens=all_min(mem.kv_tokens, ranks.comm),
+                                  group_tokens=tuple(all_min(t, ranks.comm)
+                                                     for t in mem.group_tokens))
         notes = (f"tensor parallel: rank {tp.rank} of {tp.size} ({ranks.spec.backend}), "
                  f"{heads} of {spec.num_heads} heads and {kv_heads} of {spec.num_kv_heads} "
                  f"KV heads per rank",)

@@ -78,11 +78,22 @@ class KVPool:
         return self.step
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+        kb = self.k_buffers[layer_id]
+        if kb is None:
+            self._not_here(layer_id)
+        return kb, self.v_buffers[layer_id]
+
+    def _not_here(self, layer_id: int) -> None:
+        raise RuntimeError(
+            f"layer {layer_id}'s K/V are in another group of the hybrid KV pool (this one holds "
+            f"layers {list(self.layers)}): the model must run each layer's attention on "
+            f"batch.for_layer(layer_id) (or serve with --disable-hybrid-kv)")
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V. loc: [T] slots; k: [T, kv_heads, head_dim]; v likewise."""
         kb, vb = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if kb is None:
+            self._not_here(layer_id)
         if self.k_scale != 1.0:
             k = k / self.k_scale
         if self.v_scale != 1.0:
