@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -236,8 +237,11 @@ def plan_hybrid_kv(args: ServerArgs, spec: ModelSpec, mem: MemoryPlan, plan_agai
         split_budget_bytes_per_token,
     )
 
-    groups = kv_groups(spec.sliding_windows, spec.num_layers)
-    why = hybrid_reason(groups, spec.attention_kind == "MLA")
+    try:
+        groups = kv_groups(spec.sliding_windows, spec.num_layers)
+        why = hybrid_reason(groups, spec.attention_kind == "MLA")
+    except ValueError as exc:  # a spec whose windows do not match its layers
+        groups, why = (), str(exc)
     if why is not None:
         if spec.has_sliding_window:  # say why windows only mask here
             mem = dataclasses.replace(mem, notes=(*mem.notes, f"hybrid KV pool off: {why}"))
@@ -251,7 +255,7 @@ def plan_hybrid_kv(args: ServerArgs, spec: ModelSpec, mem: MemoryPlan, plan_agai
             "graphs off, --disable-cuda-graph, to free sliding-window layers' pages)")))
     ratio = args.swa_full_tokens_ratio
     per_token = split_budget_bytes_per_token(groups, layer_bytes, ratio)
-    mem = plan_again(-(-int(per_token * 1000) // 1000))
+    mem = plan_again(math.ceil(per_token))
     full = mem.kv_tokens
     chunk = mem.chunked_prefill_size or max_context
     tokens = []
