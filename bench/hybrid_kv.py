@@ -53,7 +53,7 @@ def build(wins, layers, kv_heads, head_dim, dtype, device, budget, ratio, ps, ch
     layer_bytes = KVPool.bytes_per_token(1, kv_heads, head_dim, dtype)
     per_token = split_budget_bytes_per_token(groups, layer_bytes, ratio)
     full = int(budget // per_token) // ps * ps
-    tokens = [max(group_tokens(full, ratio, ps, context),
+    tokens = [max(group_tokens(full, ratio, ps),
                   -(-min(full, g.window + chunk + 2 * ps) // ps) * ps) for g in groups[1:]]
     pools = [KVPool(full + ps, layers, kv_heads, head_dim, dtype, device, ps,
                     layers=groups[0].layers)]

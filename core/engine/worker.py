@@ -262,7 +262,7 @@ def plan_hybrid_kv(args: ServerArgs, spec: ModelSpec, mem: MemoryPlan, plan_agai
     for g in groups[1:]:
         # never less than one request's peak there: its window, a page, the extend in flight
         floor = min(full, g.window + chunk + 2 * ps)
-        tokens.append(max(group_tokens(full, ratio, ps, max_context),
+        tokens.append(max(group_tokens(full, ratio, ps),
                           -(-floor // ps) * ps))
     lines = [f"{g.describe()}: {t} tokens" for g, t in
              zip(groups, (full, *tokens), strict=True)]

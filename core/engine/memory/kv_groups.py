@@ -73,10 +73,9 @@ def hybrid_reason(groups: Sequence[KVGroup], mla: bool) -> str | None:
     return None
 
 
-def group_tokens(full_tokens: int, ratio: float, page_size: int, max_context: int) -> int:
+def group_tokens(full_tokens: int, ratio: float, page_size: int) -> int:
     """A windowed group's usable tokens for a full group of `full_tokens`: ratio x that,
     in whole pages, never above the full group's (a windowed layer never holds more)."""
-    del max_context  # kept for a later per-window cap
     t = int(full_tokens * ratio) // page_size * page_size
     return max(min(t, full_tokens), 2 * page_size)
 
