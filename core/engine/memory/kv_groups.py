@@ -19,8 +19,14 @@ The design, chosen as the simplest that leaves attention backends unchanged:
 - Each layer's attention runs on its group's view of the step's ForwardBatch (that group's
   pool, table, new-token slots and backend instance with its own per-step metadata), picked by
   `ForwardBatch.for_layer`; backends are not told groups exist.
-- A windowed group's memory per request is bounded by window + one page (+ the tokens of the
-  extend in flight, whose K/V must all exist during that forward); the full group keeps all.
+- A windowed group's memory per request is bounded by window + one page (the window before
+  the last page boundary is kept, so a prefix-cache hit on the request's whole pages can be
+  used; exact when the window is a multiple of the page size, one page more otherwise), plus
+  the tokens of the extend in flight, whose K/V must all exist during that forward; the full
+  group keeps all. Without chunked prefill a prompt's extend is the whole prompt, so windowed
+  groups are never sized below one request's peak (worker.plan_hybrid_kv).
+- Decode graphs replay one page table: with graphs captured the pool stays single (a note
+  says so); --disable-hybrid-kv keeps one pool everywhere.
 
 The split of a budget between groups follows SGLang's SWA pool: windowed groups get
 `ratio` x the full group's tokens (--swa-full-tokens-ratio), since a fixed split must choose
