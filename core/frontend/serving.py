@@ -274,7 +274,7 @@ def _figures(s: JSONObject) -> JSONObject:
             **{k: v for k, v in s.items() if k.startswith("grammar_compile")},
             # speculative decoding (core.engine.scheduler.spec): drafts, tokens, accepted
             **{k: v for k, v in s.items() if k.startswith("spec_")},
-            # a hybrid KV pool's windowed groups (core.engine.memory.kv_groups): window, pages
+            # a hybrid KV pool's windowed groups (core.engine.memory.kv_groups): their pages
             **{k: v for k, v in s.items() if k.startswith("kv_group")}}
 
 

@@ -521,10 +521,10 @@ class Scheduler:
     def stats(self) -> dict[str, int | float]:
         q, cache = self.q, self.pages.cache
         groups = {}
-        for g, (alloc, w) in enumerate(zip(self.pages.group_allocators, self.pages.windows,
-                                           strict=True), start=1):
-            # a hybrid pool's windowed groups (group 0's are the keys below)
-            groups.update({f"kv_group{g}_window": w, f"kv_group{g}_free_pages": alloc.free_pages,
+        for g, alloc in enumerate(self.pages.group_allocators, start=1):
+            # a hybrid pool's windowed groups (group 0's are the keys below; their windows are
+            # in the engine's notes): counts only, which add up over data-parallel replicas
+            groups.update({f"kv_group{g}_free_pages": alloc.free_pages,
                            f"kv_group{g}_total_pages": alloc.total_pages,
                            f"kv_group{g}_evictable_pages": cache.group_evictable(g)})
         return {**self.counters, **groups,
