@@ -52,6 +52,18 @@ class ForwardBatch:
     attn_backend: AttentionBackend | None = None  # the one chosen for this step's phase
     # prepared once per step by that backend, of its own type (opaque to others)
     attn_meta: Any = None
+    # A hybrid KV pool (core.engine.memory.kv_groups): this step's batch per KV group (each
+    # with its group's pool, table, out_cache_loc, backend and metadata; [0] is this batch)
+    # and each layer's group. None: one pool, every layer uses this batch.
+    groups: tuple[ForwardBatch, ...] | None = None
+    layer_group: tuple[int, ...] | None = None
+
+    def for_layer(self, layer_id: int) -> ForwardBatch:
+        """The batch layer `layer_id`'s attention runs on: its KV group's view (this batch when
+        the pool has one group). Backends only ever see such a view."""
+        if self.layer_group is None:
+            return self
+        return self.groups[self.layer_group[layer_id]]
 
     @property
     def batch_size(self) -> int:

@@ -9,6 +9,7 @@ the batch's *_cpu lists so backends never sync with the device to read them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -41,13 +42,30 @@ def make_backends(registry: Registry, prefill: str, decode: str, ctx: BackendCon
 
 
 class ModelRunner:
-    """Runs extend (prefill, possibly over a cached prefix or in chunks) and decode forwards."""
+    """Runs extend (prefill, possibly over a cached prefix or in chunks) and decode forwards.
+
+    With a hybrid KV pool (core.engine.memory.kv_groups), `kv_pool` is group 0's (the full
+    layers') and `group_pools[g - 1]` group g's; each group has its own table
+    (req_to_token.tables[g]) and backend instances (`group_backends[g - 1]`: prefill, decode),
+    and every forward is given each group's new-token slots (`group_slots`). The step's batch
+    then carries one view per group (ForwardBatch.groups), which each layer picks by its id.
+    """
 
     def __init__(self, model: nn.Module, kv_pool: KVPool | MLAKVPool, req_to_token: ReqToTokenPool,
                  prefill_backend: AttentionBackend, decode_backend: AttentionBackend,
-                 device: torch.device | str, platform: Platform | None = None):
+                 device: torch.device | str, platform: Platform | None = None,
+                 group_pools: Sequence[KVPool] = (),
+                 group_backends: Sequence[tuple[AttentionBackend, AttentionBackend]] = (),
+                 layer_group: Sequence[int] | None = None):
         self.model = model
         self.kv_pool = kv_pool
+        self.group_pools = list(group_pools)
+        self.group_backends = list(group_backends)
+        self.layer_group = tuple(layer_group) if layer_group is not None else None
+        if len(self.group_backends) != len(self.group_pools) or (
+                bool(self.group_pools) != (self.layer_group is not None)):
+            raise ValueError("a hybrid KV pool needs one backend pair per extra group and the "
+                             "layers' groups")
         self.req_to_token = req_to_token
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
@@ -65,12 +83,34 @@ class ModelRunner:
     def _tensor(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return self.platform.to_device(torch.tensor(values, dtype=dtype), self.device)
 
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.group_pools)
+
+    def _begin_step(self) -> None:
+        self.kv_pool.begin_step()
+        for p in self.group_pools:
+            p.begin_step()
+
+    def _with_groups(self, batch: ForwardBatch, locs: Sequence[torch.Tensor]) -> None:
+        """Attach the other groups' views of `batch` (their new-token slots `locs`)."""
+        views = [dataclasses.replace(batch, out_cache_loc=loc, req_to_token=table, kv_pool=pool)
+                 for loc, table, pool in zip(locs, self.req_to_token.tables[1:],
+                                             self.group_pools, strict=True)]
+        batch.groups = (batch, *views)
+        batch.layer_group = self.layer_group
+
     def _run(self, batch: ForwardBatch, backend: AttentionBackend,
              logit_index: torch.Tensor | None,
              keep: dict[int, tuple[int, int]] | None = None,
              kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         batch.attn_backend = backend
         batch.attn_meta = backend.prepare(batch)
+        if batch.groups is not None:  # each group's backend prepares its own view
+            phase = 0 if backend is self.prefill_backend else 1
+            for view, pair in zip(batch.groups[1:], self.group_backends, strict=True):
+                view.attn_backend = pair[phase]
+                view.attn_meta = pair[phase].prepare(view)
         with torch.inference_mode():
             hidden = self.model.forward(batch.input_ids, batch.positions, batch)  # [T, H]
             for i, (start, n) in (keep or {}).items():
@@ -82,7 +122,8 @@ class ModelRunner:
     def extend(self, rows: Sequence[int], prefix_lens: Sequence[int],
                tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
                logits_for: Sequence[int], hidden_for: Sequence[int] = (),
-               hidden_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+               hidden_out: dict[int, torch.Tensor] | None = None,
+               group_slots: Sequence[Sequence[Sequence[int]]] = ()) -> torch.Tensor | None:
         """Compute K/V of `tokens[i]` (positions prefix_lens[i]...) for request row rows[i].
 
         The rows' prefix slots must already be in the table; this writes the new ones.
@@ -90,9 +131,10 @@ class ModelRunner:
         `logits_for` (indices into rows), or None when none is listed. For each index i in
         `hidden_for`, hidden_out[i] gets the final hidden states of all of tokens[i]
         ([len(tokens[i]), H]; `logits` turns them into logits: prompt logprobs).
+        group_slots[g - 1][i]: request i's new slots in KV group g (a hybrid pool).
         """
         self.forward_count["extend"] += 1
-        batch, ext = self._extend_batch(rows, prefix_lens, tokens, slots)
+        batch, ext = self._extend_batch(rows, prefix_lens, tokens, slots, group_slots)
         ends, t = [], 0
         for n in ext:
             t += n
@@ -107,11 +149,15 @@ class ModelRunner:
         return self._run(batch, self.prefill_backend, index, keep, hidden_out)
 
     def _extend_batch(self, rows: Sequence[int], prefix_lens: Sequence[int],
-                      tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]]
+                      tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
+                      group_slots: Sequence[Sequence[Sequence[int]]] = ()
                       ) -> tuple[ForwardBatch, list[int]]:
         """The EXTEND batch of `tokens[i]` at positions prefix_lens[i]... of rows[i] (their
         slots written into the table), and the extend lengths."""
-        self.kv_pool.begin_step()
+        self._begin_step()
+        if len(group_slots) != len(self.group_pools):
+            raise ValueError(f"{len(group_slots)} groups' slots for a pool of "
+                             f"{self.num_groups} KV groups")
         ext = [len(t) for t in tokens]
         seq = [p + n for p, n in zip(prefix_lens, ext, strict=True)]
         flat_ids: list[int] = []
@@ -134,16 +180,25 @@ class ModelRunner:
             req_to_token=self.req_to_token.req_to_token,
             kv_pool=self.kv_pool,
             seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=ext)
+        if self.group_pools:
+            locs = []
+            for g, per_req in enumerate(group_slots, start=1):
+                flat = []
+                for row, p, sl in zip(rows, prefix_lens, per_req, strict=True):
+                    self.req_to_token.write(row, p, sl, group=g)
+                    flat.extend(sl)
+                locs.append(self._tensor(flat, torch.long))
+            self._with_groups(batch, locs)
         return batch, ext
 
     def verify(self, rows: Sequence[int], prefix_lens: Sequence[int],
-               tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]]
-               ) -> torch.Tensor:
+               tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
+               group_slots: Sequence[Sequence[Sequence[int]]] = ()) -> torch.Tensor:
         """Speculative verification: one extend forward of each request's [last token +
         drafts] over its cached prefix (K/V written to `slots`, the rejected ones' too: the
         scheduler frees their pages) -> logits at every new position [sum(len(t)), V]."""
         self.forward_count["verify"] = self.forward_count.get("verify", 0) + 1
-        batch, _ = self._extend_batch(rows, prefix_lens, tokens, slots)
+        batch, _ = self._extend_batch(rows, prefix_lens, tokens, slots, group_slots)
         return self._run(batch, self.prefill_backend, None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -166,8 +221,9 @@ class ModelRunner:
             n_tok = min(n_tok, self.req_to_token.max_context)
             if n_req < 1 or n_tok < 1:
                 continue
-            self.extend(list(range(n_req)), [0] * n_req, [[1] * n_tok] * n_req,
-                        [[0] * n_tok] * n_req, [])
+            sink = [[0] * n_tok] * n_req
+            self.extend(list(range(n_req)), [0] * n_req, [[1] * n_tok] * n_req, sink, [],
+                        group_slots=[sink] * len(self.group_pools))
             done += 1
         if done:
             self.platform.synchronize(self.device)
@@ -175,22 +231,28 @@ class ModelRunner:
         return done
 
     def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
-               positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+               positions: Sequence[int], slots: Sequence[int],
+               group_slots: Sequence[Sequence[int]] = ()) -> torch.Tensor:
         """One new token per request at `positions[i]` (= tokens already cached) -> [B, V].
 
         `input_ids` may be a device tensor (the previous step's sampled tokens, not yet seen by
-        the host: the overlap scheduler)."""
+        the host: the overlap scheduler). group_slots[g - 1][i]: request i's new slot in KV
+        group g (a hybrid pool; decode graphs are not captured over one)."""
         self.forward_count["decode"] += 1
-        self.kv_pool.begin_step()  # graph replays write the pool too
+        self._begin_step()  # graph replays write the pool too
+        if len(group_slots) != len(self.group_pools):
+            raise ValueError(f"{len(group_slots)} groups' slots for a pool of "
+                             f"{self.num_groups} KV groups")
         if self.graph_runner is not None and self.graph_runner.can_run(len(rows)):
             return self.graph_runner.decode(rows, input_ids, positions, slots)
         seq = [p + 1 for p in positions]
         B = len(rows)
         on_device = isinstance(input_ids, torch.Tensor)
-        # One host->device copy for the four per-request vectors.
+        # One host->device copy for the four per-request vectors (and each group's slots).
         packed = self._tensor([*([0] * B if on_device else input_ids), *positions, *slots,
-                               *rows], torch.long)
-        ids, pos, loc, row_t = packed[:B], packed[B:2 * B], packed[2 * B:3 * B], packed[3 * B:]
+                               *rows, *(s for gs in group_slots for s in gs)], torch.long)
+        ids, pos, loc, row_t = (packed[:B], packed[B:2 * B], packed[2 * B:3 * B],
+                                packed[3 * B:4 * B])
         if on_device:
             ids = input_ids.to(device=self.device, dtype=torch.long)
         self.req_to_token.req_to_token[row_t, pos] = loc.to(torch.int32)
@@ -201,4 +263,9 @@ class ModelRunner:
             out_cache_loc=loc, req_pool_indices=row_t,
             req_to_token=self.req_to_token.req_to_token, kv_pool=self.kv_pool,
             seq_lens_cpu=seq, prefix_lens_cpu=list(positions), extend_lens_cpu=[1] * B)
+        if self.group_pools:
+            locs = [packed[(4 + g) * B:(5 + g) * B] for g in range(len(self.group_pools))]
+            for table, gl in zip(self.req_to_token.tables[1:], locs, strict=True):
+                table[row_t, pos] = gl.to(torch.int32)
+            self._with_groups(batch, locs)
         return self._run(batch, self.decode_backend, None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -115,6 +116,10 @@ class MemoryPlan:
     chunked_prefill_size: int | None  # None: no chunking
     graphs: GraphDecision
     notes: tuple[str, ...]
+    # a hybrid KV pool (core.engine.memory.kv_groups): every group (the full one first; then
+    # kv_tokens is its usable tokens) and the windowed groups' usable tokens; () when off
+    kv_groups: tuple = ()
+    group_tokens: tuple[int, ...] = ()
 
 
 def plan_memory(args: ServerArgs, plan: Plan, spec: ModelSpec, cfg: HFConfig, dtype_bytes: int,
@@ -195,21 +200,88 @@ def build_kv(plan: Plan, spec: ModelSpec, mem: MemoryPlan, kv_dtype: torch.dtype
                          platform=platform)
         return pool, ReqToTokenPool(mem.max_running, max_context, device)
     kv_heads = spec.num_kv_heads if kv_heads is None else kv_heads
+    store = loaded.ops.store_kv() if loaded.ops is not None else None
     kv_pool = KVPool(mem.kv_tokens + page, spec.num_layers, kv_heads, spec.head_dim,
                      kv_dtype, device, page, spec.v_head_dim, k_scale=k_scale, v_scale=v_scale,
-                     store=loaded.ops.store_kv() if loaded.ops is not None else None,
-                     platform=platform)
-    return kv_pool, ReqToTokenPool(mem.max_running, max_context, device)
+                     store=store, platform=platform,
+                     layers=mem.kv_groups[0].layers if mem.kv_groups else None)
+    return kv_pool, ReqToTokenPool(mem.max_running, max_context, device,
+                                   groups=max(1, len(mem.kv_groups)))
+
+
+def build_group_pools(spec: ModelSpec, mem: MemoryPlan, kv_pool: KVPool, kv_heads: int,
+                      platform: Platform | None) -> list[KVPool]:
+    """A hybrid pool's windowed groups' K/V (like group 0's `kv_pool`, only their layers):
+    usable tokens, the padding-sink page and the dummy page last (never written: zeros)."""
+    from core.engine.memory.kv_cache import KVPool
+
+    page = kv_pool.page_size
+    return [KVPool(tokens + 2 * page, spec.num_layers, kv_heads, spec.head_dim, kv_pool.dtype,
+                   kv_pool.device, page, spec.v_head_dim, k_scale=kv_pool.k_scale,
+                   v_scale=kv_pool.v_scale, store=kv_pool.store, platform=platform,
+                   layers=g.layers)
+            for g, tokens in zip(mem.kv_groups[1:], mem.group_tokens, strict=True)]
+
+
+def plan_hybrid_kv(args: ServerArgs, spec: ModelSpec, mem: MemoryPlan, plan_again: Callable[
+        [int], MemoryPlan], layer_bytes: int, max_context: int, ps: int) -> MemoryPlan:
+    """The hybrid KV pool's layout (core.engine.memory.kv_groups), or `mem` as it is with a
+    note saying why not. plan_again(bytes_per_token): plan_memory at another per-token cost
+    (a full-group token with its windowed share). layer_bytes: one token's K+V in one layer;
+    ps: the page size. A windowed group is never smaller than one request's peak there, which
+    may take it past the budget's share on a tiny pool (the note gives the sizes)."""
+    from core.engine.memory.kv_groups import (
+        group_tokens,
+        hybrid_reason,
+        kv_groups,
+        split_budget_bytes_per_token,
+    )
+
+    try:
+        groups = kv_groups(spec.sliding_windows, spec.num_layers)
+        why = hybrid_reason(groups, spec.attention_kind == "MLA")
+    except ValueError as exc:  # a spec whose windows do not match its layers
+        groups, why = (), str(exc)
+    if why is not None:
+        if spec.has_sliding_window:  # say why windows only mask here
+            mem = dataclasses.replace(mem, notes=(*mem.notes, f"hybrid KV pool off: {why}"))
+        return mem
+    if args.disable_hybrid_kv:
+        return dataclasses.replace(mem, notes=(*mem.notes, "hybrid KV pool off: "
+                                               "--disable-hybrid-kv"))
+    if mem.graphs.enabled:
+        return dataclasses.replace(mem, notes=(*mem.notes, (
+            "hybrid KV pool off: decode graphs are captured and replay one page table (turn "
+            "graphs off, --disable-cuda-graph, to free sliding-window layers' pages)")))
+    ratio = args.swa_full_tokens_ratio
+    per_token = split_budget_bytes_per_token(groups, layer_bytes, ratio)
+    mem = plan_again(math.ceil(per_token))
+    full = mem.kv_tokens
+    chunk = mem.chunked_prefill_size or max_context
+    tokens = []
+    for g in groups[1:]:
+        # never less than one request's peak there: its window, a page, the extend in flight
+        floor = min(full, g.window + chunk + 2 * ps)
+        tokens.append(max(group_tokens(full, ratio, ps),
+                          -(-floor // ps) * ps))
+    lines = [f"{g.describe()}: {t} tokens" for g, t in
+             zip(groups, (full, *tokens), strict=True)]
+    note = (f"hybrid KV pool (--swa-full-tokens-ratio {ratio}): " + "; ".join(lines)
+            + f"; {per_token:.0f} B per full-context token (all layers: "
+            f"{layer_bytes * spec.num_layers} B)")
+    return dataclasses.replace(mem, kv_groups=groups, group_tokens=tuple(tokens),
+                               bytes_per_token=int(per_token), notes=(*mem.notes, note))
 
 
 def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Platform,
                  loaded: LoadedModel, kv_pool: KVPool | MLAKVPool, req_to_token: ReqToTokenPool,
                  kv_dtype: torch.dtype, device: torch.device, max_context: int,
-                 mem: MemoryPlan, heads: int | None = None, kv_heads: int | None = None
-                 ) -> tuple[ModelRunner, str]:
+                 mem: MemoryPlan, heads: int | None = None, kv_heads: int | None = None,
+                 group_pools: list[KVPool] | None = None) -> tuple[ModelRunner, str]:
     """Phase 3: attention backends, the model runner (the platform's post-load transform runs
     here), decode graphs, startup compilation. Returns (runner, graph note). heads, kv_heads:
-    what this rank holds (default: the model's)."""
+    what this rank holds (default: the model's). group_pools: a hybrid pool's windowed groups
+    (each gets backend instances of its own: their per-step state is per table)."""
     from core.contract.attention import BackendContext
     from core.engine.graphs import capture_graphs
     from core.engine.model_runner import ModelRunner, make_backends
@@ -220,7 +292,19 @@ def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Plat
                          dtype=loaded.dtype, kv_dtype=kv_dtype, device=device,
                          page_size=plan.page_size, max_context_len=max_context)
     prefill, decode = make_backends(registry, plan.prefill_attention, plan.decode_attention, ctx)
-    runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device, platform)
+    group_pools = group_pools or []
+    layer_group = None
+    if group_pools:
+        layer_group = [0] * spec.num_layers
+        for g, group in enumerate(mem.kv_groups):
+            for i in group.layers:
+                layer_group[i] = g
+    runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device, platform,
+                         group_pools=group_pools,
+                         group_backends=[make_backends(registry, plan.prefill_attention,
+                                                       plan.decode_attention, ctx)
+                                         for _ in group_pools],
+                         layer_group=layer_group)
     graph_note = capture_graphs(runner, mem.graphs, int(loaded.hf_config.vocab_size), platform)
     # Compile the prefill kernels' common variants now (where the platform says it pays):
     # seconds at startup instead of in the first requests.
@@ -245,8 +329,12 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
 
     page = plan.page_size
     allocator = PageAllocator((mem.kv_tokens + page) // page, page)
+    # a hybrid pool's windowed groups: usable pages, the sink page 0, the dummy page last
+    group_allocators = [PageAllocator(n, page, dummy_page=n) for n in
+                        ((t + page) // page for t in mem.group_tokens)]
+    windows = [g.window for g in mem.kv_groups[1:]]
     cache = make_prefix_cache(allocator, page, args.disable_radix_cache,
-                              args.radix_eviction_policy)
+                              args.radix_eviction_policy, windows, group_allocators)
     overlap, overlap_note = platform.overlap_schedule()
     if args.disable_overlap_schedule:
         overlap, overlap_note = False, "overlap schedule off: --disable-overlap-schedule"
@@ -295,7 +383,8 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
                           Sampler(device, args.seed, to_device=platform.to_device),
                           sched_cfg, eos, int(cfg.vocab_size),
                           decode_text=tok.decode if tok is not None else None, grammar=grammar,
-                          proposer=proposer, proposer_grammars=spec_grammars)
+                          proposer=proposer, proposer_grammars=spec_grammars,
+                          windows=windows, group_allocators=group_allocators)
     return scheduler, eos, tuple(notes)
 
 
@@ -425,22 +514,32 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
     kv_dtype = kv_dtype_of(plan)
     heads, kv_heads = local_heads(spec, tp)
     per_token = kv_bytes_per_token(spec, kv_heads, kv_dtype)
-    mem = plan_memory(args, plan, spec, cfg, loaded.dtype.itemsize, per_token,
-                      platform.memory(index)[0] // sharing if args.max_total_tokens is None
-                      else 0, platform)
+    free_now = platform.memory(index)[0] // sharing if args.max_total_tokens is None else 0
+
+    def plan_at(bytes_per_token: int) -> MemoryPlan:
+        return plan_memory(args, plan, spec, cfg, loaded.dtype.itemsize, bytes_per_token,
+                           free_now, platform)
+
+    mem = plan_hybrid_kv(args, spec, plan_at(per_token), plan_at,
+                         per_token // max(spec.num_layers, 1), max_context, plan.page_size)
+    per_token = mem.bytes_per_token
     notes: tuple[str, ...] = ()
     if ranks is not None:  # every rank schedules alike: one pool size, the smallest
-        mem = dataclasses.replace(mem, kv_tokens=all_min(mem.kv_tokens, ranks.comm))
+        mem = dataclasses.replace(mem, kv_tokens=all_min(mem.kv_tokens, ranks.comm),
+                                  group_tokens=tuple(all_min(t, ranks.comm)
+                                                     for t in mem.group_tokens))
         notes = (f"tensor parallel: rank {tp.rank} of {tp.size} ({ranks.spec.backend}), "
                  f"{heads} of {spec.num_heads} heads and {kv_heads} of {spec.num_kv_heads} "
                  f"KV heads per rank",)
     done(f"memory planned: KV cache {mem.kv_tokens} tokens")
     kv_pool, req_to_token = build_kv(plan, spec, mem, kv_dtype, device, max_context, loaded,
                                      kv_heads, platform)
+    group_pools = build_group_pools(spec, mem, kv_pool, kv_heads, platform) \
+        if mem.kv_groups else []
     done(f"KV cache allocated ({mem.kv_tokens * per_token / 2**20:.0f} MiB)")
     runner, graph_note = build_runner(plan, spec, registry, platform, loaded, kv_pool,
                                       req_to_token, kv_dtype, device, max_context, mem,
-                                      heads, kv_heads)
+                                      heads, kv_heads, group_pools)
     done("model runner ready (kernels built, warmed up)")
     scheduler, eos, sched_notes = build_scheduler(args, plan, runner, req_to_token, mem,
                                                    platform, loaded, max_context, device,

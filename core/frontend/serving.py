@@ -273,7 +273,9 @@ def _figures(s: JSONObject) -> JSONObject:
             # grammar compiles (core.engine.grammar_compiler): queued, running, outcomes
             **{k: v for k, v in s.items() if k.startswith("grammar_compile")},
             # speculative decoding (core.engine.scheduler.spec): drafts, tokens, accepted
-            **{k: v for k, v in s.items() if k.startswith("spec_")}}
+            **{k: v for k, v in s.items() if k.startswith("spec_")},
+            # a hybrid KV pool's windowed groups (core.engine.memory.kv_groups): their pages
+            **{k: v for k, v in s.items() if k.startswith("kv_group")}}
 
 
 def start_async_engine(args: ServerArgs) -> AsyncEngine:

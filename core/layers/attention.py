@@ -29,6 +29,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*Dv]; the backend writes k/v into the pool."""
+        batch = batch.for_layer(self.params.layer_id)  # its KV group's view (hybrid pool)
         return batch.attn_backend.forward(q, k, v, self.params, batch)
 
     def extra_repr(self) -> str:

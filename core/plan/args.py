@@ -89,6 +89,12 @@ class ServerArgs:
     radix_eviction_policy: str = _f("lru", "scheduling", "prefix-cache eviction",
                                     choices=EVICTION_POLICIES)
     disable_radix_cache: bool = _f(False, "scheduling", "turn off prefix sharing")
+    disable_hybrid_kv: bool = _f(False, "scheduling", "keep every layer's KV for the whole "
+                                 "context (default for models with full and sliding-window "
+                                 "layers: windowed layers give back pages out of their window)")
+    swa_full_tokens_ratio: float = _f(0.8, "scheduling", "hybrid KV pool: sliding-window "
+                                      "layers' KV tokens per full-attention layers' token, in "
+                                      "(0, 1] (small: more long contexts fit, fewer short ones)")
     disable_overlap_schedule: bool = _f(False, "scheduling", "finish each decode step before "
                                         "launching the next (overlap is on for GPUs only)")
     # kernels
@@ -286,6 +292,9 @@ def validate(args: ServerArgs) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not 0 < args.swa_full_tokens_ratio <= 1:
+        raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got "
+                         f"{args.swa_full_tokens_ratio}")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
         raise ValueError(f"--mem-fraction-static must be in (0, 1), got "
                          f"{args.mem_fraction_static}")

@@ -131,7 +131,8 @@ class GemmaDecoderLayer(nn.Module):
         qkv = qkv_proj(x)
         v = qkv[:, (H + Hkv) * D:]
         q, k = rotate(qkv, cos, sin, H, Hkv)
-        h = norm_post_attn(o_proj(batch.attn_backend.forward(q, k, v, params, batch)))
+        view = batch.for_layer(params.layer_id)  # its KV group's (a hybrid pool)
+        h = norm_post_attn(o_proj(view.attn_backend.forward(q, k, v, params, view)))
         x, residual = add_norm_pre_mlp(h, residual)
         return norm_post_mlp(down(act(gate_up(x)))), residual
 

@@ -145,7 +145,8 @@ class DecoderLayer(nn.Module):
         qkv = qkv_proj(x)  # [T, (H + 2 Hkv) * D]
         v = qkv[:, (H + Hkv) * D:]
         q, k = rotate(qkv, cos, sin, H, Hkv)  # [T, H * D], [T, Hkv * D] (q/k norm first: Qwen3)
-        h = o_proj(batch.attn_backend.forward(q, k, v, params, batch))
+        view = batch.for_layer(params.layer_id)  # its KV group's (a hybrid pool)
+        h = o_proj(view.attn_backend.forward(q, k, v, params, view))
         x, residual = add_norm2(h, residual)
         return down_proj(act(gate_up_proj(x))), residual
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -32,7 +32,10 @@ class KVPool:
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, page_size: int = 1,
                  v_head_dim: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                 store: Callable | None = None, platform: Platform | None = None):
+                 store: Callable | None = None, platform: Platform | None = None,
+                 layers: Sequence[int] | None = None):
+        """layers: the layer ids this pool holds buffers for (a hybrid pool's group,
+        core.engine.memory.kv_groups); the others' entries are None. Default: all."""
         if num_slots < page_size * 2:
             raise ValueError(f"KV pool of {num_slots} slots is too small for page size "
                              f"{page_size}")
@@ -51,10 +54,13 @@ class KVPool:
         self.v_scale = float(v_scale)
         if platform is None:
             platform = platform_for_device(self.device)
+        held = set(range(num_layers) if layers is None else layers)
+        self.layers = tuple(sorted(held))
         self.k_buffers = [platform.zeros((num_slots, num_kv_heads, head_dim), dtype, self.device)
-                          for _ in range(num_layers)]
+                          if i in held else None for i in range(num_layers)]
         self.v_buffers = [platform.zeros((num_slots, num_kv_heads, self.v_head_dim), dtype,
-                                         self.device) for _ in range(num_layers)]
+                                         self.device) if i in held else None
+                          for i in range(num_layers)]
         self.step = 0
         # the layer ops' KV store (core.contract.layer_ops: one kernel for K and V where fused); returns
         # False for tensors it does not take, which the pool then writes itself
@@ -72,11 +78,22 @@ class KVPool:
         return self.step
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+        kb = self.k_buffers[layer_id]
+        if kb is None:
+            self._not_here(layer_id)
+        return kb, self.v_buffers[layer_id]
+
+    def _not_here(self, layer_id: int) -> None:
+        raise RuntimeError(
+            f"layer {layer_id}'s K/V are in another group of the hybrid KV pool (this one holds "
+            f"layers {list(self.layers)}): the model must run each layer's attention on "
+            f"batch.for_layer(layer_id) (or serve with --disable-hybrid-kv)")
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V. loc: [T] slots; k: [T, kv_heads, head_dim]; v likewise."""
         kb, vb = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if kb is None:
+            self._not_here(layer_id)
         if self.k_scale != 1.0:
             k = k / self.k_scale
         if self.v_scale != 1.0:

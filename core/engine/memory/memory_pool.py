@@ -24,11 +24,16 @@ class OutOfPages(RuntimeError):
 class PageAllocator:
     """Free list of KV pages 1..num_pages-1 (page 0 is the padding sink's)."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, dummy_page: int | None = None):
+        """dummy_page: a windowed group's (core.engine.memory.kv_groups): a page id outside
+        1..num_pages-1 that page lists use for pages given back; `free` ignores it."""
         if num_pages < 2:
             raise ValueError(f"a KV pool needs at least 2 pages, got {num_pages}")
+        if dummy_page is not None and 0 < dummy_page < num_pages:
+            raise ValueError(f"dummy page {dummy_page} is one of the allocator's pages")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.dummy_page = dummy_page
         # Popped from the end: low pages first, which keeps small pools easy to read in tests.
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
 
@@ -51,7 +56,10 @@ class PageAllocator:
         return taken
 
     def free(self, pages: Iterable[int]) -> None:
-        self._free.extend(pages)
+        if self.dummy_page is None:
+            self._free.extend(pages)
+        else:
+            self._free.extend(p for p in pages if p != self.dummy_page)
 
     def pages_for(self, start: int, n: int) -> int:
         """New pages a request holding `start` tokens needs to hold `start + n`."""
@@ -60,7 +68,10 @@ class PageAllocator:
 
     def check_accounting(self, cached: Iterable[int], in_use: Iterable[int]) -> None:
         """Assert free + cached + in use partitions the usable pages (no leak, no double owner)."""
-        free, cached, in_use = list(self._free), list(cached), list(in_use)
+        d = self.dummy_page
+        free = list(self._free)
+        cached = [p for p in cached if p != d]
+        in_use = [p for p in in_use if p != d]
         total = len(free) + len(cached) + len(in_use)
         seen = set(free) | set(cached) | set(in_use)
         if total != self.total_pages or len(seen) != total or seen != set(
@@ -86,11 +97,15 @@ class ReqToTokenPool:
     backends can gather a request's slots without a host round trip.
     """
 
-    def __init__(self, max_reqs: int, max_context: int, device: torch.device | str):
+    def __init__(self, max_reqs: int, max_context: int, device: torch.device | str,
+                 groups: int = 1):
+        """groups: KV groups of a hybrid pool (core.engine.memory.kv_groups): one table each,
+        `tables[g]`, sharing the rows; `req_to_token` is group 0's."""
         self.max_reqs = max_reqs
         self.max_context = max_context
-        self.req_to_token = torch.zeros((max_reqs, max_context), dtype=torch.int32,
-                                        device=device)
+        self.tables = [torch.zeros((max_reqs, max_context), dtype=torch.int32, device=device)
+                       for _ in range(groups)]
+        self.req_to_token = self.tables[0]
         self._free: list[int] = list(range(max_reqs - 1, -1, -1))
 
     @property
@@ -105,10 +120,11 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free.append(row)
 
-    def write(self, row: int, start: int, slots: Sequence[int]) -> None:
+    def write(self, row: int, start: int, slots: Sequence[int], group: int = 0) -> None:
         if slots:
-            self.req_to_token[row, start:start + len(slots)] = torch.tensor(
-                slots, dtype=torch.int32).to(self.req_to_token.device, non_blocking=True)
+            table = self.tables[group]
+            table[row, start:start + len(slots)] = torch.tensor(
+                slots, dtype=torch.int32).to(table.device, non_blocking=True)
 
 
 def kv_pool_tokens(*, max_total_tokens: int | None, mem_fraction_static: float | None,

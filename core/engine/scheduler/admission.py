@@ -73,6 +73,27 @@ class Admission:
         return sum(min(r.remaining_new(), CLIP_MAX_NEW_TOKENS) for r in self.q.holding()) \
             * self.new_token_ratio
 
+    # a hybrid pool's windowed groups: a request holds at most window + a page there (plus the
+    # extend in flight), so its future costs only what it lacks of that
+    def window_future(self, req: Req, window: int) -> float:
+        held = min(req.kv_len, window)
+        return min(self.future_tokens(req), max(0, window + self.cfg.page_size - held))
+
+    def window_cost(self, req: Req, now: int, window: int) -> float:
+        """Windowed KV tokens admitting `req` costs: this step's `now` new tokens (all held
+        during the forward), or what it will hold at most, min(len, window + a page)."""
+        return max(now, min(now + self.future_tokens(req), window + self.cfg.page_size))
+
+    def window_rooms(self) -> list[float]:
+        """room_tokens of each windowed group."""
+        held = self.q.holding()
+        return [self.pages.group_free_tokens(g) - sum(self.window_future(r, w) for r in held)
+                for g, w in enumerate(self.pages.windows, start=1)]
+
+    def _now_tokens(self, extend: int) -> int:
+        chunk = self.cfg.chunked_prefill_size
+        return min(extend, chunk) if chunk else extend
+
     def blocked(self, req: Req) -> bool:
         """Whether `req` could not be admitted now for want of a running slot or of KV (the
         checks of admit() for a request at the head of the queue)."""
@@ -80,7 +101,10 @@ class Admission:
                 or self.pages.req_to_token.free_rows == 0):
             return True
         extend = len(req.all_ids) - len(self.pages.match(req)[0]) * self.cfg.page_size
-        return extend + self.future_tokens(req) > self.room_tokens()
+        now = self._now_tokens(extend)
+        return extend + self.future_tokens(req) > self.room_tokens() or any(
+            self.window_cost(req, now, w) > room
+            for w, room in zip(self.pages.windows, self.window_rooms(), strict=True))
 
     def preempt_for_priority(self) -> None:
         """Retract running requests for the most urgent waiting one while it is blocked and
@@ -132,6 +156,8 @@ class Admission:
         if not q.waiting:
             return items
         rem_total = self.room_tokens()
+        rem_win = self.window_rooms()
+        windows = self.pages.windows
         for req in self.order_waiting():
             if len(q.running) + len(items) >= cfg.max_running_requests:
                 break
@@ -141,7 +167,11 @@ class Admission:
             pages, node = self.pages.match(req)
             extend = len(all_ids) - len(pages) * cfg.page_size
             future = self.future_tokens(req)
-            if extend + future > rem_total and (items or q.running):
+            now = self._now_tokens(extend)
+            win_cost = [self.window_cost(req, now, w) for w in windows]
+            if (extend + future > rem_total or any(
+                    c > r for c, r in zip(win_cost, rem_win, strict=True))) \
+                    and (items or q.running):
                 break  # keep order: later requests do not jump a request that does not fit
             n = extend
             if n > rem_chunk or (chunk and n > rem_input):
@@ -160,6 +190,7 @@ class Admission:
             q.waiting.remove(req)
             items.append((req, n))
             rem_total -= extend + future
+            rem_win = [r - c for r, c in zip(rem_win, win_cost, strict=True)]
             rem_input -= n
             rem_chunk -= n
             if n < extend:

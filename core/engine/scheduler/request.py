@@ -24,8 +24,13 @@ class AdmissionError(ValueError):
 
 
 def check_fits(prompt_len: int, max_new_tokens: int, max_context: int, pool_tokens: int,
-               page_size: int) -> None:
-    """Raise AdmissionError if such a request could never run, with the numbers."""
+               page_size: int, groups: tuple[tuple[int, int], ...] = (),
+               chunk: int | None = None) -> None:
+    """Raise AdmissionError if such a request could never run, with the numbers.
+
+    groups: (window, pool tokens) of a hybrid pool's windowed groups, where a request holds at
+    most its window and a page, plus the extend in flight (`chunk` tokens at most, or its whole
+    prompt without chunked prefill)."""
     if prompt_len < 1:
         raise AdmissionError("the prompt is empty")
     total = prompt_len + max_new_tokens
@@ -39,6 +44,14 @@ def check_fits(prompt_len: int, max_new_tokens: int, max_context: int, pool_toke
             f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} needs {need} KV "
             f"tokens; the KV pool holds {pool_tokens} (raise --max-total-tokens or "
             f"--mem-fraction-static)")
+    for window, tokens in groups:
+        peak = min(total, window + 2 * page_size + min(prompt_len, chunk or prompt_len))
+        need = -(-peak // page_size) * page_size
+        if need > tokens:
+            raise AdmissionError(
+                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} needs {need} KV "
+                f"tokens in the window-{window} layers' pool, which holds {tokens} (raise "
+                f"--swa-full-tokens-ratio or --max-total-tokens)")
 
 
 @dataclass
@@ -75,6 +88,10 @@ class Req:
     row: int = -1  # req_to_token row while admitted
     pages: list[int] = field(default_factory=list)  # covers tokens [0, kv_len)
     num_shared: int = 0  # leading pages owned by the prefix cache (locked through `node`)
+    # a hybrid KV pool's windowed groups 1..: pages positional like `pages`, the group's dummy
+    # page where given back (out of the window); and how many leading pages were looked at
+    wpages: list[list[int]] = field(default_factory=list)
+    wtrimmed: list[int] = field(default_factory=list)
     node: _Node | None = None
     kv_len: int = 0  # tokens whose K/V is in the pool
     fill_len: int = 0  # tokens to cache before the next sample (prompt + output at admission)

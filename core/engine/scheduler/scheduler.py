@@ -66,10 +66,12 @@ class Scheduler:
                  sampler: Sampler, cfg: SchedulerConfig, eos_token_ids: Iterable[int],
                  vocab_size: int, decode_text: Callable[[list[int]], str] | None = None,
                  grammar: Grammar | None = None, proposer: Proposer | None = None,
-                 proposer_grammars: bool = False):
+                 proposer_grammars: bool = False, windows: Sequence[int] = (),
+                 group_allocators: Sequence[PageAllocator] = ()):
         """proposer: speculative decoding's (core.contract.spec; cfg.spec_draft_tokens drafts
         per request and step at most), None: off; proposer_grammars: it can check drafts
-        against a grammar (SpecCaps.grammars)."""
+        against a grammar (SpecCaps.grammars). windows, group_allocators: a hybrid KV pool's
+        windowed groups (core.engine.memory.kv_groups; `req_to_token` has their tables)."""
         self.runner = runner
         self.sampler = sampler
         self.cfg = cfg
@@ -79,7 +81,8 @@ class Scheduler:
         self.grammar = grammar  # None: structured output off
         self.counters = new_counters()
         self.q = Queues()
-        self.pages = Pages(allocator, req_to_token, cache, cfg.page_size)
+        self.pages = Pages(allocator, req_to_token, cache, cfg.page_size, windows,
+                           group_allocators)
         self.spec: Speculation | None = None
         if proposer is not None:
             if cfg.overlap:
@@ -149,7 +152,12 @@ class Scheduler:
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         check_fits(prompt_len, max_new_tokens, self.cfg.max_context, self.pool_tokens,
-                   self.cfg.page_size)
+                   self.cfg.page_size, self.group_limits(), self.cfg.chunked_prefill_size)
+
+    def group_limits(self) -> tuple[tuple[int, int], ...]:
+        """(window, pool tokens) of each windowed KV group (a hybrid pool), for check_fits."""
+        pg = self.pages
+        return tuple((w, pg.group_pool_tokens(g)) for g, w in enumerate(pg.windows, start=1))
 
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams | dict | None,
                     priority: int | None = None) -> None:
@@ -302,15 +310,22 @@ class Scheduler:
         input_ids: host ints, or the previous step's device tokens (overlap)."""
         ps = self.cfg.page_size
         batch = self.q.running
+        pg = self.pages
         slots, positions = [], []
+        gslots: list[list[int]] = [[] for _ in pg.windows]
         for r in batch:
             if r.kv_len % ps == 0:
-                r.pages.extend(self.pages.allocator.alloc(1))
+                pg.add_pages(r, 1)
             slots.append(token_slots(r.pages, r.kv_len, r.kv_len + 1, ps)[0])
+            for gs, w in zip(gslots, r.wpages, strict=True):
+                gs.append(token_slots(w, r.kv_len, r.kv_len + 1, ps)[0])
             positions.append(r.kv_len)
-        logits = self.runner.decode([r.row for r in batch], input_ids, positions, slots)
+        logits = self.runner.decode([r.row for r in batch], input_ids, positions, slots,
+                                    group_slots=gslots)
         for r in batch:
             r.kv_len += 1
+            if pg.windows:
+                pg.trim(r)
         self.counters["decode_tokens"] += len(batch)
         self.admission.decayed()
         return logits
@@ -356,23 +371,29 @@ class Scheduler:
         items = self.admission.admit()
         if not items:
             return []
-        q, ps = self.q, self.cfg.page_size
+        q, pg = self.q, self.pages
         rows, prefix, tokens, slots, ready = [], [], [], [], []
+        gslots: list[list[list[int]]] = [[] for _ in pg.windows]
         for i, (r, n) in enumerate(items):
             all_ids = r.all_ids
             rows.append(r.row)
             prefix.append(r.kv_len)
             tokens.append(all_ids[r.kv_len:r.kv_len + n])
-            slots.append(token_slots(r.pages, r.kv_len, r.kv_len + n, ps))
+            full, windowed = pg.slots(r, r.kv_len, r.kv_len + n)
+            slots.append(full)
+            for gs, ws in zip(gslots, windowed, strict=True):
+                gs.append(ws)
             if r.kv_len + n == r.fill_len:
                 ready.append(i)
         want = [i for i, (r, _) in enumerate(items) if r.wants_prompt_lps]
         hidden: dict[int, torch.Tensor] = {}
-        logits = self.runner.extend(rows, prefix, tokens, slots, ready, want, hidden)
+        logits = self.runner.extend(rows, prefix, tokens, slots, ready, want, hidden,
+                                    group_slots=gslots)
         for i in want:
             self._prompt_logprobs(items[i][0], prefix[i], hidden[i])
         for r, n in items:
             r.kv_len += n
+            pg.trim(r)
         self.counters["prefill_tokens"] += sum(n for _, n in items)
         done = [items[i][0] for i in ready]
         if q.chunked is not None and q.chunked.kv_len == q.chunked.fill_len:
@@ -499,7 +520,14 @@ class Scheduler:
 
     def stats(self) -> dict[str, int | float]:
         q, cache = self.q, self.pages.cache
-        return {**self.counters,
+        groups = {}
+        for g, alloc in enumerate(self.pages.group_allocators, start=1):
+            # a hybrid pool's windowed groups (group 0's are the keys below; their windows are
+            # in the engine's notes): counts only, which add up over data-parallel replicas
+            groups.update({f"kv_group{g}_free_pages": alloc.free_pages,
+                           f"kv_group{g}_total_pages": alloc.total_pages,
+                           f"kv_group{g}_evictable_pages": cache.group_evictable(g)})
+        return {**self.counters, **groups,
                 "running": len(q.holding()),
                 "waiting": len(q.waiting),
                 "compiling": len(q.compiling),

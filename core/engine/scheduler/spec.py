@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.contract.spec import DraftRequest, Proposer
-from core.engine.memory.memory_pool import token_slots
 
 if TYPE_CHECKING:
     from core.engine.model_runner import ModelRunner
@@ -101,17 +100,23 @@ class Speculation:
     def verify(self, batch: list[Req], drafts: list[list[int]]) -> None:
         """One forward over each request's [last token + drafts] (pages already ensured),
         then acceptance, token by token, and the rejected drafts' pages freed."""
-        ps = self.pages.page_size
-        alloc = self.pages.allocator
+        pg = self.pages
+        ps = pg.page_size
+        alloc = pg.allocator
         rows, prefix, tokens, slots = [], [], [], []
+        gslots: list[list[list[int]]] = [[] for _ in pg.windows]
         for r, d in zip(batch, drafts, strict=True):
             n = 1 + len(d)
-            r.pages.extend(alloc.alloc(alloc.pages_for(r.kv_len, n)))
+            pg.add_pages(r, alloc.pages_for(r.kv_len, n))
             rows.append(r.row)
             prefix.append(r.kv_len)
             tokens.append([r.output_ids[-1], *d])
-            slots.append(token_slots(r.pages, r.kv_len, r.kv_len + n, ps))
-        logits = self.runner.verify(rows, prefix, tokens, slots)  # [sum(1 + k), V]
+            full, windowed = pg.slots(r, r.kv_len, r.kv_len + n)
+            slots.append(full)
+            for gs, ws in zip(gslots, windowed, strict=True):
+                gs.append(ws)
+        logits = self.runner.verify(rows, prefix, tokens, slots,  # [sum(1 + k), V]
+                                    group_slots=gslots)
         starts, at = [], 0
         for t in tokens:
             starts.append(at)
@@ -137,10 +142,7 @@ class Speculation:
             accepted = len(out) - 1
             base = r.kv_len
             keep = base + 1 + accepted  # K/V of the last token and the accepted drafts
-            need = -(-keep // ps)
-            if len(r.pages) > need:  # pages that held only rejected drafts
-                alloc.free(r.pages[need:])
-                del r.pages[need:]
+            pg.truncate(r, -(-keep // ps))  # pages that held only rejected drafts
             if d:
                 self.counters["spec_num_drafts"] += 1
                 self.counters["spec_num_draft_tokens"] += len(d)
@@ -154,6 +156,7 @@ class Speculation:
                 self.accept(r, t, lp)
                 if r.finish is not None:
                     break
+            pg.trim(r)  # windowed pages now out of the window (none once it finished)
 
     def forget(self, req: Req) -> None:
         """req finished, was aborted or retracted: the proposer drops what it kept."""
