@@ -89,6 +89,7 @@ def workload(a: argparse.Namespace) -> dict[str, Any]:
     lens = [lo + (hi - lo) * i // max(n - 1, 1) for i in range(n)]
     order = [lens[(5 * i) % n] for i in range(n)] if math.gcd(5, n) == 1 else lens  # mixed
     return {**s, "dtype": a.dtype, "threads": a.threads, "reps": a.reps, "seed": a.seed,
+            "llama_extra_bufts": a.llama_extra_bufts,
             "n_ctx": N_CTX, "model_path": a.model_path, "hf_concurrent": a.hf_concurrent,
             "warm_prompt": ids(TG_PROMPT), "tg_prompt": ids(TG_PROMPT),
             "pp_prompts": {str(n_): ids(n_) for n_ in s["pp_lens"]},
@@ -234,12 +235,29 @@ def worker_llama(job: dict[str, Any]) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a missing or broken build skips the peer
         return {"skipped": f"llama_cpp is not importable: {type(exc).__name__}: {exc}"}
     imported = time.perf_counter() - t
+    extra = job.get("llama_extra_bufts", "default")
+    if extra == "off":
+        # ggml's extra buffer types (its AMX path and repacked weights) off: on the default
+        # SmolLM2 file its AMX path dies in llama_decode (SIGSEGV) for batches of 2+ tokens
+        # (bench/../shared/reference/PEERS.md); the model loads from the library's defaults
+        import llama_cpp.llama_cpp as low  # what Llama() calls for its model parameters
+
+        defaults = low.llama_model_default_params
+
+        def no_extra():
+            p = defaults()
+            p.use_extra_bufts = False
+            return p
+
+        low.llama_model_default_params = no_extra
     t = time.perf_counter()
     llm = llama_cpp.Llama(job["model_path"], n_ctx=job["n_ctx"], n_threads=job["threads"],
                           n_threads_batch=job["threads"], n_batch=512, verbose=False)
     res: dict[str, Any] = {"import_s": imported, "load_s": time.perf_counter() - t,
                            "llama_cpp": getattr(llama_cpp, "__version__", None),
-                           "path": "GGUF blocks as stored (ggml CPU kernels)"}
+                           "path": "GGUF blocks as stored (ggml CPU kernels"
+                                   + (", extra buffer types off: no AMX, no repacking)"
+                                      if extra == "off" else ", the library's default buffers)")}
 
     def run(ids: list[int], n: int) -> tuple[float, float]:
         """(s to the first token, s from the first to the last): prompt eval, greedy loop."""
@@ -536,6 +554,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="smoke test: tg32, pp128 only, 4 concurrent requests")
     p.add_argument("--reps", type=int, default=None, help="measured runs (default 3; quick 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-extra-bufts", choices=("default", "off"), default="default",
+                   help="llama.cpp's extra buffer types (its AMX path, repacked weights): the "
+                        "library default, or off (its AMX path crashes on the default model)")
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2 Q4_1 GGUF")
     p.add_argument("--hf-concurrent", action=argparse.BooleanOptionalAction, default=True,
                    help="HF's padded batched generate for the concurrent row")
