@@ -225,6 +225,7 @@ class AddRequest:
     input_ids: tuple[int, ...]
     params: SamplingParams
     priority: int | None = None
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from core.contract.graphs import GraphRunner
+    from core.engine.lora import LoRAManager
     from core.plan.registry import Registry
 
 
@@ -61,6 +62,9 @@ class ModelRunner:
         # The platform's graph runner when decode graphs were captured; batches it cannot take
         # (larger than its largest bucket) run eagerly below.
         self.graph_runner: GraphRunner | None = None
+        # LoRA adapters (core.engine.lora), when the plan serves them: the slot each request's
+        # tokens use is given per step (`lora`: one slot per row, -1 the base model)
+        self.lora: LoRAManager | None = None
 
     def _tensor(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return self.platform.to_device(torch.tensor(values, dtype=dtype), self.device)
@@ -68,9 +72,12 @@ class ModelRunner:
     def _run(self, batch: ForwardBatch, backend: AttentionBackend,
              logit_index: torch.Tensor | None,
              keep: dict[int, tuple[int, int]] | None = None,
-             kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+             kept: dict[int, torch.Tensor] | None = None,
+             lora: Sequence[int] | None = None) -> torch.Tensor:
         batch.attn_backend = backend
         batch.attn_meta = backend.prepare(batch)
+        if self.lora is not None:
+            self.lora.begin_step(batch.extend_lens_cpu, lora)
         with torch.inference_mode():
             hidden = self.model.forward(batch.input_ids, batch.positions, batch)  # [T, H]
             for i, (start, n) in (keep or {}).items():
@@ -82,14 +89,16 @@ class ModelRunner:
     def extend(self, rows: Sequence[int], prefix_lens: Sequence[int],
                tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
                logits_for: Sequence[int], hidden_for: Sequence[int] = (),
-               hidden_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+               hidden_out: dict[int, torch.Tensor] | None = None,
+               lora: Sequence[int] | None = None) -> torch.Tensor | None:
         """Compute K/V of `tokens[i]` (positions prefix_lens[i]...) for request row rows[i].
 
         The rows' prefix slots must already be in the table; this writes the new ones.
         Returns logits [len(logits_for), V] at the last new token of each request listed in
         `logits_for` (indices into rows), or None when none is listed. For each index i in
         `hidden_for`, hidden_out[i] gets the final hidden states of all of tokens[i]
-        ([len(tokens[i]), H]; `logits` turns them into logits: prompt logprobs).
+        ([len(tokens[i]), H]; `logits` turns them into logits: prompt logprobs). lora: the
+        LoRA slot of each row (None: the base model for all).
         """
         self.forward_count["extend"] += 1
         batch, ext = self._extend_batch(rows, prefix_lens, tokens, slots)
@@ -101,10 +110,10 @@ class ModelRunner:
         if not logits_for:
             self._run(batch, self.prefill_backend, torch.empty(0, dtype=torch.long,
                                                                device=self.device),
-                      keep, hidden_out)
+                      keep, hidden_out, lora)
             return None
         index = self._tensor([ends[i] for i in logits_for], torch.long)
-        return self._run(batch, self.prefill_backend, index, keep, hidden_out)
+        return self._run(batch, self.prefill_backend, index, keep, hidden_out, lora)
 
     def _extend_batch(self, rows: Sequence[int], prefix_lens: Sequence[int],
                       tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]]
@@ -137,14 +146,14 @@ class ModelRunner:
         return batch, ext
 
     def verify(self, rows: Sequence[int], prefix_lens: Sequence[int],
-               tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]]
-               ) -> torch.Tensor:
+               tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
+               lora: Sequence[int] | None = None) -> torch.Tensor:
         """Speculative verification: one extend forward of each request's [last token +
         drafts] over its cached prefix (K/V written to `slots`, the rejected ones' too: the
         scheduler frees their pages) -> logits at every new position [sum(len(t)), V]."""
         self.forward_count["verify"] = self.forward_count.get("verify", 0) + 1
         batch, _ = self._extend_batch(rows, prefix_lens, tokens, slots)
-        return self._run(batch, self.prefill_backend, None)
+        return self._run(batch, self.prefill_backend, None, lora=lora)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, H] (from extend's hidden_out) -> fp32 logits [N, V]."""
@@ -175,14 +184,16 @@ class ModelRunner:
         return done
 
     def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
-               positions: Sequence[int], slots: Sequence[int]) -> torch.Tensor:
+               positions: Sequence[int], slots: Sequence[int],
+               lora: Sequence[int] | None = None) -> torch.Tensor:
         """One new token per request at `positions[i]` (= tokens already cached) -> [B, V].
 
         `input_ids` may be a device tensor (the previous step's sampled tokens, not yet seen by
         the host: the overlap scheduler)."""
         self.forward_count["decode"] += 1
         self.kv_pool.begin_step()  # graph replays write the pool too
-        if self.graph_runner is not None and self.graph_runner.can_run(len(rows)):
+        if self.graph_runner is not None and self.graph_runner.can_run(len(rows)) \
+                and (lora is None or self.lora is None):  # LoRA plans capture no graphs
             return self.graph_runner.decode(rows, input_ids, positions, slots)
         seq = [p + 1 for p in positions]
         B = len(rows)
@@ -201,4 +212,4 @@ class ModelRunner:
             out_cache_loc=loc, req_pool_indices=row_t,
             req_to_token=self.req_to_token.req_to_token, kv_pool=self.kv_pool,
             seq_lens_cpu=seq, prefix_lens_cpu=list(positions), extend_lens_cpu=[1] * B)
-        return self._run(batch, self.decode_backend, None)
+        return self._run(batch, self.decode_backend, None, lora=lora)

@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # torch and the engine's modules are imported where a phase n
     from core.engine.distributed import RankSpec, TPGroup
     from core.engine.graphs import GraphDecision
     from core.engine.loader import HFConfig, LoadedModel
+    from core.engine.lora import LoRAManager
     from core.engine.memory.kv_cache import KVPool, MLAKVPool
     from core.engine.memory.memory_pool import ReqToTokenPool
     from core.engine.model_runner import ModelRunner
@@ -202,14 +203,53 @@ def build_kv(plan: Plan, spec: ModelSpec, mem: MemoryPlan, kv_dtype: torch.dtype
     return kv_pool, ReqToTokenPool(mem.max_running, max_context, device)
 
 
+def build_lora(args: ServerArgs, plan: Plan, loaded: LoadedModel, registry: Registry,
+               device: torch.device) -> tuple[LoRAManager, list[str]]:
+    """The plan's LoRA backend and the adapters named at start, attached to the model's
+    projections: the largest rank and the target modules the flags left open come from those
+    adapters. An adapter that cannot be served stops the start with its reason."""
+    from core.contract.lora import LoRABackend, LoRAConfig
+    from core.engine.lora import LoRAManager, read_config
+    from core.plan.lora import DEFAULT_MAX_RANK, adapter_specs
+
+    specs = adapter_specs(args)
+    configs = [read_config(s.name, s.path) for s in specs]
+    supported = {m.rsplit(".", 1)[-1] for m in loaded.model.lora_targets()}
+    max_rank = plan.lora_max_rank or max((int(c["r"]) for c in configs),
+                                         default=DEFAULT_MAX_RANK)
+    targets = set(plan.lora_target_modules)
+    if not targets:
+        for c in configs:
+            tm = c.get("target_modules")
+            targets |= ({t.rsplit(".", 1)[-1] for t in tm if isinstance(t, str)}
+                        & supported if isinstance(tm, list) else supported)
+        targets = targets or supported
+    reg = registry.get("lora", plan.lora_backend)
+    if reg is None:
+        raise ValueError(f"LoRA backend {plan.lora_backend!r} is not registered")
+    backend = reg.load()(LoRAConfig(num_slots=plan.lora_slots, max_rank=max_rank,
+                                    dtype=loaded.dtype, device=device))
+    if not isinstance(backend, LoRABackend):
+        raise TypeError(f"LoRA backend {plan.lora_backend!r} from {reg.origin.describe()} does "
+                        "not implement prepare / apply (core.contract.lora.LoRABackend)")
+    manager = LoRAManager(loaded.model, backend, plan.lora_slots, max_rank, targets,
+                          loaded.dtype, device)
+    for s in specs:
+        manager.load(s.name, s.path)
+    return manager, [f"LoRA: {plan.lora_backend}, {plan.lora_slots} slot(s), rank up to "
+                     f"{max_rank}, on {', '.join(sorted(targets))}; adapters "
+                     f"{', '.join(s.name for s in specs) or 'none yet'}"]
+
+
 def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Platform,
                  loaded: LoadedModel, kv_pool: KVPool | MLAKVPool, req_to_token: ReqToTokenPool,
                  kv_dtype: torch.dtype, device: torch.device, max_context: int,
-                 mem: MemoryPlan, heads: int | None = None, kv_heads: int | None = None
-                 ) -> tuple[ModelRunner, str]:
+                 mem: MemoryPlan, heads: int | None = None, kv_heads: int | None = None,
+                 args: ServerArgs | None = None) -> tuple[ModelRunner, str]:
     """Phase 3: attention backends, the model runner (the platform's post-load transform runs
-    here), decode graphs, startup compilation. Returns (runner, graph note). heads, kv_heads:
-    what this rank holds (default: the model's)."""
+    here), LoRA adapters (with `args`, where the plan serves them), decode graphs, startup
+    compilation. Returns (runner, graph note). heads, kv_heads: what this rank holds (default:
+    the model's)."""
     from core.contract.attention import BackendContext
     from core.engine.graphs import capture_graphs
     from core.engine.model_runner import ModelRunner, make_backends
@@ -221,6 +261,10 @@ def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Plat
                          page_size=plan.page_size, max_context_len=max_context)
     prefill, decode = make_backends(registry, plan.prefill_attention, plan.decode_attention, ctx)
     runner = ModelRunner(loaded.model, kv_pool, req_to_token, prefill, decode, device, platform)
+    if plan.lora_backend is not None:
+        runner.lora, lora_notes = build_lora(args or ServerArgs(), plan, loaded, registry,
+                                             device)
+        runner.notes += lora_notes
     graph_note = capture_graphs(runner, mem.graphs, int(loaded.hf_config.vocab_size), platform)
     # Compile the prefill kernels' common variants now (where the platform says it pays):
     # seconds at startup instead of in the first requests.
@@ -295,7 +339,8 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
                           Sampler(device, args.seed, to_device=platform.to_device),
                           sched_cfg, eos, int(cfg.vocab_size),
                           decode_text=tok.decode if tok is not None else None, grammar=grammar,
-                          proposer=proposer, proposer_grammars=spec_grammars)
+                          proposer=proposer, proposer_grammars=spec_grammars,
+                          lora=runner.lora)
     return scheduler, eos, tuple(notes)
 
 
@@ -440,7 +485,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
     done(f"KV cache allocated ({mem.kv_tokens * per_token / 2**20:.0f} MiB)")
     runner, graph_note = build_runner(plan, spec, registry, platform, loaded, kv_pool,
                                       req_to_token, kv_dtype, device, max_context, mem,
-                                      heads, kv_heads)
+                                      heads, kv_heads, args)
     done("model runner ready (kernels built, warmed up)")
     scheduler, eos, sched_notes = build_scheduler(args, plan, runner, req_to_token, mem,
                                                    platform, loaded, max_context, device,
@@ -534,7 +579,7 @@ def _apply(core: EngineCore, msg: Message, send: Callable[[Message], None] | Non
     sched = core.scheduler
     if isinstance(msg, AddRequest):
         try:  # validated by the client: only what depends on the scheduler's state
-            sched.admit(msg.rid, list(msg.input_ids), msg.params, msg.priority)
+            sched.admit(msg.rid, list(msg.input_ids), msg.params, msg.priority, msg.lora)
         except ValueError as exc:
             if send is not None:  # a refusal (400), or a status the error carries
                 status = getattr(exc, "status", 400)

@@ -6,6 +6,10 @@ A request that matched a prefix locks the matched node; locked nodes (and their 
 never evicted. When a request finishes (or is retracted), `cache_finished` takes its pages: the
 full pages go into the tree (duplicates of what the tree already holds are freed), the partial
 last page is freed, and the request's lock is dropped.
+
+Prefixes are keyed by (namespace, tokens): each namespace (a LoRA adapter's load id; None for
+the base model) has its own tree under its own root, so K/V computed under one adapter is never
+reused for another or for the base model. Eviction and accounting span every tree.
 """
 
 from __future__ import annotations
@@ -44,10 +48,18 @@ class RadixCache:
 
     def reset(self) -> None:
         """Forget everything (the caller must already have freed or handed back every page)."""
-        self.root = _Node(None, [], [], 0)
-        self.root.lock_ref = 1  # the root is never evicted
+        self.roots: dict[object, _Node] = {}
+        self.root = self._root(None)
         self.evictable_pages = 0
         self.protected_pages = 0
+
+    def _root(self, ns: object) -> _Node:
+        """The root of namespace `ns`'s tree (made on first use; roots are never evicted)."""
+        root = self.roots.get(ns)
+        if root is None:
+            root = self.roots[ns] = _Node(None, [], [], 0)
+            root.lock_ref = 1
+        return root
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -62,10 +74,11 @@ class RadixCache:
             i += 1
         return i - i % self.page_size
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], _Node]:
-        """Longest cached page-aligned prefix of `tokens`: (its pages, the node to lock)."""
+    def match_prefix(self, tokens: Sequence[int], ns: object = None) -> tuple[list[int], _Node]:
+        """Longest cached page-aligned prefix of `tokens` in namespace `ns`: (its pages, the
+        node to lock)."""
         tick = next(self._tick)
-        node, at, pages = self.root, 0, []
+        node, at, pages = self._root(ns), 0, []
         while len(tokens) - at >= self.page_size:
             child = node.children.get(self._child_key(tokens, at))
             if child is None:
@@ -95,7 +108,7 @@ class RadixCache:
     # -- locking --------------------------------------------------------------------------------
 
     def lock(self, node: _Node | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:  # up to its tree's root
             if node.lock_ref == 0:
                 self.evictable_pages -= len(node.pages)
                 self.protected_pages += len(node.pages)
@@ -103,7 +116,7 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: _Node | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "radix node unlocked more often than locked"
             if node.lock_ref == 0:
@@ -113,8 +126,9 @@ class RadixCache:
 
     # -- insertion ------------------------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
-        """Insert a page-aligned key; return how many of its leading pages the tree already had.
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], ns: object = None) -> int:
+        """Insert a page-aligned key in namespace `ns`; return how many of its leading pages
+        the tree already had.
 
         Pages past that count now belong to the tree; the caller still owns (and must free) the
         ones the tree already had in its place.
@@ -122,7 +136,7 @@ class RadixCache:
         ps = self.page_size
         assert len(tokens) == len(pages) * ps, "insert takes whole pages"
         tick = next(self._tick)
-        node, at = self.root, 0
+        node, at = self._root(ns), 0
         while at < len(tokens):
             child = node.children.get(self._child_key(tokens, at))
             if child is None:
@@ -139,11 +153,12 @@ class RadixCache:
         return len(pages)
 
     def cache_finished(self, tokens: Sequence[int], pages: list[int], num_shared: int,
-                       node: _Node | None) -> None:
-        """Take a request's pages for `tokens` (the ones with KV); drop its lock on `node`."""
+                       node: _Node | None, ns: object = None) -> None:
+        """Take a request's pages for `tokens` (the ones with KV, computed in namespace `ns`);
+        drop its lock on `node`."""
         ps = self.page_size
         full = min(len(tokens) // ps, len(pages))
-        had = self.insert(tokens[:full * ps], pages[:full])
+        had = self.insert(tokens[:full * ps], pages[:full], ns)
         # [0, num_shared) are the tree's own pages (locked by this request); [num_shared, had)
         # duplicate pages another request inserted meanwhile; [full, ...) is the partial tail.
         self.allocator.free(pages[num_shared:had])
@@ -169,19 +184,19 @@ class RadixCache:
             self.evictable_pages -= len(leaf.pages)
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key, 0)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (self._priority(parent), id(parent), parent))
         return freed
 
     def _nodes(self):
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
 
     def _leaves(self):
-        return [n for n in self._nodes() if not n.children and n is not self.root]
+        return [n for n in self._nodes() if not n.children and n.parent is not None]
 
     def cached_pages(self) -> list[int]:
         """Every page the tree holds (for the accounting check)."""
@@ -204,7 +219,7 @@ class NoPrefixCache:
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], None]:
+    def match_prefix(self, tokens: Sequence[int], ns: object = None) -> tuple[list[int], None]:
         return [], None
 
     def lock(self, node: _Node | None) -> None:
@@ -214,7 +229,7 @@ class NoPrefixCache:
         pass
 
     def cache_finished(self, tokens: Sequence[int], pages: list[int], num_shared: int,
-                       node: _Node | None) -> None:
+                       node: _Node | None, ns: object = None) -> None:
         self.allocator.free(pages)
 
     def evict(self, num_pages: int) -> int:

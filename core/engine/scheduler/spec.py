@@ -111,7 +111,8 @@ class Speculation:
             prefix.append(r.kv_len)
             tokens.append([r.output_ids[-1], *d])
             slots.append(token_slots(r.pages, r.kv_len, r.kv_len + n, ps))
-        logits = self.runner.verify(rows, prefix, tokens, slots)  # [sum(1 + k), V]
+        lora = None if self.pages.lora is None else [r.lora_slot for r in batch]
+        logits = self.runner.verify(rows, prefix, tokens, slots, lora)  # [sum(1 + k), V]
         starts, at = [], 0
         for t in tokens:
             starts.append(at)
