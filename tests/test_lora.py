@@ -64,9 +64,16 @@ def test_mixed_adapter_batches_match_hf_peft(served):
     with core.Engine(str(model), dtype="float32", max_total_tokens=1024, page_size=4,
                      lora_paths=[f"{n}={p}" for n, p in adapters.items()],
                      max_loras_per_batch=2) as engine:
-        outs = engine.generate(input_ids=prompts, lora_path=loras, sampling_params={
-            "max_new_tokens": N_NEW, "temperature": 0, "logprobs": True, "ignore_eos": True})
+        sp = {"max_new_tokens": N_NEW, "temperature": 0, "logprobs": True, "ignore_eos": True}
+        outs = engine.generate(input_ids=prompts, lora_path=loras, sampling_params=sp)
+        # the prefix cache is keyed by adapter: PROMPTS[0] was computed under a and b only
+        again = {n: engine.generate(input_ids=PROMPTS[0], lora_path=n, sampling_params=sp)
+                 for n in ("b", None)}
         stats = engine.stats()
+    assert again["b"]["meta_info"]["cached_tokens"] > 0
+    assert again[None]["meta_info"]["cached_tokens"] == 0
+    for name, out in again.items():
+        assert out["output_ids"] == want[name][0][0], name
     for i, (out, lora) in enumerate(zip(outs, loras, strict=True)):
         toks, lps = want[lora][i % len(PROMPTS)]
         assert out["output_ids"] == toks, (i, lora)
@@ -291,3 +298,104 @@ def test_radix_cache_never_shares_prefixes_across_adapters():
     cache.unlock(node)
     assert cache.evict(100) == 5
     alloc.check_accounting(cache.cached_pages(), [])
+
+
+# -- the HTTP server --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+    """(offline Engine, server thread) of the tiny Llama with adapters a and b."""
+    from conformance.server_kit import ServerThread
+    from core.frontend.offline import Engine
+    from core.frontend.serving import AsyncEngine
+    from core.server.app import create_app
+
+    root = tmp_path_factory.mktemp("lora-server")
+    model = write_tiny_model("llama", root / "model")
+    paths = {"a": write_peft_adapter("llama", root / "a", r=8, alpha=16, seed=1),
+             "b": write_peft_adapter("llama", root / "b", r=16, alpha=16, seed=2)}
+    args = make_server_args(model_path=str(model), dtype="float32", max_total_tokens=1024,
+                            lora_paths=[f"a={paths['a']}"],
+                            lora_modules=[json.dumps({"name": "b", "path": str(paths["b"])})])
+    engine = Engine(server_args=args)
+    try:
+        with ServerThread(create_app(AsyncEngine(engine, "tiny"), args)) as srv:
+            yield engine, srv, paths
+    finally:
+        engine.close()
+
+
+def _post(srv, path, body):
+    from conformance.server_kit import http_request
+
+    status, _, raw = http_request(srv.url, "POST", path, body, timeout=120)
+    return status, json.loads(raw)
+
+
+def test_openai_model_selects_the_adapter(lora_server):
+    engine, srv, _ = lora_server
+    sp = {"max_new_tokens": N_NEW, "temperature": 0, "ignore_eos": True}
+    offline = {n: engine.generate(input_ids=PROMPTS[1], lora_path=n, sampling_params=sp)
+               for n in ("a", "b", None)}
+    assert len({tuple(o["output_ids"]) for o in offline.values()}) == 3
+    for name in ("a", "b", "tiny"):
+        status, body = _post(srv, "/v1/completions", {
+            "model": name, "prompt": PROMPTS[1], "max_tokens": N_NEW, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert status == 200, body
+        assert body["model"] == name
+        want = offline[None if name == "tiny" else name]["output_ids"]
+        assert body["choices"][0]["token_ids"] == want, name
+    status, body = _post(srv, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert "a, b, tiny" in body["error"]["message"]
+
+
+def test_generate_takes_lora_path(lora_server):
+    engine, srv, _ = lora_server
+    sp = {"max_new_tokens": N_NEW, "temperature": 0, "ignore_eos": True}
+    want = {n: engine.generate(input_ids=PROMPTS[2], lora_path=n, sampling_params=sp)["text"]
+            for n in ("a", "b", None)}
+    status, body = _post(srv, "/generate", {"input_ids": [PROMPTS[2]] * 3,
+                                            "lora_path": ["a", None, "b"], "sampling_params": sp})
+    assert status == 200, body
+    assert [b["text"] for b in body] == [want["a"], want[None], want["b"]]
+    status, body = _post(srv, "/generate", {"input_ids": PROMPTS[2], "lora_path": "b",
+                                            "sampling_params": sp})
+    assert status == 200 and body["text"] == want["b"]
+    status, body = _post(srv, "/generate", {"input_ids": PROMPTS[2], "lora_path": "zzz"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body = _post(srv, "/generate", {"input_ids": PROMPTS[2], "lora_path": ["a", "b"]})
+    assert status == 400 and body["error"]["param"] == "lora_path"
+    status, body = _post(srv, "/generate", {"input_ids": PROMPTS[2], "lora_path": 7})
+    assert status == 400 and body["error"]["param"] == "lora_path"
+
+
+def test_models_lists_adapters_with_their_parent(lora_server):
+    from conformance.server_kit import http_request
+
+    _, srv, paths = lora_server
+    status, _, raw = http_request(srv.url, "GET", "/v1/models")
+    cards = {c["id"]: c for c in json.loads(raw)["data"]}
+    assert status == 200 and set(cards) == {"tiny", "a", "b"}
+    assert cards["tiny"]["parent"] is None
+    for name in ("a", "b"):
+        assert cards[name]["parent"] == "tiny" and cards[name]["root"] == str(paths[name])
+        assert cards[name]["object"] == "model"
+    status, _, raw = http_request(srv.url, "GET", "/v1/models/b")
+    assert status == 200 and json.loads(raw)["parent"] == "tiny"
+    status, _, raw = http_request(srv.url, "GET", "/v1/models/zzz")
+    assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found"
+
+
+def test_lora_path_with_lora_off_is_refused():
+    from conformance.server_kit import FakeEngine, ServerThread
+    from core.plan.args import ServerArgs
+    from core.server.app import create_app
+
+    with ServerThread(create_app(FakeEngine(), ServerArgs())) as srv:
+        status, body = _post(srv, "/generate", {"text": "hi", "lora_path": "a"})
+        assert status == 400 and "LoRA is off" in body["error"]["message"]
+        status, body = _post(srv, "/v1/completions", {"model": "a", "prompt": "hi"})
+        assert status == 404 and body["error"]["code"] == "model_not_found"

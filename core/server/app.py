@@ -99,34 +99,46 @@ async def native_generate(request: web.Request) -> web.StreamResponse:
 
 
 class ModelCard(TypedDict):
-    """One entry of /v1/models (OpenAI's model object, with vLLM's root and max_model_len)."""
+    """One entry of /v1/models (OpenAI's model object, with vLLM's root, parent and
+    max_model_len: a LoRA adapter's root is its folder, its parent the served model)."""
 
     id: str
     object: str
     created: int
     owned_by: str
     root: str
+    parent: str | None
     max_model_len: int
 
 
-def _model_card(st: ServerState) -> ModelCard:
+def _loras(st: ServerState) -> dict[str, str]:
+    return (st.engine.lora_adapters() if hasattr(st.engine, "lora_adapters") else None) or {}
+
+
+def _model_card(st: ServerState, adapter: str | None = None) -> ModelCard:
     info = st.engine.model_info()
-    return {"id": st.model_name, "object": "model", "created": int(st.started),
-            "owned_by": "core-serve", "root": info.get("model_path") or st.model_name,
+    root = info.get("model_path") or st.model_name
+    return {"id": adapter or st.model_name, "object": "model", "created": int(st.started),
+            "owned_by": "core-serve", "root": _loras(st)[adapter] if adapter else root,
+            "parent": st.model_name if adapter else None,
             "max_model_len": st.engine.context_length}
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(state(request))]})
+    st = state(request)
+    cards = [_model_card(st)] + [_model_card(st, name) for name in sorted(_loras(st))]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:
     st = state(request)
     name = request.match_info["model"]
-    if name not in st.served_names:
-        raise APIError(404, f"the model '{name}' does not exist", param="model",
-                       code="model_not_found")
-    return web.json_response(_model_card(st))
+    if name in st.served_names:
+        return web.json_response(_model_card(st))
+    if name in _loras(st):
+        return web.json_response(_model_card(st, name))
+    raise APIError(404, f"the model '{name}' does not exist", param="model",
+                   code="model_not_found")
 
 
 async def health(request: web.Request) -> web.Response:

@@ -319,6 +319,10 @@ def _schemas(context: int | None, vocab: int | None) -> JSONObject:
                                   "with return_logprob: input_token_logprobs from this prompt "
                                   "position (-1, the default: none)"},
             "top_logprobs_num": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+            "lora_path": {"oneOf": [_STR, {"type": "array", "items": {
+                "type": ["string", "null"]}}, {"type": "null"}], "description":
+                "the loaded LoRA adapter serving every prompt, or one per prompt (null: the "
+                "base model); an adapter not loaded is a 404, with LoRA off a 400"},
             "rid": {"type": "string", "pattern": f"^{RID_PATTERN.pattern}$",
                     "description": "for one prompt only; must not be in use (with its "
                                    "`<rid>-i` children)"}},
