@@ -399,3 +399,74 @@ def test_lora_path_with_lora_off_is_refused():
         assert status == 400 and "LoRA is off" in body["error"]["message"]
         status, body = _post(srv, "/v1/completions", {"model": "a", "prompt": "hi"})
         assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+# -- adapters loaded and unloaded at run time -------------------------------------------------------
+
+
+def test_load_and_unload_while_serving(lora_server, tmp_path):
+    engine, srv, _ = lora_server
+    c = write_peft_adapter("llama", tmp_path / "c", r=8, alpha=8, seed=7,
+                           target_modules=("q_proj", "up_proj", "down_proj"))
+    status, body = _post(srv, "/load_lora_adapter", {"lora_name": "c", "lora_path": str(c)})
+    assert status == 200 and body["success"] and body["loaded_adapters"] == ["a", "b", "c"]
+    want = greedy_reference(peft_reference("llama", c), PROMPTS[3], N_NEW)[0]
+    status, body = _post(srv, "/v1/completions", {
+        "model": "c", "prompt": PROMPTS[3], "max_tokens": N_NEW, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert status == 200 and body["choices"][0]["token_ids"] == want
+    # refusals name the problem and change nothing
+    status, body = _post(srv, "/load_lora_adapter", {"lora_name": "c", "lora_path": str(c)})
+    assert status == 400 and "already loaded" in body["error"]["message"]
+    big = write_peft_adapter("llama", tmp_path / "big", r=32, alpha=8, seed=8)
+    status, body = _post(srv, "/v1/load_lora_adapter", {"lora_name": "big",
+                                                        "lora_path": str(big)})
+    assert status == 400 and "rank 32 is over --max-lora-rank 16" in body["error"]["message"]
+    status, body = _post(srv, "/load_lora_adapter", {"lora_name": "d",
+                                                     "lora_path": str(tmp_path / "none")})
+    assert status == 400 and "no such directory" in body["error"]["message"]
+    status, body = _post(srv, "/load_lora_adapter", {"lora_name": "d", "lora_path": "x",
+                                                     "pinned": True})
+    assert status == 400 and body["error"]["code"] == "unknown_parameter"
+    status, body = _post(srv, "/load_lora_adapter", {"lora_name": "tiny", "lora_path": str(c)})
+    assert status == 400 and "served model" in body["error"]["message"]
+    # an adapter a request still uses is not unloaded
+    rid = engine.client.submit(input_ids=PROMPTS[0], params={
+        "max_new_tokens": 200, "temperature": 0, "ignore_eos": True}, lora="c")
+    with pytest.raises(ValueError, match="in use by 1 request"):
+        engine.unload_lora_adapter("c")
+    engine.client.abort(rid)
+    for _ in engine.client.stream(rid, timeout=60):
+        pass
+    status, body = _post(srv, "/v1/unload_lora_adapter", {"lora_name": "c"})
+    assert status == 200 and body["loaded_adapters"] == ["a", "b"]
+    status, body = _post(srv, "/v1/completions", {"model": "c", "prompt": "x"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body = _post(srv, "/unload_lora_adapter", {"lora_name": "c"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    # a name loaded again from other weights never reuses what the old one computed (the
+    # prefix cache keys by each load's id): PROMPTS[3] was cached under the first "c"
+    c2 = write_peft_adapter("llama", tmp_path / "c2", r=16, alpha=8, seed=9)
+    status, _ = _post(srv, "/load_lora_adapter", {"lora_name": "c", "lora_path": str(c2)})
+    assert status == 200 and engine.stats()["lora_adapters"] == 3
+    want2 = greedy_reference(peft_reference("llama", c2), PROMPTS[3], N_NEW)[0]
+    assert want2 != want
+    status, body = _post(srv, "/v1/completions", {
+        "model": "c", "prompt": PROMPTS[3], "max_tokens": N_NEW, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True})
+    assert status == 200 and body["choices"][0]["token_ids"] == want2
+
+
+def test_admin_routes_are_guarded_and_refused_with_lora_off():
+    from conformance.server_kit import FakeEngine, ServerThread, http_request
+    from core.plan.args import ServerArgs
+    from core.server.app import create_app
+
+    with ServerThread(create_app(FakeEngine(), ServerArgs(api_key="sk-x"))) as srv:
+        for path in ("/load_lora_adapter", "/v1/unload_lora_adapter"):
+            status, _, _ = http_request(srv.url, "POST", path, {"lora_name": "a"})
+            assert status == 401
+        status, _, raw = http_request(srv.url, "POST", "/load_lora_adapter",
+                                      {"lora_name": "a", "lora_path": "/x"},
+                                      {"Authorization": "Bearer sk-x"})
+        assert status == 400 and "LoRA is off" in json.loads(raw)["error"]["message"]

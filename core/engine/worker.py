@@ -525,8 +525,10 @@ def _item(req: Req) -> OutputItem:
 
 
 # the result (JSON) has the shape its op gives it: stats' dict, or True
-def _rpc(core: EngineCore, op: str) -> Any:
+def _rpc(core: EngineCore, op: str, args: dict[str, str] | None = None) -> Any:
     sched = core.scheduler
+    if op in ("load_lora", "unload_lora"):
+        return _lora_rpc(sched, op, args or {})
     if op == "stats":
         graphs = sched.runner.graph_runner
         return {**sched.stats(), "forward_count": dict(sched.runner.forward_count),
@@ -573,6 +575,27 @@ class _Heartbeat:
                 return
 
 
+def _lora_rpc(sched: Scheduler, op: str, args: dict[str, str]) -> Any:
+    """Load or unload a LoRA adapter between steps; ValueError (nothing changed) when it
+    cannot be: LoRA off, a bad adapter, a name taken or unknown, an adapter requests still
+    use."""
+    manager = getattr(sched, "lora", None)
+    if manager is None:
+        raise ValueError("LoRA is off in this engine (--enable-lora)")
+    name = args.get("name")
+    if op == "load_lora":
+        adapter = manager.load(name, args.get("path") or "")
+        return {"name": adapter.name, "rank": adapter.rank,
+                "target_modules": sorted(adapter.kinds)}
+    uid = manager.lookup(name)
+    users = [r.rid for r in sched.by_id.values() if r.lora_id == uid]
+    if users:
+        raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload "
+                         "it once they finish")
+    manager.unload(name)
+    return {"name": name}
+
+
 def _apply(core: EngineCore, msg: Message, send: Callable[[Message], None] | None) -> bool:
     """Carry out one client message on this rank's scheduler; `send` answers the client (rank
     0), None on the other ranks, which apply the same messages silently. False: shut down."""
@@ -592,7 +615,7 @@ def _apply(core: EngineCore, msg: Message, send: Callable[[Message], None] | Non
         sched.grammar_done(list(msg.ids))
     elif isinstance(msg, Rpc):
         try:
-            reply = Reply(msg.id, True, _rpc(core, msg.op))
+            reply = Reply(msg.id, True, _rpc(core, msg.op, msg.args))
         except (ValueError, AssertionError) as exc:
             reply = Reply(msg.id, False, error=f"{type(exc).__name__}: {exc}")
         if send is not None:

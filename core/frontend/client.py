@@ -436,16 +436,30 @@ class EngineClient(RequestStreams):
     # -- control ---------------------------------------------------------------------------------
 
     def rpc(self, op: str, timeout: float = 60.0) -> JSON:
+        msg = self._call(op, timeout)
+        if not msg.ok:
+            raise EngineError(msg.error or "engine failed")
+        return msg.result
+
+    def _call(self, op: str, timeout: float, args: dict[str, str] | None = None) -> ipc.Reply:
         rid = next(self._rpc_ids)
         done, box = threading.Event(), []
         self._replies[rid] = (done, box)
-        self._send(ipc.Rpc(rid, op))
+        self._send(ipc.Rpc(rid, op, args))
         if not done.wait(timeout):
             self._replies.pop(rid, None)
             raise EngineError(f"engine did not answer {op!r} within {timeout:.0f} s")
-        msg = box[0]
+        return box[0]
+
+    def update_lora(self, op: str, name: str, path: str | None = None,
+                    timeout: float = 120.0) -> JSON:
+        """Load (op "load_lora", from folder `path`) or unload ("unload_lora") the LoRA
+        adapter `name` between the worker's steps. ValueError with the worker's reason when it
+        refuses (nothing changed); EngineError when the engine is gone."""
+        msg = self._call(op, timeout, {"name": name, **({"path": path} if path else {})})
         if not msg.ok:
-            raise EngineError(msg.error or "engine failed")
+            raise ValueError((msg.error or "refused").removeprefix("AdapterError: ")
+                             .removeprefix("ValueError: "))
         return msg.result
 
     def check_accounting(self) -> None:

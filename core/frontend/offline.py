@@ -226,6 +226,21 @@ class Engine:
     def flush_cache(self) -> None:
         self.client.flush_cache()
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> JSONObject:
+        """Load a PEFT adapter folder as `lora_name` while serving (SGLang's and vLLM's name);
+        ValueError naming the problem (nothing changed) when it cannot be served."""
+        return self._update_lora("load_lora", lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> JSONObject:
+        """Forget adapter `lora_name`; ValueError when it is not loaded or requests use it."""
+        return self._update_lora("unload_lora", lora_name)
+
+    def _update_lora(self, op: str, name: str, path: str | None = None) -> JSONObject:
+        if isinstance(self.client, ReplicaSet):
+            raise ValueError("loading LoRA adapters at run time is not supported with "
+                             "--dp-size > 1 yet: name them at start (--lora-paths)")
+        return self.client.update_lora(op, name, path)
+
     def health(self) -> bool:
         return self.client.health()
 

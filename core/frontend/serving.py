@@ -121,6 +121,30 @@ class AsyncEngine:
             return None
         return dict(self.loras)
 
+    async def update_lora(self, op: str, name: str, path: str | None = None) -> JSONObject:
+        """Load ("load", from folder `path`) or unload ("unload") LoRA adapter `name` in the
+        engine, between its steps; Refused 400 (404: not loaded) naming the reason, 503 when
+        the engine is gone. The adapters requests may name follow."""
+        from core.frontend.offline import EngineError
+
+        call = (self.engine.load_lora_adapter if op == "load" else
+                lambda n, _p: self.engine.unload_lora_adapter(n))
+        try:
+            got = await asyncio.wrap_future(self._rpc.submit(call, name, path))
+        except EngineError as e:
+            raise Refused(503, f"the engine is not running: {e}", code="engine_unavailable",
+                          retry_after=5) from None
+        except ValueError as e:
+            status = 404 if "is not loaded" in str(e) else 400
+            raise Refused(status, str(e), param="lora_name",
+                          code="model_not_found" if status == 404 else "invalid_value"
+                          ) from None
+        if op == "load":
+            self.loras[name] = path or ""
+        else:
+            self.loras.pop(name, None)
+        return got
+
     def model_info(self) -> JSONObject:
         args = self.engine.args
         spec = self.engine.spec

@@ -359,6 +359,23 @@ def _post(summary: str, schema: str) -> JSONObject:
         "responses": {"200": {"description": "the result", "content": ok}, **_POST_ERRORS}}}
 
 
+def _lora_admin(summary: str, load: bool) -> JSONObject:
+    props: JSONObject = {"lora_name": {"type": "string", "minLength": 1, "maxLength": 256}}
+    if load:
+        props["lora_path"] = {"type": "string", "minLength": 1,
+                              "description": "the PEFT adapter's folder on the server"}
+    body = {"type": "object", "additionalProperties": False,
+            "required": sorted(props), "properties": props}
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": body}}},
+        "responses": {"200": {"description": "done: the adapters loaded now", "content": {
+            "application/json": {"schema": {"type": "object"}}}},
+            "400": _error("a malformed body, LoRA off, an adapter that cannot be served (the "
+                          "message names the problem), a name taken, an adapter in use"),
+            "401": _UNAUTHORIZED, "404": _error("unload: no adapter of that name"),
+            "503": _error("engine unavailable")}}}
+
+
 def _get(summary: str, public: bool = False, content: str = "application/json",
          unavailable: bool = False, not_found: str | None = None) -> JSONObject:
     schema: JSONObject = {"type": "object"} if content == "application/json" else _STR
@@ -397,9 +414,16 @@ def openapi_spec(version: str, context_length: int | None = None,
                                           "(OpenAI)", "ChatCompletionRequest"),
             "/generate": _post("native generation (SGLang): text or input_ids",
                                "GenerateRequest"),
-            "/v1/models": _get("the served model (OpenAI list)"),
+            "/v1/models": _get("the served model and its LoRA adapters (OpenAI list; an "
+                               "adapter's parent is the served model)"),
             "/v1/models/{model}": {"parameters": [model_param], **_get(
                 "one model", not_found="no model of that name is served")},
+            **{f"{prefix}/load_lora_adapter": _lora_admin(
+                "load a PEFT LoRA adapter while serving (needs --enable-lora; the API key "
+                "guards it)", load=True) for prefix in ("", "/v1")},
+            **{f"{prefix}/unload_lora_adapter": _lora_admin(
+                "forget a LoRA adapter (refused while requests use it)", load=False)
+               for prefix in ("", "/v1")},
             "/health": _get("liveness: 200 while the engine process is alive and beating, "
                             "busy or not (never waits for a scheduler step); 503 when it is "
                             "gone or the server is draining", public=True, unavailable=True),
