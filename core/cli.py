@@ -97,8 +97,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily")
     p.add_argument("--verbose", action="store_true",
                    help="print the whole plan and the engine's notes (default: one line)")
-    add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel", "speculative",
-                             "lora"))
+    # (no LoRA flags: a prompt here has no way to name an adapter; `core serve` and
+    # core.Engine(lora_paths=...) serve them)
+    add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel", "speculative"))
     return parser
 
 

@@ -470,3 +470,11 @@ def test_admin_routes_are_guarded_and_refused_with_lora_off():
                                       {"lora_name": "a", "lora_path": "/x"},
                                       {"Authorization": "Bearer sk-x"})
         assert status == 400 and "LoRA is off" in json.loads(raw)["error"]["message"]
+
+
+def test_a_bad_adapter_at_start_stops_the_engine_naming_it(served, tmp_path):
+    arch, model, adapters = served
+    bad = _copy(adapters["a"], tmp_path / "bad", config=lambda c: c.update(r=64))
+    with pytest.raises(Exception, match="'bad'.*rank 64 is over --max-lora-rank 16"):
+        core.Engine(str(model), dtype="float32", max_total_tokens=256, max_lora_rank=16,
+                    lora_paths=[f"bad={bad}"])
