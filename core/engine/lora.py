@@ -99,6 +99,16 @@ def read_adapter(name: str, path: str, uid: int, targets: Mapping[str, tuple[Lin
     """Read and check an adapter against the model's projections (`targets`, HF module name ->
     (linear, shard)), the projections LoRA was set up for (`allowed`, short names) and the
     largest rank; AdapterError naming the problem, before anything is changed."""
+    try:
+        return _read_adapter(name, path, uid, targets, allowed, max_rank, dtype)
+    except (RuntimeError, TypeError) as exc:  # torch on odd tensors (float8 and the like)
+        raise AdapterError(f"LoRA adapter {name!r} ({path}): cannot be read: "
+                           f"{type(exc).__name__}: {exc}") from None
+
+
+def _read_adapter(name: str, path: str, uid: int,
+                  targets: Mapping[str, tuple[Linear, str | None]], allowed: set[str],
+                  max_rank: int, dtype: torch.dtype) -> HostAdapter:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
