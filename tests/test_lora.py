@@ -478,3 +478,46 @@ def test_a_bad_adapter_at_start_stops_the_engine_naming_it(served, tmp_path):
     with pytest.raises(Exception, match="'bad'.*rank 64 is over --max-lora-rank 16"):
         core.Engine(str(model), dtype="float32", max_total_tokens=256, max_lora_rank=16,
                     lora_paths=[f"bad={bad}"])
+
+
+# -- LoRA over a hybrid KV pool (windowed layers' pages given back) -------------------------------
+
+
+def test_adapters_over_the_hybrid_kv_pool_match_hf_peft(tmp_path):
+    """A tiny Qwen2 whose second layer has a sliding window (8 tokens): the hybrid KV pool is
+    on, and requests under an adapter and the base, prompts and decoding well past the window,
+    a repeat of each (prefix cache keyed by adapter, hits shortened where the window is gone),
+    equal HF+PEFT's greedy tokens."""
+    from peft import PeftModel
+
+    from tests.model_fixtures import SLIDING_WINDOW, tiny_hf_model
+
+    w = SLIDING_WINDOW
+    windowed = dict(sliding_window=w, use_sliding_window=True, max_window_layers=1,
+                    layer_types=["full_attention", "sliding_attention"])
+    model = write_tiny_model("qwen2", tmp_path / "model", **windowed)
+    adapter = write_peft_adapter("qwen2", tmp_path / "a", r=8, alpha=16, seed=1)
+    refs = {None: tiny_hf_model("qwen2", **windowed),
+            "a": PeftModel.from_pretrained(tiny_hf_model("qwen2", **windowed),
+                                           str(adapter)).eval()}
+    prompts = [[256, *range(10, 10 + 3 * w + 3)], [256, 7, 8, 9]]
+    new = 2 * w
+    want = {n: [greedy_reference(ref, p, new)[0] for p in prompts] for n, ref in refs.items()}
+    assert want["a"] != want[None]  # the adapter changes the output
+    # and the window changes it too (the long prompt reads past it)
+    assert greedy_reference(tiny_hf_model("qwen2"), prompts[0], new)[0] != want[None][0]
+    loras = ["a", None, None, "a"]
+    with core.Engine(str(model), dtype="float32", max_total_tokens=512, page_size=4,
+                     chunked_prefill_size=16, swa_full_tokens_ratio=0.25,
+                     lora_paths=[f"a={adapter}"]) as engine:
+        assert any(n.startswith("hybrid KV pool (") for n in engine.info.notes), \
+            engine.info.notes
+        sp = {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+        for _ in range(2):  # the second round meets the first's cached prefixes
+            outs = engine.generate(input_ids=[prompts[i % 2] for i in range(4)],
+                                   lora_path=loras, sampling_params=sp)
+            for i, (out, lora) in enumerate(zip(outs, loras, strict=True)):
+                assert out["output_ids"] == want[lora][i % 2], (i, lora)
+        stats = engine.stats()
+        engine.check_accounting()
+    assert 0 < stats["kv_group1_total_pages"] < stats["total_pages"]
