@@ -261,6 +261,11 @@ def test_refusals_name_the_reason(tmp_path):
     moe_cfg = Path(__file__).parent / "fixtures" / "configs" / "qwen3-30b-a3b.json"
     with pytest.raises(ResolveError, match="qwen3_moe takes no adapters"):
         _plan(moe_cfg, enable_lora=True, device_profile="h100")
+    # a windowed model whose implementation takes no adapters (its hybrid KV pool aside)
+    gemma = tmp_path / "gemma2.json"
+    gemma.write_text(tiny_config("gemma2").to_json_string())
+    with pytest.raises(ResolveError, match="gemma2 takes no adapters"):
+        _plan(gemma, enable_lora=True)
     # a quantized base: refused by the backend's declaration, naming the way out
     fp8 = json.loads(tiny_config("llama").to_json_string())
     fp8["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
