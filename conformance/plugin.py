@@ -22,12 +22,13 @@ with `--conformance-quant NAME` (conformance/quant_suite.py), a grammar backend 
 `--conformance-tool-parser NAME` (conformance/tool_parser_suite.py; no torch, seconds), a
 speculative proposer with `--conformance-spec NAME` (conformance/spec_suite.py; seconds), a
 reasoning parser with `--conformance-reasoning-parser NAME` (conformance/reasoning_parser_suite.py;
-no torch, seconds), and a hardware target's Platform with `--conformance-platform TARGET`
+no torch, seconds), a LoRA backend with `--conformance-lora NAME` (conformance/lora_suite.py;
+seconds), and a hardware target's Platform with `--conformance-platform TARGET`
 (conformance/platform_suite.py).
 Options (each NAME option repeatable or a comma list): --conformance-backend NAME,
 --conformance-moe NAME, --conformance-layer-ops NAME, --conformance-quant NAME,
 --conformance-grammar NAME, --conformance-tool-parser NAME, --conformance-spec NAME,
---conformance-reasoning-parser NAME, --conformance-platform TARGET,
+--conformance-reasoning-parser NAME, --conformance-lora NAME, --conformance-platform TARGET,
 --conformance-device DEV (repeatable; default cpu plus cuda when present), --conformance-full,
 --conformance-seed N.
 """
@@ -96,6 +97,10 @@ SUITES = (
     Suite("--conformance-reasoning-parser", "reasoning_parser_suite", "NAME",
           "run the reasoning-parser conformance suite on this registered parser (repeatable, "
           "or a comma list)"),
+    Suite("--conformance-lora", "lora_suite", "NAME",
+          "run the LoRA-backend conformance suite (mixed adapters, ranks 8-64, fused outputs, "
+          "against an fp32 reference) on this registered backend (repeatable, or a comma "
+          "list)"),
     Suite("--conformance-platform", "platform_suite", "TARGET",
           "run the Platform conformance suite on this registered hardware target "
           "(repeatable)"),

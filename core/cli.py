@@ -59,7 +59,8 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "and rejection. Use --device-profile to plan for hardware "
                                    "that is not here.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel", "speculative"))
+    add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel", "speculative",
+                             "lora"))
     _add_field_flag(p, "tool_call_parser")
     _add_field_flag(p, "reasoning_parser")
     _add_field_flag(p, "chat_template")
@@ -96,6 +97,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 samples greedily")
     p.add_argument("--verbose", action="store_true",
                    help="print the whole plan and the engine's notes (default: one line)")
+    # (no LoRA flags: a prompt here has no way to name an adapter; `core serve` and
+    # core.Engine(lora_paths=...) serve them)
     add_cli_args(p, groups=("model", "kernels", "scheduling", "parallel", "speculative"))
     return parser
 

@@ -38,7 +38,7 @@ T = TypeVar("T")
 
 RPC_OPS = ("stats", "check_accounting", "flush_cache")
 FINISH_TYPES = ("stop", "length", "abort")
-RpcOp = Literal["stats", "check_accounting", "flush_cache"]
+RpcOp = Literal["stats", "check_accounting", "flush_cache", "load_lora", "unload_lora"]
 FinishType = Literal["stop", "length", "abort"]
 
 
@@ -225,6 +225,7 @@ class AddRequest:
     input_ids: tuple[int, ...]
     params: SamplingParams
     priority: int | None = None
+    lora: str | None = None  # the LoRA adapter's name (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,8 @@ class Rpc:
     TYPE: ClassVar[str] = "rpc"
     id: int
     op: RpcOp
+    # the op's arguments (load_lora: name and path; unload_lora: name); None for the others
+    args: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -272,3 +272,49 @@ def prefill_logits(model, config, ids):
     batch = h.batch([0], [ids])
     with torch.inference_mode():
         return model.compute_logits(model(batch.input_ids, batch.positions, batch))
+
+
+LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_peft_adapter(arch: str, path: str | os.PathLike, r: int, alpha: float,
+                       target_modules=LORA_ALL, seed: int = 1, use_rslora: bool = False,
+                       base_seed: int = 0) -> Path:
+    """A random PEFT LoRA adapter of the tiny `arch` model (written with base_seed), saved as
+    PEFT saves one (adapter_config.json + adapter_model.safetensors). A and B are both random
+    (init_lora_weights=False: PEFT's own B starts at zero, which would test nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    path = Path(path)
+    base = tiny_hf_model(arch, base_seed)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha,
+                                            target_modules=list(target_modules),
+                                            init_lora_weights=False, use_rslora=use_rslora))
+    model.save_pretrained(str(path))
+    return path
+
+
+def peft_reference(arch: str, adapter: str | os.PathLike | None, base_seed: int = 0):
+    """HF transformers (+ PEFT's adapter when given), fp32, eval mode: the reference."""
+    model = tiny_hf_model(arch, base_seed)
+    if adapter is None:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(adapter)).eval()
+
+
+def greedy_reference(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """n greedy tokens after `ids` and each one's logprob, recomputing the whole sequence each
+    step (no cache: the plainest reference)."""
+    seq, toks, lps = list(ids), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq])).logits[0, -1].float()
+            lp = torch.log_softmax(logits, -1)
+            tok = int(torch.argmax(lp))
+            toks.append(tok)
+            lps.append(float(lp[tok]))
+            seq.append(tok)
+    return toks, lps

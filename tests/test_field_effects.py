@@ -61,7 +61,10 @@ TABLE = {
                  "sampling_params": ({}, {"max_new_tokens": 2}), "stream": ({}, True),
                  "rid": ({}, "my-own-rid"), "return_logprob": ({}, True),
                  "top_logprobs_num": ({"return_logprob": True}, 2),
-                 "logprob_start_len": ({"return_logprob": True}, 0)},
+                 "logprob_start_len": ({"return_logprob": True}, 0),
+                 # on the fake engine LoRA is off: refused naming the field (its effect:
+                 # tests/test_lora.py)
+                 "lora_path": ({}, "an-adapter")},
 }
 # carried for the client's own bookkeeping, documented as such (OpenAI's end-user id)
 HARMLESS = {"user"}

@@ -119,7 +119,7 @@ class _AdmitOnly:
     def __init__(self):
         self.admitted = []
 
-    def admit(self, rid, input_ids, params, priority=None):
+    def admit(self, rid, input_ids, params, priority=None, lora=None):
         self.admitted.append((rid, input_ids, params, priority))
 
     def poll_timeout(self):

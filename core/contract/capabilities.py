@@ -408,13 +408,18 @@ class QuantCaps(_Frozen):
 
 @dataclass(frozen=True)
 class ModelCaps(_Frozen):
-    """A model architecture implementation: the HF `architectures` names it serves."""
+    """A model architecture implementation: the HF `architectures` names it serves.
+
+    lora_modules: the HF projection names (q_proj, ..., down_proj) LoRA adapters may target in
+    it (the model's `lora_targets()` maps them onto its layers); empty: it takes no adapters.
+    """
 
     architectures: frozenset[str] = frozenset()
     attention_kinds: frozenset[str] = frozenset(("MHA", "GQA", "MQA"))
+    lora_modules: frozenset[str] = frozenset()
     description: str = ""
 
-    _sets = ("architectures", "attention_kinds")
+    _sets = ("architectures", "attention_kinds", "lora_modules")
 
     def summary(self) -> str:
         return f"architectures={','.join(sorted(self.architectures))}"
@@ -612,11 +617,47 @@ class ReasoningParserCaps(_Frozen):
                 f"{' starts_in_reasoning' if self.starts_in_reasoning else ''}{switch}{aka}")
 
 
+@dataclass(frozen=True)
+class LoRACaps(_Frozen):
+    """What a LoRA backend (multi-LoRA serving; the protocol is core.contract.lora) can do.
+
+    devices / capability / cpu_isa: where its kernels run. dtypes: the compute dtypes of the
+    activations and adapter buffers it takes. max_rank: the largest adapter rank its kernels
+    take (--max-lora-rank above it is refused). graph_safe: its per-step preparation and its
+    products never sync with the host, so decode graphs may capture them. quant_methods: the
+    quant methods (QuantCaps names) of base projections it may sit on: the delta is added to
+    whatever the base computes, but only the named ones are checked by its conformance run.
+    tensor_parallel: it runs adapters sharded like their base layers (--tp-size > 1).
+    """
+
+    devices: frozenset[str] = frozenset()
+    capability: Mapping[str, CapabilityRange] = field(default_factory=dict)
+    cpu_isa: frozenset[str] = frozenset()
+    dtypes: frozenset[str] = frozenset(COMPUTE_DTYPES)
+    max_rank: int = 64
+    graph_safe: bool = False
+    quant_methods: frozenset[str] = frozenset(("unquantized",))
+    tensor_parallel: bool = False
+    requires: tuple[str, ...] = ()
+    priority: Mapping[str, int] = field(default_factory=dict)
+    description: str = ""
+
+    _sets = ("devices", "cpu_isa", "dtypes", "quant_methods")
+    _maps = ("capability", "priority")
+
+    def summary(self) -> str:
+        flags = [f for f, on in (("graph_safe", self.graph_safe),
+                                 ("tp", self.tensor_parallel)) if on]
+        return (f"devices={','.join(sorted(self.devices))} dtypes={','.join(sorted(self.dtypes))} "
+                f"max_rank={self.max_rank} quant={','.join(sorted(self.quant_methods))}"
+                + (f" {' '.join(flags)}" if flags else ""))
+
+
 KINDS = ("hardware", "attention", "moe", "quant", "models", "layer_ops", "grammar",
-         "tool_parser", "spec", "reasoning_parser")
+         "tool_parser", "spec", "reasoning_parser", "lora")
 # the caps of any kind (a registration holds its kind's: CAPS_TYPES[kind])
 Caps = (HardwareCaps | AttentionCaps | MoECaps | QuantCaps | ModelCaps | LayerOpsCaps
-        | GrammarCaps | ToolParserCaps | SpecCaps | ReasoningParserCaps)
+        | GrammarCaps | ToolParserCaps | SpecCaps | ReasoningParserCaps | LoRACaps)
 
 CAPS_TYPES: dict[str, type[Caps]] = {
     "hardware": HardwareCaps,
@@ -629,4 +670,5 @@ CAPS_TYPES: dict[str, type[Caps]] = {
     "tool_parser": ToolParserCaps,
     "spec": SpecCaps,
     "reasoning_parser": ReasoningParserCaps,
+    "lora": LoRACaps,
 }

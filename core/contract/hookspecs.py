@@ -19,7 +19,7 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.9"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.10"  # 1.1: hardware targets may register a Platform; layer ops
 # 1.2: quant factories take the checkpoint's QuantScheme (core.contract.quant); QuantCaps formats
 # 1.3: grammar backends (structured output, core.contract.grammar)
 # 1.4: QuantCaps.programs; quant methods may load tensors themselves (weight_loader,
@@ -33,6 +33,8 @@ PLUGIN_API_VERSION = "1.9"  # 1.1: hardware targets may register a Platform; lay
 #      (online weight-only methods); BasePlatform.zeros / host_device / dist_bind / dist_device
 # 1.9: speculative-decoding proposers (core_register_spec_proposers, SpecCaps, core.contract.spec)
 #      and reasoning parsers (reasoning_content in chat, core.contract.reasoning)
+# 1.10: LoRA backends (core_register_lora_backends, LoRACaps, core.contract.lora);
+#       ModelCaps.lora_modules
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -112,3 +114,11 @@ def core_register_reasoning_parsers(register):
     """Register reasoning parsers (reasoning_content in chat): register(name,
     ReasoningParserCaps, factory); factory() returns a core.contract.reasoning.ReasoningParser
     (model output text -> reasoning and content, whole or streamed)."""
+
+
+@hookspec
+def core_register_lora_backends(register):
+    """Register LoRA backends (multi-LoRA serving): register(name, LoRACaps, factory);
+    factory(config: core.contract.lora.LoRAConfig) returns a core.contract.lora.LoRABackend
+    (per step, the batch's tokens grouped by adapter slot; per projection, adds
+    scale * x @ A @ B of each token's adapter to the base output, fused outputs by slice)."""

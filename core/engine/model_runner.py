@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from core.contract.graphs import GraphRunner
+    from core.engine.lora import LoRAManager
     from core.plan.registry import Registry
 
 
@@ -79,6 +80,9 @@ class ModelRunner:
         # The platform's graph runner when decode graphs were captured; batches it cannot take
         # (larger than its largest bucket) run eagerly below.
         self.graph_runner: GraphRunner | None = None
+        # LoRA adapters (core.engine.lora), when the plan serves them: the slot each request's
+        # tokens use is given per step (`lora`: one slot per row, -1 the base model)
+        self.lora: LoRAManager | None = None
 
     def _tensor(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return self.platform.to_device(torch.tensor(values, dtype=dtype), self.device)
@@ -103,7 +107,8 @@ class ModelRunner:
     def _run(self, batch: ForwardBatch, backend: AttentionBackend,
              logit_index: torch.Tensor | None,
              keep: dict[int, tuple[int, int]] | None = None,
-             kept: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+             kept: dict[int, torch.Tensor] | None = None,
+             lora: Sequence[int] | None = None) -> torch.Tensor:
         batch.attn_backend = backend
         batch.attn_meta = backend.prepare(batch)
         if batch.groups is not None:  # each group's backend prepares its own view
@@ -111,6 +116,8 @@ class ModelRunner:
             for view, pair in zip(batch.groups[1:], self.group_backends, strict=True):
                 view.attn_backend = pair[phase]
                 view.attn_meta = pair[phase].prepare(view)
+        if self.lora is not None:
+            self.lora.begin_step(batch.extend_lens_cpu, lora)
         with torch.inference_mode():
             hidden = self.model.forward(batch.input_ids, batch.positions, batch)  # [T, H]
             for i, (start, n) in (keep or {}).items():
@@ -123,7 +130,8 @@ class ModelRunner:
                tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
                logits_for: Sequence[int], hidden_for: Sequence[int] = (),
                hidden_out: dict[int, torch.Tensor] | None = None,
-               group_slots: Sequence[Sequence[Sequence[int]]] = ()) -> torch.Tensor | None:
+               group_slots: Sequence[Sequence[Sequence[int]]] = (),
+               lora: Sequence[int] | None = None) -> torch.Tensor | None:
         """Compute K/V of `tokens[i]` (positions prefix_lens[i]...) for request row rows[i].
 
         The rows' prefix slots must already be in the table; this writes the new ones.
@@ -131,7 +139,8 @@ class ModelRunner:
         `logits_for` (indices into rows), or None when none is listed. For each index i in
         `hidden_for`, hidden_out[i] gets the final hidden states of all of tokens[i]
         ([len(tokens[i]), H]; `logits` turns them into logits: prompt logprobs).
-        group_slots[g - 1][i]: request i's new slots in KV group g (a hybrid pool).
+        group_slots[g - 1][i]: request i's new slots in KV group g (a hybrid pool). lora: the
+        LoRA slot of each row (None: the base model for all).
         """
         self.forward_count["extend"] += 1
         batch, ext = self._extend_batch(rows, prefix_lens, tokens, slots, group_slots)
@@ -143,10 +152,10 @@ class ModelRunner:
         if not logits_for:
             self._run(batch, self.prefill_backend, torch.empty(0, dtype=torch.long,
                                                                device=self.device),
-                      keep, hidden_out)
+                      keep, hidden_out, lora)
             return None
         index = self._tensor([ends[i] for i in logits_for], torch.long)
-        return self._run(batch, self.prefill_backend, index, keep, hidden_out)
+        return self._run(batch, self.prefill_backend, index, keep, hidden_out, lora)
 
     def _extend_batch(self, rows: Sequence[int], prefix_lens: Sequence[int],
                       tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
@@ -193,13 +202,14 @@ class ModelRunner:
 
     def verify(self, rows: Sequence[int], prefix_lens: Sequence[int],
                tokens: Sequence[Sequence[int]], slots: Sequence[Sequence[int]],
-               group_slots: Sequence[Sequence[Sequence[int]]] = ()) -> torch.Tensor:
+               group_slots: Sequence[Sequence[Sequence[int]]] = (),
+               lora: Sequence[int] | None = None) -> torch.Tensor:
         """Speculative verification: one extend forward of each request's [last token +
         drafts] over its cached prefix (K/V written to `slots`, the rejected ones' too: the
         scheduler frees their pages) -> logits at every new position [sum(len(t)), V]."""
         self.forward_count["verify"] = self.forward_count.get("verify", 0) + 1
         batch, _ = self._extend_batch(rows, prefix_lens, tokens, slots, group_slots)
-        return self._run(batch, self.prefill_backend, None)
+        return self._run(batch, self.prefill_backend, None, lora=lora)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, H] (from extend's hidden_out) -> fp32 logits [N, V]."""
@@ -232,7 +242,8 @@ class ModelRunner:
 
     def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
                positions: Sequence[int], slots: Sequence[int],
-               group_slots: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+               group_slots: Sequence[Sequence[int]] = (),
+               lora: Sequence[int] | None = None) -> torch.Tensor:
         """One new token per request at `positions[i]` (= tokens already cached) -> [B, V].
 
         `input_ids` may be a device tensor (the previous step's sampled tokens, not yet seen by
@@ -243,7 +254,8 @@ class ModelRunner:
         if len(group_slots) != len(self.group_pools):
             raise ValueError(f"{len(group_slots)} groups' slots for a pool of "
                              f"{self.num_groups} KV groups")
-        if self.graph_runner is not None and self.graph_runner.can_run(len(rows)):
+        if self.graph_runner is not None and self.graph_runner.can_run(len(rows)) \
+                and (lora is None or self.lora is None):  # LoRA plans capture no graphs
             return self.graph_runner.decode(rows, input_ids, positions, slots)
         seq = [p + 1 for p in positions]
         B = len(rows)
@@ -268,4 +280,4 @@ class ModelRunner:
             for table, gl in zip(self.req_to_token.tables[1:], locs, strict=True):
                 table[row_t, pos] = gl.to(torch.int32)
             self._with_groups(batch, locs)
-        return self._run(batch, self.decode_backend, None)
+        return self._run(batch, self.decode_backend, None, lora=lora)

@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # torch and the engine's modules are imported where a phase n
     from core.engine.distributed import RankSpec, TPGroup
     from core.engine.graphs import GraphDecision
     from core.engine.loader import HFConfig, LoadedModel
+    from core.engine.lora import LoRAManager
     from core.engine.memory.kv_cache import KVPool, MLAKVPool
     from core.engine.memory.memory_pool import ReqToTokenPool
     from core.engine.model_runner import ModelRunner
@@ -273,15 +274,55 @@ def plan_hybrid_kv(args: ServerArgs, spec: ModelSpec, mem: MemoryPlan, plan_agai
                                bytes_per_token=int(per_token), notes=(*mem.notes, note))
 
 
+def build_lora(args: ServerArgs, plan: Plan, loaded: LoadedModel, registry: Registry,
+               device: torch.device) -> tuple[LoRAManager, list[str]]:
+    """The plan's LoRA backend and the adapters named at start, attached to the model's
+    projections: the largest rank and the target modules the flags left open come from those
+    adapters. An adapter that cannot be served stops the start with its reason."""
+    from core.contract.lora import LoRABackend, LoRAConfig
+    from core.engine.lora import LoRAManager, read_config
+    from core.plan.lora import DEFAULT_MAX_RANK, adapter_specs
+
+    specs = adapter_specs(args)
+    configs = [read_config(s.name, s.path) for s in specs]
+    supported = {m.rsplit(".", 1)[-1] for m in loaded.model.lora_targets()}
+    max_rank = plan.lora_max_rank or max((int(c["r"]) for c in configs),
+                                         default=DEFAULT_MAX_RANK)
+    targets = set(plan.lora_target_modules)
+    if not targets:
+        for c in configs:
+            tm = c.get("target_modules")
+            targets |= ({t.rsplit(".", 1)[-1] for t in tm if isinstance(t, str)}
+                        & supported if isinstance(tm, list) else supported)
+        targets = targets or supported
+    reg = registry.get("lora", plan.lora_backend)
+    if reg is None:
+        raise ValueError(f"LoRA backend {plan.lora_backend!r} is not registered")
+    backend = reg.load()(LoRAConfig(num_slots=plan.lora_slots, max_rank=max_rank,
+                                    dtype=loaded.dtype, device=device))
+    if not isinstance(backend, LoRABackend):
+        raise TypeError(f"LoRA backend {plan.lora_backend!r} from {reg.origin.describe()} does "
+                        "not implement prepare / apply (core.contract.lora.LoRABackend)")
+    manager = LoRAManager(loaded.model, backend, plan.lora_slots, max_rank, targets,
+                          loaded.dtype, device)
+    for s in specs:
+        manager.load(s.name, s.path)
+    return manager, [f"LoRA: {plan.lora_backend}, {plan.lora_slots} slot(s), rank up to "
+                     f"{max_rank}, on {', '.join(sorted(targets))}; adapters "
+                     f"{', '.join(s.name for s in specs) or 'none yet'}"]
+
+
 def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Platform,
                  loaded: LoadedModel, kv_pool: KVPool | MLAKVPool, req_to_token: ReqToTokenPool,
                  kv_dtype: torch.dtype, device: torch.device, max_context: int,
                  mem: MemoryPlan, heads: int | None = None, kv_heads: int | None = None,
-                 group_pools: list[KVPool] | None = None) -> tuple[ModelRunner, str]:
+                 group_pools: list[KVPool] | None = None,
+                 args: ServerArgs | None = None) -> tuple[ModelRunner, str]:
     """Phase 3: attention backends, the model runner (the platform's post-load transform runs
-    here), decode graphs, startup compilation. Returns (runner, graph note). heads, kv_heads:
-    what this rank holds (default: the model's). group_pools: a hybrid pool's windowed groups
-    (each gets backend instances of its own: their per-step state is per table)."""
+    here), LoRA adapters (with `args`, where the plan serves them), decode graphs, startup
+    compilation. Returns (runner, graph note). heads, kv_heads: what this rank holds (default:
+    the model's). group_pools: a hybrid pool's windowed groups (each gets backend instances of
+    its own: their per-step state is per table)."""
     from core.contract.attention import BackendContext
     from core.engine.graphs import capture_graphs
     from core.engine.model_runner import ModelRunner, make_backends
@@ -305,6 +346,10 @@ def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Plat
                                                        plan.decode_attention, ctx)
                                          for _ in group_pools],
                          layer_group=layer_group)
+    if plan.lora_backend is not None:
+        runner.lora, lora_notes = build_lora(args or ServerArgs(), plan, loaded, registry,
+                                             device)
+        runner.notes += lora_notes
     graph_note = capture_graphs(runner, mem.graphs, int(loaded.hf_config.vocab_size), platform)
     # Compile the prefill kernels' common variants now (where the platform says it pays):
     # seconds at startup instead of in the first requests.
@@ -384,7 +429,8 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
                           sched_cfg, eos, int(cfg.vocab_size),
                           decode_text=tok.decode if tok is not None else None, grammar=grammar,
                           proposer=proposer, proposer_grammars=spec_grammars,
-                          windows=windows, group_allocators=group_allocators)
+                          windows=windows, group_allocators=group_allocators,
+                          lora=runner.lora)
     return scheduler, eos, tuple(notes)
 
 
@@ -539,7 +585,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
     done(f"KV cache allocated ({mem.kv_tokens * per_token / 2**20:.0f} MiB)")
     runner, graph_note = build_runner(plan, spec, registry, platform, loaded, kv_pool,
                                       req_to_token, kv_dtype, device, max_context, mem,
-                                      heads, kv_heads, group_pools)
+                                      heads, kv_heads, group_pools, args)
     done("model runner ready (kernels built, warmed up)")
     scheduler, eos, sched_notes = build_scheduler(args, plan, runner, req_to_token, mem,
                                                    platform, loaded, max_context, device,
@@ -579,8 +625,10 @@ def _item(req: Req) -> OutputItem:
 
 
 # the result (JSON) has the shape its op gives it: stats' dict, or True
-def _rpc(core: EngineCore, op: str) -> Any:
+def _rpc(core: EngineCore, op: str, args: dict[str, str] | None = None) -> Any:
     sched = core.scheduler
+    if op in ("load_lora", "unload_lora"):
+        return _lora_rpc(sched, op, args or {})
     if op == "stats":
         graphs = sched.runner.graph_runner
         return {**sched.stats(), "forward_count": dict(sched.runner.forward_count),
@@ -627,13 +675,34 @@ class _Heartbeat:
                 return
 
 
+def _lora_rpc(sched: Scheduler, op: str, args: dict[str, str]) -> Any:
+    """Load or unload a LoRA adapter between steps; ValueError (nothing changed) when it
+    cannot be: LoRA off, a bad adapter, a name taken or unknown, an adapter requests still
+    use."""
+    manager = getattr(sched, "lora", None)
+    if manager is None:
+        raise ValueError("LoRA is off in this engine (--enable-lora)")
+    name = args.get("name")
+    if op == "load_lora":
+        adapter = manager.load(name, args.get("path") or "")
+        return {"name": adapter.name, "rank": adapter.rank,
+                "target_modules": sorted(adapter.kinds)}
+    uid = manager.lookup(name)
+    users = [r.rid for r in sched.by_id.values() if r.lora_id == uid]
+    if users:
+        raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s); unload "
+                         "it once they finish")
+    manager.unload(name)
+    return {"name": name}
+
+
 def _apply(core: EngineCore, msg: Message, send: Callable[[Message], None] | None) -> bool:
     """Carry out one client message on this rank's scheduler; `send` answers the client (rank
     0), None on the other ranks, which apply the same messages silently. False: shut down."""
     sched = core.scheduler
     if isinstance(msg, AddRequest):
         try:  # validated by the client: only what depends on the scheduler's state
-            sched.admit(msg.rid, list(msg.input_ids), msg.params, msg.priority)
+            sched.admit(msg.rid, list(msg.input_ids), msg.params, msg.priority, msg.lora)
         except ValueError as exc:
             if send is not None:  # a refusal (400), or a status the error carries
                 status = getattr(exc, "status", 400)
@@ -646,7 +715,7 @@ def _apply(core: EngineCore, msg: Message, send: Callable[[Message], None] | Non
         sched.grammar_done(list(msg.ids))
     elif isinstance(msg, Rpc):
         try:
-            reply = Reply(msg.id, True, _rpc(core, msg.op))
+            reply = Reply(msg.id, True, _rpc(core, msg.op, msg.args))
         except (ValueError, AssertionError) as exc:
             reply = Reply(msg.id, False, error=f"{type(exc).__name__}: {exc}")
         if send is not None:

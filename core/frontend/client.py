@@ -176,10 +176,12 @@ class RequestStreams:
     def submit(self, prompt: str | None = None, params: SamplingParams | dict | None = None,
                *, input_ids: list[int] | None = None, rid: str | None = None,
                priority: int | None = None, sink: Callable[[Delta], None] | None = None,
-               index: int = 0) -> str:
-        """Queue one request (n = 1); returns its id. Without a sink, read it with stream(id)."""
+               index: int = 0, lora: str | None = None) -> str:
+        """Queue one request (n = 1); returns its id. Without a sink, read it with stream(id).
+        lora: the name of a loaded LoRA adapter to serve it with (None: the base model)."""
         ids, p = self.prepare(prompt, input_ids, params)
-        return self.submit_prepared(ids, p, rid=rid, priority=priority, sink=sink, index=index)
+        return self.submit_prepared(ids, p, rid=rid, priority=priority, sink=sink, index=index,
+                                    lora=lora)
 
     def stream(self, rid: str, timeout: float | None = None) -> Iterator[Delta]:
         """Incremental outputs of a request submitted without a sink, until it finishes."""
@@ -197,22 +199,23 @@ class RequestStreams:
     async def submit_async(self, prompt: str | None = None,
                            params: SamplingParams | dict | None = None, *,
                            input_ids: list[int] | None = None, rid: str | None = None,
-                           priority: int | None = None
+                           priority: int | None = None, lora: str | None = None
                            ) -> tuple[str, asyncio.Queue[Delta]]:
         """Like submit, for an event loop: returns (id, asyncio.Queue of deltas)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Delta] = asyncio.Queue()
         rid = self.submit(prompt, params, input_ids=input_ids, rid=rid, priority=priority,
-                          sink=lambda d: loop.call_soon_threadsafe(q.put_nowait, d))
+                          sink=lambda d: loop.call_soon_threadsafe(q.put_nowait, d), lora=lora)
         return rid, q
 
     async def stream_async(self, prompt: str | None = None,
                            params: SamplingParams | dict | None = None, *,
                            input_ids: list[int] | None = None, rid: str | None = None,
-                           priority: int | None = None) -> AsyncIterator[Delta]:
+                           priority: int | None = None, lora: str | None = None
+                           ) -> AsyncIterator[Delta]:
         """Submit and yield deltas; aborts the request if the consumer stops early."""
         rid, q = await self.submit_async(prompt, params, input_ids=input_ids, rid=rid,
-                                         priority=priority)
+                                         priority=priority, lora=lora)
         finished = False
         try:
             while True:
@@ -396,7 +399,7 @@ class EngineClient(RequestStreams):
 
     def submit_prepared(self, ids: list[int], p: SamplingParams, *, rid: str | None = None,
                         priority: int | None = None, sink: Callable[[Delta], None] | None = None,
-                        index: int = 0) -> str:
+                        index: int = 0, lora: str | None = None) -> str:
         """`submit` for what `prepare` returned (validated already: not checked again)."""
         rid = rid or uuid.uuid4().hex
         if sink is None:
@@ -409,7 +412,7 @@ class EngineClient(RequestStreams):
                 raise ValueError(f"request id {rid!r} is already in use")
             self._reqs[rid] = _ReqState(rid, index, p, sink, detok)
         try:
-            self._send(ipc.AddRequest(rid, tuple(ids), p, priority))
+            self._send(ipc.AddRequest(rid, tuple(ids), p, priority, lora))
         except EngineError:
             with self._lock:
                 self._reqs.pop(rid, None)
@@ -433,16 +436,30 @@ class EngineClient(RequestStreams):
     # -- control ---------------------------------------------------------------------------------
 
     def rpc(self, op: str, timeout: float = 60.0) -> JSON:
+        msg = self._call(op, timeout)
+        if not msg.ok:
+            raise EngineError(msg.error or "engine failed")
+        return msg.result
+
+    def _call(self, op: str, timeout: float, args: dict[str, str] | None = None) -> ipc.Reply:
         rid = next(self._rpc_ids)
         done, box = threading.Event(), []
         self._replies[rid] = (done, box)
-        self._send(ipc.Rpc(rid, op))
+        self._send(ipc.Rpc(rid, op, args))
         if not done.wait(timeout):
             self._replies.pop(rid, None)
             raise EngineError(f"engine did not answer {op!r} within {timeout:.0f} s")
-        msg = box[0]
+        return box[0]
+
+    def update_lora(self, op: str, name: str, path: str | None = None,
+                    timeout: float = 120.0) -> JSON:
+        """Load (op "load_lora", from folder `path`) or unload ("unload_lora") the LoRA
+        adapter `name` between the worker's steps. ValueError with the worker's reason when it
+        refuses (nothing changed); EngineError when the engine is gone."""
+        msg = self._call(op, timeout, {"name": name, **({"path": path} if path else {})})
         if not msg.ok:
-            raise EngineError(msg.error or "engine failed")
+            raise ValueError((msg.error or "refused").removeprefix("AdapterError: ")
+                             .removeprefix("ValueError: "))
         return msg.result
 
     def check_accounting(self) -> None:

@@ -88,7 +88,8 @@ class Engine:
     # -- generation ------------------------------------------------------------------------------
 
     def _submit_all(self, prompt: Prompts, input_ids: InputIds, sampling_params: SamplingArg,
-                    priority: int | None, sink: Callable[[Delta], None]
+                    priority: int | None, sink: Callable[[Delta], None],
+                    lora_path: str | list[str | None] | None = None
                     ) -> tuple[list[str], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
@@ -101,17 +102,26 @@ class Engine:
             sps = sampling_params
         else:
             sps = [sampling_params] * len(items)
+        if isinstance(lora_path, list):
+            if len(lora_path) != len(items):
+                raise ValueError(f"{len(lora_path)} lora_path entries for {len(items)} prompts")
+            loras = lora_path
+        else:
+            loras = [lora_path] * len(items)
+        for name in loras:
+            if name is not None and not isinstance(name, str):
+                raise ValueError(f"lora_path must name a loaded adapter (a string), got {name!r}")
         prepared = []
-        for item, sp in zip(items, sps, strict=True):
+        for item, sp, lora in zip(items, sps, loras, strict=True):
             params = SamplingParams.from_dict(sp)
             for sub in expand_n(params):
                 text, ids = (None, item) if input_ids is not None else (item, None)
-                prepared.append(self.client.prepare(text, ids, sub))
+                prepared.append((*self.client.prepare(text, ids, sub), lora))
         rids: list[str] = []
         try:
-            for i, (ids, sub) in enumerate(prepared):
+            for i, (ids, sub, lora) in enumerate(prepared):
                 rids.append(self.client.submit_prepared(ids, sub, priority=priority, sink=sink,
-                                                        index=i))
+                                                        index=i, lora=lora))
         except BaseException:
             for rid in rids:
                 self.client.abort(rid)
@@ -121,7 +131,7 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None,
                  sampling_params: dict | list[dict] | None = None, *,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
-                 priority: int | None = None
+                 priority: int | None = None, lora_path: str | list[str | None] | None = None
                  ) -> JSONObject | list[JSONObject] | Iterator[JSONObject]:
         """Generate for one prompt (a dict) or a list (a list of dicts; n > 1 expands in place),
         in SGLang's shape: {"text", "output_ids", "meta_info": {"id", "finish_reason",
@@ -133,9 +143,14 @@ class Engine:
         stream=True returns an iterator of chunks in arrival order, each the same shape for
         what is new ("text", "token_ids" and the logprobs: new since the request's previous
         chunk) plus "rid" and "index" (the request's place in the batch).
+
+        lora_path (SGLang's name): the loaded LoRA adapter serving the prompt, or one per prompt
+        (None: the base model); an adapter that is not loaded finishes its request with an
+        error.
         """
         q: queue.Queue[Delta] = queue.Queue()
-        rids, batched = self._submit_all(prompt, input_ids, sampling_params, priority, q.put)
+        rids, batched = self._submit_all(prompt, input_ids, sampling_params, priority, q.put,
+                                         lora_path)
         if stream:
             return self._chunks(self._stream(q, rids))
         texts: list[list[str]] = [[] for _ in rids]
@@ -210,6 +225,21 @@ class Engine:
 
     def flush_cache(self) -> None:
         self.client.flush_cache()
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> JSONObject:
+        """Load a PEFT adapter folder as `lora_name` while serving (SGLang's and vLLM's name);
+        ValueError naming the problem (nothing changed) when it cannot be served."""
+        return self._update_lora("load_lora", lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> JSONObject:
+        """Forget adapter `lora_name`; ValueError when it is not loaded or requests use it."""
+        return self._update_lora("unload_lora", lora_name)
+
+    def _update_lora(self, op: str, name: str, path: str | None = None) -> JSONObject:
+        if isinstance(self.client, ReplicaSet):
+            raise ValueError("loading LoRA adapters at run time is not supported with "
+                             "--dp-size > 1 yet: name them at start (--lora-paths)")
+        return self.client.update_lora(op, name, path)
 
     def health(self) -> bool:
         return self.client.health()

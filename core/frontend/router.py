@@ -338,8 +338,8 @@ class ReplicaSet(RequestStreams):
 
     def submit_prepared(self, ids: list[int], p: SamplingParams, *, rid: str | None = None,
                         priority: int | None = None, sink: Callable[[Delta], None] | None = None,
-                        index: int = 0) -> str:
-        """`submit` for what `prepare` returned."""
+                        index: int = 0, lora: str | None = None) -> str:
+        """`submit` for what `prepare` returned (every replica holds the same adapters)."""
         rid = rid or uuid.uuid4().hex
         q: queue.Queue | None = None
         if sink is None:
@@ -369,7 +369,7 @@ class ReplicaSet(RequestStreams):
 
         try:
             self.replicas[i].submit_prepared(ids, p, rid=rid, priority=priority,
-                                             sink=routed_sink, index=index)
+                                             sink=routed_sink, index=index, lora=lora)
         except BaseException:
             self._release(rid)
             with self._lock:

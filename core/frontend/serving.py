@@ -50,6 +50,7 @@ class GenRequest:
     sampling: JSONObject = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    lora: str | None = None  # the LoRA adapter serving it (None: the base model)
 
 
 def served_name(args: ServerArgs, model_path: str) -> str:
@@ -87,6 +88,12 @@ class AsyncEngine:
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-send")
         self._rpc = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="core-rpc")
         self._closed = False
+        # LoRA adapters by name -> their folder (core.plan.lora; empty with LoRA off)
+        self.loras: dict[str, str] = {}
+        if self.plan is not None and self.plan.lora_backend is not None:
+            from core.plan.lora import adapter_specs
+
+            self.loras = {s.name: s.path for s in adapter_specs(engine.args)}
 
     # -- facts ----------------------------------------------------------------------------------
 
@@ -107,6 +114,36 @@ class AsyncEngine:
                               f"{args.load_balance_method}")
             text = "\n".join(lines)
         return text
+
+    def lora_adapters(self) -> dict[str, str] | None:
+        """The LoRA adapters requests may name (name -> folder); None with LoRA off."""
+        if self.plan is None or self.plan.lora_backend is None:
+            return None
+        return dict(self.loras)
+
+    async def update_lora(self, op: str, name: str, path: str | None = None) -> JSONObject:
+        """Load ("load", from folder `path`) or unload ("unload") LoRA adapter `name` in the
+        engine, between its steps; Refused 400 (404: not loaded) naming the reason, 503 when
+        the engine is gone. The adapters requests may name follow."""
+        from core.frontend.offline import EngineError
+
+        call = (self.engine.load_lora_adapter if op == "load" else
+                lambda n, _p: self.engine.unload_lora_adapter(n))
+        try:
+            got = await asyncio.wrap_future(self._rpc.submit(call, name, path))
+        except EngineError as e:
+            raise Refused(503, f"the engine is not running: {e}", code="engine_unavailable",
+                          retry_after=5) from None
+        except ValueError as e:
+            status = 404 if "is not loaded" in str(e) else 400
+            raise Refused(status, str(e), param="lora_name",
+                          code="model_not_found" if status == 404 else "invalid_value"
+                          ) from None
+        if op == "load":
+            self.loras[name] = path or ""
+        else:
+            self.loras.pop(name, None)
+        return got
 
     def model_info(self) -> JSONObject:
         args = self.engine.args
@@ -160,7 +197,8 @@ class AsyncEngine:
         if self._closed:
             raise Refused(503, "the engine is shutting down", code="engine_unavailable")
         fut = self._sender.submit(self.engine.client.submit, None, params,
-                                  input_ids=list(req.input_ids), rid=req.rid, sink=sink)
+                                  input_ids=list(req.input_ids), rid=req.rid, sink=sink,
+                                  lora=req.lora)
         finished = False
         try:
             try:
@@ -188,7 +226,8 @@ class AsyncEngine:
                     if status == 400:  # e.g. its constraint failed to compile in the worker
                         raise invalid(_constraint_param(req, message), message)
                     raise Refused(status, message,
-                                   code="queue_full" if status == 503 else None,
+                                   code="queue_full" if status == 503 else
+                                   "model_not_found" if status == 404 else None,
                                    retry_after=1 if status in (429, 503) else None)
                 if fin is not None:  # (the consumer may close this generator at its last
                     finished = True  # delta: nothing is left to abort then)

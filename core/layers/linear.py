@@ -133,6 +133,7 @@ class Linear(nn.Module):
         if self.shard_names is not None and len(self.shard_names) != len(sizes):
             raise ValueError("shard_names and output_sizes differ in length")
         self._build = (bias, ctx.dtype, ctx.device)
+        self.epilogue: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.quant_method = ctx.quant_method
         self.quant_method.create_weights(self, input_size, self.output_size, bias, ctx.dtype,
                                          ctx.device)
@@ -192,6 +193,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x)
+        if self.epilogue is not None:
+            y = self.epilogue(x, y)
         return self.tp.all_reduce(y) if self._reduces() else y
 
     def _reduces(self) -> bool:
@@ -201,6 +204,8 @@ class Linear(nn.Module):
         """x -> y as a plain callable: the quant method's `bind` (partial(apply, layer) unless
         it offers a faster one)."""
         f = self.quant_method.bind(self)
+        if self.epilogue is not None:
+            f = _with_epilogue(f, self.epilogue)
         if self._reduces():
             reduce = self.tp.all_reduce
             return lambda x: reduce(f(x))
@@ -210,8 +215,15 @@ class Linear(nn.Module):
         return f"in={self.input_size}, out={self.output_sizes}"
 
 
-def _reset_bindings(model: nn.Module) -> None:
-    """Drop hot-path bindings made before (they may point at replaced tensors)."""
+def _with_epilogue(f: Callable[[torch.Tensor], torch.Tensor],
+                   epilogue: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: epilogue(x, f(x))
+
+
+def reset_bindings(model: nn.Module) -> None:
+    """Drop hot-path bindings made before (they may point at replaced tensors, or miss an
+    epilogue set since)."""
     for module in model.modules():
         reset = getattr(module, "reset_bindings", None)
         if reset is not None:
@@ -227,7 +239,7 @@ def process_weights_after_loading(model: nn.Module) -> None:
         experts = getattr(module, "expert_quant_method", None)  # a MoE layer (core.layers.moe)
         if experts is not None:
             experts.process_moe_weights_after_loading(module)
-    _reset_bindings(model)
+    reset_bindings(model)
 
 
 def repack_dense_weights(model: nn.Module, pack: Packer, matmul: Matmul) -> None:
@@ -240,4 +252,4 @@ def repack_dense_weights(model: nn.Module, pack: Packer, matmul: Matmul) -> None
             module.quant_method.repack(module, pack, matmul)
         elif hasattr(module, "repack"):  # a module's own weight (core.layers.embedding.LMHead)
             module.repack(pack, matmul)
-    _reset_bindings(model)
+    reset_bindings(model)

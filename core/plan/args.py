@@ -138,6 +138,27 @@ class ServerArgs:
         None, "speculative", "vLLM's form, JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}, "
         "mapped onto the --speculative-* flags")
+    # LoRA adapters (core.contract.lora; core.engine.lora holds them)
+    enable_lora: bool = _f(False, "lora", "serve LoRA adapters of the base model (PEFT format); "
+                           "implied by --lora-paths / --lora-modules")
+    lora_paths: tuple[str, ...] | None = _f(
+        None, "lora", "adapters loaded at start, SGLang's form: NAME=PATH ... (a bare PATH is "
+        "named after its folder); a request selects one by name (OpenAI `model`, /generate's "
+        "lora_path)", nargs="+")
+    lora_modules: tuple[str, ...] | None = _f(
+        None, "lora", "vLLM's form of --lora-paths: NAME=PATH ... or JSON objects "
+        "{\"name\": ..., \"path\": ...}", nargs="+")
+    max_loras_per_batch: int = _f(8, "lora", "adapter slots on the device: most distinct "
+                                  "adapters in one batch (a request whose adapter finds no "
+                                  "free slot waits; others go on)")
+    max_lora_rank: int | None = _f(None, "lora", "largest adapter rank (default: the largest of "
+                                   "the adapters loaded at start, 16 without any)")
+    lora_target_modules: tuple[str, ...] | None = _f(
+        None, "lora", "projections adapters may target: q_proj k_proj v_proj o_proj gate_proj "
+        "up_proj down_proj, or all (default: those of the adapters loaded at start, all "
+        "without any)", nargs="+")
+    lora_backend: str = _f("auto", "lora", "LoRA backend (torch_native, or a plugin's; auto: "
+                           "the best that fits)")
     # parallelism (core.engine.distributed)
     tp_size: int = _f(1, "parallel", "tensor-parallel ranks per engine (heads, MLP and vocab "
                       "split; one all-reduce per row-parallel output)")
@@ -163,6 +184,7 @@ GROUP_TITLES = {
     "kernels": "kernels and devices",
     "parallel": "parallelism (tensor, expert, data; several nodes)",
     "speculative": "speculative decoding",
+    "lora": "LoRA adapters",
 }
 
 
@@ -183,6 +205,8 @@ def add_cli_args(parser: argparse.ArgumentParser, groups: tuple[str, ...] = tupl
             kw["type"] = _ARG_TYPES.get(str(f.type), str)
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
+            if "nargs" in f.metadata:
+                kw["nargs"] = f.metadata["nargs"]
         argument_groups[group].add_argument(flag, **kw)
 
 
@@ -205,9 +229,18 @@ def make_server_args(**kwargs: Any) -> ServerArgs:
     unknown = sorted(set(clean) - names)
     if unknown:
         raise ValueError(f"unknown argument(s): {', '.join(unknown)}")
+    for name in LIST_FIELDS:  # a YAML list or JSON (the worker's copy) comes as a list
+        value = clean.get(name)
+        if isinstance(value, str):
+            clean[name] = (value,)
+        elif isinstance(value, list):
+            clean[name] = tuple(value)
     args = apply_speculative_config(ServerArgs(**clean))
     validate(args)
     return apply_environment(args)
+
+
+LIST_FIELDS = ("lora_paths", "lora_modules", "lora_target_modules")
 
 
 # vLLM's --speculative-config keys and the flag each one sets
@@ -313,6 +346,7 @@ def validate(args: ServerArgs) -> None:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     _validate_parallel(args)
     _validate_speculative(args)
+    _validate_lora(args)
     # Accepted by SGLang, not (yet) implemented here: refused, never silently ignored.
     if args.revision is not None:
         raise ValueError(f"--revision {args.revision}: models load from a local path here, so "
@@ -338,6 +372,39 @@ def _validate_speculative(args: ServerArgs) -> None:
     if not 1 <= lo <= hi:
         raise ValueError(f"--speculative-ngram-min-match-window-size {lo} and "
                          f"--speculative-ngram-max-match-window-size {hi}: need 1 <= min <= max")
+
+
+LORA_ONLY = ("max_lora_rank", "lora_target_modules")
+
+
+def lora_enabled(args: ServerArgs) -> bool:
+    """LoRA is on: --enable-lora, or adapters named at start (SGLang's --lora-paths implies
+    it)."""
+    return bool(args.enable_lora or args.lora_paths or args.lora_modules)
+
+
+def _validate_lora(args: ServerArgs) -> None:
+    """The LoRA flags' own ranges; the adapters, the model and the backend are checked by the
+    resolver and at load (core.engine.lora)."""
+    if not lora_enabled(args):
+        given = [n for n in LORA_ONLY if getattr(args, n) is not None]
+        if args.lora_backend != "auto":
+            given.append("lora_backend")
+        if args.max_loras_per_batch != 8:
+            given.append("max_loras_per_batch")
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} has no effect with LoRA off: add "
+                             "--enable-lora (or --lora-paths NAME=PATH)")
+        return
+    if args.max_loras_per_batch < 1:
+        raise ValueError(f"--max-loras-per-batch must be >= 1, got {args.max_loras_per_batch}")
+    if args.max_lora_rank is not None and not 1 <= args.max_lora_rank <= 1024:
+        raise ValueError(f"--max-lora-rank must be in 1..1024, got {args.max_lora_rank}")
+    for name in LIST_FIELDS:
+        value = getattr(args, name)
+        if value is not None and (not isinstance(value, tuple) or not value or
+                                  not all(isinstance(v, str) and v.strip() for v in value)):
+            raise ValueError(f"--{name.replace('_', '-')} needs one or more non-empty values")
 
 
 def _validate_parallel(args: ServerArgs) -> None:

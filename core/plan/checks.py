@@ -22,6 +22,7 @@ from core.contract.capabilities import (
     DeviceInfo,
     GrammarCaps,
     LayerOpsCaps,
+    LoRACaps,
     ModelCaps,
     MoECaps,
     QuantCaps,
@@ -357,4 +358,23 @@ def check_spec(caps: SpecCaps, device: DeviceInfo, *, num_draft_tokens: int | No
         reasons.append("needs a draft model, which this engine does not load yet")
     if tp_size > 1 and not caps.tensor_parallel:
         reasons.append(f"does not run under tensor parallelism (--tp-size {tp_size})")
+    return reasons
+
+
+def check_lora(caps: LoRACaps, device: DeviceInfo, *, dtype: str, quant_method: str | None,
+               max_rank: int | None, tp_size: int) -> list[str]:
+    """Reasons a LoRA backend cannot serve adapters here: its device and packages, the compute
+    dtype, the base's quant method, the rank asked for, tensor parallelism."""
+    reasons = check_device(caps, device)
+    if dtype not in caps.dtypes:
+        reasons.append(f"dtype {dtype} not supported (supports {_join(caps.dtypes)})")
+    if quant_method is not None and quant_method not in caps.quant_methods:
+        reasons.append(f"sits on {_join(caps.quant_methods)} base projections, not "
+                       f"{quant_method} (--quantization unquantized serves a GGUF file "
+                       "dequantized)")
+    if max_rank is not None and max_rank > caps.max_rank:
+        reasons.append(f"ranks up to {caps.max_rank} (--max-lora-rank {max_rank})")
+    if tp_size > 1 and not caps.tensor_parallel:
+        reasons.append(f"does not shard adapters over tensor-parallel ranks (--tp-size "
+                       f"{tp_size})")
     return reasons

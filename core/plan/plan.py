@@ -13,7 +13,8 @@ class Candidate:
     """One registered backend considered for one slot."""
 
     slot: str  # prefill_attention | decode_attention | moe_runner | quant_method | layer_ops |
-    # model | grammar_backend | tool_call_parser | spec_proposer | reasoning_parser
+    # model | grammar_backend | tool_call_parser | spec_proposer | reasoning_parser |
+    # lora_backend
     name: str
     origin: str  # distribution and version that registered it
     fits: bool
@@ -57,6 +58,13 @@ class Plan:
     # auto found none of its markers in the template). Chosen with the tool-call parser
     # (core.plan.reasoning.resolve_reasoning_parser).
     reasoning_parser: str | None = None
+    # LoRA serving (core.contract.lora): the backend (None: LoRA off), the adapter slots on the
+    # device, the largest rank (None: the largest of the adapters loaded at start) and the
+    # projections adapters may target (empty: those of the adapters loaded at start)
+    lora_backend: str | None = None
+    lora_slots: int = 0
+    lora_max_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         # Not asdict(self): it deep-copies DeviceInfo.extra, a mappingproxy, which cannot be.
@@ -82,7 +90,8 @@ class Plan:
             candidates = tuple(Candidate(**{**c, "reasons": tuple(c["reasons"])})
                                for c in d["candidates"])
             return cls(**{**d, "device": device, "notes": tuple(d["notes"]),
-                          "candidates": candidates})
+                          "candidates": candidates,
+                          "lora_target_modules": tuple(d.get("lora_target_modules", ()))})
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed plan: {type(exc).__name__}: {exc}") from None
 

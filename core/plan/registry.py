@@ -39,6 +39,7 @@ HOOK_FOR_KIND = {
     "tool_parser": "core_register_tool_parsers",
     "spec": "core_register_spec_proposers",
     "reasoning_parser": "core_register_reasoning_parsers",
+    "lora": "core_register_lora_backends",
 }
 
 

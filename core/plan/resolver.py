@@ -22,6 +22,7 @@ from core.plan.checks import (
     check_attention,
     check_grammar,
     check_layer_ops,
+    check_lora,
     check_model,
     check_moe,
     check_quant,
@@ -341,6 +342,49 @@ def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
     return chosen, n
 
 
+def _lora_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: list[Slot],
+               dtype: str, quant: str | None, model_impl: str | None, notes: list[str]
+               ) -> tuple[str | None, tuple[str, ...]]:
+    """The LoRA backend (None: LoRA off) and the target modules asked for; refused when the
+    model implementation takes no adapters, a target module is not one of its projections,
+    or no backend fits (the base's quant method, the rank, the device)."""
+    from core.plan.lora import adapter_specs, lora_enabled, target_modules_arg
+
+    if not lora_enabled(args):
+        return None, ()
+    try:
+        specs = adapter_specs(args)
+    except ValueError as exc:
+        raise ResolveError(str(exc)) from None
+    supported: frozenset[str] = frozenset()
+    if model_impl is not None:
+        supported = registry.get("models", model_impl).caps.lora_modules
+        if not supported:
+            raise ResolveError(f"LoRA adapters (--enable-lora): model implementation "
+                               f"{model_impl} takes no adapters",
+                               ["adapters are served on the dense Llama-family models "
+                                "(llama, mistral, qwen2, qwen3) in this release"])
+    try:
+        targets = target_modules_arg(args, supported)
+    except ValueError as exc:
+        raise ResolveError(str(exc)) from None
+    user = None if args.lora_backend in (None, "auto") else args.lora_backend
+    slot = Slot("lora_backend", "lora", registry, device.target,
+                lambda caps, _: check_lora(caps, device, dtype=dtype, quant_method=quant,
+                                           max_rank=args.max_lora_rank, tp_size=args.tp_size),
+                user, "--lora-backend")
+    slots.append(slot)
+    chosen = slot.options()[0].name
+    rank = (f"rank up to {args.max_lora_rank}" if args.max_lora_rank is not None else
+            "rank up to the largest of the adapters loaded at start")
+    where = (", ".join(sorted(targets)) if targets is not None else
+             "the projections the adapters loaded at start target")
+    notes.append(f"LoRA: {chosen}, {args.max_loras_per_batch} adapter slot(s) on the device, "
+                 f"{rank}, on {where}; {len(specs)} adapter(s) named at start"
+                 + ("" if args.enable_lora else " (--lora-paths implies --enable-lora)"))
+    return chosen, tuple(sorted(targets)) if targets is not None else ()
+
+
 def tool_parser_named(registry: Registry, name: str) -> str | None:
     """The registered tool-call parser `name` stands for (its name or one of its aliases)."""
     regs = registry.kind("tool_parser")
@@ -533,6 +577,13 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     except ResolveError as exc:
         errors.append(exc)
 
+    lora, lora_targets = None, ()
+    try:
+        lora, lora_targets = _lora_slot(device, args, registry, slots, dtype, quant, model_impl,
+                                        notes)
+    except ResolveError as exc:
+        errors.append(exc)
+
     try:
         _parallel(spec, device, args, notes)
     except ResolveError as exc:
@@ -542,17 +593,20 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
         raise merge_errors(errors, tuple(c for s in slots for c in s.candidates))
     assert quant is not None and prefill is not None and decode is not None and ops is not None
 
-    cuda_graph = _graph_capture(device, args, registry, decode, moe, ops, notes)
+    cuda_graph = _graph_capture(device, args, registry, decode, moe, ops, notes, lora)
     chosen = {"quant_method": quant, "prefill_attention": prefill, "decode_attention": decode,
               "moe_runner": moe, "layer_ops": ops, "model": model_impl,
-              "grammar_backend": grammar, "spec_proposer": spec_name}
+              "grammar_backend": grammar, "spec_proposer": spec_name, "lora_backend": lora}
     candidates = tuple(dataclasses.replace(c, chosen=chosen.get(c.slot) == c.name)
                        for s in slots for c in s.candidates)
     return Plan(device=device, dtype=dtype, prefill_attention=prefill, decode_attention=decode,
                 moe_runner=moe, quant_method=quant, kv_cache_dtype=kv, page_size=page,
                 cuda_graph=cuda_graph, model_impl=model_impl, notes=tuple(notes),
                 candidates=candidates, layer_ops=ops, quant_format=scheme.format,
-                grammar_backend=grammar, spec_proposer=spec_name, spec_draft_tokens=spec_n)
+                grammar_backend=grammar, spec_proposer=spec_name, spec_draft_tokens=spec_n,
+                lora_backend=lora, lora_slots=args.max_loras_per_batch if lora else 0,
+                lora_max_rank=args.max_lora_rank if lora else None,
+                lora_target_modules=lora_targets)
 
 
 def _parallel(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, notes: list[str]) -> None:
@@ -605,7 +659,8 @@ def _parallel(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, notes: list
 
 
 def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, decode: str,
-                   moe: str | None, ops: str, notes: list[str]) -> bool:
+                   moe: str | None, ops: str, notes: list[str], lora: str | None = None
+                   ) -> bool:
     """Graphs capture the decode step only, so the decode backend and MoE runner decide."""
     if not device.graph_capture:
         notes.append(f"graph capture off: the {device.target} platform captures no decode "
@@ -621,6 +676,8 @@ def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, dec
         blockers.append(f"MoE runner {moe}")
     if not registry.get("layer_ops", ops).caps.cuda_graph:
         blockers.append(f"layer ops {ops}")
+    if lora is not None and not registry.get("lora", lora).caps.graph_safe:
+        blockers.append(f"LoRA backend {lora}")
     if blockers:
         notes.append(f"graph capture off: {' and '.join(blockers)} cannot be captured in CUDA "
                      f"graphs")
@@ -671,6 +728,8 @@ def explain(plan: Plan) -> str:
             ("grammar backend", plan.grammar_backend or "- (structured output off)")]
     rows.append(("speculative", f"{plan.spec_proposer}, {plan.spec_draft_tokens} draft tokens"
                  if plan.spec_proposer else "- (off)"))
+    if plan.lora_backend is not None:
+        rows.append(("LoRA backend", f"{plan.lora_backend}, {plan.lora_slots} slot(s)"))
     if any(c.slot == "tool_call_parser" for c in plan.candidates):  # chosen with a template
         rows.append(("tool-call parser", plan.tool_call_parser or "- (auto tool calls off)"))
     if any(c.slot == "reasoning_parser" for c in plan.candidates):  # asked for, and chosen

@@ -24,12 +24,14 @@ SLOT_LABELS = {
     "tool_call_parser": "tool-call parser",
     "spec_proposer": "speculative proposer",
     "reasoning_parser": "reasoning parser",
+    "lora_backend": "LoRA backend",
 }
 KIND_LABELS = {"attention": "attention backends", "moe": "MoE runners",
                "quant": "quant methods", "models": "model implementations",
                "layer_ops": "layer-ops plugins",
                "grammar": "grammar backends", "tool_parser": "tool-call parsers",
-               "spec": "speculative proposers", "reasoning_parser": "reasoning parsers"}
+               "spec": "speculative proposers", "reasoning_parser": "reasoning parsers",
+               "lora": "LoRA backends"}
 
 
 class Slot:

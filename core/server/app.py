@@ -99,34 +99,95 @@ async def native_generate(request: web.Request) -> web.StreamResponse:
 
 
 class ModelCard(TypedDict):
-    """One entry of /v1/models (OpenAI's model object, with vLLM's root and max_model_len)."""
+    """One entry of /v1/models (OpenAI's model object, with vLLM's root, parent and
+    max_model_len: a LoRA adapter's root is its folder, its parent the served model)."""
 
     id: str
     object: str
     created: int
     owned_by: str
     root: str
+    parent: str | None
     max_model_len: int
 
 
-def _model_card(st: ServerState) -> ModelCard:
+def _loras(st: ServerState) -> dict[str, str]:
+    return (st.engine.lora_adapters() if hasattr(st.engine, "lora_adapters") else None) or {}
+
+
+def _model_card(st: ServerState, adapter: str | None = None) -> ModelCard:
     info = st.engine.model_info()
-    return {"id": st.model_name, "object": "model", "created": int(st.started),
-            "owned_by": "core-serve", "root": info.get("model_path") or st.model_name,
+    root = info.get("model_path") or st.model_name
+    return {"id": adapter or st.model_name, "object": "model", "created": int(st.started),
+            "owned_by": "core-serve", "root": _loras(st)[adapter] if adapter else root,
+            "parent": st.model_name if adapter else None,
             "max_model_len": st.engine.context_length}
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(state(request))]})
+    st = state(request)
+    cards = [_model_card(st)] + [_model_card(st, name) for name in sorted(_loras(st))]
+    return web.json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:
     st = state(request)
     name = request.match_info["model"]
-    if name not in st.served_names:
-        raise APIError(404, f"the model '{name}' does not exist", param="model",
-                       code="model_not_found")
-    return web.json_response(_model_card(st))
+    if name in st.served_names:
+        return web.json_response(_model_card(st))
+    if name in _loras(st):
+        return web.json_response(_model_card(st, name))
+    raise APIError(404, f"the model '{name}' does not exist", param="model",
+                   code="model_not_found")
+
+
+def _lora_body(body: JSONObject, load: bool) -> tuple[str, str | None]:
+    """vLLM's body: lora_name (and, to load, lora_path); anything else is refused."""
+    allowed = {"lora_name", "lora_path"} if load else {"lora_name"}
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise APIError(400, f"unknown field(s) {', '.join(unknown)} (this route takes "
+                       f"{', '.join(sorted(allowed))})", param=unknown[0],
+                       code="unknown_parameter")
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not name.strip() or len(name) > 256:
+        raise APIError(400, "lora_name must be a non-empty string of at most 256 characters",
+                       param="lora_name", code="invalid_value")
+    if load and (not isinstance(path, str) or not path.strip()):
+        raise APIError(400, "lora_path must be the adapter's folder (a non-empty string)",
+                       param="lora_path", code="invalid_value")
+    return name, path if load else None
+
+
+async def _update_lora(request: web.Request, load: bool) -> web.Response:
+    """POST /load_lora_adapter, /unload_lora_adapter (and their /v1/ names, vLLM's): guarded
+    by the API key like every non-public route; between the engine's steps."""
+    st = state(request)
+    st.refuse_if_draining()
+    body = await st.read_json(request)
+    name, path = _lora_body(body, load)
+    if not hasattr(st.engine, "lora_adapters") or st.engine.lora_adapters() is None:
+        raise APIError(400, "LoRA is off in this server (start it with --enable-lora)",
+                       code="unsupported")
+    if load and name in st.served_names:
+        raise APIError(400, f"lora_name {name!r} is the served model's name",
+                       param="lora_name", code="invalid_value")
+    try:
+        got = await st.engine.update_lora("load" if load else "unload", name, path)
+    except Refused as e:
+        raise APIError.of(e) from None
+    verb = "loaded" if load else "unloaded"
+    return web.json_response({"success": True, "message": f"LoRA adapter {name!r} {verb}",
+                              "adapter": got,
+                              "loaded_adapters": sorted(st.engine.lora_adapters() or ())})
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    return await _update_lora(request, load=True)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    return await _update_lora(request, load=False)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -276,6 +337,9 @@ def create_app(engine: EngineLike, args: ServerArgs, tokenizer_threads: int = 2
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_post("/generate", native_generate)
+    for prefix in ("", "/v1"):  # SGLang's names and vLLM's
+        app.router.add_post(f"{prefix}/load_lora_adapter", load_lora_adapter)
+        app.router.add_post(f"{prefix}/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/health_generate", health_generate)

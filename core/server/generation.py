@@ -159,7 +159,9 @@ class _Job:
         self.t0 = arrived  # time.monotonic() when the request came in: TTFT counts from here
         self.created = int(time.time())
         self.base = req.rid or f"{ID_PREFIX[req.route]}-{uuid.uuid4().hex}"
-        self.model = st.model_name
+        # responses name the model asked for: the served model, or the adapter OpenAI's
+        # `model` selected
+        self.model = req.model if req.model is not None and req.loras else st.model_name
         self.prompt_lens = [len(ids) for ids, _ in toks]
         ctx = st.engine.context_length
         total = len(toks) * req.n
@@ -176,7 +178,8 @@ class _Job:
                     sampling["seed"] = (sampling["seed"] + j + 2**63) % 2**64 - 2**63
                 rid = self.base if total == 1 else f"{self.base}-{index}"
                 self.gen.append(GenRequest(rid=rid, input_ids=tuple(ids), sampling=sampling,
-                                           logprobs=req.logprobs, top_logprobs=req.top_logprobs))
+                                           logprobs=req.logprobs, top_logprobs=req.top_logprobs,
+                                           lora=req.loras[pi] if req.loras else None))
                 self.seqs.append(responses.SeqOut(index=index, prompt_index=pi, rid=rid,
                                                   prompt_text=text, prompt_ids=tuple(ids)))
         # tool calls: what reads each choice's answer (None: plain text), streamed choices'
@@ -276,6 +279,32 @@ class _Job:
         return responses.usage(self.seqs, self.prompt_lens, self.st.args.enable_cache_report)
 
 
+def _select_adapter(st: ServerState, req: ParsedRequest) -> None:
+    """OpenAI's `model` names the served model or one of its LoRA adapters (an unknown name is
+    404 model_not_found); /generate's lora_path names adapters (checked the same way)."""
+    loras = st.engine.lora_adapters() if hasattr(st.engine, "lora_adapters") else None
+    names = sorted(st.served_names | set(loras or ()))
+    if req.route != "generate":
+        if req.model is not None and req.model not in st.served_names:
+            if loras is None or req.model not in loras:
+                raise APIError(404, f"the model '{req.model}' does not exist; this server "
+                               f"serves {', '.join(names)}", param="model",
+                               code="model_not_found")
+            req.loras = [req.model] * len(req.prompts)
+        return
+    if req.loras is None:
+        return
+    if loras is None:
+        raise APIError(400, "lora_path names a LoRA adapter, but LoRA is off in this server "
+                       "(start it with --enable-lora or --lora-paths)", param="lora_path",
+                       code="unsupported")
+    for name in req.loras:
+        if name is not None and name not in loras:
+            raise APIError(404, f"the LoRA adapter '{name}' is not loaded; loaded: "
+                           f"{', '.join(sorted(loras)) or 'none'}", param="lora_path",
+                           code="model_not_found")
+
+
 async def handle(request: web.Request, route: str) -> web.StreamResponse:
     arrived = time.monotonic()
     st = state(request)
@@ -284,10 +313,7 @@ async def handle(request: web.Request, route: str) -> web.StreamResponse:
     eng = st.engine
     req = PARSERS[route](body, eng.vocab_size, eng.context_length)
     st.check_client_rid(req.rid)
-    if route != "generate" and req.model is not None and req.model not in st.served_names:
-        raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
-                       f"{', '.join(sorted(st.served_names))}", param="model",
-                       code="model_not_found")
+    _select_adapter(st, req)
     if route == "chat":
         st.tools.prepare(req)  # tool_choice's constraint goes in before the engine checks it
         st.chat_options.prepare(req)  # reasoning fields, template kwargs

@@ -319,6 +319,10 @@ def _schemas(context: int | None, vocab: int | None) -> JSONObject:
                                   "with return_logprob: input_token_logprobs from this prompt "
                                   "position (-1, the default: none)"},
             "top_logprobs_num": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+            "lora_path": {"oneOf": [_STR, {"type": "array", "items": {
+                "type": ["string", "null"]}}, {"type": "null"}], "description":
+                "the loaded LoRA adapter serving every prompt, or one per prompt (null: the "
+                "base model); an adapter not loaded is a 404, with LoRA off a 400"},
             "rid": {"type": "string", "pattern": f"^{RID_PATTERN.pattern}$",
                     "description": "for one prompt only; must not be in use (with its "
                                    "`<rid>-i` children)"}},
@@ -353,6 +357,23 @@ def _post(summary: str, schema: str) -> JSONObject:
         "requestBody": {"required": True, "content": {
             "application/json": {"schema": _ref(schema)}}},
         "responses": {"200": {"description": "the result", "content": ok}, **_POST_ERRORS}}}
+
+
+def _lora_admin(summary: str, load: bool) -> JSONObject:
+    props: JSONObject = {"lora_name": {"type": "string", "minLength": 1, "maxLength": 256}}
+    if load:
+        props["lora_path"] = {"type": "string", "minLength": 1,
+                              "description": "the PEFT adapter's folder on the server"}
+    body = {"type": "object", "additionalProperties": False,
+            "required": sorted(props), "properties": props}
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": body}}},
+        "responses": {"200": {"description": "done: the adapters loaded now", "content": {
+            "application/json": {"schema": {"type": "object"}}}},
+            "400": _error("a malformed body, LoRA off, an adapter that cannot be served (the "
+                          "message names the problem), a name taken, an adapter in use"),
+            "401": _UNAUTHORIZED, "404": _error("unload: no adapter of that name"),
+            "503": _error("engine unavailable")}}}
 
 
 def _get(summary: str, public: bool = False, content: str = "application/json",
@@ -393,9 +414,16 @@ def openapi_spec(version: str, context_length: int | None = None,
                                           "(OpenAI)", "ChatCompletionRequest"),
             "/generate": _post("native generation (SGLang): text or input_ids",
                                "GenerateRequest"),
-            "/v1/models": _get("the served model (OpenAI list)"),
+            "/v1/models": _get("the served model and its LoRA adapters (OpenAI list; an "
+                               "adapter's parent is the served model)"),
             "/v1/models/{model}": {"parameters": [model_param], **_get(
                 "one model", not_found="no model of that name is served")},
+            **{f"{prefix}/load_lora_adapter": _lora_admin(
+                "load a PEFT LoRA adapter while serving (needs --enable-lora; the API key "
+                "guards it)", load=True) for prefix in ("", "/v1")},
+            **{f"{prefix}/unload_lora_adapter": _lora_admin(
+                "forget a LoRA adapter (refused while requests use it)", load=False)
+               for prefix in ("", "/v1")},
             "/health": _get("liveness: 200 while the engine process is alive and beating, "
                             "busy or not (never waits for a scheduler step); 503 when it is "
                             "gone or the server is draining", public=True, unavailable=True),

@@ -97,6 +97,9 @@ class ParsedRequest:
     stream_reasoning: bool | None = None
     chat_template_kwargs: dict[str, JSON] = field(default_factory=dict)
     split_reasoning: bool = False  # decided by the server (ServerChatOptions.prepare)
+    # the LoRA adapter of each prompt (None: the base model): /generate's lora_path, or the
+    # adapter OpenAI's `model` names (set by the server, which knows the adapters)
+    loras: list[str | None] | None = None
 
 
 def parse_json_body(raw: bytes) -> JSONObject:
@@ -291,7 +294,7 @@ REFUSED_FIELDS = {
                        "store", "metadata", "web_search_options", "reasoning_effort",
                        "service_tier", "echo", "continue_final_message") + _PEER_EXTRAS),
     "generate": frozenset(("return_text_in_logprobs", "image_data",
-                           "audio_data", "modalities", "lora_path", "custom_logit_processor",
+                           "audio_data", "modalities", "custom_logit_processor",
                            "return_hidden_states", "session_params", "bootstrap_host",
                            "data_parallel_rank", "stream_interval")),
 }
@@ -319,7 +322,8 @@ ROUTE_FIELDS = {
                                                 "tool_choice", "parallel_tool_calls",
                                                 *_CHAT_ONLY},
     "generate": frozenset({"text", "input_ids", "sampling_params", "stream", "rid",
-                           "return_logprob", "top_logprobs_num", "logprob_start_len"}),
+                           "return_logprob", "top_logprobs_num", "logprob_start_len",
+                           "lora_path"}),
 }
 
 
@@ -634,6 +638,7 @@ def parse_generate(body: JSONObject, vocab_size: int, context_length: int) -> Pa
         req.batch = True
     else:
         req.prompts = [Prompt(ids=token_ids(ids, "input_ids", vocab_size))]
+    req.loras = _lora_path(body.get("lora_path"), len(req.prompts))
     req.stream = bool(get_bool(body, "stream"))
     rid = body.get("rid")
     if rid is not None and (req.batch or not isinstance(rid, str) or not 0 < len(rid) <= 128):
@@ -691,6 +696,20 @@ def parse_generate(body: JSONObject, vocab_size: int, context_length: int) -> Pa
     _prompt_logprobs_sampling(req)
     _check_sequences(req)
     return req
+
+
+def _lora_path(value: JSON, prompts: int) -> list[str | None] | None:
+    """SGLang's lora_path: one adapter name for every prompt, or one per prompt (null: the
+    base model); whether the names are loaded is the server's check."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value] * prompts
+    if isinstance(value, list) and len(value) == prompts and all(
+            v is None or isinstance(v, str) for v in value):
+        return list(value)
+    raise invalid("lora_path", f"lora_path must be an adapter name, or a list of {prompts} "
+                  "(one per prompt, null for the base model)", code="invalid_type")
 
 
 def _check_sequences(req: ParsedRequest) -> None:

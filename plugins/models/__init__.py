@@ -3,7 +3,7 @@
 from core.contract.capabilities import ModelCaps
 from core.contract.hookspecs import hookimpl
 
-CORE_PLUGIN_API = ">=1.0,<2"
+CORE_PLUGIN_API = ">=1.10,<2"
 
 # name -> (architectures served, "module:class"); filled in as architectures land.
 BUILTIN: dict[str, tuple[tuple[str, ...], str]] = {
@@ -23,10 +23,15 @@ BUILTIN: dict[str, tuple[tuple[str, ...], str]] = {
 }
 # implementations whose attention is multi-head latent attention (core.contract.mla)
 MLA_MODELS = frozenset({"deepseek_v2", "deepseek_v3"})
+# implementations that take LoRA adapters (LlamaForCausalLM.lora_targets), on these projections
+LORA_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @hookimpl
 def core_register_models(register):
     for name, (archs, factory) in BUILTIN.items():
         kinds = {"MLA"} if name in MLA_MODELS else {"MHA", "GQA", "MQA"}
-        register(name, ModelCaps(architectures=set(archs), attention_kinds=kinds), factory)
+        lora = LORA_MODULES if name in LORA_MODELS else ()
+        register(name, ModelCaps(architectures=set(archs), attention_kinds=kinds,
+                                 lora_modules=lora), factory)

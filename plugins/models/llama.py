@@ -228,6 +228,25 @@ class LlamaForCausalLM(nn.Module):
         load_named_weights(self, weights, stacked=STACKED,
                            skip_lm_head=self.tie_word_embeddings)
 
+    def lora_targets(self) -> dict[str, tuple[Linear, str | None]]:
+        """Where LoRA adapters attach: HF module name (`model.layers.0.self_attn.q_proj`) ->
+        (our linear, its output shard, None for an unstacked one), for the attention and
+        dense-MLP projections of every layer (a MoE block's experts take none)."""
+        targets: dict[str, tuple[Linear, str | None]] = {}
+        for i, layer in enumerate(self.model.layers):
+            a, pre = layer.self_attn, f"model.layers.{i}"
+            parts = [("self_attn", a.qkv_proj, ("q_proj", "k_proj", "v_proj")),
+                     ("self_attn", a.o_proj, ("o_proj",))]
+            if isinstance(layer.mlp, DecoderMLP):
+                m = layer.mlp
+                parts += [("mlp", m.gate_up_proj, ("gate_proj", "up_proj")),
+                          ("mlp", m.down_proj, ("down_proj",))]
+            for block, linear, names in parts:
+                for hf in names:
+                    shard = next((sh for h, _, sh in STACKED if h == hf), None)
+                    targets[f"{pre}.{block}.{hf}"] = (linear, shard)
+        return targets
+
 
 # HF projection -> (our stacked parameter's module, shard)
 STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),

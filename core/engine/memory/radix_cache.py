@@ -16,6 +16,10 @@ that point and the rest is recomputed, so a hit never reads a freed page. When a
 a prefix the tree has with dummy windowed pages where the request still holds real ones, the
 tree takes the request's (the next hit there can use them). Eviction frees a leaf's pages in
 every group; `evict(n, group)` evicts until `group` got n pages back.
+
+Prefixes are keyed by (namespace, tokens): each namespace (a LoRA adapter's load id; None for
+the base model) has its own tree under its own root, so K/V computed under one adapter is never
+reused for another or for the base model. Eviction and accounting span every tree.
 """
 
 from __future__ import annotations
@@ -63,13 +67,21 @@ class RadixCache:
 
     def reset(self) -> None:
         """Forget everything (the caller must already have freed or handed back every page)."""
-        self.root = _Node(None, [], [], 0, [[] for _ in self.windows])
-        self.root.lock_ref = 1  # the root is never evicted
+        self.roots: dict[object, _Node] = {}
+        self.root = self._root(None)
         self.evictable_pages = 0
         self.protected_pages = 0
         # per windowed group: real (not dummy) pages of unlocked / locked nodes
         self.wevictable = [0] * len(self.windows)
         self.wprotected = [0] * len(self.windows)
+
+    def _root(self, ns: object) -> _Node:
+        """The root of namespace `ns`'s tree (made on first use; roots are never evicted)."""
+        root = self.roots.get(ns)
+        if root is None:
+            root = self.roots[ns] = _Node(None, [], [], 0, [[] for _ in self.windows])
+            root.lock_ref = 1
+        return root
 
     def _wcount(self, node: _Node, g: int) -> int:
         d = self.group_allocators[g].dummy_page
@@ -92,15 +104,15 @@ class RadixCache:
             i += 1
         return i - i % self.page_size
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], _Node]:
-        """Longest cached page-aligned prefix of `tokens` that can be used: (its pages, the node
-        to lock). With windowed groups, shortened to where they still hold the window before
-        it (see the module doc)."""
-        pages, node = self._walk(tokens)
+    def match_prefix(self, tokens: Sequence[int], ns: object = None) -> tuple[list[int], _Node]:
+        """Longest cached page-aligned prefix of `tokens` in namespace `ns` that can be used:
+        (its pages, the node to lock). With windowed groups, shortened to where they still hold
+        the window before it (see the module doc)."""
+        pages, node = self._walk(tokens, ns)
         if self.windows and pages:
             k = self._usable_pages(self.path_wpages(node), len(pages))
             if k < len(pages):
-                pages, node = self._walk(tokens[:k * self.page_size])
+                pages, node = self._walk(tokens[:k * self.page_size], ns)
         return pages, node
 
     def _usable_pages(self, wpages: list[list[int]], n: int) -> int:
@@ -123,15 +135,15 @@ class RadixCache:
     def path_wpages(self, node: _Node | None) -> list[list[int]]:
         """Per windowed group, the pages of the path from the root to `node`."""
         parts = []
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:  # up to its tree's root
             parts.append(node)
             node = node.parent
         return [[p for n in reversed(parts) for p in n.wpages[g]]
                 for g in range(len(self.windows))]
 
-    def _walk(self, tokens: Sequence[int]) -> tuple[list[int], _Node]:
+    def _walk(self, tokens: Sequence[int], ns: object = None) -> tuple[list[int], _Node]:
         tick = next(self._tick)
-        node, at, pages = self.root, 0, []
+        node, at, pages = self._root(ns), 0, []
         while len(tokens) - at >= self.page_size:
             child = node.children.get(self._child_key(tokens, at))
             if child is None:
@@ -163,7 +175,7 @@ class RadixCache:
     # -- locking --------------------------------------------------------------------------------
 
     def lock(self, node: _Node | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:  # up to its tree's root
             if node.lock_ref == 0:
                 self.evictable_pages -= len(node.pages)
                 self.protected_pages += len(node.pages)
@@ -175,7 +187,7 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: _Node | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "radix node unlocked more often than locked"
             if node.lock_ref == 0:
@@ -190,8 +202,10 @@ class RadixCache:
     # -- insertion ------------------------------------------------------------------------------
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int],
-               wpages: list[list[int]] | None = None, owned_from: int = 0) -> int:
-        """Insert a page-aligned key; return how many of its leading pages the tree already had.
+               wpages: list[list[int]] | None = None, owned_from: int = 0,
+               ns: object = None) -> int:
+        """Insert a page-aligned key in namespace `ns`; return how many of its leading pages
+        the tree already had.
 
         Pages past that count now belong to the tree; the caller still owns (and must free) the
         ones the tree already had in its place. wpages: the windowed groups' pages (positional);
@@ -202,7 +216,7 @@ class RadixCache:
         assert len(tokens) == len(pages) * ps, "insert takes whole pages"
         wpages = wpages if wpages is not None else [[] for _ in self.windows]
         tick = next(self._tick)
-        node, at = self.root, 0
+        node, at = self._root(ns), 0
         while at < len(tokens):
             child = node.children.get(self._child_key(tokens, at))
             if child is None:
@@ -241,13 +255,15 @@ class RadixCache:
                         self.wprotected[g] += 1
 
     def cache_finished(self, tokens: Sequence[int], pages: list[int], num_shared: int,
-                       node: _Node | None, wpages: list[list[int]] | None = None) -> None:
-        """Take a request's pages for `tokens` (the ones with KV); drop its lock on `node`.
-        wpages: its windowed groups' pages (a hybrid pool)."""
+                       node: _Node | None, wpages: list[list[int]] | None = None,
+                       ns: object = None) -> None:
+        """Take a request's pages for `tokens` (the ones with KV, computed in namespace `ns`);
+        drop its lock on `node`. wpages: its windowed groups' pages (a hybrid pool)."""
         ps = self.page_size
         full = min(len(tokens) // ps, len(pages))
         wpages = [list(w) for w in wpages] if wpages else [[] for _ in self.windows]
-        had = self.insert(tokens[:full * ps], pages[:full], wpages, owned_from=num_shared)
+        had = self.insert(tokens[:full * ps], pages[:full], wpages, owned_from=num_shared,
+                          ns=ns)
         # [0, num_shared) are the tree's own pages (locked by this request); [num_shared, had)
         # duplicate pages another request inserted meanwhile; [full, ...) is the partial tail.
         self.allocator.free(pages[num_shared:had])
@@ -285,19 +301,19 @@ class RadixCache:
             self.evictable_pages -= len(leaf.pages)
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key, 0)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (self._priority(parent), id(parent), parent))
         return freed
 
     def _nodes(self):
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
 
     def _leaves(self):
-        return [n for n in self._nodes() if not n.children and n is not self.root]
+        return [n for n in self._nodes() if not n.children and n.parent is not None]
 
     def cached_pages(self, group: int = 0) -> list[int]:
         """Every page the tree holds in KV group `group` (for the accounting check)."""
@@ -327,7 +343,7 @@ class NoPrefixCache:
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], None]:
+    def match_prefix(self, tokens: Sequence[int], ns: object = None) -> tuple[list[int], None]:
         return [], None
 
     def lock(self, node: _Node | None) -> None:
@@ -337,7 +353,8 @@ class NoPrefixCache:
         pass
 
     def cache_finished(self, tokens: Sequence[int], pages: list[int], num_shared: int,
-                       node: _Node | None, wpages: list[list[int]] | None = None) -> None:
+                       node: _Node | None, wpages: list[list[int]] | None = None,
+                       ns: object = None) -> None:
         self.allocator.free(pages)
         for alloc, w in zip(self.group_allocators, wpages or (), strict=False):
             alloc.free(w)

@@ -178,6 +178,8 @@ class Admission:
                 n = int(min(rem_chunk, rem_input))
             elif n > rem_input and items:
                 break
+            if not self.pages.pin_adapter(req):
+                continue  # its LoRA adapter waits for a free device slot; others go on
             # take it: lock its cached prefix and give it a row and pages
             self.pages.take(req, pages, node)
             req.fill_len = len(all_ids)

@@ -20,18 +20,23 @@ from core.engine.memory.memory_pool import PageAllocator, ReqToTokenPool, token_
 from core.engine.scheduler.request import Req
 
 if TYPE_CHECKING:
+    from core.engine.lora import LoRAManager
     from core.engine.memory.radix_cache import NoPrefixCache, RadixCache, _Node
 
 
 class Pages:
-    """Gives requests rows and pages, takes them back to the prefix cache."""
+    """Gives requests rows and pages (and their LoRA adapter's device slot), takes them back to
+    the prefix cache."""
 
     def __init__(self, allocator: PageAllocator, req_to_token: ReqToTokenPool,
                  cache: RadixCache | NoPrefixCache, page_size: int,
-                 windows: Sequence[int] = (), group_allocators: Sequence[PageAllocator] = ()):
-        """windows, group_allocators: the windowed groups 1.. of a hybrid pool."""
+                 windows: Sequence[int] = (), group_allocators: Sequence[PageAllocator] = (),
+                 lora: LoRAManager | None = None):
+        """windows, group_allocators: the windowed groups 1.. of a hybrid pool; lora: the LoRA
+        adapters' device slots (None without --enable-lora)."""
         self.allocator, self.req_to_token, self.cache = allocator, req_to_token, cache
         self.page_size = page_size
+        self.lora = lora
         self.windows = list(windows)
         self.group_allocators = list(group_allocators)
         if len(self.windows) != len(self.group_allocators) or \
@@ -64,7 +69,19 @@ class Pages:
     def match(self, req: Req) -> tuple[list[int], _Node | None]:
         """req's cached prefix (pages, node to lock); none for a request still computing prompt
         logprobs, which needs every prompt position's logits."""
-        return self.cache.match_prefix([] if req.wants_prompt_lps else req.all_ids[:-1])
+        return self.cache.match_prefix([] if req.wants_prompt_lps else req.all_ids[:-1],
+                                       req.lora_id)
+
+    def pin_adapter(self, req: Req) -> bool:
+        """Give `req` a device slot holding its LoRA adapter (held until `release`); False
+        when every slot is held by other adapters' requests (it waits; others go on)."""
+        if req.lora_id is None or self.lora is None:
+            return True
+        slot = self.lora.acquire(req.lora_id)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
 
     def take(self, req: Req, pages: list[int], node: _Node | None) -> None:
         """Admit `req` over its cached prefix: lock it, give it a row holding the prefix."""
@@ -142,10 +159,14 @@ class Pages:
 
     def release(self, req: Req) -> None:
         """Hand a request's KV back (to the prefix cache, which frees what it does not keep)."""
+        if req.lora_slot >= 0 and self.lora is not None:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
         if req.row < 0:
             return
         self.cache.cache_finished(req.all_ids[:req.kv_len], req.pages, req.num_shared,
-                                  req.node, req.wpages if self.windows else None)
+                                  req.node, req.wpages if self.windows else None,
+                                  ns=req.lora_id)
         self.req_to_token.free(req.row)
         req.row, req.pages, req.num_shared, req.node, req.kv_len = -1, [], 0, None, 0
         req.wpages, req.wtrimmed = [], []

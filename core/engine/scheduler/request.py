@@ -113,6 +113,10 @@ class Req:
     spec_accepted: int = 0
     spec_verify_steps: int = 0
     spec_note: str | None = None
+    # LoRA: the adapter's load id (None: the base model; it keys the prefix cache) and the
+    # device slot it holds while admitted (-1: none, or the base model)
+    lora_id: int | None = None
+    lora_slot: int = -1
 
     @property
     def all_ids(self) -> list[int]:

@@ -54,6 +54,7 @@ from core.engine.scheduler.spec import Speculation
 if TYPE_CHECKING:
     from core.contract.grammar import Grammar
     from core.contract.spec import Proposer
+    from core.engine.lora import LoRAManager
     from core.engine.memory.radix_cache import NoPrefixCache, RadixCache
     from core.engine.sampling import MaskJob, TokenLogprobs
 
@@ -67,11 +68,13 @@ class Scheduler:
                  vocab_size: int, decode_text: Callable[[list[int]], str] | None = None,
                  grammar: Grammar | None = None, proposer: Proposer | None = None,
                  proposer_grammars: bool = False, windows: Sequence[int] = (),
-                 group_allocators: Sequence[PageAllocator] = ()):
+                 group_allocators: Sequence[PageAllocator] = (),
+                 lora: LoRAManager | None = None):
         """proposer: speculative decoding's (core.contract.spec; cfg.spec_draft_tokens drafts
         per request and step at most), None: off; proposer_grammars: it can check drafts
         against a grammar (SpecCaps.grammars). windows, group_allocators: a hybrid KV pool's
-        windowed groups (core.engine.memory.kv_groups; `req_to_token` has their tables)."""
+        windowed groups (core.engine.memory.kv_groups; `req_to_token` has their tables).
+        lora: the LoRA adapters (core.engine.lora), None: a request naming one is refused."""
         self.runner = runner
         self.sampler = sampler
         self.cfg = cfg
@@ -81,8 +84,9 @@ class Scheduler:
         self.grammar = grammar  # None: structured output off
         self.counters = new_counters()
         self.q = Queues()
+        self.lora = lora
         self.pages = Pages(allocator, req_to_token, cache, cfg.page_size, windows,
-                           group_allocators)
+                           group_allocators, lora)
         self.spec: Speculation | None = None
         if proposer is not None:
             if cfg.overlap:
@@ -160,7 +164,7 @@ class Scheduler:
         return tuple((w, pg.group_pool_tokens(g)) for g, w in enumerate(pg.windows, start=1))
 
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams | dict | None,
-                    priority: int | None = None) -> None:
+                    priority: int | None = None, lora: str | None = None) -> None:
         """Validate (for in-process callers: this is their edge), then admit; raises
         AdmissionError (or ValueError for bad parameters)."""
         try:
@@ -175,16 +179,26 @@ class Scheduler:
         except ValueError:
             self.counters["rejected"] += 1
             raise
-        self.admit(rid, input_ids, p, priority)
+        self.admit(rid, input_ids, p, priority, lora)
 
     def admit(self, rid: str, input_ids: list[int], p: SamplingParams,
-              priority: int | None = None) -> None:
+              priority: int | None = None, lora: str | None = None) -> None:
         """Queue a request validated at the edge (the client, or add_request): only what depends
         on the scheduler's state is checked here (id in use, priority, queue full, structured
-        output off). A constraint whose grammar is cached gets its matcher now; a new one parks
-        the request while a compile process compiles it (no grammar library on this thread)."""
+        output off, the LoRA adapter `lora` names loaded). A constraint whose grammar is cached
+        gets its matcher now; a new one parks the request while a compile process compiles it
+        (no grammar library on this thread)."""
         q = self.q
+        lora_id = None
         try:
+            if lora is not None:
+                if self.lora is None:
+                    raise AdmissionError(f"LoRA adapter {lora!r} asked for, but LoRA is off "
+                                         "in this engine (--enable-lora)")
+                try:
+                    lora_id = self.lora.lookup(lora)
+                except ValueError as exc:
+                    raise AdmissionError(str(exc), status=404) from None
             if rid in q.by_id:
                 raise AdmissionError(f"request id {rid!r} is already in use")
             if priority is not None and not self.admission.honours_priority:
@@ -210,7 +224,7 @@ class Scheduler:
         compiled = self.grammar.cached(p.constraint) if p.constraint is not None else None
         if compiled is not None:
             state.matcher = self.grammar.matcher_of(compiled)
-        req = Req(rid, list(input_ids), p, state, self._seq, priority or 0)
+        req = Req(rid, list(input_ids), p, state, self._seq, priority or 0, lora_id=lora_id)
         self._seq += 1
         q.by_id[rid] = req
         if p.constraint is not None and compiled is None:
@@ -321,7 +335,7 @@ class Scheduler:
                 gs.append(token_slots(w, r.kv_len, r.kv_len + 1, ps)[0])
             positions.append(r.kv_len)
         logits = self.runner.decode([r.row for r in batch], input_ids, positions, slots,
-                                    group_slots=gslots)
+                                    group_slots=gslots, lora=self._lora_slots(batch))
         for r in batch:
             r.kv_len += 1
             if pg.windows:
@@ -329,6 +343,10 @@ class Scheduler:
         self.counters["decode_tokens"] += len(batch)
         self.admission.decayed()
         return logits
+
+    def _lora_slots(self, reqs: Sequence[Req]) -> list[int] | None:
+        """Each request's LoRA slot for the runner (None: LoRA off)."""
+        return None if self.lora is None else [r.lora_slot for r in reqs]
 
     def _decode_step(self) -> list[Req]:
         while not self._decode_room():
@@ -388,7 +406,8 @@ class Scheduler:
         want = [i for i, (r, _) in enumerate(items) if r.wants_prompt_lps]
         hidden: dict[int, torch.Tensor] = {}
         logits = self.runner.extend(rows, prefix, tokens, slots, ready, want, hidden,
-                                    group_slots=gslots)
+                                    group_slots=gslots,
+                                    lora=self._lora_slots([r for r, _ in items]))
         for i in want:
             self._prompt_logprobs(items[i][0], prefix[i], hidden[i])
         for r, n in items:
@@ -528,6 +547,7 @@ class Scheduler:
                            f"kv_group{g}_total_pages": alloc.total_pages,
                            f"kv_group{g}_evictable_pages": cache.group_evictable(g)})
         return {**self.counters, **groups,
+                **(self.lora.stats() if self.lora is not None else {}),
                 "running": len(q.holding()),
                 "waiting": len(q.waiting),
                 "compiling": len(q.compiling),

@@ -115,8 +115,9 @@ class Speculation:
             slots.append(full)
             for gs, ws in zip(gslots, windowed, strict=True):
                 gs.append(ws)
+        lora = None if pg.lora is None else [r.lora_slot for r in batch]
         logits = self.runner.verify(rows, prefix, tokens, slots,  # [sum(1 + k), V]
-                                    group_slots=gslots)
+                                    group_slots=gslots, lora=lora)
         starts, at = [], 0
         for t in tokens:
             starts.append(at)

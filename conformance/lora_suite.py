@@ -1,0 +1,197 @@
+"""The LoRA-backend conformance tests (core/contract/lora.py): a backend's `prepare` + `apply`
+against an fp32 reference written here from the protocol's words (a per-token loop).
+
+Collected by the conformance plugin (`pytest --conformance-lora NAME`, see conformance.plugin),
+or by importing them into a test module:
+
+    from conformance.lora_suite import *  # noqa: F401,F403
+
+Parametrization: every registered LoRA backend that can run on each suite device, or only
+those named (a named one that cannot run is one skip with the reason); devices from
+--conformance-device, else cpu plus cuda when present (non-CPU cases carry the `gpu` mark);
+x each case (CASES) x each declared compute dtype.
+
+Cases: mixed adapters of ranks 8 to 64 in one batch (segments out of slot order, a slot used
+by two segments), empty segments, base-only tokens (slot -1) left untouched, a step with only
+base tokens, an empty step (T = 0), fused outputs (q/k/v-like and gate/up-like slices of
+unequal widths) and a plain projection, decode-like batches (one token per segment), ranks
+above a backend's declared max_rank skipped. Tolerances: fp32 1e-4, half precision 2e-2
+(relative to the output's scale). The inputs x and the buffers must be left as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conformance.attention_check import unavailable_reasons
+from conformance.attention_suite import _device_info, _device_missing, default_devices
+from conformance.plugin import named_plugins
+from core.contract.lora import BASE_SLOT, LoRABackend, LoRABatch, LoRAConfig, LoRAWeights
+
+__all__ = ["pytest_generate_tests", "test_lora_backend_conformance", "reference_lora"]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    in_features: int
+    slices: tuple[int, ...]  # output slices of the projection
+    max_rank: int
+    ranks: tuple[int, ...]  # per slot (0: empty slot)
+    segments: tuple[tuple[int, int], ...]  # (length, slot) in token order
+
+
+CASES = (
+    Case("mixed-qkv", 48, (64, 16, 16), 64, (8, 16, 64, 32),
+         ((5, 2), (3, -1), (7, 0), (0, 1), (4, 2), (6, 3), (2, -1), (9, 1))),
+    Case("gate-up", 40, (72, 72), 16, (16, 8), ((11, 1), (13, 0), (1, -1), (3, 1))),
+    Case("plain-proj", 64, (40,), 32, (32, 8, 24), ((4, 0), (4, 1), (4, 2), (0, 0))),
+    Case("decode-like", 32, (32, 8, 8), 16, (8, 16, 12),
+         tuple((1, s) for s in (0, 1, -1, 2, 0, 2, 1, -1, 1, 0))),
+    Case("base-only", 32, (24, 24), 8, (8,), ((5, -1), (0, 0), (3, -1))),
+    Case("empty-step", 32, (16, 8, 8), 8, (8, 8), ()),
+    Case("all-empty-segments", 32, (16,), 8, (8, 8), ((0, 0), (0, 1), (0, -1))),
+)
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int):
+    """(x, y, weights, batch) of a case: random A/B (zero beyond each slot's rank), scalings."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(n for n, _ in case.segments)
+    slots, R, n = len(case.ranks), case.max_rank, len(case.slices)
+    out = sum(case.slices)
+    a = torch.zeros(slots, n * R, case.in_features)
+    b = torch.zeros(slots, out, R)
+    for s, r in enumerate(case.ranks):
+        for j in range(n):
+            a[s, j * R:j * R + r] = torch.randn(r, case.in_features, generator=g) / r ** 0.5
+        b[s, :, :r] = torch.randn(out, r, generator=g)
+    scalings = torch.rand(slots, generator=g) + 0.5
+    x = torch.randn(T, case.in_features, generator=g)
+    y = torch.randn(T, out, generator=g)
+    seg_lens = [n for n, _ in case.segments]
+    seg_slots = [s for _, s in case.segments]
+    indptr = [0]
+    for k in seg_lens:
+        indptr.append(indptr[-1] + k)
+    batch = LoRABatch(seg_lens=seg_lens, seg_slots=seg_slots, ranks=list(case.ranks),
+                      seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
+                      seg_slots_t=torch.tensor(seg_slots, dtype=torch.int32, device=device))
+    weights = LoRAWeights(a=a.to(device, dtype), b=b.to(device, dtype),
+                          scalings=scalings.to(device), output_slices=case.slices, max_rank=R)
+    return x.to(device, dtype), y.to(device, dtype), weights, batch
+
+
+def reference_lora(x: torch.Tensor, y: torch.Tensor, weights: LoRAWeights,
+                   seg_lens: Sequence[int], seg_slots: Sequence[int]) -> torch.Tensor:
+    """The protocol's sum, token by token in fp32: y_t + scale_s * x_t @ A_j^T @ B_j^T per
+    output slice j, s the slot of t's segment (-1: y_t unchanged)."""
+    R = weights.max_rank
+    out = y.float().clone()
+    a, b = weights.a.float(), weights.b.float()
+    t = 0
+    for n, s in zip(seg_lens, seg_slots, strict=True):
+        for _ in range(n):
+            if s != BASE_SLOT:
+                off = 0
+                for j, width in enumerate(weights.output_slices):
+                    xa = a[s, j * R:(j + 1) * R] @ x[t].float()  # [R]
+                    out[t, off:off + width] += float(weights.scalings[s]) * (
+                        b[s, off:off + width] @ xa)
+                    off += width
+            t += 1
+    return out
+
+
+def check_case(factory, case: Case, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+    backend = factory(LoRAConfig(num_slots=len(case.ranks), max_rank=case.max_rank,
+                                 dtype=dtype, device=device))
+    assert isinstance(backend, LoRABackend), (
+        f"the factory built {type(backend).__name__}, which lacks prepare / apply")
+    x, y, weights, batch = make_inputs(case, dtype, device, seed)
+    want = reference_lora(x, y, weights, batch.seg_lens, batch.seg_slots)
+    saved = (x.clone(), weights.a.clone(), weights.b.clone(), weights.scalings.clone())
+    meta = backend.prepare(batch)
+    got = backend.apply(x, y, weights, batch, meta)
+    assert got.shape == want.shape, f"apply returned shape {tuple(got.shape)}, not {tuple(want.shape)}"
+    assert got.dtype == dtype, f"apply returned {got.dtype}, not {dtype}"
+    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+    err = float((got.float() - want).abs().max()) if want.numel() else 0.0
+    assert err <= TOL[dtype] * scale, (f"{case.id} {dtype}: max |got - reference| = {err:.3g} "
+                                       f"over tolerance {TOL[dtype] * scale:.3g}")
+    t = 0
+    for n, s in zip(batch.seg_lens, batch.seg_slots, strict=True):  # base tokens: exact
+        if s == BASE_SLOT and n:
+            assert torch.equal(got[t:t + n].float(), want[t:t + n]), (
+                f"{case.id}: base-only tokens {t}..{t + n - 1} changed")
+        t += n
+    for before, after, what in zip(saved, (x, weights.a, weights.b, weights.scalings),
+                                   ("x", "A", "B", "scalings"), strict=True):
+        assert torch.equal(before, after), f"{case.id}: apply changed its input {what}"
+    # the same metadata serves every projection of the step: a second projection's call
+    x2, y2, w2, _ = make_inputs(case, dtype, device, seed + 1)
+    want2 = reference_lora(x2, y2, w2, batch.seg_lens, batch.seg_slots)
+    got2 = backend.apply(x2, y2, w2, batch, meta)
+    err2 = float((got2.float() - want2).abs().max()) if want2.numel() else 0.0
+    scale2 = max(1.0, float(want2.abs().max())) if want2.numel() else 1.0
+    assert err2 <= TOL[dtype] * scale2, f"{case.id}: a second projection with one prepare"
+
+
+def lora_params(config: pytest.Config) -> list:
+    registry, backends, named = named_plugins(config, "lora", "conformance_lora",
+                                              "LoRA backend")
+    devices = config.getoption("conformance_device", default=None) or default_devices()
+    seed = int(config.getoption("conformance_seed", default=0) or 0)
+    params = []
+    for device_name in devices:
+        device = torch.device(device_name)
+        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
+        missing = _device_missing(device)
+        if missing:
+            params.append(pytest.param(None, None, None, None, None, id=f"{device_name}-unavailable",
+                                       marks=[*marks, pytest.mark.skip(
+                                           reason=f"device {device_name}: {missing}")]))
+            continue
+        info = _device_info(registry, device)
+        for name in named or sorted(backends):
+            reg = backends[name]
+            reasons = unavailable_reasons(reg, device, info)
+            if reasons:
+                if name in named:
+                    params.append(pytest.param(name, None, None, None, None,
+                                               id=f"{name}-{device_name}", marks=[
+                                                   *marks, pytest.mark.skip(
+                                                       reason="; ".join(reasons))]))
+                continue
+            for case in CASES:
+                if case.max_rank > reg.caps.max_rank:
+                    continue  # beyond its declared ranks: not its contract
+                for dname in sorted(reg.caps.dtypes):
+                    if device.type == "cpu" and dname == "float16":
+                        continue  # CPU half matmuls: slow and not what a CPU serves
+                    params.append(pytest.param(name, device_name, case, dname, seed,
+                                               id=f"{name}-{device_name}-{case.id}-{dname}",
+                                               marks=marks))
+    return params
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.function.__name__ != "test_lora_backend_conformance":
+        return
+    metafunc.parametrize("lora_name,lora_device,lora_case,lora_dtype,lora_seed",
+                         lora_params(metafunc.config))
+
+
+def test_lora_backend_conformance(lora_name, lora_device, lora_case, lora_dtype, lora_seed):
+    """The backend's prepare + apply equal the fp32 reference on one case (module doc)."""
+    from core.plan.registry import get_registry
+
+    reg = get_registry().get("lora", lora_name)
+    check_case(reg.load(), lora_case, DTYPES[lora_dtype], torch.device(lora_device), lora_seed)

@@ -1,0 +1,1 @@
+"""Built-in LoRA backends (core.contract.lora)."""
