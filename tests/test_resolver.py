@@ -488,3 +488,40 @@ def test_the_resolver_reads_no_environment():
     for module in (core.plan.resolver, core.plan.slots):
         source = Path(module.__file__).read_text(encoding="utf-8")
         assert "environ" not in source and "getenv" not in source, module.__name__
+
+
+def test_a_quant_method_no_moe_runner_takes_gives_way_to_one_that_runs(model_spec,
+                                                                        global_test_plugins):
+    """GPT-OSS-20B on an H200, the installed plugins plus the test doubles: the built-in mxfp4
+    method outranks mxfp4_like; when no runner takes mxfp4 with this model's experts while
+    mxfp4_moe_like takes mxfp4_like, the plan uses the pair that runs and says why. A method
+    the user names is never swapped."""
+    registry = global_test_plugins
+    spec = model_spec("gpt-oss-20b")
+    plan = plan_for(spec, "h200", registry)
+    quant = {c.name: c for c in plan.candidates if c.slot == "quant_method"}
+    assert quant["mxfp4"].fits and quant["mxfp4_like"].fits
+    assert quant["mxfp4"].priority > quant["mxfp4_like"].priority
+    runners_for_mxfp4 = [c for c in plan_for(spec, "h200", registry, quantization="mxfp4",
+                                             moe_runner_backend=None).candidates
+                         if c.slot == "moe_runner" and c.fits] if _plans(
+        spec, registry, quantization="mxfp4") else []
+    if runners_for_mxfp4:  # a runner takes the built-in method: it stays first
+        assert plan.quant_method == "mxfp4"
+        assert not any("chosen over" in n for n in plan.notes)
+        return
+    assert (plan.quant_method, plan.moe_runner) == ("mxfp4_like", "mxfp4_moe_like")
+    assert any(n.startswith("quant method mxfp4_like chosen over mxfp4: no MoE runner takes "
+                            "mxfp4") for n in plan.notes), plan.notes
+    assert [c.name for c in plan.candidates if c.chosen and c.slot == "quant_method"] == \
+        ["mxfp4_like"]
+    err = error_for(spec, "h200", registry, quantization="mxfp4")
+    assert "no MoE runner fits GptOssForCausalLM" in str(err) and "with mxfp4" in str(err)
+
+
+def _plans(spec, registry, **flags) -> bool:
+    try:
+        plan_for(spec, "h200", registry, **flags)
+    except ResolveError:
+        return False
+    return True

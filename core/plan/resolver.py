@@ -111,6 +111,14 @@ def _kv_cache_dtype(args: ServerArgs, dtype: str, notes: list[str]) -> str:
 DEQUANTIZED_AT_LOAD = ("none", "gguf")
 
 
+def _fits(slot: Slot) -> bool:
+    try:
+        slot.options()
+    except ResolveError:
+        return False
+    return True
+
+
 def _quant_slot(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Registry,
                 dtype: str, slots: list[Slot], notes: list[str]) -> tuple[str, QuantScheme]:
     """The quant method: the checkpoint decides what must be loaded; the user may pick how, or
@@ -517,14 +525,29 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     moe = None
     if spec.is_moe:
         user = None if args.moe_runner_backend in (None, "auto") else args.moe_runner_backend
-        quant_reg = registry.get("quant", quant) if quant else None
-        mslot = Slot("moe_runner", "moe", registry, device.target,
-                      lambda caps, name: check_moe(caps, spec, device, dtype=dtype,
-                                                   quant_method=quant, runner=name,
-                                                   quant_caps=quant_reg.caps if quant_reg
-                                                   else None, ep_size=args.ep_size,
-                                                   quant_format=scheme.format),
-                      user, "--moe-runner-backend")
+
+        def moe_slot(q: str | None) -> Slot:
+            q_reg = registry.get("quant", q) if q else None
+            return Slot("moe_runner", "moe", registry, device.target,
+                        lambda caps, name: check_moe(caps, spec, device, dtype=dtype,
+                                                     quant_method=q, runner=name,
+                                                     quant_caps=q_reg.caps if q_reg else None,
+                                                     ep_size=args.ep_size,
+                                                     quant_format=scheme.format),
+                        user, "--moe-runner-backend")
+
+        mslot = moe_slot(quant)
+        if quant is not None and args.quantization is None and not _fits(mslot):
+            # the best quant method has no runner for this model's experts: the next fitting
+            # method that has one (a plan that runs beats a higher priority that cannot)
+            qslot = next(s for s in slots if s.slot == "quant_method")
+            for alt in [c.name for c in qslot.ranked() if c.name != quant]:
+                alt_slot = moe_slot(alt)
+                if _fits(alt_slot):
+                    notes.append(f"quant method {alt} chosen over {quant}: no MoE runner takes "
+                                 f"{quant} for {spec.architecture} on {_where(device)}")
+                    quant, mslot = alt, alt_slot
+                    break
         slots.append(mslot)
         try:
             moe = mslot.options()[0].name
