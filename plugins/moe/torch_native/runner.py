@@ -8,12 +8,13 @@ from core.contract.moe import (
     MoELayerParams,
     MoERunner,
     MoEWeights,
+    expert_biases,
     fp8_expert,
     fp8_fake_quant_input,
+    gated_activation,
     route,
     select_experts,
 )
-from core.layers.activation import get_act_fn
 
 __all__ = ["TorchNativeMoE", "select_experts"]
 
@@ -22,6 +23,8 @@ class TorchNativeMoE(MoERunner):
     """The reference MoE runner: correct on any device, one small GEMM pair per active expert.
 
     Accumulates in fp32. Not graph safe: the set of active experts is read on the host.
+    Expert biases (GPT-OSS) are added in fp32 to each product, before the activation and
+    before the routing weight.
     """
 
     def __init__(self, *args, **kwargs):
@@ -32,8 +35,8 @@ class TorchNativeMoE(MoERunner):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         if weights.form not in ("unquantized", "fp8"):
             raise ValueError(f"torch_native runs unquantized and fp8 experts, not {weights.form}")
-        act = get_act_fn(layer.activation)
         w13, w2 = weights.w13, weights.w2
+        biases = expert_biases(weights)
         route_w, ids = route(router_logits, layer)
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         first = layer.expert_offset  # expert parallel: this rank's experts only
@@ -46,13 +49,19 @@ class TorchNativeMoE(MoERunner):
             tok, slot = (ids == g).nonzero(as_tuple=True)
             x = hidden[tok]  # [n, H]
             if weights.form == "fp8":  # W8A8 in fp32: dequantized expert, fake-quantized x
-                gate, up = (fp8_fake_quant_input(x, weights)
-                            @ fp8_expert(weights, "w13", e).t()).chunk(2, dim=-1)
-                h = (act(gate) * up).to(hidden.dtype)
+                gate_up = fp8_fake_quant_input(x, weights) @ fp8_expert(weights, "w13", e).t()
+                if biases is not None:
+                    gate_up = gate_up + biases[0][e].float()
+                h = gated_activation(gate_up, layer).to(hidden.dtype)
                 y = fp8_fake_quant_input(h, weights) @ fp8_expert(weights, "w2", e).t()
+            elif biases is not None:  # the products in fp32, each with its bias
+                gate_up = (x @ w13[e].t()).float() + biases[0][e].float()  # [n, 2I]
+                h = gated_activation(gate_up, layer).to(hidden.dtype)
+                y = (h @ w2[e].t()).float()  # [n, H]
             else:
-                gate, up = (x @ w13[e].t()).chunk(2, dim=-1)  # [n, I] each
-                y = (act(gate) * up) @ w2[e].t()  # [n, H]
+                y = gated_activation(x @ w13[e].t(), layer) @ w2[e].t()  # [n, H]
+            if biases is not None:
+                y = y.float() + biases[1][e].float()
             acc.index_add_(0, tok, y.float() * route_w[tok, slot].unsqueeze(1))
         if shared is not None:
             acc += shared.float()

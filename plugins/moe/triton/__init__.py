@@ -19,11 +19,14 @@ CAPS = MoECaps(
     # fp8: block-scaled experts only (Qwen3-FP8 / DeepSeek's 128x128 weight_scale_inv)
     quant_methods={"unquantized", "fp8"},
     quant_formats={"fp8_block"},
-    activations={"silu"},  # SiLU-and-mul is fused into the gate/up kernel's epilogue
+    # SiLU-and-mul is fused into the gate/up kernel's epilogue; GPT-OSS's swigluoai (and its
+    # expert biases, expert_bias below) are not: refused with a reason, not run wrong
+    activations={"silu"},
     scoring_funcs={"softmax", "sigmoid"},
     grouped_topk=True,
     # noaux_tc's correction bias is not in its routing kernels yet: refused, not ignored
     correction_bias=False,
+    expert_bias=False,
     shared_experts=True,
     # The routing weights are gathered per (token, slot) row; 2^31 rows would be needed to
     # overflow, so no limit on experts; top-k is bounded by the experts only.

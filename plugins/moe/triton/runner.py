@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from core.contract.moe import MoELayerParams, MoERunner, MoEWeights, route
+from core.contract.moe import BIAS_KEYS, MoELayerParams, MoERunner, MoEWeights, route
 from plugins.moe.triton import kernels, routing, tuning
 
 
@@ -105,6 +105,8 @@ class TritonMoE(MoERunner):
                              "channel fp8 experts: torch_native)")
         if layer.activation != "silu":
             raise ValueError(f"the triton MoE runner fuses silu only, not {layer.activation}")
+        if any(key in weights.extra for key in BIAS_KEYS):  # its caps refuse GPT-OSS's experts
+            raise ValueError("the triton MoE runner adds no expert biases yet")
         w13, w2 = weights.w13, weights.w2
         if w13.stride(-1) != 1 or w2.stride(-1) != 1:  # the kernels step the last dim by 1
             raise ValueError("the triton MoE runner needs w13 / w2 contiguous in their last dim")
