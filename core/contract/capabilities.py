@@ -509,8 +509,11 @@ class ToolParserCaps(_Frozen):
     tools_prompt), for chat templates that ignore `tools`; the best-priority parser that
     prompts is auto's choice for a template with no tool markup. parallel_calls: its format
     holds several calls in one answer (OpenAI's parallel_tool_calls; False: one call per answer,
-    and the conformance suite skips its several-call cases). Parsers are pure Python text
-    work: no device, no package beyond `requires`.
+    and the conformance suite skips its several-call cases). reads: marker texts it reads
+    that may be special tokens' (gpt-oss's harmony markers): where the tokenizer's special
+    tokens include one, a request it reads calls from is detokenized with skip_special_tokens
+    false (as ReasoningParserCaps.reads). Parsers are pure Python text work: no device, no
+    package beyond `requires`.
     """
 
     markers: tuple[str, ...] = ()
@@ -519,6 +522,7 @@ class ToolParserCaps(_Frozen):
     arguments_key: str = "arguments"
     prompts: bool = False
     parallel_calls: bool = True
+    reads: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     priority: int = 0
     description: str = ""

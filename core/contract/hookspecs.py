@@ -19,7 +19,7 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.9"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.10"  # 1.1: hardware targets may register a Platform; layer ops
 # 1.2: quant factories take the checkpoint's QuantScheme (core.contract.quant); QuantCaps formats
 # 1.3: grammar backends (structured output, core.contract.grammar)
 # 1.4: QuantCaps.programs; quant methods may load tensors themselves (weight_loader,
@@ -33,6 +33,8 @@ PLUGIN_API_VERSION = "1.9"  # 1.1: hardware targets may register a Platform; lay
 #      (online weight-only methods); BasePlatform.zeros / host_device / dist_bind / dist_device
 # 1.9: speculative-decoding proposers (core_register_spec_proposers, SpecCaps, core.contract.spec)
 #      and reasoning parsers (reasoning_content in chat, core.contract.reasoning)
+# 1.10: ToolParserCaps.reads (special-token markers a tool parser reads, kept when detokenizing);
+#       MoECaps.expert_bias and the "swigluoai" activation (core.contract.moe: GPT-OSS's experts)
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
