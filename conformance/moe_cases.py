@@ -5,7 +5,9 @@ routing (random; every token on one expert; all tokens on a few experts, so most
 none), renormalize on / off, softmax and sigmoid scoring, grouped top-k, a shared-expert output
 to add, the SiLU (and, where declared, GELU: the exact erf form) activation, a
 routed_scaling_factor away from 1 (2.5, DeepSeek-V3's; 0.5: every runner must scale the routed
-weights, after renormalizing; the shared output is not scaled), expert-parallel shares (where
+weights, after renormalizing; the shared output is not scaled), GPT-OSS's experts where declared
+(the clamped SwiGLU "swigluoai", at its limit 7 and at 0.75 where most values clamp; expert
+biases on both projections), expert-parallel shares (where
 declared: the experts split in 2 or 4, each share run alone, the shares' outputs summed), and
 each declared compute dtype. Widths
 that are not multiples of the usual tiles (hidden 40, intermediate 48) exercise the masks.
@@ -45,6 +47,8 @@ class MoECase:
     activation: str = "silu"
     ep: int = 1  # expert parallel: the experts in `ep` shares, run one by one and summed
     scaling: float = 1.0  # MoELayerParams.routed_scaling_factor
+    bias: bool = False  # expert biases (MoEWeights.extra w13_bias / w2_bias: GPT-OSS's)
+    swiglu_limit: float = 7.0  # swigluoai's clamp (GPT-OSS's 7; smaller: most values clamped)
 
     @property
     def id(self) -> str:
@@ -57,6 +61,10 @@ class MoECase:
             parts.append("shared")
         if self.activation != "silu":
             parts.append(self.activation)
+        if self.activation == "swigluoai" and self.swiglu_limit != 7.0:
+            parts.append(f"limit{self.swiglu_limit:g}")
+        if self.bias:
+            parts.append("bias")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         if self.scaling != 1.0:
@@ -100,6 +108,7 @@ def _fits(case: MoECase, caps: MoECaps) -> bool:
             and (caps.max_experts is None or case.experts <= caps.max_experts)
             and (caps.max_top_k is None or case.top_k <= caps.max_top_k)
             and case.activation in caps.activations
+            and (not case.bias or caps.expert_bias)
             and (case.ep == 1 or caps.expert_parallel))
 
 
@@ -115,6 +124,14 @@ def all_cases(full: bool = False) -> list[MoECase]:
         cases += [replace(cases[1], scaling=2.5), replace(cases[2], scaling=0.5),
                   replace(cases[4], scaling=2.5), replace(cases[6], scaling=2.5),
                   replace(cases[1], scaling=2.5, ep=2)]
+        # GPT-OSS's experts: biases (with SiLU too: any activation may come with them), the
+        # clamped SwiGLU at its own limit and at 0.75 (most gate / up values clamped), an
+        # expert-parallel share of biased experts
+        cases += [replace(cases[1], activation="swigluoai", bias=True),
+                  replace(cases[2], bias=True),
+                  replace(cases[0], activation="swigluoai", swiglu_limit=0.75),
+                  replace(cases[5], activation="swigluoai", bias=True, swiglu_limit=0.75),
+                  replace(cases[1], activation="swigluoai", bias=True, ep=2)]
         return cases
     cases = []
     for (e, k, h, i, s, g, sh, n), t in itertools.product(_FULL_SHAPES, _FULL_TOKENS):
@@ -124,6 +141,8 @@ def all_cases(full: bool = False) -> list[MoECase]:
     cases += [MoECase(t, 128, 8, 2048, 768, ep=4) for t in (1, 512)]
     cases += [MoECase(t, 64, 8, 1024, 1408, scoring="sigmoid", groups=(8, 4), shared=True,
                       scaling=2.5) for t in (1, 127, 1000)]  # DeepSeek-V3-like
+    cases += [MoECase(t, 32, 4, 2880, 2880, activation="swigluoai", bias=True)
+              for t in (1, 127, 1000)]  # GPT-OSS-20B
     return cases
 
 
@@ -160,8 +179,11 @@ def not_covered(caps: MoECaps, excluded: dict[str, str] | None = None
                                f"(max_experts)"))
     if caps.max_top_k is not None:
         out.append(("top-k", f"cases with top-k above {caps.max_top_k} (max_top_k)"))
-    if "gelu" not in caps.activations:
-        out.append(("activation-gelu", "gelu activation not declared"))
+    for act in ("gelu", "swigluoai"):
+        if act not in caps.activations:
+            out.append((f"activation-{act}", f"{act} activation not declared"))
+    if not caps.expert_bias:
+        out.append(("expert-bias", "expert biases (GPT-OSS) not declared"))
     other = sorted(set(caps.quant_methods) - {"unquantized"})
     if other:
         out.append(("quant", f"quantized expert weights ({', '.join(other)}): the suite checks "

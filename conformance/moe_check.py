@@ -11,7 +11,8 @@ Checks, in order (the first failure raises AssertionError saying what went wrong
 2. the inputs (hidden, router logits, shared output) are unchanged;
 3. it matches the fp32 reference (routing by core.contract.moe.select_experts on the same logits,
    routed_scaling_factor included, a loop over the experts in fp32 from the same rounded
-   weights, GELU in its exact erf form), at the dtype's tolerance;
+   weights, GELU in its exact erf form, swigluoai as transformers' GptOssExperts computes it,
+   the expert biases where the case has them), at the dtype's tolerance;
 4. called without `out` (cases of up to 8 tokens), it returns a new tensor, equally close.
 On a CUDA device, for a runner that declares cuda_graph, `check_graph_case` also captures a
 decode-sized call in a CUDA graph and replays it on new inputs.
@@ -36,6 +37,21 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
 TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (5e-3, 5e-3), "bfloat16": (4e-2, 4e-2)}
 # core.contract.moe.MoELayerParams.activation: "gelu" is the exact erf form, not tanh's
 _ACTS = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="none")}
+
+
+def reference_glu(h: torch.Tensor, layer: MoELayerParams) -> torch.Tensor:
+    """[n, 2I] = [gate | up] fp32 -> [n, I]: the activation as the contract states it, written
+    apart from core.contract.moe.gated_activation. swigluoai, from transformers' GptOssExperts:
+    gate <= limit, -limit <= up <= limit, (up + 1) * gate * sigmoid(alpha * gate)."""
+    inter = h.shape[-1] // 2
+    gate, up = h[:, :inter], h[:, inter:]
+    if layer.activation == "swigluoai":
+        limit = layer.swiglu_limit
+        gate = torch.where(gate > limit, torch.full_like(gate, limit), gate)
+        up = torch.where(up > limit, torch.full_like(up, limit),
+                         torch.where(up < -limit, torch.full_like(up, -limit), up))
+        return (up + 1.0) * gate / (1.0 + torch.exp(-layer.swiglu_alpha * gate))
+    return _ACTS[layer.activation](gate) * up
 
 
 @dataclass
@@ -83,24 +99,32 @@ def build_inputs(case: MoECase, device: torch.device, seed: int) -> MoEInputs:
     layer = MoELayerParams(layer_id=0, num_experts=E, top_k=case.top_k, hidden_size=H,
                            intermediate_size=inter, renormalize=case.renormalize,
                            scoring_func=case.scoring, grouped_topk=case.groups,
-                           routed_scaling_factor=case.scaling, activation=case.activation)
-    return MoEInputs(case, hidden, logits, MoEWeights(w13, w2), layer, shared)
+                           routed_scaling_factor=case.scaling, activation=case.activation,
+                           swiglu_limit=case.swiglu_limit)
+    extra = {}
+    if case.bias:  # fp32, as the contract gives them; large enough to move every output
+        extra = {"w13_bias": (torch.randn(E, 2 * inter, generator=gen) * 0.5).to(device),
+                 "w2_bias": (torch.randn(E, H, generator=gen) * 0.5).to(device)}
+    return MoEInputs(case, hidden, logits, MoEWeights(w13, w2, extra=extra), layer, shared)
 
 
 def reference_moe(inputs: MoEInputs) -> torch.Tensor:
     """The fp32 ground truth [T, H]: the same routing, every active expert in fp32."""
     layer, w = inputs.layer, inputs.weights
-    act = _ACTS[layer.activation]
+    b13, b2 = w.extra.get("w13_bias"), w.extra.get("w2_bias")
     route_w, ids = select_experts(inputs.logits, layer.top_k, layer.renormalize,
                                   layer.grouped_topk, layer.scoring_func,
                                   layer.routed_scaling_factor)
     x = inputs.hidden.float()
     out = torch.zeros_like(x)
-    inter = layer.intermediate_size
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         h = x[tok] @ w.w13[e].float().t()  # [n, 2I]
-        y = (act(h[:, :inter]) * h[:, inter:]) @ w.w2[e].float().t()  # [n, H]
+        if b13 is not None:
+            h = h + b13[e].float()
+        y = reference_glu(h, layer) @ w.w2[e].float().t()  # [n, H]
+        if b2 is not None:
+            y = y + b2[e].float()
         out.index_add_(0, tok, y * route_w[tok, slot, None])
     if inputs.shared is not None:
         out += inputs.shared.float()
@@ -135,7 +159,9 @@ def _share(inputs: MoEInputs, rank: int, shares: int) -> MoEInputs:
     E = inputs.layer.num_experts
     n = E // shares
     w = MoEWeights(inputs.weights.w13[rank * n:(rank + 1) * n].contiguous(),
-                   inputs.weights.w2[rank * n:(rank + 1) * n].contiguous())
+                   inputs.weights.w2[rank * n:(rank + 1) * n].contiguous(),
+                   extra={k: v[rank * n:(rank + 1) * n].contiguous()
+                          for k, v in inputs.weights.extra.items()})
     layer = dataclasses.replace(inputs.layer, expert_offset=rank * n, num_local_experts=n)
     return dataclasses.replace(inputs, weights=w, layer=layer,
                                shared=inputs.shared if rank == 0 else None)

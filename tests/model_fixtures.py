@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss")
 VOCAB = 260  # 256 bytes + 4 specials
 SLIDING_WINDOW = 8  # Mistral's window in the fixtures: short, so that tests cross it
 CHAT_TEMPLATE = (
@@ -60,6 +60,15 @@ def tiny_config(arch: str, **overrides):
                              "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                 "rope_theta": 10000.0}},
             attn_implementation="eager")
+    elif arch == "gpt_oss":  # sinks, alternating windows, YaRN, biased router and experts
+        cfg = transformers.GptOssConfig(
+            **{**common, "num_hidden_layers": 3, "intermediate_size": 48}, head_dim=16,
+            sliding_window=SLIDING_WINDOW, num_local_experts=4, num_experts_per_tok=2,
+            # YaRN with a short original context, so that its ramp falls inside the 8 frequencies
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 64},
+            attn_implementation="eager")  # (HF has no sdpa path for sinks)
     else:
         raise ValueError(f"no tiny fixture for {arch!r}")
     for key, value in overrides.items():
@@ -75,7 +84,8 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides):
     cls = {"llama": transformers.LlamaForCausalLM, "llama3": transformers.LlamaForCausalLM,
            "mistral": transformers.MistralForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
            "qwen3": transformers.Qwen3ForCausalLM, "gemma2": transformers.Gemma2ForCausalLM,
-           "gemma3": transformers.Gemma3ForCausalLM}[arch]
+           "gemma3": transformers.Gemma3ForCausalLM,
+           "gpt_oss": transformers.GptOssForCausalLM}[arch]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()
     with torch.no_grad():
@@ -85,8 +95,17 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # GPT-OSS: logits on the scale of the scores
+                p.copy_(torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (0.5 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.1))
+            # GPT-OSS: gate / up values of about 5, so that its SwiGLU's clamps at 7 bite (a
+            # smaller swiglu_limit would do, but transformers before 5.2x ignores the config's
+            # and clamps at 7); down scaled back so the experts' outputs stay O(1)
+            if name.endswith("experts.gate_up_proj"):
+                p.mul_(12.0)
+            elif name.endswith("experts.down_proj"):
+                p.mul_(1 / 12.0)
     return model
 
 
@@ -163,6 +182,10 @@ def write_tiny_qwen2(path, **kw) -> Path:
 
 def write_tiny_qwen3(path, **kw) -> Path:
     return write_tiny_model("qwen3", path, **kw)
+
+
+def write_tiny_gpt_oss(path, **kw) -> Path:
+    return write_tiny_model("gpt_oss", path, **kw)
 
 
 class PagedHarness:

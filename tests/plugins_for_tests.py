@@ -94,7 +94,8 @@ MOE: dict[str, MoECaps] = {
         priority={"cuda": 50, "rocm": 50}, description="test double of triton fused MoE"),
     "mxfp4_moe_like": MoECaps(
         devices={"cuda"}, capability=_cuda(90, None), dtypes=HALF, quant_methods={"mxfp4_like"},
-        activations={"silu", "swiglu", "swigluoai"}, cuda_graph=True, priority={"cuda": 60},
+        activations={"silu", "swiglu", "swigluoai"}, expert_bias=True, cuda_graph=True,
+        priority={"cuda": 60},
         description="test double of flashinfer_mxfp4 / triton_kernel"),
 }
 

@@ -162,14 +162,16 @@ def test_resolve_with_test_plugins_explains_adoption(capsys, configs_dir, global
 def test_resolve_json_plan(capsys, configs_dir, global_test_plugins):
     code, out, _ = run(capsys, "resolve", "--json", "--model-path",
                        config(configs_dir, "gpt-oss-20b"), "--device-profile", "h200")
-    assert code == 1  # the plan is made, but no model implementation serves gpt-oss yet
+    assert code == 0  # the plan is made, and gpt_oss serves it (issue 35)
     data = json.loads(out)
-    assert data["plan"]["model_impl"] is None
+    assert data["plan"]["model_impl"] == "gpt_oss"
     plan = data["plan"]
     assert data["model"] == "GptOssForCausalLM"
     assert (plan["decode_attention"], plan["page_size"]) == ("sinks_like", 16)
     assert plan["device"]["name"] == "NVIDIA H200"
-    assert any(c["name"] == "torch_native" and not c["fits"] for c in plan["candidates"])
+    # a refused candidate is in the JSON with its reasons (triton lacks GPT-OSS's SwiGLU)
+    assert any(c["slot"] == "moe_runner" and c["name"] == "triton" and not c["fits"]
+               and any("swigluoai" in r for r in c["reasons"]) for c in plan["candidates"])
 
 
 def test_resolve_forced_incompatible_exits_1_with_reasons(capsys, configs_dir,

@@ -77,7 +77,8 @@ EXPECTED = {
         num_kv_heads=8, head_dim=64, attention_kind="GQA", attention_sinks=True,
         context_length=131072, quant_method="mxfp4", dtype=None,
         moe=MoESpec(num_experts=32, top_k=4, num_shared_experts=0, intermediate_size=2880,
-                    activation="swigluoai", moe_layers=tuple(range(24)))),
+                    activation="swigluoai", expert_bias=True, swiglu_alpha=1.702,
+                    swiglu_limit=7.0, moe_layers=tuple(range(24)))),
 }
 
 

@@ -8,6 +8,7 @@ requests in one step; and a prefill over a cached (shared) prefix.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -26,8 +27,9 @@ from core.plan.args import make_server_args
 from core.plan.registry import build_registry
 from plugins.hardware.cpu_runtime import pack_model as pack_for_cpu
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gpt_oss"]
 IMPL = {"llama3": "llama"}
+MOE = {"gpt_oss"}  # architectures whose layers hold experts (the torch_native runner)
 PAGE = 4
 RTOL = 1e-4
 
@@ -42,8 +44,11 @@ def pair(request, tmp_path_factory, registry):
     """(our loaded model, transformers model, config) for one architecture."""
     arch = request.param
     path = write_tiny_model(arch, tmp_path_factory.mktemp(arch))
+    plan = cpu_plan(IMPL.get(arch, arch), page_size=PAGE)
+    if arch in MOE:
+        plan = dataclasses.replace(plan, moe_runner="torch_native")
     loaded = load_model(make_server_args(model_path=str(path), load_format="safetensors"),
-                        cpu_plan(IMPL.get(arch, arch), page_size=PAGE), registry)
+                        plan, registry)
     hf = tiny_hf_model(arch)  # same seed: the weights that were saved
     return loaded.model, hf, loaded.hf_config
 

@@ -110,15 +110,117 @@ def test_the_suite_fails_a_runner_whose_gelu_is_the_tanh_approximation():
     from conformance.moe_cases import all_cases
     from plugins.moe.torch_native import runner as native
 
-    class TanhGelu(native.TorchNativeMoE):
+    def tanh_gelu(gate_up, layer):
+        if layer.activation != "gelu":
+            return native_act(gate_up, layer)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    native_act = native.gated_activation
+    gelu = [c for c in all_cases() if c.activation == "gelu"]
+    assert gelu and _small_failures(_patched_act(tanh_gelu), gelu) == {c.id for c in gelu}
+
+
+def _patched_act(fn):
+    """torch_native with its gated activation replaced by fn(gate_up, layer)."""
+    from plugins.moe.torch_native import runner as native
+
+    class Patched(native.TorchNativeMoE):
         def forward(self, hidden, router_logits, weights, layer, shared=None, out=None):
-            real = native.get_act_fn
-            native.get_act_fn = lambda name: (lambda x: F.gelu(x, approximate="tanh")) \
-                if name == "gelu" else real(name)
+            real = native.gated_activation
+            native.gated_activation = fn
             try:
                 return super().forward(hidden, router_logits, weights, layer, shared, out)
             finally:
-                native.get_act_fn = real
+                native.gated_activation = real
 
-    gelu = [c for c in all_cases() if c.activation == "gelu"]
-    assert gelu and _small_failures(_planted(TanhGelu), gelu) == {c.id for c in gelu}
+    return _planted(Patched)
+
+
+# -- GPT-OSS's experts: the clamped SwiGLU and the expert biases ---------------------------------
+
+def _gpt_oss_cases():
+    from conformance.moe_cases import all_cases
+
+    cases = [c for c in all_cases() if c.activation == "swigluoai" or c.bias]
+    assert {c.swiglu_limit for c in cases if c.activation == "swigluoai"} == {7.0, 0.75}
+    assert any(c.bias and c.activation == "silu" for c in cases)
+    assert any(c.bias and c.ep > 1 for c in cases)
+    return cases
+
+
+def test_the_suite_fails_a_swigluoai_without_its_clamp_or_its_plus_one():
+    from core.contract.moe import gated_activation
+
+    def unclamped(gate_up, layer):  # SwiGLU-OAI as if the limit were infinite
+        if layer.activation != "swigluoai":
+            return gated_activation(gate_up, layer)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (up + 1) * gate * torch.sigmoid(layer.swiglu_alpha * gate)
+
+    def plain_swiglu(gate_up, layer):  # up, not up + 1; alpha 1 (SiLU)
+        if layer.activation != "swigluoai":
+            return gated_activation(gate_up, layer)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    cases = [c for c in _gpt_oss_cases() if c.activation == "swigluoai"]
+    clamped = {c.id for c in cases if c.swiglu_limit < 1}
+    assert clamped and _small_failures(_patched_act(unclamped), cases) == clamped
+    assert _small_failures(_patched_act(plain_swiglu), cases) == {c.id for c in cases}
+
+
+def test_the_suite_fails_a_runner_that_drops_expert_biases():
+    import dataclasses
+
+    from plugins.moe.torch_native.runner import TorchNativeMoE
+
+    class NoDownBias(TorchNativeMoE):
+        def forward(self, hidden, router_logits, weights, layer, shared=None, out=None):
+            if "w2_bias" in weights.extra:
+                weights = dataclasses.replace(weights, extra={
+                    **weights.extra, "w2_bias": torch.zeros_like(weights.extra["w2_bias"])})
+            return super().forward(hidden, router_logits, weights, layer, shared, out)
+
+    class NoBiases(TorchNativeMoE):
+        def forward(self, hidden, router_logits, weights, layer, shared=None, out=None):
+            return super().forward(hidden, router_logits, dataclasses.replace(weights, extra={}),
+                                   layer, shared, out)
+
+    cases = _gpt_oss_cases()
+    biased = {c.id for c in cases if c.bias}
+    assert _small_failures(_planted(NoDownBias), cases) == biased
+    assert _small_failures(_planted(NoBiases), cases) == biased
+    assert _small_failures(_planted(TorchNativeMoE), cases) == set()
+
+
+def test_torch_native_swigluoai_is_transformers_gpt_oss_experts():
+    """core.contract.moe.gated_activation and the runner's expert math against transformers'
+    own GptOssExperts (interleaved gate/up columns, [E, H, 2I] / [E, I, H] layout)."""
+    import transformers
+
+    from core.contract.moe import MoELayerParams, MoEWeights
+    from plugins.moe.torch_native.runner import TorchNativeMoE
+
+    cfg = transformers.GptOssConfig(hidden_size=16, intermediate_size=12, num_local_experts=3,
+                                    num_experts_per_tok=2, swiglu_limit=1.5)
+    experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(5, 16, generator=g)
+    logits = torch.randn(5, 3, generator=g)
+    top, ids = logits.topk(2, dim=-1)
+    with torch.no_grad():  # GptOssTopKRouter: a softmax over the k best logits
+        want = experts(x, ids, torch.softmax(top, dim=-1))
+    gu, gub = experts.gate_up_proj.detach(), experts.gate_up_proj_bias.detach()
+    w13 = torch.cat((gu[:, :, 0::2], gu[:, :, 1::2]), dim=2).transpose(1, 2).contiguous()
+    b13 = torch.cat((gub[:, 0::2], gub[:, 1::2]), dim=1)
+    w2 = experts.down_proj.detach().transpose(1, 2).contiguous()
+    layer = MoELayerParams(layer_id=0, num_experts=3, top_k=2, hidden_size=16,
+                           intermediate_size=12, renormalize=True, activation="swigluoai",
+                           swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=1.5)
+    got = TorchNativeMoE().forward(x, logits, MoEWeights(w13, w2, extra={
+        "w13_bias": b13, "w2_bias": experts.down_proj_bias.detach()}), layer)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

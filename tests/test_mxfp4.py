@@ -202,9 +202,9 @@ def test_runners_match_the_reference(runner, dot, dtype, tol):
 
 
 def test_gpt_oss_20b_plans_mxfp4_where_it_runs(model_spec, clean_plugin_env):
-    """With the installed plugins the quant slot of GPT-OSS-20B is mxfp4 wherever it runs; what
-    is left failing on the H200 is the MoE runner (GPT-OSS's clamped SwiGLU, `swigluoai`, is
-    no runner's activation yet); below sm80 mxfp4 is refused with its reason."""
+    """With the installed plugins GPT-OSS-20B plans on the H200 with its experts kept in mxfp4:
+    torch_native is the one MoE runner with GPT-OSS's clamped SwiGLU (`swigluoai`) and expert
+    biases (triton refuses them, saying so); below sm80 mxfp4 is refused with its reason."""
     from core.plan.args import ServerArgs
     from core.plan.devices import PROFILES
     from core.plan.plan import ResolveError
@@ -213,12 +213,12 @@ def test_gpt_oss_20b_plans_mxfp4_where_it_runs(model_spec, clean_plugin_env):
 
     registry = build_registry()
     spec = model_spec("gpt-oss-20b")
-    with pytest.raises(ResolveError) as h200:
-        resolve(spec, PROFILES["h200"], ServerArgs(), registry)
-    assert "no quant method" not in str(h200.value)
-    assert "activation swigluoai not supported" in str(h200.value)
-    fits = {(c.slot, c.name) for c in h200.value.candidates if c.fits}
-    assert ("quant_method", "mxfp4") in fits
+    plan = resolve(spec, PROFILES["h200"], ServerArgs(), registry)
+    assert (plan.quant_method, plan.moe_runner, plan.model_impl) == ("mxfp4", "torch_native",
+                                                                     "gpt_oss")
+    triton = [c for c in plan.candidates if c.slot == "moe_runner" and c.name == "triton"]
+    assert triton and not triton[0].fits
+    assert any("swigluoai not supported" in r for r in triton[0].reasons)
     with pytest.raises(ResolveError) as t4:
         resolve(spec, PROFILES["t4"], ServerArgs(), registry)
     assert "mxfp4: needs CUDA sm80+ (device is sm75)" in str(t4.value)

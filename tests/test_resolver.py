@@ -24,10 +24,11 @@ from core.plan.devices import PROFILES
 from core.plan.plan import Plan, ResolveError
 from core.plan.resolver import common_page_size, error_table, explain, resolve
 
-CONFIGS = ("deepseek-v2-lite", "foo-unknown", "gemma-2-9b", "gpt-oss-20b", "llama-3.1-8b",
-           "mistral-7b-v0.1", "mixtral-8x7b", "qwen2.5-7b", "qwen3-30b-a3b", "qwen3-8b",
-           "qwen3-8b-fp8")
-MOE_CONFIGS = {"deepseek-v2-lite", "gpt-oss-20b", "mixtral-8x7b", "qwen3-30b-a3b"}
+CONFIGS = ("deepseek-v2-lite", "foo-unknown", "gemma-2-9b", "gpt-oss-20b", "gpt-oss-20b-bf16",
+           "llama-3.1-8b", "mistral-7b-v0.1", "mixtral-8x7b", "qwen2.5-7b", "qwen3-30b-a3b",
+           "qwen3-8b", "qwen3-8b-fp8")
+MOE_CONFIGS = {"deepseek-v2-lite", "gpt-oss-20b", "gpt-oss-20b-bf16", "mixtral-8x7b",
+               "qwen3-30b-a3b"}
 CPU_PROFILES = {"xeon-amx", "x86-cpu"}
 
 
@@ -375,15 +376,31 @@ def test_model_implementation_slot(model_spec, test_registry):
 
 
 def test_several_failing_slots_are_reported_together(model_spec, plain_registry):
-    # the reference backends only: no mxfp4 method among them (the installed registry has
-    # one since issue 35; tests/test_mxfp4.py plans GPT-OSS with it)
+    # GPT-OSS on the reference backends (no mxfp4 method among them: the installed registry has
+    # one, tests/test_mxfp4.py) fails on its mxfp4 experts alone: torch_native declares
+    # attention sinks, and its MoE runner swigluoai and expert biases (issue 35)
     err = error_for(model_spec("gpt-oss-20b"), "h200", plain_registry)
     message = str(err)
     assert "no quant method loads mxfp4 checkpoints" in message
-    assert "no MoE runner fits GptOssForCausalLM" in message
-    # torch_native declares attention sinks (issue 35), so attention is not among the failures
-    assert "no attention backend fits" not in message
+    assert "no MoE runner fits" not in message and "no attention backend fits" not in message
+    assert not hasattr(err, "errors")  # one slot's error, not a merged one
+    # with an fp8 KV cache (which torch_native does not store) the attention slot fails too:
+    # both failures in one error
+    err = error_for(model_spec("gpt-oss-20b"), "h200", plain_registry,
+                    kv_cache_dtype="fp8_e4m3")
+    message = str(err)
+    assert "no quant method loads mxfp4 checkpoints" in message
+    assert "no attention backend fits GptOssForCausalLM" in message
     assert len(err.errors) == 2
+
+
+def test_bf16_gpt_oss_plans_fully_on_the_reference_backends(model_spec, plain_registry):
+    """gpt-oss-20b with bf16 experts (no mxfp4): every slot planned, on a GPU and a CPU."""
+    for profile in ("h200", "x86-cpu"):
+        plan = plan_for(model_spec("gpt-oss-20b-bf16"), profile, plain_registry)
+        assert (plan.prefill_attention, plan.decode_attention) == ("torch_native",) * 2
+        assert (plan.quant_method, plan.moe_runner) == ("unquantized", "torch_native")
+        assert plan.dtype == ("bfloat16" if profile == "h200" else "float32")
 
 
 def test_unavailable_device_is_an_error(model_spec, test_registry):

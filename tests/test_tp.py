@@ -132,7 +132,10 @@ def test_expert_parallel_plan_and_refusals(tmp_path):
     ("llama", 1),  # CI runs llama; the others are slow (`pytest -m 'not gpu'` runs them)
     pytest.param("qwen3", 1, marks=pytest.mark.slow),
     pytest.param("qwen2_moe", 1, marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", 2, marks=pytest.mark.slow)])
+    pytest.param("qwen3_moe", 2, marks=pytest.mark.slow),
+    # sinks split by head, expert biases by rows (down's bias on rank 0) or by experts
+    pytest.param("gpt_oss", 1, marks=pytest.mark.slow),
+    pytest.param("gpt_oss", 2, marks=pytest.mark.slow)])
 def test_tp2_greedy_equals_tp1_and_transformers(arch, ep, tmp_path):
     """ep 2: the experts placed whole on the two ranks instead of split."""
     hf = tiny_moe_hf_model(arch) if arch.endswith("moe") else tiny_hf_model(arch)

@@ -251,8 +251,10 @@ class MoECaps(_Frozen):
     quant_methods: names of the quant methods whose expert-weight form it runs (MoEWeights.form).
     quant_formats: the checkpoint formats (QuantScheme.format: fp8_block, fp8_channel, ...) it
     runs where it runs only some of a quant method's; empty: every format.
-    scoring_funcs: router scoring it implements (softmax, sigmoid). max_experts / max_top_k:
-    limits of its kernels (None: none). cuda_graph: a decode-sized forward may be captured.
+    activations: the gated activations it computes (core.contract.moe.ACTIVATIONS: silu, gelu,
+    swigluoai). scoring_funcs: router scoring it implements (softmax, sigmoid). max_experts /
+    max_top_k: limits of its kernels (None: none). cuda_graph: a decode-sized forward may be
+    captured.
     """
 
     devices: frozenset[str] = frozenset()
@@ -279,14 +281,17 @@ class MoECaps(_Frozen):
     # scores + bias, groups ranked by their top-2 sum, weights the unbiased scores;
     # MoELayerParams.correction_bias).
     correction_bias: bool = False
+    # Adds per-expert biases to the gate/up and down products (GPT-OSS; MoEWeights.extra
+    # "w13_bias" / "w2_bias", core.contract.moe).
+    expert_bias: bool = False
 
     _sets = ("devices", "cpu_isa", "dtypes", "quant_methods", "quant_formats", "activations",
              "scoring_funcs")
     _maps = ("capability", "priority")
 
     def summary(self) -> str:
-        flags = [n for n in ("grouped_topk", "correction_bias", "shared_experts", "cuda_graph",
-                             "expert_parallel") if getattr(self, n)]
+        flags = [n for n in ("grouped_topk", "correction_bias", "expert_bias", "shared_experts",
+                             "cuda_graph", "expert_parallel") if getattr(self, n)]
         limits = [f"{n}={getattr(self, n)}" for n in ("max_experts", "max_top_k")
                   if getattr(self, n) is not None]
         return (f"devices={','.join(sorted(self.devices))} dtypes={','.join(sorted(self.dtypes))} "
@@ -509,8 +514,11 @@ class ToolParserCaps(_Frozen):
     tools_prompt), for chat templates that ignore `tools`; the best-priority parser that
     prompts is auto's choice for a template with no tool markup. parallel_calls: its format
     holds several calls in one answer (OpenAI's parallel_tool_calls; False: one call per answer,
-    and the conformance suite skips its several-call cases). Parsers are pure Python text
-    work: no device, no package beyond `requires`.
+    and the conformance suite skips its several-call cases). reads: marker texts it reads
+    that may be special tokens' (gpt-oss's harmony markers): where the tokenizer's special
+    tokens include one, a request it reads calls from is detokenized with skip_special_tokens
+    false (as ReasoningParserCaps.reads). Parsers are pure Python text work: no device, no
+    package beyond `requires`.
     """
 
     markers: tuple[str, ...] = ()
@@ -519,6 +527,7 @@ class ToolParserCaps(_Frozen):
     arguments_key: str = "arguments"
     prompts: bool = False
     parallel_calls: bool = True
+    reads: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     priority: int = 0
     description: str = ""

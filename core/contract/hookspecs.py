@@ -34,7 +34,9 @@ PLUGIN_API_VERSION = "1.10"  # 1.1: hardware targets may register a Platform; la
 # 1.9: speculative-decoding proposers (core_register_spec_proposers, SpecCaps, core.contract.spec)
 #      and reasoning parsers (reasoning_content in chat, core.contract.reasoning)
 # 1.10: LoRA backends (core_register_lora_backends, LoRACaps, core.contract.lora);
-#       ModelCaps.lora_modules
+#       ModelCaps.lora_modules; ToolParserCaps.reads (special-token markers a tool parser
+#       reads, kept when detokenizing); MoECaps.expert_bias and the "swigluoai" activation
+#       (core.contract.moe: GPT-OSS's experts)
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)

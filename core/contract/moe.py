@@ -16,10 +16,16 @@ with (T tokens, E experts, H hidden size, I expert intermediate size, k = layer.
   sum (so a fused kernel may add it in its epilogue).
 - out [T, H] or None: where to write the result. When given, every element must be written (the
   conformance suite poisons it with NaN) and `out` is returned; otherwise a new tensor.
-It returns sum_j w_j * down_e_j(act(gate_e_j(x)) * up_e_j(x)) (+ shared) for the k experts e_j
-and weights w_j that `route(router_logits, layer)` gives (renormalized when asked, then times
-layer.routed_scaling_factor; `shared` is not scaled), in hidden's dtype. act is layer.activation:
-SiLU, or GELU in its exact erf form (F.gelu's default, not the tanh approximation).
+It returns sum_j w_j * down_e_j(glu(gate_up_e_j(x))) (+ shared) for the k experts e_j and
+weights w_j that `route(router_logits, layer)` gives (renormalized when asked, then times
+layer.routed_scaling_factor; `shared` is not scaled), in hidden's dtype, where gate_up_e(x) =
+x @ w13[e].T (+ b13[e]) is [gate | up] and down_e(h) = h @ w2[e].T (+ b2[e]). glu is
+layer.activation (`gated_activation` is its definition): act(gate) * up with act SiLU, or GELU
+in its exact erf form (F.gelu's default, not the tanh approximation); or "swigluoai", GPT-OSS's
+clamped SwiGLU: gate clamped to at most layer.swiglu_limit, up to [-limit, limit], then
+(up + 1) * gate * sigmoid(layer.swiglu_alpha * gate). The expert biases b13 [E, 2I] and b2
+[E, H] are there where the weights carry them (MoEWeights.extra "w13_bias" / "w2_bias", any
+form; GPT-OSS's): b13 is added before the activation, b2 before the routing weight.
 
 Expert parallelism (a runner declaring `MoECaps.expert_parallel`): `layer.num_local_experts`
 set means the weights hold experts [layer.expert_offset, + num_local_experts) only; routing is
@@ -44,6 +50,12 @@ import torch
 from core.contract.quant import div_scalar, reciprocal
 
 SCORING_FUNCS = ("softmax", "sigmoid")
+# MoELayerParams.activation: the gated activations a runner may be asked for (gated_activation)
+ACTIVATIONS = ("silu", "gelu", "swigluoai")
+# GPT-OSS's clamped SwiGLU constants (transformers' GptOssConfig swiglu_alpha / swiglu_limit)
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+# MoEWeights.extra keys of the expert biases ([E, 2I] in W13_LAYOUT, [E, H])
+BIAS_KEYS = ("w13_bias", "w2_bias")
 # w13 layout: rows [0, I) are the gate projection, rows [I, 2I) the up projection.
 W13_LAYOUT = "gate_up"
 
@@ -57,15 +69,22 @@ class MoELayerParams:
     top_k: int
     hidden_size: int
     intermediate_size: int
-    renormalize: bool = True  # divide the k selected weights by their sum (norm_topk_prob)
+    # divide the k selected weights by their sum (norm_topk_prob). With softmax scores this is
+    # also GPT-OSS's routing, a softmax over the k best logits: exp(l_i) / sum_k exp(l_j) either
+    # way (the same experts too: softmax keeps the logits' order)
+    renormalize: bool = True
     scoring_func: str = "softmax"  # softmax over all experts, or an independent sigmoid each
     # DeepSeek-style group-limited routing: (num_groups, topk_groups); None = no groups
     grouped_topk: tuple[int, int] | None = None
     routed_scaling_factor: float = 1.0  # multiplies the routed weights (after renormalize;
     # not the shared experts' output): DeepSeek-V3's 2.5; the conformance suite checks it
     # act(gate) * up: "silu", or "gelu" = the exact erf form, F.gelu(x, approximate="none")
-    # (0.5 x (1 + erf(x / sqrt 2))); tanh's approximation is not "gelu"
+    # (0.5 x (1 + erf(x / sqrt 2))); tanh's approximation is not "gelu". Or "swigluoai"
+    # (GPT-OSS): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
+    # with the two constants below (read only for it). See gated_activation.
     activation: str = "silu"
+    swiglu_alpha: float = SWIGLU_ALPHA
+    swiglu_limit: float = SWIGLU_LIMIT
     # Expert parallelism (a runner with MoECaps.expert_parallel): the weights hold experts
     # [expert_offset, expert_offset + num_local_experts) only; routing is over all
     # num_experts, and the runner sums only its local experts' terms (the other ranks add
@@ -79,6 +98,9 @@ class MoELayerParams:
     correction_bias: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, not "
+                             f"{self.activation!r}")
         if self.scoring_func not in SCORING_FUNCS:
             raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, not "
                              f"{self.scoring_func!r}")
@@ -102,6 +124,11 @@ class MoEWeights:
     activations are quantized to e4m3 per token (per channel) or per bk inputs (per block), as
     the fp8 linear layers do. Other forms (a quant method's name) carry their packed tensors in
     w13 / w2 and scales or zero points in `extra`, as that method documents.
+
+    Expert biases, in any form (GPT-OSS's experts have them): extra "w13_bias" [E, 2I] (rows in
+    W13_LAYOUT: the gate's, then the up's) and "w2_bias" [E, H], both or neither, fp32 (E: the
+    local experts under expert parallelism). A runner adds them (see the
+    module doc) only if its caps declare MoECaps.expert_bias; the resolver refuses the others.
     """
 
     w13: torch.Tensor
@@ -122,6 +149,35 @@ class MoERunner(ABC):
                 layer: MoELayerParams, shared: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, H], router_logits [T, E] -> [T, H] in hidden's dtype (see the module doc)."""
+
+
+# ---- the experts' activation and biases -------------------------------------------------------
+
+def gated_activation(gate_up: torch.Tensor, layer: MoELayerParams) -> torch.Tensor:
+    """[n, 2I] = [gate | up] -> [n, I] in gate_up's dtype: layer.activation's definition (the
+    one every runner computes; conformance.moe_check holds an independent reference)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if layer.activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if layer.activation == "gelu":
+        return torch.nn.functional.gelu(gate, approximate="none") * up
+    if layer.activation == "swigluoai":  # transformers' GptOssExperts._apply_gate
+        limit = layer.swiglu_limit
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * layer.swiglu_alpha))
+    raise ValueError(f"unknown activation {layer.activation!r} (known: {ACTIVATIONS})")
+
+
+def expert_biases(weights: MoEWeights) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(w13_bias [E, 2I], w2_bias [E, H]) where the weights carry expert biases, else None;
+    ValueError for one without the other."""
+    b13, b2 = (weights.extra.get(k) for k in BIAS_KEYS)
+    if b13 is None and b2 is None:
+        return None
+    if b13 is None or b2 is None:
+        raise ValueError("expert biases come in pairs: w13_bias and w2_bias, or neither")
+    return b13, b2
 
 
 # ---- routing ----------------------------------------------------------------------------------

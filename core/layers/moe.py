@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from core.contract.moe import MoELayerParams, MoEWeights
+from core.contract.moe import BIAS_KEYS, SWIGLU_ALPHA, SWIGLU_LIMIT, MoELayerParams, MoEWeights
 from core.engine.distributed import SINGLE
 from core.layers.linear import DenseLinearMethod, Linear, tp_narrow
 
@@ -23,7 +23,10 @@ class MoE(nn.Module):
     """hidden [T, H] -> [T, H]: router logits [T, E], then `ctx.moe_runner.forward(...)`.
 
     Weights: w13_weight [E, 2I, H], w2_weight [E, H, I] (created by the quant method); the
-    router is `gate` (dense whatever the experts' quantization).
+    router is `gate` (dense whatever the experts' quantization; with router_bias, a Linear with
+    a bias: GPT-OSS's). expert_bias (GPT-OSS): w13_bias [E, 2I] (gate | up, as w13's rows) and
+    w2_bias [E, H], fp32, handed to the runner in MoEWeights.extra whatever the quant method's
+    form (a method that creates them itself, beside its packed experts, keeps its own).
 
     Tensor parallelism (ctx.tp): every rank holds every expert's slice [i0, i0 + I / tp) of the
     intermediate dim (gate and up rows, down columns), routes all tokens alike (the router is
@@ -32,14 +35,17 @@ class MoE(nn.Module):
     expert parallelism (ctx.tp.ep) a rank instead holds experts [e0, e0 + E / tp) whole, the
     runner computes only their terms (MoELayerParams.expert_offset), and the same all-reduce
     sums the ranks' terms: every rank holds every token after the attention's all-reduce, so
-    no all-to-all is needed.
+    no all-to-all is needed. Expert biases split the same way: w13_bias by the rank's rows;
+    w2_bias, added once per token and expert, is held by rank 0 only under the intermediate
+    split (zero elsewhere, so that the all-reduce adds it once), by its experts' rank under EP.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  ctx, renormalize: bool = True, activation: str = "silu",
                  grouped_topk: tuple[int, int] | None = None, router_bias: bool = False,
                  scoring_func: str = "softmax", routed_scaling_factor: float = 1.0,
-                 layer_id: int = 0, correction_bias: bool = False):
+                 layer_id: int = 0, correction_bias: bool = False, expert_bias: bool = False,
+                 swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT):
         super().__init__()
         if ctx.moe_runner is None:
             raise ValueError("this model has MoE layers but no MoE runner was chosen")
@@ -64,6 +70,7 @@ class MoE(nn.Module):
             intermediate_size=intermediate_size, renormalize=renormalize,
             scoring_func=scoring_func, grouped_topk=grouped_topk,
             routed_scaling_factor=routed_scaling_factor, activation=activation,
+            swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
             expert_offset=e0, num_local_experts=local, correction_bias=bias)
         self.num_experts = num_experts
         self.top_k = top_k
@@ -77,6 +84,13 @@ class MoE(nn.Module):
         self.expert_quant_method = ctx.quant_method
         self.expert_quant_method.create_moe_weights(self, local or num_experts, hidden_size,
                                                     intermediate_size, ctx.dtype, ctx.device)
+        self.expert_bias = expert_bias
+        if expert_bias:
+            for name, n in zip(BIAS_KEYS, (2 * intermediate_size, hidden_size), strict=True):
+                if not hasattr(self, name):  # a quant method may have made its own
+                    setattr(self, name, nn.Parameter(torch.zeros(
+                        local or num_experts, n, dtype=torch.float32, device=ctx.device),
+                        requires_grad=False))
         self._weights: MoEWeights | None = None
         self._gate = None
 
@@ -137,12 +151,16 @@ class MoE(nn.Module):
         i0, n = self._i_part
         if shard is not None:
             proj = shard.split(".")[1]
+            if param is getattr(self, "w2_bias", None):  # one expert's [H]: added by rank 0
+                return loaded if self.tp.rank == 0 else torch.zeros_like(loaded)
             return tp_narrow(loaded, 0 if proj in ("gate", "up") else 1, i0, n)
-        if param is self.w13_weight:  # [E, 2I, H]
+        if param is self.w13_weight or param is getattr(self, "w13_bias", None):  # [E, 2I, ...]
             full = self.full_intermediate_size
             return torch.cat([loaded.narrow(1, i0, n), loaded.narrow(1, full + i0, n)], dim=1)
         if param is self.w2_weight:  # [E, H, I]
             return loaded.narrow(2, i0, n)
+        if param is getattr(self, "w2_bias", None):  # [E, H]: added once, by rank 0
+            return loaded if self.tp.rank == 0 else torch.zeros_like(loaded)
         raise ValueError("only dense expert weights can be split for tensor parallelism")
 
     def expert_weight_loader(self, loaded: torch.Tensor, expert_id: int, proj: str) -> None:
@@ -165,8 +183,11 @@ class MoE(nn.Module):
     def weights(self) -> MoEWeights:
         if self._weights is None:
             own = self.expert_quant_method.moe_weights(self)
-            self._weights = own if own is not None else MoEWeights(self.w13_weight,
-                                                                   self.w2_weight)
+            weights = own if own is not None else MoEWeights(self.w13_weight, self.w2_weight)
+            if self.expert_bias and any(k not in weights.extra for k in BIAS_KEYS):
+                weights = replace(weights, extra={
+                    **weights.extra, **{k: getattr(self, k) for k in BIAS_KEYS}})
+            self._weights = weights
         return self._weights
 
     def forward(self, hidden: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,7 +33,8 @@ def inv_frequencies(head_dim: int, params: JSONObject, max_position: int) -> tor
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
     base = float(params["rope_theta"])
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv = 1.0 / pos_freqs
     kind = params["rope_type"]
     if kind == "default":
         return inv
@@ -52,7 +53,7 @@ def inv_frequencies(head_dim: int, params: JSONObject, max_position: int) -> tor
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
     if kind == "yarn":
-        return _yarn_inv_frequencies(inv, head_dim, base, params, max_position)
+        return _yarn_inv_frequencies(pos_freqs, head_dim, base, params, max_position)
     raise ValueError(f"rope_type {kind!r} is not supported (supported: default, linear, llama3, "
                      f"yarn)")
 
@@ -69,10 +70,13 @@ def _yarn_factor(params: JSONObject, max_position: int) -> float:
     return float(factor)
 
 
-def _yarn_inv_frequencies(inv: torch.Tensor, head_dim: int, base: float, params: JSONObject,
-                          max_position: int) -> torch.Tensor:
+def _yarn_inv_frequencies(pos_freqs: torch.Tensor, head_dim: int, base: float,
+                          params: JSONObject, max_position: int) -> torch.Tensor:
     """YaRN: low frequencies interpolated by `factor`, high ones kept, a linear ramp between
-    the dims that turn beta_slow and beta_fast times over the original context."""
+    the dims that turn beta_slow and beta_fast times over the original context. `truncate`
+    (default true; GPT-OSS's configs say false) rounds the ramp's ends to whole dims. Computed
+    as transformers' _compute_yarn_parameters does, operation for operation (1 / (factor *
+    base^(2i/d)) for the interpolated frequencies), so the tables agree bit for bit."""
     factor = _yarn_factor(params, max_position)
     old_len = float(params["original_max_position_embeddings"])
     beta_fast = float(params.get("beta_fast") or 32)
@@ -89,7 +93,7 @@ def _yarn_inv_frequencies(inv: torch.Tensor, head_dim: int, base: float, params:
         high += 0.001  # no zero-width ramp
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
-    return (inv / factor) * (1 - keep) + inv * keep
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
 
 
 def attention_factor(params: JSONObject, max_position: int) -> float:

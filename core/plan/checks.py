@@ -224,6 +224,9 @@ def check_moe(caps: MoECaps, spec: ModelSpec, device: DeviceInfo, *, dtype: str 
     if moe.correction_bias and not caps.correction_bias:
         reasons.append(f"no routing with a correction bias (model {spec.architecture} routes "
                        f"with noaux_tc: e_score_correction_bias, groups by their top-2 sum)")
+    if moe.expert_bias and not caps.expert_bias:
+        reasons.append(f"no expert biases (model {spec.architecture} adds a bias to each "
+                       f"expert's gate/up and down projections)")
     if moe.num_shared_experts and not caps.shared_experts:
         reasons.append(f"no shared-expert support (model has {moe.num_shared_experts})")
     if caps.max_experts is not None and moe.num_experts > caps.max_experts:

@@ -55,6 +55,8 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("MoE", "qwen3-30b-a3b.json"),
     ("Gemma 2 (soft-caps, windows)", "gemma-2-9b.json"),
     ("MLA", "deepseek-v2-lite.json"),  # DeepSeek-V2 / V3: MLA attention, DeepSeek MoE
+    # GPT-OSS with bf16 experts (the published MXFP4 ones need the mxfp4 quant method)
+    ("GPT-OSS (sinks, windows, biased swigluoai experts)", "gpt-oss-20b-bf16.json"),
 )
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "configs"
 

@@ -28,7 +28,12 @@ class MoESpec:
     """The experts of a MoE model: what a MoE runner must be able to run.
 
     renormalize: the k selected weights are divided by their sum (norm_topk_prob; Mixtral and
-    GPT-OSS always). scoring_func: softmax over the experts, or a sigmoid each (DeepSeek-V3).
+    GPT-OSS always: GPT-OSS's softmax over the k best logits is the renormalized softmax).
+    scoring_func: softmax over the experts, or a sigmoid each (DeepSeek-V3).
+    activation: the experts' gated activation (core.contract.moe.ACTIVATIONS: silu, gelu, or
+    swigluoai, GPT-OSS's clamped SwiGLU with swiglu_alpha / swiglu_limit).
+    expert_bias: each expert's projections have biases (GPT-OSS). The router's own bias
+    (GPT-OSS's too) is the model's business: a runner gets the biased logits.
     shared_expert_gate: Qwen2-MoE's per-token sigmoid gate on its shared expert.
     moe_layers: the layers that hold experts (the others are dense MLPs: decoder_sparse_step,
     mlp_only_layers, first_k_dense_replace); empty when the layer count is unknown.
@@ -50,6 +55,9 @@ class MoESpec:
     moe_layers: tuple[int, ...] = ()
     # DeepSeek-V3's noaux_tc: experts chosen on scores + e_score_correction_bias
     correction_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float | None = None  # swigluoai's constants (None for other activations)
+    swiglu_limit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,9 @@ _DTYPE_NAMES = {
 }
 # attention with learned per-head sink logits; no config flag says so, the architecture does
 _SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+# MoE experts with biases on their projections (likewise said by the architecture alone)
+_EXPERT_BIAS_MODEL_TYPES = frozenset({"gpt_oss"})
+SWIGLU_ALPHA = 1.702  # GPT-OSS's, where a config leaves swiglu_alpha out (4.55's did)
 # usual config.json names, first found wins (for architectures transformers does not know)
 _LAYERS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 _HIDDEN = ("hidden_size", "n_embd", "d_model", "dim")
@@ -259,8 +270,9 @@ def _moe(f: _Fields, notes: list[str], num_layers: int = 0) -> MoESpec | None:
     grouped = ((groups or 1) > 1 or (topk_groups or 1) > 1
                or method == "group_limited_greedy")
     # GPT-OSS experts use a clamped SwiGLU with its own alpha, not plain SiLU gating
-    activation = "swigluoai" if f.get("swiglu_limit") is not None else (f.get("hidden_act")
-                                                                       or "silu")
+    limit = f.get("swiglu_limit")
+    activation = "swigluoai" if limit is not None else (f.get("hidden_act") or "silu")
+    alpha = f.get("swiglu_alpha") if limit is not None else None
     return MoESpec(
         num_experts=experts,
         top_k=int(top_k),
@@ -277,6 +289,9 @@ def _moe(f: _Fields, notes: list[str], num_layers: int = 0) -> MoESpec | None:
         shared_expert_gate=bool(f.get("shared_expert_intermediate_size")),
         routed_scaling_factor=float(f.get("routed_scaling_factor") or 1.0),
         correction_bias=method == "noaux_tc",
+        expert_bias=f.get("model_type") in _EXPERT_BIAS_MODEL_TYPES,
+        swiglu_alpha=None if limit is None else float(alpha or SWIGLU_ALPHA),
+        swiglu_limit=None if limit is None else float(limit),
         moe_layers=moe_layer_ids(num_layers, f.get("decoder_sparse_step"),
                                  f.get("mlp_only_layers"), f.get("first_k_dense_replace")),
     )

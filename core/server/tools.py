@@ -461,10 +461,11 @@ class ServerTools:
     takes tools."""
 
     def __init__(self, parser_name: str | None, chat_template: str | None,
-                 registry: Registry | None = None):
+                 registry: Registry | None = None, special_tokens: tuple[str, ...] = ()):
         self.parser_name = parser_name
         self.parser: ToolParser | None = None
         self.arguments_key = "parameters"  # vLLM's key, when no parser says otherwise
+        self.keep_special = False  # the parser reads special tokens' texts (harmony's)
         if parser_name is not None:
             if registry is None:
                 from core.plan.registry import get_registry
@@ -475,13 +476,15 @@ class ServerTools:
                 raise ValueError(f"tool-call parser {parser_name!r} is not registered")
             self.parser = reg.load()()
             self.arguments_key = reg.caps.arguments_key
+            self.keep_special = any(m in special_tokens for m in reg.caps.reads)
         self.template_reads_tools = template_reads_tools(chat_template)
 
     @classmethod
     def of_engine(cls, engine: EngineLike) -> ServerTools:
         plan = engine.plan_dict() or {}
-        return cls(plan.get("tool_call_parser"),
-                   engine.tokenizer.chat_template)
+        tok = engine.tokenizer
+        return cls(plan.get("tool_call_parser"), tok.chat_template,
+                   special_tokens=tuple(tok.special_tokens))
 
     def prepare(self, req: ParsedRequest) -> None:
         """Server-dependent checks, and the constraint of required / named (before the
@@ -502,6 +505,13 @@ class ServerTools:
                           "server runs with --tool-call-parser none; use \"required\" or a named "
                           "function (constrained by the grammar), or \"none\"",
                           code="unsupported")
+        if treq.choice == "auto" and self.keep_special:  # its calls are written in them
+            if req.sampling.get("skip_special_tokens") is True:
+                raise invalid("skip_special_tokens", "skip_special_tokens: the tool-call parser "
+                              f"{self.parser_name} reads calls written in special tokens, which "
+                              "skipping would remove; leave it out, or send tool_choice "
+                              "\"none\"", code="unsupported")
+            req.sampling["skip_special_tokens"] = False
         c = tool_constraint(treq, self.arguments_key)
         if c is not None:
             req.sampling["constraint"] = c

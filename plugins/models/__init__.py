@@ -20,6 +20,7 @@ BUILTIN: dict[str, tuple[tuple[str, ...], str]] = {
                     "plugins.models.deepseek_v2:DeepseekV2ForCausalLM"),
     "deepseek_v3": (("DeepseekV3ForCausalLM",),
                     "plugins.models.deepseek_v2:DeepseekV3ForCausalLM"),
+    "gpt_oss": (("GptOssForCausalLM",), "plugins.models.gpt_oss:GptOssForCausalLM"),
 }
 # implementations whose attention is multi-head latent attention (core.contract.mla)
 MLA_MODELS = frozenset({"deepseek_v2", "deepseek_v3"})

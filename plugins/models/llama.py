@@ -39,9 +39,11 @@ class DecoderAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int,
                  bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None,
-                 scaling: float | None = None, logit_softcap: float | None = None):
+                 scaling: float | None = None, logit_softcap: float | None = None,
+                 sinks: bool = False):
         """scaling: the softmax scale (None: head_dim ** -0.5); logit_softcap: cap * tanh(s /
-        cap) over the attention scores (Gemma 2)."""
+        cap) over the attention scores (Gemma 2); sinks: a learned logit per head in each
+        softmax's denominator (GPT-OSS: `sinks`, fp32, this rank's heads)."""
         super().__init__()
         tp = ctx.tp  # this rank's heads: an even share of q heads, its KV heads (or a replica)
         heads = config.num_attention_heads
@@ -61,9 +63,25 @@ class DecoderAttention(nn.Module):
             eps = config.rms_norm_eps
             self.q_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device, ctx.ops)
             self.k_norm = RMSNorm(self.head_dim, eps, ctx.dtype, ctx.device, ctx.ops)
+        self._q0 = q0
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32,
+                                                  device=ctx.device), requires_grad=False)
         self.attn = PagedAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                    scaling=scaling, sliding_window=sliding_window,
-                                   logit_softcap=logit_softcap)
+                                   logit_softcap=logit_softcap,
+                                   sinks=self.sinks if sinks else None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard: str | None = None) -> None:
+        """The attention's own parameter, the sinks [heads]: this rank's heads of them, copied
+        in place (the layer's AttentionLayerParams hold this tensor)."""
+        if param is getattr(self, "sinks", None) and loaded.dim() == 1 \
+                and loaded.shape[0] != param.shape[0]:
+            loaded = loaded.narrow(0, self._q0, self.num_heads)
+        if tuple(param.shape) != tuple(loaded.shape):
+            raise ValueError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+        param.data.copy_(loaded)
 
     def rotate_fn(self, ops: CompleteLayerOps) -> QKFn:
         """(qkv, cos, sin, H, Hkv) -> rotated (q, k): with q/k norms (Qwen3, Gemma 3), RMSNorm
@@ -106,11 +124,11 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int,
                  attn_bias: tuple[bool, bool], qk_norm: bool, sliding_window: int | None,
-                 mlp: nn.Module | None = None):
+                 mlp: nn.Module | None = None, sinks: bool = False):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = DecoderAttention(config, ctx, layer_id, attn_bias, qk_norm,
-                                          sliding_window)
+                                          sliding_window, sinks=sinks)
         # Any module with bound_parts() (a MoE block, for one) may replace the dense MLP.
         self.mlp = mlp if mlp is not None else DecoderMLP(config, ctx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx.dtype, ctx.device, ctx.ops)
@@ -159,7 +177,8 @@ class DecoderModel(nn.Module):
                                            tp=ctx.tp)
         self.layers = nn.ModuleList(
             DecoderLayer(config, ctx, i, owner.attention_bias(config), owner.qk_norm,
-                         owner.sliding_window(config, i), owner.make_mlp(config, ctx, i))
+                         owner.sliding_window(config, i), owner.make_mlp(config, ctx, i),
+                         sinks=owner.attention_sinks)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx.dtype, ctx.device,
                             ctx.ops)
@@ -181,10 +200,12 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """HF LlamaForCausalLM in pure PyTorch over the paged KV cache.
 
-    Subclasses change the per-architecture switches below (bias, q/k norm, sliding window).
+    Subclasses change the per-architecture switches below (bias, q/k norm, sliding window,
+    attention sinks, the MLP).
     """
 
     qk_norm = False
+    attention_sinks = False  # a learned per-head logit in the softmax (GPT-OSS)
 
     @staticmethod
     def attention_bias(config: PretrainedConfig) -> tuple[bool, bool]:

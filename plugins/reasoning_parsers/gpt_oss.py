@@ -8,7 +8,8 @@ A message is a header (`<|start|>` and a role, `<|channel|>` and a channel name,
 `<|return|>` or `<|call|>` (or the next header, or the end of the text). The `analysis`
 channel's bodies are reasoning, the `final` channel's are content; the markup is dropped. A
 message on any other channel (`commentary`: tool calls and preambles) goes to the content
-verbatim, markup included, for a tool parser to read (a gpt-oss tool parser is not built yet).
+verbatim, markup included, for the `gpt-oss` tool parser to read (plugins/tool_parsers/gpt_oss.py:
+a commentary message to functions.NAME is a call; the two agree on the channels).
 Text outside any message is content. A header the text ends inside is markup with no message
 yet: dropped. The markers are special tokens: the core keeps them when it detokenizes.
 """

@@ -10,10 +10,11 @@ CAPS = MoECaps(
     dtypes={"float32", "float16", "bfloat16"},
     # fp8 and mxfp4: each active expert dequantized per call (a reference, slow)
     quant_methods={"unquantized", "fp8", "mxfp4"},
-    activations={"silu", "gelu"},
+    activations={"silu", "gelu", "swigluoai"},
     scoring_funcs={"softmax", "sigmoid"},
     grouped_topk=True,
     correction_bias=True,
+    expert_bias=True,
     shared_experts=True,
     cuda_graph=False,
     deterministic=True,

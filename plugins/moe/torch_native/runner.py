@@ -8,12 +8,13 @@ from core.contract.moe import (
     MoELayerParams,
     MoERunner,
     MoEWeights,
+    expert_biases,
     fp8_expert,
     fp8_fake_quant_input,
+    gated_activation,
     route,
     select_experts,
 )
-from core.layers.activation import get_act_fn
 from plugins._kit import mxfp4
 
 __all__ = ["TorchNativeMoE", "select_experts"]
@@ -23,6 +24,8 @@ class TorchNativeMoE(MoERunner):
     """The reference MoE runner: correct on any device, one small GEMM pair per active expert.
 
     Accumulates in fp32. Not graph safe: the set of active experts is read on the host.
+    Expert biases (GPT-OSS) are added in fp32 to each product, before the activation and
+    before the routing weight.
     """
 
     def __init__(self, *args, **kwargs):
@@ -34,8 +37,8 @@ class TorchNativeMoE(MoERunner):
         if weights.form not in ("unquantized", "fp8", "mxfp4"):
             raise ValueError("torch_native runs unquantized, fp8 and mxfp4 experts, not "
                              f"{weights.form}")
-        act = get_act_fn(layer.activation)
         w13, w2 = weights.w13, weights.w2
+        biases = expert_biases(weights)
         route_w, ids = route(router_logits, layer)
         acc = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         first = layer.expert_offset  # expert parallel: this rank's experts only
@@ -48,16 +51,25 @@ class TorchNativeMoE(MoERunner):
             tok, slot = (ids == g).nonzero(as_tuple=True)
             x = hidden[tok]  # [n, H]
             if weights.form == "fp8":  # W8A8 in fp32: dequantized expert, fake-quantized x
-                h = act_and_mul(act, fp8_fake_quant_input(x, weights)
-                                @ fp8_expert(weights, "w13", e).t()).to(hidden.dtype)
+                gate_up = fp8_fake_quant_input(x, weights) @ fp8_expert(weights, "w13", e).t()
+                if biases is not None:
+                    gate_up = gate_up + biases[0][e].float()
+                h = gated_activation(gate_up, layer).to(hidden.dtype)
                 y = fp8_fake_quant_input(h, weights) @ fp8_expert(weights, "w2", e).t()
             elif weights.form == "mxfp4":  # weight-only: this expert dequantized, fp32 products
-                h = act_and_mul(act, x.float() @ mxfp4_expert(weights, "w13", e).t()
-                                + weights.extra["w13_bias"][e].float())
-                y = (h.to(hidden.dtype).float() @ mxfp4_expert(weights, "w2", e).t()
-                     + weights.extra["w2_bias"][e].float())
+                gate_up = x.float() @ mxfp4_expert(weights, "w13", e).t()
+                if biases is not None:
+                    gate_up = gate_up + biases[0][e].float()
+                h = gated_activation(gate_up, layer).to(hidden.dtype)
+                y = h.float() @ mxfp4_expert(weights, "w2", e).t()
+            elif biases is not None:  # the products in fp32, each with its bias
+                gate_up = (x @ w13[e].t()).float() + biases[0][e].float()  # [n, 2I]
+                h = gated_activation(gate_up, layer).to(hidden.dtype)
+                y = (h @ w2[e].t()).float()  # [n, H]
             else:
-                y = act_and_mul(act, x @ w13[e].t()) @ w2[e].t()  # [n, H]
+                y = gated_activation(x @ w13[e].t(), layer) @ w2[e].t()  # [n, H]
+            if biases is not None:
+                y = y.float() + biases[1][e].float()
             acc.index_add_(0, tok, y.float() * route_w[tok, slot].unsqueeze(1))
         if shared is not None:
             acc += shared.float()
@@ -65,12 +77,6 @@ class TorchNativeMoE(MoERunner):
             return acc.to(hidden.dtype)
         out.copy_(acc)
         return out
-
-
-def act_and_mul(act, gate_up: torch.Tensor) -> torch.Tensor:
-    """[n, 2I] (gate | up) -> act(gate) * up [n, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return act(gate) * up
 
 
 def mxfp4_expert(weights: MoEWeights, which: str, expert: int) -> torch.Tensor:

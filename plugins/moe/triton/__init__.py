@@ -20,11 +20,14 @@ CAPS = MoECaps(
     # mxfp4: packed e2m1 + e8m0 experts decoded in the GEMMs (weight-only)
     quant_methods={"unquantized", "fp8", "mxfp4"},
     quant_formats={"fp8_block", "mxfp4"},
-    activations={"silu"},  # SiLU-and-mul is fused into the gate/up kernel's epilogue
+    # SiLU-and-mul is fused into the gate/up kernel's epilogue; GPT-OSS's swigluoai (and its
+    # expert biases, expert_bias below) are not: refused with a reason, not run wrong
+    activations={"silu"},
     scoring_funcs={"softmax", "sigmoid"},
     grouped_topk=True,
     # noaux_tc's correction bias is not in its routing kernels yet: refused, not ignored
     correction_bias=False,
+    expert_bias=False,
     shared_experts=True,
     # The routing weights are gathered per (token, slot) row; 2^31 rows would be needed to
     # overflow, so no limit on experts; top-k is bounded by the experts only.

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from core.contract.moe import MoELayerParams, MoERunner, MoEWeights, route
+from core.contract.moe import BIAS_KEYS, MoELayerParams, MoERunner, MoEWeights, route
 from plugins.moe.triton import kernels, routing, tuning
 
 
@@ -126,6 +126,10 @@ class TritonMoE(MoERunner):
                              "channel fp8 experts: torch_native)")
         if layer.activation != "silu":
             raise ValueError(f"the triton MoE runner fuses silu only, not {layer.activation}")
+        if not mxfp4 and any(key in weights.extra for key in BIAS_KEYS):
+            # the kernels' bias epilogue is wired for mxfp4 experts only; its caps declare no
+            # expert_bias, so the resolver never gives it GPT-OSS's experts
+            raise ValueError("the triton MoE runner adds expert biases to mxfp4 experts only")
         w13, w2 = weights.w13, weights.w2
         if w13.stride(-1) != 1 or w2.stride(-1) != 1:  # the kernels step the last dim by 1
             raise ValueError("the triton MoE runner needs w13 / w2 contiguous in their last dim")
