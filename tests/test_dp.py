@@ -153,7 +153,7 @@ class FakeClient:
     def prepare(self, prompt, input_ids, params):
         return list(input_ids), params
 
-    def submit_prepared(self, ids, p, *, rid, priority=None, sink, index=0):
+    def submit_prepared(self, ids, p, *, rid, priority=None, sink, index=0, lora=None):
         self.sinks[rid] = sink
         return rid
 
