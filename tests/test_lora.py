@@ -19,7 +19,7 @@ from core.engine.lora import AdapterError, LoRAManager  # noqa: E402
 from core.layers import ModelContext  # noqa: E402
 from core.plan.args import make_server_args  # noqa: E402
 from plugins.lora.torch_native.backend import TorchNativeLoRA  # noqa: E402
-from tests.model_fixtures import (  # noqa: E402
+from model_fixtures import (  # noqa: E402
     LORA_ALL,
     greedy_reference,
     peft_reference,
@@ -495,7 +495,7 @@ def test_adapters_over_the_hybrid_kv_pool_match_hf_peft(tmp_path):
     equal HF+PEFT's greedy tokens."""
     from peft import PeftModel
 
-    from tests.model_fixtures import SLIDING_WINDOW, tiny_hf_model
+    from model_fixtures import SLIDING_WINDOW, tiny_hf_model
 
     w = SLIDING_WINDOW
     windowed = dict(sliding_window=w, use_sliding_window=True, max_window_layers=1,
