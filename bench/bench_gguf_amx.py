@@ -1,5 +1,9 @@
-"""The AMX bf16 tile kernel (plugins/quant/gguf/amx.c) against the VNNI int16 kernel and
+"""The AMX tile kernels (plugins/quant/gguf/amx.c) against the VNNI int16 kernel and
 dequantize-then-F.linear (oneDNN), per shape and number of input rows, on this CPU.
+
+Columns: `bf16t` the bf16-tile kernel (bf16 x, the weights dequantized inside it); `int8t` the
+int8-tile kernel (the gguf kernels' int16-activation arithmetic), with bf16 x and with fp32 x;
+`vnni` gguf_avx512's kernel (bf16 x); `deq` dequantize + F.linear in bf16 and (`deq32`) fp32.
 
     python bench/bench_gguf_amx.py [--threads 1,16] [--out amx.json]
 
@@ -26,7 +30,7 @@ from plugins.quant.gguf.kernels import AmxKernels, Kernels  # noqa: E402
 
 SHAPES = [("qkv", "Q4_1", 960, 576), ("gate_up", "Q4_1", 3072, 576),
           ("down", "Q4_1", 576, 1536), ("llama8b_o", "Q4_0", 4096, 4096)]
-ROWS = (1, 16, 32, 64, 128, 256, 512)
+ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def best_ms(f, x, budget_s: float = 0.05) -> float:
@@ -56,22 +60,28 @@ def main() -> int:
         for name, gtype, n, k in SHAPES:
             w = from_ggml(gtype, random_blocks(gtype, n, k, seed=1), k)
             fa, fv = amx.bind(w), vnni.bind(w)
+            fi = amx.bind_int(w)
 
             def fd(x, w=w, vnni=vnni):
                 return F.linear(x, vnni.dequantize(w, x.dtype))
 
             for m in ROWS:
                 x = torch.randn(m, k).bfloat16()
-                ta, tv, td = best_ms(fa, x), best_ms(fv, x), best_ms(fd, x)
+                x32 = x.float()
+                t = {"bf16t": best_ms(fa, x), "int8t": best_ms(fi, x),
+                     "int8t_fp32": best_ms(fi, x32), "vnni": best_ms(fv, x),
+                     "vnni_fp32": best_ms(fv, x32), "deq": best_ms(fd, x),
+                     "deq32": best_ms(fd, x32)}
                 gf = 2 * m * n * k / 1e9
                 r = {"threads": threads, "shape": name, "type": gtype, "N": n, "K": k, "M": m,
-                     "amx_ms": ta, "vnni_ms": tv, "dequant_flinear_ms": td,
-                     "amx_gflops": gf / ta * 1e3, "amx_vs_vnni": tv / ta,
-                     "amx_vs_dequant": td / ta}
+                     **{f"{key}_ms": v for key, v in t.items()}}
                 rows.append(r)
-                print(f"t={threads:2d} {name:9s} M={m:4d}: amx {ta:8.3f} ms "
-                      f"({r['amx_gflops']:6.0f} GF/s)  vnni {tv:8.3f}  deq+F.linear {td:8.3f}"
-                      f"  vnni/amx {tv / ta:5.2f}x  deq/amx {td / ta:5.2f}x", flush=True)
+                print(f"t={threads:2d} {name:9s} M={m:4d}: " + "  ".join(
+                    f"{key} {v:7.3f}" for key, v in t.items()) +
+                    f"  | GF/s bf16t {gf / t['bf16t'] * 1e3:5.0f} int8t {gf / t['int8t'] * 1e3:5.0f}"
+                    f" | vnni/int8t {t['vnni'] / t['int8t']:5.2f}x"
+                    f" deq32/int8t32 {t['deq32'] / t['int8t_fp32']:5.2f}x"
+                    f" bf16t/int8t {t['bf16t'] / t['int8t']:5.2f}x", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
     return 0

@@ -84,8 +84,8 @@ def test_every_config_on_every_profile(config, profile, model_spec, test_registr
     assert (plan.moe_runner is not None) == (config in MOE_CONFIGS)
     if not device.graph_capture:
         assert plan.cuda_graph is False
-    if profile in CPU_PROFILES:
-        assert plan.dtype == "float32"  # --dtype auto on CPU
+    if profile in CPU_PROFILES:  # --dtype auto on a CPU: bf16 with AMX tiles, else fp32
+        assert plan.dtype == ("bfloat16" if device.has("amx_bf16") else "float32")
     assert any("page size" in n for n in plan.notes)
     assert any("graph capture" in n for n in plan.notes)
     # Exactly one chosen candidate per resolved slot, and it is the plan's value.
@@ -228,12 +228,22 @@ def test_amx_backend_on_xeon_amx(model_spec, test_registry):
     plan = plan_for(spec, "xeon-amx", test_registry, dtype="bfloat16")
     assert (plan.prefill_attention, plan.decode_attention) == ("amx_like", "amx_like")
     assert plan.cuda_graph is False
-    # With --dtype auto the CPU computes in float32, which the AMX double does not take.
+    # --dtype auto computes in bf16 on a CPU with AMX tiles, so the AMX double is chosen too;
+    # --dtype float32 is fp32, which it does not take.
     auto = plan_for(spec, "xeon-amx", test_registry)
-    assert auto.decode_attention == "torch_native"
+    assert auto.dtype == "bfloat16" and auto.decode_attention == "amx_like"
+    assert any(n.startswith("compute dtype bfloat16: the --dtype auto default on a CPU with AMX")
+               for n in auto.notes)
+    fp32 = plan_for(spec, "xeon-amx", test_registry, dtype="float32")
+    assert fp32.decode_attention == "torch_native"
     assert "compute dtype float32 not supported (supports bfloat16)" in \
-        reasons_of(auto, "decode_attention", "amx_like")
-    assert any(n.startswith("compute dtype float32: the CPU default") for n in auto.notes)
+        reasons_of(fp32, "decode_attention", "amx_like")
+
+
+def test_cpu_auto_dtype_is_float32_without_amx(model_spec, plain_registry):
+    plan = plan_for(model_spec("llama-3.1-8b"), "x86-cpu", plain_registry)
+    assert plan.dtype == "float32"
+    assert any(n.startswith("compute dtype float32: the CPU default") for n in plan.notes)
 
 
 def test_bf16_on_a_cpu_without_native_bf16_is_noted(model_spec, plain_registry):

@@ -71,11 +71,15 @@ def _compute_dtype(spec: ModelSpec, device: DeviceInfo, args: ServerArgs,
     if asked is not None:
         return asked
     if device.device_type == "cpu":
-        amx = (" This CPU has AMX bf16 tiles: under --dtype bfloat16, prefill-sized products "
-               "run on them (quant gguf_amx, for GGUF checkpoints)."
-               if device.has("amx_bf16") else "")
+        if device.has("amx_bf16"):
+            # SGLang's and vLLM's CPU paths compute in bf16 by default; on AMX tiles it is
+            # several times fp32's rate for prefill-sized products (bench/RESULTS.md, gguf_amx).
+            notes.append(f"compute dtype bfloat16: the --dtype auto default on a CPU with AMX "
+                         f"bf16 tiles (config says {config or 'nothing'}; prefill-sized products "
+                         f"run on the tiles; --dtype float32 computes in fp32)")
+            return "bfloat16"
         notes.append(f"compute dtype float32: the CPU default for --dtype auto (config says "
-                     f"{config or 'nothing'}; pass --dtype bfloat16 to use bf16).{amx}")
+                     f"{config or 'nothing'}; pass --dtype bfloat16 to use bf16)")
         return "float32"
     if config == "bfloat16" and not device.has("bf16"):
         notes.append(f"compute dtype float16: config says bfloat16 but {_where(device)} has "

@@ -114,6 +114,10 @@ def amx_library() -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gq_amx_linear.argtypes = [p, i64, i64, p, i32, i32, p, p, i32, p, p, i32, i64, i32]
     lib.gq_amx_linear.restype = i32
+    lib.gq_amx_q_linear.argtypes = [p, i32, i64, i64, p, i32, p, p, i32, p, p, i32, i64, i32]
+    lib.gq_amx_q_pack.argtypes = [p, i32, p, p, i32, i64, i64, p, p, p]
+    lib.gq_amx_q_pack.restype = i32
+    lib.gq_amx_q_linear.restype = i32
     lib.gq_amx_variant.restype = ctypes.c_char_p
     if lib.gq_amx_init() != 0:
         raise RuntimeError("the kernel did not grant this process the AMX tile state "
@@ -122,12 +126,21 @@ def amx_library() -> ctypes.CDLL:
 
 
 class AmxKernels:
-    """x (bf16) @ W^T over Packed matrices on AMX bf16 tiles (amx.c): each call dequantizes
-    the weight panel by panel into the tiles' layout and streams every row of x past it, so
-    the weights stay in their blocks; for prefill and batched decode."""
+    """x @ W^T over Packed matrices on AMX tiles (amx.c), the weights kept in their blocks:
+    - `bind`: bf16 x on bf16 tiles; each call dequantizes the weight panel by panel into the
+      tiles' layout and streams every row of x past it (prefill);
+    - `bind_int`: fp32 or bf16 x on int8 tiles with the gguf kernels' arithmetic (int16
+      activations per block, exact integer sums; kernels.c), for blocks of 32 (batched decode,
+      and prefill under fp32)."""
 
     def __init__(self):
         self.lib = amx_library()
+
+    @staticmethod
+    def _wargs(w: Packed, bias: torch.Tensor | None) -> tuple:
+        return (w.codes.data_ptr(), w.bits, w.bs, w.scales.data_ptr(), w.mins.data_ptr(),
+                int(w.scales.dtype == torch.float32),
+                bias.data_ptr() if bias is not None else None)
 
     def bind(self, w: Packed, bias: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None):
@@ -137,9 +150,7 @@ class AmxKernels:
             raise ValueError(f"AMX kernel takes K a multiple of 32 and blocks of 16 / 32, "
                              f"not K={k} with {w.bits}-bit blocks of {w.bs}")
         fn = self.lib.gq_amx_linear
-        wargs = (w.codes.data_ptr(), w.bits, w.bs, w.scales.data_ptr(), w.mins.data_ptr(),
-                 int(w.scales.dtype == torch.float32),
-                 bias.data_ptr() if bias is not None else None)
+        wargs = self._wargs(w, bias)
         threads = torch.get_num_threads()
         keep = (w, bias)
 
@@ -158,6 +169,65 @@ class AmxKernels:
             rc = fn(x2.data_ptr(), m, k, *wargs, y.data_ptr(), _DT[dt], n, threads)
             if rc != 0:
                 raise RuntimeError(f"gq_amx_linear failed ({rc})")
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+        run.keep = keep
+        return run
+
+    @staticmethod
+    def takes_int(w: Packed) -> bool:
+        """Whether bind_int takes this matrix (blocks of 32, K a multiple of 32)."""
+        return w.bs == 32 and w.shape[1] % 32 == 0
+
+    def int_tiles(self, w: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w's codes, scales and mins in the int8 tiles' order (gq_amx_q_pack), made once per
+        matrix and kept on it: half a byte per 4-bit weight (one per 8-bit), beside the codes
+        the VNNI kernel reads."""
+        held = getattr(w, "amx_int_tiles", None)
+        if held is not None:
+            return held
+        n, k = w.shape
+        panels, nb = (n + 15) // 16, k // 32
+        tiles = torch.empty(panels * nb * (256 if w.bits == 4 else 512), dtype=torch.uint8)
+        sc = torch.empty(panels * nb * 16, dtype=w.scales.dtype)
+        mn = torch.empty_like(sc)
+        rc = self.lib.gq_amx_q_pack(w.codes.data_ptr(), w.bits, w.scales.data_ptr(),
+                                    w.mins.data_ptr(), int(w.scales.dtype == torch.float32),
+                                    n, k, tiles.data_ptr(), sc.data_ptr(), mn.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"gq_amx_q_pack failed ({rc})")
+        w.amx_int_tiles = (tiles, sc, mn)
+        return w.amx_int_tiles
+
+    def bind_int(self, w: Packed, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None):
+        """x -> x @ W^T (+ bias, fp32) in out_dtype (x's); x fp32 or bf16 [..., K]."""
+        n, k = w.shape
+        if not self.takes_int(w):
+            raise ValueError(f"the AMX int8 kernel takes blocks of 32 and K a multiple of 32, "
+                             f"not K={k} with blocks of {w.bs}")
+        fn = self.lib.gq_amx_q_linear
+        tiles, sc, mn = self.int_tiles(w)
+        wargs = (tiles.data_ptr(), w.bits, sc.data_ptr(), mn.data_ptr(),
+                 int(sc.dtype == torch.float32), bias.data_ptr() if bias is not None else None)
+        threads = torch.get_num_threads()
+        keep = (tiles, sc, mn, bias)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            dt = out_dtype or x.dtype
+            if x.dtype not in _DT or dt not in _DT:
+                raise ValueError(f"the AMX kernel takes fp32 / bf16, got {x.dtype} -> {dt}")
+            if x.shape[-1] != k:
+                raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
+            x2 = x.reshape(-1, k)
+            if not x2.is_contiguous():
+                x2 = x2.contiguous()
+            m = x2.shape[0]
+            y = torch.empty(m, n, dtype=dt)
+            rc = fn(x2.data_ptr(), _DT[x.dtype], m, k, *wargs, y.data_ptr(), _DT[dt], n,
+                    threads)
+            if rc != 0:
+                raise RuntimeError(f"gq_amx_q_linear failed ({rc})")
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
         run.keep = keep

@@ -37,10 +37,15 @@ def _is_blocks(t: object) -> bool:
     return hasattr(t, "ggml_type") and hasattr(t, "data")
 
 
-# gguf_amx: from this many rows of bf16 input on, the AMX tile kernel (amx.c) instead of the
-# VNNI kernel and of dequantize + F.linear: bench/bench_gguf_amx.py on a 2-core Xeon with AMX
-# found it ahead of the VNNI kernel from 32 rows on (SmolLM2's and Llama-3-8B's shapes), and
-# level with or ahead of dequantize + F.linear up to 512 rows, without the dequantized copy.
+# gguf_amx (bench/bench_gguf_amx.py on a 2-core Xeon with AMX, SmolLM2's and a Llama-3-8B
+# shape, one thread): the int8-tile kernel (the VNNI kernel's arithmetic) passes the VNNI
+# kernel between 4 and 8 rows and dequantize + fp32 F.linear at every size measured (8-512
+# rows), so fp32 inputs of AMX_INT_MIN_ROWS rows or more go to it; bf16 inputs go to the
+# bf16-tile kernel (the weights dequantized to bf16 inside it) from AMX_BF16_MIN_ROWS rows on,
+# where its rate passes the int8 tiles' (64-128 rows), and for matrices the int8 tiles do not
+# take (Q6_K's blocks of 16) from AMX_MIN_ROWS.
+AMX_INT_MIN_ROWS = 8
+AMX_BF16_MIN_ROWS = 128
 AMX_MIN_ROWS = 32
 
 
@@ -48,19 +53,26 @@ def product(kernels: Kernels, w: Packed, bias: torch.Tensor | None = None,
             out_dtype: torch.dtype | None = None,
             amx: AmxKernels | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ W^T (+ bias): the kernels below DEQUANT_MIN_ROWS rows, dequantize + F.linear
-    from there on; out_dtype (None: x's) for the LM head's fp32 logits. With `amx`, bf16
-    inputs of AMX_MIN_ROWS rows or more go to the AMX tile kernel instead (each row's result
-    is then the same whatever the batch holds, as it is under the VNNI kernel)."""
+    from there on; out_dtype (None: x's) for the LM head's fp32 logits. With `amx`, inputs of
+    AMX_INT_MIN_ROWS rows or more go to AMX tiles instead (above): the int8 tiles compute what
+    the kernels compute, in another order of the fp32 sums; each row's result is the same
+    whatever else the batch holds within one kernel."""
     fbias = bias.detach().float().contiguous() if bias is not None else None
     small = kernels.bind(w, fbias, out_dtype)
     tiles = amx.bind(w, fbias, out_dtype) if amx is not None else None
+    ints = (amx.bind_int(w, fbias, out_dtype) if amx is not None and amx.takes_int(w)
+            else None)
     dequantize = kernels.dequantize
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
-            if tiles is not None and x.dtype == torch.bfloat16 and x.shape[0] >= AMX_MIN_ROWS:
+            m = x.shape[0]
+            if tiles is not None and x.dtype == torch.bfloat16 and m >= (
+                    AMX_BF16_MIN_ROWS if ints is not None else AMX_MIN_ROWS):
                 return tiles(x)
-            if x.shape[0] >= DEQUANT_MIN_ROWS:
+            if ints is not None and m >= AMX_INT_MIN_ROWS:
+                return ints(x)
+            if m >= DEQUANT_MIN_ROWS:
                 y = F.linear(x, dequantize(w, x.dtype), bias)
                 return y if out_dtype is None else y.to(out_dtype)
         return small(x)
@@ -86,7 +98,7 @@ class GGUFLinearMethod(QuantMethod):
     takes_raw_gguf = True
     variant = "portable"
     act_bits = 16
-    amx_tiles = False  # gguf_amx: bf16 products of AMX_MIN_ROWS rows on AMX tiles
+    amx_tiles = False  # gguf_amx: products of AMX_INT_MIN_ROWS+ rows on AMX tiles
 
     def __init__(self, scheme: QuantScheme | None = None):
         super().__init__(scheme)
@@ -139,6 +151,8 @@ class GGUFLinearMethod(QuantMethod):
         layer.gguf_parts = {}
         if all(isinstance(p, Packed) for p in parts):
             layer.packed = stack(parts)
+            if self.amx is not None and self.amx.takes_int(layer.packed):
+                self.amx.int_tiles(layer.packed)  # at load, not in the first request
             for t in layer.packed.types:
                 self.counts[t] = self.counts.get(t, 0) + 1
         else:  # any float shard: the whole layer dense, in the compute dtype
@@ -191,8 +205,8 @@ class GGUFLinearMethod(QuantMethod):
 
     def load_summary(self) -> str:
         held = ", ".join(f"{n} {t}" for t, n in sorted(self.counts.items()))
-        tiles = (f"; bf16 products of {AMX_MIN_ROWS}+ rows on AMX tiles" if self.amx is not None
-                 else "")
+        tiles = (f"; products of {AMX_INT_MIN_ROWS}+ rows on AMX int8 tiles, bf16 ones of "
+                 f"{AMX_BF16_MIN_ROWS}+ rows on bf16 tiles" if self.amx is not None else "")
         return (f"GGUF blocks kept ({self.kernels.variant} kernels, int{self.act_bits} "
                 f"activations{tiles}): {held or 'nothing yet'}")
 
