@@ -237,9 +237,10 @@ int gq_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint8_t *codes,
  * TDPBSUD (signed activations x unsigned codes) of 16 rows x 16 columns x 32 k. The products
  * of one block leave the tiles after each block, because every block has its own scales:
  * their scaling on AVX-512 (16 rows of 16 columns, accumulated in registers) is the kernel's
- * cost beside the tile products. The weights stay in their blocks: each thread expands a panel
- * of 16 weight rows (all of K) into the unsigned operand's layout once per call and streams
- * every block of 16 activation rows past it. Blocks of 32 only (not Q6_K's 16). */
+ * cost beside the tile products. The codes are copied once per matrix into tile order
+ * (gq_amx_q_pack, still 4 bits a weight); per call each thread splits one panel of 16 weight
+ * rows (all of K) into the tiles' bytes and streams every block of 16 activation rows past
+ * it. Blocks of 32 only (not Q6_K's 16). */
 
 /* The unsigned operand in tile order, made once per matrix (gq_amx_q_pack): per panel of 16
  * weight rows n0..n0+15 (zeros past N) and block b of 32, the codes of k = 32b + 4r ..
