@@ -231,3 +231,21 @@ def test_a_blocks_tensor_without_its_scales_is_named(ckpt):
         model = type(loaded.model)(loaded.hf_config, loaded.model.ctx)  # before processing
         with pytest.raises(ValueError, match=message):
             model.load_weights(state.items())
+
+
+def test_mxfp4_experts_are_not_cast_into_another_form(ckpt):
+    """Experts a method keeps in a form of its own (here fp8 parameters where the dense ones
+    were) are refused by name: a dequantized pair is never cast into them."""
+    from safetensors.torch import load_file
+
+    path, _, _ = ckpt
+    args, plan, _, registry = _plan(path)
+    loaded = load_model(args, _dense(plan), registry)
+    model = type(loaded.model)(loaded.hf_config, loaded.model.ctx)
+    for layer in model.model.layers:
+        layer.mlp.w13_weight = torch.nn.Parameter(
+            layer.mlp.w13_weight.data.to(torch.float8_e4m3fn), requires_grad=False)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj_blocks: "
+                                         r"MXFP4 experts load kept packed \(quant method mxfp4\) "
+                                         r"or dequantized into dense experts"):
+        model.load_weights(load_file(str(path / "model.safetensors")).items())
