@@ -216,6 +216,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         load_named_weights(self, ours(weights), stacked=STACKED,
                            skip_lm_head=self.tie_word_embeddings)
         self.load_notes = ([f"mxfp4 experts of {len(dequantized)} MoE layers dequantized to "
-                            f"{str(dense_dtype).removeprefix('torch.')} at load (quant method "
-                            f"{type(moe.expert_quant_method).__name__}, not mxfp4)"]
+                            f"{str(dense_dtype).removeprefix('torch.')} at load (the plan's "
+                            "quant method keeps dense experts, "
+                            f"{dense_dtype.itemsize * 8 / 4.25:.1f}x their MXFP4 bytes)"]
                            if dequantized else [])
