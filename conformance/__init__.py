@@ -33,7 +33,9 @@ truth), `attention_cases` (the case matrix cut to a backend's capabilities), `at
 `mla_suite` (the MLA kind, core.contract.mla: a first fp32 suite with its reference of both
 forms); `moe_cases`, `moe_check`, `moe_suite` the same for MoE runners; `layer_ops_suite`,
 `quant_suite` (with `quant_refs`, `quant_refs_int4`), `grammar_suite`, `tool_parser_suite`,
-`platform_suite` one suite per kind; `model_configs` (small model configs the tests share);
+`platform_suite` one suite per kind; `suite_kit` (what the device-bound suites share when
+they parametrize: suite devices, selected plugins that can run there, the skips saying
+why one does not); `model_configs` (small model configs the tests share);
 `plugin` (the pytest plugin, whose options add a suite to a run; named `plugin` rather than
 `conformance` so that `-p conformance.plugin` says what it loads).
 """

@@ -22,17 +22,18 @@ import pytest
 import torch
 
 from conformance.attention_cases import conformance_cases, not_covered
-from conformance.attention_check import (
-    REFERENCE,
-    check_case,
-    device_target,
-    excluded_dtype_reasons,
-    unavailable_reasons,
-)
+from conformance.attention_check import REFERENCE, check_case, excluded_dtype_reasons
 from conformance.paged_batch import AttentionCase
 from conformance.plugin import named_plugins  # noqa: F401 - shared by every suite
-from core.contract.capabilities import DeviceInfo
-from core.plan.registry import Registration
+from conformance.suite_kit import (
+    Target,
+    default_devices,  # noqa: F401 - its old home
+    skip_param,
+    suite_params,
+)
+from conformance.suite_kit import device_info as _device_info  # noqa: F401 - its old name
+from conformance.suite_kit import device_missing as _device_missing  # noqa: F401 - old name
+from core.plan.registry import Registration, get_registry
 
 __all__ = ["pytest_generate_tests", "test_attention_backend_conformance"]
 
@@ -48,65 +49,22 @@ class ConformanceParam:
     reference: Registration | None
 
 
-def default_devices() -> list[str]:
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def _device_info(registry, device: torch.device) -> DeviceInfo:
-    target = device_target(device)
-    if target in registry.kind("hardware"):
-        return registry.probe(target)
-    return DeviceInfo(target=target, device_type=device.type)
-
-
-def _device_missing(device: torch.device) -> str:
-    """Why tensors cannot be made on `device` ("" when they can)."""
-    try:
-        torch.empty(1, device=device)
-    except (RuntimeError, AssertionError) as exc:  # torch raises either for absent devices
-        return str(exc).splitlines()[0]
-    return ""
-
-
 def conformance_params(config: pytest.Config) -> list:
     """pytest.param objects for every (backend, device, case) the options select."""
-    registry, backends, named = named_plugins(config, "attention", "conformance_backend",
-                                              "attention backend")
-    devices = config.getoption("conformance_device", default=None) or default_devices()
-    full = bool(config.getoption("conformance_full", default=False))
-    seed = int(config.getoption("conformance_seed", default=0) or 0)
-    reference = backends.get(REFERENCE)
-    params = []
-    for device_name in devices:
-        device = torch.device(device_name)
-        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
-        missing = _device_missing(device)
-        if missing:
-            params.append(pytest.param(None, id=f"{device_name}-unavailable", marks=[
-                *marks, pytest.mark.skip(reason=f"device {device_name}: {missing}")]))
-            continue
-        info = _device_info(registry, device)
-        for name in named or sorted(backends):
-            reg = backends[name]
-            reasons = unavailable_reasons(reg, device, info)
-            if reasons:
-                if name in named:  # asked for by name: say why it does not run
-                    params.append(pytest.param(
-                        None, id=f"{name}-{device_name}",
-                        marks=[*marks, pytest.mark.skip(
-                            reason=f"{name} cannot run on {device_name}: {'; '.join(reasons)}")]))
-                continue
-            excluded = excluded_dtype_reasons(reg, device)
-            for case in conformance_cases(reg.caps, full, tuple(excluded)):
-                params.append(pytest.param(
-                    ConformanceParam(reg, device_name, case, seed, reference),
-                    id=f"{name}-{device_name}-{case.id}", marks=marks))
-            if name in named:  # asked for by name: say what is not tested, and why
-                for key, reason in not_covered(reg.caps, excluded):
-                    params.append(pytest.param(
-                        None, id=f"{name}-{device_name}-not-covered-{key}",
-                        marks=[*marks, pytest.mark.skip(reason=f"{name}: {reason}")]))
-    return params
+    reference = get_registry().kind("attention").get(REFERENCE)
+
+    def cases(t: Target) -> list:
+        excluded = excluded_dtype_reasons(t.reg, t.device)
+        params = [pytest.param(ConformanceParam(t.reg, t.device_name, case, t.seed, reference),
+                               id=f"{t.name}-{t.device_name}-{case.id}", marks=t.marks)
+                  for case in conformance_cases(t.reg.caps, t.full, tuple(excluded))]
+        if t.named:  # asked for by name: say what is not tested, and why
+            params += [skip_param(f"{t.name}-{t.device_name}-not-covered-{key}",
+                                  f"{t.name}: {reason}", t.marks)
+                       for key, reason in not_covered(t.reg.caps, excluded)]
+        return params
+
+    return suite_params(config, "attention", "conformance_backend", "attention backend", cases)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -25,13 +25,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance.attention_check import excluded_dtype_reasons, unavailable_reasons
-from conformance.attention_suite import (
-    _device_info,
-    _device_missing,
-    default_devices,
-    named_plugins,
-)
+from conformance.attention_check import excluded_dtype_reasons
+from conformance.suite_kit import Target, suite_params
 from core.contract.layer_ops import OPS, OPTIONAL_OPS
 from core.layers.ops_ref import TorchLayerOps
 from core.plan.registry import get_registry
@@ -43,34 +38,15 @@ REFERENCE = "torch"
 
 
 def layer_ops_params(config: pytest.Config) -> list:
-    registry, plugins, named = named_plugins(config, "layer_ops", "conformance_layer_ops",
-                                             "layer-ops plugin")
-    devices = config.getoption("conformance_device", default=None) or default_devices()
-    params = []
-    for device_name in devices:
-        device = torch.device(device_name)
-        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
-        missing = _device_missing(device)
-        info = _device_info(registry, device) if not missing else None
-        for name in named or sorted(plugins):
-            reg = plugins[name]
-            why = [missing] if missing else unavailable_reasons(reg, device, info)
-            if why:
-                if named:  # asked for by name: say why it did not run
-                    params.append(pytest.param(None, None, None, None, id=f"{name}-{device_name}",
-                                               marks=[*marks, pytest.mark.skip(
-                                                   reason="; ".join(why))]))
-                continue
-            excluded = excluded_dtype_reasons(reg, device)
-            for dtype in sorted(reg.caps.dtypes):
-                if dtype in excluded:
-                    continue
-                for op in OPS:
-                    params.append(pytest.param(name, device_name, dtype, op,
-                                               id=f"{name}-{device_name}-{dtype}-{op}",
-                                               marks=marks))
-    return params
+    def cases(t: Target) -> list:
+        excluded = excluded_dtype_reasons(t.reg, t.device)
+        return [pytest.param(t.name, t.device_name, dtype, op,
+                             id=f"{t.name}-{t.device_name}-{dtype}-{op}", marks=t.marks)
+                for dtype in sorted(t.reg.caps.dtypes) if dtype not in excluded for op in OPS]
 
+    # an absent device: one skip per named plugin, saying why (none for the whole device)
+    return suite_params(config, "layer_ops", "conformance_layer_ops", "layer-ops plugin", cases,
+                        width=4, device_skip=False, say_device=False)
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.function.__name__ == "test_layer_ops_conformance":

@@ -27,9 +27,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conformance.attention_check import unavailable_reasons
-from conformance.attention_suite import _device_info, _device_missing, default_devices
-from conformance.plugin import named_plugins
+from conformance.suite_kit import Target, suite_params
 from core.contract.lora import BASE_SLOT, LoRABackend, LoRABatch, LoRAConfig, LoRAWeights
 
 __all__ = ["pytest_generate_tests", "test_lora_backend_conformance", "reference_lora"]
@@ -145,42 +143,21 @@ def check_case(factory, case: Case, dtype: torch.dtype, device: torch.device, se
 
 
 def lora_params(config: pytest.Config) -> list:
-    registry, backends, named = named_plugins(config, "lora", "conformance_lora",
-                                              "LoRA backend")
-    devices = config.getoption("conformance_device", default=None) or default_devices()
-    seed = int(config.getoption("conformance_seed", default=0) or 0)
-    params = []
-    for device_name in devices:
-        device = torch.device(device_name)
-        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
-        missing = _device_missing(device)
-        if missing:
-            params.append(pytest.param(None, None, None, None, None, id=f"{device_name}-unavailable",
-                                       marks=[*marks, pytest.mark.skip(
-                                           reason=f"device {device_name}: {missing}")]))
-            continue
-        info = _device_info(registry, device)
-        for name in named or sorted(backends):
-            reg = backends[name]
-            reasons = unavailable_reasons(reg, device, info)
-            if reasons:
-                if name in named:
-                    params.append(pytest.param(name, None, None, None, None,
-                                               id=f"{name}-{device_name}", marks=[
-                                                   *marks, pytest.mark.skip(
-                                                       reason="; ".join(reasons))]))
-                continue
-            for case in CASES:
-                if case.max_rank > reg.caps.max_rank:
-                    continue  # beyond its declared ranks: not its contract
-                for dname in sorted(reg.caps.dtypes):
-                    if device.type == "cpu" and dname == "float16":
-                        continue  # CPU half matmuls: slow and not what a CPU serves
-                    params.append(pytest.param(name, device_name, case, dname, seed,
-                                               id=f"{name}-{device_name}-{case.id}-{dname}",
-                                               marks=marks))
-    return params
+    def cases(t: Target) -> list:
+        params = []
+        for case in CASES:
+            if case.max_rank > t.reg.caps.max_rank:
+                continue  # beyond its declared ranks: not its contract
+            for dname in sorted(t.reg.caps.dtypes):
+                if t.device.type == "cpu" and dname == "float16":
+                    continue  # CPU half matmuls: slow and not what a CPU serves
+                params.append(pytest.param(t.name, t.device_name, case, dname, t.seed,
+                                           id=f"{t.name}-{t.device_name}-{case.id}-{dname}",
+                                           marks=t.marks))
+        return params
 
+    return suite_params(config, "lora", "conformance_lora", "LoRA backend", cases, width=5,
+                        say_device=False)
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.function.__name__ != "test_lora_backend_conformance":

@@ -20,13 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conformance.attention_check import unavailable_reasons
-from conformance.attention_suite import (
-    _device_info,
-    _device_missing,
-    default_devices,
-    named_plugins,
-)
+from conformance.suite_kit import Target, suite_params
 from core.contract.attention import BackendContext
 from core.contract.forward_batch import ForwardBatch, ForwardMode
 from core.contract.mla import MLALayerParams, MLAWeights
@@ -71,42 +65,27 @@ def mla_reference(q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor
 
 
 def mla_params(config: pytest.Config) -> list:
-    registry, backends, named = named_plugins(config, "attention", "conformance_mla",
-                                              "MLA attention backend")
-    devices = config.getoption("conformance_device", default=None) or default_devices()
-    params = []
-    for device_name in devices:
-        device = torch.device(device_name)
-        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
-        missing = _device_missing(device)
-        if missing:
-            params.append(pytest.param(None, id=f"{device_name}-unavailable", marks=[
-                *marks, pytest.mark.skip(reason=f"device {device_name}: {missing}")]))
-            continue
-        info = _device_info(registry, device)
-        for name in named or sorted(backends):
-            reg = backends[name]
-            if "MLA" not in reg.caps.attention_kinds or "float32" not in reg.caps.dtypes:
-                if name in named:
-                    params.append(pytest.param(None, id=f"{name}-{device_name}", marks=[
-                        *marks, pytest.mark.skip(reason=f"{name} declares no fp32 MLA")]))
+    def declines(reg: Registration) -> str | None:
+        if "MLA" not in reg.caps.attention_kinds or "float32" not in reg.caps.dtypes:
+            return f"{reg.name} declares no fp32 MLA"
+        return None
+
+    def cases(t: Target) -> list:
+        params = []
+        for page in PAGE_SIZES:
+            if not t.reg.caps.page_sizes.accepts(page):
                 continue
-            reasons = unavailable_reasons(reg, device, info)
-            if reasons:
-                if name in named:
-                    params.append(pytest.param(None, id=f"{name}-{device_name}", marks=[
-                        *marks, pytest.mark.skip(reason="; ".join(reasons))]))
-                continue
-            for page in PAGE_SIZES:
-                if not reg.caps.page_sizes.accepts(page):
+            for shape in SHAPES:
+                latent = shape[1] + shape[3]
+                if t.reg.caps.head_sizes is not None and latent not in t.reg.caps.head_sizes:
                     continue
-                for shape in SHAPES:
-                    latent = shape[1] + shape[3]
-                    if reg.caps.head_sizes is not None and latent not in reg.caps.head_sizes:
-                        continue
-                    params.append(pytest.param(
-                        MLAParam(reg, device_name, page, shape),
-                        id=f"{name}-{device_name}-p{page}-latent{latent}", marks=marks))
+                params.append(pytest.param(
+                    MLAParam(t.reg, t.device_name, page, shape),
+                    id=f"{t.name}-{t.device_name}-p{page}-latent{latent}", marks=t.marks))
+        return params
+
+    params = suite_params(config, "attention", "conformance_mla", "MLA attention backend", cases,
+                          say_device=False, declines=declines)
     if not params:
         params.append(pytest.param(None, id="no-mla-backend", marks=pytest.mark.skip(
             reason="no selected attention backend declares MLA on a selected device")))

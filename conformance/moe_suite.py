@@ -20,15 +20,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from conformance.attention_check import excluded_dtype_reasons, unavailable_reasons
-from conformance.attention_suite import (
-    _device_info,
-    _device_missing,
-    default_devices,
-    named_plugins,
-)
+from conformance.attention_check import excluded_dtype_reasons
 from conformance.moe_cases import MoECase, conformance_cases, not_covered
 from conformance.moe_check import check_case, check_graph_case
+from conformance.suite_kit import Target, skip_param, suite_params
 from core.plan.registry import Registration
 
 __all__ = ["pytest_generate_tests", "test_moe_runner_conformance",
@@ -48,44 +43,24 @@ class MoEConformanceParam:
 def moe_conformance_params(config: pytest.Config, graph: bool = False) -> list:
     """pytest.param objects for every (runner, device, case) the options select; with
     `graph`, the CUDA-graph cases instead."""
-    registry, runners, named = named_plugins(config, "moe", "conformance_moe",
-                                             "MoE runner")
-    devices = config.getoption("conformance_device", default=None) or default_devices()
-    full = bool(config.getoption("conformance_full", default=False))
-    seed = int(config.getoption("conformance_seed", default=0) or 0)
-    params = []
-    for device_name in devices:
-        device = torch.device(device_name)
-        marks = [] if device.type == "cpu" else [pytest.mark.gpu]
-        missing = _device_missing(device)
-        if missing:
-            params.append(pytest.param(None, id=f"{device_name}-unavailable", marks=[
-                *marks, pytest.mark.skip(reason=f"device {device_name}: {missing}")]))
-            continue
-        info = _device_info(registry, device)
-        for name in named or sorted(runners):
-            reg = runners[name]
-            reasons = unavailable_reasons(reg, device, info)
-            if reasons:
-                if name in named:
-                    params.append(pytest.param(None, id=f"{name}-{device_name}", marks=[
-                        *marks, pytest.mark.skip(
-                            reason=f"{name} cannot run on {device_name}: {'; '.join(reasons)}")]))
-                continue
-            excluded = excluded_dtype_reasons(reg, device)
-            cases = conformance_cases(reg.caps, full, tuple(excluded))
-            if graph:
-                if not reg.caps.cuda_graph or device.type != "cuda":
-                    continue
-                cases = [c for c in cases if c.tokens <= _GRAPH_MAX_TOKENS]
-            for case in cases:
-                params.append(pytest.param(MoEConformanceParam(reg, device_name, case, seed),
-                                           id=f"{name}-{device_name}-{case.id}", marks=marks))
-            if name in named and not graph:
-                for key, reason in not_covered(reg.caps, excluded):
-                    params.append(pytest.param(
-                        None, id=f"{name}-{device_name}-not-covered-{key}",
-                        marks=[*marks, pytest.mark.skip(reason=f"{name}: {reason}")]))
+
+    def cases(t: Target) -> list:
+        if graph and (not t.reg.caps.cuda_graph or t.device.type != "cuda"):
+            return []
+        excluded = excluded_dtype_reasons(t.reg, t.device)
+        chosen = conformance_cases(t.reg.caps, t.full, tuple(excluded))
+        if graph:
+            chosen = [c for c in chosen if c.tokens <= _GRAPH_MAX_TOKENS]
+        params = [pytest.param(MoEConformanceParam(t.reg, t.device_name, case, t.seed),
+                               id=f"{t.name}-{t.device_name}-{case.id}", marks=t.marks)
+                  for case in chosen]
+        if t.named and not graph:  # asked for by name: say what is not tested, and why
+            params += [skip_param(f"{t.name}-{t.device_name}-not-covered-{key}",
+                                  f"{t.name}: {reason}", t.marks)
+                       for key, reason in not_covered(t.reg.caps, excluded)]
+        return params
+
+    params = suite_params(config, "moe", "conformance_moe", "MoE runner", cases)
     if graph and not params:
         params.append(pytest.param(None, id="no-graph-cases", marks=pytest.mark.skip(
             reason="no selected MoE runner declares cuda_graph on a selected CUDA device")))

@@ -38,13 +38,11 @@ import pytest
 import torch
 
 from conformance.attention_check import unavailable_reasons
-from conformance.attention_suite import (
-    _device_info,
-    _device_missing,
-    default_devices,
-    named_plugins,
-)
+from conformance.plugin import named_plugins
 from conformance.quant_refs import RefCase, all_cases, fake_quant_acts, online_cases
+from conformance.suite_kit import default_devices
+from conformance.suite_kit import device_info as _device_info
+from conformance.suite_kit import device_missing as _device_missing
 from core.contract.quant import QuantMethod, parse_quant_config
 from core.layers import Linear, ModelContext
 from core.layers.linear import process_weights_after_loading

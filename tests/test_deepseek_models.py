@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_compare import check, greedy, hf_logprobs, run
 from model_fixtures import VOCAB, write_tokenizer
 
 from core.engine.loader import load_model
@@ -93,58 +94,12 @@ def make_core(tiny, **kw):
     return build_engine_core(args, plan, spec, registry, loaded)
 
 
-def run(sched, requests):
-    for rid, ids, params in requests:
-        sched.add_request(rid, ids, params)
-    done, steps = {}, 0
-    while sched.has_work:
-        for r in sched.step():
-            if r.finish is not None:
-                done[r.rid] = r
-        steps += 1
-        assert steps < 2000, "no progress"
-    return done
-
-
-def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
-
-
-def params(max_new=6, prompt_k=None):
-    p = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True, "logprobs": True,
-         "top_logprobs": 3}
-    if prompt_k is not None:
-        p["prompt_logprobs"] = prompt_k
-    return p
-
-
-def check(req, prompt, hf, prompt_logprobs: bool):
-    """Every decode step's (and, asked, every prompt position's) logprobs against HF's forward
-    of the whole sequence."""
-    ids = list(prompt) + list(req.output_ids)
-    ref = hf_logprobs(hf, ids)
-    if prompt_logprobs:
-        assert len(req.prompt_lps) == len(prompt) - 1
-        for j, (lp, top, _) in enumerate(req.prompt_lps):
-            assert abs(lp - ref[j, prompt[j + 1]].item()) < 1e-4, ("prompt", j)
-            want = ref[j].topk(len(top))
-            got = torch.tensor([v for _, v in top])
-            assert torch.allclose(got, want.values, atol=1e-4), ("prompt top", j)
-    lps = req.pending_lps if req.pending_lps else req.output_lps
-    assert len(lps) == len(req.output_ids)
-    for step, (tok, lp) in enumerate(zip(req.output_ids, lps, strict=True)):
-        row = ref[len(prompt) - 1 + step]
-        assert tok == int(row.argmax()), ("greedy token", step)
-        assert abs(lp[0] - row[tok].item()) < 1e-4, ("decode", step, lp[0], row[tok].item())
-
-
 @pytest.mark.parametrize("scenario", [{}, {"chunked_prefill_size": 8, "page_size": 4}],
                          ids=["whole", "chunked"])
 def test_prefill_and_every_decode_step_match_hf(tiny, scenario):
     _, _, hf, _ = tiny
     core = make_core(tiny, **scenario)
-    done = run(core.scheduler, [(f"p{i}", p, params(prompt_k=2))
+    done = run(core.scheduler, [(f"p{i}", p, greedy(6, prompt_k=2))
                                 for i, p in enumerate(PROMPTS)])
     for i, p in enumerate(PROMPTS):
         check(done[f"p{i}"], p, hf, prompt_logprobs=True)
@@ -157,10 +112,10 @@ def test_radix_cache_hit_matches_hf(tiny):
     _, _, hf, _ = tiny
     core = make_core(tiny, page_size=4)
     sched = core.scheduler
-    first = run(sched, [("warm", PROMPTS[0], params(max_new=2))])["warm"]
+    first = run(sched, [("warm", PROMPTS[0], greedy(2))])["warm"]
     check(first, PROMPTS[0], hf, prompt_logprobs=False)
     longer = PROMPTS[0][:24] + [5, 6, 7]
-    done = run(sched, [("hit", longer, params(max_new=5))])
+    done = run(sched, [("hit", longer, greedy(5))])
     assert done["hit"].cached_tokens >= 20
     check(done["hit"], longer, hf, prompt_logprobs=False)
     sched.check_accounting()
@@ -198,7 +153,7 @@ def test_dummy_weights_serve(tmp_path):
     assert plan.model_impl == "deepseek_v3" and plan.decode_attention == "torch_native_mla"
     core = build_engine_core(args, plan, spec, registry)
     assert core.info.kv_bytes_per_token == 3 * (32 + 8) * 4  # one latent row per layer
-    done = run(core.scheduler, [("d", PROMPTS[1], params(max_new=3))])
+    done = run(core.scheduler, [("d", PROMPTS[1], greedy(3))])
     assert len(done["d"].output_ids) == 3
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_compare import check, greedy, hf_greedy, hf_logprobs, run
 from model_fixtures import SLIDING_WINDOW, tiny_config, tiny_hf_model, write_tiny_model
 
 from core.engine.loader import load_model
@@ -48,58 +49,12 @@ def make_core(tiny, **kw):
     return build_engine_core(args, plan, spec, registry, loaded)
 
 
-def run(sched, requests):
-    for rid, ids, params in requests:
-        sched.add_request(rid, ids, params)
-    done, steps = {}, 0
-    while sched.has_work:
-        for r in sched.step():
-            if r.finish is not None:
-                done[r.rid] = r
-        steps += 1
-        assert steps < 2000, "no progress"
-    return done
-
-
-def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
-
-
-def params(max_new=8, prompt_k=None):
-    p = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True, "logprobs": True,
-         "top_logprobs": 3}
-    if prompt_k is not None:
-        p["prompt_logprobs"] = prompt_k
-    return p
-
-
-def check(req, prompt, hf, prompt_logprobs: bool):
-    """Every decode step's (and, asked, every prompt position's) logprobs against HF's forward
-    of the whole sequence."""
-    ids = list(prompt) + list(req.output_ids)
-    ref = hf_logprobs(hf, ids)
-    if prompt_logprobs:
-        assert len(req.prompt_lps) == len(prompt) - 1
-        for j, (lp, top, _) in enumerate(req.prompt_lps):
-            assert abs(lp - ref[j, prompt[j + 1]].item()) < 1e-4, ("prompt", j)
-            want = ref[j].topk(len(top))
-            got = torch.tensor([v for _, v in top])
-            assert torch.allclose(got, want.values, atol=1e-4), ("prompt top", j)
-    lps = req.pending_lps if req.pending_lps else req.output_lps
-    assert len(lps) == len(req.output_ids)
-    for step, (tok, lp) in enumerate(zip(req.output_ids, lps, strict=True)):
-        row = ref[len(prompt) - 1 + step]
-        assert tok == int(row.argmax()), ("greedy token", step)
-        assert abs(lp[0] - row[tok].item()) < 1e-4, ("decode", step, lp[0], row[tok].item())
-
-
 @pytest.mark.parametrize("scenario", [{}, {"chunked_prefill_size": 8, "page_size": 4}],
                          ids=["whole", "chunked"])
 def test_prefill_and_every_decode_step_match_hf(tiny, scenario):
     _, hf, _ = tiny
     core = make_core(tiny, **scenario)
-    done = run(core.scheduler, [(f"p{i}", p, params(prompt_k=2))
+    done = run(core.scheduler, [(f"p{i}", p, greedy(8, prompt_k=2))
                                 for i, p in enumerate(PROMPTS)])
     for i, p in enumerate(PROMPTS):
         check(done[f"p{i}"], p, hf, prompt_logprobs=True)
@@ -117,10 +72,10 @@ def test_radix_cache_hit_matches_hf(tiny, hybrid):
     core = make_core(tiny, page_size=4, disable_hybrid_kv=not hybrid)
     assert any(n.startswith("hybrid KV pool (") for n in core.info.notes) == hybrid
     sched = core.scheduler
-    first = run(sched, [("warm", PROMPTS[0], params(max_new=2))])["warm"]
+    first = run(sched, [("warm", PROMPTS[0], greedy(2))])["warm"]
     check(first, PROMPTS[0], hf, prompt_logprobs=False)
     longer = PROMPTS[0][:24] + [5, 6, 7]
-    done = run(sched, [("hit", longer, params(max_new=6))])
+    done = run(sched, [("hit", longer, greedy(6))])
     if hybrid:
         assert done["hit"].cached_tokens < 20
     else:
@@ -142,11 +97,7 @@ def test_greedy_past_the_window_matches_transformers(tmp_path):
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist()
                for n in (2 * SLIDING_WINDOW + 3, 5, SLIDING_WINDOW)]
-    with torch.inference_mode():
-        want = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                                                                          dtype=torch.long),
-                            max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW,
-                            )[0, len(p):].tolist() for p in prompts]
+    want = [hf_greedy(hf, p, NEW) for p in prompts]
     with core.Engine(str(path), dtype="float32", max_total_tokens=512, page_size=4) as engine:
         assert engine.plan.model_impl == "gpt_oss"
         outs = engine.generate(input_ids=prompts, sampling_params={
@@ -242,19 +193,20 @@ def test_expert_tensors_are_de_interleaved_and_transposed():
 
 
 def test_an_mxfp4_checkpoint_is_named_not_misread(tiny):
-    """MXFP4 expert tensors given to the bf16 layout are reported, never loaded as something
-    else; a missing expert tensor is named by its parameter."""
+    """MXFP4 blocks without their scales are refused by name, never loaded as something else
+    (whole pairs load: tests/test_gpt_oss_mxfp4.py); a missing expert tensor is named by its
+    parameter."""
     _, hf, loaded = tiny
     model = type(loaded.model)(loaded.hf_config, loaded.model.ctx)  # unpacked (the engine packs)
     state = dict(hf.state_dict())
     blocks = {k.replace("gate_up_proj", "gate_up_proj_blocks"): torch.zeros(1, dtype=torch.uint8)
               for k in state if k.endswith("experts.gate_up_proj")}
     partial = {k: v for k, v in state.items() if not k.endswith("experts.gate_up_proj")}
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match="MXFP4 blocks and scales come in pairs; alone: "
+                                         "model.layers.0.mlp.experts.gate_up_proj_blocks"):
         model.load_weights({**partial, **blocks}.items())
-    message = str(err.value)
-    assert "unexpected tensors: model.layers.0.mlp.experts.gate_up_proj_blocks" in message
-    assert "missing tensors: model.layers.0.mlp.w13_weight" in message
+    with pytest.raises(ValueError, match="missing tensors: model.layers.0.mlp.w13_weight"):
+        model.load_weights(partial.items())
     model.load_weights(state.items())  # and the whole state loads again
 
 
@@ -292,7 +244,7 @@ def test_dummy_weights_serve(tmp_path):
     assert spec.attention_sinks and spec.moe.expert_bias and spec.moe.activation == "swigluoai"
     assert plan.model_impl == "gpt_oss" and plan.moe_runner == "torch_native"
     core = build_engine_core(args, plan, spec, registry)
-    done = run(core.scheduler, [("d", PROMPTS[0], params(max_new=3))])
+    done = run(core.scheduler, [("d", PROMPTS[0], greedy(3))])
     assert len(done["d"].output_ids) == 3
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_compare import hf_greedy
 from model_fixtures import SLIDING_WINDOW, tiny_hf_model, write_tiny_model
 
 import core
@@ -20,14 +21,6 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _hf_greedy(hf, prompt: list[int], new: int) -> list[int]:
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(
-            1, len(prompt), dtype=torch.long), max_new_tokens=new, min_new_tokens=new,
-            do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +139,7 @@ def test_greedy_far_past_the_window_matches_transformers(arch, tmp_path):
     hf = tiny_hf_model(arch)
     prompts = [_prompt(5 * W + 3, 1), _prompt(W + 1, 2), _prompt(3, 3)]
     new = 4 * W
-    want = [_hf_greedy(hf, p, new) for p in prompts]
+    want = [hf_greedy(hf, p, new) for p in prompts]
     with core.Engine(str(path), dtype="float32", max_total_tokens=512, page_size=4,
                      chunked_prefill_size=16, swa_full_tokens_ratio=0.25) as engine:
         assert any(n.startswith("hybrid KV pool (") for n in engine.info.notes), \
@@ -206,13 +199,13 @@ def test_radix_hit_after_windowed_pages_were_freed(gemma3_path):
     sched = core_.scheduler
     sched.add_request("a", base, {**GREEDY, "max_new_tokens": 40})
     out_a = _run(sched)["a"]
-    assert out_a == _hf_greedy(hf, base, 40)
+    assert out_a == hf_greedy(hf, base, 40)
     branch = base[:3 * W] + _prompt(5, 8)
     cont = base + out_a + _prompt(3, 9)
     for rid, prompt in (("branch", branch), ("cont", cont)):
         sched.add_request(rid, prompt, {**GREEDY, "max_new_tokens": 12})
         got = _run(sched)[rid]
-        assert got == _hf_greedy(hf, prompt, 12), rid
+        assert got == hf_greedy(hf, prompt, 12), rid
     # the branch's prefix (24 tokens, 6 pages) was in the tree, its windowed pages were not
     assert sched.cache._walk(branch[:-1])[0] != []
     assert sched.cache.match_prefix(branch[:-1])[0] == []
@@ -247,7 +240,7 @@ def test_retraction_and_abort_give_everything_back(gemma3_path):
     # the retracted requests were recomputed (over shortened prefix hits) to the same tokens
     hf = tiny_hf_model("gemma3")
     for rid in ("r0", "r1", "r2"):
-        assert out[rid] == _hf_greedy(hf, prompts[rid], 60), rid
+        assert out[rid] == hf_greedy(hf, prompts[rid], 60), rid
     sched.cache.evict(sched.allocator.total_pages)
     sched.check_accounting()
     st = sched.stats()
@@ -266,7 +259,7 @@ def test_speculative_verify_over_the_hybrid_pool(gemma3_path):
     sched.add_request("s", prompt, {**GREEDY, "max_new_tokens": 40})
     out = _run(sched)["s"]
     assert sched.counters["spec_verify_steps"] > 0
-    assert out == _hf_greedy(hf, prompt, 40)
+    assert out == hf_greedy(hf, prompt, 40)
     st = sched.stats()
     assert st["kv_group1_total_pages"] - st["kv_group1_free_pages"] <= W // 4 + 1  # cached
 

@@ -8,8 +8,12 @@ logit_bias is checked by what it does to greedy decoding and that logprobs stay 
 
 from __future__ import annotations
 
+from functools import partial
+
+import hf_compare
 import pytest
 import torch
+from hf_compare import check_prompt_logprobs, greedy
 from model_fixtures import write_tiny_model
 
 from core.engine.loader import load_model
@@ -32,9 +36,7 @@ def hf_logprobs(tiny):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.float32).eval()
-    with torch.no_grad():
-        return {i: torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1)
-                for i, p in enumerate(PROMPTS)}
+    return {i: hf_compare.hf_logprobs(model, p) for i, p in enumerate(PROMPTS)}
 
 
 def make_core(tiny, **kw):
@@ -45,36 +47,11 @@ def make_core(tiny, **kw):
     return build_engine_core(args, plan, spec, registry, loaded)
 
 
-def run(sched, requests):
-    """Add all, step until all finish: {rid: Req}."""
-    for rid, ids, params in requests:
-        sched.add_request(rid, ids, params)
-    done, steps = {}, 0
-    while sched.has_work:
-        for r in sched.step():
-            if r.finish is not None:
-                done[r.rid] = r
-        steps += 1
-        assert steps < 5000, "no progress"
-    return done
+run = partial(hf_compare.run, max_steps=5000)
 
 
 def params(k=2, max_new=4, **kw):
-    return {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True,
-            "prompt_logprobs": k, **kw}
-
-
-def check_against_hf(req, prompt, ref, k):
-    assert len(req.prompt_lps) == len(prompt) - 1
-    for j, (lp, top, rank) in enumerate(req.prompt_lps):  # position j predicts prompt[j + 1]
-        want = ref[j, prompt[j + 1]].item()
-        assert abs(lp - want) < 1e-4, (j, lp, want)
-        # vLLM's rank: the tokens at least as likely (itself included; 1 = the most likely)
-        assert rank == int((ref[j] >= ref[j, prompt[j + 1]]).sum()), (j, rank)
-        assert len(top) == k
-        ref_v, ref_i = ref[j].topk(k)
-        assert [t for t, _ in top] == ref_i.tolist()
-        assert torch.allclose(torch.tensor([v for _, v in top]), ref_v, atol=1e-4)
+    return greedy(max_new, top=None, prompt_logprobs=k, **kw)
 
 
 @pytest.mark.parametrize("scenario", [{}, {"chunked_prefill_size": 8},
@@ -83,7 +60,7 @@ def test_prompt_logprobs_equal_hf(tiny, hf_logprobs, scenario):
     core = make_core(tiny, **scenario)
     done = run(core.scheduler, [(f"p{i}", p, params()) for i, p in enumerate(PROMPTS)])
     for i, p in enumerate(PROMPTS):
-        check_against_hf(done[f"p{i}"], p, hf_logprobs[i], 2)
+        check_prompt_logprobs(done[f"p{i}"], p, hf_logprobs[i], 2)
     core.scheduler.check_accounting()
 
 
@@ -93,7 +70,7 @@ def test_a_cached_prefix_is_recomputed_for_prompt_logprobs(tiny, hf_logprobs):
     run(sched, [("warm", PROMPTS[0], params(k=None))])  # caches PROMPTS[0]'s pages
     done = run(sched, [("again", PROMPTS[0], params(k=3)),
                        ("plain", PROMPTS[0], params(k=None))])
-    check_against_hf(done["again"], PROMPTS[0], hf_logprobs[0], 3)
+    check_prompt_logprobs(done["again"], PROMPTS[0], hf_logprobs[0], 3)
     assert done["again"].cached_tokens == 0  # it took nothing from the cache
     assert done["plain"].cached_tokens > 0  # the one without prompt logprobs did
     assert done["again"].output_ids == done["plain"].output_ids
@@ -107,7 +84,7 @@ def test_prompt_logprobs_survive_retraction(tiny, hf_logprobs):
     assert core.scheduler.counters["retractions"] > 0, "meant to force retraction"
     for rid, req in done.items():
         i = int(rid[1])
-        check_against_hf(req, PROMPTS[i], hf_logprobs[i], 2)
+        check_prompt_logprobs(req, PROMPTS[i], hf_logprobs[i], 2)
     core.scheduler.check_accounting()
 
 
