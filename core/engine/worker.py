@@ -51,8 +51,8 @@ if TYPE_CHECKING:  # torch and the engine's modules are imported where a phase n
 
     from core.contract.platform import ModelGeometry, Platform
     from core.contract.spec import Proposer
-    from core.engine.draft import DraftModelRunner
     from core.engine.distributed import RankSpec, TPGroup
+    from core.engine.draft import DraftModelRunner
     from core.engine.graphs import GraphDecision
     from core.engine.loader import HFConfig, LoadedModel
     from core.engine.lora import LoRAManager
