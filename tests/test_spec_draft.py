@@ -251,6 +251,7 @@ def test_greedy_outputs_identical_with_a_draft_model(models, plain, name):
     else:
         assert 0 < accepted < drafted, s
     assert any(n.startswith("standalone proposer") for n in core.info.notes)
+    assert any(n.startswith("draft model KV cache") for n in core.info.notes)
     sched.check_accounting()
     _draft_idle(sched)
     # the /metrics counters are the scheduler's

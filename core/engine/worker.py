@@ -677,6 +677,9 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
 
     mem = plan_hybrid_kv(args, spec, plan_at(per_token), plan_at,
                          per_token // max(spec.num_layers, 1), max_context, plan.page_size)
+    if draft is not None:  # the target's own cost per token (the draft's pool says its own)
+        mem = dataclasses.replace(mem, bytes_per_token=mem.bytes_per_token - draft_per_token
+                                  if not mem.kv_groups else mem.bytes_per_token)
     per_token = mem.bytes_per_token
     notes: tuple[str, ...] = ()
     if ranks is not None:  # every rank schedules alike: one pool size, the smallest
@@ -700,8 +703,12 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
     if draft is not None:
         draft_runner = build_draft_runner(draft, plan, registry, platform, mem, device,
                                           max_context, int(cfg.vocab_size))
-        notes = (*notes, *draft.notes)
-        done(f"draft model runner ready (KV cache {draft_runner.allocator.total_pages} pages)")
+        pool_tokens = draft_runner.allocator.total_pages * plan.spec_draft.page_size
+        notes = (*notes, *draft.notes, (
+            f"draft model KV cache {pool_tokens} tokens ({draft_per_token} B/token, "
+            f"{pool_tokens * draft_per_token / 2**20:.0f} MiB): the target's tokens and "
+            f"{plan.spec_draft_tokens} drafts per running request"))
+        done(f"draft model runner ready (KV cache {pool_tokens} tokens)")
     scheduler, eos, sched_notes = build_scheduler(args, plan, runner, req_to_token, mem,
                                                    platform, loaded, max_context, device,
                                                    registry, draft_runner)
