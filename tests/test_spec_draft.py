@@ -261,6 +261,39 @@ def test_greedy_outputs_identical_with_a_draft_model(models, plain, name):
     assert f"core_spec_decode_num_drafts_total {s['spec_num_drafts']}" in text
 
 
+def test_an_fp8_copy_of_the_target_as_draft(models, plain):
+    """The draft's own quantization (--speculative-draft-model-quantization): the target's
+    weights quantized to fp8 at load draft for it; the plan says so, most drafts are
+    accepted and the outputs are the target's."""
+    core = make_core(models, "self", speculative_draft_model_quantization="fp8")
+    d = make_plan(make_server_args(
+        model_path=models["target"], dtype="float32", speculative_algorithm="standalone",
+        speculative_draft_model_path=models["self"],
+        speculative_draft_model_quantization="fp8"))[1].spec_draft
+    assert (d.quant_method, d.quant_format) == ("fp8", "fp8_channel")
+    sched = core.scheduler
+    assert drive(sched, _requests(), check_every_step=False) == plain
+    s = sched.stats()
+    assert s["spec_num_draft_tokens"] // 2 < s["spec_num_accepted_tokens"], s
+    sched.check_accounting()
+    _draft_idle(sched)
+
+
+def test_sampled_requests_with_a_draft_repeat_with_their_seeds(models):
+    """temperature > 0: the drafts go through the engine's rejection sampling; a seeded
+    request gives the same tokens on a fresh engine."""
+    params = {"max_new_tokens": 16, "temperature": 0.8, "top_k": 20, "ignore_eos": True,
+              "seed": 7}
+    outs = []
+    for _ in range(2):
+        sched = make_core(models, "self").scheduler
+        outs.append(drive(sched, [(f"s{i}", p, params) for i, p in enumerate(_prompts()[:3])],
+                          check_every_step=False))
+        assert sched.stats()["spec_verify_steps"] > 0
+        _draft_idle(sched)
+    assert outs[0] == outs[1] and all(len(ids) == 16 for ids, _ in outs[0].values())
+
+
 def test_retraction_releases_the_draft_and_keeps_outputs(models):
     reqs = [(rid, ids, greedy(40)) for rid, ids, _ in _requests()]
     want = drive(make_core(models, None).scheduler, reqs, check_every_step=False)
