@@ -305,12 +305,19 @@ def test_retraction_releases_the_draft_and_keeps_outputs(models):
 
 
 def test_abort_mid_draft_leaves_both_pools_consistent(models, plain):
+    """Aborts while the draft holds unverified drafts: both pools stay consistent, the
+    other requests' outputs are unchanged (their stale drafts are cut at the next step)."""
     sched = make_core(models, "self", chunked_prefill_size=16).scheduler
     for rid, ids, p in _requests():
         sched.add_request(rid, ids, p)
     d = sched.spec.draft
     while sched.stats()["spec_verify_steps"] < 3:
         sched.step()
+    # mid-draft: the draft has run ahead (K/V of drafts never verified, as when the target's
+    # pool cannot take a verify step and the step decodes plainly)
+    before = {rid: len(d.cached(rid)) for rid in d.held}
+    assert sched.spec.propose(list(sched.running)) is not None
+    assert any(len(d.cached(rid)) > n for rid, n in before.items())
     gone = sorted(d.held)[:2]  # two requests with draft K/V now
     assert len(gone) == 2
     assert all(sched.abort(rid) for rid in gone)
