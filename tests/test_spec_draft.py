@@ -112,6 +112,19 @@ def test_plan_names_the_draft_and_survives_json(models):
     note = next(n for n in plan.notes if n.startswith("draft model "))
     assert models["other"] in note and "1 layers" in note and "dtype float32" in note
     assert "quant unquantized" in note and "3 drafts greedily" in note
+    # the draft's own attention backend; the target keeps its own
+    own = make_plan(make_server_args(
+        model_path=models["target"], dtype="float32", speculative_algorithm="standalone",
+        speculative_draft_model_path=models["other"],
+        speculative_draft_attention_backend="torch_native"))[1]
+    assert own.spec_draft.prefill_attention == own.spec_draft.decode_attention == "torch_native"
+    assert (own.prefill_attention, own.decode_attention) == (d.prefill_attention,
+                                                             d.decode_attention)
+    with pytest.raises(ResolveError, match="cannot run here"):
+        make_plan(make_server_args(
+            model_path=models["target"], dtype="float32", speculative_algorithm="standalone",
+            speculative_draft_model_path=models["other"],
+            speculative_draft_attention_backend="no-such-backend"))
     # the worker gets the plan as JSON (core serve's path)
     back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert back == plan
@@ -171,7 +184,13 @@ def test_refusals_with_reasons(models, tmp_path):
                       "speculative_draft_model_path": models["other"],
                       "speculative_draft_load_format": "onnx"}, "is not one of"),
                     ({"speculative_config": '{"method": "draft_model", "model": 3}'},
-                     "model must be a string")):
+                     "model must be a string"),
+                    ({"speculative_algorithm": "standalone",
+                      "speculative_draft_attention_backend": "torch_native"},
+                     "needs --speculative-draft-model-path"),
+                    ({"speculative_algorithm": "standalone",
+                      "speculative_draft_model_path": models["other"],
+                      "speculative_draft_model_revision": "main"}, "local path")):
         with pytest.raises(ValueError, match=msg):
             make_server_args(**t, **kw)
 

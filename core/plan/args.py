@@ -144,6 +144,12 @@ class ServerArgs:
     speculative_draft_model_quantization: str | None = _f(
         None, "speculative", "standalone: the draft's quantization method (default: chosen "
         "for the draft's checkpoint as --quantization is for the target's)")
+    speculative_draft_attention_backend: str | None = _f(
+        None, "speculative", "standalone: the draft's attention backend for both phases "
+        "(default: as the target's, --attention-backend)")
+    speculative_draft_model_revision: str | None = _f(
+        None, "speculative", "standalone: the draft's revision (refused: models load from a "
+        "local path)")
     speculative_config: str | None = _f(
         None, "speculative", "vLLM's form, JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} "
@@ -363,6 +369,11 @@ def validate(args: ServerArgs) -> None:
     _validate_speculative(args)
     _validate_lora(args)
     # Accepted by SGLang, not (yet) implemented here: refused, never silently ignored.
+    if args.speculative_draft_model_revision is not None:
+        raise ValueError(f"--speculative-draft-model-revision "
+                         f"{args.speculative_draft_model_revision}: the draft model loads from "
+                         "a local path (--speculative-draft-model-path), so there is no "
+                         "revision to choose; drop the flag")
     if args.revision is not None:
         raise ValueError(f"--revision {args.revision}: models load from a local path here, so "
                          "there is no revision to choose; drop the flag")
@@ -372,7 +383,8 @@ def _validate_speculative(args: ServerArgs) -> None:
     """The speculative flags' own ranges; which proposer and what it allows is the
     resolver's check (core.plan.resolver)."""
     spec_only = ("speculative_num_draft_tokens", "speculative_draft_model_path",
-                 "speculative_draft_load_format", "speculative_draft_model_quantization")
+                 "speculative_draft_load_format", "speculative_draft_model_quantization",
+                 "speculative_draft_attention_backend")
     if args.speculative_algorithm is None:
         given = [n for n in spec_only if getattr(args, n) is not None]
         if given:

@@ -355,17 +355,22 @@ def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
 
 def draft_server_args(args: ServerArgs, dtype: str, page_size: int) -> ServerArgs:
     """The arguments the draft model of a draft-model proposer is planned and loaded with:
-    its path, load format and quantization; the target's compute dtype, page size, device and
-    kernel choices; speculation, LoRA, grammars, graphs and parallelism off (the draft is one
+    its path, load format, quantization and attention backend (else the target's); the
+    target's compute dtype, page size, device and other kernel choices; speculation, LoRA, grammars, graphs and parallelism off (the draft is one
     model on the target's device, run eagerly)."""
+    attention = {}
+    if args.speculative_draft_attention_backend is not None:
+        attention = {"attention_backend": args.speculative_draft_attention_backend,
+                     "prefill_attention_backend": None, "decode_attention_backend": None}
     return args.replace(
-        model_path=args.speculative_draft_model_path, tokenizer_path=None,
+        **attention, model_path=args.speculative_draft_model_path, tokenizer_path=None,
         load_format=args.speculative_draft_load_format or "auto",
         quantization=args.speculative_draft_model_quantization, dtype=dtype,
         page_size=page_size, context_length=None, speculative_algorithm=None,
         speculative_num_draft_tokens=None, speculative_config=None,
         speculative_draft_model_path=None, speculative_draft_load_format=None,
-        speculative_draft_model_quantization=None, enable_lora=False, lora_paths=None,
+        speculative_draft_model_quantization=None, speculative_draft_attention_backend=None,
+        enable_lora=False, lora_paths=None,
         lora_modules=None, lora_target_modules=None, max_lora_rank=None,
         grammar_backend="none", disable_cuda_graph=True, tp_size=1, dp_size=1, ep_size=1,
         nnodes=1, node_rank=0, reasoning_parser="none", tool_call_parser="none")
