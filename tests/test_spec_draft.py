@@ -313,6 +313,30 @@ def test_sampled_requests_with_a_draft_repeat_with_their_seeds(models):
     assert outs[0] == outs[1] and all(len(ids) == 16 for ids, _ in outs[0].values())
 
 
+@pytest.mark.slow  # two Gemma 3 engines (about 10 s on two shared cores: kept out of the quick
+# suite's budget)
+def test_a_hybrid_kv_target_with_itself_as_draft(tmp_path):
+    """Gemma 3 (alternating sliding-window layers): the target's KV pool is hybrid (a windowed
+    group), the draft's is one plain pool (its windows masked); outputs identical, every
+    draft accepted, both pools consistent after every step."""
+    path = str(write_tiny_model("gemma3", tmp_path / "gemma3"))
+    reqs = [(f"g{i}", p, greedy(16)) for i, p in enumerate(_prompts()[1:4])]
+    outs, cores = [], []
+    for kw in ({}, {"speculative_algorithm": "standalone",
+                    "speculative_draft_model_path": path}):
+        args, plan, spec, registry = make_plan(make_server_args(
+            model_path=path, dtype="float32", max_total_tokens=1024, chunked_prefill_size=16,
+            **kw))
+        cores.append(build_engine_core(args, plan, spec, registry))
+        outs.append(drive(cores[-1].scheduler, reqs))
+    assert outs[0] == outs[1]
+    sched = cores[1].scheduler
+    assert sched.pages.windows  # the target's pool is hybrid
+    s = sched.stats()
+    assert s["spec_num_draft_tokens"] == s["spec_num_accepted_tokens"] > 0
+    _draft_idle(sched)
+
+
 def test_retraction_releases_the_draft_and_keeps_outputs(models):
     reqs = [(rid, ids, greedy(40)) for rid, ids, _ in _requests()]
     want = drive(make_core(models, None).scheduler, reqs, check_every_step=False)
