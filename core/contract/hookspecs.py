@@ -111,7 +111,8 @@ def core_register_spec_proposers(register):
     factory(config: core.contract.spec.SpecConfig) returns a core.contract.spec.Proposer
     (drafts for a batch from each request's tokens; told what was accepted; reset per request).
     A proposer with SpecCaps.needs_draft_weights gets the engine's draft model as
-    SpecConfig.draft (core.contract.spec.DraftModel). The engine verifies the drafts exactly (greedy match, rejection sampling)."""
+    SpecConfig.draft (core.contract.spec.DraftModel). The engine verifies the drafts exactly
+    (greedy match, rejection sampling)."""
 
 
 @hookspec
