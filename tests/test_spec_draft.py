@@ -261,6 +261,7 @@ def test_greedy_outputs_identical_with_a_draft_model(models, plain, name):
     s = sched.stats()
     drafted, accepted = s["spec_num_draft_tokens"], s["spec_num_accepted_tokens"]
     assert s["spec_num_drafts"] > 0 and drafted >= s["spec_num_drafts"]
+    assert s["spec_draft_forwards"] >= s["spec_verify_steps"]  # one draft forward at least
     if draft == "self":  # the target drafting for itself: every draft accepted
         assert accepted == drafted
         fc = sched.runner.forward_count

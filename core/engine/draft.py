@@ -147,4 +147,5 @@ class DraftModelRunner:
         return {"spec_draft_free_pages": self.allocator.free_pages,
                 "spec_draft_total_pages": self.allocator.total_pages,
                 "spec_draft_requests": len(self.held),
-                "spec_draft_dropped": self.dropped}
+                "spec_draft_dropped": self.dropped,
+                "spec_draft_forwards": sum(self.runner.forward_count.values())}
