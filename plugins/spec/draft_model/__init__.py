@@ -14,7 +14,7 @@ CORE_PLUGIN_API = ">=1.11,<2"
 CAPS = SpecCaps(
     devices=("*",), draft_shapes=("chain",), max_draft_tokens=16, needs_draft_weights=True,
     graph_safe=False, grammars=False, tensor_parallel=False,
-    aliases=("draft_model", "draft"),
+    aliases=("draft_model",),
     description="a draft model sharing the target's tokenizer, run by the engine with its own "
                 "KV pool; k greedy drafts per request and step")
 
