@@ -445,3 +445,24 @@ def test_default_model_with_itself_as_draft():
     assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"], s
     assert s["spec_draft_free_pages"] == s["spec_draft_total_pages"]
     assert time.monotonic() - t0 < 600
+
+
+# -- a request's own counts on /generate's meta_info (as the offline Engine's) -------------------
+
+def test_generate_meta_info_carries_the_request_counts():
+    from core.frontend.delta import Delta
+    from core.messages import Finish
+    from core.server.protocol import ParsedRequest
+    from core.server.responses import SeqOut, generate_meta
+
+    counts = {"spec_verify_ct": 2, "spec_draft_tokens": 8, "spec_accepted_tokens": 5}
+    s = SeqOut(index=0, prompt_index=0, rid="x")
+    s.add(Delta("x", 0, "a", (97,)))
+    s.add(Delta("x", 0, "b", (98,), Finish("length"), 3, 2, 0,
+                spec={**counts, "spec_note": None}))
+    meta = generate_meta(s, ParsedRequest("generate", []), None, chr)
+    assert {k: meta[k] for k in counts} == counts and "spec_note" not in meta
+    plain = SeqOut(index=0, prompt_index=0, rid="y")
+    plain.add(Delta("y", 0, "a", (97,), Finish("length"), 3, 1, 0))
+    assert not any(k.startswith("spec") for k in generate_meta(
+        plain, ParsedRequest("generate", []), None, chr))
