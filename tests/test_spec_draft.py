@@ -22,7 +22,7 @@ from core.plan.args import make_server_args
 from core.plan.plan import Plan, ResolveError
 from core.server.metrics import ServerMetrics
 
-MAX_NEW = 24
+MAX_NEW = 16
 
 
 @pytest.fixture(scope="module")
@@ -301,17 +301,16 @@ def test_an_fp8_copy_of_the_target_as_draft(models, plain):
 
 def test_sampled_requests_with_a_draft_repeat_with_their_seeds(models):
     """temperature > 0: the drafts go through the engine's rejection sampling; a seeded
-    request gives the same tokens on a fresh engine."""
+    request gives the same tokens when sent again."""
     params = {"max_new_tokens": 16, "temperature": 0.8, "top_k": 20, "ignore_eos": True,
               "seed": 7}
-    outs = []
-    for _ in range(2):
-        sched = make_core(models, "self").scheduler
-        outs.append(drive(sched, [(f"s{i}", p, params) for i, p in enumerate(_prompts()[:3])],
-                          check_every_step=False))
-        assert sched.stats()["spec_verify_steps"] > 0
-        _draft_idle(sched)
-    assert outs[0] == outs[1] and all(len(ids) == 16 for ids, _ in outs[0].values())
+    sched = make_core(models, "self").scheduler
+    outs = [drive(sched, [(f"{run}{i}", p, params) for i, p in enumerate(_prompts()[:3])],
+                  check_every_step=False) for run in "ab"]
+    assert sched.stats()["spec_verify_steps"] > 0
+    _draft_idle(sched)
+    assert [v for _, v in sorted(outs[0].items())] == [v for _, v in sorted(outs[1].items())]
+    assert all(len(ids) == 16 for ids, _ in outs[0].values())
 
 
 @pytest.mark.slow  # two Gemma 3 engines (about 10 s on two shared cores: kept out of the quick
@@ -354,9 +353,11 @@ def test_abort_mid_draft_leaves_both_pools_consistent(models, plain):
     sched = make_core(models, "self", chunked_prefill_size=16).scheduler
     for rid, ids, p in _requests():
         sched.add_request(rid, ids, p)
-    d = sched.spec.draft
-    while sched.stats()["spec_verify_steps"] < 3:
-        sched.step()
+    d, done = sched.spec.draft, {}
+    while sched.stats()["spec_verify_steps"] < 2:
+        for r in sched.step():
+            if r.finish:
+                done[r.rid] = (list(r.output_ids), r.finish)
     # mid-draft: the draft has run ahead (K/V of drafts never verified, as when the target's
     # pool cannot take a verify step and the step decodes plainly)
     before = {rid: len(d.cached(rid)) for rid in d.held}
@@ -367,7 +368,6 @@ def test_abort_mid_draft_leaves_both_pools_consistent(models, plain):
     assert all(sched.abort(rid) for rid in gone)
     assert not set(gone) & set(d.held)
     sched.check_accounting()
-    done = {}
     while sched.has_work:
         for r in sched.step():
             if r.finish:
