@@ -8,7 +8,9 @@ or by importing them into a test module:
 
 Parametrization: every registered proposer whose packages are installed (or only those named;
 a named one that cannot run is one skip with the reason) x every case (CASES). A proposer
-whose caps say needs_draft_weights is skipped with that reason (the suite loads no model).
+whose caps say needs_draft_weights is given `ToyDraft` as SpecConfig.draft: a host-only
+stand-in for the engine's draft model (core.contract.spec.DraftModel) whose "model" is a fixed
+function of the last tokens, so the suite loads no model; it gets the DRAFT_CASES too.
 
 The checks, as core/contract/spec.py states them:
 - protocol: the factory, given a SpecConfig, builds a core.contract.spec.Proposer.
@@ -25,10 +27,16 @@ The checks, as core/contract/spec.py states them:
   `chain` drafts proposes something on some step (a proposer that never drafts is useless,
   not wrong: set CORE_SPEC_CONFORMANCE_NO_REPEATS=1 for a model-based proposer the suite
   cannot feed; the case is skipped then).
+- draft release (draft-model proposers): after propose and observe over a batch, reset of
+  every request leaves the draft holding nothing (no KV leaked), and what it holds for a
+  request is always that request's tokens followed by drafts (never another's).
+- draft pool full: a draft model that cannot hold a request (forward gives None) costs that
+  request its drafts, never an exception or an out-of-bounds list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -59,6 +67,59 @@ def _batch(seed: int) -> list[DraftRequest]:
         for k in range(CONFIG.num_draft_tokens + 1):
             out.append(DraftRequest(f"{rid}-{i}-{k}", toks, plen, k))
     return out
+
+
+class ToyDraft:
+    """A host-only DraftModel (core.contract.spec): per request the token ids "cached", the next
+    token a fixed function of the last two and the length; `capacity` bounds the tokens it
+    holds over all requests (a full pool gives None and drops the request, as the engine's)."""
+
+    def __init__(self, vocab: int = VOCAB, capacity: int | None = None):
+        self.vocab, self.capacity = vocab, capacity
+        self.held: dict[str, list[int]] = {}
+
+    def cached(self, rid: str) -> Sequence[int]:
+        return tuple(self.held.get(rid, ()))
+
+    def forward(self, rids: Sequence[str], tokens: Sequence[Sequence[int]]) -> list[int | None]:
+        assert len(rids) == len(tokens) and len(set(rids)) == len(rids), \
+            "forward: one token list per distinct request id"
+        out: list[int | None] = []
+        for rid, toks in zip(rids, tokens, strict=True):
+            assert toks, f"forward: no new token for {rid}"
+            seq = self.held.setdefault(rid, [])
+            used = sum(len(v) for v in self.held.values())
+            if self.capacity is not None and used + len(toks) > self.capacity:
+                del self.held[rid]
+                out.append(None)
+                continue
+            seq.extend(int(t) for t in toks)
+            a, b = seq[-1], seq[-2] if len(seq) > 1 else 0
+            out.append((a * 31 + b * 17 + len(seq)) % self.vocab)
+        return out
+
+    def truncate(self, rid: str, n: int) -> None:
+        if rid in self.held:
+            del self.held[rid][max(n, 0):]
+
+    def release(self, rid: str) -> None:
+        self.held.pop(rid, None)
+
+
+class Builder:
+    """Builds the proposer under test; for a draft-model proposer with a fresh ToyDraft each
+    time (the latest in `draft`)."""
+
+    def __init__(self, factory: Callable[[SpecConfig], object], needs_draft: bool,
+                 capacity: int | None = None):
+        self.factory, self.needs_draft, self.capacity = factory, needs_draft, capacity
+        self.draft: ToyDraft | None = None
+
+    def __call__(self) -> object:
+        if not self.needs_draft:
+            return self.factory(CONFIG)
+        self.draft = ToyDraft(VOCAB, self.capacity)
+        return self.factory(dataclasses.replace(CONFIG, draft=self.draft))
 
 
 def check_protocol(build: Callable[[], object], seed: int) -> None:
@@ -127,6 +188,35 @@ def check_repeats(build: Callable[[], object], seed: int) -> None:
     assert got[0], "no draft for a request that repeats one block six times"
 
 
+def check_draft_release(build: Builder, seed: int) -> None:
+    p = build()
+    draft = build.draft
+    reqs = _batch(seed)
+    for step in range(3):
+        got = p.propose(reqs)
+        _check_bounds(reqs, got)
+        for r, d in zip(reqs, got, strict=True):
+            held = list(draft.cached(r.rid))
+            assert held[:len(r.tokens)] == list(r.tokens)[:len(held)], (
+                f"{r.rid}: the draft holds tokens that are not the request's")
+            if d:
+                p.observe(r.rid, len(d), step % (len(d) + 1))
+    for r in reqs:
+        p.reset(r.rid)
+    assert not draft.held, f"after reset the draft still holds {sorted(draft.held)[:4]}"
+
+
+def check_draft_full(build: Builder, seed: int) -> None:
+    reqs = _batch(seed)
+    for capacity in (0, 64):
+        tight = Builder(build.factory, True, capacity)
+        p = tight()
+        _check_bounds(reqs, p.propose(reqs))
+        for r in reqs:
+            p.reset(r.rid)
+        assert not tight.draft.held, "after reset the draft still holds requests"
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -136,6 +226,7 @@ class Case:
 CASES = (Case("protocol", check_protocol), Case("bounds", check_bounds),
          Case("short-inputs", check_short), Case("determinism", check_determinism),
          Case("reset-observe", check_lifecycle), Case("repeats", check_repeats))
+DRAFT_CASES = (Case("draft-release", check_draft_release), Case("draft-full", check_draft_full))
 
 
 def _missing(requires: Sequence[str]) -> list[str]:
@@ -154,14 +245,13 @@ def spec_params(config: pytest.Config) -> list:
         why = None
         if _missing(caps.requires):
             why = f"{name}: package {_missing(caps.requires)[0]} is not installed"
-        elif caps.needs_draft_weights:
-            why = f"{name}: needs draft weights (the suite loads no model)"
         if why is not None:
             if name in named:
                 params.append(pytest.param(name, None, id=f"{name}-unavailable",
                                            marks=pytest.mark.skip(reason=why)))
             continue
-        params += [pytest.param(name, case, id=f"{name}-{case.id}") for case in CASES]
+        cases = CASES + (DRAFT_CASES if caps.needs_draft_weights else ())
+        params += [pytest.param(name, case, id=f"{name}-{case.id}") for case in cases]
     return params
 
 
@@ -176,5 +266,4 @@ def test_spec_proposer_conformance(spec_name, spec_case, request):
 
     reg = get_registry().get("spec", spec_name)
     seed = int(request.config.getoption("conformance_seed", default=0) or 0)
-    factory = reg.load()
-    spec_case.check(lambda: factory(CONFIG), seed)
+    spec_case.check(Builder(reg.load(), reg.caps.needs_draft_weights), seed)

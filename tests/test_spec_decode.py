@@ -88,7 +88,8 @@ def test_flags_sglang_names_case_insensitive_and_vllm_config():
     bad = [({"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 2,
              "speculative_config": '{"method": "ngram", "num_speculative_tokens": 5}'},
             "contradicts"),
-           ({"speculative_config": '{"method": "ngram", "model": "x"}'}, "not supported"),
+           ({"speculative_config": '{"method": "ngram", "draft_tensor_parallel_size": 1}'},
+            "not supported"),
            ({"speculative_config": '{"num_speculative_tokens": 5}'}, "needs \"method\""),
            ({"speculative_config": "{method"}, "not JSON"),
            ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": "4"}'},
@@ -102,7 +103,7 @@ def test_flags_sglang_names_case_insensitive_and_vllm_config():
             make_server_args(**kw)
 
 
-@pytest.mark.parametrize("name", ["STANDALONE", "eagle", "EAGLE3", "draft_model"])
+@pytest.mark.parametrize("name", ["eagle", "EAGLE3", "NextN"])
 def test_algorithms_not_built_yet_are_refused_as_such(name):
     with pytest.raises(ResolveError, match="not implemented yet") as e:
         make_plan(make_server_args(speculative_algorithm=name))

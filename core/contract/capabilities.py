@@ -553,7 +553,8 @@ class SpecCaps(_Frozen):
     "chain" (one sequence of drafts per request) and/or "tree" (the engine verifies chains
     only in this release, so a proposer must offer "chain"). max_draft_tokens: the most drafts
     it proposes per request and step (--speculative-num-draft-tokens above it is refused).
-    needs_draft_weights: it runs a draft model (--speculative-draft-model-path needed).
+    needs_draft_weights: it runs a draft model (--speculative-draft-model-path needed): the
+    engine loads it, with a KV pool of its own, and gives it as SpecConfig.draft.
     graph_safe: its drafting can sit inside a captured graph. grammars: its drafts may be
     checked against a grammar matcher and rolled back (else constrained requests decode
     without speculation, with a note). tensor_parallel: it runs under --tp-size > 1.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.10"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.11"  # 1.1: hardware targets may register a Platform; layer ops
 # 1.2: quant factories take the checkpoint's QuantScheme (core.contract.quant); QuantCaps formats
 # 1.3: grammar backends (structured output, core.contract.grammar)
 # 1.4: QuantCaps.programs; quant methods may load tensors themselves (weight_loader,
@@ -37,6 +37,8 @@ PLUGIN_API_VERSION = "1.10"  # 1.1: hardware targets may register a Platform; la
 #       ModelCaps.lora_modules; ToolParserCaps.reads (special-token markers a tool parser
 #       reads, kept when detokenizing); MoECaps.expert_bias and the "swigluoai" activation
 #       (core.contract.moe: GPT-OSS's experts)
+# 1.11: draft-model proposers: SpecConfig.draft, the engine's DraftModel (core.contract.spec),
+#       given to proposers whose SpecCaps say needs_draft_weights
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -108,7 +110,9 @@ def core_register_spec_proposers(register):
     """Register speculative-decoding proposers: register(name, SpecCaps, factory);
     factory(config: core.contract.spec.SpecConfig) returns a core.contract.spec.Proposer
     (drafts for a batch from each request's tokens; told what was accepted; reset per request).
-    The engine verifies the drafts exactly (greedy match, rejection sampling)."""
+    A proposer with SpecCaps.needs_draft_weights gets the engine's draft model as
+    SpecConfig.draft (core.contract.spec.DraftModel). The engine verifies the drafts exactly
+    (greedy match, rejection sampling)."""
 
 
 @hookspec

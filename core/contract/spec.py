@@ -27,6 +27,21 @@ The engine calls, from the scheduler's thread (never concurrently):
 Given the same calls, a proposer must give the same drafts (determinism: the conformance suite
 checks it, and greedy outputs must not depend on timing). `SpecConfig` carries the user's
 settings; a proposer reads those it understands and says in `notes()` what it chose.
+
+A proposer whose caps say `needs_draft_weights` (API 1.11) is given the engine's draft model as
+`SpecConfig.draft`, a `DraftModel`: the model at --speculative-draft-model-path, loaded by the
+engine's loader in the draft's own load format and quantization, run on the target's device
+with a paged KV pool of its own. It keeps, per request id, the tokens whose K/V it holds:
+- `cached(rid) -> Sequence[int]`: those tokens (empty for an unknown id);
+- `forward(rids, tokens) -> list[int | None]`: appends tokens[i] (at least one) to rid i's
+  cached tokens, computing their K/V in one batch, and gives the draft model's greedy next
+  token after them (below SpecConfig.vocab_size), or None for a request its pool could not
+  hold this step (its K/V is then dropped: cached(rid) is empty again);
+- `truncate(rid, n)`: keep the first n cached tokens only (pages past them go back);
+- `release(rid)`: drop all of rid's K/V (unknown ids are fine).
+The proposer keeps the draft in step with the request: it truncates to the common prefix of
+cached(rid) and the request's tokens, feeds the rest, then its own drafts one by one; after
+verification (observe) it truncates to what was accepted; reset(rid) must release(rid).
 """
 
 from __future__ import annotations
@@ -44,6 +59,9 @@ class SpecConfig:
     min_match: int = 1  # ngram-style proposers: shortest suffix that must match
     max_match: int = 12  # longest suffix tried (the look-up's work bound)
     vocab_size: int = 0  # drafts must lie below it (0: unknown)
+    # the engine's draft model (a DraftModel), for proposers whose caps need draft weights;
+    # None for the others
+    draft: DraftModel | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +72,29 @@ class DraftRequest:
     tokens: Sequence[int]  # prompt + output so far
     prompt_len: int  # how many of `tokens` are the prompt
     max_tokens: int  # propose at most this many
+
+
+@runtime_checkable
+class DraftModel(Protocol):
+    """The engine's draft model with its own paged KV pool (see the module doc)."""
+
+    def cached(self, rid: str) -> Sequence[int]:
+        """The tokens of rid whose K/V the draft holds, in order (empty: none)."""
+        ...
+
+    def forward(self, rids: Sequence[str], tokens: Sequence[Sequence[int]]
+                ) -> list[int | None]:
+        """Append tokens[i] to rids[i]'s cached tokens (one batch); the greedy next token
+        after each, or None where the pool could not hold the request (its K/V dropped)."""
+        ...
+
+    def truncate(self, rid: str, n: int) -> None:
+        """Keep rid's first n cached tokens only."""
+        ...
+
+    def release(self, rid: str) -> None:
+        """Drop all of rid's K/V (unknown ids are fine)."""
+        ...
 
 
 @runtime_checkable

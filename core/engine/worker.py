@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # torch and the engine's modules are imported where a phase n
     from core.contract.platform import ModelGeometry, Platform
     from core.contract.spec import Proposer
     from core.engine.distributed import RankSpec, TPGroup
+    from core.engine.draft import DraftModelRunner
     from core.engine.graphs import GraphDecision
     from core.engine.loader import HFConfig, LoadedModel
     from core.engine.lora import LoRAManager
@@ -360,11 +361,11 @@ def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Plat
 def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
                     req_to_token: ReqToTokenPool, mem: MemoryPlan, platform: Platform,
                     loaded: LoadedModel, max_context: int, device: torch.device,
-                    registry: Registry | None = None
+                    registry: Registry | None = None, draft: DraftModelRunner | None = None
                     ) -> tuple[Scheduler, set[int], tuple[str, ...]]:
     """Phase 4: pages, prefix cache, sampler, the grammar backend, the speculative proposer
-    and the scheduler. Returns (scheduler, EOS ids, notes: the overlap schedule's, the
-    proposer's)."""
+    (given `draft`, the draft model, where it runs one) and the scheduler. Returns
+    (scheduler, EOS ids, notes: the overlap schedule's, the proposer's)."""
     from core.contract.grammar import make_grammar
     from core.engine.grammar_compiler import CompilerSpec, CompileService
     from core.engine.memory.memory_pool import PageAllocator
@@ -420,7 +421,8 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
             workers=GRAMMAR_COMPILE_PROCESSES, timeout_s=args.grammar_compile_timeout)
     proposer, spec_grammars, notes = None, False, [overlap_note]
     if plan.spec_proposer is not None:
-        proposer, spec_grammars = make_proposer(args, plan, int(cfg.vocab_size), registry)
+        proposer, spec_grammars = make_proposer(args, plan, int(cfg.vocab_size), registry,
+                                                draft)
         said = getattr(proposer, "notes", None)  # optional: what the proposer chose
         if callable(said):
             notes += [str(n) for n in said()]
@@ -431,13 +433,17 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
                           proposer=proposer, proposer_grammars=spec_grammars,
                           windows=windows, group_allocators=group_allocators,
                           lora=runner.lora)
+    if scheduler.spec is not None:
+        scheduler.spec.draft = draft  # its pool's accounting and stats
     return scheduler, eos, tuple(notes)
 
 
 def make_proposer(args: ServerArgs, plan: Plan, vocab_size: int,
-                  registry: Registry | None = None) -> tuple[Proposer, bool]:
-    """The plan's speculative proposer built from the --speculative-* flags, and whether it
-    checks drafts against grammars (SpecCaps.grammars)."""
+                  registry: Registry | None = None, draft: DraftModelRunner | None = None
+                  ) -> tuple[Proposer, bool]:
+    """The plan's speculative proposer built from the --speculative-* flags (and the engine's
+    draft model, for one whose caps need draft weights), and whether it checks drafts against
+    grammars (SpecCaps.grammars)."""
     from core.contract import spec as contract
 
     if registry is None:
@@ -447,16 +453,113 @@ def make_proposer(args: ServerArgs, plan: Plan, vocab_size: int,
     reg = registry.get("spec", plan.spec_proposer)
     if reg is None:
         raise ValueError(f"speculative proposer {plan.spec_proposer!r} is not registered")
+    if reg.caps.needs_draft_weights and draft is None:
+        raise ValueError(f"speculative proposer {plan.spec_proposer!r} needs a draft model "
+                         "(--speculative-draft-model-path)")
     config = contract.SpecConfig(num_draft_tokens=plan.spec_draft_tokens,
                         min_match=args.speculative_ngram_min_match_window_size,
                         max_match=args.speculative_ngram_max_match_window_size,
-                        vocab_size=vocab_size)
+                        vocab_size=vocab_size,
+                        draft=draft if reg.caps.needs_draft_weights else None)
     proposer = reg.load()(config)
     if not isinstance(proposer, contract.Proposer):
         raise TypeError(f"speculative proposer {plan.spec_proposer!r} from "
                         f"{reg.origin.describe()} does not implement propose / observe / reset "
                         "(core.contract.spec.Proposer)")
     return proposer, reg.caps.grammars
+
+
+@dataclass
+class LoadedDraft:
+    """The draft model of a draft-model proposer, loaded, with what its KV pool needs."""
+
+    loaded: LoadedModel
+    spec: ModelSpec
+    kv_dtype: torch.dtype
+    bytes_per_token: int
+    notes: tuple[str, ...]
+
+
+def load_draft(args: ServerArgs, plan: Plan, registry: Registry, device: torch.device,
+               target: LoadedModel) -> LoadedDraft:
+    """Load plan.spec_draft's model with the engine's loader (the draft's own load format and
+    quant method) and check that it shares the target's tokenizer: every token of the
+    target's vocabulary must have the same id in the draft's (ValueError naming a few that do
+    not)."""
+    from core.engine.loader import load_model
+    from core.plan.model_spec import load_model_spec
+    from core.plan.resolver import draft_server_args
+
+    dplan = plan.spec_draft
+    dargs = draft_server_args(args, dplan.dtype, dplan.page_size)
+    loaded = load_model(dargs, dplan, registry, device=device)
+    notes = [f"draft model: {n}" for n in loaded.notes]
+    why = tokenizers_differ(target.tokenizer, loaded.tokenizer)
+    if why is not None:
+        raise ValueError(f"--speculative-draft-model-path {dargs.model_path}: the draft does not "
+                         f"share the target's tokenizer: {why}")
+    if target.tokenizer is None or loaded.tokenizer is None:
+        notes.append("draft model: tokenizers not compared (one model has none); only the "
+                     "vocabulary sizes were")
+    dspec = load_model_spec(dargs.model_path)
+    kv_dtype = kv_dtype_of(dplan)
+    return LoadedDraft(loaded, dspec, kv_dtype, kv_bytes_per_token(dspec, dspec.num_kv_heads,
+                                                                    kv_dtype), tuple(notes))
+
+
+def tokenizers_differ(target: Any, draft: Any) -> str | None:
+    """Why the draft's tokenizer is not the target's (token ids differ), or None (the same,
+    or one of them missing)."""
+    if target is None or draft is None:
+        return None
+    a, b = target.hf.get_vocab(), draft.hf.get_vocab()
+    wrong = sorted((i, t) for t, i in a.items() if b.get(t) != i)
+    if not wrong:
+        return None
+    shown = ", ".join(f"{t!r} is {i} in the target's, {b.get(t)} in the draft's"
+                      for i, t in wrong[:3])
+    return f"{len(wrong)} of the target's {len(a)} tokens differ ({shown})"
+
+
+def build_draft_runner(draft: LoadedDraft, plan: Plan, registry: Registry, platform: Platform,
+                       mem: MemoryPlan, device: torch.device, max_context: int,
+                       target_vocab: int) -> DraftModelRunner:
+    """The draft's model runner over a KV pool of its own: the target's tokens, plus room for
+    every running request's drafts and a partly filled page, plus the padding-sink page."""
+    from core.contract.attention import BackendContext
+    from core.engine.draft import DraftModelRunner
+    from core.engine.memory.kv_cache import KVPool, MLAKVPool
+    from core.engine.memory.memory_pool import PageAllocator, ReqToTokenPool
+    from core.engine.model_runner import ModelRunner, make_backends
+
+    dplan, dspec, loaded = plan.spec_draft, draft.spec, draft.loaded
+    page = dplan.page_size
+    tokens = mem.kv_tokens + mem.max_running * (plan.spec_draft_tokens + 1 + page)
+    pages = -(-tokens // page) + 1
+    context = min(max_context, int(getattr(loaded.hf_config, "max_position_embeddings", None)
+                                   or dspec.context_length))
+    if dspec.attention_kind == "MLA":
+        mla = dspec.mla or {}
+        pool = MLAKVPool(pages * page, dspec.num_layers, int(mla["kv_lora_rank"]),
+                         int(mla["qk_rope_head_dim"]), draft.kv_dtype, device, page,
+                         platform=platform)
+    else:
+        pool = KVPool(pages * page, dspec.num_layers, dspec.num_kv_heads, dspec.head_dim,
+                      draft.kv_dtype, device, page, dspec.v_head_dim,
+                      store=loaded.ops.store_kv() if loaded.ops is not None else None,
+                      platform=platform)
+    table = ReqToTokenPool(mem.max_running, context, device)
+    ctx = BackendContext(num_heads=dspec.num_heads, num_kv_heads=dspec.num_kv_heads,
+                         head_dim=dspec.head_dim, num_layers=dspec.num_layers,
+                         dtype=loaded.dtype, kv_dtype=draft.kv_dtype, device=device,
+                         page_size=page, max_context_len=context)
+    prefill, decode = make_backends(registry, dplan.prefill_attention, dplan.decode_attention,
+                                    ctx)
+    runner = ModelRunner(loaded.model, pool, table, prefill, decode, device, platform)
+    runner.warmup(platform.warmup_shapes())
+    return DraftModelRunner(runner, PageAllocator(pages, page), table,
+                            min(target_vocab, int(loaded.hf_config.vocab_size)),
+                            max_extend=mem.chunked_prefill_size or 512)
 
 
 @dataclass
@@ -560,14 +663,23 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
     kv_dtype = kv_dtype_of(plan)
     heads, kv_heads = local_heads(spec, tp)
     per_token = kv_bytes_per_token(spec, kv_heads, kv_dtype)
+    draft = None
+    if plan.spec_draft is not None:  # loaded before the KV budget is taken from what is free
+        draft = load_draft(args, plan, registry, device, loaded)
+        done(f"draft model loaded ({plan.spec_draft.quant_method} on {device})")
+    draft_per_token = draft.bytes_per_token if draft is not None else 0
     free_now = platform.memory(index)[0] // sharing if args.max_total_tokens is None else 0
 
     def plan_at(bytes_per_token: int) -> MemoryPlan:
-        return plan_memory(args, plan, spec, cfg, loaded.dtype.itemsize, bytes_per_token,
-                           free_now, platform)
+        # the draft's KV pool holds as many tokens as the target's: one budget for both
+        return plan_memory(args, plan, spec, cfg, loaded.dtype.itemsize,
+                           bytes_per_token + draft_per_token, free_now, platform)
 
     mem = plan_hybrid_kv(args, spec, plan_at(per_token), plan_at,
                          per_token // max(spec.num_layers, 1), max_context, plan.page_size)
+    if draft is not None:  # the target's own cost per token (the draft's pool says its own)
+        mem = dataclasses.replace(mem, bytes_per_token=mem.bytes_per_token - draft_per_token
+                                  if not mem.kv_groups else mem.bytes_per_token)
     per_token = mem.bytes_per_token
     notes: tuple[str, ...] = ()
     if ranks is not None:  # every rank schedules alike: one pool size, the smallest
@@ -587,9 +699,19 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
                                       req_to_token, kv_dtype, device, max_context, mem,
                                       heads, kv_heads, group_pools, args)
     done("model runner ready (kernels built, warmed up)")
+    draft_runner = None
+    if draft is not None:
+        draft_runner = build_draft_runner(draft, plan, registry, platform, mem, device,
+                                          max_context, int(cfg.vocab_size))
+        pool_tokens = draft_runner.allocator.total_pages * plan.spec_draft.page_size
+        notes = (*notes, *draft.notes, (
+            f"draft model KV cache {pool_tokens} tokens ({draft_per_token} B/token, "
+            f"{pool_tokens * draft_per_token / 2**20:.0f} MiB): the target's tokens and "
+            f"{plan.spec_draft_tokens} drafts per running request"))
+        done(f"draft model runner ready (KV cache {pool_tokens} tokens)")
     scheduler, eos, sched_notes = build_scheduler(args, plan, runner, req_to_token, mem,
                                                    platform, loaded, max_context, device,
-                                                   registry)
+                                                   registry, draft_runner)
     done("scheduler ready")
     info = EngineInfo(
         max_context=max_context, pool_tokens=scheduler.allocator.total_pages * plan.page_size,

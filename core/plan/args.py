@@ -124,8 +124,9 @@ class ServerArgs:
     # speculative decoding (core.contract.spec; core.engine.scheduler.spec verifies)
     speculative_algorithm: str | None = _f(
         None, "speculative", "speculative decoding proposer, case-insensitive: ngram (prompt "
-        "lookup), suffix (the request and earlier outputs, SuffixDecoding-style), or a "
-        "plugin's; standalone and eagle are not implemented yet")
+        "lookup), suffix (the request and earlier outputs, SuffixDecoding-style), standalone "
+        "(a draft model, --speculative-draft-model-path; vLLM's draft_model), or a plugin's; "
+        "eagle is not implemented yet")
     speculative_num_draft_tokens: int | None = _f(
         None, "speculative", "most draft tokens per request and step (default: 4, at most the "
         "proposer's limit)")
@@ -134,9 +135,25 @@ class ServerArgs:
         "match earlier")
     speculative_ngram_max_match_window_size: int = _f(
         12, "speculative", "ngram / suffix: longest suffix tried (suffix: its index depth)")
+    speculative_draft_model_path: str | None = _f(
+        None, "speculative", "standalone: the draft model (directory, config.json or .gguf), "
+        "sharing the target's tokenizer; loaded by the engine with a KV pool of its own")
+    speculative_draft_load_format: str | None = _f(
+        None, "speculative", "standalone: the draft's weight format (default: auto)",
+        choices=LOAD_FORMATS)
+    speculative_draft_model_quantization: str | None = _f(
+        None, "speculative", "standalone: the draft's quantization method (default: chosen "
+        "for the draft's checkpoint as --quantization is for the target's)")
+    speculative_draft_attention_backend: str | None = _f(
+        None, "speculative", "standalone: the draft's attention backend for both phases "
+        "(default: as the target's, --attention-backend)")
+    speculative_draft_model_revision: str | None = _f(
+        None, "speculative", "standalone: the draft's revision (refused: models load from a "
+        "local path)")
     speculative_config: str | None = _f(
         None, "speculative", "vLLM's form, JSON: {\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}, "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} "
+        "or {\"method\": \"draft_model\", \"model\": PATH, \"quantization\": ...}, "
         "mapped onto the --speculative-* flags")
     # LoRA adapters (core.contract.lora; core.engine.lora holds them)
     enable_lora: bool = _f(False, "lora", "serve LoRA adapters of the base model (PEFT format); "
@@ -247,7 +264,11 @@ LIST_FIELDS = ("lora_paths", "lora_modules", "lora_target_modules")
 SPEC_CONFIG_KEYS = {"method": "speculative_algorithm",
                     "num_speculative_tokens": "speculative_num_draft_tokens",
                     "prompt_lookup_min": "speculative_ngram_min_match_window_size",
-                    "prompt_lookup_max": "speculative_ngram_max_match_window_size"}
+                    "prompt_lookup_max": "speculative_ngram_max_match_window_size",
+                    "model": "speculative_draft_model_path",
+                    "quantization": "speculative_draft_model_quantization"}
+SPEC_CONFIG_STRINGS = ("speculative_algorithm", "speculative_draft_model_path",
+                       "speculative_draft_model_quantization")
 
 
 def apply_speculative_config(args: ServerArgs) -> ServerArgs:
@@ -277,11 +298,11 @@ def apply_speculative_config(args: ServerArgs) -> ServerArgs:
         if key not in conf:
             continue
         value, given = conf[key], getattr(args, name)
-        if name != "speculative_algorithm" and (isinstance(value, bool)
+        if name not in SPEC_CONFIG_STRINGS and (isinstance(value, bool)
                                                 or not isinstance(value, int)):
             raise ValueError(f"--speculative-config: {key} must be an integer, got {value!r}")
-        if name == "speculative_algorithm" and not isinstance(value, str):
-            raise ValueError(f"--speculative-config: method must be a string, got {value!r}")
+        if name in SPEC_CONFIG_STRINGS and not isinstance(value, str):
+            raise ValueError(f"--speculative-config: {key} must be a string, got {value!r}")
         same = (given.lower() == value.lower() if isinstance(given, str) and
                 isinstance(value, str) else given == value)
         if given != defaults[name] and not same:
@@ -315,7 +336,7 @@ def validate(args: ServerArgs) -> None:
     for f in dataclasses.fields(ServerArgs):
         choices = f.metadata.get("choices")
         value = getattr(args, f.name)
-        if choices and value not in choices:
+        if choices and value is not None and value not in choices:
             raise ValueError(f"--{f.name.replace('_', '-')}: {value!r} is not one of "
                              f"{', '.join(choices)}")
     positive = ("max_total_tokens", "max_running_requests", "max_queued_requests", "page_size",
@@ -348,6 +369,11 @@ def validate(args: ServerArgs) -> None:
     _validate_speculative(args)
     _validate_lora(args)
     # Accepted by SGLang, not (yet) implemented here: refused, never silently ignored.
+    if args.speculative_draft_model_revision is not None:
+        raise ValueError(f"--speculative-draft-model-revision "
+                         f"{args.speculative_draft_model_revision}: the draft model loads from "
+                         "a local path (--speculative-draft-model-path), so there is no "
+                         "revision to choose; drop the flag")
     if args.revision is not None:
         raise ValueError(f"--revision {args.revision}: models load from a local path here, so "
                          "there is no revision to choose; drop the flag")
@@ -356,7 +382,9 @@ def validate(args: ServerArgs) -> None:
 def _validate_speculative(args: ServerArgs) -> None:
     """The speculative flags' own ranges; which proposer and what it allows is the
     resolver's check (core.plan.resolver)."""
-    spec_only = ("speculative_num_draft_tokens",)
+    spec_only = ("speculative_num_draft_tokens", "speculative_draft_model_path",
+                 "speculative_draft_load_format", "speculative_draft_model_quantization",
+                 "speculative_draft_attention_backend")
     if args.speculative_algorithm is None:
         given = [n for n in spec_only if getattr(args, n) is not None]
         if given:
@@ -367,6 +395,11 @@ def _validate_speculative(args: ServerArgs) -> None:
     n = args.speculative_num_draft_tokens
     if n is not None and not 1 <= n <= 64:
         raise ValueError(f"--speculative-num-draft-tokens must be in 1..64, got {n}")
+    if args.speculative_draft_model_path is None:
+        given = [n for n in spec_only[2:] if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs "
+                             "--speculative-draft-model-path")
     lo = args.speculative_ngram_min_match_window_size
     hi = args.speculative_ngram_max_match_window_size
     if not 1 <= lo <= hi:

@@ -347,18 +347,21 @@ def check_model(caps: ModelCaps, spec: ModelSpec) -> list[str]:
 
 
 def check_spec(caps: SpecCaps, device: DeviceInfo, *, num_draft_tokens: int | None,
-               tp_size: int) -> list[str]:
+               tp_size: int, draft_model: str | None = None) -> list[str]:
     """Reasons a speculative proposer cannot run in this engine: its device and packages, a
-    draft shape the engine verifies (chains), the draft length asked for, a draft model (not
-    loaded by this engine yet), tensor parallelism."""
+    draft shape the engine verifies (chains), the draft length asked for, a draft model it
+    needs and was not given (--speculative-draft-model-path) or one given to a proposer that
+    runs none, tensor parallelism."""
     reasons = check_device(caps, device)
     if "chain" not in caps.draft_shapes:
         reasons.append(f"drafts {_join(caps.draft_shapes)} only; the engine verifies chains")
     if num_draft_tokens is not None and num_draft_tokens > caps.max_draft_tokens:
         reasons.append(f"proposes at most {caps.max_draft_tokens} draft tokens "
                        f"(--speculative-num-draft-tokens {num_draft_tokens})")
-    if caps.needs_draft_weights:
-        reasons.append("needs a draft model, which this engine does not load yet")
+    if caps.needs_draft_weights and not draft_model:
+        reasons.append("needs a draft model (--speculative-draft-model-path)")
+    if draft_model and not caps.needs_draft_weights:
+        reasons.append(f"runs no draft model (--speculative-draft-model-path {draft_model})")
     if tp_size > 1 and not caps.tensor_parallel:
         reasons.append(f"does not run under tensor parallelism (--tp-size {tp_size})")
     return reasons

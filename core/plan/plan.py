@@ -54,6 +54,9 @@ class Plan:
     # speculation off (no --speculative-algorithm)
     spec_proposer: str | None = None
     spec_draft_tokens: int = 0
+    # a draft-model proposer's draft (--speculative-draft-model-path): its own plan (dtype,
+    # quant method, attention backends, model impl), resolved like the target's; None otherwise
+    spec_draft: Plan | None = None
     # the reasoning parser (core.contract.reasoning); None: off (--reasoning-parser none, or
     # auto found none of its markers in the template). Chosen with the tool-call parser
     # (core.plan.reasoning.resolve_reasoning_parser).
@@ -74,6 +77,7 @@ class Plan:
         d["device"]["extra"] = dict(self.device.extra)
         d["notes"] = list(self.notes)
         d["candidates"] = [asdict(c) for c in self.candidates]
+        d["spec_draft"] = self.spec_draft.to_dict() if self.spec_draft is not None else None
         return d
 
     @classmethod
@@ -89,8 +93,10 @@ class Plan:
                                    "extra": dict(d["device"]["extra"])})
             candidates = tuple(Candidate(**{**c, "reasons": tuple(c["reasons"])})
                                for c in d["candidates"])
+            draft = d.get("spec_draft")
             return cls(**{**d, "device": device, "notes": tuple(d["notes"]),
                           "candidates": candidates,
+                          "spec_draft": cls.from_dict(draft) if draft is not None else None,
                           "lora_target_modules": tuple(d.get("lora_target_modules", ()))})
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed plan: {type(exc).__name__}: {exc}") from None

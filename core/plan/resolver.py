@@ -298,8 +298,7 @@ def _grammar_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slot
 
 # Names SGLang and vLLM give algorithms this engine has no proposer for yet (refused as such,
 # unless a plugin registers one under that name)
-SPEC_NOT_YET = {"standalone": "standalone (a draft model)",
-                "draft_model": "draft_model (a draft model)", "eagle": "EAGLE", "eagle3": "EAGLE-3",
+SPEC_NOT_YET = {"eagle": "EAGLE", "eagle3": "EAGLE-3",
                 "nextn": "NEXTN (multi-token prediction)", "mtp": "MTP", "medusa": "Medusa",
                 "mlp_speculator": "MLP speculator", "deepseek_mtp": "DeepSeek MTP"}
 DEFAULT_DRAFT_TOKENS = 4
@@ -334,7 +333,8 @@ def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
     n = args.speculative_num_draft_tokens
     slot = Slot("spec_proposer", "spec", registry, device.target,
                 lambda caps, _: check_spec(caps, device, num_draft_tokens=n,
-                                           tp_size=args.tp_size),
+                                           tp_size=args.tp_size,
+                                           draft_model=args.speculative_draft_model_path),
                 name if name is not None else raw, "--speculative-algorithm")
     slots.append(slot)
     chosen = slot.options()[0].name
@@ -348,10 +348,68 @@ def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
                      "step")
     notes.append("speculative verify steps run eagerly (one extend-like forward over the last "
                  "token and its drafts); decode graphs serve the steps without drafts")
+    if caps.needs_draft_weights:
+        notes.append(f"{chosen}: the draft model runs eagerly (no graphs), with a KV pool of its "
+                     "own sized like the target's (the memory budget is split between them)")
     if grammar is not None and not caps.grammars:
         notes.append(f"requests with a grammar constraint decode without speculation: {chosen} "
                      "cannot check drafts against a grammar (counted as spec_skipped_grammar)")
     return chosen, n
+
+
+def draft_server_args(args: ServerArgs, dtype: str, page_size: int) -> ServerArgs:
+    """The arguments the draft model of a draft-model proposer is planned and loaded with:
+    its path, load format, quantization and attention backend (else the target's); the
+    target's compute dtype, page size, device and other kernel choices; speculation, LoRA, grammars, graphs and parallelism off (the draft is one
+    model on the target's device, run eagerly)."""
+    attention = {}
+    if args.speculative_draft_attention_backend is not None:
+        attention = {"attention_backend": args.speculative_draft_attention_backend,
+                     "prefill_attention_backend": None, "decode_attention_backend": None}
+    return args.replace(
+        **attention, model_path=args.speculative_draft_model_path, tokenizer_path=None,
+        load_format=args.speculative_draft_load_format or "auto",
+        quantization=args.speculative_draft_model_quantization, dtype=dtype,
+        page_size=page_size, context_length=None, speculative_algorithm=None,
+        speculative_num_draft_tokens=None, speculative_config=None,
+        speculative_draft_model_path=None, speculative_draft_load_format=None,
+        speculative_draft_model_quantization=None, speculative_draft_attention_backend=None,
+        enable_lora=False, lora_paths=None,
+        lora_modules=None, lora_target_modules=None, max_lora_rank=None,
+        grammar_backend="none", disable_cuda_graph=True, tp_size=1, dp_size=1, ep_size=1,
+        nnodes=1, node_rank=0, reasoning_parser="none", tool_call_parser="none")
+
+
+def _draft_plan(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Registry,
+                dtype: str, page_size: int, k: int, notes: list[str]) -> Plan:
+    """The draft model's own plan (resolved like the target's, with draft_server_args); its
+    vocabulary must be the target's. A draft that cannot run is refused with its reasons."""
+    from core.plan.model_spec import load_model_spec
+
+    path = args.speculative_draft_model_path
+    try:
+        dspec = load_model_spec(path)
+    except (OSError, ValueError) as exc:
+        raise ResolveError(f"--speculative-draft-model-path {path}: {exc}") from None
+    if int(dspec.vocab_size) != int(spec.vocab_size):
+        raise ResolveError(
+            f"--speculative-draft-model-path {path}: the draft's vocabulary has "
+            f"{dspec.vocab_size} ids, the target's {spec.vocab_size}",
+            ["a draft model must share the target's tokenizer (the same token ids); the "
+             "tokenizers themselves are compared when the engine loads them"])
+    dargs = draft_server_args(args, dtype, page_size)
+    try:
+        draft = resolve(dspec, device, dargs, registry)
+    except ResolveError as exc:
+        raise ResolveError(f"the draft model {path} ({dspec.architecture}) cannot run here: "
+                           f"{exc.args[0]}", exc.reasons, exc.would_fit) from None
+    quant = draft.quant_method + ("" if draft.quant_format == "dense"
+                                  else f" ({draft.quant_format})")
+    notes.append(f"draft model {path}: {dspec.architecture}, {dspec.num_layers} layers, hidden "
+                 f"{dspec.hidden_size}; dtype {draft.dtype}, quant {quant}, attention "
+                 f"{draft.prefill_attention}/{draft.decode_attention}, model "
+                 f"{draft.model_impl}; {k} drafts greedily per request and step")
+    return draft
 
 
 def _lora_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: list[Slot],
@@ -598,9 +656,11 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     except ResolveError as exc:
         errors.append(exc)
 
-    spec_name, spec_n = None, 0
+    spec_name, spec_n, spec_draft = None, 0, None
     try:
         spec_name, spec_n = _spec_slot(device, args, registry, slots, grammar, notes)
+        if spec_name is not None and registry.get("spec", spec_name).caps.needs_draft_weights:
+            spec_draft = _draft_plan(spec, device, args, registry, dtype, page, spec_n, notes)
     except ResolveError as exc:
         errors.append(exc)
 
@@ -631,6 +691,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
                 cuda_graph=cuda_graph, model_impl=model_impl, notes=tuple(notes),
                 candidates=candidates, layer_ops=ops, quant_format=scheme.format,
                 grammar_backend=grammar, spec_proposer=spec_name, spec_draft_tokens=spec_n,
+                spec_draft=spec_draft,
                 lora_backend=lora, lora_slots=args.max_loras_per_batch if lora else 0,
                 lora_max_rank=args.max_lora_rank if lora else None,
                 lora_target_modules=lora_targets)
@@ -755,6 +816,10 @@ def explain(plan: Plan) -> str:
             ("grammar backend", plan.grammar_backend or "- (structured output off)")]
     rows.append(("speculative", f"{plan.spec_proposer}, {plan.spec_draft_tokens} draft tokens"
                  if plan.spec_proposer else "- (off)"))
+    if plan.spec_draft is not None:
+        d = plan.spec_draft
+        rows.append(("draft model", f"{d.model_impl}, {d.dtype}, {d.quant_method}, "
+                     f"attention {d.prefill_attention}/{d.decode_attention}"))
     if plan.lora_backend is not None:
         rows.append(("LoRA backend", f"{plan.lora_backend}, {plan.lora_slots} slot(s)"))
     if any(c.slot == "tool_call_parser" for c in plan.candidates):  # chosen with a template

@@ -72,6 +72,8 @@ class SeqOut:
     cached_tokens: int = 0
     error: str | None = None
     started: bool = False  # a first chunk was sent (stream)
+    # speculative decoding's per-request counts (Delta.spec, on the last delta)
+    spec: dict[str, int | str] | None = None
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
@@ -89,6 +91,8 @@ class SeqOut:
             self.prompt_tokens = d.prompt_tokens
             self.completion_tokens = d.completion_tokens or len(self.token_ids)
             self.cached_tokens = d.cached_tokens
+            if d.spec:
+                self.spec = dict(d.spec)
 
     def output_entries(self, start: int = 0) -> list[tuple[int, TokenLogprob]]:
         """The output tokens from `start` with their logprobs (those asked for)."""
@@ -274,6 +278,8 @@ def generate_meta(s: SeqOut, req: ParsedRequest, e2e: float | None, piece: Piece
                             "cached_tokens": s.cached_tokens}
     if e2e is not None:
         meta["e2e_latency"] = e2e
+    if s.spec:  # as the offline Engine's: spec_verify_ct, spec_*_tokens, spec_note
+        meta.update({k: v for k, v in s.spec.items() if v is not None})
     if req.logprobs:
         # SGLang's shape: [logprob, token_id, token_text] per token, top-k likewise per token
         entries = s.output_entries()

@@ -536,6 +536,8 @@ class Scheduler:
     def check_accounting(self) -> None:
         """Assert free + cached + in use == total pages, with no page owned twice."""
         self.pages.check_accounting(self.q.holding())
+        if self.spec is not None:
+            self.spec.check_accounting({r.rid for r in self.q.holding()})
 
     def stats(self) -> dict[str, int | float]:
         q, cache = self.q, self.pages.cache
@@ -548,6 +550,7 @@ class Scheduler:
                            f"kv_group{g}_evictable_pages": cache.group_evictable(g)})
         return {**self.counters, **groups,
                 **(self.lora.stats() if self.lora is not None else {}),
+                **(self.spec.stats() if self.spec is not None else {}),
                 "running": len(q.holding()),
                 "waiting": len(q.waiting),
                 "compiling": len(q.compiling),

@@ -29,6 +29,7 @@ import torch
 from core.contract.spec import DraftRequest, Proposer
 
 if TYPE_CHECKING:
+    from core.engine.draft import DraftModelRunner
     from core.engine.model_runner import ModelRunner
     from core.engine.sampling import Sampler, TokenLogprobs
     from core.engine.scheduler.pages import Pages
@@ -51,6 +52,9 @@ class Speculation:
         self.pages, self.runner, self.sampler = pages, runner, sampler
         self.counters, self.accept, self.grammars = counters, accept, grammars
         self.vocab_size = vocab_size
+        # the engine's draft model (core.engine.draft), where the proposer runs one: its pool's
+        # accounting and stats
+        self.draft: DraftModelRunner | None = None
         # the stats' spec_* counts, present only while speculation is on (/metrics shows
         # core_spec_decode_*_total then)
         counters.update({"spec_verify_steps": 0, "spec_num_drafts": 0,
@@ -162,3 +166,12 @@ class Speculation:
     def forget(self, req: Req) -> None:
         """req finished, was aborted or retracted: the proposer drops what it kept."""
         self.proposer.reset(req.rid)
+
+    def check_accounting(self, live: set[str]) -> None:
+        """The draft model's pool (where there is one): no page leaked or owned twice, and
+        none held for a request that is not live."""
+        if self.draft is not None:
+            self.draft.check_accounting(live)
+
+    def stats(self) -> dict[str, int]:
+        return self.draft.stats() if self.draft is not None else {}
