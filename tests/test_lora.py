@@ -13,12 +13,6 @@ import torch
 
 pytest.importorskip("peft")
 
-import core  # noqa: E402
-from core.contract.lora import BASE_SLOT  # noqa: E402
-from core.engine.lora import AdapterError, LoRAManager  # noqa: E402
-from core.layers import ModelContext  # noqa: E402
-from core.plan.args import make_server_args  # noqa: E402
-from plugins.lora.torch_native.backend import TorchNativeLoRA  # noqa: E402
 from model_fixtures import (  # noqa: E402
     LORA_ALL,
     greedy_reference,
@@ -27,6 +21,13 @@ from model_fixtures import (  # noqa: E402
     write_peft_adapter,
     write_tiny_model,
 )
+
+import core  # noqa: E402
+from core.contract.lora import BASE_SLOT  # noqa: E402
+from core.engine.lora import AdapterError, LoRAManager  # noqa: E402
+from core.layers import ModelContext  # noqa: E402
+from core.plan.args import make_server_args  # noqa: E402
+from plugins.lora.torch_native.backend import TorchNativeLoRA  # noqa: E402
 
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 10, 20, 30, 40, 50, 60, 70, 80, 90],
            [256, 5, 4, 3], [256, 200, 201, 202, 203, 7]]
@@ -493,9 +494,8 @@ def test_adapters_over_the_hybrid_kv_pool_match_hf_peft(tmp_path):
     on, and requests under an adapter and the base, prompts and decoding well past the window,
     a repeat of each (prefix cache keyed by adapter, hits shortened where the window is gone),
     equal HF+PEFT's greedy tokens."""
-    from peft import PeftModel
-
     from model_fixtures import SLIDING_WINDOW, tiny_hf_model
+    from peft import PeftModel
 
     w = SLIDING_WINDOW
     windowed = dict(sliding_window=w, use_sliding_window=True, max_window_layers=1,
