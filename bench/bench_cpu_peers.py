@@ -89,7 +89,7 @@ def workload(a: argparse.Namespace) -> dict[str, Any]:
     lens = [lo + (hi - lo) * i // max(n - 1, 1) for i in range(n)]
     order = [lens[(5 * i) % n] for i in range(n)] if math.gcd(5, n) == 1 else lens  # mixed
     return {**s, "dtype": a.dtype, "threads": a.threads, "reps": a.reps, "seed": a.seed,
-            "llama_extra_bufts": a.llama_extra_bufts,
+            "llama_extra_bufts": a.llama_extra_bufts, "quantization": a.quantization,
             "n_ctx": N_CTX, "model_path": a.model_path, "hf_concurrent": a.hf_concurrent,
             "warm_prompt": ids(TG_PROMPT), "tg_prompt": ids(TG_PROMPT),
             "pp_prompts": {str(n_): ids(n_) for n_ in s["pp_lens"]},
@@ -173,8 +173,9 @@ def worker_ours(job: dict[str, Any]) -> dict[str, Any]:
     imported = time.perf_counter() - t
     torch.set_num_threads(job["threads"])  # this process; the engine worker reads OMP_NUM_THREADS
     t = time.perf_counter()
+    quant = {"quantization": job["quantization"]} if job.get("quantization") else {}
     engine = core.Engine(job["model_path"], dtype=job["dtype"], device="cpu",
-                         max_total_tokens=job["n_ctx"])
+                         max_total_tokens=job["n_ctx"], **quant)
     res: dict[str, Any] = {"import_s": imported, "load_s": time.perf_counter() - t}
     try:
         plan = engine.plan
@@ -408,6 +409,8 @@ def serve_concurrent(job: dict[str, Any], log: Path, timeout: float) -> dict[str
 
     flags = ["--model-path", job["model_path"], "--device", "cpu", "--dtype", job["dtype"],
              "--max-total-tokens", str(job["n_ctx"])]
+    if job.get("quantization"):
+        flags += ["--quantization", job["quantization"]]
     prompts, new = job["concurrent_prompts"], job["concurrent_new"]
     with ServerProcess(flags, log, timeout) as srv:
         warm, _ = asyncio.run(run_load(srv.url, srv.api_key, job["serve_warm_prompts"], 4,
@@ -558,6 +561,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="llama.cpp's extra buffer types (its AMX path, repacked weights): the "
                         "library default, or off (its AMX path crashes on the default model)")
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2 Q4_1 GGUF")
+    p.add_argument("--quantization", default=None,
+                   help="ours' quant method (default: the resolver's choice), e.g. gguf_avx512 "
+                        "for the VNNI path on a CPU with AMX")
     p.add_argument("--hf-concurrent", action=argparse.BooleanOptionalAction, default=True,
                    help="HF's padded batched generate for the concurrent row")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per peer")
