@@ -1,0 +1,275 @@
+"""LoRA on quantized bases (issue 36 item 4): the base projection's output comes from the quant
+method, the adapter's delta from the LoRA backend.
+
+Quick: a tiny Llama served from INT4 checkpoints (awq, gptq: weight-only, dequantized per call
+on the CPU) and quantized at load to FP8 and INT8 (W8A8, dynamic per-token activations), two
+random PEFT adapters and the base in one mixed batch (prefill, then decode), against HF
+transformers + PEFT in fp32 whose base linears carry the dequantized weights (and, for W8A8,
+activations quantized per token by the conformance suite's independent reference,
+conformance.quant_refs).
+
+Slow: the default model (SmolLM2-135M, GGUF Q4_1) served by core.Engine from its GGUF blocks
+with an fp32 and a bf16 adapter on q/k/v/o/gate/up/down, against transformers' own GGUF reader
+(dequantized to fp32; it undoes llama.cpp's Q/K row permutation, as the project's loader does)
++ PEFT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from model_fixtures import (  # noqa: E402
+    LORA_ALL,
+    PagedHarness,
+    tiny_hf_model,
+    torch_native_backend,
+    write_peft_adapter,
+    write_tokenizer,
+)
+
+from conformance.quant_refs import _online, fake_quant_acts  # noqa: E402
+from conformance.quant_refs_int4 import (  # noqa: E402
+    awq_tensors,
+    gptq_tensors,
+    quantization_config,
+)
+from core.contract.lora import BASE_SLOT, LoRAConfig  # noqa: E402
+from core.engine.lora import LoRAManager  # noqa: E402
+
+# case -> (--quantization, how the checkpoint's linears are written, activations' form)
+CASES = {
+    "awq": (None, lambda w: awq_tensors(w, 32), quantization_config("awq", 32), "none"),
+    "gptq": (None, lambda w: gptq_tensors(w, 64), quantization_config("gptq", 64), "none"),
+    "fp8": ("fp8", _online("float"), None, "fp8_token"),
+    "w8a8_int8": ("w8a8_int8", _online("int"), None, "int8_token"),
+}
+# logits tolerance, relative to their largest: summation order apart (the W8A8 references round
+# activations exactly as the methods do; measured ~7e-7)
+TOL = 1e-5
+
+
+def write_quantized_llama(path, make, config: dict | None, acts: str):
+    """The tiny Llama with its linears written as `make` gives them (a dense checkpoint when
+    `config` is None: quantized at load), and the fp32 HF reference: the dequantized weights,
+    and activations into those linears quantized as `acts` says."""
+    from safetensors.torch import save_file
+
+    hf = tiny_hf_model("llama")
+    state = {}
+    with torch.no_grad():
+        for name, tensor in hf.state_dict().items():
+            module, _, leaf = name.rpartition(".")
+            if module.rsplit(".", 1)[-1] in LORA_ALL and leaf == "weight":
+                tensors, deq = make(tensor.float())
+                state.update({f"{module}.{n}": t.contiguous() for n, t in tensors.items()})
+                lin = hf.get_submodule(module)
+                lin.weight.copy_(deq)
+                if acts != "none":  # the base layer's input only: PEFT's delta reads x as is
+                    lin.register_forward_pre_hook(
+                        lambda _m, args: (fake_quant_acts(args[0].reshape(-1, args[0].shape[-1]),
+                                                          acts).reshape(args[0].shape),))
+            else:
+                state[name] = tensor.contiguous()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf.config.to_dict()
+    if config is not None:
+        cfg["quantization_config"] = config
+    (path / "config.json").write_text(json.dumps(cfg))
+    write_tokenizer(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-quant")
+    return {"a": write_peft_adapter("llama", root / "a", r=8, alpha=16, seed=11),
+            "b": write_peft_adapter("llama", root / "b", r=16, alpha=8, use_rslora=True,
+                                    seed=12, target_modules=("q_proj", "v_proj", "o_proj",
+                                                             "gate_proj", "down_proj"))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_adapters_on_a_quantized_base_match_hf_peft(case, adapters, tmp_path):
+    import copy
+
+    from peft import PeftModel
+
+    from core.engine.loader import load_model
+    from core.engine.worker import make_plan
+    from core.plan.args import make_server_args
+    from plugins.lora.torch_native.backend import TorchNativeLoRA
+
+    quantization, make, config, acts = CASES[case]
+    hf = write_quantized_llama(tmp_path / "m", make, config, acts)
+    args = make_server_args(model_path=str(tmp_path / "m"), dtype="float32", device="cpu",
+                            quantization=quantization, enable_lora=True, max_lora_rank=16)
+    _, plan, _, registry = make_plan(args)
+    assert plan.quant_method == case and plan.lora_backend == "torch_native"
+    loaded = load_model(args, plan, registry, tokenizer=False)
+    model, cfg = loaded.model, loaded.hf_config
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    package = {"awq": "int4", "gptq": "int4", "w8a8_int8": "int8"}.get(case, case)
+    assert type(qkv.quant_method).__module__ == f"plugins.quant.{package}.method"
+    lora = LoRAManager(model, TorchNativeLoRA(LoRAConfig(2, 16, torch.float32,
+                                                         torch.device("cpu"))),
+                       2, 16, set(LORA_ALL), torch.float32, torch.device("cpu"))
+    rows = {"a": None, None: None, "b": None}
+    for name in ("a", "b"):
+        rows[name] = lora.acquire(lora.lookup(lora.load(name, str(adapters[name])).name))
+    rows[None] = BASE_SLOT
+    names = list(rows)
+    slots = [rows[n] for n in names]
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 6, 11)]
+    steps = [torch.randint(0, 256, (3,), generator=g).tolist() for _ in names]
+    h = PagedHarness(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                     cfg.hidden_size // cfg.num_attention_heads, 4,
+                     backend=torch_native_backend(cfg, page_size=4))
+    got = [[] for _ in names]
+    with torch.inference_mode():  # one mixed prefill, then three mixed decode steps
+        b = h.batch([0, 1, 2], prompts)
+        lora.begin_step([len(p) for p in prompts], slots)
+        logits = model.compute_logits(model(b.input_ids, b.positions, b))
+        for i, part in enumerate(logits.split([len(p) for p in prompts])):
+            got[i].append(part)
+        for k in range(3):
+            b = h.batch([0, 1, 2], [[s[k]] for s in steps], decode=True)
+            lora.begin_step([1, 1, 1], slots)
+            logits = model.compute_logits(model(b.input_ids, b.positions, b))
+            for i in range(3):
+                got[i].append(logits[i:i + 1])
+    for i, name in enumerate(names):
+        ref_model = hf if name is None else PeftModel.from_pretrained(
+            copy.deepcopy(hf), str(adapters[name])).eval()
+        with torch.no_grad():
+            want = ref_model(torch.tensor([prompts[i] + steps[i]])).logits[0].float()
+        ours = torch.cat(got[i])
+        err = ((ours - want).abs().max() / want.abs().max()).item()
+        assert err < TOL, (case, name, err)
+        if name is not None:  # the adapter really moves the output, well beyond the tolerance
+            base = hf(torch.tensor([prompts[i] + steps[i]])).logits[0].float()
+            assert ((base - want).abs().max() / want.abs().max()).item() > 50 * TOL
+
+
+class _DenseOnlyLoRA:
+    """A LoRA backend plugin declaring dense bases only (torch_native's factory)."""
+
+    CORE_PLUGIN_API = ">=1.10,<2"
+
+    @staticmethod
+    def core_register_lora_backends(register):
+        from core.contract.capabilities import LoRACaps
+
+        register("dense_only", LoRACaps(devices=("cpu", "cuda"), quant_methods=("unquantized",),
+                                        priority={"cpu": 1, "cuda": 1}),
+                 "plugins.lora.torch_native.backend:TorchNativeLoRA")
+
+
+def test_a_quant_method_the_backend_does_not_sit_on_is_refused(tmp_path):
+    """LoRACaps.quant_methods: a backend declaring dense bases only is refused on an FP8 one,
+    naming the reason; the built-in torch_native sits on it and is chosen."""
+    from core.contract.hookspecs import hookimpl
+    from core.engine.worker import make_plan
+    from core.plan.args import make_server_args
+    from core.plan.plan import ResolveError
+    from core.plan.registry import build_registry
+
+    _DenseOnlyLoRA.core_register_lora_backends = staticmethod(
+        hookimpl(_DenseOnlyLoRA.core_register_lora_backends))
+    registry = build_registry(extra=[("dense_only_lora", _DenseOnlyLoRA)])
+    cfg = json.loads(tiny_hf_model("llama").config.to_json_string())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    kw = dict(model_path=str(tmp_path / "config.json"), enable_lora=True,
+              device_profile="h100")
+    plan = make_plan(make_server_args(**kw), registry)[1]
+    assert (plan.quant_method, plan.lora_backend) == ("fp8", "torch_native")
+    with pytest.raises(ResolveError) as err:
+        make_plan(make_server_args(lora_backend="dense_only", **kw), registry)
+    assert "sits on unquantized base projections, not fp8" in str(err.value)
+    # and on the default GGUF model kept in blocks
+    plan = make_plan(make_server_args(enable_lora=True, device="cpu"))[1]
+    assert plan.quant_method.startswith("gguf_") and plan.lora_backend == "torch_native"
+
+
+@pytest.mark.slow
+def test_default_gguf_model_from_its_blocks_with_adapters_matches_hf_peft(tmp_path):
+    """core.Engine on the default GGUF file, kept in its blocks, with an fp32 rank-8 and a
+    bf16 rank-16 adapter on every projection and the base in one batch: greedy tokens equal
+    HF (the file dequantized to fp32 by transformers) + PEFT, logprobs within the int16
+    activation rounding of the GGUF kernels."""
+    from hf_reference import hf_gguf_model
+    from model_fixtures import greedy_reference
+    from peft import PeftModel
+
+    import core
+    from core.engine.loader import default_model_path
+
+    path = default_model_path()
+    hf = hf_gguf_model(path)
+    cfg = hf.config
+    adapters = {"f32": write_gguf_adapter(tmp_path / "f32", cfg, 8, 16, 1, torch.float32),
+                "bf16": write_gguf_adapter(tmp_path / "bf16", cfg, 16, 16, 2, torch.bfloat16)}
+    prompts = [[1, 504, 3458, 282, 4649, 314, 253, 2000, 30],
+               [1, 1780, 5248, 314, 29, 9, 30, 2145]]
+    n_new = 8
+    want = {}
+    for name in (*adapters, None):
+        ref = hf if name is None else PeftModel.from_pretrained(hf, str(adapters[name])).eval()
+        want[name] = [greedy_reference(ref, p, n_new) for p in prompts]
+        if name is not None:
+            ref.unload()  # hf back as it was
+    loras = ["f32", None, "bf16", "bf16", "f32", None]
+    batch = [prompts[i % 2] for i in range(len(loras))]
+    sp = {"max_new_tokens": n_new, "temperature": 0, "logprobs": True, "ignore_eos": True}
+    with core.Engine(dtype="float32", max_total_tokens=2048,
+                     lora_paths=[f"{n}={p}" for n, p in adapters.items()]) as engine:
+        plan = engine.plan
+        outs = engine.generate(input_ids=batch, lora_path=loras, sampling_params=sp)
+    assert plan.quant_method.startswith("gguf_") and plan.lora_backend == "torch_native"
+    for i, (out, lora) in enumerate(zip(outs, loras, strict=True)):
+        toks, lps = want[lora][i % 2]
+        assert out["output_ids"] == toks, (i, lora)
+        got = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+        assert max(abs(g - w) for g, w in zip(got, lps, strict=True)) < 1e-2, (i, lora)
+    # each adapter changes what the model says
+    assert len({tuple(want[n][0][0]) for n in want}) == 3
+
+
+def write_gguf_adapter(path, cfg, r: int, alpha: float, seed: int, dtype: torch.dtype):
+    """A random PEFT adapter (PEFT's file names and keys) on every projection of `cfg`'s
+    Llama, its shapes read from the config (no base model needed to write it)."""
+    from safetensors.torch import save_file
+
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for module, (n_in, n_out) in shapes.items():
+            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(r, n_in, generator=g)
+                                               / n_in ** 0.5).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(n_out, r, generator=g)
+                                               * 0.02).to(dtype)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as fh:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
+                   "target_modules": list(shapes), "bias": "none", "lora_dropout": 0.0,
+                   "base_model_name_or_path": None}, fh)
+    return path
