@@ -268,9 +268,16 @@ def test_refusals_name_the_reason(tmp_path):
         _plan(gemma, enable_lora=True)
     # (a quantized base a backend does not sit on: tests/test_lora_quant.py)
     # graph capture is turned off for a backend that is not graph safe, with a note
-    plan = _plan(cfg, enable_lora=True, device_profile="h100")
+    plan = _plan(cfg, enable_lora=True, device_profile="h100", lora_backend="torch_native")
     assert not plan.cuda_graph
     assert any("LoRA backend torch_native cannot be captured" in n for n in plan.notes)
+    # the GPU's default, triton, is graph safe: graphs stay on for base-only decode steps;
+    # on an AWQ base too (the quant methods it sits on)
+    for name in ("llama-3.1-8b.json", "llama-3.1-8b-awq.json"):
+        plan = _plan(Path(__file__).parent / "fixtures" / "configs" / name, enable_lora=True,
+                     device_profile="h100")
+        assert plan.lora_backend == "triton" and plan.cuda_graph, plan.notes
+        assert any("decode steps serving LoRA adapters run eagerly" in n for n in plan.notes)
 
 
 # -- the prefix cache keyed by adapter ------------------------------------------------------------

@@ -6,7 +6,8 @@ on the CPU) and quantized at load to FP8 and INT8 (W8A8, dynamic per-token activ
 random PEFT adapters and the base in one mixed batch (prefill, then decode), against HF
 transformers + PEFT in fp32 whose base linears carry the dequantized weights (and, for W8A8,
 activations quantized per token by the conformance suite's independent reference,
-conformance.quant_refs).
+conformance.quant_refs); the same on the AWQ base with the triton backend (interpreted on a
+CPU).
 
 Slow: the default model (SmolLM2-135M, GGUF Q4_1) served by core.Engine from its GGUF blocks
 with an fp32 and a bf16 adapter on q/k/v/o/gate/up/down, against transformers' own GGUF reader
@@ -16,11 +17,17 @@ with an fp32 and a bf16 adapter on q/k/v/o/gate/up/down, against transformers' o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
 import pytest
 import torch
+
+# Before triton is imported (peft's imports may import it; the triton backend's factory imports
+# its kernels lazily).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("peft")
 
@@ -49,9 +56,13 @@ CASES = {
     "fp8": ("fp8", _online("float"), None, "fp8_token"),
     "w8a8_int8": ("w8a8_int8", _online("int"), None, "int8_token"),
 }
-# logits tolerance, relative to their largest: summation order apart (the W8A8 references round
-# activations exactly as the methods do; measured ~7e-7)
+# logits tolerance, relative to their largest: summation order apart (measured ~7e-7). W8A8:
+# the references round activations as the methods do, but a hidden value ~1e-7 from a rounding
+# midpoint (summation order) may land on the next code, one e4m3 / int8 step on that token:
+# most positions within TOL, every one within CODE_STEP.
 TOL = 1e-5
+CODE_STEP = 5e-2
+NEAR = 0.9  # the share of positions within TOL under W8A8
 
 
 def write_quantized_llama(path, make, config: dict | None, acts: str):
@@ -95,8 +106,15 @@ def adapters(tmp_path_factory):
                                                              "gate_proj", "down_proj"))}
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_adapters_on_a_quantized_base_match_hf_peft(case, adapters, tmp_path):
+TRITON_OK = importlib.util.find_spec("triton") is not None and (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "") not in ("", "0"))
+
+
+@pytest.mark.parametrize("case,backend", [
+    *((c, "torch_native") for c in CASES),
+    pytest.param("awq", "triton", marks=pytest.mark.skipif(
+        not TRITON_OK, reason="the triton LoRA backend needs a GPU or TRITON_INTERPRET=1"))])
+def test_adapters_on_a_quantized_base_match_hf_peft(case, backend, adapters, tmp_path):
     import copy
 
     from peft import PeftModel
@@ -104,7 +122,6 @@ def test_adapters_on_a_quantized_base_match_hf_peft(case, adapters, tmp_path):
     from core.engine.loader import load_model
     from core.engine.worker import make_plan
     from core.plan.args import make_server_args
-    from plugins.lora.torch_native.backend import TorchNativeLoRA
 
     quantization, make, config, acts = CASES[case]
     hf = write_quantized_llama(tmp_path / "m", make, config, acts)
@@ -117,8 +134,8 @@ def test_adapters_on_a_quantized_base_match_hf_peft(case, adapters, tmp_path):
     qkv = model.model.layers[0].self_attn.qkv_proj
     package = {"awq": "int4", "gptq": "int4", "w8a8_int8": "int8"}.get(case, case)
     assert type(qkv.quant_method).__module__ == f"plugins.quant.{package}.method"
-    lora = LoRAManager(model, TorchNativeLoRA(LoRAConfig(2, 16, torch.float32,
-                                                         torch.device("cpu"))),
+    factory = registry.get("lora", backend).load()
+    lora = LoRAManager(model, factory(LoRAConfig(2, 16, torch.float32, torch.device("cpu"))),
                        2, 16, set(LORA_ALL), torch.float32, torch.device("cpu"))
     rows = {"a": None, None: None, "b": None}
     for name in ("a", "b"):
@@ -128,7 +145,8 @@ def test_adapters_on_a_quantized_base_match_hf_peft(case, adapters, tmp_path):
     slots = [rows[n] for n in names]
 
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 6, 11)]
+    # 72 tokens: a prefill-sized step for the triton backend (over its 64 decode tokens)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (30, 17, 25)]
     steps = [torch.randint(0, 256, (3,), generator=g).tolist() for _ in names]
     h = PagedHarness(cfg.num_hidden_layers, cfg.num_key_value_heads,
                      cfg.hidden_size // cfg.num_attention_heads, 4,
@@ -152,11 +170,16 @@ def test_adapters_on_a_quantized_base_match_hf_peft(case, adapters, tmp_path):
         with torch.no_grad():
             want = ref_model(torch.tensor([prompts[i] + steps[i]])).logits[0].float()
         ours = torch.cat(got[i])
-        err = ((ours - want).abs().max() / want.abs().max()).item()
-        assert err < TOL, (case, name, err)
-        if name is not None:  # the adapter really moves the output, well beyond the tolerance
+        err = (ours - want).abs().amax(-1) / want.abs().max()  # per position
+        if acts == "none":
+            assert err.max().item() < TOL, (case, name, err.max().item())
+        else:
+            assert err.max().item() < CODE_STEP, (case, name, err.max().item())
+            assert (err < TOL).float().mean().item() >= NEAR, (case, name, err.tolist())
+        if name is not None:  # the adapter really moves the output, far beyond the tolerance
             base = hf(torch.tensor([prompts[i] + steps[i]])).logits[0].float()
-            assert ((base - want).abs().max() / want.abs().max()).item() > 50 * TOL
+            moved = (base - want).abs().amax(-1) / want.abs().max()
+            assert moved.min().item() > 2 * CODE_STEP, (case, name, moved.min().item())
 
 
 class _DenseOnlyLoRA:
@@ -175,7 +198,7 @@ class _DenseOnlyLoRA:
 
 def test_a_quant_method_the_backend_does_not_sit_on_is_refused(tmp_path):
     """LoRACaps.quant_methods: a backend declaring dense bases only is refused on an FP8 one,
-    naming the reason; the built-in torch_native sits on it and is chosen."""
+    naming the reason; the built-in triton (on the GPU) and torch_native sit on it."""
     from core.contract.hookspecs import hookimpl
     from core.engine.worker import make_plan
     from core.plan.args import make_server_args
@@ -191,7 +214,7 @@ def test_a_quant_method_the_backend_does_not_sit_on_is_refused(tmp_path):
     kw = dict(model_path=str(tmp_path / "config.json"), enable_lora=True,
               device_profile="h100")
     plan = make_plan(make_server_args(**kw), registry)[1]
-    assert (plan.quant_method, plan.lora_backend) == ("fp8", "torch_native")
+    assert (plan.quant_method, plan.lora_backend) == ("fp8", "triton")
     with pytest.raises(ResolveError) as err:
         make_plan(make_server_args(lora_backend="dense_only", **kw), registry)
     assert "sits on unquantized base projections, not fp8" in str(err.value)
