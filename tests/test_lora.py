@@ -6,10 +6,16 @@ prefix cache keyed by adapter."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# peft imports triton: a Triton test module collected after this one (the LoRA and MoE
+# conformance suites) finds it imported already, so the interpreter is chosen here, as they do.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("peft")
 
