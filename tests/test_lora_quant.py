@@ -183,6 +183,23 @@ def test_adapters_on_a_quantized_base_match_hf_peft(case, backend, adapters, tmp
             assert moved.min().item() > 2 * CODE_STEP, (case, name, moved.min().item())
 
 
+def test_built_in_backends_name_registered_quant_methods():
+    """A name in LoRACaps.quant_methods that no quant method has would never match (as "int8"
+    for w8a8_int8 once did): every built-in backend's names are registered methods."""
+    from core.plan.registry import get_registry
+
+    registry = get_registry()
+    methods = set(registry.kind("quant"))
+    for name in ("torch_native", "triton"):
+        caps = registry.get("lora", name).caps
+        assert caps.quant_methods <= methods, (name, sorted(caps.quant_methods - methods))
+    # torch_native sits on every method that runs dense Llama projections on the CPU here
+    cpu = {n for n, r in registry.kind("quant").items() if "cpu" in r.caps.devices or
+           "*" in r.caps.devices}
+    # (mxfp4 quantizes MoE experts only, and no MoE model takes adapters)
+    assert cpu - {"mxfp4"} <= registry.get("lora", "torch_native").caps.quant_methods
+
+
 class _DenseOnlyLoRA:
     """A LoRA backend plugin declaring dense bases only (torch_native's factory)."""
 
