@@ -245,7 +245,8 @@ def _report(config, rows: list[dict]) -> None:
              + (f", {c['threads']} thread(s)" if c["threads"] else "")
              + f"): copy {c['copy_GBps']:.1f} GB/s (measured this run); {SLOTS} adapters of "
              f"rank {RANK}", "",
-             "| projection | tokens | impl | median ms | GB/s moved (of copy) | x per-adapter loop |",
+             "| projection | tokens | impl | median ms | GB/s moved (of copy) "
+             "| x per-adapter loop |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         base = loop.get((r["proj"], r["tokens"]))
