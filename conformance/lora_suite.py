@@ -18,7 +18,8 @@ by two segments), empty segments, base-only tokens (slot -1) left untouched, a s
 base tokens, an empty step (T = 0), a prefill-sized step (165 tokens), fused outputs
 (q/k/v-like and gate/up-like slices of unequal widths) and a plain projection, decode-like
 batches (one token per segment), ranks above a backend's declared max_rank skipped.
-Tolerances: fp32 1e-4, half precision 2e-2 (relative to the output's scale). The inputs x and the buffers must be left as they were.
+Tolerances: fp32 1e-4, half precision 2e-2 (relative to the output's scale). The inputs x and
+the buffers must be left as they were.
 """
 
 from __future__ import annotations
