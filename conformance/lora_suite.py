@@ -17,7 +17,8 @@ Cases: mixed adapters of ranks 8 to 64 in one batch (segments out of slot order,
 by two segments), empty segments, base-only tokens (slot -1) left untouched, a step with only
 base tokens, an empty step (T = 0), a prefill-sized step (165 tokens), fused outputs
 (q/k/v-like and gate/up-like slices of unequal widths) and a plain projection, decode-like
-batches (one token per segment), ranks above a backend's declared max_rank skipped.
+batches (one token per segment), a --max-lora-rank that is not a power of two and a segment
+on an empty slot, ranks above a backend's declared max_rank skipped.
 Tolerances: fp32 1e-4, half precision 2e-2 (relative to the output's scale). The inputs x and
 the buffers must be left as they were.
 """
@@ -65,6 +66,9 @@ CASES = (
     Case("base-only", 32, (24, 24), 8, (8,), ((5, -1), (0, 0), (3, -1))),
     Case("empty-step", 32, (16, 8, 8), 8, (8, 8), ()),
     Case("all-empty-segments", 32, (16,), 8, (8, 8), ((0, 0), (0, 1), (0, -1))),
+    # --max-lora-rank need not be a power of two; a segment on an empty slot (rank 0) adds 0
+    Case("odd-max-rank", 40, (24, 8, 8), 24, (24, 12, 0),
+         ((3, 0), (2, 2), (4, 1), (1, -1), (2, 0))),
     # a prefill-sized step (over 64 tokens: backends may serve long steps another way), long
     # segments not a multiple of any tile, a slot twice, an empty one, base tokens between
     Case("prefill-long", 48, (32, 16, 16), 32, (8, 32, 16),
