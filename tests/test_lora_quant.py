@@ -37,6 +37,7 @@ from model_fixtures import (  # noqa: E402
     PagedHarness,
     tiny_hf_model,
     torch_native_backend,
+    write_config_adapter,
     write_peft_adapter,
     write_tokenizer,
 )
@@ -257,8 +258,8 @@ def test_default_gguf_model_from_its_blocks_with_adapters_matches_hf_peft(tmp_pa
     path = default_model_path()
     hf = hf_gguf_model(path)
     cfg = hf.config
-    adapters = {"f32": write_gguf_adapter(tmp_path / "f32", cfg, 8, 16, 1, torch.float32),
-                "bf16": write_gguf_adapter(tmp_path / "bf16", cfg, 16, 16, 2, torch.bfloat16)}
+    adapters = {"f32": write_config_adapter(tmp_path / "f32", cfg, 8, 16, 1, torch.float32),
+                "bf16": write_config_adapter(tmp_path / "bf16", cfg, 16, 16, 2, torch.bfloat16)}
     prompts = [[1, 504, 3458, 282, 4649, 314, 253, 2000, 30],
                [1, 1780, 5248, 314, 29, 9, 30, 2145]]
     n_new = 8
@@ -283,37 +284,6 @@ def test_default_gguf_model_from_its_blocks_with_adapters_matches_hf_peft(tmp_pa
         assert max(abs(g - w) for g, w in zip(got, lps, strict=True)) < 1e-2, (i, lora)
     # each adapter changes what the model says
     assert len({tuple(want[n][0][0]) for n in want}) == 3
-
-
-def write_gguf_adapter(path, cfg, r: int, alpha: float, seed: int, dtype: torch.dtype):
-    """A random PEFT adapter (PEFT's file names and keys) on every projection of `cfg`'s
-    Llama, its shapes read from the config (no base model needed to write it)."""
-    from safetensors.torch import save_file
-
-    hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-              "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-              "down_proj": (inter, hidden)}
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg.num_hidden_layers):
-        for module, (n_in, n_out) in shapes.items():
-            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(r, n_in, generator=g)
-                                               / n_in ** 0.5).to(dtype)
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(n_out, r, generator=g)
-                                               * 0.02).to(dtype)
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as fh:
-        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
-                   "target_modules": list(shapes), "bias": "none", "lora_dropout": 0.0,
-                   "base_model_name_or_path": None}, fh)
-    return path
 
 
 # -- every GGUF variant this CPU runs, at the model level ------------------------------------------
@@ -344,7 +314,7 @@ def smollm_reference(tmp_path_factory):
     from core.engine.loader import default_model_path
 
     hf = hf_gguf_model(default_model_path())
-    adapter = write_gguf_adapter(tmp_path_factory.mktemp("gguf-lora") / "a", hf.config, 16, 32,
+    adapter = write_config_adapter(tmp_path_factory.mktemp("gguf-lora") / "a", hf.config, 16, 32,
                                  3, torch.bfloat16)
     g = torch.Generator().manual_seed(4)
     rows = [torch.randint(2, 49152, (n,), generator=g).tolist() for n in (40, 33)]
