@@ -9,14 +9,18 @@ or by importing them into a test module:
 Parametrization: every registered LoRA backend that can run on each suite device, or only
 those named (a named one that cannot run is one skip with the reason); devices from
 --conformance-device, else cpu plus cuda when present (non-CPU cases carry the `gpu` mark);
-x each case (CASES) x each declared compute dtype.
+x each case (CASES) x each declared compute dtype (on the CPU: float16 only for a Triton backend
+under TRITON_INTERPRET=1, which runs fp16 dots right and bf16 ones wrong, so bf16 is left to
+the GPU run there).
 
 Cases: mixed adapters of ranks 8 to 64 in one batch (segments out of slot order, a slot used
 by two segments), empty segments, base-only tokens (slot -1) left untouched, a step with only
-base tokens, an empty step (T = 0), fused outputs (q/k/v-like and gate/up-like slices of
-unequal widths) and a plain projection, decode-like batches (one token per segment), ranks
-above a backend's declared max_rank skipped. Tolerances: fp32 1e-4, half precision 2e-2
-(relative to the output's scale). The inputs x and the buffers must be left as they were.
+base tokens, an empty step (T = 0), a prefill-sized step (165 tokens), fused outputs
+(q/k/v-like and gate/up-like slices of unequal widths) and a plain projection, decode-like
+batches (one token per segment), a --max-lora-rank that is not a power of two and a segment
+on an empty slot, ranks above a backend's declared max_rank skipped.
+Tolerances: fp32 1e-4, half precision 2e-2 (relative to the output's scale). The inputs x and
+the buffers must be left as they were.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from conformance.attention_check import excluded_dtype_reasons, triton_interpreter
 from conformance.suite_kit import Target, suite_params
 from core.contract.lora import BASE_SLOT, LoRABackend, LoRABatch, LoRAConfig, LoRAWeights
 
@@ -56,6 +61,13 @@ CASES = (
     Case("base-only", 32, (24, 24), 8, (8,), ((5, -1), (0, 0), (3, -1))),
     Case("empty-step", 32, (16, 8, 8), 8, (8, 8), ()),
     Case("all-empty-segments", 32, (16,), 8, (8, 8), ((0, 0), (0, 1), (0, -1))),
+    # --max-lora-rank need not be a power of two; a segment on an empty slot (rank 0) adds 0
+    Case("odd-max-rank", 40, (24, 8, 8), 24, (24, 12, 0),
+         ((3, 0), (2, 2), (4, 1), (1, -1), (2, 0))),
+    # a prefill-sized step (over 64 tokens: backends may serve long steps another way), long
+    # segments not a multiple of any tile, a slot twice, an empty one, base tokens between
+    Case("prefill-long", 48, (32, 16, 16), 32, (8, 32, 16),
+         ((70, 1), (5, -1), (40, 0), (0, 2), (33, 2), (17, 1))),
 )
 
 
@@ -144,12 +156,16 @@ def check_case(factory, case: Case, dtype: torch.dtype, device: torch.device, se
 
 def lora_params(config: pytest.Config) -> list:
     def cases(t: Target) -> list:
+        excluded = excluded_dtype_reasons(t.reg, t.device)
+        interpreted = triton_interpreter(t.reg, t.device)
         params = []
         for case in CASES:
             if case.max_rank > t.reg.caps.max_rank:
                 continue  # beyond its declared ranks: not its contract
             for dname in sorted(t.reg.caps.dtypes):
-                if t.device.type == "cpu" and dname == "float16":
+                if dname in excluded:
+                    continue  # bf16 under the Triton interpreter: a GPU check
+                if t.device.type == "cpu" and dname == "float16" and not interpreted:
                     continue  # CPU half matmuls: slow and not what a CPU serves
                 params.append(pytest.param(t.name, t.device_name, case, dname, t.seed,
                                            id=f"{t.name}-{t.device_name}-{case.id}-{dname}",
@@ -158,6 +174,7 @@ def lora_params(config: pytest.Config) -> list:
 
     return suite_params(config, "lora", "conformance_lora", "LoRA backend", cases, width=5,
                         say_device=False)
+
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if metafunc.function.__name__ != "test_lora_backend_conformance":

@@ -318,6 +318,38 @@ def write_peft_adapter(arch: str, path: str | os.PathLike, r: int, alpha: float,
     return path
 
 
+def write_config_adapter(path, cfg, r: int, alpha: float, seed: int, dtype: torch.dtype):
+    """A random PEFT adapter (PEFT's file names and keys) on every projection of `cfg`'s
+    Llama, its shapes read from the config (no base model needed to write it): A ~ N(0, 1/in),
+    B ~ N(0, 0.02^2), in `dtype`."""
+    from safetensors.torch import save_file
+
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for module, (n_in, n_out) in shapes.items():
+            part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(r, n_in, generator=g)
+                                               / n_in ** 0.5).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(n_out, r, generator=g)
+                                               * 0.02).to(dtype)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as fh:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
+                   "target_modules": list(shapes), "bias": "none", "lora_dropout": 0.0,
+                   "base_model_name_or_path": None}, fh)
+    return path
+
+
 def peft_reference(arch: str, adapter: str | os.PathLike | None, base_seed: int = 0):
     """HF transformers (+ PEFT's adapter when given), fp32, eval mode: the reference."""
     model = tiny_hf_model(arch, base_seed)

@@ -309,3 +309,73 @@ def test_bf16_graphs_mostly_agree_with_eager(gpu_model_dir):
     same = sum(x == y for a, b in zip(with_graphs, without, strict=True)
                for x, y in zip(a, b, strict=True))
     assert same >= 0.8 * sum(len(a) for a in with_graphs)
+
+
+def test_lora_plans_replay_graphs_for_base_only_steps(tiny_runner, tmp_path):
+    """With LoRA on (a graph-safe backend keeps graphs), a decode step of base requests alone
+    replays the graph and matches eager; a step serving an adapter runs eagerly with its delta
+    (the graphs hold none), and a base step after it replays without that adapter's delta."""
+    from model_fixtures import write_config_adapter
+
+    from core.contract.lora import BASE_SLOT, LoRAConfig
+    from core.engine.lora import LoRAManager
+    from core.layers.linear import Linear, reset_bindings
+    from plugins.lora.torch_native.backend import TorchNativeLoRA
+
+    runner, vocab = tiny_runner
+    model = runner.model
+    cfg = type("Cfg", (), {})()
+    lin = model.model.layers[0]
+    cfg.hidden_size, cfg.num_hidden_layers = 128, len(model.model.layers)
+    cfg.intermediate_size = lin.mlp.down_proj.input_size
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 4, 2, 32
+    adapter = write_config_adapter(tmp_path / "a", cfg, 8, 64, 5, torch.float32)
+    cpu = torch.device("cpu")
+    lora = LoRAManager(model, TorchNativeLoRA(LoRAConfig(1, 8, torch.float32, cpu)), 1, 8,
+                       {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"}, torch.float32, cpu)
+    slot = lora.acquire(lora.lookup(lora.load("a", str(adapter)).name))
+    rows, lens = [0, 2, 3], [5, 9, 3]
+    runner.lora = lora
+    try:
+        slots = _prefill(runner, rows, lens, seed=1)
+        pool, table = runner.kv_pool, runner.req_to_token.req_to_token
+        saved = ([k.clone() for k in pool.k_buffers], [v.clone() for v in pool.v_buffers],
+                 table.clone())
+
+        def restore():
+            for dst, src in zip(pool.k_buffers + pool.v_buffers, saved[0] + saved[1],
+                                strict=True):
+                dst.copy_(src)
+            table.copy_(saved[2])
+
+        def step(which):
+            return runner.decode(rows, [1] * 3, lens, [slots[r][lens[i]]
+                                                       for i, r in enumerate(rows)],
+                                 lora=which).clone()
+
+        base_eager = step([BASE_SLOT] * 3)
+        restore()
+        tuned_eager = step([slot, BASE_SLOT, BASE_SLOT])
+        restore()
+        assert not torch.allclose(tuned_eager[0], base_eager[0], atol=1e-3)
+        torch.testing.assert_close(tuned_eager[1:], base_eager[1:])
+        gr = GraphRunner(model, runner.decode_backend, pool, runner.req_to_token, cpu,
+                         [1, 2, 4], vocab)
+        _stand_in_capture(gr)
+        runner.graph_runner = gr
+        torch.testing.assert_close(step([BASE_SLOT] * 3), base_eager, atol=1e-4, rtol=1e-4)
+        assert gr.replays == 1
+        restore()
+        torch.testing.assert_close(step([slot, BASE_SLOT, BASE_SLOT]), tuned_eager)
+        assert gr.replays == 1  # eager: the graphs hold no delta
+        restore()
+        torch.testing.assert_close(step([BASE_SLOT] * 3), base_eager, atol=1e-4, rtol=1e-4)
+        assert gr.replays == 2  # ... and the adapter's step left nothing behind
+    finally:
+        runner.graph_runner = None
+        runner.lora = None
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.epilogue = None
+        reset_bindings(model)

@@ -1,9 +1,13 @@
 """The LoRA-backend conformance suite (conformance/lora_suite.py) over every registered backend
-(torch_native built in), shown to fail backends that are wrong, and run the way a third-party
-package runs it: `pytest --conformance-lora NAME`."""
+(torch_native; triton under TRITON_INTERPRET=1 on a CPU, fp32 and fp16 at small shapes: the
+interpreter computes bf16 dots wrongly, so bf16 is a GPU check, `pytest -m gpu` on a GPU
+machine), shown to fail backends that are wrong, and run the way a third-party package runs it:
+`pytest --conformance-lora NAME`."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 import types
@@ -11,11 +15,18 @@ import types
 import pytest
 import torch
 
-from conformance import lora_suite as suite
-from conformance.lora_suite import *  # noqa: F401,F403 - the suite, over every backend
-from conformance.lora_suite import CASES, check_case
-from core.plan.registry import get_registry
-from plugins.lora.torch_native.backend import TorchNativeLoRA
+# Before any Triton kernel module is imported (the triton backend's factory imports them lazily).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from conformance import lora_suite as suite  # noqa: E402
+from conformance.lora_suite import *  # noqa: E402,F401,F403 - the suite, over every backend
+from conformance.lora_suite import CASES, check_case, make_inputs, reference_lora  # noqa: E402
+from core.plan.registry import get_registry  # noqa: E402
+from plugins.lora.torch_native.backend import TorchNativeLoRA  # noqa: E402
+
+INTERPRETED = (os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+               and importlib.util.find_spec("triton") is not None)
 
 
 def test_torch_native_is_registered_and_every_case_is_collected():
@@ -26,6 +37,12 @@ def test_torch_native_is_registered_and_every_case_is_collected():
     assert {f"torch_native-cpu-{c.id}-float32" for c in CASES} <= ids
     ranks = {r for c in CASES for r in c.ranks}
     assert {8, 16, 32, 64} <= ranks  # the ranks the issue names are covered
+    if INTERPRETED:  # triton on the CPU: fp32 and fp16, every case
+        assert {f"triton-cpu-{c.id}-{d}" for c in CASES for d in ("float32", "float16")} <= ids
+        assert not any(i.startswith("triton-cpu") and i.endswith("bfloat16") for i in ids)
+    # both ways a backend may serve a step: decode-sized and prefill-sized
+    sizes = {sum(n for n, _ in c.segments) for c in CASES}
+    assert min(sizes) == 0 and max(sizes) > 64
 
 
 class _NoScale(TorchNativeLoRA):
@@ -89,3 +106,40 @@ def test_a_third_party_runs_it_by_name(tmp_path):
                            "--conformance-lora", "nope", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode != 0 and "nope not registered" in proc.stdout + proc.stderr
+
+
+class _Poisoned:
+    """A LoRABatch whose host lists cannot be read: only its device tensors and token count."""
+
+    def __init__(self, batch):
+        self.seg_indptr, self.seg_slots_t = batch.seg_indptr, batch.seg_slots_t
+        self.num_tokens = batch.num_tokens
+
+    def __getattr__(self, name):
+        raise AssertionError(f"read the host list {name} of a decode step")
+
+
+@pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
+                    reason="the triton backend needs a GPU or TRITON_INTERPRET=1")
+def test_triton_decode_steps_read_only_device_tensors():
+    """LoRACaps.graph_safe of the triton backend: a decode-sized step is prepared and applied
+    from seg_indptr / seg_slots_t and the token count alone (no host list, no sync), the same
+    sums as the reference; a prefill-sized one may use the host lists."""
+    from core.contract.lora import LoRAConfig
+    from plugins.lora.triton import CAPS
+    from plugins.lora.triton.backend import DECODE_TOKENS, TritonLoRA
+
+    assert CAPS.graph_safe
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    case = next(c for c in CASES if c.id == "decode-like")
+    assert sum(n for n, _ in case.segments) <= DECODE_TOKENS
+    backend = TritonLoRA(LoRAConfig(len(case.ranks), case.max_rank, torch.float32, device))
+    x, y, weights, batch = make_inputs(case, torch.float32, device, 5)
+    want = reference_lora(x, y, weights, batch.seg_lens, batch.seg_slots)
+    poisoned = _Poisoned(batch)
+    got = backend.apply(x, y, weights, poisoned, backend.prepare(poisoned))
+    torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
+    long = next(c for c in CASES if c.id == "prefill-long")
+    x, y, weights, batch = make_inputs(long, torch.float32, device, 5)
+    with pytest.raises(AssertionError, match="read the host list"):
+        backend.prepare(_Poisoned(batch))

@@ -635,8 +635,9 @@ class LoRACaps(_Frozen):
     activations and adapter buffers it takes. max_rank: the largest adapter rank its kernels
     take (--max-lora-rank above it is refused). graph_safe: its per-step preparation and its
     products never sync with the host, so decode graphs may capture them. quant_methods: the
-    quant methods (QuantCaps names) of base projections it may sit on: the delta is added to
-    whatever the base computes, but only the named ones are checked by its conformance run.
+    quant methods (QuantCaps names) of base projections it sits on: the delta is added to
+    whatever the base computes; the resolver refuses it on any other (name only those whose
+    outputs it was checked on).
     tensor_parallel: it runs adapters sharded like their base layers (--tp-size > 1).
     """
 

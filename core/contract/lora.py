@@ -23,7 +23,9 @@ The engine calls, from the model's forward (never concurrently):
   output y [T, out] (same dtype), add scalings[s] * x_t @ A_j^T @ B_j^T to each token t's
   slice j, s being the slot of t's segment; tokens of segments whose slot is -1 (the base
   model) are left as they are. It may add in place and return y. x and y are contiguous in
-  their last dim; T may be 0.
+  their last dim; T may be 0. y is whatever the base projection's quant method computed (dense,
+  GGUF blocks, INT4, FP8, ...: LoRACaps.quant_methods names those a backend sits on); x is the
+  projection's input as the model gave it, before any quantization of activations.
 
 A backend must not assume segments are sorted by slot, that every slot appears, or that
 segments are non-empty (a zero-length segment has no tokens).

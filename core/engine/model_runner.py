@@ -17,6 +17,7 @@ import torch
 
 from core.contract.attention import AttentionBackend, BackendContext
 from core.contract.forward_batch import ForwardBatch, ForwardMode
+from core.contract.lora import BASE_SLOT
 from core.contract.platform import Platform, platform_for_device
 from core.engine.memory.kv_cache import KVPool, MLAKVPool
 from core.engine.memory.memory_pool import ReqToTokenPool
@@ -254,8 +255,12 @@ class ModelRunner:
         if len(group_slots) != len(self.group_pools):
             raise ValueError(f"{len(group_slots)} groups' slots for a pool of "
                              f"{self.num_groups} KV groups")
+        # the graphs hold no adapter deltas (captured with no adapter in the step): steps of
+        # base requests alone replay them, steps serving an adapter run eagerly
         if self.graph_runner is not None and self.graph_runner.can_run(len(rows)) \
-                and (lora is None or self.lora is None):  # LoRA plans capture no graphs
+                and (lora is None or self.lora is None or all(s == BASE_SLOT for s in lora)):
+            if self.lora is not None:
+                self.lora.begin_step([1] * len(rows), None)  # no adapter in this step
             return self.graph_runner.decode(rows, input_ids, positions, slots)
         seq = [p + 1 for p in positions]
         B = len(rows)

@@ -174,8 +174,8 @@ class ServerArgs:
         None, "lora", "projections adapters may target: q_proj k_proj v_proj o_proj gate_proj "
         "up_proj down_proj, or all (default: those of the adapters loaded at start, all "
         "without any)", nargs="+")
-    lora_backend: str = _f("auto", "lora", "LoRA backend (torch_native, or a plugin's; auto: "
-                           "the best that fits)")
+    lora_backend: str = _f("auto", "lora", "LoRA backend (torch_native, triton, or a plugin's; "
+                           "auto: the best that fits)")
     # parallelism (core.engine.distributed)
     tp_size: int = _f(1, "parallel", "tensor-parallel ranks per engine (heads, MLP and vocab "
                       "split; one all-reduce per row-parallel output)")

@@ -376,8 +376,7 @@ def check_lora(caps: LoRACaps, device: DeviceInfo, *, dtype: str, quant_method: 
         reasons.append(f"dtype {dtype} not supported (supports {_join(caps.dtypes)})")
     if quant_method is not None and quant_method not in caps.quant_methods:
         reasons.append(f"sits on {_join(caps.quant_methods)} base projections, not "
-                       f"{quant_method} (--quantization unquantized serves a GGUF file "
-                       "dequantized)")
+                       f"{quant_method} (the quant methods it declares)")
     if max_rank is not None and max_rank > caps.max_rank:
         reasons.append(f"ranks up to {caps.max_rank} (--max-lora-rank {max_rank})")
     if tp_size > 1 and not caps.tensor_parallel:

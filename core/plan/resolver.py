@@ -771,6 +771,10 @@ def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, dec
                      f"graphs")
         return False
     notes.append("graph capture on: every decode-step backend supports it")
+    if lora is not None:
+        notes.append(f"decode steps serving LoRA adapters run eagerly: the engine captures no "
+                     f"adapter graphs yet (LoRA backend {lora} is graph safe); steps of base "
+                     f"requests alone replay the graphs")
     return True
 
 
