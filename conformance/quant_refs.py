@@ -251,7 +251,9 @@ def online_cases(fmt: str, activations: str, weight_bits: int | None) -> tuple[R
 
 
 def all_cases() -> tuple[RefCase, ...]:
-    """The FP8/INT8 cases, MXFP4's, plus the INT4 ones where their reference module exists."""
+    """The FP8/INT8 cases, MXFP4's, GGUF's, plus the INT4 ones where their reference module
+    exists."""
+    from conformance.quant_refs_gguf import CASES as GGUF
     from conformance.quant_refs_mxfp4 import CASES as MXFP4
 
     try:
@@ -259,5 +261,5 @@ def all_cases() -> tuple[RefCase, ...]:
     except ImportError:
         INT4 = ()
     # Weight-only: x is not quantized; K in whole groups, N in whole packed int32 words.
-    return CASES + MXFP4 + tuple(RefCase(c.name, c.format, c.config, c.build, "none", k_multiple=128,
+    return CASES + MXFP4 + GGUF + tuple(RefCase(c.name, c.format, c.config, c.build, "none", k_multiple=128,
                                  n_multiple=16) for c in INT4)

@@ -25,7 +25,10 @@ activations are dynamic, or the case holds experts in a form of its own (mxfp4: 
 dense linears; conformance/quant_refs_mxfp4.py, an independent decoder of the OCP MX spec): a
 MoE layer's experts loaded expert by expert under the checkpoint's names and run by every
 runner that agrees with the method, against routing + fake-quantized x @ dequantized experts in
-fp32, then the case's own format edges (mxfp4: a NaN scale, a refused odd shape). Where it declares QuantCaps.tensor_parallel: two ranks' layers,
+fp32, then the case's own format edges (mxfp4: a NaN scale, a refused odd shape). GGUF cases
+(conformance/quant_refs_gguf.py: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 quantized and dequantized by the
+`gguf` package) hand the method the loader's GGUFBlocks (dequantized first unless it
+takes_raw_gguf), allow int8 per-block activations' error, and skip the checkpoint test. Where it declares QuantCaps.tensor_parallel: two ranks' layers,
 column- and row-parallel, against the ranks' own references (test_quant_linear_tensor_parallel).
 """
 
@@ -40,6 +43,7 @@ import torch
 from conformance.attention_check import unavailable_reasons
 from conformance.plugin import named_plugins
 from conformance.quant_refs import RefCase, all_cases, fake_quant_acts, online_cases
+from conformance.quant_refs_gguf import NO_CHECKPOINT
 from conformance.suite_kit import default_devices
 from conformance.suite_kit import device_info as _device_info
 from conformance.suite_kit import device_missing as _device_missing
@@ -202,6 +206,16 @@ def _method(name: str, case: RefCase) -> QuantMethod:
     return method
 
 
+def _as_loaded(t, method, device: torch.device):
+    """A case's tensor as core's loader hands it to the method: a tensor on the device, or GGUF
+    blocks (core.engine.gguf_weights.GGUFBlocks) as host bytes to a method that takes raw GGUF
+    (QuantMethod.takes_raw_gguf) and dequantized to fp32 for any other."""
+    method = getattr(method, "quant_method", method)  # a ModelContext or the method itself
+    if isinstance(t, torch.Tensor):
+        return t.to(device)
+    return t if method.takes_raw_gguf else t.dequantize().to(device)
+
+
 def _weights(n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """fp32 weights already rounded to the compute dtype (what a dense checkpoint holds)."""
     return (torch.randn(n, k, generator=gen) * 0.05).to(dtype).float()
@@ -238,7 +252,7 @@ def test_quant_linear_conformance(quant_name, quant_case, quant_device, quant_dt
             tensors, d = case.build(_weights(n, k, dtype, gen))
             deq.append(d)
             for suffix, t in tensors.items():
-                layer.weight_loader(getattr(layer, suffix), t.to(device), shard)
+                layer.weight_loader(getattr(layer, suffix), _as_loaded(t, ctx, device), shard)
         b = (torch.randn(sum(shards), generator=gen) * 0.1).to(dtype) if bias else None
         if bias:
             layer.weight_loader(layer.bias, b.to(device), None)
@@ -294,7 +308,8 @@ def test_quant_linear_tensor_parallel(quant_name, quant_case, quant_device, quan
     def fill(lin: Linear, parts: list, names: list | None, bias: torch.Tensor) -> Linear:
         for shard, (tensors, _) in zip(names or [None], parts, strict=True):
             for suffix, t in tensors.items():
-                lin.weight_loader(getattr(lin, suffix), t.to(device), shard)
+                lin.weight_loader(getattr(lin, suffix), _as_loaded(t, lin.quant_method, device),
+                                  shard)
         lin.weight_loader(lin.bias, bias.to(device), None)
         process_weights_after_loading(lin)
         return lin
@@ -375,6 +390,9 @@ def test_quant_checkpoint_conformance(quant_name, quant_case, quant_device, quan
     from core.plan.resolver import resolve
 
     case, device, dtype = quant_case, torch.device(quant_device), getattr(torch, quant_dtype)
+    if NO_CHECKPOINT in case.tags:
+        pytest.skip(f"{case.name}: a GGUF checkpoint is one .gguf file, which this suite does "
+                    "not write (its linears are checked above)")
     seed = request.config.getoption("conformance_seed", default=0)
     dense = _write_checkpoint(tmp_path, case, dtype, seed)
     registry = get_registry()

@@ -385,7 +385,10 @@ def test_the_tensor_parallel_skip_says_why_of_each_method(clean_plugin_env):
         plugins.remove_plugin("tp_cuda")
     reason = skip.marks[0].kwargs["reason"]
     assert reason.startswith("tp_cuda_only cannot run on cpu: "), reason
-    assert {p.id for p in both} == {f"unquantized-dense-cpu-{d}-tp"
+    # unquantized's cases: the dense checkpoint and the GGUF files it dequantizes at load
+    from conformance.quant_refs_gguf import TYPES
+    assert {p.id for p in both} == {f"unquantized-{case}-cpu-{d}-tp"
+                                    for case in ("dense", *(f"gguf-{t.lower()}" for t in TYPES))
                                     for d in ("bfloat16", "float16", "float32")}
     assert none[0].marks[0].kwargs["reason"] == \
         "w8a8_int8 does not declare QuantCaps.tensor_parallel"
