@@ -141,15 +141,17 @@ def test_the_method_routes_rows_to_vnni_int8_tiles_and_bf16_tiles():
     p = packed("Q4_1", 64, 128)
     vnni, amx = Kernels("avx512_vnni"), AmxKernels()
     run = method.product(vnni, p, amx=amx)
-    big = torch.randn(method.AMX_BF16_MIN_ROWS, 128)
-    for dt in (torch.float32, torch.bfloat16):
-        x = big.to(dt)
-        small = x[: method.AMX_INT_MIN_ROWS - 1]
-        assert torch.equal(run(small), vnni.bind(p)(small))
-        mid = x[: method.AMX_INT_MIN_ROWS]
-        assert torch.equal(run(mid), amx.bind_int(p)(mid))
-    assert torch.equal(run(big.bfloat16()), amx.bind(p)(big.bfloat16()))  # bf16 tiles
-    assert torch.equal(run(big), amx.bind_int(p)(big))  # fp32: int8 tiles at any size
+    big = torch.randn(max(method.AMX_BF16_MIN_ROWS, method.DEQUANT_MIN_ROWS), 128)
+    xb = big.bfloat16()
+    small = xb[: method.AMX_INT_MIN_ROWS - 1]
+    assert torch.equal(run(small), vnni.bind(p)(small))
+    mid = xb[: method.AMX_INT_MIN_ROWS]
+    assert torch.equal(run(mid), amx.bind_int(p)(mid))  # bf16: int8 tiles from 8 rows
+    assert torch.equal(run(xb), amx.bind(p)(xb))  # and bf16 tiles from 128
+    # fp32: the VNNI kernel below DEQUANT_MIN_ROWS (batch-invariant decode), int8 tiles there
+    below = big[: method.DEQUANT_MIN_ROWS - 1]
+    assert torch.equal(run(below), vnni.bind(p)(below))
+    assert torch.equal(run(big), amx.bind_int(p)(big))
     # a matrix the int8 tiles do not take: bf16 tiles from AMX_MIN_ROWS rows of bf16
     q6 = packed("Q6_K", 32, 256)
     run6 = method.product(vnni, q6, amx=amx)

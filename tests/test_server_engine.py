@@ -52,7 +52,10 @@ def served():
     from core.frontend.serving import AsyncEngine
     from core.server.app import create_app
 
-    args = ServerArgs(api_key=KEY, max_total_tokens=MAX_TOTAL_TOKENS, enable_cache_report=True)
+    # fp32 on any CPU: the checks compare logprobs across paths (prefill / decode) at fp32's
+    # tolerance, and --dtype auto is bf16 on a CPU with AMX tiles
+    args = ServerArgs(api_key=KEY, max_total_tokens=MAX_TOTAL_TOKENS, enable_cache_report=True,
+                      dtype="float32")
     engine = Engine(server_args=args)
     adapter = AsyncEngine(engine, "smollm2")
     try:

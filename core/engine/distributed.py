@@ -147,6 +147,9 @@ class RankSpec:
     backend: str  # torch.distributed backend (Platform.dist_backend)
     device: str  # the torch device of that index (Platform.torch_device)
     target: str  # the hardware target whose Platform the rank loads before joining
+    # this process's place among the node's engine processes (replica x ranks per node +
+    # local rank): which slice of a shared device's cores it takes (share_threads)
+    slot: int = 0
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -170,14 +173,27 @@ def init_process_group(spec: RankSpec, platform: Platform, device: torch.device,
         world_size=spec.world, timeout=timedelta(seconds=timeout_s), **kwargs)
 
 
-def share_threads(ranks_here: int) -> None:
+def share_threads(ranks_here: int, slot: int = 0) -> str | None:
     """Engine processes sharing one device (ranks and replicas on a CPU target) share its
     cores: each takes an even share of torch's threads instead of all of them (N processes
-    x all cores would thrash)."""
-    if ranks_here > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // ranks_here))
+    x all cores would thrash) and, where there are at least as many cores as processes, its own
+    slice of this process's affinity mask (process `slot` of `ranks_here`), so that their
+    thread pools never compete for a core or migrate onto another's. Before any parallel work:
+    the thread pools started later inherit the mask. Returns a note (None when not shared)."""
+    if ranks_here <= 1:
+        return None
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    per = max(1, len(cores) // ranks_here)
+    torch.set_num_threads(per)
+    if len(cores) < ranks_here or not hasattr(os, "sched_setaffinity"):
+        return (f"CPU threads: {per} per engine process, {ranks_here} processes sharing "
+                f"{len(cores)} core(s) (not pinned: fewer cores than processes)")
+    mine = cores[(slot % ranks_here) * per:(slot % ranks_here + 1) * per]
+    os.sched_setaffinity(0, mine)
+    return (f"CPU threads: {per} on core(s) {','.join(map(str, mine))} (engine process "
+            f"{slot % ranks_here + 1} of {ranks_here} on this node, each pinned to its own "
+            f"{per} of the {len(cores)} cores)")
 
 
 def broadcast_bytes(data: bytes | None, dev: torch.device, src: int = 0) -> bytes:

@@ -622,13 +622,15 @@ def local_heads(spec: ModelSpec, tp: TPGroup) -> tuple[int, int]:
 
 def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: Registry,
                       loaded: LoadedModel | None = None, ranks: Ranks | None = None,
-                      device_index: int = 0, progress: Callable[[str], None] | None = None
-                      ) -> EngineCore:
+                      device_index: int = 0, progress: Callable[[str], None] | None = None,
+                      slot: int = 0) -> EngineCore:
     """Load (unless given), then the four phases: memory, KV, runner, scheduler. `ranks`:
     this worker's tensor-parallel place (its device index, its slice of the model, a KV pool
     for its heads, sized the same on every rank); `device_index`: the device of a worker
-    without ranks (a data-parallel replica's). progress(line): called as each phase ends
-    (what it did and its seconds; `core serve` prints them, STARTUP_PROGRESS_ENV)."""
+    without ranks (a data-parallel replica's); `slot`: its place among this node's engine
+    processes, where they share a device's cores (a rank's is in its RankSpec).
+    progress(line): called as each phase ends (what it did and its seconds; `core serve`
+    prints them, STARTUP_PROGRESS_ENV)."""
     t_phase = [time.monotonic()]
 
     def done(what: str) -> None:
@@ -654,7 +656,7 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
     # (all of them on a CPU target): they split its cores and its free memory.
     here = args.tp_size // args.nnodes * args.dp_size
     sharing = max(1, -(-here // max(plan.device.count, 1)))
-    share_threads(sharing)
+    threads_note = share_threads(sharing, ranks.spec.slot if ranks is not None else slot)
     if loaded is None:
         loaded = load_model(args, plan, registry, device=device, tp=tp)
         done(f"weights loaded ({plan.quant_method} on {device})")
@@ -718,7 +720,8 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
         page_size=plan.page_size, max_running_requests=mem.max_running,
         vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(sorted(eos)),
         chunked_prefill_size=mem.chunked_prefill_size, kv_bytes_per_token=per_token,
-        notes=(*loaded.notes, *notes, *runner.notes, *mem.notes, graph_note, *sched_notes),
+        notes=(*loaded.notes, *notes, *runner.notes, *mem.notes, graph_note, *sched_notes,
+               *((threads_note,) if threads_note else ())),
         cuda_graph_batch_sizes=tuple(sorted(runner.graph_runner.graphs))
         if runner.graph_runner is not None else (),
         device=str(device), pid=os.getpid())
@@ -957,11 +960,12 @@ def _progress_printer(args: ServerArgs) -> Callable[[str], None] | None:
 
 
 def worker_main(conn: Connection, args_json: str, plan_json: str, rank_json: str | None = None,
-                device_index: int = 0) -> None:
+                device_index: int = 0, slot: int = 0) -> None:
     """Entry of the spawned worker process (rank 0 of its engine): the parent's args (model
     path filled in) and its resolved plan, both JSON; `rank_json` (core.engine.distributed.RankSpec)
     when the engine spans tensor-parallel ranks, which rank 0 then joins and sends the args
-    and plan; `device_index`: the device it runs on otherwise (a data-parallel replica's)."""
+    and plan; `device_index`: the device it runs on otherwise (a data-parallel replica's);
+    `slot`: its place among this node's engine processes (share_threads)."""
     # Ctrl-C reaches the whole process group: the client decides when the worker stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     chan = Channel(conn)
@@ -974,7 +978,8 @@ def worker_main(conn: Connection, args_json: str, plan_json: str, rank_json: str
             payload = json.dumps({"args": args_json, "plan": plan_json}).encode()
             ranks, _ = join_ranks(RankSpec.from_json(rank_json), payload)
         core = build_engine_core(args, plan, spec, registry, ranks=ranks,
-                                 device_index=device_index, progress=_progress_printer(args))
+                                 device_index=device_index, progress=_progress_printer(args),
+                                 slot=slot)
     except Exception as exc:  # noqa: BLE001 - reported to the client, which raises it
         try:
             chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -1035,7 +1040,7 @@ def worker_prestarted(conn: Connection) -> None:
     except (EOFError, OSError):
         return  # the parent gave up before sending a plan (its resolution failed)
     worker_main(conn, message["args"], message["plan"], message.get("rank"),
-                message.get("device_index", 0))
+                message.get("device_index", 0), message.get("slot", 0))
 
 
 def args_to_json(args: ServerArgs) -> str:

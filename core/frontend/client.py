@@ -111,7 +111,7 @@ def rank_specs(args: ServerArgs, device: DeviceInfo, replica: int = 0) -> list[R
     indices = [device_index(args, device, replica, i) for i in range(here)]
     return [RankSpec(rank=first + i, world=args.tp_size, init_addr=addr, local_index=index,
                      backend=platform.dist_backend(), device=platform.torch_device(index),
-                     target=device.target)
+                     target=device.target, slot=replica * here + i)
             for i, index in enumerate(indices)]
 
 
@@ -274,13 +274,15 @@ class EngineClient(RequestStreams):
         specs = rank_specs(args, plan.device, replica)
         rank0 = specs[0].to_json() if specs else None
         index = device_index(args, plan.device, replica)  # of this replica's first rank
+        slot = replica * (args.tp_size // args.nnodes)  # its place among the node's processes
         if started is not None:
             self.process, parent_conn = started.process, started.conn
             try:
                 parent_conn.send_bytes(json.dumps({"args": args_to_json(args),
                                                    "plan": plan_to_json(plan),
                                                    "rank": rank0,
-                                                   "device_index": index}).encode())
+                                                   "device_index": index,
+                                                   "slot": slot}).encode())
             except OSError:
                 pass  # the worker died while importing: _wait_ready says how
         else:
@@ -288,7 +290,7 @@ class EngineClient(RequestStreams):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             self.process = ctx.Process(target=worker_main,
                                        args=(child_conn, args_to_json(args), plan_to_json(plan),
-                                             rank0, index),
+                                             rank0, index, slot),
                                        name="core-engine-worker", daemon=True)
             self.process.start()
             child_conn.close()

@@ -6,10 +6,11 @@ quantize the activations per block of 32 to integers and sum code x activation e
 kernel source, registered per instruction set and activation width, so the resolver picks the
 best this CPU has and says why the others do not fit:
 
-    gguf_amx         gguf_avx512 below 8 rows; from 8 rows on AMX int8 tiles with the same
-                     int16-activation arithmetic (a tile-ordered copy of the codes
-                     made at load: +0.5 byte a 4-bit weight), bf16 inputs of 128+ rows
-                     on AMX bf16 tiles (the weights dequantized inside the kernel)   priority 50
+    gguf_amx         gguf_avx512, except: AMX int8 tiles with the same int16-activation
+                     arithmetic for bf16 inputs of 8+ rows and fp32 ones of 128+ (a
+                     tile-ordered copy of the codes made at load: +0.5 byte a 4-bit
+                     weight), AMX bf16 tiles for bf16 inputs of 128+ rows (the weights
+                     dequantized inside the kernel)                         priority 50
     gguf_avx512      AVX-512 BW/VL + VNNI, int16 activations (vpdpwssd)   priority 40
     gguf_avx2        AVX2 + FMA + F16C, int16 activations (vpmaddwd)      priority 30
     gguf_c           portable C, int16 activations                        priority 20
@@ -43,8 +44,8 @@ _M = "plugins.quant.gguf.method:"
 # name -> (factory, ISA variant, priority (0: only by name), what)
 VARIANTS = {
     "gguf_amx": (_M + "GGUFAmxMethod", "amx", 50,
-                 "AMX int8 tiles from 8 rows (int16 activations), bf16 tiles for 128+ rows "
-                 "of bf16 input, AVX-512 VNNI int16 below 8"),
+                 "AMX int8 tiles (int16 activations) for 8+ rows of bf16 input and 128+ of "
+                 "fp32, bf16 tiles for 128+ rows of bf16, AVX-512 VNNI int16 below"),
     "gguf_avx512": (_M + "GGUFAvx512Method", "avx512_vnni", 40,
                     "AVX-512 VNNI, int16 activations"),
     "gguf_avx2": (_M + "GGUFAvx2Method", "avx2", 30, "AVX2, int16 activations"),

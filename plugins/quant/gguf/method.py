@@ -40,10 +40,13 @@ def _is_blocks(t: object) -> bool:
 # gguf_amx (bench/bench_gguf_amx.py on a 2-core Xeon with AMX, SmolLM2's and a Llama-3-8B
 # shape, one thread): the int8-tile kernel (the VNNI kernel's arithmetic) passes the VNNI
 # kernel between 4 and 8 rows and dequantize + fp32 F.linear at every size measured (8-512
-# rows), so fp32 inputs of AMX_INT_MIN_ROWS rows or more go to it; bf16 inputs go to the
-# bf16-tile kernel (the weights dequantized to bf16 inside it) from AMX_BF16_MIN_ROWS rows on,
-# where its rate passes the int8 tiles' (64-128 rows), and for matrices the int8 tiles do not
-# take (Q6_K's blocks of 16) from AMX_MIN_ROWS.
+# rows). bf16 inputs of AMX_INT_MIN_ROWS rows or more go to it, and from AMX_BF16_MIN_ROWS on
+# to the bf16-tile kernel (the weights dequantized to bf16 inside it), whose rate passes the
+# int8 tiles' between 64 and 128 rows; matrices the int8 tiles do not take (Q6_K's blocks of
+# 16) go to the bf16 tiles from AMX_MIN_ROWS. fp32 inputs keep the VNNI kernel below
+# DEQUANT_MIN_ROWS, so that under fp32 a decode step's tokens stay the same whatever they are
+# batched with (the int8 tiles sum the same integers in another fp32 order), and take the
+# int8 tiles from there on instead of dequantize + F.linear.
 AMX_INT_MIN_ROWS = 8
 AMX_BF16_MIN_ROWS = 128
 AMX_MIN_ROWS = 32
@@ -53,10 +56,11 @@ def product(kernels: Kernels, w: Packed, bias: torch.Tensor | None = None,
             out_dtype: torch.dtype | None = None,
             amx: AmxKernels | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ W^T (+ bias): the kernels below DEQUANT_MIN_ROWS rows, dequantize + F.linear
-    from there on; out_dtype (None: x's) for the LM head's fp32 logits. With `amx`, inputs of
-    AMX_INT_MIN_ROWS rows or more go to AMX tiles instead (above): the int8 tiles compute what
-    the kernels compute, in another order of the fp32 sums; each row's result is the same
-    whatever else the batch holds within one kernel."""
+    from there on; out_dtype (None: x's) for the LM head's fp32 logits. With `amx`, bf16
+    inputs of AMX_INT_MIN_ROWS rows or more and fp32 ones of DEQUANT_MIN_ROWS go to AMX tiles
+    instead (above): the int8 tiles compute what the kernels compute, in another order of the
+    fp32 sums; each row's result is the same whatever else the batch holds within one
+    kernel."""
     fbias = bias.detach().float().contiguous() if bias is not None else None
     small = kernels.bind(w, fbias, out_dtype)
     tiles = amx.bind(w, fbias, out_dtype) if amx is not None else None
@@ -70,7 +74,8 @@ def product(kernels: Kernels, w: Packed, bias: torch.Tensor | None = None,
             if tiles is not None and x.dtype == torch.bfloat16 and m >= (
                     AMX_BF16_MIN_ROWS if ints is not None else AMX_MIN_ROWS):
                 return tiles(x)
-            if ints is not None and m >= AMX_INT_MIN_ROWS:
+            if ints is not None and m >= (AMX_INT_MIN_ROWS if x.dtype == torch.bfloat16
+                                          else DEQUANT_MIN_ROWS):
                 return ints(x)
             if m >= DEQUANT_MIN_ROWS:
                 y = F.linear(x, dequantize(w, x.dtype), bias)
@@ -205,8 +210,9 @@ class GGUFLinearMethod(QuantMethod):
 
     def load_summary(self) -> str:
         held = ", ".join(f"{n} {t}" for t, n in sorted(self.counts.items()))
-        tiles = (f"; products of {AMX_INT_MIN_ROWS}+ rows on AMX int8 tiles, bf16 ones of "
-                 f"{AMX_BF16_MIN_ROWS}+ rows on bf16 tiles" if self.amx is not None else "")
+        tiles = (f"; AMX int8 tiles for bf16 products of {AMX_INT_MIN_ROWS}+ rows and fp32 "
+                 f"ones of {DEQUANT_MIN_ROWS}+, bf16 tiles for bf16 ones of "
+                 f"{AMX_BF16_MIN_ROWS}+" if self.amx is not None else "")
         return (f"GGUF blocks kept ({self.kernels.variant} kernels, int{self.act_bits} "
                 f"activations{tiles}): {held or 'nothing yet'}")
 
