@@ -34,6 +34,25 @@ def library(variant: str) -> ctypes.CDLL:
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _product(x: torch.Tensor, k: int, n: int, out_dtype: torch.dtype | None, takes: str,
+             failed: str, launch) -> torch.Tensor:
+    """x [..., K] (fp32 / bf16) -> y [..., N] in out_dtype (x's): checks x, hands launch(x2
+    [M, K] contiguous, M, y [M, N]) the buffers; a nonzero return is `failed`.format(rc)."""
+    dt = out_dtype or x.dtype
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
+    if x.dtype not in _DT or dt not in _DT:
+        raise ValueError(f"{takes} fp32 / bf16, got {x.dtype} -> {dt}")
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=dt)
+    rc = launch(x2, x2.shape[0], y)
+    if rc != 0:
+        raise RuntimeError(failed.format(rc))
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
 class Kernels:
     """The products of one ISA variant over Packed matrices, with activations quantized per
     block to `act_bits` 16 (|error| <= 2^-16 of the block's largest value, finer than bf16)
@@ -63,22 +82,14 @@ class Kernels:
         threads, abits = torch.get_num_threads(), self.act_bits
         keep = (w, bias)  # the pointers stay valid while the closure lives
 
+        failed = f"gq_linear failed ({{}}) for {w.bits}-bit blocks of {w.bs}"
+
+        def launch(x2: torch.Tensor, m: int, y: torch.Tensor) -> int:
+            return fn(x2.data_ptr(), _DT[x2.dtype], m, k, *wargs, y.data_ptr(), _DT[y.dtype], n,
+                      abits, threads)
+
         def run(x: torch.Tensor) -> torch.Tensor:
-            dt = out_dtype or x.dtype
-            if x.shape[-1] != k:
-                raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
-            if x.dtype not in _DT or dt not in _DT:
-                raise ValueError(f"GGUF kernels take fp32 / bf16, got {x.dtype} -> {dt}")
-            x2 = x if x.dim() == 2 else x.reshape(-1, k)
-            if not x2.is_contiguous():
-                x2 = x2.contiguous()
-            m = x2.shape[0]
-            y = torch.empty(m, n, dtype=dt)
-            rc = fn(x2.data_ptr(), _DT[x.dtype], m, k, *wargs, y.data_ptr(), _DT[dt], n, abits,
-                    threads)
-            if rc != 0:
-                raise RuntimeError(f"gq_linear failed ({rc}) for {w.bits}-bit blocks of {w.bs}")
-            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+            return _product(x, k, n, out_dtype, "GGUF kernels take", failed, launch)
 
         run.keep = keep
         return run
@@ -213,22 +224,13 @@ class AmxKernels:
         threads = torch.get_num_threads()
         keep = (tiles, sc, mn, bias)
 
+        def launch(x2: torch.Tensor, m: int, y: torch.Tensor) -> int:
+            return fn(x2.data_ptr(), _DT[x2.dtype], m, k, *wargs, y.data_ptr(), _DT[y.dtype], n,
+                      threads)
+
         def run(x: torch.Tensor) -> torch.Tensor:
-            dt = out_dtype or x.dtype
-            if x.dtype not in _DT or dt not in _DT:
-                raise ValueError(f"the AMX kernel takes fp32 / bf16, got {x.dtype} -> {dt}")
-            if x.shape[-1] != k:
-                raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
-            x2 = x.reshape(-1, k)
-            if not x2.is_contiguous():
-                x2 = x2.contiguous()
-            m = x2.shape[0]
-            y = torch.empty(m, n, dtype=dt)
-            rc = fn(x2.data_ptr(), _DT[x.dtype], m, k, *wargs, y.data_ptr(), _DT[dt], n,
-                    threads)
-            if rc != 0:
-                raise RuntimeError(f"gq_amx_q_linear failed ({rc})")
-            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+            return _product(x, k, n, out_dtype, "the AMX kernel takes", "gq_amx_q_linear failed "
+                            "({})", launch)
 
         run.keep = keep
         return run
