@@ -398,7 +398,9 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
         schedule_conservativeness=args.schedule_conservativeness, seed=args.seed,
         overlap=overlap,
         jump_forward=args.enable_jump_forward and plan.grammar_backend is not None,
-        spec_draft_tokens=plan.spec_draft_tokens)
+        spec_draft_tokens=plan.spec_draft_tokens,
+        spec_governor=args.speculative_governor == "on",
+        spec_disable_batch=args.speculative_disable_by_batch_size)
     tok, cfg = loaded.tokenizer, loaded.hf_config
     eos = set(tok.eos_token_ids) if tok is not None else set()
     cfg_eos = getattr(cfg, "eos_token_id", None)

@@ -150,6 +150,15 @@ class ServerArgs:
     speculative_draft_model_revision: str | None = _f(
         None, "speculative", "standalone: the draft's revision (refused: models load from a "
         "local path)")
+    speculative_governor: str | None = _f(
+        None, "speculative", "on: each request's drafts per step cut to what its acceptance so "
+        "far and the measured cost of a drafted token say pays, none where nothing does; off "
+        "(the default until benchmarks show on never loses): always "
+        "--speculative-num-draft-tokens",
+        choices=("on", "off"))
+    speculative_disable_by_batch_size: int | None = _f(
+        None, "speculative", "no drafts in a step with more running requests than this (vLLM's "
+        "disable_by_batch_size)")
     speculative_config: str | None = _f(
         None, "speculative", "vLLM's form, JSON: {\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1} "
@@ -266,7 +275,8 @@ SPEC_CONFIG_KEYS = {"method": "speculative_algorithm",
                     "prompt_lookup_min": "speculative_ngram_min_match_window_size",
                     "prompt_lookup_max": "speculative_ngram_max_match_window_size",
                     "model": "speculative_draft_model_path",
-                    "quantization": "speculative_draft_model_quantization"}
+                    "quantization": "speculative_draft_model_quantization",
+                    "disable_by_batch_size": "speculative_disable_by_batch_size"}
 SPEC_CONFIG_STRINGS = ("speculative_algorithm", "speculative_draft_model_path",
                        "speculative_draft_model_quantization")
 
@@ -382,9 +392,10 @@ def validate(args: ServerArgs) -> None:
 def _validate_speculative(args: ServerArgs) -> None:
     """The speculative flags' own ranges; which proposer and what it allows is the
     resolver's check (core.plan.resolver)."""
-    spec_only = ("speculative_num_draft_tokens", "speculative_draft_model_path",
-                 "speculative_draft_load_format", "speculative_draft_model_quantization",
-                 "speculative_draft_attention_backend")
+    draft_only = ("speculative_draft_load_format", "speculative_draft_model_quantization",
+                  "speculative_draft_attention_backend")
+    spec_only = ("speculative_num_draft_tokens", "speculative_draft_model_path", *draft_only,
+                 "speculative_governor", "speculative_disable_by_batch_size")
     if args.speculative_algorithm is None:
         given = [n for n in spec_only if getattr(args, n) is not None]
         if given:
@@ -395,8 +406,11 @@ def _validate_speculative(args: ServerArgs) -> None:
     n = args.speculative_num_draft_tokens
     if n is not None and not 1 <= n <= 64:
         raise ValueError(f"--speculative-num-draft-tokens must be in 1..64, got {n}")
+    d = args.speculative_disable_by_batch_size
+    if d is not None and d < 1:
+        raise ValueError(f"--speculative-disable-by-batch-size must be >= 1, got {d}")
     if args.speculative_draft_model_path is None:
-        given = [n for n in spec_only[2:] if getattr(args, n) is not None]
+        given = [n for n in draft_only if getattr(args, n) is not None]
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} needs "
                              "--speculative-draft-model-path")

@@ -348,6 +348,14 @@ def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
                      "step")
     notes.append("speculative verify steps run eagerly (one extend-like forward over the last "
                  "token and its drafts); decode graphs serve the steps without drafts")
+    gov = ("on: each request's drafts cut per step to what its acceptance and the measured cost "
+           "of a drafted token say pays" if args.speculative_governor == "on" else
+           "off: every request asks for the full number each step (--speculative-governor on "
+           "cuts drafts that do not pay)")
+    if args.speculative_disable_by_batch_size is not None:
+        gov += (f"; no drafts in a step with more than {args.speculative_disable_by_batch_size} "
+                "running requests")
+    notes.append(f"speculation governor {gov}")
     if caps.needs_draft_weights:
         notes.append(f"{chosen}: the draft model runs eagerly (no graphs), with a KV pool of its "
                      "own sized like the target's (the memory budget is split between them)")

@@ -71,6 +71,8 @@ class SchedulerConfig:
     overlap: bool = False  # launch decode step N+1 before the host sees step N's tokens
     jump_forward: bool = False  # append grammar-forced tokens, computed by one extend
     spec_draft_tokens: int = 0  # speculative decoding: most drafts per request and step
+    spec_governor: bool = False  # drafts cut per request and step where they do not pay
+    spec_disable_batch: int | None = None  # no drafts in a step with more running requests
 
 
 @dataclass

@@ -22,6 +22,7 @@ keeps the step itself, sampling and stop conditions.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from core.engine.sampling import (
 )
 from core.engine.scheduler.admission import Admission
 from core.engine.scheduler.compiles import Compiles
+from core.engine.scheduler.governor import Governor
 from core.engine.scheduler.overlap import InflightDecode, Overlap
 from core.engine.scheduler.pages import Pages
 from core.engine.scheduler.request import (
@@ -93,7 +95,8 @@ class Scheduler:
                 raise ValueError("speculative decoding runs without the overlap schedule")
             self.spec = Speculation(proposer, cfg.spec_draft_tokens, self.pages, runner,
                                     sampler, self.counters, self._accept, vocab_size,
-                                    grammars=proposer_grammars)
+                                    grammars=proposer_grammars,
+                                    governor=Governor(cfg.spec_governor, cfg.spec_disable_batch))
         self.admission = Admission(cfg, self.q, self.pages, self.counters,
                                    on_retract=self.spec.forget if self.spec else None)
         self.compiles = Compiles(grammar, self.q, self.counters)
@@ -369,8 +372,11 @@ class Scheduler:
         # after the forward's launch, while the device computes (at sampling).
         masks = None if self.cfg.overlap else self.sampler.start_masks(
             [r.state for r in batch], self.vocab_size)
+        t0 = time.perf_counter()
         logits = self._forward_decode([r.output_ids[-1] for r in batch])
         self._sample(batch, logits, masks)
+        if self.spec is not None:  # a plain step's cost, beside the verify steps' (governor)
+            self.spec.governor.cost.add(len(batch), time.perf_counter() - t0)
         q.running = q.decoding(batch)
         return list(batch)
 

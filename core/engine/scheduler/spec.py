@@ -3,8 +3,9 @@
 [last token + drafts], exactly.
 
 A decode step with speculation: every running request asks the proposer for up to
-`budget(req)` drafts (the governor's hook: today the flag's number, bounded by what is left of
-max_new_tokens, so no request ever computes or emits past it). When no request has a draft the
+`budget(req)` drafts (the flag's number, bounded by what is left of max_new_tokens, so no
+request ever computes or emits past it), as many of them as the governor
+(core.engine.scheduler.governor, --speculative-governor on) finds worth their cost. When no request has a draft the
 step is a plain decode (graphs included). Otherwise one extend-like forward runs every request
 (those without drafts with their one token), with pages for all its tokens; position j of a
 request is verified with its drafts 0..j-1 observed first (penalties, min_new_tokens), by
@@ -21,12 +22,14 @@ drafts against a grammar (SpecCaps.grammars); each such request is counted once
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from core.contract.spec import DraftRequest, Proposer
+from core.engine.scheduler.governor import Governor
 
 if TYPE_CHECKING:
     from core.engine.draft import DraftModelRunner
@@ -45,13 +48,15 @@ class Speculation:
     def __init__(self, proposer: Proposer, num_draft_tokens: int, pages: Pages,
                  runner: ModelRunner, sampler: Sampler, counters: dict[str, int],
                  accept: Callable[[Req, int, TokenLogprobs | None], None],
-                 vocab_size: int, grammars: bool = False):
+                 vocab_size: int, grammars: bool = False, governor: Governor | None = None):
         """accept(req, token, logprobs): the scheduler's, one emitted token joins the output
-        (stop checks, finishing). Drafts must lie below vocab_size."""
+        (stop checks, finishing). Drafts must lie below vocab_size. governor: drafts per
+        request and step (None: one that is off, the flag's number every step)."""
         self.proposer, self.num_draft_tokens = proposer, num_draft_tokens
         self.pages, self.runner, self.sampler = pages, runner, sampler
         self.counters, self.accept, self.grammars = counters, accept, grammars
         self.vocab_size = vocab_size
+        self.governor = governor if governor is not None else Governor(on=False)
         # the engine's draft model (core.engine.draft), where the proposer runs one: its pool's
         # accounting and stats
         self.draft: DraftModelRunner | None = None
@@ -59,14 +64,14 @@ class Speculation:
         # core_spec_decode_*_total then)
         counters.update({"spec_verify_steps": 0, "spec_num_drafts": 0,
                          "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0,
-                         "spec_skipped_grammar": 0})
+                         "spec_skipped_grammar": 0, "spec_governor_cut": 0})
 
     # -- the governor's hook ---------------------------------------------------------------------
 
     def budget(self, req: Req) -> int:
         """The most drafts `req` may have this step: the flag's number, none for a constrained
         request the proposer cannot check, and never past max_new_tokens (the last of its
-        tokens is always the target's own). A governor (issue 33) replaces this per step."""
+        tokens is always the target's own). The governor asks for this many or fewer."""
         if req.state.matcher is not None and not self.grammars:
             if req.spec_note is None:
                 req.spec_note = GRAMMAR_NOTE
@@ -78,7 +83,11 @@ class Speculation:
 
     def propose(self, batch: list[Req]) -> list[list[int]] | None:
         """Drafts per request of the batch, or None when none has any."""
-        asks = [(i, r, n) for i, r in enumerate(batch) if (n := self.budget(r)) > 0]
+        caps = [self.budget(r) for r in batch]
+        ks = self.governor.budgets([r.rid for r in batch], caps) if any(caps) else caps
+        self.counters["spec_governor_cut"] += sum(c > 0 and k == 0
+                                                  for c, k in zip(caps, ks, strict=True))
+        asks = [(i, r, n) for i, (r, n) in enumerate(zip(batch, ks, strict=True)) if n > 0]
         if not asks:
             return None
         got = self.proposer.propose([DraftRequest(r.rid, r.all_ids, len(r.prompt_ids), n)
@@ -120,6 +129,7 @@ class Speculation:
             for gs, ws in zip(gslots, windowed, strict=True):
                 gs.append(ws)
         lora = None if pg.lora is None else [r.lora_slot for r in batch]
+        t0 = time.perf_counter()
         logits = self.runner.verify(rows, prefix, tokens, slots,  # [sum(1 + k), V]
                                     group_slots=gslots, lora=lora)
         starts, at = [], 0
@@ -141,6 +151,7 @@ class Speculation:
                 if a:
                     nxt.append(i)
             live, j = nxt, j + 1
+        self.governor.cost.add(len(logits), time.perf_counter() - t0)  # forward + sampling
         self.counters["spec_verify_steps"] += 1
         self.counters["decode_tokens"] += len(batch)
         for r, d, out in zip(batch, drafts, emitted, strict=True):
@@ -156,6 +167,7 @@ class Speculation:
                 r.spec_accepted += accepted
                 r.spec_verify_steps += 1
                 self.proposer.observe(r.rid, len(d), accepted)
+                self.governor.observe(r.rid, len(d), accepted)
             for e, (t, lp) in enumerate(out):
                 r.kv_len = base + 1 + e  # tokens before this one have their K/V
                 self.accept(r, t, lp)
@@ -166,6 +178,7 @@ class Speculation:
     def forget(self, req: Req) -> None:
         """req finished, was aborted or retracted: the proposer drops what it kept."""
         self.proposer.reset(req.rid)
+        self.governor.forget(req.rid)
 
     def check_accounting(self, live: set[str]) -> None:
         """The draft model's pool (where there is one): no page leaked or owned twice, and
