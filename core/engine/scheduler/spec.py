@@ -5,8 +5,8 @@
 A decode step with speculation: every running request asks the proposer for up to
 `budget(req)` drafts (the flag's number, bounded by what is left of max_new_tokens, so no
 request ever computes or emits past it), as many of them as the governor
-(core.engine.scheduler.governor, --speculative-governor on) finds worth their cost. When no request has a draft the
-step is a plain decode (graphs included). Otherwise one extend-like forward runs every request
+(core.engine.scheduler.governor, --speculative-governor on) finds worth their cost. When no
+request has a draft the step is a plain decode (graphs included). Otherwise one extend-like forward runs every request
 (those without drafts with their one token), with pages for all its tokens; position j of a
 request is verified with its drafts 0..j-1 observed first (penalties, min_new_tokens), by
 Sampler.verify: greedy by exact match, sampled by rejection sampling. A request emits its
