@@ -240,6 +240,20 @@ def test_amx_backend_on_xeon_amx(model_spec, test_registry):
         reasons_of(fp32, "decode_attention", "amx_like")
 
 
+def test_cpu_auto_dtype_with_speculation_stays_float32_on_amx(model_spec):
+    """bf16 verify and decode steps round differently: under --dtype auto speculative decoding
+    keeps fp32 on an AMX CPU, so greedy answers stay identical; bf16 asked for is honoured."""
+    from core.plan.registry import build_registry
+
+    spec, registry = model_spec("llama-3.1-8b"), build_registry()
+    plan = plan_for(spec, "xeon-amx", registry, speculative_algorithm="ngram")
+    assert plan.dtype == "float32"
+    assert any("with speculative decoding" in n for n in plan.notes)
+    asked = plan_for(spec, "xeon-amx", registry, speculative_algorithm="ngram",
+                     dtype="bfloat16")
+    assert asked.dtype == "bfloat16"
+
+
 def test_cpu_auto_dtype_is_float32_without_amx(model_spec, plain_registry):
     plan = plan_for(model_spec("llama-3.1-8b"), "x86-cpu", plain_registry)
     assert plan.dtype == "float32"

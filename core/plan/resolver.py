@@ -71,6 +71,13 @@ def _compute_dtype(spec: ModelSpec, device: DeviceInfo, args: ServerArgs,
     if asked is not None:
         return asked
     if device.device_type == "cpu":
+        if device.has("amx_bf16") and args.speculative_algorithm is not None:
+            notes.append("compute dtype float32: the CPU default for --dtype auto with "
+                         "speculative decoding, which this CPU's bf16 default would otherwise "
+                         "be (AMX tiles): in bf16 the verify step (prefill attention over the "
+                         "drafts) rounds differently from a decode step, so greedy answers "
+                         "could change with speculation; --dtype bfloat16 to choose bf16")
+            return "float32"
         if device.has("amx_bf16"):
             # SGLang's and vLLM's CPU paths compute in bf16 by default; on AMX tiles it is
             # several times fp32's rate for prefill-sized products (bench/RESULTS.md, gguf_amx).
