@@ -193,7 +193,7 @@ def worker_llama(job: dict[str, Any], mode: str) -> dict[str, Any]:
                               draft_model=draft)
         load = time.perf_counter() - t
 
-        def one(ids: list[int]) -> dict[str, Any]:
+        def one(llm: Any, ids: list[int]) -> dict[str, Any]:
             llm.reset()
             out: list[int] = []
             t0 = time.perf_counter()
@@ -209,9 +209,9 @@ def worker_llama(job: dict[str, Any], mode: str) -> dict[str, Any]:
             return {"ttft_s": first - t0, "decode_s": last - first, "total_s": last - t0,
                     "output_ids": out}
 
-        one(job["warm"])
+        one(llm, job["warm"])
         runs[str(n_pred)] = {"load_s": load, "sets": {
-            s: [{"name": p["name"], **one(p["ids"])} for p in ps]
+            s: [{"name": p["name"], **one(llm, p["ids"])} for p in ps]
             for s, ps in job["sets"].items()}}
         del llm
     return {"llama_cpp": getattr(llama_cpp, "__version__", None), "runs": runs,
@@ -237,7 +237,8 @@ def summarize(reqs: list[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(len(r["output_ids"]) for r in reqs)
     after = sum(max(len(r["output_ids"]) - 1, 0) for r in reqs)
     decode_s = sum(r["decode_s"] for r in reqs)
-    s: dict[str, Any] = {"requests": len(reqs), "tokens": tokens,
+    s: dict[str, Any] = {"requests": len(reqs), "tokens": tokens, "decode_tokens": after,
+                         "decode_s": decode_s,
                          "decode_tok_s": after / decode_s if decode_s else None,
                          "e2e_tok_s": tokens / sum(r["total_s"] for r in reqs)}
     if all("worker_cpu_s" in r for r in reqs):
@@ -262,12 +263,38 @@ def figures(report: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
         for n, run in (res.get("runs") or {}).items():
             for s, reqs in run["sets"].items():
                 summ = summarize(reqs)
+                if n == "0":  # llama.cpp without a draft model
+                    out.setdefault(s, {})[config] = summ
+                    continue
                 summ["num_pred_tokens"] = int(n)
                 out.setdefault(s, {})[f"{config}/{n}"] = summ
                 best = out[s].get(config)
                 if best is None or (summ["decode_tok_s"] or 0) > (best["decode_tok_s"] or 0):
                     out[s][config] = summ
+    step_costs(out)
     return out
+
+
+def step_costs(fig: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """A profile from the counters, in place: the mean wall time of one verify step (1 + k
+    tokens in one forward) over that of one plain decode step of ours:off in the same set.
+    The decode phase of a speculative run is plain steps (no draft found) and verify steps;
+    each verify step emits accepted + 1 tokens, each plain step one, so
+    plain = decode_tokens - verify_steps - accepted, and the verify steps took the rest of the
+    decode time once the plain steps are charged at ours:off's rate."""
+    for cols in fig.values():
+        off = cols.get("ours:off")
+        if not off or not off.get("decode_tok_s"):
+            continue
+        plain_s = 1.0 / off["decode_tok_s"]
+        for c, v in cols.items():
+            if not c.startswith("ours:") or not v.get("verify_steps"):
+                continue
+            plain = v["decode_tokens"] - v["verify_steps"] - v["accepted"]
+            verify_s = (v["decode_s"] - plain * plain_s) / v["verify_steps"]
+            v["plain_steps"] = plain
+            v["verify_step_vs_plain"] = verify_s / plain_s
+            v["tokens_per_verify_step"] = 1 + v["accepted"] / v["verify_steps"]
 
 
 def mismatches(report: dict[str, Any]) -> list[str]:
@@ -283,10 +310,27 @@ def mismatches(report: dict[str, Any]) -> list[str]:
             for want, got in zip(base[s], reqs, strict=True):
                 a, b = want["output_ids"], got["output_ids"]
                 if a != b:
-                    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                               min(len(a), len(b)))
                     out.append(f"{config} {s}/{want['name']}: differs from ours:off at token "
                                f"{at} ({len(a)} vs {len(b)} tokens)")
+    return out
+
+
+def agreement(report: dict[str, Any]) -> list[str]:
+    """How many of llama.cpp's greedy answers equal ours without speculation (information: two
+    engines' kernels round differently, so near-ties may break differently)."""
+    base = report["results"].get("ours:off", {}).get("sets")
+    out = []
+    for config, res in report["results"].items():
+        for n, run in (res.get("runs") or {}).items():
+            if not base:
+                continue
+            for s, reqs in run["sets"].items():
+                same = sum(w["output_ids"] == g["output_ids"]
+                           for w, g in zip(base[s], reqs, strict=True))
+                label = config if n == "0" else f"{config}/{n}"
+                out.append(f"{label} {s}: {same}/{len(reqs)} answers identical to ours:off")
     return out
 
 
@@ -304,11 +348,11 @@ def markdown_table(fig: dict[str, dict[str, dict[str, Any]]]) -> str:
              "llama.cpp lookup (N) | lookup / llama.cpp off | ours ngram / llama.cpp lookup |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, cols in fig.items():
-        def tps(c: str) -> Any:
-            return (cols.get(c) or {}).get("decode_tok_s")
-
-        def get(c: str, k: str) -> Any:
+        def get(c: str, k: str, cols: dict = cols) -> Any:
             return (cols.get(c) or {}).get(k)
+
+        def tps(c: str) -> Any:
+            return get(c, "decode_tok_s")
 
         look = cols.get("llama.cpp:lookup") or {}
         n = f" ({look['num_pred_tokens']})" if "num_pred_tokens" in look else ""
@@ -328,16 +372,19 @@ def markdown_table(fig: dict[str, dict[str, dict[str, Any]]]) -> str:
 
 def detail_table(fig: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = ["| set | config | tokens | decode tok/s | end-to-end tok/s | worker CPU ms/token | "
-             "drafted | accepted | verify steps | acceptance | mean accepted len |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "drafted | accepted | verify steps | plain steps | acceptance | mean accepted len "
+             "| verify step / plain step (time) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, cols in fig.items():
         for c, v in cols.items():
             lines.append(
                 f"| {s} | {c} | {v['tokens']} | {_num(v['decode_tok_s'])} | "
                 f"{_num(v['e2e_tok_s'])} | {_num(v.get('worker_cpu_ms_per_tok'), '{:.2f}')} | "
                 f"{v.get('drafted', '-')} | {v.get('accepted', '-')} | "
-                f"{v.get('verify_steps', '-')} | {_num(v.get('acceptance'), '{:.2f}')} | "
-                f"{_num(v.get('mean_accepted_len'), '{:.2f}')} |")
+                f"{v.get('verify_steps', '-')} | {v.get('plain_steps', '-')} | "
+                f"{_num(v.get('acceptance'), '{:.2f}')} | "
+                f"{_num(v.get('mean_accepted_len'), '{:.2f}')} | "
+                f"{_num(v.get('verify_step_vs_plain'), '{:.2f}')} |")
     return "\n".join(lines)
 
 
@@ -390,6 +437,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="2 prompts a set, 32 new tokens")
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2 Q4_1 GGUF")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per config")
+    p.add_argument("--from-json", default=None,
+                   help="no run: rebuild the tables from an earlier --out report")
     p.add_argument("--worker", choices=CONFIGS, help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -418,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         res = worker_ours(job, mode) if kind == "ours" else worker_llama(job, mode)
         Path(a.result).write_text(json.dumps(res))
         return 0
+    if a.from_json:  # the report's tables again, from its raw results
+        report = json.loads(Path(a.from_json).read_text())
+        return finish(report, a.out, [c for c, r in report["results"].items() if "error" in r])
     check_sets()
     if a.model_path is None:
         from core.plan.default_model import default_model_path
@@ -469,6 +521,13 @@ def main(argv: list[str] | None = None) -> int:
             report["foreign_cpu_s"][config] = round(max(busy1 - busy0 - (own1 - own0), 0.0), 1)
             save()
     report["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
+    return finish(report, a.out, failed)
+
+
+def finish(report: dict[str, Any], out: str | None, failed: list[str]) -> int:
+    """Figures, tables, notes and the check of ours' answers from a report's raw results;
+    printed, and written to `out`."""
+    w = report["workload"]
     fig = figures(report)
     report["figures"] = fig
     report["mismatches"] = mismatches(report)
@@ -486,12 +545,15 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"{config}: other processes took {foreign:.0f} CPU-s during its "
                      f"{wall:.0f} s" + (" (WARNING: its figures are skewed)"
                                         if foreign > FOREIGN_WARN * wall else ""))
+    notes += agreement(report)
     report["notes"] = notes
-    save()
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2, default=str))
     m = report["machine"]
     print(f"\n{report['date']}: {m['model_name']}, ISA {' '.join(m['isa']) or '-'}; "
-          f"{a.threads} thread(s); load {m['loadavg_1m']} -> {report['loadavg_1m_end']}; "
-          f"max_new_tokens {a.max_new_tokens}, draft tokens {a.draft_tokens}, EOS honoured\n")
+          f"{w['threads']} thread(s); load {m['loadavg_1m']} -> {report['loadavg_1m_end']}; "
+          f"max_new_tokens {w['max_new_tokens']}, draft tokens {w['draft_tokens']}, "
+          "EOS honoured\n")
     print(report["table"] + "\n\n" + report["detail"] + "\n")
     for line in report["targets"] + notes:
         print(f"- {line}")
@@ -499,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nGREEDY MISMATCH (speculation changed ours' answers):")
         for line in report["mismatches"]:
             print(f"- {line}")
-    if a.out:
-        print(f"\nwritten to {a.out}")
+    if out:
+        print(f"\nwritten to {out}")
     if failed:
         print(f"\nfailed: {', '.join(failed)} (see the JSON)")
     return 1 if failed or report["mismatches"] else 0
