@@ -143,17 +143,20 @@ def worker_ours(job: dict[str, Any], alg: str) -> dict[str, Any]:
         def one(ids: list[int]) -> dict[str, Any]:
             t0 = time.perf_counter()
             c0 = proc_cpu_s(pid)
-            first = last = None
+            first = last = c_first = None
             out: list[int] = []
             meta: dict[str, Any] = {}
             for chunk in engine.generate(input_ids=ids, sampling_params=sp, stream=True):
                 if chunk["token_ids"]:
                     last = time.perf_counter()
-                    first = first or last
+                    if first is None:
+                        first, c_first = last, proc_cpu_s(pid)
                     out += chunk["token_ids"]
                 meta = chunk.get("meta_info") or meta
+            c_end = proc_cpu_s(pid)
             return {"ttft_s": first - t0, "decode_s": last - first, "total_s": last - t0,
-                    "worker_cpu_s": proc_cpu_s(pid) - c0, "output_ids": out,
+                    "worker_cpu_s": c_end - c0, "decode_cpu_s": c_end - c_first,
+                    "output_ids": out,
                     **{k: meta[k] for k in ("spec_verify_ct", "spec_draft_tokens",
                                             "spec_accepted_tokens", "spec_note") if k in meta}}
 
@@ -243,6 +246,9 @@ def summarize(reqs: list[dict[str, Any]]) -> dict[str, Any]:
                          "e2e_tok_s": tokens / sum(r["total_s"] for r in reqs)}
     if all("worker_cpu_s" in r for r in reqs):
         s["worker_cpu_ms_per_tok"] = 1e3 * sum(r["worker_cpu_s"] for r in reqs) / tokens
+    if all("decode_cpu_s" in r for r in reqs):  # the engine worker's CPU time, not wall time
+        cpu = sum(r["decode_cpu_s"] for r in reqs)
+        s["decode_tok_per_cpu_s"] = after / cpu if cpu else None
     drafted = sum(r.get("spec_draft_tokens", 0) for r in reqs)
     steps = sum(r.get("spec_verify_ct", 0) for r in reqs)
     if any("spec_draft_tokens" in r for r in reqs):
@@ -345,14 +351,18 @@ def _ratio(a: Any, b: Any) -> str:
 def markdown_table(fig: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = ["| set | ours off | ngram | suffix | ngram / off | suffix / off | acceptance "
              "ngram / suffix | mean accepted len ngram / suffix | llama.cpp off | "
-             "llama.cpp lookup (N) | lookup / llama.cpp off | ours ngram / llama.cpp lookup |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "llama.cpp lookup (N) | lookup / llama.cpp off | ours ngram / llama.cpp lookup | "
+             "ngram / off, suffix / off by worker CPU time |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, cols in fig.items():
         def get(c: str, k: str, cols: dict = cols) -> Any:
             return (cols.get(c) or {}).get(k)
 
         def tps(c: str) -> Any:
             return get(c, "decode_tok_s")
+
+        def cpu(c: str) -> Any:
+            return get(c, "decode_tok_per_cpu_s")
 
         look = cols.get("llama.cpp:lookup") or {}
         n = f" ({look['num_pred_tokens']})" if "num_pred_tokens" in look else ""
@@ -366,19 +376,23 @@ def markdown_table(fig: dict[str, dict[str, dict[str, Any]]]) -> str:
             f"{_num(get('ours:suffix', 'mean_accepted_len'), '{:.2f}')} | "
             f"{_num(tps('llama.cpp:off'))} | {_num(tps('llama.cpp:lookup'))}{n} | "
             f"{_ratio(tps('llama.cpp:lookup'), tps('llama.cpp:off'))} | "
-            f"{_ratio(tps('ours:ngram'), tps('llama.cpp:lookup'))} |")
+            f"{_ratio(tps('ours:ngram'), tps('llama.cpp:lookup'))} | "
+            f"{_ratio(cpu('ours:ngram'), cpu('ours:off'))}, "
+            f"{_ratio(cpu('ours:suffix'), cpu('ours:off'))} |")
     return "\n".join(lines)
 
 
 def detail_table(fig: dict[str, dict[str, dict[str, Any]]]) -> str:
-    lines = ["| set | config | tokens | decode tok/s | end-to-end tok/s | worker CPU ms/token | "
+    lines = ["| set | config | tokens | decode tok/s | decode tok per worker CPU-s | "
+             "end-to-end tok/s | worker CPU ms/token | "
              "drafted | accepted | verify steps | plain steps | acceptance | mean accepted len "
              "| verify step / plain step (time) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, cols in fig.items():
         for c, v in cols.items():
             lines.append(
                 f"| {s} | {c} | {v['tokens']} | {_num(v['decode_tok_s'])} | "
+                f"{_num(v.get('decode_tok_per_cpu_s'))} | "
                 f"{_num(v['e2e_tok_s'])} | {_num(v.get('worker_cpu_ms_per_tok'), '{:.2f}')} | "
                 f"{v.get('drafted', '-')} | {v.get('accepted', '-')} | "
                 f"{v.get('verify_steps', '-')} | {v.get('plain_steps', '-')} | "

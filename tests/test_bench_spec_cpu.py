@@ -60,12 +60,14 @@ def _req(name, ids, decode_s, **kw):
 
 def test_figures_table_targets_and_mismatches(bench):
     spec = {"spec_verify_ct": 5, "spec_draft_tokens": 20, "spec_accepted_tokens": 15}
-    off = {"input_grounded": [_req("a", list(range(21)), 1.0, worker_cpu_s=1.05)],
+    off = {"input_grounded": [_req("a", list(range(21)), 1.0, worker_cpu_s=1.05,
+                                   decode_cpu_s=0.8)],
            "open_ended": [_req("b", [1] * 11, 1.0, worker_cpu_s=0.55)]}
     report = {"results": {
         "ours:off": {"sets": off},
         "ours:ngram": {"sets": {
-            "input_grounded": [_req("a", list(range(21)), 0.5, worker_cpu_s=0.6, **spec)],
+            "input_grounded": [_req("a", list(range(21)), 0.5, worker_cpu_s=0.6,
+                                    decode_cpu_s=0.5, **spec)],
             "open_ended": [_req("b", [1] * 10 + [2], 1.0, spec_verify_ct=2,
                                 spec_draft_tokens=4, spec_accepted_tokens=0)]}},
         "llama.cpp:off": {"runs": {"0": {"sets": off}}},
@@ -91,7 +93,9 @@ def test_figures_table_targets_and_mismatches(bench):
     table = bench.markdown_table(fig).splitlines()
     assert table[0].startswith("| set | ours off | ngram | suffix | ngram / off |")
     assert table[2].startswith("| input_grounded | 20.0 | 40.0 | - | 2.00x | - | 0.75 / - |")
-    assert table[2].endswith("| 20.0 | 50.0 (10) | 2.50x | 0.80x |")
+    assert table[2].endswith("| 20.0 | 50.0 (10) | 2.50x | 0.80x | 1.60x, - |")
+    assert g["ours:off"]["decode_tok_per_cpu_s"] == pytest.approx(25.0)  # CPU, not wall
+    assert "decode_tok_per_cpu_s" not in o["ours:off"]
     t = bench.targets(fig)
     assert "input_grounded ngram / off = 2.00x (target >= 1.8x): met" in t
     assert "input_grounded ngram / llama.cpp lookup = 0.80x (target >= 1.5x): missed" in t
