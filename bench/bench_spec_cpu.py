@@ -287,7 +287,9 @@ def step_costs(fig: dict[str, dict[str, dict[str, Any]]]) -> None:
     The decode phase of a speculative run is plain steps (no draft found) and verify steps;
     each verify step emits accepted + 1 tokens, each plain step one, so
     plain = decode_tokens - verify_steps - accepted, and the verify steps took the rest of the
-    decode time once the plain steps are charged at ours:off's rate."""
+    decode time once the plain steps are charged at ours:off's rate. Approximate: drafts accepted
+    past a stop token count as accepted but are not emitted (plain steps are floored at 0);
+    for standalone the verify step includes the draft model's forwards."""
     for cols in fig.values():
         off = cols.get("ours:off")
         if not off or not off.get("decode_tok_s"):
@@ -296,7 +298,7 @@ def step_costs(fig: dict[str, dict[str, dict[str, Any]]]) -> None:
         for c, v in cols.items():
             if not c.startswith("ours:") or not v.get("verify_steps"):
                 continue
-            plain = v["decode_tokens"] - v["verify_steps"] - v["accepted"]
+            plain = max(v["decode_tokens"] - v["verify_steps"] - v["accepted"], 0)
             verify_s = (v["decode_s"] - plain * plain_s) / v["verify_steps"]
             v["plain_steps"] = plain
             v["verify_step_vs_plain"] = verify_s / plain_s
