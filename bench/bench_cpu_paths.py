@@ -25,11 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from bench_cpu_peers import proc_cpu_s  # this directory: sys.path[0] when run as a script
 
 
 def measure(path: str, threads: int, reps: int, prompts: dict[int, list[int]]) -> dict:
@@ -46,12 +42,12 @@ def measure(path: str, threads: int, reps: int, prompts: dict[int, list[int]]) -
         def run(ids: list[int], new: int) -> tuple[float, float]:
             sp = {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
             eng.flush_cache()
-            c0, t0 = cpu_s(pid), time.perf_counter()
+            c0, t0 = proc_cpu_s(pid), time.perf_counter()
             got = sum(len(c["token_ids"]) for c in
                       eng.generate(input_ids=ids, sampling_params=sp, stream=True))
             if got != new:
                 raise RuntimeError(f"asked for {new} tokens, got {got}")
-            return time.perf_counter() - t0, cpu_s(pid) - c0
+            return time.perf_counter() - t0, proc_cpu_s(pid) - c0
 
         out = {"path": path, "quant_method": eng.plan.quant_method, "dtype": eng.plan.dtype,
                "threads": threads}

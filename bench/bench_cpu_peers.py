@@ -229,6 +229,29 @@ def worker_ours(job: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a live process, seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def llama_extra_bufts_off() -> None:
+    """ggml's extra buffer types (its AMX path and repacked weights) off for every Llama()
+    built after this call: on the default SmolLM2 file its AMX path dies in llama_decode
+    (SIGSEGV) for batches of 2+ tokens (bench/../shared/reference/PEERS.md); the model loads
+    from the library's defaults otherwise."""
+    import llama_cpp.llama_cpp as low  # what Llama() calls for its model parameters
+
+    defaults = low.llama_model_default_params
+
+    def no_extra():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = no_extra
+
+
 def worker_llama(job: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     try:
@@ -238,19 +261,7 @@ def worker_llama(job: dict[str, Any]) -> dict[str, Any]:
     imported = time.perf_counter() - t
     extra = job.get("llama_extra_bufts", "default")
     if extra == "off":
-        # ggml's extra buffer types (its AMX path and repacked weights) off: on the default
-        # SmolLM2 file its AMX path dies in llama_decode (SIGSEGV) for batches of 2+ tokens
-        # (bench/../shared/reference/PEERS.md); the model loads from the library's defaults
-        import llama_cpp.llama_cpp as low  # what Llama() calls for its model parameters
-
-        defaults = low.llama_model_default_params
-
-        def no_extra():
-            p = defaults()
-            p.use_extra_bufts = False
-            return p
-
-        low.llama_model_default_params = no_extra
+        llama_extra_bufts_off()
     t = time.perf_counter()
     llm = llama_cpp.Llama(job["model_path"], n_ctx=job["n_ctx"], n_threads=job["threads"],
                           n_threads_batch=job["threads"], n_batch=512, verbose=False)

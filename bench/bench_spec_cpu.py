@@ -56,7 +56,14 @@ for _p in (str(BENCH_DIR), str(REPO)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_cpu_peers import FOREIGN_WARN, cpu_info, cpu_seconds, version  # noqa: E402
+from bench_cpu_peers import (  # noqa: E402
+    FOREIGN_WARN,
+    cpu_info,
+    cpu_seconds,
+    llama_extra_bufts_off,
+    proc_cpu_s,
+    version,
+)
 from cli_lists import choice_list  # noqa: E402
 from spec_prompts import SETS  # noqa: E402
 
@@ -109,12 +116,6 @@ def render(model_path: str, sets: dict[str, list[dict]]) -> dict[str, Any]:
 
 
 # -- workers (each in its own process) ------------------------------------------------------------
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a live process, seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 def worker_ours(job: dict[str, Any], alg: str) -> dict[str, Any]:
     import torch
@@ -174,17 +175,8 @@ def worker_llama(job: dict[str, Any], mode: str) -> dict[str, Any]:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except Exception as exc:  # noqa: BLE001 - a missing or broken build skips the peer
         return {"skipped": f"llama_cpp is not importable: {type(exc).__name__}: {exc}"}
-    if job.get("llama_extra_bufts") == "off":  # as bench_cpu_peers.py: no AMX / repacking
-        import llama_cpp.llama_cpp as low
-
-        defaults = low.llama_model_default_params
-
-        def no_extra():
-            p = defaults()
-            p.use_extra_bufts = False
-            return p
-
-        low.llama_model_default_params = no_extra
+    if job.get("llama_extra_bufts") == "off":  # no AMX / repacking, as in bench_cpu_peers.py
+        llama_extra_bufts_off()
     eos = set(job["eos"])
     runs: dict[str, Any] = {}
     preds = [0] if mode == "off" else job["llama_pred_tokens"]
