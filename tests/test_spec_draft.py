@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from model_fixtures import write_tiny_model
+from test_spec_decode import _prompts, greedy  # the same prompts and greedy params
 
 from core.engine.loader import load_model
 from core.engine.worker import build_engine_core, make_plan
@@ -57,18 +58,8 @@ def make_core(models, draft: str | None = "self", **kw):
     return build_engine_core(args, plan, spec, registry, models["loaded"])
 
 
-def _prompts():
-    block = [11, 42, 7, 99, 5, 63, 18]
-    return [[(7 * i + 13 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((3, 40, 9))] \
-        + [block * 5, [3, 4] * 20 + [77], list(range(20, 60)) + list(range(20, 35))]
-
-
-def greedy(max_new=MAX_NEW, **kw):
-    return {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True, **kw}
-
-
 def _requests():
-    return [(f"r{i}", p, greedy()) for i, p in enumerate(_prompts())]
+    return [(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(_prompts())]
 
 
 def drive(sched, requests, check_every_step: bool = True):
