@@ -106,6 +106,12 @@ class Governor:
             out.append(best_k)
         return out
 
+    def step_timed(self, tokens: int, seconds: float) -> None:
+        """A forward of `tokens` tokens (and its sampling) took `seconds`: kept for the cost
+        line while the governor is on (off, nothing reads it)."""
+        if self.on:
+            self.cost.add(tokens, seconds)
+
     def observe(self, rid: str, drafted: int, accepted: int) -> None:
         acc, seen = self.seen.get(rid, (0.0, 0.0))
         self.seen[rid] = (acc * DECAY + accepted, seen * DECAY + drafted)

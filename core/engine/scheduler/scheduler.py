@@ -376,7 +376,7 @@ class Scheduler:
         logits = self._forward_decode([r.output_ids[-1] for r in batch])
         self._sample(batch, logits, masks)
         if self.spec is not None:  # a plain step's cost, beside the verify steps' (governor)
-            self.spec.governor.cost.add(len(batch), time.perf_counter() - t0)
+            self.spec.governor.step_timed(len(batch), time.perf_counter() - t0)
         q.running = q.decoding(batch)
         return list(batch)
 

@@ -151,7 +151,7 @@ class Speculation:
                 if a:
                     nxt.append(i)
             live, j = nxt, j + 1
-        self.governor.cost.add(len(logits), time.perf_counter() - t0)  # forward + sampling
+        self.governor.step_timed(len(logits), time.perf_counter() - t0)  # forward + sampling
         self.counters["spec_verify_steps"] += 1
         self.counters["decode_tokens"] += len(batch)
         for r, d, out in zip(batch, drafts, emitted, strict=True):
