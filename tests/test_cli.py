@@ -203,15 +203,16 @@ def test_resolve_unknown_backend_lists_registered_names(capsys, configs_dir, cle
     assert "registered attention backends: " in out and "torch_native" in out
 
 
-@pytest.mark.parametrize("profile", ["x86-cpu", "h200"])
-def test_resolve_mla_with_builtins(capsys, configs_dir, clean_plugin_env, profile):
-    """The built-in MLA backend (torch_native_mla, the reference; no triton MLA yet) serves
-    DeepSeek-V2-Lite; the per-head backends are refused with the reason."""
+@pytest.mark.parametrize("profile,backend", [("x86-cpu", "cpu_c_mla"),
+                                             ("h200", "torch_native_mla")])
+def test_resolve_mla_with_builtins(capsys, configs_dir, clean_plugin_env, profile, backend):
+    """A built-in MLA backend serves DeepSeek-V2-Lite (on a CPU a cpu_c_mla build; on the GPU
+    the reference torch_native_mla); the per-head backends are refused with the reason."""
     code, out, _ = run(capsys, "resolve", "--model-path", config(configs_dir, "deepseek-v2-lite"),
                        "--device-profile", profile)
     assert code == 0, out
-    assert "prefill attention  torch_native_mla" in out
-    assert "decode attention   torch_native_mla" in out
+    assert f"prefill attention  {backend}" in out
+    assert f"decode attention   {backend}" in out
     assert "model impl         deepseek_v2" in out
     assert "MLA models need an MLA backend" in out  # torch_native and the others, refused
 

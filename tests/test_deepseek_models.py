@@ -1,6 +1,7 @@
 """DeepSeek-V2 / V3 (plugins/models/deepseek_v2.py) against Hugging Face transformers' own
 classes, fp32 on the CPU, through the engine (scheduler, radix cache, chunked prefill, model
-runner) on the torch_native_mla backend: the log-probabilities of every prompt position and of
+runner) on the CPU's default MLA backend (cpu_c_mla*: decode in C over the latent pool) and on
+the reference torch_native_mla: the log-probabilities of every prompt position and of
 every decode step within 1e-4 of HF's.
 
 Tiny random models: V2-Lite-like (q_lora_rank null, the first layer dense, 2 shared experts,
@@ -86,16 +87,23 @@ def tiny(request, tmp_path_factory):
 
 
 def make_core(tiny, **kw):
+    """An engine core on the tiny model; without attention_backend, the CPU's default MLA
+    backend, which must be a cpu_c_mla build."""
     _, path, _, loaded = tiny
     kw.setdefault("max_total_tokens", 1024)
     args, plan, spec, registry = make_plan(make_server_args(model_path=path, dtype="float32",
                                                             **kw))
-    assert plan.prefill_attention == plan.decode_attention == "torch_native_mla"
+    assert plan.prefill_attention == plan.decode_attention
+    if "attention_backend" in kw:
+        assert plan.decode_attention == kw["attention_backend"]
+    else:
+        assert plan.decode_attention.startswith("cpu_c_mla")
     return build_engine_core(args, plan, spec, registry, loaded)
 
 
-@pytest.mark.parametrize("scenario", [{}, {"chunked_prefill_size": 8, "page_size": 4}],
-                         ids=["whole", "chunked"])
+@pytest.mark.parametrize("scenario", [{}, {"chunked_prefill_size": 8, "page_size": 4},
+                                      {"attention_backend": "torch_native_mla"}],
+                         ids=["whole", "chunked", "reference"])
 def test_prefill_and_every_decode_step_match_hf(tiny, scenario):
     _, _, hf, _ = tiny
     core = make_core(tiny, **scenario)
@@ -150,7 +158,7 @@ def test_dummy_weights_serve(tmp_path):
     args, plan, spec, registry = make_plan(make_server_args(
         model_path=path, dtype="float32", load_format="dummy", max_total_tokens=256))
     assert spec.attention_kind == "MLA" and spec.moe.correction_bias
-    assert plan.model_impl == "deepseek_v3" and plan.decode_attention == "torch_native_mla"
+    assert plan.model_impl == "deepseek_v3" and plan.decode_attention.startswith("cpu_c_mla")
     core = build_engine_core(args, plan, spec, registry)
     assert core.info.kv_bytes_per_token == 3 * (32 + 8) * 4  # one latent row per layer
     done = run(core.scheduler, [("d", PROMPTS[1], greedy(3))])

@@ -5,6 +5,10 @@ head) over OpenMP threads; prefill / extend is torch_native's. The same source b
 instruction set (plugins/_kit/cbuild.py): `cpu_c_avx512`, `cpu_c_avx2`, `cpu_c`; ahead of
 numba_cpu, whose per-call dispatch (~25 us) is most of a small model's decode attention. Needs a
 C compiler.
+
+`cpu_c_mla*` (mla.py): the MLA kind with the same kernel at decode, absorbed over the latent pool
+(one KV head of width kv_lora_rank + rope dims, all query heads on each row read once); extend is
+torch_native_mla's materialised form.
 """
 
 from core.contract.capabilities import AttentionCaps, PageSizes
@@ -17,6 +21,13 @@ VARIANTS = {
     "cpu_c_avx512": ("plugins.attention.cpu_c.backend:CpuCAttentionAvx512", "avx512_vnni", 40),
     "cpu_c_avx2": ("plugins.attention.cpu_c.backend:CpuCAttentionAvx2", "avx2", 35),
     "cpu_c": ("plugins.attention.cpu_c.backend:CpuCAttention", "portable", 30),
+}
+
+
+MLA_VARIANTS = {
+    "cpu_c_mla_avx512": ("plugins.attention.cpu_c.mla:CpuCMLAAvx512", "avx512_vnni", 25),
+    "cpu_c_mla_avx2": ("plugins.attention.cpu_c.mla:CpuCMLAAvx2", "avx2", 20),
+    "cpu_c_mla": ("plugins.attention.cpu_c.mla:CpuCMLA", "portable", 15),
 }
 
 
@@ -33,3 +44,14 @@ def core_register_attention_backends(register):
             deterministic=True, programs=("cc",), priority={"cpu": prio},
             description=f"C decode straight from the paged KV pool ({variant} build); prefill "
                         f"as torch_native"), factory)
+    for name, (factory, variant, prio) in MLA_VARIANTS.items():
+        register(name, AttentionCaps(
+            devices={"cpu"}, cpu_isa=ISA_FEATURES[variant],
+            dtypes={"float32", "bfloat16"}, kv_cache_dtypes={"float32", "bfloat16"},
+            head_sizes=None, page_sizes=PageSizes.any(), attention_kinds={"MLA"},
+            sliding_window=False, logit_softcap=False, sinks=False,
+            phases={"prefill", "decode"}, cuda_graph=False,
+            # one work item per request, all heads at once, a fixed summation order
+            deterministic=True, programs=("cc",), priority={"cpu": prio},
+            description=f"MLA decode absorbed over the latent pool in C ({variant} build); "
+                        f"extend materialised as torch_native_mla"), factory)

@@ -1,5 +1,6 @@
 /* Decode attention over the paged KV pool for CPUs (plugins/attention/cpu_c).
- * One work item per (request, KV head): its G query heads' scores over the request's slots in
+ * One work item per (request, KV head) (or per part of its query heads when there are fewer
+ * items than threads): its query heads' scores over the request's slots in
  * fp32, a max-subtracted softmax, then the weighted sum of V rows, read straight from the pool
  * (fp32 or bf16 rows). Rows a few slots ahead are prefetched: a request's slots are runs of
  * consecutive rows interleaved with decode-time ones, which hardware prefetchers follow poorly.
@@ -34,13 +35,13 @@ static inline __m512 ld16f(const void *row, int bf, int64_t off) {
  * row max per query head in mx. NC = D / 16 vectors a row (a constant at each call site). */
 static inline __attribute__((always_inline)) void scores16(
     const float *qs, const void *kb, int bf, const int64_t *sl, int64_t lo, int64_t n,
-    int64_t Hkv, int64_t g, int64_t G, int NC, float cap, float *sc, float *mx) {
+    int64_t ks, int64_t g, int64_t G, int NC, float cap, float *sc, float *mx) {
     const size_t esz = bf ? 2 : 4;
     for (int64_t j = 0; j < n; j++) {
         if (j + AHEAD < n)
             __builtin_prefetch((const char *)kb +
-                               ((sl[lo + j + AHEAD] * Hkv + g) * NC * 16) * esz);
-        const int64_t row = (sl[lo + j] * Hkv + g) * NC * 16;
+                               (sl[lo + j + AHEAD] * ks + g * NC * 16) * esz);
+        const int64_t row = sl[lo + j] * ks + g * NC * 16;
         const void *kr = bf ? (const void *)((const uint16_t *)kb + row)
                             : (const void *)((const float *)kb + row);
         __m512 k[8];
@@ -61,7 +62,7 @@ static inline __attribute__((always_inline)) void scores16(
  * accumulators in registers over the whole range (NC = Dv / 16, a constant at each call site) */
 static inline __attribute__((always_inline)) void values16(
     const float *p, const void *vb, int bf, const int64_t *sl, int64_t lo, int64_t n,
-    int64_t Hkv, int64_t g, int64_t G, int NC, float *acc) {
+    int64_t vs, int64_t g, int64_t G, int NC, float *acc) {
     const size_t esz = bf ? 2 : 4;
     for (int64_t i = 0; i < G; i++) {
         __m512 a[8];
@@ -70,8 +71,8 @@ static inline __attribute__((always_inline)) void values16(
         for (int64_t j = 0; j < n; j++) {
             if (i == 0 && j + AHEAD < n)
                 __builtin_prefetch((const char *)vb +
-                                   ((sl[lo + j + AHEAD] * Hkv + g) * NC * 16) * esz);
-            const int64_t row = (sl[lo + j] * Hkv + g) * NC * 16;
+                                   (sl[lo + j + AHEAD] * vs + g * NC * 16) * esz);
+            const int64_t row = sl[lo + j] * vs + g * NC * 16;
             const void *vr = bf ? (const void *)((const uint16_t *)vb + row)
                                 : (const void *)((const float *)vb + row);
             const __m512 w = _mm512_set1_ps(pi[j]);
@@ -103,15 +104,16 @@ static inline float exp_neg(float x) {
     return p * scale;
 }
 
-/* Row j of head g among n cached rows (slots sl[0..n)) of a [S, Hkv, W] cache, as fp32: the
+/* Row j of head g among n cached rows (slots sl[0..n)) of a cache whose slots are `rs` elements
+ * apart, each holding its heads' W-wide rows one after another, as fp32: the
  * cache itself for fp32, else the bf16 row widened once into buf (for all G query heads); the
  * row AHEAD places on is prefetched. The portable loops' fetch, for K and V alike. */
 static inline const float *cache_row(const void *base, int bf, size_t esz, const int64_t *sl,
-                                     int64_t j, int64_t n, int64_t Hkv, int64_t g, int64_t W,
+                                     int64_t j, int64_t n, int64_t rs, int64_t g, int64_t W,
                                      float *buf) {
     if (j + AHEAD < n)
-        __builtin_prefetch((const char *)base + ((sl[j + AHEAD] * Hkv + g) * W) * esz);
-    const int64_t row = (sl[j] * Hkv + g) * W;
+        __builtin_prefetch((const char *)base + (sl[j + AHEAD] * rs + g * W) * esz);
+    const int64_t row = sl[j] * rs + g * W;
     if (!bf) return (const float *)base + row;
     const uint16_t *r = (const uint16_t *)base + row;
 #pragma omp simd
@@ -119,49 +121,61 @@ static inline const float *cache_row(const void *base, int bf, size_t esz, const
     return buf;
 }
 
-/* q [B, H, D] fp32 (q_bf 0) or bf16 (1); kb [S, Hkv, D], vb [S, Hkv, Dv]; slots [B, ss] int64;
+/* q [B, H, D] fp32 (q_bf 0) or bf16 (1); kb [S, Hkv, D], vb [S, Hkv, Dv] with slots ks and vs
+ * elements apart (Hkv * D and Hkv * Dv for separate K and V caches; MLA's latent cache is one
+ * head whose V is the first Dv values of its K row, ks = vs = the row width); slots [B, ss] int64;
  * seq_lens [B]; window > 0 keeps the last `window` keys; cap > 0 soft-caps scores;
  * out [B, H, Dv] fp32 (out_bf 0) or bf16 (1, rounded to nearest even as torch does).
  * Returns 0, or -2 when out of memory. */
 int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
               const int64_t *slots, int64_t ss, const int64_t *seq_lens, int64_t B, int64_t H,
-              int64_t Hkv, int64_t D, int64_t Dv, float scale, int64_t window, float cap,
-              void *out, int out_bf, int nthreads) {
+              int64_t Hkv, int64_t D, int64_t Dv, int64_t ks, int64_t vs, float scale,
+              int64_t window, float cap, void *out, int out_bf, int nthreads) {
     const int64_t G = H / Hkv;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += seq_lens[b];
+    /* Fewer (request, KV head) items than threads (batch 1, MLA's single latent head): each
+     * item's query heads are split in P parts, the largest divisor of G up to the threads per
+     * item, every part re-reading the item's rows. A head's arithmetic does not depend on the
+     * split, so the result does not either. */
+    int64_t P = 1;
+    if (B * Hkv < nthreads)
+        for (int64_t p = (nthreads + B * Hkv - 1) / (B * Hkv); p > 1; p--)
+            if (G % p == 0) { P = p; break; }
+    const int64_t Gp = G / P;
     int failed = 0;
     const size_t esz = bf ? 2 : 4;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (work * H * D >= 32768)
-    for (int64_t it = 0; it < B * Hkv; it++) {
-        const int64_t b = it / Hkv, g = it % Hkv;
+    for (int64_t it = 0; it < B * Hkv * P; it++) {
+        const int64_t b = it / (Hkv * P), g = (it / P) % Hkv;
+        const int64_t h0 = g * G + (it % P) * Gp;  /* the item's first query head */
         const int64_t L = seq_lens[b];
         const int64_t lo = window > 0 && L > window ? L - window : 0;
         const int64_t n = L - lo;
         const int64_t *sl = slots + b * ss;
         const int64_t wmax = D > Dv ? D : Dv;
         float *sc = (float *)malloc(sizeof(float) *
-                                    (size_t)(G * (n > 0 ? n : 1) + G * D + G * Dv + wmax));
+                                    (size_t)(Gp * (n > 0 ? n : 1) + Gp * D + Gp * Dv + wmax));
         if (!sc) { failed = 1; continue; }
-        float *qs = sc + G * (n > 0 ? n : 1), *acc = qs + G * D, *krow = acc + G * Dv;
-        for (int64_t i = 0; i < G; i++)
+        float *qs = sc + Gp * (n > 0 ? n : 1), *acc = qs + Gp * D, *krow = acc + Gp * Dv;
+        for (int64_t i = 0; i < Gp; i++)
             for (int64_t d = 0; d < D; d++)
-                qs[i * D + d] = ld(q, q_bf, (b * H + g * G + i) * D + d) * scale;
+                qs[i * D + d] = ld(q, q_bf, (b * H + h0 + i) * D + d) * scale;
         float mx[64], den[64];
-        float *mxp = G <= 64 ? mx : (float *)malloc(sizeof(float) * 2 * (size_t)G);
-        float *denp = G <= 64 ? den : mxp + G;
-        for (int64_t i = 0; i < G; i++) { mxp[i] = -INFINITY; denp[i] = 0.0f; }
+        float *mxp = Gp <= 64 ? mx : (float *)malloc(sizeof(float) * 2 * (size_t)Gp);
+        float *denp = Gp <= 64 ? den : mxp + Gp;
+        for (int64_t i = 0; i < Gp; i++) { mxp[i] = -INFINITY; denp[i] = 0.0f; }
 #if defined(__AVX512F__)
         const int vec = (D == 64 || D == 128) && Dv == D;
-        if (vec && D == 64) scores16(qs, kb, bf, sl, lo, n, Hkv, g, G, 4, cap, sc, mxp);
-        else if (vec) scores16(qs, kb, bf, sl, lo, n, Hkv, g, G, 8, cap, sc, mxp);
+        if (vec && D == 64) scores16(qs, kb, bf, sl, lo, n, ks, g, Gp, 4, cap, sc, mxp);
+        else if (vec) scores16(qs, kb, bf, sl, lo, n, ks, g, Gp, 8, cap, sc, mxp);
 #else
         const int vec = 0;
 #endif
         if (!vec) {  /* the portable loops */
             for (int64_t j = 0; j < n; j++) {
-                const float *k = cache_row(kb, bf, esz, sl + lo, j, n, Hkv, g, D, krow);
-                for (int64_t i = 0; i < G; i++) {
+                const float *k = cache_row(kb, bf, esz, sl + lo, j, n, ks, g, D, krow);
+                for (int64_t i = 0; i < Gp; i++) {
                     float a = 0.0f;
                     const float *qi = qs + i * D;
                     /* simd reduction: the compiler's vector order, the same on every call */
@@ -173,7 +187,7 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
                 }
             }
         }
-        for (int64_t i = 0; i < G; i++) {
+        for (int64_t i = 0; i < Gp; i++) {
             const float m = mxp[i];
             float *si = sc + i * n, dsum = 0.0f;
             /* vectorized exp and a fixed vector sum order */
@@ -185,15 +199,15 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
             }
             denp[i] = dsum;
         }
-        memset(acc, 0, sizeof(float) * (size_t)(G * Dv));
+        memset(acc, 0, sizeof(float) * (size_t)(Gp * Dv));
 #if defined(__AVX512F__)
-        if (vec && D == 64) values16(sc, vb, bf, sl, lo, n, Hkv, g, G, 4, acc);
-        else if (vec) values16(sc, vb, bf, sl, lo, n, Hkv, g, G, 8, acc);
+        if (vec && D == 64) values16(sc, vb, bf, sl, lo, n, vs, g, Gp, 4, acc);
+        else if (vec) values16(sc, vb, bf, sl, lo, n, vs, g, Gp, 8, acc);
 #endif
         if (!vec) {  /* the portable loops */
             for (int64_t j = 0; j < n; j++) {
-                const float *v = cache_row(vb, bf, esz, sl + lo, j, n, Hkv, g, Dv, krow);
-                for (int64_t i = 0; i < G; i++) {
+                const float *v = cache_row(vb, bf, esz, sl + lo, j, n, vs, g, Dv, krow);
+                for (int64_t i = 0; i < Gp; i++) {
                     const float p = sc[i * n + j];
                     float *ai = acc + i * Dv;
 #pragma omp simd
@@ -201,13 +215,190 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
                 }
             }
         }
-        for (int64_t i = 0; i < G; i++) {
+        for (int64_t i = 0; i < Gp; i++) {
             const float r = denp[i] > 0.0f ? 1.0f / denp[i] : 0.0f;
             for (int64_t d = 0; d < Dv; d++)
-                st(out, out_bf, (b * H + g * G + i) * Dv + d, acc[i * Dv + d] * r);
+                st(out, out_bf, (b * H + h0 + i) * Dv + d, acc[i * Dv + d] * r);
         }
         if (mxp != mx) free(mxp);
         free(sc);
+    }
+    return failed ? -2 : 0;
+}
+
+/* ---- MLA decode (plugins/attention/cpu_c/mla.py) -------------------------------------------
+ * Absorbed MLA is attention of H query heads over one KV "head" whose keys are the latent rows
+ * [c | k_rope] (W values) and whose values are their first R entries. With every head reading
+ * the same rows it is compute-bound (2 * (W + R) flops a row and head, 16-128 heads), so rows
+ * are gathered TILE at a time into a contiguous fp32 tile and both products run as register-
+ * blocked micro-kernels (2 heads x 4 rows of scores, 2 heads x 4 vectors of values), with an
+ * online softmax between tiles. GCC vector extensions: 16 lanes in AVX-512 builds, 8 otherwise.
+ * A fixed summation order, independent of the thread count. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+#define MLA_TILE 32
+
+static inline vf ldv(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void stv(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf bcast(float x) { vf v; for (int i = 0; i < VL; i++) v[i] = x; return v; }
+static inline float hsum(vf v) { float s = 0.0f; for (int i = 0; i < VL; i++) s += v[i]; return s; }
+
+/* s[h * MLA_TILE + j] = q_h . t_j for heads [0, G), rows [0, nt) of the tile (Wp values a row) */
+static void mla_scores(const float *qs, const float *tb, int64_t G, int64_t nt, int64_t Wp,
+                       float *s) {
+    int64_t h = 0;
+    for (; h + 2 <= G; h += 2) {
+        const float *q0 = qs + h * Wp, *q1 = q0 + Wp;
+        int64_t j = 0;
+        for (; j + 4 <= nt; j += 4) {
+            const float *r = tb + j * Wp;
+            vf a0 = bcast(0), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int64_t d = 0; d < Wp; d += VL) {
+                const vf x = ldv(q0 + d), y = ldv(q1 + d);
+                const vf r0 = ldv(r + d), r1 = ldv(r + Wp + d), r2 = ldv(r + 2 * Wp + d),
+                         r3 = ldv(r + 3 * Wp + d);
+                a0 += x * r0; a1 += x * r1; a2 += x * r2; a3 += x * r3;
+                b0 += y * r0; b1 += y * r1; b2 += y * r2; b3 += y * r3;
+            }
+            float *s0 = s + h * MLA_TILE + j, *s1 = s0 + MLA_TILE;
+            s0[0] = hsum(a0); s0[1] = hsum(a1); s0[2] = hsum(a2); s0[3] = hsum(a3);
+            s1[0] = hsum(b0); s1[1] = hsum(b1); s1[2] = hsum(b2); s1[3] = hsum(b3);
+        }
+        for (; j < nt; j++) {
+            vf a = bcast(0), b = a;
+            for (int64_t d = 0; d < Wp; d += VL) {
+                const vf r0 = ldv(tb + j * Wp + d);
+                a += ldv(q0 + d) * r0; b += ldv(q1 + d) * r0;
+            }
+            s[h * MLA_TILE + j] = hsum(a);
+            s[(h + 1) * MLA_TILE + j] = hsum(b);
+        }
+    }
+    for (; h < G; h++)
+        for (int64_t j = 0; j < nt; j++) {
+            vf a = bcast(0);
+            for (int64_t d = 0; d < Wp; d += VL) a += ldv(qs + h * Wp + d) * ldv(tb + j * Wp + d);
+            s[h * MLA_TILE + j] = hsum(a);
+        }
+}
+
+/* acc[h * Rp + d] += sum_j p[h * MLA_TILE + j] * t_j[d] for d < Rp, rows [0, nt) */
+static void mla_values(const float *p, const float *tb, int64_t G, int64_t nt, int64_t Wp,
+                       int64_t Rp, float *acc) {
+    int64_t h = 0;
+    for (; h + 2 <= G; h += 2) {
+        const float *p0 = p + h * MLA_TILE, *p1 = p0 + MLA_TILE;
+        float *c0 = acc + h * Rp, *c1 = c0 + Rp;
+        int64_t d = 0;
+        for (; d + 4 * VL <= Rp; d += 4 * VL) {
+            vf a0 = ldv(c0 + d), a1 = ldv(c0 + d + VL), a2 = ldv(c0 + d + 2 * VL),
+               a3 = ldv(c0 + d + 3 * VL);
+            vf b0 = ldv(c1 + d), b1 = ldv(c1 + d + VL), b2 = ldv(c1 + d + 2 * VL),
+               b3 = ldv(c1 + d + 3 * VL);
+            for (int64_t j = 0; j < nt; j++) {
+                const float *r = tb + j * Wp + d;
+                const vf x = bcast(p0[j]), y = bcast(p1[j]);
+                const vf r0 = ldv(r), r1 = ldv(r + VL), r2 = ldv(r + 2 * VL), r3 = ldv(r + 3 * VL);
+                a0 += x * r0; a1 += x * r1; a2 += x * r2; a3 += x * r3;
+                b0 += y * r0; b1 += y * r1; b2 += y * r2; b3 += y * r3;
+            }
+            stv(c0 + d, a0); stv(c0 + d + VL, a1); stv(c0 + d + 2 * VL, a2);
+            stv(c0 + d + 3 * VL, a3);
+            stv(c1 + d, b0); stv(c1 + d + VL, b1); stv(c1 + d + 2 * VL, b2);
+            stv(c1 + d + 3 * VL, b3);
+        }
+        for (; d < Rp; d += VL) {
+            vf a = ldv(c0 + d), b = ldv(c1 + d);
+            for (int64_t j = 0; j < nt; j++) {
+                const vf r0 = ldv(tb + j * Wp + d);
+                a += bcast(p0[j]) * r0; b += bcast(p1[j]) * r0;
+            }
+            stv(c0 + d, a); stv(c1 + d, b);
+        }
+    }
+    for (; h < G; h++)
+        for (int64_t d = 0; d < Rp; d += VL) {
+            vf a = ldv(acc + h * Rp + d);
+            for (int64_t j = 0; j < nt; j++)
+                a += bcast(p[h * MLA_TILE + j]) * ldv(tb + j * Wp + d);
+            stv(acc + h * Rp + d, a);
+        }
+}
+
+/* q [B, H, W] fp32 (the absorbed query [q_nope @ w_kc | q_rope]); cache: latent rows of W
+ * values, fp32 (bf 0) or bf16 (1), slots rs elements apart; slots [B, ss] int64; seq_lens [B];
+ * out [B, H, R] fp32, softmax(scale * q . row) @ row[:R]. Returns 0, or -2 when out of memory. */
+int ca_mla_decode(const float *q, const void *cache, int bf, int64_t rs, const int64_t *slots,
+                  int64_t ss, const int64_t *seq_lens, int64_t B, int64_t H, int64_t W,
+                  int64_t R, float scale, float *out, int nthreads) {
+    const int64_t Wp = (W + VL - 1) / VL * VL, Rp = (R + VL - 1) / VL * VL;
+    /* as ca_decode: with fewer requests than threads, each one's heads in P parts */
+    int64_t P = 1;
+    if (B < nthreads)
+        for (int64_t p = (nthreads + B - 1) / B; p > 1; p--)
+            if (H % p == 0) { P = p; break; }
+    const int64_t G = H / P;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) work += seq_lens[b];
+    int failed = 0;
+    const size_t esz = bf ? 2 : 4;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (work * H * W >= 32768)
+    for (int64_t it = 0; it < B * P; it++) {
+        const int64_t b = it / P, h0 = (it % P) * G, n = seq_lens[b];
+        const int64_t *sl = slots + b * ss;
+        float *mem = (float *)malloc(sizeof(float) *
+                                     (size_t)(MLA_TILE * Wp + G * Wp + G * Rp + G * MLA_TILE
+                                              + 2 * G));
+        if (!mem) { failed = 1; continue; }
+        float *tb = mem, *qs = tb + MLA_TILE * Wp, *acc = qs + G * Wp, *s = acc + G * Rp;
+        float *m = s + G * MLA_TILE, *l = m + G;
+        memset(qs, 0, sizeof(float) * (size_t)(G * Wp));
+        for (int64_t i = 0; i < G; i++) {
+            for (int64_t d = 0; d < W; d++) qs[i * Wp + d] = q[(b * H + h0 + i) * W + d] * scale;
+            m[i] = -INFINITY;
+            l[i] = 0.0f;
+        }
+        memset(acc, 0, sizeof(float) * (size_t)(G * Rp));
+        /* the tile's padding columns stay zero: they meet zero query padding */
+        memset(tb, 0, sizeof(float) * (size_t)(MLA_TILE * Wp));
+        for (int64_t t0 = 0; t0 < n; t0 += MLA_TILE) {
+            const int64_t nt = n - t0 < MLA_TILE ? n - t0 : MLA_TILE;
+            for (int64_t j = 0; j < nt; j++) {
+                if (t0 + j + AHEAD < n)
+                    __builtin_prefetch((const char *)cache + sl[t0 + j + AHEAD] * rs * esz);
+                const int64_t row = sl[t0 + j] * rs;
+                float *t = tb + j * Wp;
+                if (bf) {
+                    const uint16_t *r = (const uint16_t *)cache + row;
+#pragma omp simd
+                    for (int64_t d = 0; d < W; d++) t[d] = bf2f(r[d]);
+                } else {
+                    memcpy(t, (const float *)cache + row, sizeof(float) * (size_t)W);
+                }
+            }
+            mla_scores(qs, tb, G, nt, Wp, s);
+            for (int64_t i = 0; i < G; i++) {  /* the online softmax over this tile */
+                float *si = s + i * MLA_TILE, mt = m[i];
+                for (int64_t j = 0; j < nt; j++) mt = si[j] > mt ? si[j] : mt;
+                const float alpha = m[i] == -INFINITY ? 0.0f : exp_neg(m[i] - mt);
+                float sum = 0.0f;
+                for (int64_t j = 0; j < nt; j++) { si[j] = exp_neg(si[j] - mt); sum += si[j]; }
+                if (alpha != 1.0f)
+                    for (int64_t d = 0; d < Rp; d++) acc[i * Rp + d] *= alpha;
+                l[i] = l[i] * alpha + sum;
+                m[i] = mt;
+            }
+            mla_values(s, tb, G, nt, Wp, Rp, acc);
+        }
+        for (int64_t i = 0; i < G; i++) {
+            const float r = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+            for (int64_t d = 0; d < R; d++) out[(b * H + h0 + i) * R + d] = acc[i * Rp + d] * r;
+        }
+        free(mem);
     }
     return failed ? -2 : 0;
 }

@@ -22,9 +22,11 @@ SOURCE = Path(__file__).with_name("attn.c")
 def library(variant: str) -> ctypes.CDLL:
     lib = build(SOURCE, variant)
     p, i64, i32, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.ca_decode.argtypes = [p, i32, p, p, i32, p, i64, p, i64, i64, i64, i64, i64, f, i64, f,
-                              p, i32, i32]
+    lib.ca_decode.argtypes = [p, i32, p, p, i32, p, i64, p, i64, i64, i64, i64, i64, i64, i64,
+                              f, i64, f, p, i32, i32]
     lib.ca_decode.restype = i32
+    lib.ca_mla_decode.argtypes = [p, p, i32, i64, p, i64, p, i64, i64, i64, i64, f, p, i32]
+    lib.ca_mla_decode.restype = i32
     return lib
 
 
@@ -56,7 +58,8 @@ class CpuCAttention(PoolDecodeAttention):
         slots, lens = meta.slots, meta.seq_lens_t
         rc = self.fn(q.data_ptr(), q_bf, k_buf.data_ptr(), v_buf.data_ptr(),
                      int(k_buf.dtype == torch.bfloat16), slots.data_ptr(), slots.stride(0),
-                     lens.data_ptr(), B, H, Hkv, D, Dv, layer.scaling,
+                     lens.data_ptr(), B, H, Hkv, D, Dv, k_buf.stride(0), v_buf.stride(0),
+                     layer.scaling,
                      layer.sliding_window or 0, layer.logit_softcap or 0.0, out.data_ptr(),
                      q_bf, self.threads)
         if rc != 0:
