@@ -517,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()  # an engine sizes its KV cache from free memory
 
     elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
-    moe = bool(a.cfg.get("num_experts") or a.cfg.get("num_local_experts"))
+    moe = bool(a.cfg.get("num_experts") or a.cfg.get("num_local_experts")
+               or a.cfg.get("n_routed_experts"))
     if modes & {"batch1", "offline"}:
         report["copy_bw_GBps"] = copy_bandwidth(a.device) / 1e9
     if "batch1" in modes:

@@ -22,21 +22,33 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def active_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
     """Weight bytes one decode token reads: every layer's attention and router, top_k experts
-    (each gate, up and down of moe_intermediate_size), plus the embedding row and the LM head.
+    (each gate, up and down of moe_intermediate_size), plus the embedding row and the LM head;
+    for DeepSeek configs MLA's projections, n_shared_experts ungated shared experts and the
+    first first_k_dense_replace layers' dense MLPs instead of experts.
     An fp8 checkpoint (quantization_config quant_method fp8) holds its projections and experts
     in one byte a weight (block scales: 1/16384 of that, left out); router, embedding and LM
     head stay 16-bit. An mxfp4 checkpoint (GPT-OSS) holds only its experts packed: half a byte
     a weight plus one scale byte per 32 (17/32 of a byte), the rest 16-bit."""
     h = cfg["hidden_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or h // heads
-    attn = h * (heads + 2 * kv) * d + heads * d * h
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    heads = cfg["num_attention_heads"]
+    if cfg.get("kv_lora_rank"):  # DeepSeek's MLA: q (or q_a + q_b), kv_a, kv_b, o
+        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        q_rank = cfg.get("q_lora_rank")
+        attn = (h * q_rank + q_rank * heads * qk if q_rank else h * heads * qk) \
+            + h * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) \
+            + cfg["kv_lora_rank"] * heads * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]) \
+            + heads * cfg["v_head_dim"] * h
+    else:
+        kv = cfg["num_key_value_heads"]
+        d = cfg.get("head_dim") or h // heads
+        attn = h * (heads + 2 * kv) * d + heads * d * h
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"]
     top_k = cfg["num_experts_per_tok"]
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     moe = h * experts + top_k * 3 * h * inter
     shared = cfg.get("shared_expert_intermediate_size") or 0
-    moe += 3 * h * shared + (h if shared else 0)
+    moe += 3 * h * shared + (h if shared else 0)  # Qwen-MoE: a gated shared expert
+    moe += 3 * h * inter * (cfg.get("n_shared_experts") or 0)  # DeepSeek: ungated ones
     method = (cfg.get("quantization_config") or {}).get("quant_method")
     if method == "fp8":
         router = h * experts
@@ -46,7 +58,14 @@ def active_bytes_per_token(cfg: dict, dtype_bytes: int = 2) -> int:
         per_layer = attn + moe - routed + routed * (17 / 32) / dtype_bytes
     else:
         per_layer = attn + moe
-    return int(dtype_bytes * (cfg["num_hidden_layers"] * per_layer + h + cfg["vocab_size"] * h))
+    # DeepSeek's first first_k_dense_replace layers: a dense MLP of intermediate_size
+    dense = cfg.get("first_k_dense_replace") or 0
+    dense_delta = dense * (3 * h * cfg["intermediate_size"] - moe)
+    if method == "fp8":
+        dense_delta = dense * (3 * h * cfg["intermediate_size"] - (moe - h * experts)) \
+            / dtype_bytes - dense * h * experts
+    return int(dtype_bytes * (cfg["num_hidden_layers"] * per_layer + dense_delta + h
+                              + cfg["vocab_size"] * h))
 
 
 def main() -> int:

@@ -55,3 +55,18 @@ def test_a_moe_prefill_counts_its_top_k_experts_not_all():
     dense = dict(cfg, num_experts_per_tok=cfg["num_experts"])
     every = offline_floor(dense, 10, 512, 1, 10, **H200)
     assert every["prefill_flops"] > 10 * moe["prefill_flops"]
+
+
+def test_deepseek_v2_lite_counts():
+    """DeepSeek-V2-Lite (MLA, 64 routed experts top-6, 2 shared, the first layer dense): both
+    counts agree, its active weights are DeepSeek's published ~2.4B activated parameters (plus
+    the embedding row and LM head here), and a token's KV is one 576-value latent row a layer."""
+    from floors import kv_bytes_per_token
+
+    cfg = _cfg("deepseek-v2-lite")
+    active = active_bytes_per_token(cfg) / 2
+    lm_head = cfg["vocab_size"] * cfg["hidden_size"]
+    assert 2.1e9 < active - lm_head < 2.5e9
+    f = offline_floor(cfg, 1, 1, 100, 1, **H200)
+    assert f["decode_bytes"] == pytest.approx(100 * active_bytes_per_token(cfg), rel=0.01)
+    assert kv_bytes_per_token(cfg, 2) == 27 * 576 * 2
