@@ -43,7 +43,6 @@ class TritonLoRA:
 
     def __init__(self, config: LoRAConfig):
         self.config = config
-        self._slice_offsets: dict[tuple[int, ...], torch.Tensor] = {}
 
     def prepare(self, batch: LoRABatch) -> _Meta | None:
         T = batch.num_tokens
@@ -70,22 +69,18 @@ class TritonLoRA:
                                                                           non_blocking=True)
         return _Meta(T, BLOCK_M_PREFILL, table[0], table[1], table[2])
 
-    def _offsets(self, slices: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        off = self._slice_offsets.get(slices)
-        if off is None:
-            bounds = [0]
-            for w in slices:
-                bounds.append(bounds[-1] + w)
-            off = torch.tensor(bounds, dtype=torch.int32, device=device)
-            self._slice_offsets[slices] = off
-        return off
-
     def apply(self, x: torch.Tensor, y: torch.Tensor, weights: LoRAWeights, batch: LoRABatch,
               meta: _Meta | None) -> torch.Tensor:
         if meta is None or x.shape[0] == 0:
             return y
         assert x.stride(-1) == 1 and y.stride(-1) == 1, "x and y must be contiguous rows"
         R, slices = weights.max_rank, weights.output_slices
+        if len(slices) > 3:
+            raise ValueError(f"the triton LoRA backend expands at most 3 output slices (fused "
+                             f"q/k/v), not {len(slices)}")
+        # the slice widths go in as scalars: no offsets tensor to build (a host-to-device copy,
+        # which a decode graph's capture cannot hold)
+        w0, w1, w2 = (*slices, 0, 0)[:3]
         NR = len(slices) * R
         K = x.shape[1]
         xa = meta.xa.get(NR)
@@ -103,7 +98,7 @@ class TritonLoRA:
         bn = max(16, min(64, triton.next_power_of_2(widest)))
         br = max(16, triton.next_power_of_2(R))
         expand_kernel[(meta.blocks, len(slices), triton.cdiv(widest, bn))](
-            xa, weights.b, y, weights.scalings, self._offsets(slices, x.device), meta.start,
+            xa, weights.b, y, weights.scalings, w0, w1, w2, meta.start,
             meta.length, meta.slot, R, xa.stride(0), weights.b.stride(0), weights.b.stride(1),
             y.stride(0), BLOCK_M=meta.block_m, BLOCK_N=bn, BLOCK_R=br, PRECISION=precision)
         return y

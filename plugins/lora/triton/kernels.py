@@ -8,7 +8,7 @@ per token (length 1), built on the device (backend.py).
 - shrink_kernel: xa[t, j*R + r] = sum_k x[t, k] * A[slot, j*R + r, k] for every row j*R + r of
   A (all slices' ranks at once: one GEMM [M, K] x [K, n_slices * R]), fp32 into xa;
 - expand_kernel: y[t, off_j + n] += scale[slot] * sum_r xa[t, j*R + r] * B[slot, off_j + n, r],
-  grid axis 1 the output slice j (offsets in `slice_off`, n_slices + 1 of them), axis 2 column
+  grid axis 1 the output slice j (at most 3, their widths W0, W1, W2 as scalars), axis 2 column
   tiles of the slice: every element of y is read and written by exactly one program (no atomics;
   tokens of base-only segments are never touched).
 Rows of A beyond a slot's rank are zero in the buffers, so the kernels take the full R.
@@ -51,7 +51,7 @@ def shrink_kernel(x_ptr, a_ptr, xa_ptr, blk_start, blk_len, blk_slot, K, NR,
 
 
 @triton.jit
-def expand_kernel(xa_ptr, b_ptr, y_ptr, scale_ptr, slice_off, blk_start, blk_len, blk_slot, R,
+def expand_kernel(xa_ptr, b_ptr, y_ptr, scale_ptr, W0, W1, W2, blk_start, blk_len, blk_slot, R,
                   stride_xat, stride_bs, stride_bo, stride_yt,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   PRECISION: tl.constexpr):
@@ -62,8 +62,9 @@ def expand_kernel(xa_ptr, b_ptr, y_ptr, scale_ptr, slice_off, blk_start, blk_len
     start = tl.load(blk_start + pid_b).to(tl.int64)
     n_rows = tl.where(slot >= 0, tl.load(blk_len + pid_b), 0)
     slot64 = tl.maximum(slot, 0).to(tl.int64)
-    off = tl.load(slice_off + j)
-    width = tl.load(slice_off + j + 1) - off
+    # slice j of at most 3 (fused q/k/v): its column offset in y and in B, and its width
+    off = tl.where(j == 0, 0, tl.where(j == 1, W0, W0 + W1))
+    width = tl.where(j == 0, W0, tl.where(j == 1, W1, W2))
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rr = tl.arange(0, BLOCK_R)
