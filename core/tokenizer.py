@@ -100,10 +100,13 @@ class Tokenizer:
 
     @classmethod
     def from_path(cls, path: str, gguf_file: str | None = None,
-                  chat_template: str | None = None) -> Tokenizer:
+                  chat_template: str | None = None, trust_remote_code: bool = False
+                  ) -> Tokenizer:
         """Load from an HF directory (or the GGUF file `gguf_file` inside `path`).
 
         chat_template: a Jinja file or string overriding the tokenizer's own template.
+        trust_remote_code: run a checkpoint's own tokenizer code (--trust-remote-code); without
+        it such a tokenizer is refused, never asked about on the terminal.
         EOS ids gather the tokenizer's EOS and generation_config.json / config.json's.
         """
         if not os.path.isdir(path):
@@ -121,7 +124,7 @@ class Tokenizer:
                     fast = _fast_from_gguf(path, gguf_file, eos, template)
                     if fast is not None:
                         return fast
-            hf = _hf_tokenizer(path, gguf_file)
+            hf = _hf_tokenizer(path, gguf_file, trust_remote_code)
         except Exception as exc:  # transformers raises many kinds; one clear message here
             raise ValueError(f"cannot load a tokenizer from {path!r}"
                              f"{f' ({gguf_file})' if gguf_file else ''}: {exc}") from exc
@@ -206,13 +209,14 @@ def _special_texts(hf: PreTrainedTokenizerBase) -> tuple[str, ...]:
     return tuple(sorted(texts, key=lambda t: (-len(t), t)))
 
 
-def _hf_tokenizer(path: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
+def _hf_tokenizer(path: str, gguf_file: str | None, trust_remote_code: bool = False
+                  ) -> PreTrainedTokenizerBase:
     """transformers' tokenizer of an HF directory, or of a GGUF file: converted from its
     vocabulary once (core.plan.gguf_cache), then read back."""
     from transformers import AutoTokenizer
 
     if not gguf_file:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     from core.plan.gguf_cache import cached
 
     return cached(os.path.join(path, gguf_file), "tokenizer", "tokenizer.json",

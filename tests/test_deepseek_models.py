@@ -129,6 +129,32 @@ def test_radix_cache_hit_matches_hf(tiny):
     sched.check_accounting()
 
 
+def test_kimi_k2_model_type_serves_as_v3(tiny, tmp_path):
+    """Kimi-K2's config says model_type `kimi_k2` (its own configuration code, unknown to
+    transformers) and architectures DeepseekV3ForCausalLM: without --trust-remote-code it is
+    read with transformers' DeepseekV3Config and served by the same code, matching HF."""
+    import json
+    import shutil
+
+    kind, path, hf, _ = tiny
+    if kind != "v3":
+        pytest.skip("Kimi-K2 is DeepSeek-V3's architecture")
+    kimi = tmp_path / "kimi"
+    shutil.copytree(path, kimi)
+    cfg = json.loads((kimi / "config.json").read_text())
+    cfg["model_type"] = "kimi_k2"
+    cfg["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                       "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    (kimi / "config.json").write_text(json.dumps(cfg))
+    args, plan, spec, registry = make_plan(make_server_args(model_path=str(kimi),
+                                                            dtype="float32",
+                                                            max_total_tokens=512))
+    assert plan.model_impl == "deepseek_v3"
+    core = build_engine_core(args, plan, spec, registry)
+    done = run(core.scheduler, [("k", PROMPTS[0], greedy(4))])
+    check(done["k"], PROMPTS[0], hf, prompt_logprobs=False)
+
+
 def test_mtp_layers_are_skipped_with_a_note(tiny):
     """V3 checkpoints carry the multi-token-prediction module as layer num_hidden_layers: it is
     skipped at load, and the load notes say so."""

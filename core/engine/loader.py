@@ -165,10 +165,41 @@ def load_config(source: WeightSource, trust_remote_code: bool = False) -> HFConf
             return config
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(source.directory, trust_remote_code=trust_remote_code)
+        try:
+            return AutoConfig.from_pretrained(source.directory,
+                                              trust_remote_code=trust_remote_code)
+        except ValueError:
+            config = None if trust_remote_code else _config_by_architecture(source.directory)
+            if config is None:
+                raise
+            return config
     except Exception as exc:  # one clear message for every way a config can be unreadable
         raise ValueError(f"cannot read the model config in {source.directory}"
                          f"{f' ({source.gguf_file})' if source.gguf_file else ''}: {exc}") from exc
+
+
+def _config_by_architecture(directory: str) -> PretrainedConfig | None:
+    """A config whose model_type transformers does not know (it ships its own configuration
+    code: Kimi-K2's `kimi_k2`) read with the config class of the architecture it names, when
+    transformers has that architecture (DeepseekV3ForCausalLM -> DeepseekV3Config): the model is
+    served by the same code without running the checkpoint's. None when no class fits."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        with open(os.path.join(directory, "config.json")) as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if raw.get("model_type") in CONFIG_MAPPING:
+        return None  # a known type failed for another reason: that error stands
+    for arch in raw.get("architectures") or ():
+        for model_type, cls_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+            if cls_name == arch and model_type in CONFIG_MAPPING:
+                config = CONFIG_MAPPING[model_type].from_pretrained(directory)
+                config.architectures = [arch]
+                return config
+    return None
 
 
 def _gguf_hf_config(source: WeightSource, saved: bool = False) -> PretrainedConfig:
@@ -566,10 +597,12 @@ def _load_tokenizer(args: ServerArgs, source: WeightSource, notes: list[str]
         path, gguf_file = args.tokenizer_path, None
         if path.endswith(".gguf") and os.path.isfile(path):
             path, gguf_file = os.path.split(os.path.abspath(path))
-        return Tokenizer.from_path(path, gguf_file=gguf_file, chat_template=args.chat_template)
+        return Tokenizer.from_path(path, gguf_file=gguf_file, chat_template=args.chat_template,
+                                   trust_remote_code=args.trust_remote_code)
     try:
         return Tokenizer.from_path(source.directory, gguf_file=source.gguf_file,
-                                   chat_template=args.chat_template)
+                                   chat_template=args.chat_template,
+                                   trust_remote_code=args.trust_remote_code)
     except ValueError:
         if source.load_format != "dummy":
             raise
