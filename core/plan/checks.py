@@ -269,6 +269,10 @@ def check_quant(caps: QuantCaps, spec: ModelSpec, device: DeviceInfo, *, dtype: 
     if tp_size > 1 and not caps.tensor_parallel:
         reasons.append(f"its weights do not split over tensor-parallel ranks (--tp-size "
                        f"{tp_size})")
+    if spec.attention_kind == "MLA" and scheme is not None and scheme.format != "dense" \
+            and not caps.dense_weights:
+        reasons.append("cannot give MLA's kv_b_proj back dense (QuantCaps.dense_weights), "
+                       "which latent absorption needs")
     return reasons
 
 

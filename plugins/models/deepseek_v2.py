@@ -79,7 +79,7 @@ class DeepseekAttention(nn.Module):
         self.attn = MLAAttention(MLALayerParams(
             layer_id=layer_id, num_heads=H, kv_lora_rank=self.r, qk_nope_head_dim=self.dn,
             qk_rope_head_dim=self.dr, v_head_dim=self.dv, scaling=scaling), ctx.dtype,
-            ctx.device)
+            ctx.device, ctx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -221,6 +221,10 @@ class DeepseekV2ForCausalLM(nn.Module):
 
         load_named_weights(self, ours(weights), stacked=STACKED,
                            skip_lm_head=self.tie_word_embeddings, rename=moe_param_name)
+        if any(layer.self_attn.attn.dequantized for layer in self.model.layers):
+            self.load_notes.append(
+                "kv_b_proj dequantized at load (its codes times their block scales in fp32, "
+                "then cast to the compute dtype): the MLA backend splits and absorbs it dense")
         if skipped:
             self.load_notes.append(
                 f"skipped checkpoint layers {', '.join(map(str, sorted(skipped)))} (past "
