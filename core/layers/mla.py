@@ -3,6 +3,8 @@ parameters, and delegates to the step's MLA backend."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -22,7 +24,8 @@ class MLAAttention(nn.Module):
     plain module holding `weight` [H * (Dn + Dv), R] dense in the compute dtype, in the
     checkpoint's layout (QuantMethod.dense_weight dequantizes a quantized one, exactly, in
     fp32, then it is cast once): the backend uses its two halves (MLAWeights) to expand the
-    latent or to absorb it, so no quant method or platform repacks it.
+    latent or to absorb it, so no quant method or platform repacks it. A dense checkpoint
+    quantized at load (--quantization) keeps kv_b_proj dense: nothing to dequantize.
     `params.num_heads` is this rank's head count.
     """
 
@@ -36,6 +39,9 @@ class MLAAttention(nn.Module):
             self.kv_b_proj = _dense_holder(torch.empty(rows, params.kv_lora_rank, dtype=dtype,
                                                        device=device))
         else:  # the model's sizes: the Linear cuts this rank's rows (tp.size * rows of them)
+            if getattr(getattr(ctx.quant_method, "scheme", None), "online", False):
+                # quantizing at load: the checkpoint's kv_b_proj is dense and stays so
+                ctx = replace(ctx, quant_method=DenseLinearMethod())
             self.kv_b_proj = Linear(params.kv_lora_rank, rows * ctx.tp.size, False, ctx,
                                     parallel="column" if ctx.tp.active else None)
         self.dequantized = False  # whether finish_loading dequantized a quantized weight
