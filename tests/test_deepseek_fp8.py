@@ -42,6 +42,7 @@ from core.plan.args import ServerArgs, make_server_args
 from core.plan.checks import check_quant
 from core.plan.devices import PROFILES
 from core.plan.model_spec import load_model_spec
+from core.plan.plan import ResolveError
 from core.plan.registry import build_registry
 from core.plan.resolver import explain, resolve
 
@@ -282,6 +283,20 @@ def test_resolve_plans_fp8_and_an_mla_backend(v3_fp8):
                           dtype="bfloat16", requested=None, scheme=parse_quant_config(V3_FP8))
     assert any("kv_b_proj" in r for r in reasons), reasons
 
+
+
+def test_blocks_that_cannot_hold_stacked_gate_and_up_are_refused(v3_fp8, tmp_path):
+    """A partial block is fine at the end of a projection (kv_a_proj_with_mqa above), not
+    between gate and up where one tensor stacks them: a dense MLP 192 wide would put up's
+    first rows in gate's last block. The resolver says so (the loader would fail on
+    up_proj.weight_scale_inv's rows)."""
+    raw = json.loads((v3_fp8[0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "intermediate_size": 192}))
+    spec = load_model_spec(str(tmp_path))
+    with pytest.raises(ResolveError) as info:
+        resolve(spec, PROFILES["h200"], ServerArgs(), build_registry())
+    assert "fp8: intermediate_size 192 is not a multiple of the 128-row weight blocks" \
+        in str(info.value), str(info.value)
 
 
 def test_online_fp8_keeps_kv_b_proj_as_the_checkpoint_has_it(tmp_path):
