@@ -105,6 +105,26 @@ def _fp8_block(name_of_scale: str) -> Callable[[torch.Tensor], Built]:
     return build
 
 
+def deepseek_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's block FP8 as its own conversion script defines it, for any shape: per
+    block of w [N, K] (the last row / column blocks partial where 128 does not divide N or K),
+    scale_inv = amax / 448 (fp32); codes = e4m3(w / scale_inv); the weight the file means is
+    codes * scale_inv. -> (codes e4m3 [N, K], weight_scale_inv [ceil(N/bn), ceil(K/bk)],
+    dequantized fp32 [N, K])."""
+    w = w.float()
+    n, k = w.shape
+    bn, bk = block
+    pn, pk = (-n) % bn, (-k) % bk
+    blocks = torch.nn.functional.pad(w, (0, pk, 0, pn)).reshape(
+        (n + pn) // bn, bn, (k + pk) // bk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [N/bn, K/bk]
+    per_elem = scale[:, None, :, None].expand_as(blocks)
+    codes = (blocks / per_elem).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    deq = (codes.float() * per_elem).reshape(n + pn, k + pk)[:n, :k]
+    return codes.reshape(n + pn, k + pk)[:n, :k].contiguous(), scale.contiguous(), deq
+
+
 def _per(kind: str, strategy: str, scale_shape=None) -> Callable[[torch.Tensor], Built]:
     def build(w: torch.Tensor) -> Built:
         q, scale, deq = _ct_quantize(w, kind, strategy)
@@ -181,12 +201,13 @@ def fake_quant_acts(x: torch.Tensor, acts: str, static_scale: float | None = Non
         st = torch.tensor(static_scale, dtype=torch.float32)
         return (x * reciprocal(st)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() \
             * st
-    if acts == "fp8_group":
+    if acts == "fp8_group":  # a last partial group (K not a multiple of 128) is its own group
         m, k = x.shape
-        g = x.reshape(m, k // 128, 128)
+        pad = (-k) % 128
+        g = torch.nn.functional.pad(x, (0, pad)).reshape(m, -1, 128)
         s = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
         return ((g * reciprocal(s)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-                * s).reshape(m, k)
+                * s).reshape(m, k + pad)[:, :k]
     s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12)
     if acts == "fp8_token":
         s = s / FP8_MAX

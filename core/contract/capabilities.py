@@ -346,6 +346,9 @@ class QuantCaps(_Frozen):
     # rank's rows (column-parallel) or inputs (row-parallel) of each checkpoint tensor
     # (core.layers.linear.tp_narrow), which the method must take as a smaller whole weight.
     tensor_parallel: bool = False
+    # It gives a loaded layer's weight back dense (QuantMethod.dense_weight), exactly: what a
+    # checkpoint that quantizes MLA's kv_b_proj needs (the model holds that weight dense).
+    dense_weights: bool = False
 
     _sets = ("devices", "cpu_isa", "config_names", "formats", "activation_schemes",
              "group_sizes", "dtypes", "weight_bits", "moe_runners", "needs_features")

@@ -41,7 +41,7 @@ class MLALayerParams:
     """Static per-layer MLA parameters (set by the model, read by backends)."""
 
     layer_id: int
-    num_heads: int
+    num_heads: int  # this rank's heads (all of them without tensor parallelism)
     kv_lora_rank: int  # R
     qk_nope_head_dim: int  # Dn
     qk_rope_head_dim: int  # Dr

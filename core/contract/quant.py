@@ -14,6 +14,7 @@ method without that need does, so core calls each member as it is, never probing
     bind                                   partial(apply, layer)
     init_dummy_weights                     nothing    (the loader's generic fill stands)
     repack                                 nothing    (a Platform's dense layout does not apply)
+    dense_weight                           None       (the weight cannot be given back dense)
     takes_raw_gguf                         False      (GGUF blocks are dequantized first)
     load_table                             None       (the embedding / LM head stays dense)
     load_summary                           None       (no load note)
@@ -160,6 +161,14 @@ class QuantMethod(ABC):
         """After loading, a Platform's dense layout (core.layers.linear.repack_dense_weights):
         replace a dense [out, in] weight by `pack(weight)` (None: not for this weight) and
         compute with `matmul(x, weight=..., bias=...)`. Default: nothing (no dense weight)."""
+        return None
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor | None:
+        """After process_weights_after_loading: the layer's weight [out, in] as fp32 values,
+        exactly what its tensors mean (e.g. e4m3 codes times their block scales, one
+        correctly rounded fp32 product per element), for a layer that must hold it dense (MLA's
+        kv_b_proj, split and absorbed by the attention backend). A method that can declares
+        QuantCaps.dense_weights. Default: None (it cannot)."""
         return None
 
     # ---- the token embedding and the LM head ----

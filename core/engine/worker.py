@@ -690,9 +690,10 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
         mem = dataclasses.replace(mem, kv_tokens=all_min(mem.kv_tokens, ranks.comm),
                                   group_tokens=tuple(all_min(t, ranks.comm)
                                                      for t in mem.group_tokens))
+        kv_part = ("the whole MLA latent cache (replicated)" if spec.attention_kind == "MLA"
+                   else f"{kv_heads} of {spec.num_kv_heads} KV heads")
         notes = (f"tensor parallel: rank {tp.rank} of {tp.size} ({ranks.spec.backend}), "
-                 f"{heads} of {spec.num_heads} heads and {kv_heads} of {spec.num_kv_heads} "
-                 f"KV heads per rank",)
+                 f"{heads} of {spec.num_heads} heads and {kv_part} per rank",)
     done(f"memory planned: KV cache {mem.kv_tokens} tokens")
     kv_pool, req_to_token = build_kv(plan, spec, mem, kv_dtype, device, max_context, loaded,
                                      kv_heads, platform)

@@ -61,6 +61,9 @@ class DenseLinearMethod(QuantMethod):
         return got if got is not None else partial(F.linear, weight=layer.weight,
                                                    bias=layer.bias)
 
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor | None:
+        return layer.weight.float()
+
     def create_moe_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
                            intermediate_size: int, dtype: torch.dtype,
                            device: torch.device) -> None:
@@ -239,6 +242,10 @@ def process_weights_after_loading(model: nn.Module) -> None:
         experts = getattr(module, "expert_quant_method", None)  # a MoE layer (core.layers.moe)
         if experts is not None:
             experts.process_moe_weights_after_loading(module)
+    for module in model.modules():  # layers that keep a processed linear's weight their way
+        finish = getattr(module, "finish_loading", None)  # (core.layers.mla: kv_b_proj dense)
+        if finish is not None:
+            finish()
     reset_bindings(model)
 
 

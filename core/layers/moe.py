@@ -144,6 +144,8 @@ class MoE(nn.Module):
         under expert parallelism, a fused tensor's experts of this rank."""
         if self.tp.size == 1:
             return loaded
+        if param is getattr(self, "e_score_correction_bias", None):
+            return loaded  # the router's, over all experts: replicated like the router
         if self._e_part is not None:
             return loaded if shard is not None else loaded.narrow(0, *self._e_part)
         if self._i_part is None:

@@ -258,7 +258,7 @@ def check_quant(caps: QuantCaps, spec: ModelSpec, device: DeviceInfo, *, dtype: 
         loads = False
         reasons.append(f"does not load {want} checkpoints (loads {_join(caps.config_names)})")
     if scheme is not None and loads:  # what it computes matters once it reads the file
-        reasons += _scheme_reasons(caps, scheme)
+        reasons += _scheme_reasons(caps, scheme) + _block_grain_reasons(spec, scheme)
     lacking = sorted(f for f in caps.needs_features if not device.has(f))
     for feature in lacking:
         reasons.append(f"needs device feature {feature} "
@@ -269,6 +269,10 @@ def check_quant(caps: QuantCaps, spec: ModelSpec, device: DeviceInfo, *, dtype: 
     if tp_size > 1 and not caps.tensor_parallel:
         reasons.append(f"its weights do not split over tensor-parallel ranks (--tp-size "
                        f"{tp_size})")
+    if spec.attention_kind == "MLA" and scheme is not None and scheme.format != "dense" \
+            and not caps.dense_weights:
+        reasons.append("cannot give MLA's kv_b_proj back dense (QuantCaps.dense_weights), "
+                       "which latent absorption needs")
     return reasons
 
 
@@ -285,6 +289,26 @@ def _scheme_reasons(caps: QuantCaps, scheme: QuantScheme) -> list[str]:
         reasons.append(f"group size {scheme.group_size} not supported "
                        f"(supports {_join(caps.group_sizes)})")
     return reasons
+
+
+def _block_grain_reasons(spec: ModelSpec, scheme: QuantScheme) -> list[str]:
+    """Block-scaled weights whose separate gate and up projections are stacked into one
+    tensor (a dense MLP's or a shared expert's gate_up): up's rows must start on a block, or
+    one block of scales would straddle both. A partial last block elsewhere (DeepSeek-V3's
+    kv_a_proj_with_mqa: 576 rows) is fine. Routed experts are not checked here: a checkpoint
+    may hold them fused (one scale grid for gate and up), and per-expert ones are refused by
+    the MoE layer's loader with the same reason."""
+    if not scheme.block:
+        return []
+    rows = scheme.block[0]
+    widths = {"intermediate_size": spec.intermediate_size or 0}
+    if spec.moe is not None:
+        widths["shared expert width"] = spec.moe.shared_expert_intermediate_size or 0
+        if spec.moe.moe_layers and len(spec.moe.moe_layers) == spec.num_layers:
+            widths.pop("intermediate_size")  # no dense layer: its width is never built
+    return [f"{name} {n} is not a multiple of the {rows}-row weight blocks (gate and up "
+            f"share one stacked tensor and its block scales)"
+            for name, n in widths.items() if n % rows]
 
 
 def check_moe_quant(runner: str, moe_caps: MoECaps, quant: str, quant_caps: QuantCaps

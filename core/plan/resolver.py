@@ -726,20 +726,25 @@ def _parallel(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, notes: list
         if spec.moe.moe_layers and len(spec.moe.moe_layers) == spec.num_layers:
             sizes.pop("intermediate_size")  # no dense layer: its width is never built
     if tp > 1:
-        reasons = []
-        if spec.attention_kind == "MLA":
-            reasons.append("MLA attention (a latent KV cache) is not split over ranks here")
-        problems = tp_problems(spec.num_heads, spec.num_kv_heads, sizes, tp,
-                               spec.moe.num_experts if spec.moe else None, ep)
-        reasons += problems
+        # MLA: heads split, the one latent row per token replicated on every rank (as one
+        # KV head is under MQA), so only the query heads must divide
+        mla = spec.attention_kind == "MLA"
+        kv_heads = 1 if mla else spec.num_kv_heads
+        reasons = tp_problems(spec.num_heads, kv_heads, sizes, tp,
+                              spec.moe.num_experts if spec.moe else None, ep)
         if reasons:
-            fits = fitting_tp_sizes(spec.num_heads, spec.num_kv_heads, sizes)
+            fits = ", ".join(map(str, fitting_tp_sizes(spec.num_heads, kv_heads, sizes)))
+            heads = (f"{spec.num_heads} heads" if mla else
+                     f"{spec.num_heads} heads, {spec.num_kv_heads} KV heads")
             raise ResolveError(
                 f"{spec.architecture} does not split over --tp-size {tp}",
-                [*reasons, f"--tp-size values (of 1..8) that split its {spec.num_heads} heads,"
-                 f" {spec.num_kv_heads} KV heads and MLP widths: {', '.join(map(str, fits))}"])
-        kv_note = ("" if spec.num_kv_heads >= tp else
-                   f"; {spec.num_kv_heads} KV heads replicated onto {tp} ranks")
+                [*reasons, f"--tp-size values (of 1..8) that split its {heads} and MLP "
+                 f"widths: {fits}"])
+        if mla:
+            kv_note = "; the MLA latent cache replicated on every rank"
+        else:
+            kv_note = ("" if spec.num_kv_heads >= tp else
+                       f"; {spec.num_kv_heads} KV heads replicated onto {tp} ranks")
         notes.append(f"tensor parallel over {tp} ranks: {spec.num_heads // tp} heads per rank"
                      f"{kv_note}; vocab {spec.vocab_size} in shards of "
                      f"{-(-spec.vocab_size // tp)}")

@@ -54,9 +54,13 @@ class DeepseekAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int,
                  interleaved: bool):
         super().__init__()
-        if ctx.tp.active:
-            raise ValueError("MLA attention is not split over tensor-parallel ranks yet")
-        H = config.num_attention_heads
+        # Tensor parallelism: this rank's H / tp heads. q (q_proj / q_b_proj) is
+        # column-parallel and kv_b_proj's rows split (both per head, contiguous), o_proj
+        # row-parallel (one all-reduce); q_a_proj, kv_a_proj_with_mqa and their norms are
+        # replicated, so every rank computes the whole latent row and caches it (the latent
+        # cache is replicated, as SGLang does without DP attention).
+        H = ctx.tp.split(config.num_attention_heads, "attention heads")[1]
+        col = "column" if ctx.tp.active else None
         self.num_heads = H
         self.dn, self.dr = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.dv, self.r = config.v_head_dim, config.kv_lora_rank
@@ -64,22 +68,24 @@ class DeepseekAttention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         hidden, qk = config.hidden_size, self.dn + self.dr
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        heads_all = config.num_attention_heads  # Linear takes the model's sizes
         if self.q_lora_rank is None:
-            self.q_proj = Linear(hidden, H * qk, False, ctx)
+            self.q_proj = Linear(hidden, heads_all * qk, False, ctx, parallel=col)
         else:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias, ctx)
             # HF's q_a / kv_a norms take their default eps, not rms_norm_eps
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6, ctx.dtype, ctx.device, ctx.ops)
-            self.q_b_proj = Linear(self.q_lora_rank, H * qk, False, ctx)
+            self.q_b_proj = Linear(self.q_lora_rank, heads_all * qk, False, ctx, parallel=col)
         self.kv_a_proj_with_mqa = Linear(hidden, self.r + self.dr, bias, ctx)
         self.kv_a_layernorm = RMSNorm(self.r, 1e-6, ctx.dtype, ctx.device, ctx.ops)
-        self.o_proj = Linear(H * self.dv, hidden, bias, ctx)
+        self.o_proj = Linear(heads_all * self.dv, hidden, bias, ctx,
+                             parallel="row" if ctx.tp.active else None)
         params = rope_parameters(config)
         scaling = qk ** -0.5 * yarn_softmax_mscale(params, config.max_position_embeddings)
         self.attn = MLAAttention(MLALayerParams(
             layer_id=layer_id, num_heads=H, kv_lora_rank=self.r, qk_nope_head_dim=self.dn,
             qk_rope_head_dim=self.dr, v_head_dim=self.dv, scaling=scaling), ctx.dtype,
-            ctx.device)
+            ctx.device, ctx)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -221,6 +227,10 @@ class DeepseekV2ForCausalLM(nn.Module):
 
         load_named_weights(self, ours(weights), stacked=STACKED,
                            skip_lm_head=self.tie_word_embeddings, rename=moe_param_name)
+        if any(layer.self_attn.attn.dequantized for layer in self.model.layers):
+            self.load_notes.append(
+                "kv_b_proj dequantized at load (its codes times their block scales in fp32, "
+                "then cast to the compute dtype): the MLA backend splits and absorbs it dense")
         if skipped:
             self.load_notes.append(
                 f"skipped checkpoint layers {', '.join(map(str, sorted(skipped)))} (past "

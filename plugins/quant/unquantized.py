@@ -20,6 +20,7 @@ CAPS = QuantCaps(
     priority={"cpu": 10, "cuda": 10, "rocm": 10, "xpu": 10, "npu": 10},
     description="dense weights, F.linear (GGUF is dequantized at load)",
     tensor_parallel=True,
+    dense_weights=True,  # DenseLinearMethod: its weights are dense (GGUF dequantized first)
 )
 
 

@@ -28,6 +28,7 @@ CAPS = QuantCaps(
     moe=True,  # experts in form "fp8" (core.contract.moe); the triton runner declares fp8_block ones
     moe_runners={"torch_native"},
     priority={"cuda": 30, "cpu": 1},
+    dense_weights=True,  # QuantMethod.dense_weight: MLA's kv_b_proj, dequantized at load
     description="FP8 e4m3 W8A8: block-wise (Qwen3/DeepSeek FP8), per-tensor / per-channel "
                 "(compressed-tensors, FBGEMM), online from bf16; CUDA sm89+: fused Triton decode "
                 "GEMV, _scaled_mm and a Triton block GEMM; CPU: fp32 reference (slow)",

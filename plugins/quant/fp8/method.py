@@ -92,6 +92,16 @@ class Fp8LinearMethod(QuantMethod):
         cap = cuda_capability(layer.weight.device)
         return "reference" if cap is None or cap < 89 else "triton"
 
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        """e4m3 codes times their scales in fp32 (block scales expanded over the blocks, a
+        partial last block included; per-channel ones per row): what `reference_fp8_linear`
+        multiplies by, so exact in the same sense."""
+        n, k = layer.weight.shape
+        w = layer.weight.float()
+        if hasattr(layer, "weight_scale_inv"):
+            return w * expand_blocks(layer.weight_scale_inv.float(), n, k, self.scheme.block)
+        return w * layer.weight_scale.float()
+
     # ---- compute ----
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

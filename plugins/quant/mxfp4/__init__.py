@@ -26,6 +26,7 @@ CAPS = QuantCaps(
     dtypes={"bfloat16", "float16", "float32"},
     moe=True,  # form "mxfp4" experts; the runners that run them name mxfp4 in their MoECaps
     priority={"cuda": 30, "cpu": 10},
+    dense_weights=True,  # its linears are dense (DenseLinearMethod): MLA's kv_b_proj as it is
     description="MXFP4 MoE experts (GPT-OSS: e2m1 + e8m0 per 32), weight-only, kept packed; "
                 "dequantized in the triton runner's GEMMs (CUDA sm80+) or per expert by "
                 "torch_native (CPU); other layers dense",
