@@ -89,7 +89,7 @@ def routing_logits(case: MoECase, gen: torch.Generator) -> torch.Tensor:
 # noaux_tc cases: every choice the routing makes (the k-th expert against the next, the last
 # kept group against the next) is won by at least this much, in fp32 on the case's own logits,
 # so that any correct runner picks the same experts
-CHOICE_MARGIN = 2e-4
+CHOICE_MARGIN = 1e-5
 
 
 def reference_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
