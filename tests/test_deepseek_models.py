@@ -162,6 +162,7 @@ def test_resolver_gives_noaux_tc_to_triton_only_where_declared():
     for V3 (and V2) takes it; with correction_bias undeclared it is refused for V3, saying why,
     not run with the bias ignored."""
     import dataclasses
+
     from core.plan.args import ServerArgs
     from core.plan.devices import PROFILES
     from core.plan.model_spec import spec_from_config
