@@ -1,6 +1,6 @@
 """Which MoE conformance cases a runner gets: the matrix, cut to what its capabilities declare.
 
-Axes: token counts (1..64 small, 1..4096 full), experts 8 / 60 / 64 / 128, top-k 1 / 2 / 4 / 8,
+Axes: token counts (1..64 small, 1..4096 full), experts 8 to 256, top-k 1 / 2 / 4 / 6 / 8,
 routing (random; every token on one expert; all tokens on a few experts, so most experts get
 none), renormalize on / off, softmax and sigmoid scoring, grouped top-k, a shared-expert output
 to add, the SiLU (and, where declared, GELU: the exact erf form) activation, a
