@@ -169,6 +169,37 @@ def test_fused_routing_with_a_correction_bias_is_select_experts(T, E, k, scoring
     torch.testing.assert_close(rw, ref_w)
 
 
+@pytest.mark.parametrize("T,E,k,groups,scoring,renorm,biased", [
+    (1, 256, 8, (8, 4), "sigmoid", True, True),  # DeepSeek-V3's decode step
+    (16, 256, 8, (8, 4), "sigmoid", True, True), (3, 64, 4, (4, 1), "sigmoid", False, True),
+    (6, 64, 8, (8, 4), "softmax", True, False),  # V2's group_limited_greedy: groups by best
+    (5, 60, 6, (6, 2), "sigmoid", False, False), (7, 32, 2, (16, 3), "softmax", True, True)])
+def test_grouped_routing_in_one_launch_is_select_experts(T, E, k, groups, scoring, renorm,
+                                                         biased):
+    """Decode-sized grouped top-k (with a correction bias: noaux_tc's top-2-sum groups) in
+    route_align_kernel: exactly select_experts' experts, weights and alignment; the groups
+    (and the bias) move the choice here, so a kernel skipping either would differ."""
+    from plugins.moe.triton import routing
+    from plugins.moe.triton.runner import align_by_expert
+
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.3).to(DEVICE) if biased else None
+    ref_w, ref_ids = select_experts(logits, k, renorm, groups, scoring, 2.5, bias)
+    assert not torch.equal(select_experts(logits, k, renorm, None, scoring, 2.5, bias)[1],
+                           ref_ids)
+    assert routing.can_route_align(T, E, k, groups)
+    w, ids, *aligned = routing.route_and_align(logits, k, renorm, scoring, 2.5, 16, bias,
+                                               groups)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w, ref_w)
+    for got, want in zip(aligned, align_by_expert(ref_ids, E, 16), strict=True):
+        assert torch.equal(got.long(), want.long())
+    # where the kept groups hold fewer than k experts, or too many tokens: PyTorch's path
+    assert not routing.can_route_align(T, E, E // groups[0] * groups[1] + 1, groups)
+    assert not routing.can_route_align(routing.MAX_ROUTE_TOKENS + 1, E, k, groups)
+
+
 def test_route_and_align_scales_and_takes_strided_logits():
     from plugins.moe.triton import routing
 

@@ -13,8 +13,10 @@ at batch 1 their launches cost more than the expert GEMMs. Here:
   token's top-k as topk_kernel computes it, the ids stored, a barrier, then the alignment over
   them, so a decode step's routing is one launch.
 With a correction bias [E] (DeepSeek-V3 / Kimi-K2's noaux_tc) both choose on scores + bias and
-take each chosen expert's unbiased score as its weight. Grouped top-k (with or without a bias)
-stays on the PyTorch path (core.contract.moe.select_experts).
+take each chosen expert's unbiased score as its weight. Grouped top-k (DeepSeek's groups, by
+their best score, or noaux_tc's, by the top-2 sum of the biased ones) is in route_align_kernel
+only (decode-sized steps); larger grouped steps take the PyTorch path
+(core.contract.moe.select_experts).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ MAX_TOPK_EXPERTS = 4096  # one program holds a token's E scores
 _ROUTE_WARPS = 1
 # route_align_kernel holds every token's E scores in one program besides the alignment's tiles
 MAX_ROUTE_TOKENS = 16
+# grouped top-k in route_align_kernel: a few reductions per group, unrolled (DeepSeek: 8)
+MAX_ROUTE_GROUPS = 16
 
 
 @triton.jit
@@ -117,12 +121,48 @@ def align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr, num_rows,
 
 
 @triton.jit
+def _limit_to_groups(choice, offs, group_size, NUM_GROUPS: tl.constexpr,
+                     TOPK_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, TOP2_SUM: tl.constexpr):
+    """core.contract.moe.limit_to_groups on a [BLOCK_T, BLOCK_E] tile (padded experts at
+    -inf): each group ranked by its best value (TOP2_SUM: the sum of its two best, noaux_tc),
+    the best TOPK_GROUPS groups kept (ties to the lower group, as on distinct values), every
+    other expert set to 0 (-inf with TOP2_SUM)."""
+    grp = offs // group_size  # [BLOCK_E]
+    gs = tl.arange(0, BLOCK_G)
+    group_score = tl.full((choice.shape[0], BLOCK_G), -float("inf"), tl.float32)
+    for g in tl.static_range(NUM_GROUPS):
+        in_g = (grp == g)[None, :]
+        vals = tl.where(in_g, choice, -float("inf"))
+        best = tl.max(vals, axis=1)
+        if TOP2_SUM:  # the best, then the best of the rest (a tie: the same value again)
+            first = tl.min(tl.where(vals == best[:, None], offs[None, :], 1 << 30), axis=1)
+            best += tl.max(tl.where(offs[None, :] == first[:, None], -float("inf"), vals),
+                           axis=1)
+        group_score = tl.where(gs[None, :] == g, best[:, None], group_score)
+    kept = tl.zeros((choice.shape[0], BLOCK_G), dtype=tl.int32)
+    for _ in tl.static_range(TOPK_GROUPS):
+        top = tl.max(group_score, axis=1)
+        g_idx = tl.min(tl.where(group_score == top[:, None], gs[None, :], BLOCK_G), axis=1)
+        hit = gs[None, :] == g_idx[:, None]
+        kept = tl.where(hit, 1, kept)
+        group_score = tl.where(hit, -float("inf"), group_score)
+    eligible = tl.zeros(choice.shape, dtype=tl.int32)
+    for g in tl.static_range(NUM_GROUPS):
+        keep_g = tl.max(tl.where(gs[None, :] == g, kept, 0), axis=1)  # [BLOCK_T]
+        eligible = tl.where((grp == g)[None, :] & (keep_g[:, None] > 0), 1, eligible)
+    fill = -float("inf") if TOP2_SUM else 0.0
+    return tl.where(eligible > 0, choice, tl.where(choice == -float("inf"), choice, fill))
+
+
+@triton.jit
 def route_align_kernel(logits_ptr, ids_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr,
                        total_ptr, bias_ptr, num_tokens, num_experts, stride_l, scale, worst,
                        TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                        SIGMOID: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
-                       BLOCK_B: tl.constexpr, HAS_BIAS: tl.constexpr = False):
+                       BLOCK_B: tl.constexpr, HAS_BIAS: tl.constexpr = False,
+                       NUM_GROUPS: tl.constexpr = 0, TOPK_GROUPS: tl.constexpr = 0,
+                       BLOCK_G: tl.constexpr = 1):
     # top-k of every token at once: scores [BLOCK_T, BLOCK_E], the math of topk_kernel per row
     toks = tl.arange(0, BLOCK_T)
     offs = tl.arange(0, BLOCK_E)
@@ -143,6 +183,11 @@ def route_align_kernel(logits_ptr, ids_ptr, weights_ptr, sorted_ids_ptr, block_e
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs, mask=offs < num_experts, other=0.0).to(tl.float32)
         choice = tl.where(mask, scores + bias[None, :], -float("inf"))
+    if NUM_GROUPS > 0:  # grouped top-k (DeepSeek's); with a bias, noaux_tc's top-2-sum groups
+        choice = _limit_to_groups(choice, offs, num_experts // NUM_GROUPS, NUM_GROUPS,
+                                  TOPK_GROUPS, BLOCK_G, HAS_BIAS)
+        if not HAS_BIAS:  # the weights are the limited scores themselves (select_experts)
+            scores = choice
     ks = tl.arange(0, BLOCK_K)
     chosen = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
     weights = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
@@ -216,15 +261,24 @@ def fused_align(ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids, block_expert, total
 
 
-def can_route_align(num_tokens: int, num_experts: int, top_k: int) -> bool:
-    """route_and_align takes this step (one program: a decode-sized step)."""
+def can_route_align(num_tokens: int, num_experts: int, top_k: int,
+                    grouped_topk: tuple[int, int] | None = None) -> bool:
+    """route_and_align takes this step (one program: a decode-sized step). Grouped top-k when
+    the groups split the experts evenly and the kept groups hold at least top_k experts (else
+    zero-filled experts would be chosen, in an order select_experts leaves to torch.topk)."""
+    if grouped_topk is not None:
+        groups, kept = grouped_topk
+        if (num_experts % groups or not 1 <= kept <= groups or groups > MAX_ROUTE_GROUPS
+                or kept * (num_experts // groups) < top_k):
+            return False
     return (num_tokens <= MAX_ROUTE_TOKENS and num_tokens * top_k <= MAX_ALIGN_ROWS
             and num_experts <= MAX_ALIGN_EXPERTS)
 
 
 def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                     scoring_func: str, scale: float, block_m: int,
-                    correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                    correction_bias: torch.Tensor | None = None,
+                    grouped_topk: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                torch.Tensor]:
     """fused_topk then fused_align in one launch (see can_route_align):
     (weights [T, k] fp32, ids [T, k] int32, sorted_ids, block_expert, total)."""
@@ -235,11 +289,15 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     weights = torch.empty(T, top_k, dtype=torch.float32, device=device)
     worst, sorted_ids, block_expert, total, blocks = _align_buffers(T * top_k, E, block_m,
                                                                     device)
+    groups, kept = grouped_topk or (0, 0)
     route_align_kernel[(1,)](logits, ids, weights, sorted_ids, block_expert, total,
                              _bias_arg(correction_bias, logits), T, E,
                              logits.stride(0), float(scale), worst, TOP_K=top_k,
                              BLOCK_T=max(2, triton.next_power_of_2(T)),
                              BLOCK_K=triton.next_power_of_2(top_k),
                              SIGMOID=scoring_func == "sigmoid", RENORM=renormalize, **blocks,
-                             HAS_BIAS=correction_bias is not None, num_warps=_ROUTE_WARPS)
+                             HAS_BIAS=correction_bias is not None,
+                             NUM_GROUPS=groups, TOPK_GROUPS=kept,
+                             BLOCK_G=triton.next_power_of_2(max(groups, 1)),
+                             num_warps=_ROUTE_WARPS)
     return weights, ids, sorted_ids, block_expert, total

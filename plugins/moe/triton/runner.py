@@ -168,13 +168,14 @@ class TritonMoE(MoERunner):
                 raise ValueError(f"intermediate size {inter} is not a multiple of the fp8 "
                                  f"scale block {scale_n}")
             w13_s, w2_s = weights.extra["w13_scale"], weights.extra["w2_scale"]
-        # Routing: ungrouped (a correction bias or not) in the Triton routing kernels; grouped
-        # top-k (DeepSeek's, noaux_tc's top-2-sum groups included) by select_experts in PyTorch
+        # Routing in the Triton routing kernels (a correction bias or not); grouped top-k
+        # (DeepSeek's, noaux_tc's top-2-sum groups included) there for decode-sized steps, by
+        # select_experts in PyTorch for larger ones
         bias = layer.correction_bias
-        if layer.grouped_topk is None and routing.can_route_align(T, E, k):  # decode: 1 launch
+        if routing.can_route_align(T, E, k, layer.grouped_topk):  # decode: 1 launch
             route_w, ids, sorted_ids, block_expert, total = routing.route_and_align(
                 router_logits, k, layer.renormalize, layer.scoring_func,
-                layer.routed_scaling_factor, block_m, bias)
+                layer.routed_scaling_factor, block_m, bias, layer.grouped_topk)
         else:
             if layer.grouped_topk is None and E <= routing.MAX_TOPK_EXPERTS:
                 route_w, ids = routing.fused_topk(router_logits, k, layer.renormalize,
