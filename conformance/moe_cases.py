@@ -1,13 +1,15 @@
 """Which MoE conformance cases a runner gets: the matrix, cut to what its capabilities declare.
 
-Axes: token counts (1..64 small, 1..4096 full), experts 8 / 60 / 64 / 128, top-k 1 / 2 / 4 / 8,
+Axes: token counts (1..64 small, 1..4096 full), experts 8 to 256, top-k 1 / 2 / 4 / 6 / 8,
 routing (random; every token on one expert; all tokens on a few experts, so most experts get
 none), renormalize on / off, softmax and sigmoid scoring, grouped top-k, a shared-expert output
 to add, the SiLU (and, where declared, GELU: the exact erf form) activation, a
 routed_scaling_factor away from 1 (2.5, DeepSeek-V3's; 0.5: every runner must scale the routed
 weights, after renormalizing; the shared output is not scaled), GPT-OSS's experts where declared
 (the clamped SwiGLU "swigluoai", at its limit 7 and at 0.75 where most values clamp; expert
-biases on both projections), expert-parallel shares (where
+biases on both projections), DeepSeek-V3's noaux_tc routing where declared (sigmoid scores
+plus a correction bias that changes the chosen experts, with and without groups ranked by their
+top-2 sum, V3's 256 experts / top 8 / (8, 4) / 2.5 / shared), expert-parallel shares (where
 declared: the experts split in 2 or 4, each share run alone, the shares' outputs summed), and
 each declared compute dtype. Widths
 that are not multiples of the usual tiles (hidden 40, intermediate 48) exercise the masks.
@@ -49,6 +51,9 @@ class MoECase:
     scaling: float = 1.0  # MoELayerParams.routed_scaling_factor
     bias: bool = False  # expert biases (MoEWeights.extra w13_bias / w2_bias: GPT-OSS's)
     swiglu_limit: float = 7.0  # swigluoai's clamp (GPT-OSS's 7; smaller: most values clamped)
+    # noaux_tc (DeepSeek-V3): a per-expert correction bias (MoELayerParams.correction_bias),
+    # drawn by the builder so that it changes the chosen experts (conformance.moe_check)
+    correction_bias: bool = False
 
     @property
     def id(self) -> str:
@@ -69,6 +74,8 @@ class MoECase:
             parts.append(f"ep{self.ep}")
         if self.scaling != 1.0:
             parts.append(f"scaled{self.scaling:g}")
+        if self.correction_bias:
+            parts.append("cbias")
         return "-".join(parts)
 
     def seed(self, base: int = 0) -> int:
@@ -109,6 +116,7 @@ def _fits(case: MoECase, caps: MoECaps) -> bool:
             and (caps.max_top_k is None or case.top_k <= caps.max_top_k)
             and case.activation in caps.activations
             and (not case.bias or caps.expert_bias)
+            and (not case.correction_bias or caps.correction_bias)
             and (case.ep == 1 or caps.expert_parallel))
 
 
@@ -132,6 +140,18 @@ def all_cases(full: bool = False) -> list[MoECase]:
                   replace(cases[0], activation="swigluoai", swiglu_limit=0.75),
                   replace(cases[5], activation="swigluoai", bias=True, swiglu_limit=0.75),
                   replace(cases[1], activation="swigluoai", bias=True, ep=2)]
+        # DeepSeek-V3's noaux_tc: sigmoid scores with a correction bias that moves the choice;
+        # ungrouped (Kimi-K2 / Moonlight's one group) at decode and prefill sizes, grouped
+        # (8 groups, the best 4 by their top-2 sum), V3's own routing shape (256 experts, top
+        # 8, (8, 4), routed_scaling_factor 2.5, a shared expert) at narrow widths, raw weights,
+        # and expert-parallel shares
+        v3 = dict(scoring="sigmoid", correction_bias=True)
+        cases += [MoECase(5, 16, 4, 32, 32, **v3),
+                  MoECase(40, 16, 4, 32, 32, shared=True, scaling=2.5, **v3),
+                  MoECase(3, 128, 8, 32, 32, renormalize=False, **v3),
+                  MoECase(6, 64, 8, 64, 32, groups=(8, 4), shared=True, scaling=2.5, **v3),
+                  MoECase(4, 256, 8, 32, 16, groups=(8, 4), shared=True, scaling=2.5, **v3),
+                  MoECase(6, 64, 8, 64, 32, groups=(8, 4), scaling=2.5, ep=2, **v3)]
         return cases
     cases = []
     for (e, k, h, i, s, g, sh, n), t in itertools.product(_FULL_SHAPES, _FULL_TOKENS):
@@ -143,6 +163,12 @@ def all_cases(full: bool = False) -> list[MoECase]:
                       scaling=2.5) for t in (1, 127, 1000)]  # DeepSeek-V3-like
     cases += [MoECase(t, 32, 4, 2880, 2880, activation="swigluoai", bias=True)
               for t in (1, 127, 1000)]  # GPT-OSS-20B
+    # noaux_tc: DeepSeek-V3's routing (256 experts, top 8, groups (8, 4), 2.5, shared) at a
+    # width that fits the reference's fp32 loop; Moonlight's (64 experts, top 6, one group)
+    cases += [MoECase(t, 256, 8, 2048, 512, scoring="sigmoid", groups=(8, 4), shared=True,
+                      scaling=2.5, correction_bias=True) for t in (1, 16, 127, 1000)]
+    cases += [MoECase(t, 64, 6, 2048, 1408, scoring="sigmoid", shared=True, scaling=2.5,
+                      correction_bias=True) for t in (1, 127)]
     return cases
 
 
@@ -184,6 +210,9 @@ def not_covered(caps: MoECaps, excluded: dict[str, str] | None = None
             out.append((f"activation-{act}", f"{act} activation not declared"))
     if not caps.expert_bias:
         out.append(("expert-bias", "expert biases (GPT-OSS) not declared"))
+    if not caps.correction_bias:
+        out.append(("correction-bias", "noaux_tc routing with a correction bias (DeepSeek-V3) "
+                                       "not declared"))
     other = sorted(set(caps.quant_methods) - {"unquantized"})
     if other:
         out.append(("quant", f"quantized expert weights ({', '.join(other)}): the suite checks "

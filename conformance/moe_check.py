@@ -12,7 +12,8 @@ Checks, in order (the first failure raises AssertionError saying what went wrong
 3. it matches the fp32 reference (routing by core.contract.moe.select_experts on the same logits,
    routed_scaling_factor included, a loop over the experts in fp32 from the same rounded
    weights, GELU in its exact erf form, swigluoai as transformers' GptOssExperts computes it,
-   the expert biases where the case has them), at the dtype's tolerance;
+   the expert biases where the case has them; noaux_tc's routing with a correction bias by
+   its own token-by-token reference, reference_routing), at the dtype's tolerance;
 4. called without `out` (cases of up to 8 tokens), it returns a new tensor, equally close.
 On a CUDA device, for a runner that declares cuda_graph, `check_graph_case` also captures a
 decode-sized call in a CUDA graph and replays it on new inputs.
@@ -78,9 +79,99 @@ def routing_logits(case: MoECase, gen: torch.Generator) -> torch.Tensor:
         levels[:, chosen] = E + lead
     elif case.routing != "random":
         raise ValueError(f"unknown routing {case.routing!r}")
-    # ranks -> a grid of 0.1 centred on 0
+    # ranks -> a grid of 0.1 centred on 0; noaux_tc cases: within [-2, 2] (sigmoid scores
+    # that do not saturate, so the weights tell experts apart; draw_correction_bias checks
+    # that the biased choice has no near-ties)
     ranks = levels.argsort(dim=1).argsort(dim=1).float()
-    return (ranks - E / 2) * 0.1
+    return (ranks - E / 2) * (min(0.1, 4.0 / E) if case.correction_bias else 0.1)
+
+
+# noaux_tc cases: every choice the routing makes (the k-th expert against the next, the last
+# kept group against the next) is won by at least this much, in fp32 on the case's own logits,
+# so that any correct runner picks the same experts
+CHOICE_MARGIN = 1e-5
+
+
+def reference_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """[T, E] fp32 scores, written apart from core.contract.moe.expert_scores."""
+    x = logits.float()
+    if scoring == "sigmoid":
+        return 1.0 / (1.0 + torch.exp(-x))
+    e = torch.exp(x - x.max(dim=-1, keepdim=True).values)
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def noaux_tc_choice(scores: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                    groups: tuple[int, int] | None, rank_groups_by: str = "top2_sum"
+                    ) -> tuple[list[list[int]], float]:
+    """DeepSeek-V3's choice, token by token, written apart from core.contract.moe: each
+    token's experts (best first) chosen on scores + bias (bias None: on the scores), among the
+    best groups[1] of groups[0] groups ranked by the sum of their two best biased scores
+    (rank_groups_by "max": by their best one, a planted mistake's choice); and the smallest
+    margin by which any of these choices was won."""
+    choice = scores.float() + (0.0 if bias is None else bias.float().cpu())
+    T, E = choice.shape
+    chosen, margin = [], float("inf")
+    for t in range(T):
+        row = choice[t].tolist()
+        eligible = list(range(E))
+        if groups is not None:
+            size = E // groups[0]
+            ranked = []
+            for g in range(groups[0]):
+                top = sorted(row[g * size:(g + 1) * size], reverse=True)
+                ranked.append((top[0] + top[1] if rank_groups_by == "top2_sum" else top[0], g))
+            ranked.sort(reverse=True)
+            kept = [g for _, g in ranked[:groups[1]]]
+            if groups[1] < groups[0]:
+                margin = min(margin, ranked[groups[1] - 1][0] - ranked[groups[1]][0])
+            eligible = [e for e in eligible if e // size in kept]
+        order = sorted(eligible, key=lambda e: -row[e])
+        if top_k < len(order):
+            margin = min(margin, row[order[top_k - 1]] - row[order[top_k]])
+        chosen.append(order[:top_k])
+    return chosen, margin
+
+
+def reference_routing(logits: torch.Tensor, layer: MoELayerParams
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, ids [T, k]) for a noaux_tc layer: the experts noaux_tc_choice picks,
+    weighted by their unbiased scores, renormalized when asked, times routed_scaling_factor."""
+    scores = reference_scores(logits.cpu(), layer.scoring_func)
+    chosen, _ = noaux_tc_choice(scores, layer.correction_bias, layer.top_k, layer.grouped_topk)
+    ids = torch.tensor(chosen, dtype=torch.int64)
+    weights = scores.gather(1, ids)
+    if layer.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * layer.routed_scaling_factor
+    return weights.to(logits.device), ids.to(logits.device)
+
+
+def draw_correction_bias(case: MoECase, logits: torch.Tensor, gen: torch.Generator
+                         ) -> torch.Tensor:
+    """A correction bias [E] fp32 for a noaux_tc case: of the scores' own spread, so that it
+    changes the chosen experts of most tokens (asserted: a runner that ignores it cannot pass),
+    and, with groups, such that ranking the groups by their best biased score instead of the
+    top-2 sum changes some token's experts too; every choice won by CHOICE_MARGIN (redrawn
+    until it is)."""
+    scores = reference_scores(logits, case.scoring)
+    plain, _ = noaux_tc_choice(scores, None, case.top_k, case.groups)
+    spread = (scores.max() - scores.min()).item()
+    for _ in range(500):
+        bias = torch.randn(case.experts, generator=gen) * spread * 0.25
+        chosen, margin = noaux_tc_choice(scores, bias, case.top_k, case.groups)
+        if margin < CHOICE_MARGIN:
+            continue
+        moved = sum(set(a) != set(b) for a, b in zip(chosen, plain, strict=True))
+        if 2 * moved < case.tokens:
+            continue
+        if case.groups is not None and case.groups[1] < case.groups[0]:
+            by_max, _ = noaux_tc_choice(scores, bias, case.top_k, case.groups, "max")
+            if all(set(a) == set(b) for a, b in zip(chosen, by_max, strict=True)):
+                continue
+        return bias
+    raise AssertionError(f"{case.id}: no correction bias in 500 draws moves the choice with a "
+                         f"margin of {CHOICE_MARGIN} (the case is ill-posed)")
 
 
 def build_inputs(case: MoECase, device: torch.device, seed: int) -> MoEInputs:
@@ -94,13 +185,17 @@ def build_inputs(case: MoECase, device: torch.device, seed: int) -> MoEInputs:
     hidden = rand(T, H)
     w13 = rand(E, 2 * inter, H, scale=H ** -0.5).contiguous()
     w2 = rand(E, H, inter, scale=inter ** -0.5).contiguous()
-    logits = routing_logits(case, gen).to(dtype).to(device)
+    logits = routing_logits(case, gen).to(dtype)
+    correction_bias = None
+    if case.correction_bias:  # on the logits as rounded to the compute dtype
+        correction_bias = draw_correction_bias(case, logits, gen).to(device)
+    logits = logits.to(device)
     shared = rand(T, H, scale=0.5) if case.shared else None
     layer = MoELayerParams(layer_id=0, num_experts=E, top_k=case.top_k, hidden_size=H,
                            intermediate_size=inter, renormalize=case.renormalize,
                            scoring_func=case.scoring, grouped_topk=case.groups,
                            routed_scaling_factor=case.scaling, activation=case.activation,
-                           swiglu_limit=case.swiglu_limit)
+                           swiglu_limit=case.swiglu_limit, correction_bias=correction_bias)
     extra = {}
     if case.bias:  # fp32, as the contract gives them; large enough to move every output
         extra = {"w13_bias": (torch.randn(E, 2 * inter, generator=gen) * 0.5).to(device),
@@ -112,9 +207,12 @@ def reference_moe(inputs: MoEInputs) -> torch.Tensor:
     """The fp32 ground truth [T, H]: the same routing, every active expert in fp32."""
     layer, w = inputs.layer, inputs.weights
     b13, b2 = w.extra.get("w13_bias"), w.extra.get("w2_bias")
-    route_w, ids = select_experts(inputs.logits, layer.top_k, layer.renormalize,
-                                  layer.grouped_topk, layer.scoring_func,
-                                  layer.routed_scaling_factor)
+    if layer.correction_bias is not None:  # noaux_tc, written apart from the contract's
+        route_w, ids = reference_routing(inputs.logits, layer)
+    else:
+        route_w, ids = select_experts(inputs.logits, layer.top_k, layer.renormalize,
+                                      layer.grouped_topk, layer.scoring_func,
+                                      layer.routed_scaling_factor)
     x = inputs.hidden.float()
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():

@@ -169,8 +169,9 @@ def test_resolve_json_plan(capsys, configs_dir, global_test_plugins):
     assert data["model"] == "GptOssForCausalLM"
     assert (plan["decode_attention"], plan["page_size"]) == ("sinks_like", 16)
     assert plan["device"]["name"] == "NVIDIA H200"
-    # a refused candidate is in the JSON with its reasons (triton lacks GPT-OSS's SwiGLU)
-    assert any(c["slot"] == "moe_runner" and c["name"] == "triton" and not c["fits"]
+    # a refused candidate is in the JSON with its reasons (fused_moe_like lacks GPT-OSS's
+    # SwiGLU)
+    assert any(c["slot"] == "moe_runner" and c["name"] == "fused_moe_like" and not c["fits"]
                and any("swigluoai" in r for r in c["reasons"]) for c in plan["candidates"])
 
 

@@ -191,9 +191,12 @@ def test_dummy_weights_serve(tmp_path):
     assert len(done["d"].output_ids) == 3
 
 
-def test_resolver_refuses_triton_moe_for_noaux_tc_and_names_why():
-    """The triton MoE runner has no correction-bias routing yet: it is refused for V3 (not run
-    with the bias ignored); V2's routing it takes."""
+def test_resolver_gives_noaux_tc_to_triton_only_where_declared():
+    """The triton MoE runner routes with noaux_tc's correction bias (issue 34), so the H200 plan
+    for V3 (and V2) takes it; with correction_bias undeclared it is refused for V3, saying why,
+    not run with the bias ignored."""
+    import dataclasses
+
     from core.plan.args import ServerArgs
     from core.plan.devices import PROFILES
     from core.plan.model_spec import spec_from_config
@@ -202,14 +205,22 @@ def test_resolver_refuses_triton_moe_for_noaux_tc_and_names_why():
 
     registry = get_registry()
     v3 = tiny_config("v3").to_dict() | {"architectures": ["DeepseekV3ForCausalLM"]}
-    plan = resolve(spec_from_config(v3), PROFILES["h200"], ServerArgs(), registry)
+    assert resolve(spec_from_config(v3), PROFILES["h200"], ServerArgs(), registry
+                   ).moe_runner == "triton"
+    v2 = tiny_config("v2").to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
+    assert resolve(spec_from_config(v2), PROFILES["h200"], ServerArgs(), registry
+                   ).moe_runner == "triton"
+    reg = registry.get("moe", "triton")
+    undeclared = dataclasses.replace(reg, caps=dataclasses.replace(reg.caps,
+                                                                   correction_bias=False))
+    entries = {k: dict(v) for k, v in registry.entries.items()}  # a copy: the shared one stays
+    entries["moe"]["triton"] = undeclared
+    plan = resolve(spec_from_config(v3), PROFILES["h200"], ServerArgs(),
+                   dataclasses.replace(registry, entries=entries))
     assert plan.moe_runner == "torch_native"
     triton = next(c for c in plan.candidates if c.slot == "moe_runner" and c.name == "triton")
     assert not triton.fits
     assert any("correction bias" in r for r in triton.reasons), triton.reasons
-    v2 = tiny_config("v2").to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
-    assert resolve(spec_from_config(v2), PROFILES["h200"], ServerArgs(), registry
-                   ).moe_runner == "triton"
 
 
 def test_offline_engine_matches_hf(tmp_path):

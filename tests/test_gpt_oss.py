@@ -265,7 +265,8 @@ def _resolve(name: str, profile: str):
 def test_bf16_gpt_oss_20b_plans_fully(profile):
     """gpt-oss-20b's config with bf16 experts (no quantization_config): every slot filled by a
     backend that declares what it needs: sinks and windows for attention, swigluoai and expert
-    biases for the experts. The triton MoE runner declares neither, and says so."""
+    biases for the experts. On the H200 that is the triton MoE runner (both fused in its
+    kernels), chosen over torch_native by priority."""
     from core.plan.registry import get_registry
 
     plan = _resolve("gpt-oss-20b-bf16.json", profile)
@@ -279,9 +280,7 @@ def test_bf16_gpt_oss_20b_plans_fully(profile):
     if profile == "h200":
         triton = next(c for c in plan.candidates if c.slot == "moe_runner"
                       and c.name == "triton")
-        assert not triton.fits
-        assert "activation swigluoai not supported (supports silu)" in triton.reasons
-        assert any(r.startswith("no expert biases") for r in triton.reasons), triton.reasons
+        assert triton.fits and triton.chosen and plan.moe_runner == "triton", triton.reasons
 
 
 def test_tiny_config_is_read_like_transformers():
@@ -297,8 +296,9 @@ def test_tiny_config_is_read_like_transformers():
 
 @pytest.mark.gpu
 def test_cuda_fp32_tiny_matches_hf(tmp_path):
-    """The tiny model on a GPU, fp32 (head dim 16: torch_native attention; torch_native
-    experts): greedy tokens and each step's logprob as HF's on the CPU."""
+    """The tiny model on a GPU, fp32 (head dim 16: torch_native attention; the triton MoE
+    runner, swigluoai and expert biases in its kernels): greedy tokens and each step's
+    logprob as HF's on the CPU."""
     import core
 
     if not torch.cuda.is_available():
@@ -309,7 +309,7 @@ def test_cuda_fp32_tiny_matches_hf(tmp_path):
           "top_logprobs": 2}
     with core.Engine(str(path), dtype="float32", device="cuda", max_total_tokens=512,
                      page_size=4) as eng:
-        assert eng.plan.moe_runner == "torch_native"
+        assert eng.plan.moe_runner == "triton"
         outs = eng.generate(input_ids=PROMPTS, sampling_params=sp)
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ref = hf_logprobs(hf, prompt + out["output_ids"])
@@ -328,11 +328,14 @@ def _gpt_oss_20b(tmp_path, layers: int) -> str:
     return write_config_model(tmp_path / f"gpt-oss-20b-{layers}", cfg)
 
 
-def _first_step_top(path: str, dtype: str, backend: str | None, new: int = 4):
+def _first_step_top(path: str, dtype: str, backend: str | None, new: int = 4,
+                    moe: str | None = None):
     import core
 
     prompt = [(13 * j) % 199000 + 100 for j in range(300)]  # past the 128-token window
     kw = {"attention_backend": backend} if backend else {}
+    if moe:
+        kw["moe_runner_backend"] = moe
     with core.Engine(path, load_format="dummy", device="cuda", dtype=dtype,
                      max_total_tokens=4096, **kw) as eng:
         chosen = eng.plan.decode_attention
@@ -363,10 +366,24 @@ def test_cuda_fp32_triton_sinks_agree_with_torch_native_at_gpt_oss_20b_shapes(tm
 
 
 @pytest.mark.gpu
+def test_cuda_fp32_triton_experts_agree_with_torch_native_at_gpt_oss_20b_shapes(tmp_path):
+    """The same 4 layers of gpt-oss-20b's shapes, fp32, triton attention either way: the
+    triton MoE runner (swigluoai, expert biases, under CUDA graphs) gives torch_native's
+    first-step log-probabilities."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    path = _gpt_oss_20b(tmp_path, 4)
+    _, fused = _first_step_top(path, "float32", "triton", moe="triton")
+    _, native = _first_step_top(path, "float32", "triton", moe="torch_native")
+    assert set(fused) == set(native)
+    for t in fused:
+        assert abs(fused[t] - native[t]) < 1e-4, (t, fused[t], native[t])
+
+
+@pytest.mark.gpu
 def test_cuda_bf16_gpt_oss_20b_dummy_serves_past_the_window(tmp_path):
     """The whole gpt-oss-20b with bf16 experts (dummy weights, about 42 GB): planned (triton
-    attention with sinks, torch_native experts), a prompt past the window prefilled and
-    decoded."""
+    attention with sinks, triton experts), a prompt past the window prefilled and decoded."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     if torch.cuda.get_device_properties(0).total_memory < 60 * 2 ** 30:

@@ -35,8 +35,9 @@ def test_builtin_runners_are_registered():
 
 
 def test_suite_covers_every_builtin_runner_on_cpu(request):
-    """Each built-in runner gets the matrix on CPU: top-k 1/2/4/8, experts 8/60/64/128, both
-    scorings, grouped top-k, shared experts, renormalize on and off, every routing kind."""
+    """Each built-in runner gets the matrix on CPU: top-k 1/2/4/8, experts 8 to 256, both
+    scorings, grouped top-k, shared experts, renormalize on and off, every routing kind,
+    noaux_tc's correction bias."""
     if request.config.getoption("conformance_moe", default=None):
         pytest.skip("--conformance-moe narrows the suite on purpose")
     params = [p.values[0] for p in moe_conformance_params(request.config)
@@ -44,12 +45,17 @@ def test_suite_covers_every_builtin_runner_on_cpu(request):
     for name in BUILTIN if INTERPRETED else ("torch_native",):
         cases = [p.case for p in params if p.runner.name == name]
         assert {c.top_k for c in cases} == {1, 2, 4, 8}, name
-        assert {c.experts for c in cases} == {8, 60, 64, 128}, name
+        assert {c.experts for c in cases} == {8, 16, 60, 64, 128, 256}, name
         assert {c.scoring for c in cases} == {"softmax", "sigmoid"}, name
         assert {c.routing for c in cases} == {"random", "one_expert", "few_experts"}, name
         assert {c.renormalize for c in cases} == {True, False}, name
         assert any(c.groups for c in cases) and any(c.shared for c in cases), name
         assert {c.scaling for c in cases} >= {1.0, 2.5, 0.5}, name  # routed_scaling_factor
+        # noaux_tc (issue 34): with and without groups, V3's routing shape among them
+        bias = [c for c in cases if c.correction_bias]
+        assert any(c.groups for c in bias) and any(not c.groups for c in bias), name
+        assert any((c.experts, c.top_k, c.groups, c.scaling) == (256, 8, (8, 4), 2.5)
+                   and c.shared for c in bias), name
     if INTERPRETED:
         assert {p.case.dtype for p in params if p.runner.name == "triton"} == \
             {"float16", "float32"}
@@ -135,6 +141,109 @@ def _patched_act(fn):
                 native.gated_activation = real
 
     return _planted(Patched)
+
+
+# -- DeepSeek-V3's noaux_tc: the correction bias (issue 34) --------------------------------------
+
+def _noaux_tc_cases():
+    from conformance.moe_cases import all_cases
+
+    cases = [c for c in all_cases() if c.correction_bias]
+    assert any(c.groups for c in cases) and any(c.groups is None for c in cases)
+    assert any(c.ep > 1 for c in cases) and any(c.experts == 256 for c in cases)
+    return cases
+
+
+def _planted_route(fn):
+    """torch_native with its routing replaced by fn(router_logits, layer)."""
+    from plugins.moe.torch_native import runner as native
+
+    class Patched(native.TorchNativeMoE):
+        def forward(self, hidden, router_logits, weights, layer, shared=None, out=None):
+            real = native.route
+            native.route = fn
+            try:
+                return super().forward(hidden, router_logits, weights, layer, shared, out)
+            finally:
+                native.route = real
+
+    return _planted(Patched)
+
+
+def test_the_suite_fails_a_runner_that_ignores_the_correction_bias():
+    import dataclasses
+
+    from plugins.moe.torch_native.runner import TorchNativeMoE
+
+    class IgnoresBias(TorchNativeMoE):
+        def forward(self, hidden, router_logits, weights, layer, shared=None, out=None):
+            layer = dataclasses.replace(layer, correction_bias=None)
+            return super().forward(hidden, router_logits, weights, layer, shared, out)
+
+    cases = _noaux_tc_cases()
+    every = {c.id for c in cases}
+    assert _small_failures(_planted(IgnoresBias), cases) == every
+    assert _small_failures(_planted(TorchNativeMoE), cases) == set()
+
+
+def test_the_suite_fails_noaux_tc_weights_or_groups_done_wrong():
+    """Weights taken from the biased scores fail every noaux_tc case; groups ranked by their
+    best biased score (not the top-2 sum) fail every grouped one."""
+    from core.contract.moe import expert_scores, renormalized, route
+
+    def biased_weights(logits, layer):
+        _, ids = route(logits, layer)
+        choice = expert_scores(logits, layer.scoring_func) + layer.correction_bias.float()
+        w = choice.gather(1, ids)
+        return (renormalized(w) if layer.renormalize else w) * layer.routed_scaling_factor, ids
+
+    def groups_by_max(logits, layer):
+        if layer.grouped_topk is None:
+            return route(logits, layer)
+        scores = expert_scores(logits, layer.scoring_func)
+        choice = scores + layer.correction_bias.float()
+        T, E = choice.shape
+        g, keep = layer.grouped_topk
+        best = choice.view(T, g, E // g).amax(-1).topk(keep, -1).indices  # [T, keep]
+        kept = torch.zeros(T, g, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(E // g, 1), float("-inf"))
+        ids = choice.topk(layer.top_k, -1).indices
+        w = scores.gather(1, ids)
+        return (renormalized(w) if layer.renormalize else w) * layer.routed_scaling_factor, ids
+
+    cases = _noaux_tc_cases()
+    assert _small_failures(_planted_route(biased_weights), cases) == {c.id for c in cases}
+    grouped = {c.id for c in cases if c.groups}
+    assert _small_failures(_planted_route(groups_by_max), cases) == grouped
+
+
+def test_noaux_tc_reference_routing_is_select_experts():
+    """The suite's token-by-token noaux_tc routing (conformance.moe_check) and the contract's
+    select_experts agree on every case (the same experts, the same weights)."""
+    from conformance.moe_check import build_inputs, reference_routing
+    from core.contract.moe import route
+
+    for case in _noaux_tc_cases():
+        inputs = build_inputs(case, torch.device("cpu"), case.seed())
+        want_w, want_ids = route(inputs.logits, inputs.layer)
+        got_w, got_ids = reference_routing(inputs.logits, inputs.layer)
+        assert torch.equal(got_ids, want_ids), case.id
+        torch.testing.assert_close(got_w, want_w, msg=case.id)
+
+
+def test_a_runner_without_correction_bias_is_told_why():
+    """A runner whose caps lack correction_bias gets no noaux_tc case, and the named listing
+    says so."""
+    import dataclasses
+
+    from conformance.moe_cases import conformance_cases, not_covered
+    from plugins.moe.torch_native import CAPS
+
+    caps = dataclasses.replace(CAPS, correction_bias=False)
+    assert not any(c.correction_bias for c in conformance_cases(caps))
+    assert any(c.correction_bias for c in conformance_cases(CAPS))
+    assert "correction-bias" in dict(not_covered(caps))
+    assert "correction-bias" not in dict(not_covered(CAPS))
 
 
 # -- GPT-OSS's experts: the clamped SwiGLU and the expert biases ---------------------------------

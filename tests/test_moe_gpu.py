@@ -64,3 +64,74 @@ def test_resolver_picks_triton_and_greedy_equals_torch_native(model_dir):
 def test_bf16_serves_on_triton(model_dir):
     chosen, out = _run(model_dir, "bfloat16", None)
     assert chosen == "triton" and all(len(o) == 64 for o in out)
+
+
+# ---- real-size layers, bf16: DeepSeek-V3's noaux_tc routing and GPT-OSS's experts (issues 34,
+# 35) on the triton runner against torch_native (fp32 accumulation) on the same GPU ----
+
+# (name, experts, top_k, hidden, inter, groups, correction bias, activation, expert biases)
+REAL_LAYERS = [
+    ("deepseek-v3", 256, 8, 7168, 2048, (8, 4), True, "silu", False),
+    ("kimi-k2", 384, 8, 7168, 2048, None, True, "silu", False),  # one group: routing kernels
+    ("gpt-oss-120b", 128, 4, 2880, 2880, None, False, "swigluoai", True),
+]
+
+
+def _real_layer(name, E, k, H, inter, groups, cbias, act, biased, tokens, seed=0):
+    """Weights drawn on the GPU in bf16; router logits and the correction bias drawn as the
+    conformance suite draws them (every routing choice won by a margin, the bias moving most
+    tokens' experts), so both runners must pick the same experts."""
+    from conformance.moe_cases import MoECase
+    from conformance.moe_check import draw_correction_bias, routing_logits
+    from core.contract.moe import MoELayerParams, MoEWeights
+
+    case = MoECase(tokens, E, k, H, inter, scoring="sigmoid" if cbias else "softmax",
+                   groups=groups, correction_bias=cbias, shared=cbias)
+    gen = torch.Generator().manual_seed(seed)
+    logits = routing_logits(case, gen)
+    bias = draw_correction_bias(case, logits, gen).cuda() if cbias else None
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf16 = torch.bfloat16
+    w13 = torch.randn(E, 2 * inter, H, generator=g, device="cuda", dtype=bf16) * H ** -0.5
+    w2 = torch.randn(E, H, inter, generator=g, device="cuda", dtype=bf16) * inter ** -0.5
+    extra = {}
+    if biased:
+        extra = {"w13_bias": torch.randn(E, 2 * inter, generator=g, device="cuda") * 0.5,
+                 "w2_bias": torch.randn(E, H, generator=g, device="cuda") * 0.5}
+    layer = MoELayerParams(0, E, k, H, inter, renormalize=True, scoring_func=case.scoring,
+                           grouped_topk=groups, routed_scaling_factor=2.5 if cbias else 1.0,
+                           activation=act, correction_bias=bias)
+    x = torch.randn(tokens, H, generator=g, device="cuda", dtype=bf16)
+    shared = (torch.randn(tokens, H, generator=g, device="cuda", dtype=bf16) * 0.5
+              if cbias else None)
+    return x, logits.cuda(), MoEWeights(w13.contiguous(), w2.contiguous(), extra=extra), \
+        layer, shared
+
+
+@pytest.mark.parametrize("spec", REAL_LAYERS, ids=[s[0] for s in REAL_LAYERS])
+def test_real_size_bf16_layers_on_triton_match_torch_native(spec):
+    import dataclasses
+
+    from core.plan.registry import get_registry
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    registry = get_registry()
+    triton_runner = registry.get("moe", "triton").load()()
+    native = registry.get("moe", "torch_native").load()()
+    for tokens in (1, 16, 128, 1024):
+        x, logits, weights, layer, shared = _real_layer(*spec, tokens=tokens)
+        want = native.forward(x, logits, weights, layer, shared).float()
+        got = triton_runner.forward(x, logits, weights, layer, shared)
+        torch.cuda.synchronize()
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert err < 2e-2, (spec[0], tokens, err)
+        # what is being checked matters at this size: without the correction bias (or with
+        # SiLU in place of swigluoai) the output is far off
+        wrong = (dataclasses.replace(layer, correction_bias=None) if spec[6]
+                 else dataclasses.replace(layer, activation="silu"))
+        off = native.forward(x, logits, weights, wrong, shared).float()
+        assert ((off - want).norm() / want.norm()).item() > 10 * 2e-2, (spec[0], tokens)
+        del x, logits, weights, want, got, off
+        torch.cuda.empty_cache()

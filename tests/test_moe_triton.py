@@ -86,6 +86,37 @@ def test_tiny_qwen3_moe_through_triton_matches_torch_native(tmp_path, registry):
     torch.testing.assert_close(logits["triton"], logits["torch_native"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU harness")
+@pytest.mark.parametrize("groups", [(4, 2), (1, 1)], ids=["v3-groups", "one-group"])
+def test_tiny_deepseek_v3_through_triton_matches_hf(tmp_path, groups):
+    """The tiny V3 of tests/test_deepseek_models.py (noaux_tc with a non-zero correction bias,
+    routed_scaling_factor 2.5) served by the engine with the triton MoE runner (interpreter):
+    every prompt and decode log-probability within 1e-4 of transformers'. Groups (4, 2): the
+    grouped path; one group (Kimi-K2 / Moonlight): the bias in the routing kernels."""
+    from hf_compare import check, greedy, run
+    from model_fixtures import write_tokenizer
+    from test_deepseek_models import PROMPTS, tiny_hf_model
+
+    from core.engine.worker import build_engine_core, make_plan
+    from core.plan.args import make_server_args
+
+    hf = tiny_hf_model("v3")
+    hf.config.n_group, hf.config.topk_group = groups
+    hf = type(hf)(hf.config).float().eval()
+    hf.load_state_dict(tiny_hf_model("v3").state_dict())
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    write_tokenizer(tmp_path)
+    args, plan, spec, registry = make_plan(make_server_args(
+        model_path=str(tmp_path), dtype="float32", max_total_tokens=512))
+    assert spec.moe.correction_bias
+    core = build_engine_core(args, dataclasses.replace(plan, moe_runner="triton"), spec,
+                             registry)
+    done = run(core.scheduler, [(f"p{i}", p, greedy(4, prompt_k=2))
+                                for i, p in enumerate(PROMPTS)])
+    for i, p in enumerate(PROMPTS):
+        check(done[f"p{i}"], p, hf, prompt_logprobs=True)
+
+
 @pytest.mark.parametrize("T,E,k,scoring,renorm,block_m", [
     (1, 8, 2, "softmax", True, 16), (3, 128, 8, "sigmoid", True, 16),
     (5, 60, 6, "softmax", False, 16), (16, 64, 8, "softmax", True, 16),
@@ -112,6 +143,61 @@ def test_fused_routing_matches_torch(T, E, k, scoring, renorm, block_m):
     torch.testing.assert_close(rw, ref_w)
     for got, want in zip(aligned, want_align, strict=True):
         assert torch.equal(got.long(), want.long())
+
+
+@pytest.mark.parametrize("T,E,k,scoring,renorm", [
+    (1, 16, 4, "sigmoid", True), (5, 64, 8, "sigmoid", True), (9, 128, 8, "sigmoid", False),
+    (3, 60, 6, "softmax", True)])
+def test_fused_routing_with_a_correction_bias_is_select_experts(T, E, k, scoring, renorm):
+    """noaux_tc without groups (Kimi-K2 / Moonlight's one group) in the routing kernels: the
+    experts chosen on scores + bias, weighted by the unbiased scores, scaled; exactly what
+    select_experts gives, and not what it gives without the bias."""
+    from plugins.moe.triton import routing
+
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.3).to(DEVICE)
+    ref_w, ref_ids = select_experts(logits, k, renorm, None, scoring, 2.5, bias)
+    plain_ids = select_experts(logits, k, renorm, None, scoring, 2.5)[1]
+    assert not torch.equal(plain_ids, ref_ids)  # the bias moves the choice here
+    w, ids = routing.fused_topk(logits, k, renorm, scoring, 2.5, bias)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w, ref_w)
+    assert routing.can_route_align(T, E, k)
+    rw, rids, *_ = routing.route_and_align(logits, k, renorm, scoring, 2.5, 16, bias)
+    assert torch.equal(rids.long(), ref_ids)
+    torch.testing.assert_close(rw, ref_w)
+
+
+@pytest.mark.parametrize("T,E,k,groups,scoring,renorm,biased", [
+    (1, 256, 8, (8, 4), "sigmoid", True, True),  # DeepSeek-V3's decode step
+    (16, 256, 8, (8, 4), "sigmoid", True, True), (3, 64, 4, (4, 1), "sigmoid", False, True),
+    (6, 64, 8, (8, 4), "softmax", True, False),  # V2's group_limited_greedy: groups by best
+    (5, 60, 6, (6, 2), "sigmoid", False, False), (7, 32, 2, (16, 3), "softmax", True, True)])
+def test_grouped_routing_in_one_launch_is_select_experts(T, E, k, groups, scoring, renorm,
+                                                         biased):
+    """Decode-sized grouped top-k (with a correction bias: noaux_tc's top-2-sum groups) in
+    route_align_kernel: exactly select_experts' experts, weights and alignment; the groups
+    (and the bias) move the choice here, so a kernel skipping either would differ."""
+    from plugins.moe.triton import routing
+    from plugins.moe.triton.runner import align_by_expert
+
+    g = torch.Generator().manual_seed(T * E + k)
+    logits = torch.randn(T, E, generator=g).to(DEVICE)
+    bias = (torch.randn(E, generator=g) * 0.3).to(DEVICE) if biased else None
+    ref_w, ref_ids = select_experts(logits, k, renorm, groups, scoring, 2.5, bias)
+    assert not torch.equal(select_experts(logits, k, renorm, None, scoring, 2.5, bias)[1],
+                           ref_ids)
+    assert routing.can_route_align(T, E, k, groups)
+    w, ids, *aligned = routing.route_and_align(logits, k, renorm, scoring, 2.5, 16, bias,
+                                               groups)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w, ref_w)
+    for got, want in zip(aligned, align_by_expert(ref_ids, E, 16), strict=True):
+        assert torch.equal(got.long(), want.long())
+    # where the kept groups hold fewer than k experts, or too many tokens: PyTorch's path
+    assert not routing.can_route_align(T, E, E // groups[0] * groups[1] + 1, groups)
+    assert not routing.can_route_align(routing.MAX_ROUTE_TOKENS + 1, E, k, groups)
 
 
 def test_route_and_align_scales_and_takes_strided_logits():
@@ -143,10 +229,13 @@ def test_fp32_tilings_fit_shared_memory():
     assert tuning.fit_dtype((16, 32, 32, 1, 1), 4, "interpreter") == (16, 32, 32, 1, 1)
 
 
-def test_block_fp8_experts_match_the_block_reference():
+@pytest.mark.parametrize("activation,biased", [("silu", False), ("swigluoai", True)])
+def test_block_fp8_experts_match_the_block_reference(activation, biased):
     """Form "fp8" with block scales through both kernels: under the interpreter fp16 stands in
     for e4m3 (the kernel quantizes each activation tile to the weights' dtype), so the
-    reference rounds to fp16 the same way; on a GPU the operands are e4m3."""
+    reference rounds to fp16 the same way; on a GPU the operands are e4m3. With GPT-OSS's
+    swigluoai (limit 1: many values clamped) and expert biases (a GPT-OSS fp8_block
+    checkpoint's experts) too."""
     from core.contract.moe import MoELayerParams, MoEWeights
     from plugins.moe.triton.runner import TritonMoE
 
@@ -159,10 +248,16 @@ def test_block_fp8_experts_match_the_block_reference():
     w2 = (torch.randn(E, H, inter) * 0.2).to(q_ty).to(dev)
     s13 = (torch.rand(E, 2 * inter // bn, H // bk) + 0.5).to(dev)
     s2 = (torch.rand(E, H // bn, inter // bk) + 0.5).to(dev)
-    weights = MoEWeights(w13, w2, form="fp8",
-                         extra={"w13_scale": s13, "w2_scale": s2, "block": torch.tensor([bn, bk])})
+    extra = {"w13_scale": s13, "w2_scale": s2, "block": torch.tensor([bn, bk])}
+    bias_gen = torch.Generator().manual_seed(1)
+    b13 = torch.randn(E, 2 * inter, generator=bias_gen) * 0.5
+    b2 = torch.randn(E, H, generator=bias_gen) * 0.5
+    if biased:
+        extra |= {"w13_bias": b13.to(dev), "w2_bias": b2.to(dev)}
+    weights = MoEWeights(w13, w2, form="fp8", extra=extra)
     layer = MoELayerParams(layer_id=0, num_experts=E, top_k=top_k, hidden_size=H,
-                           intermediate_size=inter, renormalize=True)
+                           intermediate_size=inter, renormalize=True, activation=activation,
+                           swiglu_limit=1.0)
     x = torch.randn(T, H, dtype=torch.float16, device=dev)
     logits = torch.randn(T, E, device=dev)
     runner = TritonMoE(tiling=(16, 32, bk, 4, 1) if not gpu else None)
@@ -183,9 +278,17 @@ def test_block_fp8_experts_match_the_block_reference():
     ref = torch.zeros(T, H)
     for t in range(T):
         for wt, e in zip(top_w[t].tolist(), top_i[t].tolist(), strict=True):
-            g, u = (fq(x[t:t + 1].cpu()) @ W13[e].t()).chunk(2, -1)
-            h = (torch.nn.functional.silu(g) * u).half()
-            ref[t] += wt * (fq(h) @ W2[e].t())[0]
+            gu = fq(x[t:t + 1].cpu()) @ W13[e].t()
+            if biased:
+                gu = gu + b13[e]
+            g, u = gu.chunk(2, -1)
+            if activation == "swigluoai":  # GPT-OSS's, written out
+                g, u = g.clamp(max=1.0), u.clamp(-1.0, 1.0)
+                h = ((u + 1) * g / (1 + torch.exp(-1.702 * g))).half()
+            else:
+                h = (torch.nn.functional.silu(g) * u).half()
+            down = fq(h) @ W2[e].t()
+            ref[t] += wt * ((down + b2[e]) if biased else down)[0]
     err = ((y.float().cpu() - ref).norm() / ref.norm()).item()
     assert err < (2e-2 if gpu else 2e-3), err
 

@@ -201,10 +201,45 @@ def test_runners_match_the_reference(runner, dot, dtype, tol):
         assert y.dtype == dtype and err < tol, (m, err)
 
 
+@pytest.mark.parametrize("dot,dtype,tol", [("auto", torch.float32, 1e-5),
+                                            ("decode", torch.float16, 5e-3),
+                                            ("scaled", torch.float16, 5e-3)])
+def test_triton_runs_gpt_oss_mxfp4_experts_with_swigluoai(dot, dtype, tol):
+    """GPT-OSS's own expert math on its packed experts: the clamped SwiGLU (limit 0.75: most
+    gate and up values clamped) and both biases, triton against torch_native on the same
+    weights and layer, at decode and prefill sizes."""
+    import dataclasses
+
+    from core.contract.moe import MoELayerParams
+
+    if os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available():
+        pytest.skip("the triton runner needs TRITON_INTERPRET=1 on the CPU")
+    ref = GptOssExperts(experts=4, hidden=64, inter=64, seed=6)
+    moe = MoE(4, 2, 64, 64, _ctx(dtype, _runner("torch_native")))
+    ref.load(moe)
+    weights = moe.weights()
+    assert weights.form == "mxfp4" and "w13_bias" in weights.extra
+    layer = MoELayerParams(0, 4, 2, 64, 64, activation="swigluoai", swiglu_limit=0.75)
+    silu = dataclasses.replace(layer, activation="silu")
+    triton_runner = _runner("triton", mxfp4_dot=dot)
+    native = _runner("torch_native")
+    gen = torch.Generator().manual_seed(7)
+    for m in (1, 5, 33):
+        x = torch.randn(m, 64, generator=gen).to(dtype)
+        logits = torch.randn(m, 4, generator=gen)
+        want = native.forward(x, logits, weights, layer).float()
+        got = triton_runner.forward(x, logits, weights, layer)
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert got.dtype == dtype and err < tol, (m, err)
+        other = native.forward(x, logits, weights, silu).float()  # the activation matters here
+        assert ((other - want).norm() / want.norm()).item() > 10 * tol
+
+
 def test_gpt_oss_20b_plans_mxfp4_where_it_runs(model_spec, clean_plugin_env):
-    """With the installed plugins GPT-OSS-20B plans on the H200 with its experts kept in mxfp4:
-    torch_native is the one MoE runner with GPT-OSS's clamped SwiGLU (`swigluoai`) and expert
-    biases (triton refuses them, saying so); below sm80 mxfp4 is refused with its reason."""
+    """With the installed plugins GPT-OSS-20B plans on the H200 with its experts kept in mxfp4
+    on the triton MoE runner (GPT-OSS's clamped SwiGLU, `swigluoai`, and the expert biases in
+    its kernels; torch_native fits too, at a lower priority); below sm80 mxfp4 is refused with
+    its reason."""
     from core.plan.args import ServerArgs
     from core.plan.devices import PROFILES
     from core.plan.plan import ResolveError
@@ -214,11 +249,10 @@ def test_gpt_oss_20b_plans_mxfp4_where_it_runs(model_spec, clean_plugin_env):
     registry = build_registry()
     spec = model_spec("gpt-oss-20b")
     plan = resolve(spec, PROFILES["h200"], ServerArgs(), registry)
-    assert (plan.quant_method, plan.moe_runner, plan.model_impl) == ("mxfp4", "torch_native",
+    assert (plan.quant_method, plan.moe_runner, plan.model_impl) == ("mxfp4", "triton",
                                                                      "gpt_oss")
-    triton = [c for c in plan.candidates if c.slot == "moe_runner" and c.name == "triton"]
-    assert triton and not triton[0].fits
-    assert any("swigluoai not supported" in r for r in triton[0].reasons)
+    native = [c for c in plan.candidates if c.slot == "moe_runner" and c.name == "torch_native"]
+    assert native and native[0].fits and not native[0].chosen
     with pytest.raises(ResolveError) as t4:
         resolve(spec, PROFILES["t4"], ServerArgs(), registry)
     assert "mxfp4: needs CUDA sm80+ (device is sm75)" in str(t4.value)

@@ -20,14 +20,16 @@ CAPS = MoECaps(
     # mxfp4: packed e2m1 + e8m0 experts decoded in the GEMMs (weight-only)
     quant_methods={"unquantized", "fp8", "mxfp4"},
     quant_formats={"fp8_block", "mxfp4"},
-    # SiLU-and-mul is fused into the gate/up kernel's epilogue; GPT-OSS's swigluoai (and its
-    # expert biases, expert_bias below) are not: refused with a reason, not run wrong
-    activations={"silu"},
+    # the gated activation is fused into the gate/up kernel's epilogue, in fp32: SiLU, GELU
+    # (erf form) and GPT-OSS's clamped swigluoai; expert biases (GPT-OSS's, any weight form)
+    # are added in both kernels' epilogues
+    activations={"silu", "gelu", "swigluoai"},
     scoring_funcs={"softmax", "sigmoid"},
     grouped_topk=True,
-    # noaux_tc's correction bias is not in its routing kernels yet: refused, not ignored
-    correction_bias=False,
-    expert_bias=False,
+    # noaux_tc (DeepSeek-V3, Kimi-K2): the correction bias in the Triton routing kernels
+    # (ungrouped) or select_experts itself (grouped)
+    correction_bias=True,
+    expert_bias=True,
     shared_experts=True,
     # The routing weights are gathered per (token, slot) row; 2^31 rows would be needed to
     # overflow, so no limit on experts; top-k is bounded by the experts only.
@@ -40,9 +42,9 @@ CAPS = MoECaps(
     deterministic=True,  # no atomics: the k partial rows are summed in a fixed order
     requires=("triton",),
     priority={"cuda": 20, "rocm": 20},
-    description="Triton fused MoE: expert-sorted tokens, grouped GEMMs (gate+up with SiLU*up, "
-                "down with the routing weights), fp8 block and mxfp4 experts dequantized in "
-                "them; ROCm declared but untested",
+    description="Triton fused MoE: expert-sorted tokens, grouped GEMMs (gate+up with the gated "
+                "activation, down with the routing weights), fp8 block and mxfp4 experts "
+                "dequantized in them; ROCm declared but untested",
 )
 
 

@@ -6,8 +6,10 @@ id N (`sorted_ids`); `block_expert[b]` is the expert of row block b and `total` 
 scalar) the padded row count: blocks at or past it exit at once, so the grid can be sized for
 the worst case without a host sync.
 
-- gate_up_kernel: inter[a, :] = silu(x[a // k] @ Wg[e].T) * (x[a // k] @ Wu[e].T), both halves of
-  w13 in one program (two accumulators over the same A tile);
+- gate_up_kernel: inter[a, :] = act(x[a // k] @ Wg[e].T) * (x[a // k] @ Wu[e].T), both halves of
+  w13 in one program (two accumulators over the same A tile); ACTIVATION is the layer's
+  (core.contract.moe.ACTIVATIONS: silu, gelu in its erf form, or GPT-OSS's clamped swigluoai
+  with its alpha and limit), computed in fp32 on the accumulators (after the biases);
 - down_kernel: partial[a, :] = w_route[a] * (inter[a] @ W2[e].T); with FUSE_SUM (decode-sized
   steps) the last program of each column of output tiles (an atomic count per column, reset by
   that program) also sums each token's k rows in slot order (+ shared) into the output, which
@@ -20,8 +22,8 @@ K/2] with a scale byte per 32 inputs, multiplied with x as it is (weight-only), 
 MX_DOT "" decodes each B tile in registers (_mxfp4_tile: exact in fp32, then cast to x's dtype;
 any dtype), MX_DOT "bf16" / "fp16" (x's format) hands the packed tile and its scales to
 tl.dot_scaled, Triton's own MX product (upcast by the compiler where the GPU has no fp4 MMA). With HAS_BIAS a
-per-expert bias [E, N] (fp32) is added to the product: before SiLU for gate/up, before the
-routing weight for down.
+per-expert bias [E, N] (fp32) is added to the product (any weight form): before the activation
+for gate/up, before the routing weight for down.
 The k partial rows of a token are summed in a fixed order (by the runner, or by down_kernel's
 FUSE_SUM tail: its atomics only count, they add nothing).
 """
@@ -86,14 +88,31 @@ def _mxfp4_dot_scaled(a, w_ptr, s_ptr, k0, offs_n, n_mask, k_size, stride_wn, st
 
 
 @triton.jit
+def _glu(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+    """The gated activation of fp32 [gate | up] tiles (core.contract.moe.gated_activation), in
+    fp32: silu(gate) * up; gelu's exact erf form; or GPT-OSS's swigluoai, gate clamped to at
+    most `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    if ACTIVATION == "swigluoai":
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        y = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    elif ACTIVATION == "gelu":
+        y = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    else:
+        y = gate * tl.sigmoid(gate) * up
+    return y
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, total_ptr,
                    num_rows, hidden, inter, top_k,
                    stride_xm, stride_we, stride_wn, stride_om,
                    ws_ptr, stride_se, stride_sn, stride_sk, b_ptr, stride_be,
+                   swiglu_alpha, swiglu_limit,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr, FP8_BLOCK: tl.constexpr, SCALE_N: tl.constexpr,
                    MXFP4: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
-                   MX_DOT: tl.constexpr = ""):
+                   MX_DOT: tl.constexpr = "", ACTIVATION: tl.constexpr = "silu"):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -157,7 +176,7 @@ def gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, tota
         b_row = b_ptr + expert * stride_be
         acc_g += tl.load(b_row + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_row + inter + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    y = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(gate) * up, in fp32
+    y = _glu(acc_g, acc_u, swiglu_alpha, swiglu_limit, ACTIVATION)
     o_ptrs = out_ptr + row[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 

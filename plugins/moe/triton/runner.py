@@ -8,7 +8,14 @@ import os
 
 import torch
 
-from core.contract.moe import BIAS_KEYS, MoELayerParams, MoERunner, MoEWeights, route
+from core.contract.moe import (
+    ACTIVATIONS,
+    MoELayerParams,
+    MoERunner,
+    MoEWeights,
+    expert_biases,
+    route,
+)
 from plugins.moe.triton import kernels, routing, tuning
 
 
@@ -115,21 +122,15 @@ class TritonMoE(MoERunner):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         fp8 = weights.form == "fp8"
         mxfp4 = weights.form == "mxfp4"
-        if layer.correction_bias is not None:  # its caps refuse noaux_tc models
-            raise ValueError("the triton MoE runner does not route with a correction bias "
-                             "(noaux_tc) yet")
         if weights.form not in ("unquantized", "fp8", "mxfp4"):
             raise ValueError(f"the triton MoE runner runs unquantized, fp8 and mxfp4 experts, "
                              f"not {weights.form}")
         if fp8 and "block" not in weights.extra:
             raise ValueError("the triton MoE runner runs block-scaled fp8 experts only (per-"
                              "channel fp8 experts: torch_native)")
-        if layer.activation != "silu":
-            raise ValueError(f"the triton MoE runner fuses silu only, not {layer.activation}")
-        if not mxfp4 and any(key in weights.extra for key in BIAS_KEYS):
-            # the kernels' bias epilogue is wired for mxfp4 experts only; its caps declare no
-            # expert_bias, so the resolver never gives it GPT-OSS's experts
-            raise ValueError("the triton MoE runner adds expert biases to mxfp4 experts only")
+        if layer.activation not in ACTIVATIONS:
+            raise ValueError(f"the triton MoE runner fuses {', '.join(ACTIVATIONS)}, not "
+                             f"{layer.activation}")
         w13, w2 = weights.w13, weights.w2
         if w13.stride(-1) != 1 or w2.stride(-1) != 1:  # the kernels step the last dim by 1
             raise ValueError("the triton MoE runner needs w13 / w2 contiguous in their last dim")
@@ -143,12 +144,11 @@ class TritonMoE(MoERunner):
             tuning.pick(arch, n / E), hidden.element_size(), arch)
         scale_n = 1
         w13_s = w2_s = w13  # unused pointers when not fp8 / mxfp4
-        w13_b = w2_b = None
-        if mxfp4:  # e8m0 bytes [E, N, K/32]; fp32 biases [E, N] where the form has them
+        # expert biases (GPT-OSS's; any form): fp32 [E, N], added in both kernels' epilogues
+        biases = expert_biases(weights)
+        w13_b, w2_b = biases if biases is not None else (None, None)
+        if mxfp4:  # e8m0 bytes [E, N, K/32]
             w13_s, w2_s = weights.extra["w13_scale"], weights.extra["w2_scale"]
-            w13_b, w2_b = weights.extra.get("w13_bias"), weights.extra.get("w2_bias")
-        if (w13_b is None) != (w2_b is None):
-            raise ValueError("mxfp4 experts with a bias on one projection only")
         mx_dot = ""
         if mxfp4 and self.mxfp4_dot != "decode":
             mx_dot = _MX_FORMAT.get(hidden.dtype, "")
@@ -168,15 +168,19 @@ class TritonMoE(MoERunner):
                 raise ValueError(f"intermediate size {inter} is not a multiple of the fp8 "
                                  f"scale block {scale_n}")
             w13_s, w2_s = weights.extra["w13_scale"], weights.extra["w2_scale"]
-        if layer.grouped_topk is None and routing.can_route_align(T, E, k):  # decode: 1 launch
+        # Routing in the Triton routing kernels (a correction bias or not); grouped top-k
+        # (DeepSeek's, noaux_tc's top-2-sum groups included) there for decode-sized steps, by
+        # select_experts in PyTorch for larger ones
+        bias = layer.correction_bias
+        if routing.can_route_align(T, E, k, layer.grouped_topk):  # decode: 1 launch
             route_w, ids, sorted_ids, block_expert, total = routing.route_and_align(
                 router_logits, k, layer.renormalize, layer.scoring_func,
-                layer.routed_scaling_factor, block_m)
+                layer.routed_scaling_factor, block_m, bias, layer.grouped_topk)
         else:
             if layer.grouped_topk is None and E <= routing.MAX_TOPK_EXPERTS:
                 route_w, ids = routing.fused_topk(router_logits, k, layer.renormalize,
                                                   layer.scoring_func,
-                                                  layer.routed_scaling_factor)
+                                                  layer.routed_scaling_factor, bias)
             else:
                 route_w, ids = route(router_logits, layer)  # [T, k] fp32, [T, k] int64
             if n <= routing.MAX_ALIGN_ROWS and E <= routing.MAX_ALIGN_EXPERTS:
@@ -193,12 +197,14 @@ class TritonMoE(MoERunner):
                   "PRECISION": precision, "FP8_BLOCK": fp8, "SCALE_N": scale_n,
                   "MXFP4": mxfp4, "HAS_BIAS": w13_b is not None, "MX_DOT": mx_dot,
                   "num_warps": warps, "num_stages": stages}
+        glu = {"ACTIVATION": layer.activation}
 
         inter_rows = torch.empty(n, inter, dtype=hidden.dtype, device=hidden.device)
         kernels.gate_up_kernel[kernels.grid(blocks, inter, block_n)](
             x, w13, inter_rows, sorted_ids, block_expert, total, n, H, inter, k,
             x.stride(0), w13.stride(0), w13.stride(1), inter_rows.stride(0),
-            w13_s, *_scale_strides(w13_s, fp8 or mxfp4), *_bias_args(w13_b, w13), **launch)
+            w13_s, *_scale_strides(w13_s, fp8 or mxfp4), *_bias_args(w13_b, w13),
+            float(layer.swiglu_alpha), float(layer.swiglu_limit), **launch, **glu)
         partial = torch.empty(n, H, dtype=hidden.dtype, device=hidden.device)
         if out is None:
             out = torch.empty_like(hidden)
