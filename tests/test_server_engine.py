@@ -259,7 +259,9 @@ def test_echo_logprobs_and_prompt_logprobs_on_the_engine(served):
     assert [e[1] for e in meta["input_token_logprobs"]] == prompt_ids[1:]
     for e, want in zip(meta["input_token_logprobs"], lp.token_logprobs[1:len(prompt_ids)],
                        strict=True):
-        assert abs(e[0] - want) < 1e-4
+        # the two prefills differ in length (prompt vs prompt + 3), so the GEMMs block the rows
+        # differently and sum in another order: 1.2e-4 apart on an AVX2-only box (CI saw it)
+        assert abs(e[0] - want) < 1e-3
 
 
 def test_echo_of_special_token_ids_agrees_with_its_logprobs(served):
