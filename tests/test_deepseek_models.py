@@ -82,7 +82,8 @@ def tiny(request, tmp_path_factory):
     hf = tiny_hf_model(request.param)
     hf.save_pretrained(str(path), safe_serialization=True)
     write_tokenizer(path)
-    args, plan, _, registry = make_plan(make_server_args(model_path=str(path), dtype="float32"))
+    args, plan, _, registry = make_plan(make_server_args(model_path=str(path), dtype="float32",
+                                                         device="cpu"))
     return request.param, str(path), hf, load_model(args, plan, registry)
 
 
@@ -92,7 +93,7 @@ def make_core(tiny, **kw):
     _, path, _, loaded = tiny
     kw.setdefault("max_total_tokens", 1024)
     args, plan, spec, registry = make_plan(make_server_args(model_path=path, dtype="float32",
-                                                            **kw))
+                                                            device="cpu", **kw))
     assert plan.prefill_attention == plan.decode_attention
     if "attention_backend" in kw:
         assert plan.decode_attention == kw["attention_backend"]
@@ -182,7 +183,8 @@ def test_dummy_weights_serve(tmp_path):
     cfg["architectures"] = ["DeepseekV3ForCausalLM"]
     path = write_config_model(tmp_path / "v3-dummy", cfg)
     args, plan, spec, registry = make_plan(make_server_args(
-        model_path=path, dtype="float32", load_format="dummy", max_total_tokens=256))
+        model_path=path, dtype="float32", load_format="dummy", max_total_tokens=256,
+        device="cpu"))
     assert spec.attention_kind == "MLA" and spec.moe.correction_bias
     assert plan.model_impl == "deepseek_v3" and plan.decode_attention.startswith("cpu_c_mla")
     core = build_engine_core(args, plan, spec, registry)

@@ -226,6 +226,8 @@ def test_epilogue_adds_the_delta_only_for_adapter_tokens(adapter_dir):
 def _plan(model_path, **kw):
     from core.engine.worker import make_plan
 
+    if "device_profile" not in kw:  # the CPU's plan (torch_native LoRA), on a GPU machine too
+        kw.setdefault("device", "cpu")
     return make_plan(make_server_args(model_path=str(model_path), **kw))[1]
 
 
