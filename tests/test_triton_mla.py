@@ -349,3 +349,14 @@ def test_gpu_decode_replays_in_a_cuda_graph_with_longer_contexts(H):
                              w, layer, absorbed=True)
         torch.testing.assert_close(out[b:b + 1].view(1, H, -1).float(), want, **_tol(dtype),
                                    msg=lambda m, b=b: f"request {b}: {m}")
+
+
+def test_mla_bench_refuses_cleanly_without_cuda():
+    """bench/bench_mla.py imports everywhere and, without CUDA, says so and exits 1 (no
+    traceback)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench", "bench_mla.py")
+    out = subprocess.run([sys.executable, bench, "--heads", "16,128", "--out", "/dev/null"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1, out.stderr
+    assert "no CUDA device here" in out.stderr and "Traceback" not in out.stderr
