@@ -128,7 +128,7 @@ def _paged_rows(S_total: int, width: int, page: int, g, dtype, device):
     (16, (129, 64), 3, 64, torch.float16),  # a split count that is no power of two
 ])
 def test_decode_kernel_matches_the_reference(H, seq_lens, splits, page, dtype):
-    from plugins.attention.triton.common import DecodeConfig
+    from plugins._kit.triton_splitkv import DecodeConfig
     from plugins.attention.triton_mla.decode import mla_decode
 
     R, Dn, Dr, Dv = 64, 32, 16, 24
@@ -180,11 +180,11 @@ def test_extend_kernel_carries_its_state_across_chunks(prefix, new, chunk, H, dt
 def test_batch_one_long_context_fills_the_gpu_and_graph_splits_are_fixed(monkeypatch):
     """On a 132-SM GPU a batch-1, 32k-context step at 16 heads gets at least a program per SM;
     a graph's split count comes from the longest context it may replay, not the batch values."""
-    import plugins.attention.triton.common as common
+    import plugins._kit.triton_splitkv as splitkv
     from plugins.attention.triton_mla.backend import TritonMLA
     from plugins.attention.triton_mla.decode import GPU_CONFIG, decode_splits, head_blocks
 
-    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    monkeypatch.setattr(splitkv, "sm_count", lambda device: 132)
     dev = torch.device("cpu")
     for heads in (16, 128):
         splits = decode_splits(1, heads, dev, context=32768, config=GPU_CONFIG)

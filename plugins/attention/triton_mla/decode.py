@@ -7,8 +7,8 @@ Per step: q_lat = q_nope @ w_kc per head (a bmm in the compute dtype), then
   so the row width itself never has to be one. score = (q_lat . c + q_rope . k_rope) * scaling,
   online softmax in fp32 (exp2), acc += p @ c. It writes the split's o_lat [R] normalised by its
   own sum, and the split's log2-sum-exp;
-- stage 2: the triton backend's split merge (plugins/attention/triton/decode.py), with the heads
-  of one request as a single GQA group over the o_lat width;
+- stage 2: the split merge shared with the triton backend (plugins/_kit/triton_splitkv.py),
+  with the heads of one request as a single GQA group over the o_lat width;
 then out = o_lat @ w_vc^T per head (a bmm).
 
 Slots come from req_to_token[req_pool_indices] token by token, so any page size works. Nothing
@@ -23,19 +23,20 @@ import triton
 import triton.language as tl
 
 from core.contract.mla import MLALayerParams, MLAWeights
-from plugins.attention.triton.common import (
+from plugins._kit.triton_splitkv import (
     LOG2E_F,
     DecodeConfig,
     interpreting,
+    merge_splits,
     num_kv_splits,
+    split_range,
 )
-from plugins.attention.triton.decode import _decode_stage2, _split_range
 
 # A latent row is wide (R = 512 fp32 accumulators per head): 16 heads a program keep the
 # accumulator at 64 registers a thread with 4 warps; smaller KV tiles than the MHA kernel's.
 BLOCK_H = 16
 # (block_n, num_warps, num_stages, waves, min_split_tokens, max_splits). The split policy is
-# the MHA kernel's (common.num_kv_splits) with more splits allowed: a batch-1 step has only
+# the MHA kernel's (triton_splitkv.num_kv_splits) with more splits allowed: a batch-1 step has only
 # H / BLOCK_H programs per split, so a 32k context needs ~128 splits to cover an H100/H200.
 GPU_CONFIG = DecodeConfig(32, 4, 2, 2, 128, 256)
 INTERPRET_CONFIG = DecodeConfig(16, 1, 1, 1, 16, 8)
@@ -71,7 +72,7 @@ def _mla_decode_stage1(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    lo, hi, _ = _split_range(seq_len, split, num_splits, 0, min_split, BLOCK_N, False)
+    lo, hi, _ = split_range(seq_len, split, num_splits, 0, min_split, BLOCK_N, False)
 
     hmask = heads < NUM_HEADS
     offs_r = tl.arange(0, BLOCK_R)
@@ -154,7 +155,7 @@ def latent_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor,
         num_stages=cfg.num_stages,
     )
     # the heads of a request are one group sharing the single latent "KV head"
-    _decode_stage2[(B, hb)](
+    merge_splits[(B, hb)](
         part_o, part_lse, o_lat, seq_lens, part_lse, 1.0, 0, num_splits, cfg.min_split_tokens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
         part_lse.stride(1), o_lat.stride(0), o_lat.stride(1),

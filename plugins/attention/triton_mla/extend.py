@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from core.contract.mla import MLALayerParams, MLAWeights
-from plugins.attention.triton.common import LOG2E_F, interpreting
+from plugins._kit.triton_splitkv import LOG2E_F, interpreting
 
 
 @dataclass(frozen=True)
