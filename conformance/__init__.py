@@ -30,7 +30,7 @@ registered backend runnable here, or the ones named by --conformance-backend):
 Modules: `paged_batch` (random poisoned paged batches), `attention_reference` (the fp32 ground
 truth), `attention_cases` (the case matrix cut to a backend's capabilities), `attention_check`
 (run one case, check output / KV write / untouched pool), `attention_suite` (the pytest tests);
-`mla_suite` (the MLA kind, core.contract.mla: a first fp32 suite with its reference of both
+`mla_suite` (the MLA kind, core.contract.mla: fp32/fp16/bf16 cases with a reference of both
 forms); `moe_cases`, `moe_check`, `moe_suite` the same for MoE runners; `layer_ops_suite`,
 `quant_suite` (with `quant_refs`, `quant_refs_int4`), `grammar_suite`, `tool_parser_suite`,
 `platform_suite` one suite per kind; `suite_kit` (what the device-bound suites share when

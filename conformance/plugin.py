@@ -77,8 +77,8 @@ SUITES = (
     Suite("--conformance-backend", "attention_suite", "NAME",
           "run the attention conformance suite on this registered backend (repeatable)"),
     Suite("--conformance-mla", "mla_suite", "NAME",
-          "run the MLA attention conformance suite (fp32, absorbed == materialised) on this "
-          "registered MLA backend (repeatable)"),
+          "run the MLA attention conformance suite (fp32/fp16/bf16, absorbed == materialised) on "
+          "this registered MLA backend (repeatable)"),
     Suite("--conformance-moe", "moe_suite", "NAME",
           "run the MoE-runner conformance suite on this registered runner (repeatable)"),
     Suite("--conformance-layer-ops", "layer_ops_suite", "NAME",

@@ -205,10 +205,11 @@ def test_resolve_unknown_backend_lists_registered_names(capsys, configs_dir, cle
 
 
 @pytest.mark.parametrize("profile,backend", [("x86-cpu", "cpu_c_mla"),
-                                             ("h200", "torch_native_mla")])
+                                             ("h200", "triton_mla")])
 def test_resolve_mla_with_builtins(capsys, configs_dir, clean_plugin_env, profile, backend):
     """A built-in MLA backend serves DeepSeek-V2-Lite (on a CPU a cpu_c_mla build; on the GPU
-    the reference torch_native_mla); the per-head backends are refused with the reason."""
+    triton_mla, above the reference torch_native_mla); the per-head backends are refused with
+    the reason."""
     code, out, _ = run(capsys, "resolve", "--model-path", config(configs_dir, "deepseek-v2-lite"),
                        "--device-profile", profile)
     assert code == 0, out

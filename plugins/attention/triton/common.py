@@ -14,25 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins._kit.triton_splitkv import (  # noqa: F401 - re-exported under their old home
+    LOG2E,
+    LOG2E_F,
+    DecodeConfig,
+    interpreting,
+    num_kv_splits,
+    sm_count,
+)
 from plugins.attention.triton import tuning
-
-# Scores are exponentiated with exp2, so log2(e) is folded in. (A jit function may read a global
-# only if it is a constexpr.)
-LOG2E = tl.constexpr(1.4426950408889634)
-LOG2E_F = 1.4426950408889634  # the same, for host code
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (kernels run on CPU tensors, slowly: use tiny blocks)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-@functools.lru_cache(maxsize=16)
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors (compute units on ROCm) of `device`; 8 on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
 
 
 @functools.lru_cache(maxsize=16)
@@ -42,18 +32,6 @@ def cuda_capability(device: torch.device) -> int:
         return 0
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Tiling of the split-KV decode kernel (stage 1) and its split policy."""
-
-    block_n: int = 64  # KV tokens per loop iteration
-    num_warps: int = 4
-    num_stages: int = 2
-    waves: int = 4  # aim for at least this many programs per SM
-    min_split_tokens: int = 256  # a split never covers fewer tokens (short contexts split less)
-    max_splits: int = 64  # grid size along the split axis (a power of two)
 
 
 @dataclass(frozen=True)
@@ -152,24 +130,6 @@ def small_extend_config(configs: list[ExtendConfig], programs_per_block_row: int
         return None
     tile = tuning.EXTEND_SMALL.get(table_key) if table_key else None
     return ExtendConfig(*tile) if tile else ExtendConfig(64, first.block_n, 4, first.num_stages)
-
-
-def num_kv_splits(batch_size: int, kv_heads: int, head_blocks: int, device: torch.device,
-                  cfg: DecodeConfig, context: int | None = None) -> int:
-    """Splits along the KV axis so that the grid fills every SM `cfg.waves` times over, with
-    no split shorter than `cfg.min_split_tokens` of `context` (the longest context the step, or
-    the captured graph, may see; None = no bound).
-
-    The result is a launch-time constant: each program derives its own KV range from the
-    device-side seq_lens, and a request shorter than splits x min_split_tokens uses fewer splits
-    (the rest exit at once). So a CUDA graph captured with the split count of its largest context
-    stays valid for every shorter one.
-    """
-    programs = max(1, batch_size * kv_heads * head_blocks)
-    want = triton.cdiv(sm_count(device) * cfg.waves, programs)
-    if context is not None:
-        want = min(want, triton.cdiv(max(context, 1), cfg.min_split_tokens))
-    return max(1, min(cfg.max_splits, triton.next_power_of_2(want)))
 
 
 @triton.jit

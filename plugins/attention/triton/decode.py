@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins._kit.triton_splitkv import merge_splits as _decode_stage2
+from plugins._kit.triton_splitkv import split_range as _split_range
 from plugins.attention.triton.common import (
     LOG2E,
     LOG2E_F,
@@ -25,22 +27,6 @@ from plugins.attention.triton.common import (
     num_kv_splits,
     softcap,
 )
-
-
-@triton.jit
-def _split_range(seq_len, split, num_splits, window, min_split, BLOCK_N: tl.constexpr,
-                 USE_WINDOW: tl.constexpr):
-    """[lo, hi) of split `split`, and how many splits this request really uses."""
-    start = 0
-    if USE_WINDOW:  # the query sits at seq_len - 1 and sees `window` tokens, itself included
-        start = tl.maximum(seq_len - window, 0)
-    span = seq_len - start
-    # Short contexts use fewer splits (at least min_split tokens each); the rest stay empty.
-    used = tl.maximum(tl.minimum(num_splits, tl.cdiv(span, min_split)), 1)
-    split_len = tl.cdiv(tl.cdiv(span, used), BLOCK_N) * BLOCK_N
-    lo = start + split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
-    return lo, hi, used
 
 
 # Split counts and lengths are runtime values (not specialised): retuning them, or a graph bucket
@@ -114,53 +100,6 @@ def _decode_stage1(
     tl.store(part_o + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
              + offs_dv[None, :], out, mask=hmask[:, None] & dvmask[None, :])
     tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
-
-
-@triton.jit(do_not_specialize=["num_splits", "min_split"])
-def _decode_stage2(
-    part_o, part_lse, Out, seq_lens, Sinks, out_scale, window, num_splits, min_split,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, V_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SINKS: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1) // HEAD_BLOCKS
-    hb = tl.program_id(1) % HEAD_BLOCKS
-    g = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + g
-    hmask = g < GROUP
-    offs_dv = tl.arange(0, BLOCK_DV)
-    omask = hmask[:, None] & (offs_dv < V_DIM)[None, :]
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
-    # Only the splits stage 1 filled for this request are read (a short request in a graph
-    # captured for long contexts uses few of them).
-    _, _, used = _split_range(seq_len, 0, num_splits, window, min_split, BLOCK_N, USE_WINDOW)
-    if USE_SINKS:
-        # the head's sink is one more split whose value is zero: lse = sink (log2 units)
-        m = tl.load(Sinks + heads, mask=hmask, other=0.0).to(tl.float32) * LOG2E
-        w_sum = tl.full([BLOCK_H], 1.0, tl.float32)
-    else:
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        w_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for split in range(0, used):
-        lse = tl.load(part_lse + b * stride_lb + heads * stride_lh + split, mask=hmask,
-                      other=float("-inf"))
-        o = tl.load(part_o + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-                    + offs_dv[None, :], mask=omask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        # Split 0 is never empty, so m_new is finite from the first split on (masked heads
-        # excepted: keep them finite to avoid inf - inf).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)
-        w_sum = w_sum * alpha + w
-        acc = acc * alpha[:, None] + o * w[:, None]
-        m = m_new
-    out = acc * (out_scale / tl.where(w_sum > 0, w_sum, 1.0))[:, None]
-    tl.store(Out + b * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
-             out.to(Out.dtype.element_ty), mask=omask)
 
 
 def _head_blocking(group: int) -> tuple[int, int]:
