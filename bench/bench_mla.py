@@ -13,7 +13,10 @@ GPU times (bench/ceilings.py: L2 flushed before each call, CUDA events, median) 
 - `peer`: torch_native_mla's forward_mla on the same batch (its per-request absorbed loop).
 Bytes are the latent rows actually read, B * ctx * 576 * 2 per layer; `of copy` is the achieved
 rate over those bytes divided by the copy bandwidth measured in the same run (a 1 GiB
-device-to-device copy, read + written bytes: bench/ceilings.py). The copy of a buffer of the
+device-to-device copy, read + written bytes: bench/ceilings.py). At 128 heads a latent row feeds
+128 x 2 x (576 + 512) FLOPs, so the kernel is near compute-bound there: `of roofline` puts the
+kernel time against the longer of the bytes at copy bandwidth and the FLOPs at the bf16 matmul
+rate measured in the same run. The copy of a buffer of the
 same size as the latent read is reported beside it (`copy same-size GB/s`): small reads do not
 reach the big copy's rate either. Without CUDA the script says so and exits with status 1.
 """
@@ -88,7 +91,7 @@ def decode_step(H: int, batch: int, ctx: int, page: int, dtype: torch.dtype,
 
 
 def measure(H: int, batch: int, ctx: int, a: argparse.Namespace, copy_bps: float,
-            g: torch.Generator) -> dict:
+            mm_fps: float, g: torch.Generator) -> dict:
     """One (heads, batch, context) row: triton_mla's kernel and forward, the same-size copy,
     and the peer."""
     from ceilings import gpu_seconds
@@ -114,6 +117,8 @@ def measure(H: int, batch: int, ctx: int, a: argparse.Namespace, copy_bps: float
         backend.forward_mla(q_n, q_r, new[:, :R], new[:, R:], w, layer, fb)
 
     nbytes = batch * ctx * WIDTH * dtype.itemsize
+    flops = 2 * batch * ctx * H * (WIDTH + R)  # scores over the row, then p @ c
+    roofline = max(nbytes / copy_bps, flops / mm_fps)
     t_kernel = gpu_seconds(kernel, device, a.reps)
     t_forward = gpu_seconds(forward, device, a.reps)
     same = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -123,6 +128,7 @@ def measure(H: int, batch: int, ctx: int, a: argparse.Namespace, copy_bps: float
            "latent_bytes": nbytes, "kernel_us": t_kernel * 1e6, "forward_us": t_forward * 1e6,
            "kernel_GBps": nbytes / t_kernel / 1e9, "forward_GBps": nbytes / t_forward / 1e9,
            "kernel_of_copy": nbytes / t_kernel / copy_bps,
+           "kernel_of_roofline": roofline / t_kernel,
            "forward_of_copy": nbytes / t_forward / copy_bps,
            "copy_same_size_GBps": 2 * nbytes / t_copy / 1e9}
     if not a.no_peer:
@@ -135,29 +141,30 @@ def measure(H: int, batch: int, ctx: int, a: argparse.Namespace, copy_bps: float
 
 
 def run(a: argparse.Namespace) -> dict:
-    from ceilings import copy_bandwidth
+    from ceilings import copy_bandwidth, matmul_rate
 
     device = torch.device("cuda")
-    copy_bps = copy_bandwidth(device)
+    copy_bps, mm_fps = copy_bandwidth(device), matmul_rate(device)
     print(f"{torch.cuda.get_device_name(device)}: copy bandwidth {copy_bps / 1e9:.0f} GB/s "
-          f"(1 GiB, read + written)", flush=True)
+          f"(1 GiB, read + written), bf16 matmul {mm_fps / 1e12:.0f} TFLOP/s", flush=True)
     print(HEADER, flush=True)
     g = torch.Generator().manual_seed(0)
     rows = []
     for H in a.heads:
         for batch in a.batch:
             for ctx in a.context:
-                rows.append(measure(H, batch, ctx, a, copy_bps, g))
+                rows.append(measure(H, batch, ctx, a, copy_bps, mm_fps, g))
                 print(_md_row(rows[-1]), flush=True)
                 torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(device), "dtype": "bfloat16",
-            "page_size": a.page, "copy_GBps": copy_bps / 1e9, "command": " ".join(sys.argv),
+            "page_size": a.page, "copy_GBps": copy_bps / 1e9,
+            "matmul_TFLOPs": mm_fps / 1e12, "command": " ".join(sys.argv),
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}
 
 
-HEADER = ("| heads | batch | context | splits | kernel us | GB/s | of copy | forward us | "
-          "of copy | copy same-size GB/s | torch_native_mla us | of copy | speedup |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| heads | batch | context | splits | kernel us | GB/s | of copy | of roofline | "
+          "forward us | of copy | copy same-size GB/s | torch_native_mla us | of copy | "
+          "speedup |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _md_row(r: dict) -> str:
@@ -165,13 +172,15 @@ def _md_row(r: dict) -> str:
             if "peer_us" in r else "- | - | -")
     return (f"| {r['heads']} | {r['batch']} | {r['context']} | {r['splits']} | "
             f"{r['kernel_us']:.1f} | {r['kernel_GBps']:.0f} | {r['kernel_of_copy']:.2f} | "
+            f"{r['kernel_of_roofline']:.2f} | "
             f"{r['forward_us']:.1f} | {r['forward_of_copy']:.2f} | "
             f"{r['copy_same_size_GBps']:.0f} | {peer} |")
 
 
 def markdown(result: dict) -> str:
     head = (f"MLA decode, one layer, {result['dtype']}, page size {result['page_size']}, "
-            f"{result['device']}, copy bandwidth {result['copy_GBps']:.0f} GB/s "
+            f"{result['device']}, copy bandwidth {result['copy_GBps']:.0f} GB/s, bf16 matmul "
+            f"{result['matmul_TFLOPs']:.0f} TFLOP/s "
             f"(`{result['command']}`, {result['time']})\n\n")
     return head + HEADER + "\n" + "\n".join(_md_row(r) for r in result["rows"]) + "\n"
 

@@ -128,8 +128,7 @@ def _paged_rows(S_total: int, width: int, page: int, g, dtype, device):
     (16, (129, 64), 3, 64, torch.float16),  # a split count that is no power of two
 ])
 def test_decode_kernel_matches_the_reference(H, seq_lens, splits, page, dtype):
-    from plugins._kit.triton_splitkv import DecodeConfig
-    from plugins.attention.triton_mla.decode import mla_decode
+    from plugins.attention.triton_mla.decode import MLADecodeConfig, mla_decode
 
     R, Dn, Dr, Dv = 64, 32, 16, 24
     g = torch.Generator().manual_seed(H)
@@ -142,8 +141,9 @@ def test_decode_kernel_matches_the_reference(H, seq_lens, splits, page, dtype):
         table[b, :s] = perm[b * longest:b * longest + s].to(torch.int32)
     q_n = torch.randn(B, H, Dn, generator=g).to(DEVICE, dtype)
     q_r = torch.randn(B, H, Dr, generator=g).to(DEVICE, dtype)
-    # min_split_tokens 8: short contexts still spread over every split
-    cfg = DecodeConfig(16, 1, 1, 1, 8, 8)
+    # min_split_tokens 8: short contexts still spread over every split; the merge weighs 3
+    # splits at a time (ragged last chunks at 3 splits) over slices of 16 latent values
+    cfg = MLADecodeConfig(16, 1, 1, 1, 8, 8, block_h=16, merge_splits=2, merge_dv=16)
     out = mla_decode(q_n, q_r, buf, w, layer, table, torch.arange(B, device=DEVICE),
                      torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), splits, cfg)
     assert out.shape == (B, H, Dv) and out.dtype == dtype
@@ -188,7 +188,7 @@ def test_batch_one_long_context_fills_the_gpu_and_graph_splits_are_fixed(monkeyp
     dev = torch.device("cpu")
     for heads in (16, 128):
         splits = decode_splits(1, heads, dev, context=32768, config=GPU_CONFIG)
-        assert splits * head_blocks(heads) >= 132, heads
+        assert splits * head_blocks(heads, GPU_CONFIG) >= 132, heads
         assert 32768 / splits >= GPU_CONFIG.min_split_tokens
     assert decode_splits(1, 16, dev, context=100, config=GPU_CONFIG) == 1
     assert decode_splits(64, 128, dev, context=32768, config=GPU_CONFIG) == 1

@@ -1,14 +1,18 @@
 """Absorbed MLA decode (core.contract.mla), split-KV ("flash-decoding") over the paged latent pool.
 
 Per step: q_lat = q_nope @ w_kc per head (a bmm in the compute dtype), then
-- stage 1: one program per (request, block of BLOCK_H heads, KV split) streams its share of the
+- stage 1: one program per (block of `block_h` heads, KV split, request) streams its share of the
   request's latent rows once for the whole head block. A row [c | k_rope] (R + Dr values, 576 for
   DeepSeek) is read as two loads, c [R] and k_rope [Dr], each padded to a power of two and masked,
   so the row width itself never has to be one. score = (q_lat . c + q_rope . k_rope) * scaling,
   online softmax in fp32 (exp2), acc += p @ c. It writes the split's o_lat [R] normalised by its
-  own sum, and the split's log2-sum-exp;
-- stage 2: the split merge shared with the triton backend (plugins/_kit/triton_splitkv.py),
-  with the heads of one request as a single GQA group over the o_lat width;
+  own sum, and the split's log2-sum-exp. The head block is the fastest grid axis, so the head
+  blocks of one request (8 for DeepSeek's 128 heads at 16 a block) run side by side and read the
+  same rows at about the same time: the second and later reads hit L2;
+- stage 2: the split merge, parallel over the splits and the latent width: a program per
+  (head block, slice of `merge_dv` of the R values, request) weighs `merge_splits` splits at a
+  time (all of a request's split sums are read first, for the max and the total). A serial loop
+  over one split at a time cost ~1 us a split: 190 us of a 32k-context batch-1 step at 256 splits;
 then out = o_lat @ w_vc^T per head (a bmm).
 
 Slots come from req_to_token[req_pool_indices] token by token, so any page size works. Nothing
@@ -17,6 +21,8 @@ split count (a launch-time constant), which keeps decode capturable in a CUDA gr
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,35 +33,44 @@ from plugins._kit.triton_splitkv import (
     LOG2E_F,
     DecodeConfig,
     interpreting,
-    merge_splits,
     num_kv_splits,
     split_range,
 )
 
+
+@dataclass(frozen=True)
+class MLADecodeConfig(DecodeConfig):
+    """The split-KV tiling and policy, plus MLA's head block and the merge's tiles."""
+
+    block_h: int = 16  # heads a stage-1 program carries (acc: block_h x R fp32)
+    merge_splits: int = 16  # splits a merge program weighs per loop iteration
+    merge_dv: int = 32  # latent values a merge program covers
+
+
 # A latent row is wide (R = 512 fp32 accumulators per head): 16 heads a program keep the
 # accumulator at 64 registers a thread with 4 warps; smaller KV tiles than the MHA kernel's.
-BLOCK_H = 16
-# (block_n, num_warps, num_stages, waves, min_split_tokens, max_splits). The split policy is
-# the MHA kernel's (triton_splitkv.num_kv_splits) with more splits allowed: a batch-1 step has only
-# H / BLOCK_H programs per split, so a 32k context needs ~128 splits to cover an H100/H200.
-GPU_CONFIG = DecodeConfig(32, 4, 2, 2, 128, 256)
-INTERPRET_CONFIG = DecodeConfig(16, 1, 1, 1, 16, 8)
+# (block_n, num_warps, num_stages, waves, min_split_tokens, max_splits, block_h, ...). The split
+# policy is the MHA kernel's (triton_splitkv.num_kv_splits) with more splits allowed: a batch-1
+# step has only H / block_h programs per split, so a 32k context needs ~128 splits to cover an
+# H100/H200.
+GPU_CONFIG = MLADecodeConfig(32, 4, 2, 2, 128, 256, 16, 16, 32)
+INTERPRET_CONFIG = MLADecodeConfig(16, 1, 1, 1, 16, 8, 16, 4, 64)
 
 
-def decode_config() -> DecodeConfig:
+def decode_config() -> MLADecodeConfig:
     return INTERPRET_CONFIG if interpreting() else GPU_CONFIG
 
 
-def head_blocks(num_heads: int) -> int:
-    return triton.cdiv(num_heads, BLOCK_H)
+def head_blocks(num_heads: int, config: MLADecodeConfig | None = None) -> int:
+    return triton.cdiv(num_heads, (config or decode_config()).block_h)
 
 
 def decode_splits(batch_size: int, num_heads: int, device: torch.device,
-                  context: int | None = None, config: DecodeConfig | None = None) -> int:
+                  context: int | None = None, config: MLADecodeConfig | None = None) -> int:
     """KV splits for this batch size, head count and longest context (None: unbounded, as for a
     graph that may replay any context)."""
     cfg = config or decode_config()
-    return num_kv_splits(batch_size, 1, head_blocks(num_heads), device, cfg, context)
+    return num_kv_splits(batch_size, 1, head_blocks(num_heads, cfg), device, cfg, context)
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_split"])
@@ -68,9 +83,9 @@ def _mla_decode_stage1(
     BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     lo, hi, _ = split_range(seq_len, split, num_splits, 0, min_split, BLOCK_N, False)
 
@@ -118,6 +133,46 @@ def _mla_decode_stage1(
     tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=hmask)
 
 
+@triton.jit(do_not_specialize=["num_splits", "min_split"])
+def _mla_merge(
+    part_o, part_lse, Out, seq_lens, num_splits, min_split,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    NUM_HEADS: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK_S: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    b = tl.program_id(2)
+    hmask = heads < NUM_HEADS
+    dvmask = offs_dv < R
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    # only the splits stage 1 filled for this request (a short request in a graph captured for
+    # long contexts uses few of them)
+    _, _, used = split_range(seq_len, 0, num_splits, 0, min_split, BLOCK_N, False)
+    lse_row = part_lse + b * stride_lb + heads[:, None] * stride_lh
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_all = tl.load(lse_row + offs_s[None, :], mask=hmask[:, None] & (offs_s < used)[None, :],
+                      other=float("-inf"))  # [BLOCK_H, BLOCK_S]
+    m = tl.max(lse_all, 1)
+    # split 0 is never empty, so m is finite except on masked heads: keep those at 0
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.sum(tl.exp2(lse_all - m[:, None]), 1)
+    inv = 1.0 / tl.where(w_sum > 0, w_sum, 1.0)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    offs_c = tl.arange(0, CHUNK_S)
+    for s0 in range(0, used, CHUNK_S):
+        sidx = s0 + offs_c
+        smask = hmask[:, None] & (sidx < used)[None, :]  # [BLOCK_H, CHUNK_S]
+        w = tl.exp2(tl.load(lse_row + sidx[None, :], mask=smask, other=float("-inf"))
+                    - m[:, None]) * inv[:, None]
+        o = tl.load(part_o + b * stride_pb + heads[:, None, None] * stride_ph
+                    + sidx[None, :, None] * stride_ps + offs_dv[None, None, :],
+                    mask=smask[:, :, None] & dvmask[None, None, :], other=0.0)
+        acc += tl.sum(o * w[:, :, None], 1)
+    tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :],
+             acc.to(Out.dtype.element_ty), mask=hmask[:, None] & dvmask[None, :])
+
+
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs >= 16 along each dimension
 
@@ -125,7 +180,7 @@ def _pow2(n: int) -> int:
 def latent_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor,
                   req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                   seq_lens: torch.Tensor, *, kv_lora_rank: int, scaling: float,
-                  num_splits: int, config: DecodeConfig | None = None) -> torch.Tensor:
+                  num_splits: int, config: MLADecodeConfig | None = None) -> torch.Tensor:
     """Attention over the latent: q_lat [B, H, R] and q_rope [B, H, Dr] (any strides with a unit
     last one), buf [slots, R + Dr] (the layer's latent buffer), req_to_token [rows, max_ctx],
     req_pool_indices [B], seq_lens [B] (device) -> o_lat [B, H, R] in q_lat's dtype."""
@@ -143,24 +198,26 @@ def latent_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor,
         return o_lat
     # fp32 asks for exact fp32 dots (not TF32); half dtypes take the default
     precision = "ieee" if q_lat.dtype == torch.float32 else None
-    hb = head_blocks(H)
-    _mla_decode_stage1[(B, hb, num_splits)](
+    hb = head_blocks(H, cfg)
+    _mla_decode_stage1[(hb, num_splits, B)](
         q_lat, q_rope, buf, req_to_token, req_pool_indices, seq_lens, part_o, part_lse,
         scaling * LOG2E_F, num_splits, cfg.min_split_tokens,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), buf.stride(0),
         req_to_token.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        NUM_HEADS=H, R=R, DR=Dr, BLOCK_H=BLOCK_H, BLOCK_R=block_r, BLOCK_DR=_pow2(Dr),
+        NUM_HEADS=H, R=R, DR=Dr, BLOCK_H=cfg.block_h, BLOCK_R=block_r, BLOCK_DR=_pow2(Dr),
         BLOCK_N=cfg.block_n, PRECISION=precision, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    # the heads of a request are one group sharing the single latent "KV head"
-    merge_splits[(B, hb)](
-        part_o, part_lse, o_lat, seq_lens, part_lse, 1.0, 0, num_splits, cfg.min_split_tokens,
+    block_dv = min(cfg.merge_dv, block_r)
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    _mla_merge[(hb, triton.cdiv(R, block_dv), B)](
+        part_o, part_lse, o_lat, seq_lens, num_splits, cfg.min_split_tokens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
         part_lse.stride(1), o_lat.stride(0), o_lat.stride(1),
-        GROUP=H, HEAD_BLOCKS=hb, V_DIM=R, BLOCK_H=BLOCK_H, BLOCK_DV=block_r,
-        BLOCK_N=cfg.block_n, USE_WINDOW=False, USE_SINKS=False, num_warps=4,
+        NUM_HEADS=H, R=R, BLOCK_H=cfg.block_h, BLOCK_S=block_s,
+        CHUNK_S=triton.next_power_of_2(cfg.merge_splits), BLOCK_DV=block_dv, BLOCK_N=cfg.block_n,
+        num_warps=4,
     )
     return o_lat
 
@@ -168,7 +225,7 @@ def latent_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor,
 def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor,
                weights: MLAWeights, layer: MLALayerParams, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, num_splits: int,
-               config: DecodeConfig | None = None) -> torch.Tensor:
+               config: MLADecodeConfig | None = None) -> torch.Tensor:
     """One absorbed decode step: q_nope [B, H, Dn], q_rope [B, H, Dr] -> [B, H, Dv] in q's
     dtype (the latent rows of the new tokens already in `buf`)."""
     dtype = q_nope.dtype
