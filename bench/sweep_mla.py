@@ -5,7 +5,7 @@ plugins/attention/triton_mla/decode.py's GPU_CONFIG).
 
 DeepSeek's latent (kv_lora_rank 512 + rope 64), bf16, pages of 16 scattered over the pool, heads
 16 (V2-Lite) and 128 (V2/V3), batch x context as bench_mla.py's. For every candidate
-(block_h, block_n, num_warps, num_stages) x waves, the kernels alone (stage 1 + the merge, given
+(block_h, block_n, num_warps, num_stages) x waves x min_split_tokens, the kernels alone (stage 1 + the merge, given
 q_lat) are first checked against an fp32 torch reference on a small batch, then timed (L2 flushed
 before each call, CUDA events: bench/ceilings.py). Each shape's time is put against its roofline:
 the latent bytes at the copy bandwidth or the score and value FLOPs at the bf16 matmul rate,
@@ -28,13 +28,14 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 import torch  # noqa: E402
 
 R, DR = 512, 64
-SHAPES = [(h, b, c) for h in (16, 128) for b, c in ((1, 4096), (1, 32768), (32, 4096),
-                                                    (64, 32768), (128, 8192))]
+SHAPES = [(h, b, c) for h in (16, 128) for b, c in ((1, 512), (1, 4096), (1, 32768), (32, 4096),
+                                                    (64, 1024), (64, 32768), (128, 8192))]
 # (block_h, block_n, num_warps, num_stages)
 TILES = [(16, 32, 4, 2), (16, 16, 4, 2), (16, 64, 4, 2), (16, 32, 4, 3), (16, 32, 8, 2),
          (16, 64, 8, 2), (32, 32, 8, 2), (32, 16, 8, 2), (32, 32, 8, 3), (32, 64, 8, 2),
          (64, 16, 8, 2), (64, 32, 8, 1)]
 WAVES = (1, 2, 4)
+MIN_SPLIT = (32, 128)  # min_split_tokens
 
 
 def roofline_s(h: int, b: int, c: int, copy_bps: float, mm_fps: float) -> float:
@@ -55,10 +56,10 @@ def make_inputs(h: int, b: int, c: int, page: int, g: torch.Generator):
             torch.full((b,), c, dtype=torch.int32, device="cuda"))
 
 
-def reference(q_lat, q_rope, buf, table, seq, scaling):
+def reference(q_lat, q_rope, buf, table, rows_of, seq, scaling):
     outs = []
     for i in range(q_lat.shape[0]):
-        rows = buf[table[i, :int(seq[i])].long()].float()
+        rows = buf[table[int(rows_of[i]), :int(seq[i])].long()].float()
         s = (q_lat[i].float() @ rows[:, :R].T + q_rope[i].float() @ rows[:, R:].T) * scaling
         outs.append(torch.softmax(s, -1) @ rows[:, :R])
     return torch.stack(outs)
@@ -93,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     small = make_inputs(128, 2, 3000, 16, g)
     want = reference(*small, scaling)
     results, bad = [], []
-    cands = [MLADecodeConfig(bn, nw, ns, wv, GPU_CONFIG.min_split_tokens, GPU_CONFIG.max_splits,
-                             bh, GPU_CONFIG.merge_splits, GPU_CONFIG.merge_dv)
-             for bh, bn, nw, ns in tiles for wv in waves]
+    min_splits = (GPU_CONFIG.min_split_tokens,) if a.quick else MIN_SPLIT
+    cands = [MLADecodeConfig(bn, nw, ns, wv, ms, GPU_CONFIG.max_splits, bh,
+                             GPU_CONFIG.merge_splits, GPU_CONFIG.merge_dv)
+             for bh, bn, nw, ns in tiles for wv in waves for ms in min_splits]
     ok = []
     for cfg in cands:
         try:
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 *x, kv_lora_rank=R, scaling=scaling, num_splits=s, config=cfg), dev, a.reps)
             results.append({"heads": h, "batch": b, "context": c, "block_h": cfg.block_h,
                             "block_n": cfg.block_n, "warps": cfg.num_warps,
-                            "stages": cfg.num_stages, "waves": cfg.waves, "splits": splits,
+                            "stages": cfg.num_stages, "waves": cfg.waves,
+                            "min_split": cfg.min_split_tokens, "splits": splits,
                             "us": t * 1e6, "of_roofline": roof / t,
                             "of_copy": b * c * (R + DR) * 2 / t / copy_bps})
         best = max((r for r in results if (r["heads"], r["batch"], r["context"]) == (h, b, c)),
@@ -129,11 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"H {h} B {b} ctx {c}: best {best['us']:.1f} us ({best['of_roofline']:.2f} of "
               f"roofline, {best['of_copy']:.2f} of copy) at block_h {best['block_h']} block_n "
               f"{best['block_n']} warps {best['warps']} stages {best['stages']} waves "
-              f"{best['waves']} splits {best['splits']}", flush=True)
+              f"{best['waves']} min_split {best['min_split']} splits {best['splits']}", flush=True)
         del inputs
         torch.cuda.empty_cache()
     # the tiling that loses least over every shape
-    key = ("block_h", "block_n", "warps", "stages", "waves")
+    key = ("block_h", "block_n", "warps", "stages", "waves", "min_split")
     best_of = {}
     for r in results:
         s = (r["heads"], r["batch"], r["context"])

@@ -143,7 +143,7 @@ def test_decode_kernel_matches_the_reference(H, seq_lens, splits, page, dtype):
     q_r = torch.randn(B, H, Dr, generator=g).to(DEVICE, dtype)
     # min_split_tokens 8: short contexts still spread over every split; the merge weighs 3
     # splits at a time (ragged last chunks at 3 splits) over slices of 16 latent values
-    cfg = MLADecodeConfig(16, 1, 1, 1, 8, 8, block_h=16, merge_splits=2, merge_dv=16)
+    cfg = MLADecodeConfig(16, 1, 1, 1, 8, 8, block_h=16, merge_splits=2, merge_dv=16, merge_h=2)
     out = mla_decode(q_n, q_r, buf, w, layer, table, torch.arange(B, device=DEVICE),
                      torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), splits, cfg)
     assert out.shape == (B, H, Dv) and out.dtype == dtype
@@ -190,7 +190,8 @@ def test_batch_one_long_context_fills_the_gpu_and_graph_splits_are_fixed(monkeyp
         splits = decode_splits(1, heads, dev, context=32768, config=GPU_CONFIG)
         assert splits * head_blocks(heads, GPU_CONFIG) >= 132, heads
         assert 32768 / splits >= GPU_CONFIG.min_split_tokens
-    assert decode_splits(1, 16, dev, context=100, config=GPU_CONFIG) == 1
+    assert decode_splits(1, 16, dev, context=GPU_CONFIG.min_split_tokens - 1,
+                         config=GPU_CONFIG) == 1
     assert decode_splits(64, 128, dev, context=32768, config=GPU_CONFIG) == 1
 
     ctx = BackendContext(num_heads=16, num_kv_heads=1, head_dim=192, num_layers=1,

@@ -9,10 +9,11 @@ Per step: q_lat = q_nope @ w_kc per head (a bmm in the compute dtype), then
   own sum, and the split's log2-sum-exp. The head block is the fastest grid axis, so the head
   blocks of one request (8 for DeepSeek's 128 heads at 16 a block) run side by side and read the
   same rows at about the same time: the second and later reads hit L2;
-- stage 2: the split merge, parallel over the splits and the latent width: a program per
-  (head block, slice of `merge_dv` of the R values, request) weighs `merge_splits` splits at a
-  time (all of a request's split sums are read first, for the max and the total). A serial loop
-  over one split at a time cost ~1 us a split: 190 us of a 32k-context batch-1 step at 256 splits;
+- stage 2: the split merge, parallel over the splits, the heads and the latent width: a program
+  per (`merge_h` heads, slice of `merge_dv` of the R values, request) weighs `merge_splits`
+  splits at a time (all of a request's split sums are read first, for the max and the total). A
+  serial loop over one split at a time cost ~1 us a split: 190 us of a 32k-context batch-1 step
+  at 256 splits on an H100;
 then out = o_lat @ w_vc^T per head (a bmm).
 
 Slots come from req_to_token[req_pool_indices] token by token, so any page size works. Nothing
@@ -43,18 +44,21 @@ class MLADecodeConfig(DecodeConfig):
     """The split-KV tiling and policy, plus MLA's head block and the merge's tiles."""
 
     block_h: int = 16  # heads a stage-1 program carries (acc: block_h x R fp32)
-    merge_splits: int = 16  # splits a merge program weighs per loop iteration
+    merge_splits: int = 64  # splits a merge program weighs per loop iteration
     merge_dv: int = 32  # latent values a merge program covers
+    merge_h: int = 4  # heads a merge program covers
 
 
 # A latent row is wide (R = 512 fp32 accumulators per head): 16 heads a program keep the
-# accumulator at 64 registers a thread with 4 warps; smaller KV tiles than the MHA kernel's.
-# (block_n, num_warps, num_stages, waves, min_split_tokens, max_splits, block_h, ...). The split
-# policy is the MHA kernel's (triton_splitkv.num_kv_splits) with more splits allowed: a batch-1
-# step has only H / block_h programs per split, so a 32k context needs ~128 splits to cover an
-# H100/H200.
-GPU_CONFIG = MLADecodeConfig(32, 4, 2, 2, 128, 256, 16, 16, 32)
-INTERPRET_CONFIG = MLADecodeConfig(16, 1, 1, 1, 16, 8, 16, 4, 64)
+# accumulator at 64 registers a thread with 4 warps. (block_n, num_warps, num_stages, waves,
+# min_split_tokens, max_splits, block_h, merge tiles): bench/sweep_mla.py's best over DeepSeek's
+# shapes on an H200 (2026-12-06: within 3% of each shape's best tiling, geomean; 32 and 64 heads
+# a program were slower at every shape). The split policy is the MHA kernel's
+# (triton_splitkv.num_kv_splits) with more splits allowed: a batch-1 step has only H / block_h
+# programs per split, so a 32k context needs ~128 splits to cover an H100/H200; splits of 32
+# tokens keep short contexts from running one program's loop serially.
+GPU_CONFIG = MLADecodeConfig(64, 4, 2, 1, 32, 256, 16, 64, 32, 4)
+INTERPRET_CONFIG = MLADecodeConfig(16, 1, 1, 1, 16, 8, 16, 4, 64, 4)
 
 
 def decode_config() -> MLADecodeConfig:
@@ -137,10 +141,10 @@ def _mla_decode_stage1(
 def _mla_merge(
     part_o, part_lse, Out, seq_lens, num_splits, min_split,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    NUM_HEADS: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    NUM_HEADS: tl.constexpr, R: tl.constexpr, MERGE_H: tl.constexpr, BLOCK_S: tl.constexpr,
     CHUNK_S: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = tl.program_id(0) * MERGE_H + tl.arange(0, MERGE_H)
     offs_dv = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     b = tl.program_id(2)
     hmask = heads < NUM_HEADS
@@ -152,17 +156,17 @@ def _mla_merge(
     lse_row = part_lse + b * stride_lb + heads[:, None] * stride_lh
     offs_s = tl.arange(0, BLOCK_S)
     lse_all = tl.load(lse_row + offs_s[None, :], mask=hmask[:, None] & (offs_s < used)[None, :],
-                      other=float("-inf"))  # [BLOCK_H, BLOCK_S]
+                      other=float("-inf"))  # [MERGE_H, BLOCK_S]
     m = tl.max(lse_all, 1)
     # split 0 is never empty, so m is finite except on masked heads: keep those at 0
     m = tl.where(m == float("-inf"), 0.0, m)
     w_sum = tl.sum(tl.exp2(lse_all - m[:, None]), 1)
     inv = 1.0 / tl.where(w_sum > 0, w_sum, 1.0)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    acc = tl.zeros([MERGE_H, BLOCK_DV], tl.float32)
     offs_c = tl.arange(0, CHUNK_S)
     for s0 in range(0, used, CHUNK_S):
         sidx = s0 + offs_c
-        smask = hmask[:, None] & (sidx < used)[None, :]  # [BLOCK_H, CHUNK_S]
+        smask = hmask[:, None] & (sidx < used)[None, :]  # [MERGE_H, CHUNK_S]
         w = tl.exp2(tl.load(lse_row + sidx[None, :], mask=smask, other=float("-inf"))
                     - m[:, None]) * inv[:, None]
         o = tl.load(part_o + b * stride_pb + heads[:, None, None] * stride_ph
@@ -211,11 +215,11 @@ def latent_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor,
     )
     block_dv = min(cfg.merge_dv, block_r)
     block_s = max(2, triton.next_power_of_2(num_splits))
-    _mla_merge[(hb, triton.cdiv(R, block_dv), B)](
+    _mla_merge[(triton.cdiv(H, cfg.merge_h), triton.cdiv(R, block_dv), B)](
         part_o, part_lse, o_lat, seq_lens, num_splits, cfg.min_split_tokens,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
         part_lse.stride(1), o_lat.stride(0), o_lat.stride(1),
-        NUM_HEADS=H, R=R, BLOCK_H=cfg.block_h, BLOCK_S=block_s,
+        NUM_HEADS=H, R=R, MERGE_H=triton.next_power_of_2(cfg.merge_h), BLOCK_S=block_s,
         CHUNK_S=triton.next_power_of_2(cfg.merge_splits), BLOCK_DV=block_dv, BLOCK_N=cfg.block_n,
         num_warps=4,
     )
