@@ -54,11 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg["quantization_config"] = QUANT_CONFIGS[a.quant_config]
     quantized = bool(a.quantization or a.quant_config)
     bw = copy_bandwidth("cuda")
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+    if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
         from moe_decode import active_bytes_per_token
 
-        # bf16 bytes whatever the checkpoint's quantization: for an fp8 MoE config the
-        # fraction printed is of the bf16 roofline (bench/moe_decode.py counts fp8 bytes)
+        # the active weights at the checkpoint's widths (an fp8 checkpoint's projections and
+        # experts one byte a weight, the rest 16-bit: bench/moe_decode.py); DeepSeek configs
+        # (n_routed_experts) too, which the Llama-shaped count below gets wrong
         wbytes = active_bytes_per_token(cfg, 2)
     else:
         # the decoder's linear weights at their stored width (int4: half a byte; the scales
