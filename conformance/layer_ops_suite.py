@@ -169,6 +169,33 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device,
             assert torch.equal(qkv, qkv0), "qk_norm_rotary changed its input"
         if not ran:
             _not_provided(op, dtype, declared, "the layers compose it")
+    elif op == "rotary_mla":
+        ran = False
+        # DeepSeek's 16 (V2-Lite) and 128 heads of rope 64, interleaved; odd head counts; the
+        # half layout; an empty batch. q and k as views into the projections (strided rows)
+        for h, d, t, inter in ((16, 64, 3, True), (128, 64, 1, True), (5, 32, 4, False),
+                               (3, 64, 2, False), (7, 16, 5, True), (4, 64, 0, True)):
+            f = fn(d, inter)
+            if f is None:
+                continue  # not provided at this rope size: the reference rotates them
+            ran = True
+            pos = torch.arange(t, dtype=torch.float32) * 5 + 2
+            ang = pos[:, None] / 1e4 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+            cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(dtype=dtype, device=device)
+            sin = torch.cat([-ang.sin(), ang.sin()], -1)[:, None].to(dtype=dtype, device=device)
+            q = rnd(t, h, 48 + d)[..., 48:]  # the rope part of each head, after its nope part
+            k = rnd(t, 40 + d)[:, 40:]  # k_rope after the latent in kv_a's output
+            q0, k0 = q.clone(), k.clone()
+            rq, rk = f(q, k, cos, sin)
+            wq, wk = ref.rotary_mla(d, inter)(q, k, cos, sin)
+            what = f"rotary_mla heads={h} d={d} t={t} interleaved={inter}"
+            assert rq.shape == (t, h, d) and rk.shape == (t, d), what
+            _close(rq, wq, dtype, f"{what}: q")
+            _close(rk, wk, dtype, f"{what}: k")
+            assert rq.is_contiguous() and rk.is_contiguous(), f"{what}: q / k must be contiguous"
+            assert torch.equal(q, q0) and torch.equal(k, k0), "rotary_mla changed its inputs"
+        if not ran:
+            _not_provided(op, dtype, declared, "the reference rotates q and k")
     elif op == "linear":
         # decode's rows (1..4), a prefill's (the plugin may hand those to the BLAS), odd sizes,
         # K long enough to be split, with and without bias, x a strided row view

@@ -19,7 +19,7 @@ def test_the_suite_covers_every_op_of_both_built_in_plugins(pytestconfig):
     ids = {p.id for p in layer_ops_params(pytestconfig)}
     gpu = torch.cuda.is_available()
     for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv",
-               "qk_norm_rotary", "linear"):
+               "qk_norm_rotary", "linear", "rotary_mla"):
         assert f"torch-cpu-float32-{op}" in ids
         if gpu:  # the GPU kernels run on the GPU, in every dtype they declare
             assert f"triton-cuda-bfloat16-{op}" in ids and f"triton-cuda-float16-{op}" in ids
@@ -48,8 +48,11 @@ def test_the_suite_fails_a_wrong_op():
                 return True
             return store
 
+        def rotary_mla(self, rope_dim, interleaved):  # the pairs left interleaved
+            return super().rotary_mla(rope_dim, False)
+
     cpu = torch.device("cpu")
-    for op in ("silu_and_mul", "store_kv", "qk_norm_rotary"):
+    for op in ("silu_and_mul", "store_kv", "qk_norm_rotary", "rotary_mla"):
         with pytest.raises(AssertionError):
             _check(op, Wrong(), TorchLayerOps(), torch.float32, cpu)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "core"
-PLUGIN_API_VERSION = "1.11"  # 1.1: hardware targets may register a Platform; layer ops
+PLUGIN_API_VERSION = "1.12"  # 1.1: hardware targets may register a Platform; layer ops
 # 1.2: quant factories take the checkpoint's QuantScheme (core.contract.quant); QuantCaps formats
 # 1.3: grammar backends (structured output, core.contract.grammar)
 # 1.4: QuantCaps.programs; quant methods may load tensors themselves (weight_loader,
@@ -39,6 +39,7 @@ PLUGIN_API_VERSION = "1.11"  # 1.1: hardware targets may register a Platform; la
 #       (core.contract.moe: GPT-OSS's experts)
 # 1.11: draft-model proposers: SpecConfig.draft, the engine's DraftModel (core.contract.spec),
 #       given to proposers whose SpecCaps say needs_draft_weights
+# 1.12: the optional layer op rotary_mla (core.contract.layer_ops: MLA's q and k rope in one)
 ENTRY_POINT_GROUP = "core.plugins"
 
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -23,6 +23,13 @@ weight); `tests/test_layer_ops.py` holds each registered plugin to it.
                                    Qwen3's RMSNorm over each q head (q_weight [D]) and each k
                                    head (k_weight [D]), then rotary, as rotary_qk returns them
                                    (one kernel for q and k of the batch, where fused)
+    rotary_mla(rope_dim, interleaved)
+                                -> f(q [T, H, Dr], k [T, Dr], cos, sin) -> (q', k') contiguous
+                                   MLA's rotary on the rope part of each q head and on the one
+                                   shared k_rope (any strides with a unit last one: views into
+                                   the projections); interleaved: the rope pairs are (x0, x1),
+                                   (x2, x3), ... and are first taken apart into
+                                   [x0, x2, .. | x1, x3, ..] (DeepSeek's layout), as HF does
     linear(weight [N, K], bias [N] | None) -> f(x [M, K]) -> x @ weight.T + bias  [M, N]
                                    a dense layer's product (decode's few rows, where a plugin
                                    streams them faster than the BLAS), for any M; None: F.linear
@@ -48,13 +55,15 @@ if TYPE_CHECKING:  # the planner imports the contract and no torch
     # rotary_qk, qk_norm_rotary: f(qkv, cos, sin, num_q, num_k) -> (q, k)
     QKFn = Callable[[Tensor, Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
     StoreKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], bool]  # store_kv
+    # rotary_mla: f(q_rope, k_rope, cos, sin) -> (q_rope', k_rope')
+    MLARopeFn = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary",
-       "linear")
+       "linear", "rotary_mla")
 # Ops added after the first layer-ops API: a plugin may lack the method altogether; then the
 # layers compose them from the plugin's other ops (qk_norm_rotary: rms_norm, then the reference
-# rotary) or use the reference (linear: F.linear).
-OPTIONAL_OPS = ("qk_norm_rotary", "linear")
+# rotary) or use the reference (linear: F.linear; rotary_mla: the reference's torch ops).
+OPTIONAL_OPS = ("qk_norm_rotary", "linear", "rotary_mla")
 
 
 @runtime_checkable
@@ -70,7 +79,7 @@ class LayerOps(Protocol):
     def store_kv(self) -> StoreKVFn | None: ...
 
     # optional (OPTIONAL_OPS): qk_norm_rotary(head_dim, q_weight, k_weight, eps),
-    # linear(weight, bias)
+    # linear(weight, bias), rotary_mla(rope_dim, interleaved)
 
 
 class CompleteLayerOps(Protocol):
@@ -92,6 +101,8 @@ class CompleteLayerOps(Protocol):
 
     def qk_norm_rotary(self, head_dim: int, q_weight: Tensor, k_weight: Tensor, eps: float
                        ) -> QKFn: ...
+
+    def rotary_mla(self, rope_dim: int, interleaved: bool) -> MLARopeFn: ...
 
 
 def qk_norm_rotary(ops: LayerOps, head_dim: int, q_weight: Tensor, k_weight: Tensor, eps: float,
@@ -144,3 +155,6 @@ class WithReference:
                        ) -> QKFn:
         # not fused by the plugin: its norms where it has them (else the reference's), rotary
         return qk_norm_rotary(self.ops, head_dim, q_weight, k_weight, eps, norms=self)
+
+    def rotary_mla(self, rope_dim: int, interleaved: bool) -> MLARopeFn:
+        return self._pick("rotary_mla", rope_dim, interleaved)

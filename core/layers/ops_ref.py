@@ -41,6 +41,20 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: in
     return qk[:, :num_q].reshape(T, q_size), qk[:, num_q:].reshape(T, qk_size - q_size)
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] in pairs (x0, x1), (x2, x3), ... -> [..., D] as [x0, x2, ... | x1, x3, ...]."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def rotary_mla(q_rope: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_rope [T, H, Dr], k_rope [T, Dr] -> both rotated (k as one shared head)."""
+    k = k_rope.unsqueeze(1)
+    if interleaved:
+        q_rope, k = deinterleave(q_rope), deinterleave(k)
+    return apply_rotary(q_rope, cos, sin), apply_rotary(k, cos, sin).squeeze(1)
+
+
 def qk_norm_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int,
                    num_k: int, q_norm: Callable, k_norm: Callable, head_dim: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,3 +112,6 @@ class TorchLayerOps:
                        eps: float) -> Callable:
         return compose_qk_norm_rotary(self.rms_norm(q_weight, eps), self.rms_norm(k_weight, eps),
                                       head_dim)
+
+    def rotary_mla(self, rope_dim: int, interleaved: bool) -> Callable:
+        return partial(rotary_mla, interleaved=interleaved)

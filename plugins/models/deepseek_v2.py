@@ -7,8 +7,9 @@ q = q_proj(x), or q_b_proj(norm(q_a_proj(x))) where q_lora_rank is set, split pe
 q_nope [Dn] and q_rope [Dr]; kv_a_proj_with_mqa(x) -> latent [R] (then kv_a_layernorm) and
 k_rope [Dr], one for all heads. Rotary runs on the rope dims only: the checkpoints lay them out
 in interleaved pairs (x0, x1), (x2, x3), ... (HF rotates each pair by one frequency), so they are
-de-interleaved here, [x0, x2, ... | x1, x3, ...], and rotated in the half layout: the same
-rotation of q and k, hence the same q.k (V3 with rope_interleave false is not permuted). YaRN's
+de-interleaved, [x0, x2, ... | x1, x3, ...], and rotated in the half layout: the same rotation
+of q and k, hence the same q.k (V3 with rope_interleave false is not permuted). Both are the
+layer ops' `rotary_mla` (one kernel for q and k where the plugin fuses it). YaRN's
 mscale (mscale_all_dim) is folded into the softmax scale; its attention factor into cos / sin.
 The MLA backend gets the rest (kv_b_proj's halves, the latent cache).
 
@@ -30,7 +31,7 @@ from core.contract.forward_batch import ForwardBatch
 from core.contract.mla import MLALayerParams
 from core.layers import Linear, LMHead, ModelContext, RMSNorm, RotaryEmbedding, VocabEmbedding
 from core.layers.mla import MLAAttention
-from core.layers.rotary import apply_rotary, rope_parameters, yarn_softmax_mscale
+from core.layers.rotary import rope_parameters, yarn_softmax_mscale
 from plugins.models.llama import DecoderMLP
 from plugins.models.qwen2_moe import SparseMoeBlock, moe_param_name, shared_expert
 from plugins.models.weights import load_named_weights
@@ -43,11 +44,6 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 STACKED = (("gate_proj", "gate_up_proj", "gate"), ("up_proj", "gate_up_proj", "up"))
 # HF keeps the V3 router's bias on the gate; ours is the MoE layer's own parameter
 _BIAS = ".mlp.gate.e_score_correction_bias"
-
-
-def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] in pairs (x0, x1), (x2, x3), ... -> [..., D] as [x0, x2, ... | x1, x3, ...]."""
-    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
 class DeepseekAttention(nn.Module):
@@ -64,7 +60,7 @@ class DeepseekAttention(nn.Module):
         self.num_heads = H
         self.dn, self.dr = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.dv, self.r = config.v_head_dim, config.kv_lora_rank
-        self.interleaved = interleaved
+        self.rotary = ctx.ops.rotary_mla(self.dr, interleaved)
         bias = bool(getattr(config, "attention_bias", False))
         hidden, qk = config.hidden_size, self.dn + self.dr
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
@@ -98,11 +94,8 @@ class DeepseekAttention(nn.Module):
         q_nope, q_rope = q[..., :self.dn], q[..., self.dn:]
         kv = self.kv_a_proj_with_mqa(x)  # [T, R + Dr]
         latent = self.kv_a_layernorm(kv[:, :self.r].contiguous())
-        k_rope = kv[:, self.r:].unsqueeze(1)  # [T, 1, Dr]
-        if self.interleaved:
-            q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
-        q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)
-        out = self.attn(q_nope, q_rope, latent, k_rope.squeeze(1), batch)  # [T, H * Dv]
+        q_rope, k_rope = self.rotary(q_rope, kv[:, self.r:], cos, sin)  # [T, H, Dr], [T, Dr]
+        out = self.attn(q_nope, q_rope, latent, k_rope, batch)  # [T, H * Dv]
         return self.o_proj(out)
 
 

@@ -1,5 +1,5 @@
-"""`triton` layer ops: fused RMSNorm, add+RMSNorm, SiLU-and-mul, rotary on q/k and the KV store
-as Triton kernels (plugins/ops/triton/kernels.py) on CUDA and ROCm GPUs."""
+"""`triton` layer ops: fused RMSNorm, add+RMSNorm, SiLU-and-mul, rotary on q/k (MLA's too) and
+the KV store as Triton kernels (plugins/ops/triton/kernels.py) on CUDA and ROCm GPUs."""
 
 from core.contract.capabilities import LayerOpsCaps
 from core.contract.hookspecs import hookimpl
@@ -10,7 +10,7 @@ CAPS = LayerOpsCaps(
     devices={"cuda", "rocm"},
     dtypes={"float32", "float16", "bfloat16"},
     ops={"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary",
-         "linear"},
+         "linear", "rotary_mla"},
     requires=("triton",),
     cuda_graph=True,
     priority={"cuda": 100, "rocm": 100},

@@ -14,6 +14,9 @@ even inside a CUDA graph, ~1.5 ms a step on an H200 against a 3.8 ms weights roo
 - `qk_norm_rotary`: Qwen3's RMSNorm over each q and k head (its own weight for q and for k),
   then rotary, for every head of the batch in one kernel (in PyTorch: two copies, two norms and
   six element-wise ops a layer).
+- `rotary_mla`: MLA's rotary on every q head's rope part and the shared k_rope of a step in one
+  kernel, DeepSeek's interleaved pairs taken apart on the way (in PyTorch: two copies and six
+  element-wise ops a layer).
 
 The `triton` layer-ops plugin (plugins/ops/triton/__init__.py) serves them to the layers on CUDA
 and ROCm; tests call the functions directly under TRITON_INTERPRET=1 on the CPU. Triton is
@@ -92,6 +95,36 @@ def _kernels() -> Any:
         tl.store(k_ptr + k_off + HALF + d, o2, mask=kmask)
 
     @triton.jit
+    def rotary_mla_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, stride_qt, stride_qh,
+                          stride_kt, stride_ct, stride_st, H, HEADS: tl.constexpr,
+                          HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+        # one token per program: its H q heads and its k_rope (an extra head), Dr = 2 * HALF
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, HEADS)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        hm = h < H
+        if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: first halves x0, x2, .., seconds x1, ..
+            i1, i2 = 2 * d, 2 * d + 1
+        else:
+            i1, i2 = d, HALF + d
+        c1 = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * stride_ct + HALF + d).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)  # sin carries rotate_half's sign
+        s2 = tl.load(sin_ptr + t * stride_st + HALF + d).to(tl.float32)
+        qb = q_ptr + t * stride_qt + h * stride_qh
+        x1 = tl.load(qb + i1, mask=hm, other=0.0)
+        x2 = tl.load(qb + i2, mask=hm, other=0.0)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        ob = qo_ptr + t * (H * 2 * HALF) + h * (2 * HALF)
+        tl.store(ob + d, (f1 * c1 + f2 * s1).to(x1.dtype), mask=hm)
+        tl.store(ob + HALF + d, (f2 * c2 + f1 * s2).to(x1.dtype), mask=hm)
+        y1 = tl.load(k_ptr + t * stride_kt + i1).to(tl.float32)  # [1, HALF]
+        y2 = tl.load(k_ptr + t * stride_kt + i2).to(tl.float32)
+        kb = ko_ptr + t * (2 * HALF)
+        tl.store(kb + d, (y1 * c1 + y2 * s1).to(ko_ptr.dtype.element_ty))
+        tl.store(kb + HALF + d, (y2 * c2 + y1 * s2).to(ko_ptr.dtype.element_ty))
+
+    @triton.jit
     def qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, stride_xt,
                               stride_ct, stride_st, NQ, NH, eps, HB: tl.constexpr,
                               HALF: tl.constexpr):
@@ -149,6 +182,7 @@ def _kernels() -> Any:
     k.silu_mul = silu_mul_kernel
     k.rotary = rotary_kernel
     k.qk_norm_rotary = qk_norm_rotary_kernel
+    k.rotary_mla = rotary_mla_kernel
     k.store_kv = store_kv_kernel
     return k
 
@@ -214,6 +248,23 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: in
         k.rotary[(T,)](qkv, cos, sin, q, k_out, qkv.stride(0), cos.stride(0), sin.stride(0),
                        num_q, heads, HEADS=k.triton.next_power_of_2(heads), HALF=head_dim // 2,
                        num_warps=4)
+    return q, k_out
+
+
+def rotary_mla(q_rope: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_rope [T, H, Dr] and k_rope [T, Dr] (any strides with a unit last one), cos / sin
+    [T, 1, Dr] as RotaryEmbedding.cos_sin gives them -> rotated q [T, H, Dr] and k [T, Dr],
+    contiguous; interleaved: the pairs are de-interleaved first (ops_ref.rotary_mla)."""
+    T, H, D = q_rope.shape
+    q = torch.empty(T, H, D, dtype=q_rope.dtype, device=q_rope.device)
+    k_out = torch.empty(T, D, dtype=k_rope.dtype, device=k_rope.device)
+    if T:
+        k = _kernels()
+        k.rotary_mla[(T,)](q_rope, k_rope, cos, sin, q, k_out, q_rope.stride(0),
+                           q_rope.stride(1), k_rope.stride(0), cos.stride(0), sin.stride(0), H,
+                           HEADS=k.triton.next_power_of_2(H), HALF=D // 2,
+                           INTERLEAVED=interleaved, num_warps=4)
     return q, k_out
 
 

@@ -34,6 +34,14 @@ def _qk_norm_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
                                   head_dim)
 
 
+def _rotary_mla(q_rope: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, *, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if (q_rope.stride(-1) != 1 or k_rope.stride(-1) != 1 or cos.stride(-1) != 1
+            or sin.stride(-1) != 1):
+        return ops_ref.rotary_mla(q_rope, k_rope, cos, sin, interleaved)
+    return kernels.rotary_mla(q_rope, k_rope, cos, sin, interleaved)
+
+
 class TritonLayerOps:
     name = "triton"
 
@@ -60,6 +68,12 @@ class TritonLayerOps:
         if head_dim % 2 or half & (half - 1) or self.dtype not in _DTYPES:
             return None
         return partial(kernels.rotary_qk, head_dim=head_dim)
+
+    def rotary_mla(self, rope_dim: int, interleaved: bool) -> Callable | None:
+        half = rope_dim // 2
+        if rope_dim % 2 or half & (half - 1) or self.dtype not in _DTYPES:
+            return None
+        return partial(_rotary_mla, interleaved=interleaved)
 
     def store_kv(self) -> Callable:
         return _store
