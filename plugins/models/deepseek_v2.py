@@ -93,7 +93,7 @@ class DeepseekAttention(nn.Module):
         q = q.view(T, self.num_heads, self.dn + self.dr)
         q_nope, q_rope = q[..., :self.dn], q[..., self.dn:]
         kv = self.kv_a_proj_with_mqa(x)  # [T, R + Dr]
-        latent = self.kv_a_layernorm(kv[:, :self.r].contiguous())
+        latent = self.kv_a_layernorm(kv[:, :self.r])  # a row-strided view (layer ops take it)
         q_rope, k_rope = self.rotary(q_rope, kv[:, self.r:], cos, sin)  # [T, H, Dr], [T, Dr]
         out = self.attn(q_nope, q_rope, latent, k_rope, batch)  # [T, H * Dv]
         return self.o_proj(out)
