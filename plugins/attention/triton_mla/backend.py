@@ -13,7 +13,7 @@ import torch
 from core.contract.attention import BackendContext
 from core.contract.forward_batch import ForwardBatch
 from core.contract.mla import MLAAttentionBackend, MLALayerParams, MLAWeights
-from plugins.attention.triton_mla.decode import decode_splits, mla_decode
+from plugins.attention.triton_mla.decode import decode_splits, mla_decode, store_latent
 from plugins.attention.triton_mla.extend import extend_request
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -69,8 +69,11 @@ class TritonMLA(MLAAttentionBackend):
                     k_rope: torch.Tensor, weights: MLAWeights, layer: MLALayerParams,
                     batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
-        pool.set_latent(layer.layer_id, batch.out_cache_loc, latent, k_rope)
         buf = pool.get_latent_buffer(layer.layer_id)
+        if latent.stride(-1) == 1 and k_rope.stride(-1) == 1 and buf.stride(-1) == 1:
+            store_latent(buf, batch.out_cache_loc, latent, k_rope)  # both parts, one kernel
+        else:
+            pool.set_latent(layer.layer_id, batch.out_cache_loc, latent, k_rope)
         if not isinstance(batch.attn_meta, TritonMLAMeta):
             batch.attn_meta = self.prepare(batch)
         meta = batch.attn_meta

@@ -177,6 +177,31 @@ def _mla_merge(
              acc.to(Out.dtype.element_ty), mask=hmask[:, None] & dvmask[None, :])
 
 
+@triton.jit
+def _store_latent(Latent, KRope, Buf, Loc, stride_lt, stride_kt, stride_buf, R: tl.constexpr,
+                  DR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr):
+    t = tl.program_id(0)
+    row = Buf + tl.load(Loc + t).to(tl.int64) * stride_buf
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    c = tl.load(Latent + t * stride_lt + offs_r, mask=offs_r < R)
+    kr = tl.load(KRope + t * stride_kt + offs_dr, mask=offs_dr < DR)
+    tl.store(row + offs_r, c.to(Buf.dtype.element_ty), mask=offs_r < R)
+    tl.store(row + R + offs_dr, kr.to(Buf.dtype.element_ty), mask=offs_dr < DR)
+
+
+def store_latent(buf: torch.Tensor, loc: torch.Tensor, latent: torch.Tensor,
+                 k_rope: torch.Tensor) -> None:
+    """buf[loc] = [latent | k_rope] (cast to the pool's dtype) in one kernel: latent [T, R],
+    k_rope [T, Dr], any row strides with a unit last one."""
+    T, R = latent.shape
+    Dr = k_rope.shape[1]
+    if T:
+        _store_latent[(T,)](latent, k_rope, buf, loc, latent.stride(0), k_rope.stride(0),
+                            buf.stride(0), R=R, DR=Dr, BLOCK_R=triton.next_power_of_2(R),
+                            BLOCK_DR=triton.next_power_of_2(Dr), num_warps=4)
+
+
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot needs >= 16 along each dimension
 
