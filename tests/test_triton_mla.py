@@ -154,6 +154,27 @@ def test_decode_kernel_matches_the_reference(H, seq_lens, splits, page, dtype):
                                    msg=lambda m, b=b: f"request {b} of {seq_lens}: {m}")
 
 
+@pytest.mark.parametrize(("B", "H", "K", "N", "dtype"), [
+    (1, 3, 48, 80, torch.float32),  # batch 1, sizes off the tiles
+    (17, 2, 64, 24, torch.float16),  # two row blocks' worth in one of 32
+    (5, 4, 130, 20, torch.float32),  # K past one 64-wide step with a ragged tail
+    (0, 2, 16, 16, torch.float32),  # an empty step
+    (40, 2, 32, 24, torch.float32),  # past HEAD_MATMUL_MAX_ROWS: torch.bmm
+])
+def test_head_matmul_matches_bmm(B, H, K, N, dtype):
+    """The absorbed per-head products: x [B, H, K] (here a transposed view, as the latent
+    comes) @ w [H, K, N] (here a transposed view, as w_vc^T comes) against torch.bmm in fp32."""
+    from plugins.attention.triton_mla.decode import head_matmul
+
+    g = torch.Generator().manual_seed(B * 7 + K)
+    x = torch.randn(H, B, K, generator=g).to(DEVICE, dtype).transpose(0, 1)
+    w = torch.randn(H, N, K, generator=g).to(DEVICE, dtype).transpose(1, 2)
+    got = head_matmul(x, w)
+    want = torch.bmm(x.float().transpose(0, 1), w.float()).transpose(0, 1)
+    assert got.shape == (B, H, N) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, **_tol(dtype))
+
+
 @pytest.mark.parametrize(("prefix", "new", "chunk", "H", "dtype"), [
     (0, 37, 16, 3, torch.float32),  # prefill over three chunks, the last one ragged
     (45, 7, 16, 5, torch.float32),  # a cached prefix longer than the chunk

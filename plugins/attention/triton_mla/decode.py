@@ -1,6 +1,6 @@
 """Absorbed MLA decode (core.contract.mla), split-KV ("flash-decoding") over the paged latent pool.
 
-Per step: q_lat = q_nope @ w_kc per head (a bmm in the compute dtype), then
+Per step: q_lat = q_nope @ w_kc per head (in the compute dtype), then
 - stage 1: one program per (block of `block_h` heads, KV split, request) streams its share of the
   request's latent rows once for the whole head block. A row [c | k_rope] (R + Dr values, 576 for
   DeepSeek) is read as two loads, c [R] and k_rope [Dr], each padded to a power of two and masked,
@@ -14,7 +14,8 @@ Per step: q_lat = q_nope @ w_kc per head (a bmm in the compute dtype), then
   splits at a time (all of a request's split sums are read first, for the max and the total). A
   serial loop over one split at a time cost ~1 us a split: 190 us of a 32k-context batch-1 step
   at 256 splits on an H100;
-then out = o_lat @ w_vc^T per head (a bmm).
+then out = o_lat @ w_vc^T per head. Both per-head products run as `head_matmul` (a Triton
+program per head and column block) up to HEAD_MATMUL_MAX_ROWS rows a step, torch.bmm past it.
 
 Slots come from req_to_token[req_pool_indices] token by token, so any page size works. Nothing
 reads a device value on the host: the grid depends on the batch size, the head count and the
@@ -251,6 +252,55 @@ def latent_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor,
     return o_lat
 
 
+@triton.jit
+def _head_matmul(X, W, Out, B, stride_xb, stride_xh, stride_xk, stride_wh, stride_wk,
+                 stride_wn, stride_ob, stride_oh, K: tl.constexpr, N: tl.constexpr,
+                 BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    h = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_b = tl.program_id(2) * BLOCK_B + tl.arange(0, BLOCK_B)
+    bmask = offs_b < B
+    nmask = offs_n < N
+    acc = tl.zeros([BLOCK_B, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        x = tl.load(X + offs_b[:, None] * stride_xb + h * stride_xh + offs_k[None, :] * stride_xk,
+                    mask=bmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(W + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+                    mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    tl.store(Out + offs_b[:, None] * stride_ob + h * stride_oh + offs_n[None, :],
+             acc.to(Out.dtype.element_ty), mask=bmask[:, None] & nmask[None, :])
+
+
+# Up to this many rows a step, the absorbed products (q_nope @ w_kc, o_lat @ w_vc^T) run as one
+# Triton program per (head, column block): cuBLAS's batched GEMM took 5-6 us for V2-Lite's
+# 2 MB of w_kc at batch 1 on an H100 (0.1 of copy bandwidth), two launches a layer.
+HEAD_MATMUL_MAX_ROWS = 32
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head product: x [B, H, K] @ w [H, K, N] -> [B, H, N] in x's dtype (any strides; w
+    already in x's dtype). torch.bmm past HEAD_MATMUL_MAX_ROWS rows and on the CPU without the
+    interpreter."""
+    B, H, K = x.shape
+    N = w.shape[2]
+    if B > HEAD_MATMUL_MAX_ROWS or (x.device.type == "cpu" and not interpreting()):
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+    out = torch.empty(B, H, N, dtype=x.dtype, device=x.device)
+    if B:
+        block_b = 16 if B <= 16 else 32
+        block_n = 64 if N > 128 else 32
+        precision = "ieee" if x.dtype == torch.float32 else None
+        _head_matmul[(H, triton.cdiv(N, block_n), triton.cdiv(B, block_b))](
+            x, w, out, B, x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1),
+            w.stride(2), out.stride(0), out.stride(1), K=K, N=N, BLOCK_B=block_b, BLOCK_K=64,
+            BLOCK_N=block_n, PRECISION=precision, num_warps=4)
+    return out
+
+
 def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor,
                weights: MLAWeights, layer: MLALayerParams, req_to_token: torch.Tensor,
                req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, num_splits: int,
@@ -258,11 +308,9 @@ def mla_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, buf: torch.Tensor,
     """One absorbed decode step: q_nope [B, H, Dn], q_rope [B, H, Dr] -> [B, H, Dv] in q's
     dtype (the latent rows of the new tokens already in `buf`)."""
     dtype = q_nope.dtype
-    # [H, B, Dn] @ [H, Dn, R] -> [H, B, R], viewed as [B, H, R] (no copy: strides go along)
-    q_lat = torch.bmm(q_nope.transpose(0, 1), weights.w_kc.to(dtype)).transpose(0, 1)
+    q_lat = head_matmul(q_nope, weights.w_kc.to(dtype))  # [B, H, Dn] @ [H, Dn, R] -> [B, H, R]
     o_lat = latent_decode(q_lat, q_rope, buf, req_to_token, req_pool_indices, seq_lens,
                           kv_lora_rank=layer.kv_lora_rank, scaling=layer.scaling,
                           num_splits=num_splits, config=config)
-    # [H, B, R] @ [H, R, Dv] -> [H, B, Dv] -> [B, H, Dv]
-    return torch.bmm(o_lat.transpose(0, 1), weights.w_vc.to(dtype).transpose(1, 2)
-                     ).transpose(0, 1)
+    # [B, H, R] @ [H, R, Dv] -> [B, H, Dv]
+    return head_matmul(o_lat, weights.w_vc.to(dtype).transpose(1, 2))
