@@ -14,8 +14,9 @@ Per step: q_lat = q_nope @ w_kc per head (in the compute dtype), then
   splits at a time (all of a request's split sums are read first, for the max and the total). A
   serial loop over one split at a time cost ~1 us a split: 190 us of a 32k-context batch-1 step
   at 256 splits on an H100;
-then out = o_lat @ w_vc^T per head. Both per-head products run as `head_matmul` (a Triton
-program per head and column block) up to HEAD_MATMUL_MAX_ROWS rows a step, torch.bmm past it.
+then out = o_lat @ w_vc^T per head. Both per-head products go through `head_matmul`: a Triton
+program per head and column block up to HEAD_MATMUL_MAX_ROWS rows a step (off for now: see
+there), torch.bmm past it.
 
 Slots come from req_to_token[req_pool_indices] token by token, so any page size works. Nothing
 reads a device value on the host: the grid depends on the batch size, the head count and the
@@ -275,19 +276,23 @@ def _head_matmul(X, W, Out, B, stride_xb, stride_xh, stride_xk, stride_wh, strid
              acc.to(Out.dtype.element_ty), mask=bmask[:, None] & nmask[None, :])
 
 
-# Up to this many rows a step, the absorbed products (q_nope @ w_kc, o_lat @ w_vc^T) run as one
-# Triton program per (head, column block): cuBLAS's batched GEMM took 5-6 us for V2-Lite's
-# 2 MB of w_kc at batch 1 on an H100 (0.1 of copy bandwidth), two launches a layer.
-HEAD_MATMUL_MAX_ROWS = 32
+# Up to this many rows a step, the absorbed products (q_nope @ w_kc, o_lat @ w_vc^T) are to run
+# as one Triton program per (head, column block): cuBLAS's batched GEMM took 5-6 us for
+# V2-Lite's 2 MB of w_kc at batch 1 on an H100 (0.1 of copy bandwidth), two launches a layer.
+# 0 = off: the kernel passes its interpreter tests (tests/test_triton_mla.py) but session 21 ran
+# out of device time before running it on a GPU. Set 32 once `pytest -m gpu
+# tests/test_triton_mla.py` passes with it and bench/profile_decode.py on V2-Lite shows the gain.
+HEAD_MATMUL_MAX_ROWS = 0
 
 
-def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def head_matmul(x: torch.Tensor, w: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
     """Per-head product: x [B, H, K] @ w [H, K, N] -> [B, H, N] in x's dtype (any strides; w
-    already in x's dtype). torch.bmm past HEAD_MATMUL_MAX_ROWS rows and on the CPU without the
-    interpreter."""
+    already in x's dtype). torch.bmm past `max_rows` rows (default HEAD_MATMUL_MAX_ROWS) and on
+    the CPU without the interpreter."""
     B, H, K = x.shape
     N = w.shape[2]
-    if B > HEAD_MATMUL_MAX_ROWS or (x.device.type == "cpu" and not interpreting()):
+    limit = HEAD_MATMUL_MAX_ROWS if max_rows is None else max_rows
+    if B > limit or (x.device.type == "cpu" and not interpreting()):
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
     out = torch.empty(B, H, N, dtype=x.dtype, device=x.device)
     if B:
