@@ -31,6 +31,9 @@ DTYPES = ("float16", "bfloat16", "float32")
 # Requests as (prefix, new tokens). Decode: new = 1.
 _SMALL_DECODE = ((0, 1), (16, 1), (68, 1), (129, 1))
 _SMALL_EXTEND = ((0, 9), (5, 1), (31, 17), (64, 40))
+# A speculative verify step: each request's last token and a few drafts over its cached prefix
+# (at most 8 new tokens a request: a backend may run such extends as decode rows).
+_VERIFY_EXTEND = ((12, 5), (0, 3), (40, 8), (7, 1))
 _FULL_DECODE = tuple((n - 1, 1) for n in (1, 2, 65, 127, 511, 1025, 2047, 3000, 4096, 4097,
                                            8191, 8192))
 _FULL_EXTEND = ((0, 1), (0, 517), (1, 1), (127, 64), (1024, 1024), (2000, 333), (4096, 129),
@@ -153,6 +156,17 @@ def conformance_cases(caps: AttentionCaps, full: bool = False,
                     if full or j == 0:
                         cases.append(case(mid, dim, page, kv_compute, kv_dtype=kv))
         cases.append(case(shapes[0], dims[0], page, dtype, layers=2))
+        if mode == "extend":  # a verify-shaped extend, windowed and soft-capped where declared
+            vseqs = tuple(p + n for p, n in _VERIFY_EXTEND)
+            vnews = tuple(n for _, n in _VERIFY_EXTEND)
+            features = {"sliding_window": 6} if caps.sliding_window else {}
+            if caps.logit_softcap:
+                features["logit_softcap"] = 5.0
+            cases.append(case(mid, dim, pages[0], dtypes[-1], _seqs=vseqs, _news=vnews,
+                              tag="verify"))
+            if features:
+                cases.append(case(mid, dim, page, dtype, _seqs=vseqs, _news=vnews,
+                                  tag="verify", **features))
     return cases
 
 

@@ -3,6 +3,13 @@
 Prefill / extend are torch_native's. Decode writes the step's K/V into the pool, then hands the
 kernel the query in fp32 and the pool's buffers (fp32, or bf16 bit patterns): no gather, no
 dense copy. A subclass implements `decode`.
+
+A subclass may also run short extends through its decode kernel: where its `prepare` gives the
+step's metadata a `rows` entry (the metadata of one decode row per new token: the token's
+request's slots, and the length up to and including that token), the step's K/V go into the
+pool and every new token is a decode query over its request's tokens up to itself, which is the
+causal extend. Speculative verify steps (a few drafts per request) then run the decode kernel
+instead of a gather and a dense prefill, and round as decode steps do.
 """
 
 from __future__ import annotations
@@ -38,7 +45,10 @@ class PoolDecodeAttention(TorchNativeAttention):
                 layer: AttentionLayerParams, batch: ForwardBatch) -> torch.Tensor:
         meta = self._meta(batch)
         if not meta.decode:
-            return super().forward(q, k, v, layer, batch)
+            rows = getattr(meta, "rows", None)
+            if rows is None:
+                return super().forward(q, k, v, layer, batch)
+            meta = rows  # a short extend: one decode row per new token (module docstring)
         B = q.shape[0]
         H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
         Dv = layer.v_head_dim or D

@@ -1,0 +1,71 @@
+"""cpu_c runs short extends (a speculative verify step: each request's last token and its drafts)
+as decode rows through its C decode kernel (plugins/_kit/pool_attention.py): every new token's
+output must then be bit for bit what a decode step of that token gives, in bf16 too, which is
+what keeps greedy answers identical with speculation on (the verify step rounds as decode does).
+The attention conformance suite's `verify` cases check the values against the fp32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance.attention_check import run_backend
+from conformance.paged_batch import AttentionCase, build_inputs
+from core.contract.attention import AttentionLayerParams
+from core.contract.forward_batch import ForwardBatch, ForwardMode
+from core.plan.registry import get_registry
+
+PREFIX, NEW = (12, 0, 40, 7), (5, 3, 8, 1)
+
+
+def _backend(ctx):
+    reg = get_registry().get("attention", "cpu_c")
+    return reg.load()(ctx)
+
+
+def _decode_one(backend, inputs, layer: AttentionLayerParams, q, k, v, b: int, j: int):
+    """Token j of request b as a decode step of its own: seq_len prefix + j + 1."""
+    batch, start = inputs.batch, sum(NEW[:b])
+    t = start + j
+    one = ForwardBatch(
+        mode=ForwardMode.DECODE, input_ids=batch.input_ids[t:t + 1],
+        positions=batch.positions[t:t + 1],
+        seq_lens=torch.tensor([PREFIX[b] + j + 1], dtype=torch.int32),
+        prefix_lens=torch.tensor([PREFIX[b] + j], dtype=torch.int32),
+        extend_lens=torch.ones(1, dtype=torch.int32),
+        out_cache_loc=batch.out_cache_loc[t:t + 1],
+        req_pool_indices=batch.req_pool_indices[b:b + 1], req_to_token=batch.req_to_token,
+        kv_pool=batch.kv_pool, seq_lens_cpu=[PREFIX[b] + j + 1], prefix_lens_cpu=[PREFIX[b] + j],
+        extend_lens_cpu=[1])
+    one.attn_backend = backend
+    one.attn_meta = backend.prepare(one)
+    return backend.forward(q[t:t + 1], k[t:t + 1], v[t:t + 1], layer, one)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("features", [{}, {"sliding_window": 6, "logit_softcap": 5.0}])
+def test_verify_rows_equal_decode_steps_bit_for_bit(dtype, features):
+    case = AttentionCase("extend", 2, 4, 64, 16, dtype, dtype,
+                         tuple(p + n for p, n in zip(PREFIX, NEW, strict=True)), NEW,
+                         **features)
+    inputs = build_inputs(case, "cpu", seed=3)
+    backend = _backend(inputs.ctx)
+    meta = backend.prepare(inputs.batch)
+    assert meta.rows is not None, "a verify-shaped extend should run as decode rows"
+    got = run_backend(backend, inputs)[0]  # [T, H * Dv]
+    layer = inputs.layers[0]
+    q, k, v = inputs.qkv[0]
+    for b, n in enumerate(NEW):
+        for j in range(n):
+            want = _decode_one(backend, inputs, layer, q, k, v, b, j)
+            row = got[sum(NEW[:b]) + j]
+            assert torch.equal(row, want[0]), f"request {b} token {j}: verify != decode"
+
+
+def test_long_extends_keep_the_prefill_path():
+    new = (20, 3)
+    case = AttentionCase("extend", 2, 4, 64, 16, "float32", "float32",
+                         (20, 9), new)
+    inputs = build_inputs(case, "cpu", seed=4)
+    meta = _backend(inputs.ctx).prepare(inputs.batch)
+    assert meta.rows is None  # a request adds 20 > SHORT_EXTEND tokens: gather + SDPA
