@@ -1,7 +1,7 @@
-"""cpu_c runs short extends (a speculative verify step: each request's last token and its drafts)
-as decode rows through its C decode kernel (plugins/_kit/pool_attention.py): every new token's
-output must then be bit for bit what a decode step of that token gives, in bf16 too, which is
-what keeps greedy answers identical with speculation on (the verify step rounds as decode does).
+"""In bf16, cpu_c runs short extends (a speculative verify step: each request's last token and its
+drafts) as decode rows through its C decode kernel (plugins/_kit/pool_attention.py): every new
+token's output must then be bit for bit what a decode step of that token gives, which is what
+keeps greedy answers identical with speculation on (the verify step rounds as decode does).
 The attention conformance suite's `verify` cases check the values against the fp32 reference."""
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ def _decode_one(backend, inputs, layer: AttentionLayerParams, q, k, v, b: int, j
     return backend.forward(q[t:t + 1], k[t:t + 1], v[t:t + 1], layer, one)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("features", [{}, {"sliding_window": 6, "logit_softcap": 5.0}])
-def test_verify_rows_equal_decode_steps_bit_for_bit(dtype, features):
-    case = AttentionCase("extend", 2, 4, 64, 16, dtype, dtype,
+def test_verify_rows_equal_decode_steps_bit_for_bit(features):
+    case = AttentionCase("extend", 2, 4, 64, 16, "bfloat16", "bfloat16",
                          tuple(p + n for p, n in zip(PREFIX, NEW, strict=True)), NEW,
                          **features)
     inputs = build_inputs(case, "cpu", seed=3)
@@ -62,10 +61,13 @@ def test_verify_rows_equal_decode_steps_bit_for_bit(dtype, features):
             assert torch.equal(row, want[0]), f"request {b} token {j}: verify != decode"
 
 
-def test_long_extends_keep_the_prefill_path():
-    new = (20, 3)
-    case = AttentionCase("extend", 2, 4, 64, 16, "float32", "float32",
-                         (20, 9), new)
+@pytest.mark.parametrize(("dtype", "prefix", "new"), [
+    ("bfloat16", (0, 6), (20, 3)),  # a request adds 20 > SHORT_EXTEND tokens
+    ("float32", PREFIX, NEW),  # fp32 keeps the (faster) prefill path
+])
+def test_other_extends_keep_the_prefill_path(dtype, prefix, new):
+    case = AttentionCase("extend", 2, 4, 64, 16, dtype, dtype,
+                         tuple(p + n for p, n in zip(prefix, new, strict=True)), new)
     inputs = build_inputs(case, "cpu", seed=4)
     meta = _backend(inputs.ctx).prepare(inputs.batch)
-    assert meta.rows is None  # a request adds 20 > SHORT_EXTEND tokens: gather + SDPA
+    assert meta.rows is None  # gather + SDPA

@@ -31,12 +31,15 @@ def library(variant: str) -> ctypes.CDLL:
     return lib
 
 
-# An extend whose requests add at most this many tokens each (speculative verify: the last token
-# and up to 15 drafts) runs as decode rows through the C kernel (plugins/_kit/pool_attention.py):
-# each row re-reads its request's cached rows, which at a few rows costs less than torch_native's
-# gather and dense prefill, and the rows round as decode steps do. A tiny Llama in bf16 on an
-# AVX2 CPU: greedy answers with ngram speculation identical to off on 6 of 6 prompts at 4 and 8
-# drafts (5 of 6 through the prefill path).
+# In bf16, an extend whose requests add at most this many tokens each (speculative verify: the
+# last token and up to 15 drafts) runs as decode rows through the C kernel
+# (plugins/_kit/pool_attention.py), so a verify step rounds exactly as decode steps do: a tiny
+# Llama in bf16 with ngram speculation on an AVX2 CPU gave greedy answers identical to
+# speculation off on 6 of 6 prompts at 4 and 8 drafts (5 of 6 through the prefill path). It
+# costs attention time: each row re-reads its request's cached rows. One thread, bf16, one
+# request, prefixes 512 / 4k / 16k (AVX2): 0.7-0.9x torch_native's gather + dense prefill at 2
+# rows, 1.15-2.4x at 5 and 2.5-3.7x at 16. In fp32 the prefill path stays (greedy answers
+# already agree there).
 SHORT_EXTEND = 16
 
 
@@ -83,7 +86,8 @@ class CpuCAttention(PoolDecodeAttention):
         if meta.decode:
             meta.slots = meta.slots.contiguous()
             meta.seq_lens_t = torch.as_tensor(meta.seq_lens, dtype=torch.int64)
-        elif meta.extend_lens and 0 < max(meta.extend_lens) <= SHORT_EXTEND:
+        elif (self.ctx.dtype == torch.bfloat16 and meta.extend_lens
+              and 0 < max(meta.extend_lens) <= SHORT_EXTEND):
             # token j of request b: a decode row over b's first prefix + j + 1 tokens
             owner = [b for b, n in enumerate(meta.extend_lens) for _ in range(n)]
             lens = [p + j + 1 for p, n in zip(meta.prefix_lens, meta.extend_lens, strict=True)
