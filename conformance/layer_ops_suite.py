@@ -72,6 +72,16 @@ def _small_rows(x: torch.Tensor, n_head: int | None = None) -> None:
             x[i, :n_head] *= s
 
 
+def _cos_sin(d: int, positions: torch.Tensor, base: float, dtype: torch.dtype,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [T, 1, d] as RotaryEmbedding.cos_sin gives them (sin = [-s, s]) for
+    `positions` [T] (fp32) at rope base `base`."""
+    ang = positions[:, None] / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(dtype=dtype, device=device)
+    sin = torch.cat([-ang.sin(), ang.sin()], -1)[:, None].to(dtype=dtype, device=device)
+    return cos, sin
+
+
 def _not_provided(op: str, dtype: torch.dtype, declared: frozenset[str] | None, why: str
                   ) -> None:
     """Nothing of `op` ran: a failure when the plugin declares it, else a skip with `why`."""
@@ -131,11 +141,8 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device,
             if f is None:
                 continue  # not provided at this head size: the reference rotates it
             ran = True
-            # cos / sin [T, 1, D] as RotaryEmbedding.cos_sin gives them (sin = [-s, s])
             pos = torch.arange(t, dtype=torch.float32) * 3
-            ang = pos[:, None] / 1e4 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-            cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(dtype=dtype, device=device)
-            sin = torch.cat([-ang.sin(), ang.sin()], -1)[:, None].to(dtype=dtype, device=device)
+            cos, sin = _cos_sin(d, pos, 1e4, dtype, device)
             qkv = rnd(t, (hq + 2 * hk) * d)
             q, k = f(qkv, cos, sin, hq, hk)
             rq, rk = ref.rotary_qk(d)(qkv, cos, sin, hq, hk)
@@ -156,9 +163,7 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device,
                 continue  # not fused at this head size: the layers compose it
             ran = True
             pos = torch.arange(t, dtype=torch.float32) * 7 + 1
-            ang = pos[:, None] / 1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-            cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(dtype=dtype, device=device)
-            sin = torch.cat([-ang.sin(), ang.sin()], -1)[:, None].to(dtype=dtype, device=device)
+            cos, sin = _cos_sin(d, pos, 1e6, dtype, device)
             # scaled like real activations (the norm divides the scale out); the first tokens'
             # first q head, and k head (after the q heads), zero or of small norm
             qkv = rnd(t, (hq + 2 * hk) * d, scale=3.0)
@@ -184,9 +189,7 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device,
                 continue  # not provided at this rope size: the reference rotates them
             ran = True
             pos = torch.arange(t, dtype=torch.float32) * 5 + 2
-            ang = pos[:, None] / 1e4 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-            cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].to(dtype=dtype, device=device)
-            sin = torch.cat([-ang.sin(), ang.sin()], -1)[:, None].to(dtype=dtype, device=device)
+            cos, sin = _cos_sin(d, pos, 1e4, dtype, device)
             q = rnd(t, h, 48 + d)[..., 48:]  # the rope part of each head, after its nope part
             k = rnd(t, 40 + d)[:, 40:]  # k_rope after the latent in kv_a's output
             q0, k0 = q.clone(), k.clone()
