@@ -90,6 +90,18 @@ def decode_step(H: int, batch: int, ctx: int, page: int, dtype: torch.dtype,
     return layer, w, pool, fb, new, q_nope, q_rope
 
 
+def latent_bytes(batch: int, ctx: int) -> int:
+    """Latent rows one layer's decode step reads: batch x ctx rows of 576 bf16 values."""
+    return batch * ctx * WIDTH * 2
+
+
+def roofline_s(H: int, batch: int, ctx: int, copy_bps: float, mm_fps: float) -> float:
+    """The longer of the latent bytes at copy bandwidth and the FLOPs at the matmul rate
+    (scores over the whole row, then p @ c over its R values)."""
+    flops = 2 * batch * ctx * H * (WIDTH + R)
+    return max(latent_bytes(batch, ctx) / copy_bps, flops / mm_fps)
+
+
 def measure(H: int, batch: int, ctx: int, a: argparse.Namespace, copy_bps: float,
             mm_fps: float, g: torch.Generator) -> dict:
     """One (heads, batch, context) row: triton_mla's kernel and forward, the same-size copy,
@@ -116,9 +128,8 @@ def measure(H: int, batch: int, ctx: int, a: argparse.Namespace, copy_bps: float
     def forward(backend=triton_mla):
         backend.forward_mla(q_n, q_r, new[:, :R], new[:, R:], w, layer, fb)
 
-    nbytes = batch * ctx * WIDTH * dtype.itemsize
-    flops = 2 * batch * ctx * H * (WIDTH + R)  # scores over the row, then p @ c
-    roofline = max(nbytes / copy_bps, flops / mm_fps)
+    nbytes = latent_bytes(batch, ctx)
+    roofline = roofline_s(H, batch, ctx, copy_bps, mm_fps)
     t_kernel = gpu_seconds(kernel, device, a.reps)
     t_forward = gpu_seconds(forward, device, a.reps)
     same = torch.empty(nbytes, dtype=torch.uint8, device=device)

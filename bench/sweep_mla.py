@@ -4,18 +4,20 @@ plugins/attention/triton_mla/decode.py's GPU_CONFIG).
     python bench/sweep_mla.py [--out sweep_mla.json] [--quick]
 
 DeepSeek's latent (kv_lora_rank 512 + rope 64), bf16, pages of 16 scattered over the pool, heads
-16 (V2-Lite) and 128 (V2/V3), batch x context as bench_mla.py's. For every candidate
-(block_h, block_n, num_warps, num_stages) x waves x min_split_tokens, the kernels alone (stage 1 + the merge, given
-q_lat) are first checked against an fp32 torch reference on a small batch, then timed (L2 flushed
-before each call, CUDA events: bench/ceilings.py). Each shape's time is put against its roofline:
-the latent bytes at the copy bandwidth or the score and value FLOPs at the bf16 matmul rate,
-whichever is longer, both measured in this run. The tiling that loses least over all shapes
+16 (V2-Lite) and 128 (V2/V3), inputs built as bench_mla.py builds them. For every candidate
+(block_h, block_n, num_warps, num_stages) x waves x min_split_tokens (the rest of the shipped
+GPU_CONFIG kept), the kernels alone (stage 1 + the merge, given q_lat) are first checked against
+an fp32 torch reference on a small batch, then timed (L2 flushed before each call, CUDA events:
+bench/ceilings.py). Each shape's time is put against bench_mla.py's roofline: the latent bytes
+at the copy bandwidth or the score and value FLOPs at the bf16 matmul rate, whichever is longer,
+both measured in this run. The tiling that loses least over all shapes
 (geometric mean of time over the shape's best) is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -26,8 +28,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import torch  # noqa: E402
+from bench_mla import R  # noqa: E402
 
-R, DR = 512, 64
 SHAPES = [(h, b, c) for h in (16, 128) for b, c in ((1, 512), (1, 4096), (1, 32768), (32, 4096),
                                                     (64, 1024), (64, 32768), (128, 8192))]
 # (block_h, block_n, num_warps, num_stages)
@@ -38,22 +40,17 @@ WAVES = (1, 2, 4)
 MIN_SPLIT = (32, 128)  # min_split_tokens
 
 
-def roofline_s(h: int, b: int, c: int, copy_bps: float, mm_fps: float) -> float:
-    nbytes = b * c * (R + DR) * 2
-    flops = 2 * b * c * h * (R + DR) + 2 * b * c * h * R  # scores, then p @ c
-    return max(nbytes / copy_bps, flops / mm_fps)
+def make_inputs(h: int, b: int, c: int, page: int, g: torch.Generator,
+                device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """(q_lat, q_rope, latent buffer, req_to_token, req_pool_indices, seq_lens) of one decode
+    step from bench_mla.decode_step (pages scattered over the pool)."""
+    from bench_mla import decode_step
 
-
-def make_inputs(h: int, b: int, c: int, page: int, g: torch.Generator):
-    per = -(-c // page)
-    slots = (b * per + 1) * page
-    buf = torch.randn(slots, R + DR, generator=g).to("cuda", torch.bfloat16)
-    order = torch.randperm(b * per, generator=g) + 1
-    table = (order.view(b, per)[:, :, None] * page + torch.arange(page)).view(b, -1)[:, :c]
-    q_lat = torch.randn(b, h, R, generator=g).to("cuda", torch.bfloat16)
-    q_rope = torch.randn(b, h, DR, generator=g).to("cuda", torch.bfloat16)
-    return (q_lat, q_rope, buf, table.to("cuda", torch.int32), torch.arange(b, device="cuda"),
-            torch.full((b,), c, dtype=torch.int32, device="cuda"))
+    _, w, pool, fb, _, q_nope, q_rope = decode_step(h, b, c, page, dtype, torch.device(device),
+                                                     g)
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w.w_kc).transpose(0, 1)
+    return (q_lat, q_rope, pool.get_latent_buffer(0), fb.req_to_token, fb.req_pool_indices,
+            fb.seq_lens)
 
 
 def reference(q_lat, q_rope, buf, table, rows_of, seq, scaling):
@@ -66,14 +63,10 @@ def reference(q_lat, q_rope, buf, table, rows_of, seq, scaling):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench_mla import latent_bytes, roofline_s
     from ceilings import copy_bandwidth, gpu_seconds, matmul_rate
 
-    from plugins.attention.triton_mla.decode import (
-        GPU_CONFIG,
-        MLADecodeConfig,
-        decode_splits,
-        latent_decode,
-    )
+    from plugins.attention.triton_mla.decode import GPU_CONFIG, decode_splits, latent_decode
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="sweep_mla.json")
@@ -95,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     want = reference(*small, scaling)
     results, bad = [], []
     min_splits = (GPU_CONFIG.min_split_tokens,) if a.quick else MIN_SPLIT
-    cands = [MLADecodeConfig(bn, nw, ns, wv, ms, GPU_CONFIG.max_splits, bh,
-                             GPU_CONFIG.merge_splits, GPU_CONFIG.merge_dv)
+    cands = [dataclasses.replace(GPU_CONFIG, block_n=bn, num_warps=nw, num_stages=ns, waves=wv,
+                                 min_split_tokens=ms, block_h=bh)
              for bh, bn, nw, ns in tiles for wv in waves for ms in min_splits]
     ok = []
     for cfg in cands:
@@ -126,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                             "stages": cfg.num_stages, "waves": cfg.waves,
                             "min_split": cfg.min_split_tokens, "splits": splits,
                             "us": t * 1e6, "of_roofline": roof / t,
-                            "of_copy": b * c * (R + DR) * 2 / t / copy_bps})
+                            "of_copy": latent_bytes(b, c) / t / copy_bps})
         best = max((r for r in results if (r["heads"], r["batch"], r["context"]) == (h, b, c)),
                    key=lambda r: r["of_roofline"])
         print(f"H {h} B {b} ctx {c}: best {best['us']:.1f} us ({best['of_roofline']:.2f} of "
