@@ -37,9 +37,9 @@ def library(variant: str) -> ctypes.CDLL:
 # Llama in bf16 with ngram speculation on an AVX2 CPU gave greedy answers identical to
 # speculation off on 6 of 6 prompts at 4 and 8 drafts (5 of 6 through the prefill path). It
 # costs attention time: each row re-reads its request's cached rows. One thread, bf16, one
-# request, prefixes 512 / 4k / 16k (AVX2): 0.7-0.9x torch_native's gather + dense prefill at 2
-# rows, 1.15-2.5x at 5 and 2.5-3.7x at 16. In fp32 the prefill path stays (greedy answers
-# already agree there).
+# request, prefixes 512 / 4k / 16k (AVX2; bench/bench_cpu_verify_rows.py): 0.8x torch_native's
+# gather + dense prefill at 2 rows, 1.3-2.0x at 5 and 2.9-4.6x at 16. In fp32 the prefill path
+# stays (greedy answers already agree there).
 SHORT_EXTEND = 16
 
 
