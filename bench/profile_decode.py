@@ -7,7 +7,9 @@ Builds the engine core in this process (no worker, no pipe) and reports, for bat
 - one scheduler step end to end (host wall time: inputs, replay, sampling, the host sync,
   bookkeeping), so step - replay = host overhead the GPU waits for;
 - the weights-only roofline from the copy bandwidth measured now;
-- the top kernels of a few decode steps by GPU time (torch.profiler).
+- the top kernels of a few decode steps by GPU time (torch.profiler);
+- with --profile-prefill, the top kernels of the prefill of the largest batch too (every step
+  of it: the first steps also compile Triton kernels, which costs host time, not GPU time).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graph-max-bs", type=int, default=32,
                    help="largest captured decode batch (0: no graphs, every step eager)")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="profile the prefill of the largest batch size (kernels by GPU time)")
     p.add_argument("--config", default=None, help="an HF config.json to profile instead of "
                    "Llama-3.1-8B (MoE models: the roofline then uses the active weights, "
                    "bench/moe_decode.py's count)")
@@ -100,13 +104,33 @@ def main(argv: list[str] | None = None) -> int:
                                "ignore_eos": True})
             n += 1
         torch.cuda.synchronize()
+        prefill_prof = None
+        if a.profile_prefill and bs == max(sizes):
+            prefill_prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU,
+                            torch.profiler.ProfilerActivity.CUDA])
+            prefill_prof.__enter__()
         t = time.perf_counter()
+        prefill_steps = 0
         while len(sched.running) < bs:  # prefill everything
             sched.step()
+            prefill_steps += 1
         torch.cuda.synchronize()
         prefill_s = time.perf_counter() - t
         entry: dict = {"prefill_s": prefill_s, "prefill_tok_s": bs * a.prompt_len / prefill_s,
+                       "prefill_steps": prefill_steps,
                        "graph": bool(gr is not None and gr.can_run(bs))}
+        if prefill_prof is not None:
+            prefill_prof.__exit__(None, None, None)
+            kernels = [e for e in prefill_prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA]
+            entry["prefill_kernel_s"] = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+            entry["prefill_kernels"] = len(kernels)
+            entry["prefill_profile_top"] = prefill_prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=a.rows)
+            print(f"== prefill of batch {bs} ({bs} x {a.prompt_len} tokens, {prefill_steps} "
+                  f"steps, {prefill_s:.2f} s wall, {entry['prefill_kernel_s']:.2f} s of kernels)")
+            print(entry["prefill_profile_top"])
         for overlap in (False, True):  # the scheduler's overlap off, then on (the GPU default)
             sched.cfg.overlap = overlap
             step_ms = []
@@ -146,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                                           for e in kernels) / profiled / 1e3
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows)
         entry["profile_top"] = table
-        print(f"== batch {bs}: {json.dumps({k: v for k, v in entry.items() if k != 'profile_top'})}")
+        print(f"== batch {bs}: "
+              f"{json.dumps({k: v for k, v in entry.items() if not k.endswith('profile_top')})}")
         print(table)
         host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
         print(host)

@@ -311,6 +311,25 @@ def test_gpu_bf16_decode_at_deepseek_shapes(H, seq_lens):
                                    msg=lambda m, b=b, s=s: f"H {H} request {b} ({s} tokens): {m}")
 
 
+@pytest.mark.parametrize("B", [1, 5, 32])
+@pytest.mark.parametrize("H", [16, 128])
+@gpu_test
+def test_gpu_bf16_head_matmul_at_deepseek_shapes(B, H):
+    """Both absorbed products as decode runs them (q_nope @ w_kc; o_lat @ w_vc^T, a transposed
+    view), in bf16 with the kernel forced on, against fp32 bmm of the same bf16 values."""
+    from plugins.attention.triton_mla.decode import head_matmul
+
+    dtype, (R, Dn, Dv) = torch.bfloat16, (512, 128, 128)
+    g = torch.Generator().manual_seed(B * 131 + H)
+    w = _weights(H, R, Dn, Dv, g, dtype, DEVICE)
+    q_n = torch.randn(B, H, Dn, generator=g).to(DEVICE, dtype)
+    o_lat = torch.randn(B, H, R, generator=g).to(DEVICE, dtype)
+    for x, wt in ((q_n, w.w_kc), (o_lat, w.w_vc.transpose(1, 2))):
+        got = head_matmul(x, wt, max_rows=32)
+        want = torch.bmm(x.float().transpose(0, 1), wt.float()).transpose(0, 1)
+        torch.testing.assert_close(got.float(), want, **_tol(dtype))
+
+
 @pytest.mark.parametrize(("H", "prefix", "new"), [(16, 9000, 700), (128, 2500, 300)])
 @gpu_test
 def test_gpu_bf16_extend_at_deepseek_shapes(H, prefix, new):
