@@ -80,6 +80,8 @@ def sizes(quick: bool) -> dict[str, Any]:
 def workload(a: argparse.Namespace) -> dict[str, Any]:
     """The job every worker gets: settings and the prompts, as token ids."""
     s = sizes(a.quick)
+    if a.pp_lens:  # the prompt lengths asked for, and always the TTFT row's
+        s["pp_lens"] = sorted({*(int(n) for n in a.pp_lens.split(",")), s["ttft_len"]})
     rng = random.Random(a.seed)
 
     def ids(n: int) -> list[int]:
@@ -568,6 +570,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="smoke test: tg32, pp128 only, 4 concurrent requests")
     p.add_argument("--reps", type=int, default=None, help="measured runs (default 3; quick 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pp-lens", default=None,
+                   help="prompt lengths of the ppN rows, comma-separated (default 512,4096; "
+                   "quick 128); the TTFT row's length is always added")
     p.add_argument("--llama-extra-bufts", choices=("default", "off"), default="default",
                    help="llama.cpp's extra buffer types (its AMX path, repacked weights): the "
                         "library default, or off (its AMX path crashes on the default model)")

@@ -50,6 +50,9 @@ def test_workload_is_seeded_and_sized(bench):
                           )["tg_prompt"] != w["tg_prompt"]
     q = bench.workload(bench.parse_args(["--quick", "--model-path", "/m.gguf"]))
     assert q["tg_new"] == 32 and list(q["pp_prompts"]) == ["128"] and q["concurrent"] == 4
+    # --pp-lens: the rows asked for, sorted, and always the TTFT row's length
+    m = bench.workload(bench.parse_args(["--pp-lens", "128,16", "--model-path", "/m.gguf"]))
+    assert [len(v) for v in m["pp_prompts"].values()] == [16, 128, 512] == m["pp_lens"]
 
 
 def test_table_and_notes(bench):
