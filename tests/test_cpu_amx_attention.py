@@ -101,12 +101,13 @@ def test_extend_matches_fp32_reference(kind, heads, kv_heads, head_dim, window, 
     want = reference(q, k_buf, v_buf, slots, PREFIX, NEW, scale, window, cap)
     assert got.shape == (T, heads * head_dim) and got.dtype == torch.bfloat16
     assert torch.isfinite(got).all(), "a NaN slot outside the requests was read"
-    # Error sources: P rounded to bf16 (relative 2^-9 per weight, of random sign, so the
-    # output moves by ~2^-9 |v| / sqrt(visible keys)) and the output's own bf16 rounding
-    # (2^-9 of |out|; |v| is N(0, 1), so |out| < ~4): under 2^-9 * 4 + slack. A wrong mask,
-    # scale or layout errs by 0.1 or more.
+    # Error sources: the output's bf16 rounding (up to 2^-8 of |out|) and P rounded to bf16
+    # (relative 2^-8 per weight at most, of random sign, so the output moves by a few 2^-8 |v|
+    # / sqrt(visible keys), |v| ~ N(0, 1)); measured here at most 3.3e-3 past the first term
+    # over these cases. A wrong mask, scale or layout errs by 0.1 or more.
     err = (got.float() - want).abs()
-    assert err.max().item() < 1e-2, f"max error {err.max().item()}"
+    excess = (err - want.abs() * 2**-8).max().item()
+    assert excess < 6e-3, f"error {excess} past the output's rounding"
     assert err.mean().item() < 1.5e-3
 
 
