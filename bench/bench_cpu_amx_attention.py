@@ -1,4 +1,4 @@
-"""cpu_amx's causal extend attention on AMX bf16 tiles (plugins/attention/cpu_amx/attn_amx.c)
+"""cpu_amx's causal extend attention on AMX bf16 tiles (plugins/attention/cpu_c/attn_amx.c)
 against what torch_native runs for the same bf16 extend, one layer on the CPU.
 
     python bench/bench_cpu_amx_attention.py --check          # AMX build vs fp32 reference
@@ -88,7 +88,7 @@ def reference(q, k_buf, v_buf, slots, prefix, new, scale, window=None, cap=None)
 
 def check(lib, threads: int, long: bool) -> int:
     """long: also the long prompts (real tiles; the emulated ones would take minutes)."""
-    from plugins.attention.cpu_amx.backend import extend_attention
+    from plugins.attention.cpu_c.amx import extend_attention
 
     mixed = ((0, 5, 37, 100), (1, 17, 33, 200))
     runs = []
@@ -138,7 +138,7 @@ def one_case(lib, emu, shape: str, label: str, prefix: int, new: int, threads: i
              reps: int) -> dict:
     from core.contract.attention import AttentionLayerParams
     from plugins._kit.torch_attention import TorchNativeAttention, TorchNativeMeta
-    from plugins.attention.cpu_amx.backend import extend_attention
+    from plugins.attention.cpu_c.amx import extend_attention
 
     H, hkv, d = SHAPES[shape]
     k_buf, v_buf, slots, gen = make_pool((prefix,), (new,), hkv, d, seed=1)
@@ -196,7 +196,7 @@ def bench(lib, emu, threads: int, reps: int, max_tokens: int | None) -> list[dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    from plugins.attention.cpu_amx.backend import library
+    from plugins.attention.cpu_c.amx import library
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="compare against the fp32 reference")

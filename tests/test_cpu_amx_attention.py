@@ -1,4 +1,4 @@
-"""cpu_amx (issue 38): causal extend attention on AMX bf16 tiles (plugins/attention/cpu_amx).
+"""cpu_amx (issue 38): causal extend attention on AMX bf16 tiles (plugins/attention/cpu_c/amx.py).
 
 The kernel (attn_amx.c) is checked against an fp32 softmax attention of the same bf16 inputs
 in two builds: on emulated tiles (-DAMX_EMULATE: the same layouts, masks and softmax with
@@ -23,8 +23,8 @@ from conformance.paged_batch import AttentionCase, build_inputs
 from core.plan.registry import Origin, Registration
 from plugins._kit.cbuild import ISA_FEATURES, build
 from plugins._kit.torch_attention import TorchNativeAttention
-from plugins.attention import cpu_amx
-from plugins.attention.cpu_amx.backend import (
+from plugins.attention import cpu_c
+from plugins.attention.cpu_c.amx import (
     SOURCE,
     CpuAmxEmulated,
     extend_attention,
@@ -151,14 +151,14 @@ def test_the_real_tile_build_compiles():
 
 def _caps():
     got = {}
-    cpu_amx.core_register_attention_backends(register=lambda n, c, f: got.update({n: c}))
+    cpu_c.core_register_attention_backends(register=lambda n, c, f: got.update({n: c}))
     return got["cpu_amx"]
 
 
 def emulated_registration() -> Registration:
     """cpu_amx's declaration with the emulated-tile class as its factory."""
     return Registration("attention", "cpu_amx", _caps(), CpuAmxEmulated,
-                        Origin("cpu_amx", "<in-process>"))
+                        Origin("cpu_c", "<in-process>"))
 
 
 def test_declaration():

@@ -1,4 +1,5 @@
-/* Causal extend attention on AMX bf16 tiles over the paged KV pool (plugins/attention/cpu_amx).
+/* Causal extend attention on AMX bf16 tiles over the paged KV pool (`cpu_amx`,
+ * plugins/attention/cpu_c/amx.py).
  *
  * For a batch of requests, request b adding n_b new tokens after p_b cached ones (its K/V
  * already written to the pool), new token j of b sits at position p_b + j and attends keys
