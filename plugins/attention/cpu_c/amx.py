@@ -13,6 +13,10 @@ Numerics: bf16 x bf16 products summed in fp32 on the tiles, the softmax probabil
 to bf16 before P @ V (the row sums add them as rounded), fp32 accumulation, bf16 output. The
 summation order differs from SDPA's.
 
+Costs: a scratch copy of the step's visible K/V per call and layer (keys x KV heads x (D + Dv)
+x 2 bytes, 16 MiB for a 4096-token Llama-8B prompt), allocated and freed by the kernel; the
+softmax is C the compiler vectorizes (AVX-512 in the `amx` build), not hand-written intrinsics.
+
 `library("emulated")` is the same source with plain-C tile primitives (-DAMX_EMULATE): the same
 layouts, masks and softmax on any CPU, for tests and for checking the algorithm off AMX.
 """
