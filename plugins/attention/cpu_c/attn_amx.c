@@ -329,8 +329,9 @@ int amx_attn_extend(const uint16_t *q, const uint16_t *kb, const uint16_t *vb, i
                         m[i] = mnew;
                     }
                     for (int64_t i = 0; i < QB; i++) {
-                        float *oi = o + i * Dv;
                         const float a = alpha[i];
+                        if (a == 1.0f) continue; /* the row's max held (the usual case later on) */
+                        float *oi = o + i * Dv;
 #pragma omp simd
                         for (int64_t d = 0; d < Dv; d++) oi[d] *= a;
                     }
