@@ -66,17 +66,19 @@ def _version(cc: str) -> str:
 
 
 @functools.cache
-def build(source: Path, variant: str) -> ctypes.CDLL:
+def build(source: Path, variant: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The loaded library of `source` for one ISA variant (compiled if the cache lacks it);
-    RuntimeError with the compiler's message when it cannot be built."""
+    RuntimeError with the compiler's message when it cannot be built. `extra`: more flags
+    (macros such as -DAMX_EMULATE), part of the cache key like the rest."""
     cc = c_compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc / clang)")
-    flags = (*BASE_FLAGS, *ISA_FLAGS[variant], f"-I{INCLUDE}")
+    flags = (*BASE_FLAGS, *ISA_FLAGS[variant], *extra, f"-I{INCLUDE}")
     headers = b"".join((INCLUDE / h).read_bytes() for h in HEADERS)
     key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()
                          + _version(cc).encode()).hexdigest()[:16]
-    out = cache_dir() / f"{source.stem}_{variant}_{key}.so"
+    tag = "_".join([variant, *(f[2:].split("=")[0].lower() for f in extra if f[:2] == "-D")])
+    out = cache_dir() / f"{source.stem}_{tag}_{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)

@@ -6,6 +6,11 @@ instruction set (plugins/_kit/cbuild.py): `cpu_c_avx512`, `cpu_c_avx2`, `cpu_c`;
 numba_cpu, whose per-call dispatch (~25 us) is most of a small model's decode attention. Needs a
 C compiler.
 
+`cpu_amx` (amx.py, attn_amx.c): for Xeons with AMX computing in bf16, extends longer than
+SHORT_EXTEND as flash attention on AMX bf16 tiles from the pool; decode and short extends as
+cpu_c_avx512, fp32 extends (and head dims not a multiple of 32) as torch_native. Its source
+builds with emulated tiles too (tests, any CPU).
+
 `cpu_c_mla*` (mla.py): the MLA kind with the same kernel at decode, absorbed over the latent pool
 (one KV head of width kv_lora_rank + rope dims, all query heads on each row read once); extend is
 torch_native_mla's materialised form.
@@ -33,6 +38,17 @@ MLA_VARIANTS = {
 
 @hookimpl
 def core_register_attention_backends(register):
+    register("cpu_amx", AttentionCaps(
+        devices={"cpu"}, cpu_isa=ISA_FEATURES["amx"],
+        dtypes={"float32", "bfloat16"}, kv_cache_dtypes={"float32", "bfloat16"},
+        head_sizes=None, page_sizes=PageSizes.any(),
+        attention_kinds={"MHA", "GQA", "MQA"}, sliding_window=True, logit_softcap=True,
+        sinks=False, phases={"prefill", "decode"}, cuda_graph=False,
+        # fixed work items, each a fixed summation order
+        deterministic=True, programs=("cc",), priority={"cpu": 45},
+        description="bf16 extend as flash attention on AMX tiles from the paged KV pool; "
+                    "decode and short extends as cpu_c_avx512; fp32 extend as torch_native"),
+        "plugins.attention.cpu_c.amx:CpuAmxAttention")
     for name, (factory, variant, prio) in VARIANTS.items():
         register(name, AttentionCaps(
             devices={"cpu"}, cpu_isa=ISA_FEATURES[variant],
