@@ -5,7 +5,9 @@ the file holds them (`GGUFBlocks`); float tensors (F32 / F16 / BF16) always come
 llama.cpp names (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) map to HF's; for
 the `llama` GGUF architecture, llama.cpp's converter permuted the rows of Q and K so that its
 interleaved rotary matches HF's half-split one, and that permutation is undone here (as
-transformers' own GGUF loader does).
+transformers' own GGUF loader does). For `gemma2` / `gemma3` (no permutation: llama.cpp runs them
+with the half-split rotary) the converter added 1 to every RMSNorm weight, which comes off here,
+and the sandwich norms have names of their own.
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ _BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 2 / 3 (sandwich norms): llama.cpp's names for the norms Llama does not have, and its
+# ffn_norm is the pre-MLP norm, not Llama's post-attention one
+_GEMMA_BLOCK = {
+    **_BLOCK,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# GGUF architectures whose converter stored every RMSNorm weight w as 1 + w (llama.cpp's norm is
+# a plain x * w; HF's Gemma norm scales by 1 + w): the 1 is taken off again here
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
 # Tensors that carry nothing our layers use (rope frequencies are recomputed from the config).
 _SKIP = ("rope_freqs.weight",)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -73,13 +86,15 @@ class GGUFBlocks:
         return f"GGUFBlocks({self.ggml_type}, shape={self.shape})"
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF parameter name of a llama.cpp tensor name (unknown names are returned as is)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The HF parameter name of a llama.cpp tensor name in a file of GGUF architecture `arch`
+    (unknown names are returned as is)."""
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part in _BLOCK:
-            return f"model.layers.{layer}.{_BLOCK[part]}.{kind}"
+        block = _GEMMA_BLOCK if arch in _NORM_PLUS_ONE else _BLOCK
+        if part in block:
+            return f"model.layers.{layer}.{block[part]}.{kind}"
         return gguf_name
     base, _, kind = gguf_name.rpartition(".")
     if base in _TOP:
@@ -165,6 +180,7 @@ def gguf_weights(path: str, config: HFConfig, reader: GGUFReader | None = None,
     else:
         arch, tensors = field_value(reader, "general.architecture"), reader.tensors
     permute = arch in _PERMUTED_ARCHS
+    norm_minus_one = arch in _NORM_PLUS_ONE
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     tensors = [t for t in tensors if t.name not in _SKIP]
@@ -172,8 +188,10 @@ def gguf_weights(path: str, config: HFConfig, reader: GGUFReader | None = None,
     def it() -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
         for t in tensors:
             shape = tuple(int(d) for d in reversed(t.shape))
-            name = hf_name(t.name)
-            if raw and t.tensor_type.name not in FLOAT_TYPES:
+            name = hf_name(t.name, str(arch))
+            # a norm is always a tensor (its 1 comes off); llama.cpp keeps norms F32 anyway
+            is_norm = norm_minus_one and name.endswith("norm.weight")
+            if raw and t.tensor_type.name not in FLOAT_TYPES and not is_norm:
                 data = np.asarray(t.data, dtype=np.uint8).reshape(shape[0], -1) \
                     if len(shape) == 2 else np.asarray(t.data, dtype=np.uint8)
                 if permute and name.endswith("self_attn.q_proj.weight"):
@@ -192,6 +210,8 @@ def gguf_weights(path: str, config: HFConfig, reader: GGUFReader | None = None,
             if not arr.flags.writeable:
                 arr = arr.copy()
             w = torch.from_numpy(arr)
+            if is_norm:
+                w = w - 1.0  # exact: the stored 1 + w lies in [0.5, 2] for the usual |w| < 1
             if permute and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
                 w = unpermute_rope_rows(w, n_heads)
             elif permute and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):

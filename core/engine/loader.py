@@ -162,6 +162,8 @@ def load_config(source: WeightSource, trust_remote_code: bool = False) -> HFConf
                                  lambda: config_record(_gguf_hf_config(source, saved=True)))
             config = ConfigView(record) if record.get("usable") else _gguf_hf_config(source)
             config._name_or_path = source.directory  # where the model is, not the cache
+            if getattr(config, "model_type", None) in ("gemma2", "gemma3_text"):
+                _fill_gguf_gemma(config, os.path.join(source.directory, source.gguf_file))
             return config
         from transformers import AutoConfig
 
@@ -176,6 +178,17 @@ def load_config(source: WeightSource, trust_remote_code: bool = False) -> HFConf
     except Exception as exc:  # one clear message for every way a config can be unreadable
         raise ValueError(f"cannot read the model config in {source.directory}"
                          f"{f' ({source.gguf_file})' if source.gguf_file else ''}: {exc}") from exc
+
+
+def _fill_gguf_gemma(config: HFConfig, path: str) -> None:
+    """Set on a Gemma 2 / 3 GGUF file's config what transformers' conversion of the header
+    drops and llama.cpp sets in code (core.plan.gguf_metadata.gemma_config: soft-caps,
+    query_pre_attn_scalar, layer types, Gemma 3's two ropes); done on every load, after the
+    cache, so a cache entry written before never serves the defaults."""
+    from core.plan.gguf_metadata import gemma_config, read_gguf_metadata
+
+    for key, value in gemma_config(read_gguf_metadata(path)).items():
+        setattr(config, key, value)
 
 
 def _config_by_architecture(directory: str) -> PretrainedConfig | None:

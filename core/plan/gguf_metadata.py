@@ -196,6 +196,77 @@ def _type_name(enum_name: str, value: int) -> str:
         return str(value)
 
 
+# llama.cpp's Gemma (src/llama-model.cpp): what the file leaves out, llama.cpp fixes in code
+GEMMA_ARCHS = ("gemma2", "gemma3")
+# layer count of the 27B models, whose softmax scale is 1/sqrt(hidden / heads), not 1/sqrt(head_dim)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}  # every n-th layer is global, the others slide
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0  # llama.cpp's rope base of Gemma 3's sliding layers
+
+
+def gemma_config(meta: GGUFMetadata) -> JSONObject:
+    """The HF config fields of a llama.cpp Gemma 2 / Gemma 3 file (general.architecture gemma2 or
+    gemma3) as llama.cpp itself runs it: its converter writes the soft-caps and the window but
+    neither query_pre_attn_scalar nor the layer pattern nor Gemma 3's local rope, which llama.cpp
+    sets in code (27B models by their layer count scale by hidden / heads, the rest by head_dim;
+    Gemma 2 alternates windows, Gemma 3 makes every 6th layer global; Gemma 3's sliding layers
+    use rope base 10000 unscaled, its global ones the file's base and linear scaling).
+    transformers' GGUF config conversion drops these (it takes its config class's defaults: soft-caps
+    50 / 30, query_pre_attn_scalar 256, no rope scaling), so they are filled from here.
+    ValueError for what llama.cpp's Gemma would not read the same way (a rope scaling other than
+    linear)."""
+    arch = meta.architecture
+    if arch not in GEMMA_ARCHS:
+        raise ValueError(f"{meta.path}: {arch!r} is not a Gemma 2 / Gemma 3 GGUF architecture")
+    f, prefix = meta.fields, arch + "."
+    n_layers = int(f.get(prefix + "block_count", 0) or 0)
+    hidden = int(f.get(prefix + "embedding_length", 0) or 0)
+    heads = f.get(prefix + "attention.head_count")
+    if isinstance(heads, list):  # per-layer head counts: llama.cpp reads layer 0's
+        heads = heads[0]
+    heads = int(heads or 0)
+    head_dim = f.get(prefix + "attention.key_length") or (hidden // heads if heads else None)
+    cfg: JSONObject = {}
+    if head_dim is not None:
+        cfg["head_dim"] = int(head_dim)
+    if n_layers == _GEMMA_27B_LAYERS[arch] and heads:
+        cfg["query_pre_attn_scalar"] = hidden // heads
+    elif head_dim is not None:
+        cfg["query_pre_attn_scalar"] = int(head_dim)
+    window = f.get(prefix + "attention.sliding_window")
+    if arch == "gemma2":
+        window = window or 4096  # llama.cpp's default for a file without the key
+        cfg["attn_logit_softcapping"] = float(f.get(prefix + "attn_logit_softcapping", 50.0))
+        cfg["final_logit_softcapping"] = float(f.get(prefix + "final_logit_softcapping", 30.0))
+    else:
+        cfg["attn_logit_softcapping"] = None
+        final = f.get(prefix + "final_logit_softcapping")
+        cfg["final_logit_softcapping"] = float(final) if final else None
+    period = _GEMMA_SWA_PERIOD[arch]  # (llama.cpp reads no per-layer pattern key for these)
+    sliding = [bool(window) and i % period < period - 1 for i in range(n_layers)]
+    cfg["sliding_window"] = int(window) if window else None
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    base = float(f.get(prefix + "rope.freq_base", 10000.0))
+    scaling = f.get(prefix + "rope.scaling.type")
+    factor = f.get(prefix + "rope.scaling.factor")
+    if not scaling and f.get(prefix + "rope.scale_linear"):  # the older key
+        scaling, factor = "linear", f[prefix + "rope.scale_linear"]
+    if scaling in (None, "", "none") or (scaling == "linear" and float(factor or 1.0) == 1.0):
+        rope: JSONObject = {"rope_type": "default", "rope_theta": base}
+    elif scaling == "linear":
+        rope = {"rope_type": "linear", "factor": float(factor), "rope_theta": base}
+    else:
+        raise ValueError(f"{meta.path}: {arch} with rope scaling {scaling!r}: llama.cpp's "
+                         "Gemma reads only linear scaling, and so does this loader")
+    if arch == "gemma2":
+        cfg["rope_parameters"] = rope
+    else:
+        cfg["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA},
+            "full_attention": rope}
+    return cfg
+
+
 def gguf_to_hf_config(meta: GGUFMetadata) -> JSONObject:
     """A HF-style config dict from GGUF metadata (keys named as in config.json).
 
@@ -256,6 +327,10 @@ def gguf_to_hf_config(meta: GGUFMetadata) -> JSONObject:
         cfg["rope_scaling"] = scaling
     # no separate output matrix means the LM head reuses the embedding
     cfg["tie_word_embeddings"] = "output.weight" not in meta.tensor_types
+    if arch in GEMMA_ARCHS:
+        cfg.pop("rope_theta", None)
+        cfg.pop("rope_scaling", None)
+        cfg.update(gemma_config(meta))
     quant: JSONObject = {"quant_method": "gguf"}
     if (file_type := f.get("general.file_type")) is not None:
         quant["file_type"] = _type_name("LlamaFileType", file_type)
