@@ -237,9 +237,12 @@ def test_f32_file_served_matches_hf_past_the_window(files, registry):
 def test_blocks_kept_match_the_dequantized_file(files, registry, kind):
     """The CPU default for a quantized file keeps its blocks (a gguf_* quant method); its logits
     match the same file dequantized (whose own logits match transformers' read of the file
-    within 1e-4). The block kernels round each activation block of 32 to int16 (relative error
-    ~3e-5 per element, tests/test_gguf_quant.py) where the dequantized load multiplies in fp32:
-    the two agree to 1e-3 of the logits' range."""
+    within 1e-4). The block kernels round each activation block of 32 to int16 (at most
+    1.5e-5 of the block's largest value; tests/test_gguf_quant.py checks the arithmetic) where
+    the dequantized load multiplies in fp32. This tiny random model amplifies a perturbation
+    about 100x (Q8_0's ~4e-3 weight rounding moves its logits by ~30% of their range; Gemma 3's
+    six layers and q/k norms most), so the two agree to 2e-3 of the logits' range (measured:
+    1.4e-4 Gemma 2, 7e-4 Gemma 3) and pick the same tokens."""
     from core.engine.worker import make_plan
 
     arch, hf, paths = files
@@ -255,25 +258,31 @@ def test_blocks_kept_match_the_dequantized_file(files, registry, kind):
     ref = served_logits(dense, ids, prompt=12)
     assert_close(ref, hf_logits(hf_read_of(path, hf), ids))
     ours = served_logits(kept, ids, prompt=12)
-    assert_close(ours, ref, rtol=1e-3)
+    assert_close(ours, ref, rtol=2e-3)
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_the_engine_serves_the_file_greedy_like_hf(files):
-    """`core serve`'s engine on the F32 file (resolver's CPU plan), greedy past the window:
-    the original model's greedy tokens."""
+def test_the_engine_serves_the_files_greedy_like_hf(files):
+    """`core serve`'s engine (the resolver's CPU plan), greedy past the window: on the F32 file
+    the original model's tokens; on the Q8_0 file, served from its blocks, the tokens of
+    transformers' (dequantized) read of that file."""
     from hf_compare import hf_greedy
 
     import core
 
     arch, hf, paths = files
     prompts = [tokens(2 * W + 3, seed=3), tokens(5, seed=4)]
-    want = [hf_greedy(hf, p, 10) for p in prompts]
-    with core.Engine(paths["F32"], dtype="float32", max_total_tokens=512, page_size=4) as engine:
-        assert engine.plan.model_impl == arch
-        outs = engine.generate(input_ids=prompts, sampling_params={
-            "temperature": 0, "max_new_tokens": 10, "ignore_eos": True})
-    assert [o["output_ids"] for o in outs] == want
+    for kind, ref in (("F32", hf), ("Q8_0", hf_read_of(paths["Q8_0"], hf))):
+        want = [hf_greedy(ref, p, 10) for p in prompts]
+        with core.Engine(paths[kind], dtype="float32", max_total_tokens=512,
+                         page_size=4) as engine:
+            assert engine.plan.model_impl == arch
+            if kind == "Q8_0":
+                assert engine.plan.quant_method.startswith("gguf_")
+                assert any("GGUF blocks kept" in n for n in engine.info.notes), engine.info.notes
+            outs = engine.generate(input_ids=prompts, sampling_params={
+                "temperature": 0, "max_new_tokens": 10, "ignore_eos": True})
+        assert [o["output_ids"] for o in outs] == want, kind
 
 
 def test_core_resolve_plans_the_file(files, capsys):
