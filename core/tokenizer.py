@@ -123,12 +123,13 @@ class Tokenizer:
                 if entry(gguf) is not None:  # converted once: runs on the `tokenizers` package
                     fast = _fast_from_gguf(path, gguf_file, eos, template)
                     if fast is not None:
-                        return fast
+                        return _gguf_end_ids(fast, gguf)
             hf = _hf_tokenizer(path, gguf_file, trust_remote_code)
         except Exception as exc:  # transformers raises many kinds; one clear message here
             raise ValueError(f"cannot load a tokenizer from {path!r}"
                              f"{f' ({gguf_file})' if gguf_file else ''}: {exc}") from exc
-        return cls(hf, eos, template)
+        tok = cls(hf, eos, template)
+        return _gguf_end_ids(tok, os.path.join(path, gguf_file)) if gguf_file else tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._fast is not None:
@@ -370,6 +371,30 @@ def _gpt2_byte_alphabet() -> dict[int, str]:
             table[b] = chr(256 + shifted)
             shifted += 1
     return table
+
+
+# GGUF architectures whose chat turns end with this token: llama.cpp ends generation there
+# (its vocabulary loader takes the token as end-of-generation by its text), though the file's
+# eos_token_id is <eos>; HF's checkpoints list it in generation_config.json, which a GGUF lacks
+_GGUF_END_OF_TURN = {"gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}
+
+
+def _gguf_end_ids(tok: Tokenizer, gguf: str) -> Tokenizer:
+    """`tok` with the GGUF file's other end-of-generation tokens among its EOS ids: the
+    header's eot / eom token ids, and its architecture's end-of-turn token (Gemma's)."""
+    from core.plan.gguf_metadata import read_gguf_metadata
+
+    meta = read_gguf_metadata(gguf)
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = meta.fields.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            tok.eos_token_ids.add(value)
+    text = _GGUF_END_OF_TURN.get(meta.architecture)
+    if text is not None:
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) == 1:  # a token of its own (absent from a base model's vocabulary: no id)
+            tok.eos_token_ids.add(ids[0])
+    return tok
 
 
 def _eos_from_json(path: str) -> set[int]:

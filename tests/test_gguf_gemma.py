@@ -30,7 +30,9 @@ from core.plan.registry import build_registry
 
 W = 8  # the sliding window
 RTOL = 1e-4
-TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+# Gemma's specials at their ids, the bytes, Gemma's end of turn in the last place (of 260)
+TOKENS = (["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(255)]
+          + ["<end_of_turn>"])
 # what a GGUF of each architecture can say (see the module docstring)
 OVERRIDES = {
     "gemma2": dict(query_pre_attn_scalar=16),
@@ -80,12 +82,12 @@ def write_gemma_gguf(hf, path, qtype=None) -> str:
         if cfg.final_logit_softcapping:
             w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_sliding_window(cfg.sliding_window)
-    # a sentencepiece ("llama") vocabulary: 4 specials, then the 256 byte tokens
+    # a sentencepiece ("llama") vocabulary (no eot key: llama.cpp's Gemma files have none)
     assert len(TOKENS) == cfg.vocab_size
     w.add_tokenizer_model("llama")
     w.add_token_list(TOKENS)
     w.add_token_scores([0.0] * len(TOKENS))
-    w.add_token_types([3, 3, 3, 2] + [6] * 256)  # control, unknown, byte
+    w.add_token_types([3, 3, 3, 2] + [6] * 255 + [3])  # control, unknown, byte
     w.add_pad_token_id(0)
     w.add_eos_token_id(1)
     w.add_bos_token_id(2)
@@ -283,6 +285,21 @@ def test_the_engine_serves_the_files_greedy_like_hf(files):
             outs = engine.generate(input_ids=prompts, sampling_params={
                 "temperature": 0, "max_new_tokens": 10, "ignore_eos": True})
         assert [o["output_ids"] for o in outs] == want, kind
+
+
+def test_the_tokenizer_ends_generation_at_the_end_of_turn(files):
+    """Gemma's chat turns end with <end_of_turn>, which llama.cpp takes as end of generation
+    though the file's eos_token_id is <eos>: both are EOS ids (cold and from the cache)."""
+    import os
+
+    from core.tokenizer import Tokenizer
+
+    _, _, paths = files
+    directory, name = os.path.split(paths["F32"])
+    for _ in range(2):
+        tok = Tokenizer.from_path(directory, gguf_file=name)
+        assert tok.eos_token_ids == {1, 259}
+        assert tok.encode("<end_of_turn>", add_special_tokens=False) == [259]
 
 
 def test_core_resolve_plans_the_file(files, capsys):
