@@ -2,7 +2,9 @@
 
 What differs from Llama (HF's Gemma2 / Gemma3 modeling, checked against it in tests/test_models.py):
 - every RMSNorm scales by (1 + weight): the checkpoint's weights get the 1 added once at load, so
-  the shared RMSNorm (and its fused kernels) run unchanged;
+  the shared RMSNorm (and its fused kernels) run unchanged (a llama.cpp GGUF file stores 1 + w:
+  core.engine.gguf_weights takes the 1 off, and the config fields its header lacks come from
+  core.plan.gguf_metadata.gemma_config);
 - "sandwich" norms: the attention output and the MLP output are normed before their residual add
   (post_attention_layernorm, post_feedforward_layernorm), and the MLP's input has its own norm
   (pre_feedforward_layernorm);
