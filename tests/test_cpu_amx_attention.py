@@ -163,7 +163,8 @@ def emulated_registration() -> Registration:
 
 def test_declaration():
     caps = _caps()
-    assert caps.cpu_isa == AMX and caps.priority["cpu"] > 40  # above cpu_c_avx512
+    # opt-in until measured on an AMX CPU: below cpu_c_avx512, above cpu_c_avx2
+    assert caps.cpu_isa == AMX and 35 < caps.priority["cpu"] < 40
     assert caps.dtypes == {"float32", "bfloat16"} and not caps.sinks
 
 
