@@ -102,6 +102,25 @@ def test_kernel_products_match_their_arithmetic(variant, type_name, act_bits):
         assert torch.equal(bound(x), kern.linear(x, p))
 
 
+@pytest.mark.parametrize("act_bits", [16, 8])
+@pytest.mark.parametrize("variant", runnable_variants())
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(variant, type_name, act_bits):
+    """Every row of an M-row product is bit for bit its 1-row product (the multi-row kernels
+    keep each row's arithmetic), so a decode step's tokens do not depend on what they are
+    batched with; M 2..9 crosses the 4-row groups and their remainders."""
+    kern = Kernels(variant, act_bits)
+    k = 256 if type_name.endswith("_K") else 96
+    p = formats.from_ggml(type_name, random_blocks(type_name, 21, k, seed=3), k)
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(21, generator=gen)
+    for m in range(2, 10):
+        x = torch.randn(m, k, generator=gen)
+        got = kern.linear(x, p, bias)
+        for i in range(m):
+            assert torch.equal(got[i:i + 1], kern.linear(x[i:i + 1], p, bias)), (m, i)
+
+
 def test_stacked_shards_of_different_types_are_exact():
     parts = [("Q4_K", 8), ("Q6_K", 4), ("Q8_0", 4), ("Q4_1", 8)]
     packed = [formats.from_ggml(t, random_blocks(t, n, 256, seed=i), 256)
