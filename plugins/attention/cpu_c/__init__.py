@@ -9,8 +9,9 @@ C compiler.
 `cpu_amx` (amx.py, attn_amx.c): for Xeons with AMX computing in bf16, extends longer than
 SHORT_EXTEND as flash attention on AMX bf16 tiles from the pool; decode and short extends as
 cpu_c_avx512, fp32 extends (and head dims not a multiple of 32) as torch_native. Its source
-builds with emulated tiles too (tests, any CPU). Opt-in for now (`--attention-backend cpu_amx`;
-priority below cpu_c_avx512): the tiles have not yet run on an AMX CPU.
+builds with emulated tiles too (tests, any CPU). Opt-in (`--attention-backend cpu_amx`; priority
+below cpu_c_avx512): right on an AMX CPU, but slower there than torch_native's extend at most
+shapes (the registration says where).
 
 `cpu_c_mla*` (mla.py): the MLA kind with the same kernel at decode, absorbed over the latent pool
 (one KV head of width kv_lora_rank + rope dims, all query heads on each row read once); extend is
@@ -46,9 +47,11 @@ def core_register_attention_backends(register):
         attention_kinds={"MHA", "GQA", "MQA"}, sliding_window=True, logit_softcap=True,
         sinks=False, phases={"prefill", "decode"}, cuda_graph=False,
         # fixed work items, each a fixed summation order. Below cpu_c_avx512 (40), so opt-in
-        # (--attention-backend cpu_amx): its tile path has only run emulated, never on an AMX
-        # CPU, and no AMX timing exists yet (bench/bench_cpu_amx_attention.py); raise it above
-        # 40 once `--check` passes and the bench beats torch_native's extend there
+        # (--attention-backend cpu_amx): on a 16-core Xeon with AMX (session 22) its tiles are
+        # right (`bench/bench_cpu_amx_attention.py --check`, the tile tests) but slower than
+        # torch_native's extend at 16 threads, whose SDPA already reaches 800-1750 GFLOP/s
+        # there: 3.18x faster only for SmolLM2's shape at a 512-token prompt, 0.49-0.87x at
+        # 4096 tokens, over a 3584-token prefix and for Llama-8B's heads (bench/RESULTS.md)
         deterministic=True, programs=("cc",), priority={"cpu": 38},
         description="bf16 extend as flash attention on AMX tiles from the paged KV pool; "
                     "decode and short extends as cpu_c_avx512; fp32 extend as torch_native"),

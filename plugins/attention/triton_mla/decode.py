@@ -15,7 +15,7 @@ Per step: q_lat = q_nope @ w_kc per head (in the compute dtype), then
   serial loop over one split at a time cost ~1 us a split: 190 us of a 32k-context batch-1 step
   at 256 splits on an H100;
 then out = o_lat @ w_vc^T per head. Both per-head products go through `head_matmul`: a Triton
-program per head and column block up to HEAD_MATMUL_MAX_ROWS rows a step (off for now: see
+program per head and column block up to HEAD_MATMUL_MAX_ROWS rows a step (off: see
 there), torch.bmm past it.
 
 Slots come from req_to_token[req_pool_indices] token by token, so any page size works. Nothing
@@ -276,12 +276,12 @@ def _head_matmul(X, W, Out, B, stride_xb, stride_xh, stride_xk, stride_wh, strid
              acc.to(Out.dtype.element_ty), mask=bmask[:, None] & nmask[None, :])
 
 
-# Up to this many rows a step, the absorbed products (q_nope @ w_kc, o_lat @ w_vc^T) are to run
-# as one Triton program per (head, column block): cuBLAS's batched GEMM took 5-6 us for
-# V2-Lite's 2 MB of w_kc at batch 1 on an H100 (0.1 of copy bandwidth), two launches a layer.
-# 0 = off: the kernel passes its interpreter tests (tests/test_triton_mla.py) but session 21 ran
-# out of device time before running it on a GPU. Set 32 once `pytest -m gpu
-# tests/test_triton_mla.py` passes with it and bench/profile_decode.py on V2-Lite shows the gain.
+# Up to this many rows a step, the absorbed products (q_nope @ w_kc, o_lat @ w_vc^T) run as one
+# Triton program per (head, column block) instead of cuBLAS's batched GEMM. 0 = off. Session 22
+# ran it on an H100 at 32: tests/test_triton_mla.py passes on the GPU (bf16 at DeepSeek shapes
+# too), 3.27 us a call, but V2-Lite's batch-1 step did not move (graph replay 3.45 ms against
+# session 21's 3.44; bench/RESULTS.md, "DeepSeek MLA on the GPU"): the 6.3 us cuBLAS pair of
+# that profile was not these products. Left off; the kernel stays for a shape where it pays.
 HEAD_MATMUL_MAX_ROWS = 0
 
 
