@@ -49,7 +49,7 @@ BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-shared", "-fPIC")
 
 # headers the sources include (`#include "cbf16.h"`): this directory is on the include path
 INCLUDE = Path(__file__).parent
-HEADERS = ("cbf16.h", "gq_act.h")
+HEADERS = ("cbf16.h", "camx.h", "cexp.h", "gq_act.h")
 
 
 def cache_dir() -> Path:

@@ -46,19 +46,10 @@
 
 #ifndef AMX_EMULATE
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#define CAMX_REQUEST /* amx_request_tiles */
 #endif
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
+#include "camx.h" /* tile_config */
+#include "cexp.h" /* exp_neg */
 
 #ifdef AMX_EMULATE
 /* A thread's tiles: 16 rows of 64 bytes each (the only shape this kernel configures). */
@@ -101,32 +92,11 @@ int amx_attn_init(void) { return 0; }
 #define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 const char *amx_attn_variant(void) { return "amx"; }
 /* Ask the kernel for the AMX tile state (Linux grants it per process); 0 when granted. */
-int amx_attn_init(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
-}
+int amx_attn_init(void) { return amx_request_tiles(); }
 #endif
 
 #define QB 16 /* query rows a block (tile rows) */
 #define KB 32 /* keys a block (two score tiles; one P tile's k extent) */
-
-/* e^x for x <= 0 (and -inf), vectorizable: 2^n e^r, Cephes expf's polynomial (attn.c's). */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
 
 /* cap * tanh(s / cap) through exp_neg: tanh|x| = (1 - e^-2|x|) / (1 + e^-2|x|) */
 static inline float soft_cap(float s, float cap) {
@@ -248,12 +218,7 @@ int amx_attn_extend(const uint16_t *q, const uint16_t *kb, const uint16_t *vb, i
             float pv[QB * 16] __attribute__((aligned(64)));
             float m[QB], l[QB], alpha[QB];
             tile_config cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            for (int i = 0; i < 8; i++) {
-                cfg.rows[i] = 16;
-                cfg.colsb[i] = 64;
-            }
+            tile_config_16x64(&cfg);
             if (ok) TILE_CONFIG(&cfg);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t w = 0; w < items; w++) {

@@ -19,41 +19,23 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#define CAMX_REQUEST /* amx_request_tiles */
+#include "camx.h"   /* tile_config */
 #include "cbf16.h"
 #include "gq_act.h" /* quantize_row_vec, split16: the activations of gq_amx_q_linear */
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 const char *gq_amx_variant(void) { return "amx"; }
 
 /* Ask the kernel for the AMX tile state (Linux grants it per process); 0 when granted. */
-int gq_amx_init(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
-}
+int gq_amx_init(void) { return amx_request_tiles(); }
 
 static void configure_tiles(void) {
     tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
+    tile_config_16x64(&c);
     _tile_loadconfig(&c);
 }
 
