@@ -32,10 +32,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+REPO = Path(__file__).resolve().parent.parent
+for _p in (str(REPO), str(REPO / "tests")):  # this checkout; the tests' fp32 reference
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from test_cpu_amx_attention import reference  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
 CASES = (("prompt 512", 0, 512), ("prompt 4096", 0, 4096), ("extend 512 @ 3584", 3584, 512))
@@ -63,27 +67,6 @@ def make_pool(prefix, new, hkv, d, seed):
 def lens_of(prefix, new):
     starts = [sum(new[:b]) for b in range(len(new))]
     return torch.tensor([list(prefix), list(new), starts], dtype=torch.int64)
-
-
-def reference(q, k_buf, v_buf, slots, prefix, new, scale, window=None, cap=None):
-    """fp32 softmax attention of the same bf16 values, per request and query head group."""
-    H, hkv = q.shape[1], k_buf.shape[1]
-    outs, t = [], 0
-    for b, (p, n) in enumerate(zip(prefix, new, strict=True)):
-        L = p + n
-        k = k_buf[slots[b, :L]].float().repeat_interleave(H // hkv, 1)
-        v = v_buf[slots[b, :L]].float().repeat_interleave(H // hkv, 1)
-        s = torch.einsum("nhd,lhd->hnl", q[t:t + n].float(), k) * scale
-        t += n
-        if cap:
-            s = cap * torch.tanh(s / cap)
-        pos, j = torch.arange(p, L).unsqueeze(1), torch.arange(L).unsqueeze(0)
-        visible = j <= pos
-        if window:
-            visible &= j > pos - window
-        s = s.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hnl,lhd->nhd", s.softmax(-1), v).reshape(n, -1))
-    return torch.cat(outs)
 
 
 def check(lib, threads: int, long: bool) -> int:
