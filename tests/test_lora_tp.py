@@ -59,15 +59,13 @@ def files(tmp_path_factory):
 
 
 def _rank_manager(cfg, tp: TPGroup, backend):
-    from plugins.models.llama import LlamaForCausalLM
-
     from core.layers.linear import Linear
+    from plugins.models.llama import LlamaForCausalLM
 
     torch.manual_seed(0)  # the same base weights for every rank (each keeps its part of them)
     full = LlamaForCausalLM(cfg, ModelContext())
     model = LlamaForCausalLM(cfg, ModelContext(tp=tp))
-    for (name, whole), (_, part) in zip(full.named_modules(), model.named_modules(),
-                                        strict=True):
+    for whole, part in zip(full.modules(), model.modules(), strict=True):
         if isinstance(part, Linear):  # the checkpoint's tensor, cut by the layer's loader
             torch.nn.init.normal_(whole.weight, std=0.1)
             part.weight_loader(part.weight, whole.weight.data)
@@ -88,7 +86,7 @@ def _backend(name: str):
     return TorchNativeLoRA(config)
 
 
-def _projection_outputs(model, manager, x_in: dict[str, torch.Tensor], tp: TPGroup):
+def _projection_outputs(model, manager, x_in: dict[str, torch.Tensor]):
     """Every adapted linear's output on its input for this rank (the partial sum, before the
     all-reduce, for a row-parallel one), tokens 0-4 base, 5-9 slot 0, 10-14 slot 1."""
     manager.begin_step([5, 5, 5], [-1, 0, 1])
@@ -121,7 +119,7 @@ def test_rank_parts_sum_to_the_unsplit_projection(files, backend, tp_size, kv_he
     for name, linear in one.named_modules():
         if getattr(linear, "epilogue", None) is not None:
             x_in[name] = torch.randn(15, linear.input_size)
-    want = _projection_outputs(one, m1, x_in, TPGroup(rank=0, size=1))
+    want = _projection_outputs(one, m1, x_in)
     got: dict[str, list[torch.Tensor]] = {}
     parts = {}
     for rank in range(tp_size):
@@ -131,30 +129,29 @@ def test_rank_parts_sum_to_the_unsplit_projection(files, backend, tp_size, kv_he
             m.load(n, str(adapters[n]))
             m.acquire(m.lookup(n))
         parts[rank] = dict(model.named_modules())
-        for name, y in _projection_outputs(model, m, x_in, tp).items():
+        for name, y in _projection_outputs(model, m, x_in).items():
             got.setdefault(name, []).append(y)
     for name, ys in got.items():
         linear = parts[0][name]
         if linear.parallel == "row":  # partial sums: the all-reduce adds them
             y = torch.stack(ys).sum(0)
         else:  # each rank's rows of every fused part (q, k, v / gate, up)
-            y = _gather_rows(ys, [parts[r][name] for r in range(tp_size)], cfg, kv_heads,
-                             tp_size)
+            y = _gather_rows(ys, [parts[r][name] for r in range(tp_size)])
         torch.testing.assert_close(y, want[name], rtol=1e-5, atol=1e-5, msg=name)
         base = one.get_submodule(name).quant_method.apply(one.get_submodule(name), x_in[name])
         assert (want[name][5:] - base[5:]).abs().max() > 1e-3, name  # the adapters add
         torch.testing.assert_close(want[name][:5], base[:5], msg=name)  # base tokens: none
 
 
-def _gather_rows(ys, linears, cfg, kv_heads, tp_size):
+def _gather_rows(ys, linears):
     """The unsplit column-parallel output from the ranks' parts: each fused part's rows in
     rank order, a replicated KV head taken once (from the first rank holding it)."""
     n_parts = len(linears[0].output_sizes)
     cols = []
     for j in range(n_parts):
         seen = set()
-        for r, (y, lin) in enumerate(zip(ys, linears, strict=True)):
-            start, length = lin._rows[j]
+        for y, lin in zip(ys, linears, strict=True):
+            start, _ = lin._rows[j]
             if start in seen:
                 continue  # a replica of a KV head an earlier rank holds
             seen.add(start)
