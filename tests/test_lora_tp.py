@@ -52,7 +52,8 @@ def files(tmp_path_factory):
         "a": write_peft_adapter("llama", root / "a", r=8, alpha=16, seed=1),
         "b": write_peft_adapter("llama", root / "b", r=16, alpha=8, use_rslora=True, seed=2),
         "c": write_peft_adapter("llama", root / "c", r=4, alpha=8, seed=3,
-                                target_modules=SUBSET)}
+                                target_modules=SUBSET),
+        "big": write_peft_adapter("llama", root / "big", r=32, alpha=8, seed=4)}
 
 
 # -- each rank's part, no processes ---------------------------------------------------------------
@@ -179,7 +180,7 @@ def test_tp2_mixed_batch_matches_hf_peft_and_loads_at_runtime(files):
     loaded while serving is split and served the same."""
     model, adapters = files
     want = {}
-    for name in (*adapters, None):
+    for name in ("a", "b", "c", None):
         ref = peft_reference("llama", adapters[name] if name else None)
         want[name] = [greedy_reference(ref, p, N_NEW) for p in PROMPTS]
     assert len({tuple(want[n][0][0]) for n in want}) == 4  # the adapters change the output
@@ -191,6 +192,8 @@ def test_tp2_mixed_batch_matches_hf_peft_and_loads_at_runtime(files):
                      lora_paths=[f"{n}={adapters[n]}" for n in ("a", "b", "c")],
                      max_loras_per_batch=3) as engine:
         outs = engine.generate(input_ids=prompts, lora_path=loras, sampling_params=sp)
+        with pytest.raises(ValueError, match="rank 32 is over --max-lora-rank 16"):
+            engine.load_lora_adapter("big", str(adapters["big"]))  # every rank refuses it
         engine.unload_lora_adapter("c")
         engine.load_lora_adapter("c2", str(adapters["c"]))
         late = engine.generate(input_ids=PROMPTS, lora_path=["c2", None, "c2"],
