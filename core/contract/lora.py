@@ -27,6 +27,12 @@ The engine calls, from the model's forward (never concurrently):
   GGUF blocks, INT4, FP8, ...: LoRACaps.quant_methods names those a backend sits on); x is the
   projection's input as the model gave it, before any quantization of activations.
 
+Tensor parallelism (LoRACaps.tensor_parallel): each rank's buffers hold its part, split like
+the base layer (a column-parallel projection's b keeps the rank's output rows, `output_slices`
+the rank's widths; a row-parallel one's a keeps the rank's input columns), and x, y are the
+rank's: y is the partial sum before the layer's all-reduce. `apply` is the same arithmetic on
+them; a backend that only reads the shapes it is given needs nothing more.
+
 A backend must not assume segments are sorted by slot, that every slot appears, or that
 segments are non-empty (a zero-length segment has no tokens).
 """

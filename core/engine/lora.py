@@ -10,6 +10,14 @@ callables take x only, so the step reaches them through the manager they were gi
 PEFT's files: adapter_config.json (r, lora_alpha, use_rslora, target_modules, ...) and
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r]; scaling lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
+
+Tensor parallelism: every rank reads the adapter and keeps its part, split like the base
+layer's weight (Linear.rank_rows / rank_inputs): on a column-parallel projection (q/k/v,
+gate/up) A whole and B's rows of this rank's outputs (each fused part's rows, GQA's KV heads
+and their replicas as the weight has them); on a row-parallel one (o, down) A's columns of this
+rank's inputs and B whole. The epilogue runs before the layer's all-reduce, so a row-parallel
+rank's partial delta x_r A_r^T B^T is summed with the partial base outputs into x A^T B^T; no
+communication of its own. The buffers have the rank's sizes (the linear's own).
 """
 
 from __future__ import annotations
@@ -159,14 +167,16 @@ def _read_adapter(name: str, path: str, uid: int,
                                "missing")
         a, b = ab["A"], ab["B"]
         linear, shard = targets[module]
-        out = linear.shard_slice(shard).stop - linear.shard_slice(shard).start
-        if a.dim() != 2 or b.dim() != 2 or a.shape != (r, linear.input_size) \
-                or b.shape != (out, r):
+        out, inp = linear.full_shard_size(shard), linear.full_input_size
+        if a.dim() != 2 or b.dim() != 2 or a.shape != (r, inp) or b.shape != (out, r):
             raise AdapterError(
                 f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
-                f"rank {r} on this base needs [{r}, {linear.input_size}] and [{out}, {r}]")
+                f"rank {r} on this base needs [{r}, {inp}] and [{out}, {r}]")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"{where}: {module} holds non-finite weights")
+        # this rank's part, split like the base layer: a column-parallel layer's B keeps the
+        # rows its weight keeps (A whole), a row-parallel layer's A the inputs (B whole)
+        a, b = linear.rank_inputs(a), linear.rank_rows(b, shard)
         modules[module] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
     alpha = float(cfg.get("lora_alpha", r))
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r

@@ -124,11 +124,13 @@ class Linear(nn.Module):
             self._full_sizes = sizes
             sizes = [n for _, n in self._rows]
         elif parallel == "row":
+            full_input = input_size
             self._in_part = in_part if in_part is not None else tp.split(input_size,
                                                                          "input size")
             input_size = self._in_part[1]
         elif parallel is not None:
             raise ValueError(f"parallel must be 'column', 'row' or None, not {parallel!r}")
+        self.full_input_size = input_size if self._in_part is None else full_input
         self.input_size = input_size
         self.output_sizes = sizes
         self.output_size = sum(sizes)
@@ -159,6 +161,34 @@ class Linear(nn.Module):
         i = self.shard_names.index(shard)
         start = sum(self.output_sizes[:i])
         return slice(start, start + self.output_sizes[i])
+
+    def full_shard_size(self, shard: str | None) -> int:
+        """Rows one named shard (None: the whole output) has in the checkpoint, before any
+        split over tensor-parallel ranks."""
+        if self._rows is None:
+            return self.shard_slice(shard).stop - self.shard_slice(shard).start
+        if shard is None:
+            return sum(self._full_sizes)
+        return self._full_sizes[self.shard_names.index(shard)]
+
+    def rank_rows(self, loaded: torch.Tensor, shard: str | None) -> torch.Tensor:
+        """This rank's rows of a tensor laid out along dim 0 like one shard's output rows in
+        the checkpoint (a column-parallel split: the rows its weight keeps, replicated KV heads
+        included); the whole of it for a layer whose output is not split."""
+        if self._rows is None or self.tp.size == 1:
+            return loaded
+        if shard is None and len(self._rows) > 1:
+            raise ValueError("rank_rows takes one shard's rows of a stacked linear")
+        start, length = self._rows[0 if shard is None else self.shard_names.index(shard)]
+        return loaded.narrow(0, start, length)
+
+    def rank_inputs(self, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a tensor laid out along its last dim like the checkpoint's
+        inputs (a row-parallel split: the inputs its weight keeps); the whole of it for a
+        layer whose input is not split."""
+        if self._in_part is None or self.tp.size == 1:
+            return loaded
+        return loaded.narrow(-1, *self._in_part)
 
     def param_shards(self, leaf: str) -> list[str] | None:
         """Every parameter of a stacked linear (weight, bias, a quant method's scales) is

@@ -12,7 +12,7 @@ CAPS = LoRACaps(
     devices=("cuda", "rocm", "xpu", "npu", "cpu"), max_rank=512, graph_safe=False,
     quant_methods=("unquantized", "gguf_c", "gguf_avx2", "gguf_avx512", "gguf_amx", "gguf_c_q8",
                    "gguf_avx2_q8", "gguf_avx512_q8", "awq", "gptq", "fp8", "w8a8_int8"),
-    tensor_parallel=False,
+    tensor_parallel=True,  # per-rank buffers are the base layers' splits (core.engine.lora)
     priority={"cpu": 10, "cuda": 1, "rocm": 1, "xpu": 1, "npu": 1},
     description="reference: per adapter slot in the step, gather its tokens, x @ A^T @ B^T per "
                 "output slice, scatter-add (PyTorch, any device)")

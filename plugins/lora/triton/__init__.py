@@ -24,7 +24,7 @@ CAPS = LoRACaps(
     graph_safe=True,
     # the delta is added to whatever the base computed: the CUDA quant methods' outputs
     quant_methods={"unquantized", "fp8", "w8a8_int8", "awq", "gptq"},
-    tensor_parallel=False,
+    tensor_parallel=True,  # per-rank buffers are the base layers' splits (core.engine.lora)
     requires=("triton",),
     priority={"cuda": 20},
     description="Triton segmented shrink (x @ A^T) and expand (scaled @ B^T into each output "
