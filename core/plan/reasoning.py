@@ -9,39 +9,18 @@ import dataclasses
 from core.contract.reasoning import REASONING_PARSER_OFF
 from core.plan.args import ServerArgs
 from core.plan.checks import missing_packages
+from core.plan.parser_names import parser_arg
 from core.plan.plan import Candidate, Plan, ResolveError
 from core.plan.registry import Registry
 
 SLOT = "reasoning_parser"
 
 
-def reasoning_parser_named(registry: Registry, name: str) -> str | None:
-    """The registered reasoning parser `name` stands for (its name or one of its aliases)."""
-    regs = registry.kind("reasoning_parser")
-    if name in regs:
-        return name
-    return next((n for n, r in sorted(regs.items()) if name in r.caps.aliases), None)
-
-
 def reasoning_parser_arg(args: ServerArgs, registry: Registry) -> str | None:
     """--reasoning-parser as a registered name (None for auto / none); an unknown name is an
     error before anything starts, listing the known ones."""
-    raw = (args.reasoning_parser or REASONING_PARSER_OFF).strip()
-    if raw in ("auto", REASONING_PARSER_OFF):
-        return None
-    name = reasoning_parser_named(registry, raw)
-    if name is None:
-        regs = registry.kind("reasoning_parser")
-        known = [f"{n} (also {', '.join(sorted(r.caps.aliases))})" if r.caps.aliases else n
-                 for n, r in sorted(regs.items())]
-        raise ResolveError(f"unknown reasoning parser {raw!r} (--reasoning-parser)",
-                           [f"registered reasoning parsers: {', '.join(known) or 'none'}; or "
-                            "auto, none"])
-    missing = missing_packages(registry.get("reasoning_parser", name).caps.requires)
-    if missing:
-        raise ResolveError(f"reasoning parser {name!r} (--reasoning-parser) does not fit",
-                           [f"package {m} is not installed" for m in missing])
-    return name
+    return parser_arg(registry, SLOT, (args.reasoning_parser or REASONING_PARSER_OFF).strip(),
+                      REASONING_PARSER_OFF, "--reasoning-parser", "reasoning parser")
 
 
 def resolve_reasoning_parser(plan: Plan, chat_template: str | None, args: ServerArgs,

@@ -30,6 +30,7 @@ from core.plan.checks import (
     missing_packages,
 )
 from core.plan.model_spec import ModelSpec
+from core.plan.parser_names import parser_arg
 from core.plan.plan import Candidate, Plan, ResolveError
 from core.plan.quant_scheme import QuantScheme, parse_quant_config
 from core.plan.reasoning import reasoning_parser_arg
@@ -470,33 +471,11 @@ def _lora_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
     return chosen, tuple(sorted(targets)) if targets is not None else ()
 
 
-def tool_parser_named(registry: Registry, name: str) -> str | None:
-    """The registered tool-call parser `name` stands for (its name or one of its aliases)."""
-    regs = registry.kind("tool_parser")
-    if name in regs:
-        return name
-    return next((n for n, r in sorted(regs.items()) if name in r.caps.aliases), None)
-
-
 def _tool_parser_arg(args: ServerArgs, registry: Registry) -> str | None:
     """--tool-call-parser as a registered name (None for auto / none); an unknown name is an
     error before anything starts (the template-dependent choice comes later)."""
-    raw = (args.tool_call_parser or "auto").strip()
-    if raw in ("auto", TOOL_PARSER_OFF):
-        return None
-    name = tool_parser_named(registry, raw)
-    if name is None:
-        regs = registry.kind("tool_parser")
-        known = [f"{n} (also {', '.join(sorted(r.caps.aliases))})" if r.caps.aliases else n
-                 for n, r in sorted(regs.items())]
-        raise ResolveError(f"unknown tool-call parser {raw!r} (--tool-call-parser)",
-                           [f"registered tool-call parsers: {', '.join(known) or 'none'}; or "
-                            "auto, none"])
-    missing = missing_packages(registry.get("tool_parser", name).caps.requires)
-    if missing:  # the one reason a named parser may not fit: known before anything starts
-        raise ResolveError(f"tool-call parser {name!r} (--tool-call-parser) does not fit",
-                           [f"package {m} is not installed" for m in missing])
-    return name
+    return parser_arg(registry, "tool_parser", (args.tool_call_parser or "auto").strip(),
+                      TOOL_PARSER_OFF, "--tool-call-parser", "tool-call parser")
 
 
 def resolve_tool_parser(plan: Plan, chat_template: str | None, args: ServerArgs,
