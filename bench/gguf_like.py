@@ -21,52 +21,52 @@ import sys
 import numpy as np
 
 _SKIP = ("GGUF.", "general.alignment")  # the writer sets these itself
+_LAYOUT = "like.tensor."  # the keys export adds: the tensors' names, types and shapes
 
 
-def export(src: str, meta: str) -> None:
+def _copy(src: str, out: str) -> tuple:
+    """(reader of src, a writer for out holding src's keys, src's layout keys' values)."""
     import gguf
 
     r = gguf.GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(meta, arch)
+    w = gguf.GGUFWriter(out, arch)
+    layout = {}
     for f in r.fields.values():
-        if f.name.startswith(_SKIP) or f.name == "general.architecture":
-            continue
-        vtype = f.types[0]
-        sub = f.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
-        w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
-    names = [t.name for t in r.tensors]
-    w.add_array("like.tensor.names", names)
-    w.add_array("like.tensor.types", [int(t.tensor_type) for t in r.tensors])
-    # shapes in numpy order (outermost first), joined so one array holds them all
-    w.add_array("like.tensor.shapes", [",".join(str(int(d)) for d in reversed(t.shape.tolist()))
-                                       for t in r.tensors])
+        if f.name.startswith(_LAYOUT):
+            layout[f.name] = f.contents()
+        elif not (f.name.startswith(_SKIP) or f.name == "general.architecture"):
+            vtype = f.types[0]
+            sub = f.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
+            w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+    return r, w, layout
+
+
+def _finish(w) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
+def export(src: str, meta: str) -> None:
+    r, w, _ = _copy(src, meta)
+    w.add_array(_LAYOUT + "names", [t.name for t in r.tensors])
+    w.add_array(_LAYOUT + "types", [int(t.tensor_type) for t in r.tensors])
+    # shapes in numpy order (outermost first), joined so one array holds them all
+    w.add_array(_LAYOUT + "shapes", [",".join(str(int(d)) for d in reversed(t.shape.tolist()))
+                                     for t in r.tensors])
+    _finish(w)
+
+
 def build(meta: str, out: str, seed: int) -> None:
     import gguf
     from gguf.quants import quantize
 
-    r = gguf.GGUFReader(meta)
-    arch = r.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(out, arch)
-    layout = {}
-    for f in r.fields.values():
-        if f.name.startswith("like.tensor."):
-            layout[f.name] = f.contents()
-            continue
-        if f.name.startswith(_SKIP) or f.name == "general.architecture":
-            continue
-        vtype = f.types[0]
-        sub = f.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
-        w.add_key_value(f.name, f.contents(), vtype, sub_type=sub)
+    _, w, layout = _copy(meta, out)
     rng = np.random.default_rng(seed)
-    for name, qtype, shape in zip(layout["like.tensor.names"], layout["like.tensor.types"],
-                                  layout["like.tensor.shapes"], strict=True):
+    for name, qtype, shape in zip(layout[_LAYOUT + "names"], layout[_LAYOUT + "types"],
+                                  layout[_LAYOUT + "shapes"], strict=True):
         dims = tuple(int(d) for d in shape.split(","))
         qt = gguf.GGMLQuantizationType(int(qtype))
         if len(dims) == 1:
@@ -80,10 +80,7 @@ def build(meta: str, out: str, seed: int) -> None:
         else:
             data = quantize(values, qt)
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
 
 
 def main(argv: list[str] | None = None) -> int:
