@@ -15,6 +15,7 @@ Builds the engine core in this process (no worker, no pipe) and reports, for bat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -25,6 +26,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import LLAMA_31_8B, QUANT_CONFIGS, copy_bandwidth, make_model_dir, weight_bytes  # noqa: E402
+
+
+def _profiler() -> torch.profiler.profile:
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                              torch.profiler.ProfilerActivity.CUDA])
+
+
+def _kernels(prof: torch.profiler.profile, rows: int) -> tuple[int, float, str]:
+    """(GPU events the profiler saw, their total us, the top `rows` by GPU time as a table)."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels), table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,33 +117,26 @@ def main(argv: list[str] | None = None) -> int:
                                "ignore_eos": True})
             n += 1
         torch.cuda.synchronize()
-        prefill_prof = None
-        if a.profile_prefill and bs == max(sizes):
-            prefill_prof = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU,
-                            torch.profiler.ProfilerActivity.CUDA])
-            prefill_prof.__enter__()
-        t = time.perf_counter()
-        prefill_steps = 0
-        while len(sched.running) < bs:  # prefill everything
-            sched.step()
-            prefill_steps += 1
-        torch.cuda.synchronize()
-        prefill_s = time.perf_counter() - t
+        profile_prefill = a.profile_prefill and bs == max(sizes)
+        with (_profiler() if profile_prefill else contextlib.nullcontext()) as prefill_prof:
+            t = time.perf_counter()
+            prefill_steps = 0
+            while len(sched.running) < bs:  # prefill everything
+                sched.step()
+                prefill_steps += 1
+            torch.cuda.synchronize()
+            prefill_s = time.perf_counter() - t
         entry: dict = {"prefill_s": prefill_s, "prefill_tok_s": bs * a.prompt_len / prefill_s,
                        "prefill_steps": prefill_steps,
                        "graph": bool(gr is not None and gr.can_run(bs))}
-        if prefill_prof is not None:
-            prefill_prof.__exit__(None, None, None)
-            kernels = [e for e in prefill_prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA]
-            entry["prefill_kernel_s"] = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
-            entry["prefill_kernels"] = len(kernels)
-            entry["prefill_profile_top"] = prefill_prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=a.rows)
+        if profile_prefill:
+            count, kernel_us, top = _kernels(prefill_prof, a.rows)
+            entry["prefill_kernel_s"] = kernel_us / 1e6
+            entry["prefill_kernels"] = count
+            entry["prefill_profile_top"] = top
             print(f"== prefill of batch {bs} ({bs} x {a.prompt_len} tokens, {prefill_steps} "
                   f"steps, {prefill_s:.2f} s wall, {entry['prefill_kernel_s']:.2f} s of kernels)")
-            print(entry["prefill_profile_top"])
+            print(top)
         for overlap in (False, True):  # the scheduler's overlap off, then on (the GPU default)
             sched.cfg.overlap = overlap
             step_ms = []
@@ -157,18 +163,14 @@ def main(argv: list[str] | None = None) -> int:
             entry["replay_fraction_of_roofline"] = report["roofline_ms_per_step_b1"] / \
                 entry["replay_ms_median"]
         profiled = 8
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with _profiler() as prof:
             for _ in range(profiled):
                 sched.step()
             torch.cuda.synchronize()
-        kernels = [e for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        count, kernel_us, table = _kernels(prof, a.rows)
         # launches a step and their GPU time (kernels and copies the profiler saw)
-        entry["kernels_per_step"] = len(kernels) / profiled
-        entry["kernel_ms_per_step"] = sum(e.time_range.elapsed_us()
-                                          for e in kernels) / profiled / 1e3
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows)
+        entry["kernels_per_step"] = count / profiled
+        entry["kernel_ms_per_step"] = kernel_us / profiled / 1e3
         entry["profile_top"] = table
         print(f"== batch {bs}: "
               f"{json.dumps({k: v for k, v in entry.items() if not k.endswith('profile_top')})}")
