@@ -3,6 +3,7 @@ diagnostic for A/B comparisons of two checkouts on a noisy VM, not a benchmark).
 
     python bench/cpu_decode_steps.py                      # this checkout
     python bench/cpu_decode_steps.py --repo /tmp/base     # another checkout (git worktree)
+    python bench/cpu_decode_steps.py --model-path F.gguf --threads 1,4,16   # a thread sweep
 
 Builds the engine core in this process (no worker, no server), prefills a 128-token prompt
 and runs --steps greedy decode steps, EOS ignored; prints steps per second over the whole
@@ -23,14 +24,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repo", default=str(Path(__file__).resolve().parent.parent))
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--model-path", default=None, help="a GGUF file (default: the default model)")
+    p.add_argument("--threads", default=None,
+                   help="comma-separated torch thread counts: one engine and one measurement "
+                        "each (kernels read the count when they are built)")
     a = p.parse_args(argv)
     sys.path.insert(0, a.repo)
     from core.engine.loader import load_model
     from core.engine.worker import build_engine_core, make_plan
     from core.plan.args import make_server_args
 
+    for threads in (a.threads.split(",") if a.threads else [None]):
+        if threads is not None:
+            import torch
+            torch.set_num_threads(int(threads))
+        measure(a, load_model, build_engine_core, make_plan, make_server_args, threads)
+    return 0
+
+
+def measure(a, load_model, build_engine_core, make_plan, make_server_args, threads) -> None:
+    extra = {"model_path": a.model_path} if a.model_path else {}
     args = make_server_args(device="cpu", max_total_tokens=4096, dtype=a.dtype,
-                            disable_overlap_schedule=True)
+                            disable_overlap_schedule=True, **extra)
     args, plan, spec, registry = make_plan(args)
     core = build_engine_core(args, plan, spec, registry, load_model(args, plan, registry))
     sched = core.scheduler
@@ -47,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run(8, "warm-up")
     dt, steps = run(a.steps, "measured")
-    print(f"{a.repo}: {steps} steps in {dt:.2f} s: {steps / dt:.1f} steps/s, "
-          f"{1000 * dt / steps:.2f} ms a step")
-    return 0
+    print(f"{a.repo} threads={threads or 'default'}: {steps} steps in {dt:.2f} s: "
+          f"{steps / dt:.1f} steps/s, {1000 * dt / steps:.2f} ms a step", flush=True)
 
 
 if __name__ == "__main__":

@@ -254,6 +254,23 @@ def test_cpu_auto_dtype_with_speculation_stays_float32_on_amx(model_spec):
     assert asked.dtype == "bfloat16"
 
 
+def test_speculation_on_an_avx2_cpu_is_told_it_may_lose(model_spec):
+    """On a CPU without VNNI or AMX a verify step costs several plain steps (RESULTS): the
+    plan says so; a CPU with them is not told."""
+    from core.plan.registry import build_registry
+
+    spec, registry = model_spec("llama-3.1-8b"), build_registry()
+
+    def told(profile: str) -> bool:
+        plan = plan_for(spec, profile, registry, speculative_algorithm="ngram")
+        return any(n.startswith("speculative decoding on a CPU without AVX-512 VNNI or AMX")
+                   for n in plan.notes)
+
+    assert told("x86-cpu")
+    assert not told("xeon-amx")
+    assert not any("without AVX-512 VNNI" in n for n in plan_for(spec, "x86-cpu", registry).notes)
+
+
 def test_cpu_auto_dtype_is_float32_without_amx(model_spec, plain_registry):
     plan = plan_for(model_spec("llama-3.1-8b"), "x86-cpu", plain_registry)
     assert plan.dtype == "float32"

@@ -364,6 +364,13 @@ def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
         gov += (f"; no drafts in a step with more than {args.speculative_disable_by_batch_size} "
                 "running requests")
     notes.append(f"speculation governor {gov}")
+    if device.device_type == "cpu" and not (device.has("avx512_vnni") or device.has("amx_int8")):
+        # bench/RESULTS.md, "AVX2: GGUF products of 2+ rows" (session 22)
+        notes.append("speculative decoding on a CPU without AVX-512 VNNI or AMX: a verify step "
+                     "of 4 drafts measured 3.3 plain decode steps on the default GGUF model, and "
+                     "ngram 0.89x of speculation off on input-grounded prompts; it pays only "
+                     "at high acceptance (--speculative-governor on cuts drafts that do not "
+                     "pay)")
     if caps.needs_draft_weights:
         notes.append(f"{chosen}: the draft model runs eagerly (no graphs), with a KV pool of its "
                      "own sized like the target's (the memory budget is split between them)")
