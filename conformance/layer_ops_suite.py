@@ -134,6 +134,20 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device,
         for t, i in ((7, 96), (1, 1408), (0, 64), (3, 37)):  # 37: a vector kernel's tail
             x = rnd(t, 2 * i)
             _close(f(x), ref.silu_and_mul()(x), dtype, f"silu_and_mul t={t} i={i}")
+    elif op == "gelu_and_mul":
+        ran = False
+        for approximate in ("tanh", "none"):
+            f = fn(approximate)
+            if f is None:
+                continue  # this form not provided: the reference computes it
+            ran = True
+            # 3 sigma: gelu's flat negative tail and its near-linear positive side both hit
+            for t, i in ((7, 96), (1, 3584), (0, 64), (3, 37)):
+                x = rnd(t, 2 * i, scale=3.0)
+                _close(f(x), ref.gelu_and_mul(approximate)(x), dtype,
+                       f"gelu_and_mul({approximate}) t={t} i={i}")
+        if not ran:
+            _not_provided(op, dtype, declared, "the layers run the reference")
     elif op == "rotary_qk":
         ran = False
         for d, hq, hk, t in ((64, 4, 2, 5), (128, 8, 1, 3), (80, 2, 2, 2)):

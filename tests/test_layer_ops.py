@@ -51,10 +51,42 @@ def test_the_suite_fails_a_wrong_op():
         def rotary_mla(self, rope_dim, interleaved):  # the pairs left interleaved
             return super().rotary_mla(rope_dim, False)
 
+        def gelu_and_mul(self, approximate):  # the other gelu form
+            return super().gelu_and_mul("none" if approximate == "tanh" else "tanh")
+
     cpu = torch.device("cpu")
-    for op in ("silu_and_mul", "store_kv", "qk_norm_rotary", "rotary_mla"):
+    for op in ("silu_and_mul", "store_kv", "qk_norm_rotary", "rotary_mla", "gelu_and_mul"):
         with pytest.raises(AssertionError):
             _check(op, Wrong(), TorchLayerOps(), torch.float32, cpu)
+
+
+def test_gated_gelu_runs_through_the_ops_gelu_and_mul():
+    """Gemma's GeGLU (gelu_pytorch_tanh) and erf gelu go through the layer ops' fused op where
+    they provide it, and through the reference's where they do not (cpu_c)."""
+    from core.contract.layer_ops import WithReference
+    from core.layers.activation import GatedAct
+    from core.layers.ops_ref import TorchLayerOps
+
+    seen = []
+
+    class Counting:
+        def gelu_and_mul(self, approximate):
+            ref = TorchLayerOps().gelu_and_mul(approximate)
+
+            def run(x):
+                seen.append(approximate)
+                return ref(x)
+            return run
+
+    x = torch.randn(3, 2 * 24) * 3
+    for act, form in (("gelu_pytorch_tanh", "tanh"), ("gelu", "none")):
+        gate, up = x.chunk(2, dim=-1)
+        want = torch.nn.functional.gelu(gate, approximate=form) * up
+        torch.testing.assert_close(GatedAct(act, WithReference(Counting(), TorchLayerOps()))(x),
+                                   want)
+        assert seen[-1] == form
+        torch.testing.assert_close(GatedAct(act, WithReference(object(), TorchLayerOps()))(x),
+                                   want)  # a plugin without the op: the reference's
 
 
 def test_a_plugin_without_the_fused_qk_norm_keeps_its_own_norms():

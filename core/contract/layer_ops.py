@@ -15,6 +15,9 @@ weight); `tests/test_layer_ops.py` holds each registered plugin to it.
     rms_norm(weight, eps)       -> f(x [.., N]) -> y                 RMSNorm over the last dim
     add_rms_norm(weight, eps)   -> f(x, residual [T, N]) -> (norm(x + residual), x + residual)
     silu_and_mul()              -> f(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]   [T, I]
+    gelu_and_mul(approximate)   -> f(x [T, 2I]) -> gelu(x[:, :I]) * x[:, I:]   [T, I]
+                                   GeGLU (Gemma): torch's gelu with `approximate` "tanh" or
+                                   "none" (erf), rounded to x's dtype before the product
     rotary_qk(head_dim)         -> f(qkv, cos, sin, num_q, num_k) -> (q [T, num_q*D], k [T, num_k*D])
                                    rotary on the q and k heads at the front of a fused projection;
                                    cos/sin [T, 1, D] as RotaryEmbedding.cos_sin gives them
@@ -59,11 +62,12 @@ if TYPE_CHECKING:  # the planner imports the contract and no torch
     MLARopeFn = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary",
-       "linear", "rotary_mla")
+       "linear", "rotary_mla", "gelu_and_mul")
 # Ops added after the first layer-ops API: a plugin may lack the method altogether; then the
 # layers compose them from the plugin's other ops (qk_norm_rotary: rms_norm, then the reference
-# rotary) or use the reference (linear: F.linear; rotary_mla: the reference's torch ops).
-OPTIONAL_OPS = ("qk_norm_rotary", "linear", "rotary_mla")
+# rotary) or use the reference (linear: F.linear; rotary_mla, gelu_and_mul: the reference's
+# torch ops).
+OPTIONAL_OPS = ("qk_norm_rotary", "linear", "rotary_mla", "gelu_and_mul")
 
 
 @runtime_checkable
@@ -79,7 +83,7 @@ class LayerOps(Protocol):
     def store_kv(self) -> StoreKVFn | None: ...
 
     # optional (OPTIONAL_OPS): qk_norm_rotary(head_dim, q_weight, k_weight, eps),
-    # linear(weight, bias), rotary_mla(rope_dim, interleaved)
+    # linear(weight, bias), rotary_mla(rope_dim, interleaved), gelu_and_mul(approximate)
 
 
 class CompleteLayerOps(Protocol):
@@ -103,6 +107,8 @@ class CompleteLayerOps(Protocol):
                        ) -> QKFn: ...
 
     def rotary_mla(self, rope_dim: int, interleaved: bool) -> MLARopeFn: ...
+
+    def gelu_and_mul(self, approximate: str) -> TensorFn: ...
 
 
 def qk_norm_rotary(ops: LayerOps, head_dim: int, q_weight: Tensor, k_weight: Tensor, eps: float,
@@ -158,3 +164,6 @@ class WithReference:
 
     def rotary_mla(self, rope_dim: int, interleaved: bool) -> MLARopeFn:
         return self._pick("rotary_mla", rope_dim, interleaved)
+
+    def gelu_and_mul(self, approximate: str) -> TensorFn:
+        return self._pick("gelu_and_mul", approximate)

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     from core.contract.layer_ops import LayerOps
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# the gelu activations the layer ops' gelu_and_mul fuses, by torch's `approximate`
+_GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh"}
 
 
 def get_act_fn(name: str):
@@ -23,12 +25,17 @@ def get_act_fn(name: str):
 class GatedAct(nn.Module):
     """act(gate) * up, where x = [gate | up] along the last dim: [T, 2I] -> [T, I].
 
-    SiLU runs through the layer ops' silu_and_mul (one kernel where they fuse it)."""
+    SiLU runs through the layer ops' silu_and_mul, GELU (erf or tanh form) through their
+    gelu_and_mul (one kernel where they fuse it)."""
 
     def __init__(self, act: str = "silu", ops: LayerOps | None = None):
         super().__init__()
         self.act = get_act_fn(act)
-        self._fused = ops.silu_and_mul() if ops is not None and act == "silu" else None
+        self._fused = None
+        if ops is not None and act == "silu":
+            self._fused = ops.silu_and_mul()
+        elif ops is not None and act in _GELU and hasattr(ops, "gelu_and_mul"):
+            self._fused = ops.gelu_and_mul(_GELU[act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None and x.dim() == 2:

@@ -32,6 +32,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+GELU_APPROXIMATE = ("tanh", "none")
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
+
+
 def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int, num_k: int,
               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     T = qkv.shape[0]
@@ -115,3 +123,9 @@ class TorchLayerOps:
 
     def rotary_mla(self, rope_dim: int, interleaved: bool) -> Callable:
         return partial(rotary_mla, interleaved=interleaved)
+
+    def gelu_and_mul(self, approximate: str) -> Callable:
+        if approximate not in GELU_APPROXIMATE:
+            raise ValueError(f"gelu approximate must be one of {GELU_APPROXIMATE}, not "
+                             f"{approximate!r}")
+        return partial(gelu_and_mul, approximate=approximate)

@@ -9,7 +9,7 @@ CAPS = LayerOpsCaps(
     devices={"*"},  # plain PyTorch: any target's torch device
     dtypes={"float32", "float16", "bfloat16"},
     ops={"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary",
-         "linear"},
+         "linear", "gelu_and_mul"},
     cuda_graph=True,
     priority={d: 10 for d in DEVICE_TYPES},
     description="PyTorch ops (the reference every layer-ops plugin is checked against)",

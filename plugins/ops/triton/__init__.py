@@ -1,4 +1,4 @@
-"""`triton` layer ops: fused RMSNorm, add+RMSNorm, SiLU-and-mul, rotary on q/k (MLA's too) and
+"""`triton` layer ops: fused RMSNorm, add+RMSNorm, SiLU- and GELU-and-mul, rotary on q/k (MLA's too) and
 the KV store as Triton kernels (plugins/ops/triton/kernels.py) on CUDA and ROCm GPUs."""
 
 from core.contract.capabilities import LayerOpsCaps
@@ -10,7 +10,7 @@ CAPS = LayerOpsCaps(
     devices={"cuda", "rocm"},
     dtypes={"float32", "float16", "bfloat16"},
     ops={"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary",
-         "linear", "rotary_mla"},
+         "linear", "rotary_mla", "gelu_and_mul"},
     requires=("triton",),
     cuda_graph=True,
     priority={"cuda": 100, "rocm": 100},

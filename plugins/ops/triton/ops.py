@@ -62,6 +62,11 @@ class TritonLayerOps:
     def silu_and_mul(self) -> Callable | None:
         return kernels.silu_and_mul if self.dtype in _DTYPES else None
 
+    def gelu_and_mul(self, approximate: str) -> Callable | None:
+        if self.dtype not in _DTYPES or approximate not in ops_ref.GELU_APPROXIMATE:
+            return None
+        return partial(kernels.gelu_and_mul, approximate=approximate)
+
     def rotary_qk(self, head_dim: int) -> Callable | None:
         half = head_dim // 2
         # one program rotates every head of a token: HALF must be a power of two for tl.arange
