@@ -27,16 +27,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import LLAMA_31_8B, QUANT_CONFIGS, copy_bandwidth, make_model_dir, weight_bytes  # noqa: E402
 
+SHAPES = False  # --shapes: record the ops' input shapes (the by-shape table)
+
 
 def _profiler() -> torch.profiler.profile:
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                              torch.profiler.ProfilerActivity.CUDA])
+                                              torch.profiler.ProfilerActivity.CUDA],
+                                  record_shapes=SHAPES)
 
 
 def _kernels(prof: torch.profiler.profile, rows: int) -> tuple[int, float, str]:
-    """(GPU events the profiler saw, their total us, the top `rows` by GPU time as a table)."""
+    """(GPU events the profiler saw, their total us, the top `rows` by GPU time as a table;
+    with --shapes, a second table of the ops by input shape: which call launched a kernel)."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+    if SHAPES:
+        table += "\n" + prof.key_averages(group_by_input_shape=True).table(
+            sort_by="cuda_time_total", row_limit=rows)
     return len(kernels), sum(e.time_range.elapsed_us() for e in kernels), table
 
 
@@ -49,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graph-max-bs", type=int, default=32,
                    help="largest captured decode batch (0: no graphs, every step eager)")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--shapes", action="store_true",
+                   help="record input shapes: a second table by (op, shapes); decode steps "
+                        "replayed from graphs have no ops, so use --graph-max-bs 0 with it")
     p.add_argument("--profile-prefill", action="store_true",
                    help="profile the prefill of the largest batch size (kernels by GPU time)")
     p.add_argument("--config", default=None, help="an HF config.json to profile instead of "
@@ -60,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="give the dummy checkpoint this quantization_config (awq, gptq, "
                    "fp8-block)")
     a = p.parse_args(argv)
+    global SHAPES
+    SHAPES = a.shapes
     if not torch.cuda.is_available():
         print("skipped: needs CUDA")
         return 0
