@@ -72,7 +72,7 @@ def place(pages: Pages, context: int, chunk: int) -> list:
     placed = []
     while pages.req_to_token.free_rows:
         req = SimpleNamespace(row=-1, pages=[], wpages=[], wtrimmed=[], num_shared=0, all_ids=[],
-                              node=None, kv_len=0)
+                              node=None, kv_len=0, lora_id=None, lora_slot=-1)
         pages.take(req, [], None)
         while req.kv_len < context:
             n = min(chunk, context - req.kv_len)

@@ -317,3 +317,18 @@ def test_backends_give_the_same_result_over_the_dummy_page():
     from interpreted import run_interpreted
 
     run_interpreted(_DUMMY_SCRIPT)
+
+
+def test_the_hybrid_kv_bench_runs_and_fits_more_long_requests():
+    """bench/hybrid_kv.py (issue 35's 128k table) on a small budget: it builds both pools, places
+    requests through the scheduler's page manager, and the windows fit more of them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench" / "hybrid_kv.py"
+    out = subprocess.run([sys.executable, str(bench), "--model", "gemma-3-4b", "--budget-gib",
+                          "4", "--context", "32768"], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    last = out.strip().splitlines()[-1]
+    assert last == "requests of 32768 tokens that fit in 4.0 GiB: hybrid 2, without windows 0", out
