@@ -196,6 +196,51 @@ def test_extend_kernel_carries_its_state_across_chunks(prefix, new, chunk, H, dt
     torch.testing.assert_close(out.float(), want, **_tol(dtype))
 
 
+@pytest.mark.parametrize(("reqs", "chunk", "dtype"), [
+    # (prefix, new) per request: groups of several, a long request alone (more keys than a
+    # chunk) between them, a lone new token, one request whose keys fill the chunk exactly
+    (((0, 37), (45, 7), (100, 1), (13, 21), (0, 5), (48, 16)), 64, torch.float32),
+    (((5, 3), (0, 70), (2, 1)), 80, torch.float16),
+    (((0, 9),), 1024, torch.float32),
+])
+def test_extend_batch_groups_requests_and_matches_the_reference(reqs, chunk, dtype):
+    """A step's requests extended together (plan_extend's groups: one gather, one expansion
+    and one launch for requests whose keys fit a chunk together; the chunk loop for longer
+    ones), each request's rows against the reference over its own rows."""
+    from plugins.attention.triton_mla.extend import ExtendConfig, extend_batch, plan_extend
+
+    H, R, Dn, Dr, Dv, page = 3, 48, 24, 16, 20, 8
+    g = torch.Generator().manual_seed(len(reqs) * 31 + chunk)
+    layer, w = _layer(H, R, Dn, Dr, Dv), _weights(H, R, Dn, Dv, g, dtype, DEVICE)
+    seq = [p + n for p, n in reqs]
+    buf, slots = _paged_rows(sum(seq), R + Dr, page, g, dtype, DEVICE)
+    table = torch.zeros(len(reqs) + 2, max(seq) + 3, dtype=torch.int32, device=DEVICE)
+    rows = torch.randperm(len(reqs) + 2, generator=g)[:len(reqs)].to(DEVICE)  # pool rows
+    own, at = [], 0
+    for i, s_ in enumerate(seq):
+        own.append(slots[at:at + s_])
+        table[rows[i], :s_] = own[-1].to(torch.int32)
+        at += s_
+    T = sum(n for _, n in reqs)
+    q_n = torch.randn(T, H, Dn, generator=g).to(DEVICE, dtype)
+    q_r = torch.randn(T, H, Dr, generator=g).to(DEVICE, dtype)
+    out = torch.full((T, H, Dv), float("nan"), dtype=dtype, device=DEVICE)
+    cfg = ExtendConfig(16, 16, 1, 1)
+    groups = plan_extend(table, rows, seq, [n for _, n in reqs], chunk, cfg.block_m)
+    assert sum(gr.count for gr in groups) == len(reqs)
+    assert len(reqs) == 1 or any(gr.count > 1 for gr in groups)  # some launch serves several
+    for gr in groups:  # grouped: their keys fit the chunk together; alone: too long for it
+        keys = sum(seq[gr.first:gr.first + gr.count])
+        assert keys <= chunk if gr.blocks is not None else (gr.count == 1 and keys > chunk)
+    extend_batch(q_n, q_r, groups, buf, w, layer, out, config=cfg)
+    at = 0
+    for (p_, n), mine in zip(reqs, own, strict=True):
+        want = mla_reference(q_n[at:at + n], q_r[at:at + n], buf[mine], w, layer,
+                             absorbed=False)
+        torch.testing.assert_close(out[at:at + n].float(), want, **_tol(dtype))
+        at += n
+
+
 # -- split policy, graphs, refusals --------------------------------------------------------------
 
 def test_batch_one_long_context_fills_the_gpu_and_graph_splits_are_fixed(monkeypatch):

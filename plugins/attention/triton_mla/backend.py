@@ -2,7 +2,7 @@
 the head count and the longest context of the step, read from the host lists; under CUDA graphs
 from the longest context a graph may see, fixed per captured batch size); per layer,
 `forward_mla` writes the new latent rows into the pool, then runs the absorbed decode or the
-chunked materialised extend."""
+materialised extend (the step's requests grouped once, at its first layer: extend.plan_extend)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,26 @@ from core.contract.attention import BackendContext
 from core.contract.forward_batch import ForwardBatch
 from core.contract.mla import MLAAttentionBackend, MLALayerParams, MLAWeights
 from plugins.attention.triton_mla.decode import decode_splits, mla_decode, store_latent
-from plugins.attention.triton_mla.extend import extend_request
+from plugins.attention.triton_mla.extend import (
+    ExtendGroup,
+    chunk_tokens,
+    extend_batch,
+    extend_config,
+    plan_extend,
+)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True)
+@dataclass
 class TritonMLAMeta:
     """Per-step metadata shared by every layer of the step."""
 
     decode: bool
     num_splits: int  # decode: KV splits per (request, head block)
+    # extend: the requests grouped (plan_extend), by the step's first layer (the chunk size
+    # depends on the layer's head dims)
+    groups: list[ExtendGroup] | None = None
 
 
 class TritonMLA(MLAAttentionBackend):
@@ -84,11 +93,11 @@ class TritonMLA(MLAAttentionBackend):
                              batch.req_pool_indices, batch.seq_lens, meta.num_splits)
             return out.reshape(T, H * Dv)
         out = torch.empty(T, H, Dv, dtype=q_nope.dtype, device=q_nope.device)
-        start = 0
-        for i, (seq, new) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu,
-                                           strict=True)):
-            slots = batch.req_to_token[batch.req_pool_indices[i], :seq].long()
-            rows = slice(start, start + new)
-            extend_request(q_nope[rows], q_rope[rows], slots, buf, weights, layer, out[rows])
-            start += new
+        if meta.groups is None:
+            cfg = extend_config(q_nope.dtype)
+            chunk = chunk_tokens(H, layer.qk_nope_head_dim, Dv, cfg)
+            meta.groups = plan_extend(batch.req_to_token, batch.req_pool_indices,
+                                      batch.seq_lens_cpu, batch.extend_lens_cpu, chunk,
+                                      cfg.block_m)
+        extend_batch(q_nope, q_rope, meta.groups, buf, weights, layer, out)
         return out.view(T, H * Dv)
