@@ -210,7 +210,7 @@ def bench_engine(model_dir: str, a: argparse.Namespace, adapters: dict[str, str]
             "cuda_graph_batch_sizes": list(engine.info.cuda_graph_batch_sizes),
             "max_running_requests": engine.info.max_running_requests,
             "pool_tokens": engine.info.pool_tokens,
-            "graph_notes": [n for n in (*engine.plan.notes, *engine.info.notes)
+            "graph_notes": [n for n in dict.fromkeys((*engine.plan.notes, *engine.info.notes))
                             if "graph" in n]}
         # warm-up: every kind of request at these prompt lengths and batch sizes, every
         # adapter into its slot
