@@ -21,6 +21,19 @@ batches (one token per segment), a --max-lora-rank that is not a power of two an
 on an empty slot, ranks above a backend's declared max_rank skipped.
 Tolerances: fp32 1e-4, half precision 2e-2 (relative to the output's scale). The inputs x and
 the buffers must be left as they were.
+
+Tensor parallelism (`test_lora_backend_tensor_parallel`, backends whose LoRACaps declare
+tensor_parallel; the others are one skip each, saying so): tp 2 and 4 simulated in one process
+(no process group). Each rank's part of the adapters is cut the way the engine cuts it
+(core.engine.lora: the base layer's core.layers.Linear.rank_rows / rank_inputs, a Linear built
+for that rank): a column-parallel projection (fused q/k/v by heads with GQA's KV heads split at
+tp 2 and replicated at tp 4, gate/up) keeps B's rows of its outputs and the rank's slice widths;
+a row-parallel one (o, down) keeps A's columns of its inputs and x's, its y a partial sum. A
+backend built per rank runs prepare + apply on its part; the ranks' column outputs, put
+together, and the sum of their row-parallel partial outputs must equal the unsplit fp32
+reference. The ranks' parts have shapes the unsplit cases do not (36 or 18 inputs, 18 rows):
+tails of tiles a kernel must mask. Under the Triton interpreter these run at fp32 only (fp16
+too with --conformance-full).
 """
 
 from __future__ import annotations
@@ -32,10 +45,11 @@ import pytest
 import torch
 
 from conformance.attention_check import excluded_dtype_reasons, triton_interpreter
-from conformance.suite_kit import Target, suite_params
+from conformance.suite_kit import Target, skip_param, suite_params
 from core.contract.lora import BASE_SLOT, LoRABackend, LoRABatch, LoRAConfig, LoRAWeights
 
-__all__ = ["pytest_generate_tests", "test_lora_backend_conformance", "reference_lora"]
+__all__ = ["pytest_generate_tests", "test_lora_backend_conformance",
+           "test_lora_backend_tensor_parallel", "reference_lora"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
@@ -154,33 +168,192 @@ def check_case(factory, case: Case, dtype: torch.dtype, device: torch.device, se
     assert err2 <= TOL[dtype] * scale2, f"{case.id}: a second projection with one prepare"
 
 
+@dataclass(frozen=True)
+class TPCase:
+    """A case's projection split over tensor-parallel ranks: `parallel` "column" (output rows;
+    with `head_dim`, a fused q/k/v whose slices are heads of that size, the KV heads split or
+    replicated as the model splits them) or "row" (inputs)."""
+
+    case: Case
+    parallel: str
+    head_dim: int | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.case.id}-{self.parallel}"
+
+
+_BY_ID = {c.id: c for c in CASES}
+TP_SIZES = (2, 4)
+TP_CASES = (
+    # q 8 heads, k/v 2 heads of 8: at tp 2 each rank one KV head, at tp 4 two ranks per head
+    TPCase(_BY_ID["mixed-qkv"], "column", head_dim=8),
+    TPCase(_BY_ID["gate-up"], "column"),  # 18 rows a slice at tp 4
+    # prefill-sized, q 4 heads, k/v 2: one q head a rank at tp 4, KV heads replicated
+    TPCase(_BY_ID["prefill-long"], "column", head_dim=8),
+    TPCase(_BY_ID["plain-proj"], "row"),  # o_proj-like
+    # down_proj-like at decode: 36 / 18 inputs a rank
+    TPCase(Case("down-decode", 72, (40,), 16, (8, 16, 12),
+                tuple((1, s) for s in (0, 1, -1, 2, 0, 2, 1, -1, 1, 0))), "row"),
+)
+
+
+def rank_linear(tc: TPCase, rank: int, size: int):
+    """This rank's base layer of the case's projection, built as the model builds it (on the
+    meta device: only its split is used); (linear, shard names or None)."""
+    from core.engine.distributed import TPGroup
+    from core.layers import Linear, ModelContext
+
+    case = tc.case
+    tp = TPGroup(rank=rank, size=size)
+    ctx = ModelContext(dtype=torch.float32, device=torch.device("meta"), tp=tp)
+    if tc.parallel == "row":
+        return Linear(case.in_features, list(case.slices), False, ctx, parallel="row"), None
+    if tc.head_dim is None:
+        names = [f"s{j}" for j in range(len(case.slices))]
+        return Linear(case.in_features, list(case.slices), False, ctx, shard_names=names,
+                      parallel="column"), names
+    D = tc.head_dim  # q, k, v by heads, as plugins/models/llama.py splits them
+    heads, kv_heads = case.slices[0] // D, case.slices[1] // D
+    q0, nq = tp.split(heads, "attention heads")
+    k0, nkv = tp.kv_heads(kv_heads)
+    names = ["q", "k", "v"]
+    return Linear(case.in_features, list(case.slices), False, ctx, shard_names=names,
+                  parallel="column", shard_rows=[(q0 * D, nq * D), (k0 * D, nkv * D),
+                                                 (k0 * D, nkv * D)]), names
+
+
+def rank_part(tc: TPCase, linear, names, x: torch.Tensor, y: torch.Tensor, w: LoRAWeights,
+              size: int) -> tuple[torch.Tensor, torch.Tensor, LoRAWeights, list[torch.Tensor]]:
+    """(x, y, weights) of one rank, cut from the unsplit ones as core.engine.lora cuts an
+    adapter: per slot and output slice, A_j through linear.rank_inputs, B_j's rows through
+    linear.rank_rows, placed at the rank's rows of the slice (linear.shard_slice). Also, per
+    slice, the unsplit output rows the rank holds (for putting the outputs together)."""
+    R, slots = w.max_rank, w.a.shape[0]
+    if tc.parallel == "row":  # A's columns of the rank's inputs, B whole; y a partial sum
+        a = torch.stack([linear.rank_inputs(w.a[s]) for s in range(slots)]).contiguous()
+        part = LoRAWeights(a=a, b=w.b.clone(), scalings=w.scalings.clone(),
+                           output_slices=w.output_slices, max_rank=R)
+        return linear.rank_inputs(x).contiguous(), (y / size).contiguous(), part, []
+    b = torch.zeros(slots, linear.output_size, R, dtype=w.b.dtype, device=w.b.device)
+    ys, rows, off = [], [], 0
+    for j, (name, width) in enumerate(zip(names, w.output_slices, strict=True)):
+        here = linear.shard_slice(name)
+        idx = linear.rank_rows(torch.arange(width), name)  # the unsplit rows it keeps
+        rows.append(idx)
+        for s in range(slots):
+            b[s, here] = linear.rank_rows(w.b[s, off:off + width], name)
+        ys.append(y[:, off + idx.to(y.device)])
+        off += width
+        assert here.stop - here.start == len(idx), f"slice {j}: rank rows and shard slice"
+    part = LoRAWeights(a=w.a.clone(), b=b, scalings=w.scalings.clone(),
+                       output_slices=tuple(linear.output_sizes), max_rank=R)
+    return x, torch.cat(ys, dim=1).contiguous(), part, rows
+
+
+def check_tp_case(factory, tc: TPCase, size: int, dtype: torch.dtype, device: torch.device,
+                  seed: int) -> None:
+    """Every rank's prepare + apply on its part; the ranks' outputs put together (column) or
+    summed (row) against the unsplit fp32 reference; base tokens of every rank untouched."""
+    case = tc.case
+    x, y, weights, batch = make_inputs(case, dtype, device, seed)
+    want = reference_lora(x, y, weights, batch.seg_lens, batch.seg_slots).cpu()
+    T, out = want.shape
+    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+    tol = TOL[dtype] * scale
+    base_rows = [t for t, s in enumerate(s for n, s in zip(batch.seg_lens, batch.seg_slots,
+                                                            strict=True) for _ in range(n))
+                 if s == BASE_SLOT]
+    where = f"{case.id} {tc.parallel}-parallel at tp {size}, {dtype}"
+    total = torch.zeros(T, out)
+    placed = torch.full((T, out), float("nan"))
+    for rank in range(size):
+        linear, names = rank_linear(tc, rank, size)
+        xr, yr, wr, rows = rank_part(tc, linear, names, x, y, weights, size)
+        yr_in = yr.clone()
+        backend = factory(LoRAConfig(num_slots=len(case.ranks), max_rank=case.max_rank,
+                                     dtype=dtype, device=device))
+        got = backend.apply(xr, yr, wr, batch, backend.prepare(batch))
+        assert got.shape == yr_in.shape and got.dtype == dtype, (
+            f"{where}, rank {rank}: apply returned {tuple(got.shape)} {got.dtype}, not "
+            f"{tuple(yr_in.shape)} {dtype}")
+        if base_rows:
+            assert torch.equal(got[base_rows], yr_in[base_rows]), (
+                f"{where}, rank {rank}: base-only tokens changed")
+        if tc.parallel == "row":
+            total += got.float().cpu()
+            continue
+        off, at = 0, 0
+        for idx, width in zip(rows, weights.output_slices, strict=True):
+            mine = got[:, at:at + len(idx)].float().cpu()
+            err = float((mine - want[:, off + idx]).abs().max()) if T else 0.0
+            assert err <= tol, (f"{where}, rank {rank}: its rows {off + int(idx[0])}.."
+                                f"{off + int(idx[-1])} off the reference by {err:.3g} (tolerance "
+                                f"{tol:.3g})")
+            placed[:, off + idx] = mine
+            off, at = off + width, at + len(idx)
+    assembled = total if tc.parallel == "row" else placed
+    err = float((assembled - want).abs().max()) if T else 0.0
+    assert not assembled.isnan().any() and err <= tol, (
+        f"{where}: the ranks' outputs {'summed' if tc.parallel == 'row' else 'put together'} "
+        f"are off the unsplit reference by {err:.3g} (tolerance {tol:.3g})")
+
+
+def _dtype_params(t: Target, case: Case) -> list[str]:
+    """The declared compute dtypes the suite runs `case` at on t's device (none beyond its
+    declared max rank)."""
+    if case.max_rank > t.reg.caps.max_rank:
+        return []  # beyond its declared ranks: not its contract
+    excluded = excluded_dtype_reasons(t.reg, t.device)
+    interpreted = triton_interpreter(t.reg, t.device)
+    names = []
+    for dname in sorted(t.reg.caps.dtypes):
+        if dname in excluded:
+            continue  # bf16 under the Triton interpreter: a GPU check
+        if t.device.type == "cpu" and dname == "float16" and not interpreted:
+            continue  # CPU half matmuls: slow and not what a CPU serves
+        names.append(dname)
+    return names
+
+
 def lora_params(config: pytest.Config) -> list:
     def cases(t: Target) -> list:
-        excluded = excluded_dtype_reasons(t.reg, t.device)
-        interpreted = triton_interpreter(t.reg, t.device)
-        params = []
-        for case in CASES:
-            if case.max_rank > t.reg.caps.max_rank:
-                continue  # beyond its declared ranks: not its contract
-            for dname in sorted(t.reg.caps.dtypes):
-                if dname in excluded:
-                    continue  # bf16 under the Triton interpreter: a GPU check
-                if t.device.type == "cpu" and dname == "float16" and not interpreted:
-                    continue  # CPU half matmuls: slow and not what a CPU serves
-                params.append(pytest.param(t.name, t.device_name, case, dname, t.seed,
-                                           id=f"{t.name}-{t.device_name}-{case.id}-{dname}",
-                                           marks=t.marks))
-        return params
+        return [pytest.param(t.name, t.device_name, case, dname, t.seed,
+                             id=f"{t.name}-{t.device_name}-{case.id}-{dname}", marks=t.marks)
+                for case in CASES for dname in _dtype_params(t, case)]
 
     return suite_params(config, "lora", "conformance_lora", "LoRA backend", cases, width=5,
                         say_device=False)
 
 
+def lora_tp_params(config: pytest.Config) -> list:
+    def cases(t: Target) -> list:
+        if not t.reg.caps.tensor_parallel:
+            return [skip_param(f"{t.name}-{t.device_name}-tp",
+                               f"{t.name} declares tensor_parallel=False (LoRACaps): it is "
+                               "not run with --tp-size > 1, so not checked sharded", t.marks,
+                               width=6)]
+        # under the Triton interpreter (CI's CPU run, seconds a case) fp32 alone unless
+        # --conformance-full: the unsplit cases run fp16 there, the sharded arithmetic is the same
+        interpreted = triton_interpreter(t.reg, t.device) and not t.full
+        return [pytest.param(t.name, t.device_name, tc, size, dname, t.seed,
+                             id=f"{t.name}-{t.device_name}-{tc.id}-tp{size}-{dname}",
+                             marks=t.marks)
+                for tc in TP_CASES for size in TP_SIZES for dname in _dtype_params(t, tc.case)
+                if not (interpreted and dname != "float32")]
+
+    return suite_params(config, "lora", "conformance_lora", "LoRA backend", cases, width=6,
+                        say_device=False)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if metafunc.function.__name__ != "test_lora_backend_conformance":
-        return
-    metafunc.parametrize("lora_name,lora_device,lora_case,lora_dtype,lora_seed",
-                         lora_params(metafunc.config))
+    name = metafunc.function.__name__
+    if name == "test_lora_backend_conformance":
+        metafunc.parametrize("lora_name,lora_device,lora_case,lora_dtype,lora_seed",
+                             lora_params(metafunc.config))
+    elif name == "test_lora_backend_tensor_parallel":
+        metafunc.parametrize("lora_name,lora_device,lora_tp_case,lora_tp,lora_dtype,lora_seed",
+                             lora_tp_params(metafunc.config))
 
 
 def test_lora_backend_conformance(lora_name, lora_device, lora_case, lora_dtype, lora_seed):
@@ -189,3 +362,15 @@ def test_lora_backend_conformance(lora_name, lora_device, lora_case, lora_dtype,
 
     reg = get_registry().get("lora", lora_name)
     check_case(reg.load(), lora_case, DTYPES[lora_dtype], torch.device(lora_device), lora_seed)
+
+
+def test_lora_backend_tensor_parallel(lora_name, lora_device, lora_tp_case, lora_tp,
+                                      lora_dtype, lora_seed):
+    """Each simulated rank's prepare + apply on its part of the adapters; the ranks' outputs
+    put together (column-parallel) or summed (row-parallel) equal the unsplit fp32 reference
+    (module doc)."""
+    from core.plan.registry import get_registry
+
+    reg = get_registry().get("lora", lora_name)
+    check_tp_case(reg.load(), lora_tp_case, lora_tp, DTYPES[lora_dtype],
+                  torch.device(lora_device), lora_seed)

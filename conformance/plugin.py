@@ -99,8 +99,8 @@ SUITES = (
           "or a comma list)"),
     Suite("--conformance-lora", "lora_suite", "NAME",
           "run the LoRA-backend conformance suite (mixed adapters, ranks 8-64, fused outputs, "
-          "against an fp32 reference) on this registered backend (repeatable, or a comma "
-          "list)"),
+          "each rank's part at a simulated tp 2 and 4, against an fp32 reference) on this "
+          "registered backend (repeatable, or a comma list)"),
     Suite("--conformance-platform", "platform_suite", "TARGET",
           "run the Platform conformance suite on this registered hardware target "
           "(repeatable)"),

@@ -21,7 +21,16 @@ if not torch.cuda.is_available():
 
 from conformance import lora_suite as suite  # noqa: E402
 from conformance.lora_suite import *  # noqa: E402,F401,F403 - the suite, over every backend
-from conformance.lora_suite import CASES, check_case, make_inputs, reference_lora  # noqa: E402
+from conformance.lora_suite import (  # noqa: E402
+    CASES,
+    TP_CASES,
+    TP_SIZES,
+    check_case,
+    check_tp_case,
+    make_inputs,
+    reference_lora,
+)
+from core.contract.capabilities import LoRACaps  # noqa: E402
 from core.plan.registry import get_registry  # noqa: E402
 from plugins.lora.torch_native.backend import TorchNativeLoRA  # noqa: E402
 
@@ -94,6 +103,30 @@ def test_wrong_backends_fail_the_suite(bad, case):
         check_case(bad, c, torch.float32, torch.device("cpu"), 0)
 
 
+def test_tp_cases_are_collected_and_a_backend_without_tp_is_skipped(monkeypatch):
+    unnamed = types.SimpleNamespace(getoption=lambda name, default=None: None)
+    ids = {p.id for p in suite.lora_tp_params(unnamed)}
+    assert {f"torch_native-cpu-{tc.id}-tp{n}-{d}" for tc in TP_CASES for n in TP_SIZES
+            for d in ("float32", "bfloat16")} <= ids
+    # both splits, GQA's KV heads split (tp 2) and replicated (tp 4), a prefill-sized step
+    assert {tc.parallel for tc in TP_CASES} == {"column", "row"} and TP_SIZES == (2, 4)
+    assert any(tc.head_dim and tc.case.slices[1] // tc.head_dim < 4 for tc in TP_CASES)
+    assert max(sum(n for n, _ in tc.case.segments) for tc in TP_CASES) > 64
+    if INTERPRETED:  # triton on the CPU: fp32 only unless --conformance-full
+        assert {f"triton-cpu-{tc.id}-tp{n}-float32" for tc in TP_CASES for n in TP_SIZES} <= ids
+        assert not any(i.startswith("triton-cpu") and "-tp" in i and not i.endswith("float32")
+                       for i in ids)
+    real = get_registry()
+    no_tp = types.SimpleNamespace(caps=LoRACaps(devices=("cpu",), tensor_parallel=False))
+    registry = types.SimpleNamespace(
+        kind=lambda kind: {"no_tp": no_tp} if kind == "lora" else real.kind(kind),
+        probe=real.probe)
+    monkeypatch.setattr("core.plan.registry.get_registry", lambda: registry)
+    params = suite.lora_tp_params(unnamed)
+    assert [p.id for p in params] == ["no_tp-cpu-tp"]
+    assert "declares tensor_parallel=False" in params[0].marks[-1].kwargs["reason"]
+
+
 def test_a_third_party_runs_it_by_name(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conformance.plugin",
                            "--conformance-lora", "torch_native", "--conformance-device", "cpu",
@@ -101,11 +134,52 @@ def test_a_third_party_runs_it_by_name(tmp_path):
                            str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"{2 * len(CASES)} passed" in proc.stdout, proc.stdout  # float32 and bfloat16
+    # float32 and bfloat16, unsplit and at each simulated tp size
+    assert f"{2 * (len(CASES) + len(TP_CASES) * len(TP_SIZES))} passed" in proc.stdout, \
+        proc.stdout
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conformance.plugin",
                            "--conformance-lora", "nope", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode != 0 and "nope not registered" in proc.stdout + proc.stderr
+
+
+class _DropsInputTail(TorchNativeLoRA):
+    """Reads the inputs in blocks of 8 and drops the rest (a kernel's unmasked K tail): right
+    on every unsplit case (their inputs are multiples of 8), wrong on a row-parallel rank's
+    36 or 18 inputs."""
+
+    def apply(self, x, y, weights, batch, meta):
+        k = x.shape[1] // 8 * 8
+        w = type(weights)(weights.a[..., :k], weights.b, weights.scalings,
+                          weights.output_slices, weights.max_rank)
+        return super().apply(x[:, :k], y, w, batch, meta)
+
+
+class _DropsRowTail(TorchNativeLoRA):
+    """Adds the delta to each output slice's rows in blocks of 8 only (a kernel's unmasked N
+    tail): right on every unsplit case, wrong on a column-parallel rank's 18-row slices."""
+
+    def apply(self, x, y, weights, batch, meta):
+        before, off = y.clone(), 0
+        super().apply(x, y, weights, batch, meta)
+        for width in weights.output_slices:
+            y[:, off + width // 8 * 8:off + width] = before[:, off + width // 8 * 8:off + width]
+            off += width
+        return y
+
+
+@pytest.mark.parametrize("bad,tp_case", [(_DropsInputTail, "down-decode-row"),
+                                         (_DropsRowTail, "gate-up-column")])
+def test_backends_wrong_only_on_rank_shapes_fail_the_tp_case(bad, tp_case):
+    cpu = torch.device("cpu")
+    for case in CASES:  # the unsplit suite does not see it
+        check_case(bad, case, torch.float32, cpu, 0)
+    tc = next(tc for tc in TP_CASES if tc.id == tp_case)
+    check_tp_case(TorchNativeLoRA, tc, 1, torch.float32, cpu, 0)  # one rank: the whole
+    check_case(bad, tc.case, torch.float32, cpu, 0)
+    for size in TP_SIZES:
+        with pytest.raises(AssertionError, match=f"at tp {size}"):
+            check_tp_case(bad, tc, size, torch.float32, cpu, 0)
 
 
 class _Poisoned:
