@@ -463,18 +463,34 @@ def _build_writer(tp: Any) -> Writer:
                     out.pop()
                 return out
             return shortest
-        tag: JSONObject = {"type": tp.TYPE} if hasattr(tp, "TYPE") else {}
-
-        def obj(v: object) -> JSONObject:
-            out = dict(tag)
-            for name, w, optional in plan:
-                x = getattr(v, name)
-                if x is None and optional:
-                    continue
-                out[name] = w(x)
-            return out
-        return obj
+        return _compiled_writer(tp, plan)
     return to_json  # dict[...], Any: walked as it is
+
+
+def _compiled_writer(tp: type, plan: list[tuple[str, Writer, bool]]) -> Writer:
+    """The writer of a dataclass as one function made from its fields (no loop over them, no
+    call for a plain field's value): what the worker runs on every item of every step. The
+    same JSON as the plan says: "type" first, then each field in order, one whose default is
+    None left out when None."""
+    env: dict[str, object] = {"_identity": _identity}
+    lines = ["def write(v):", "    out = {" + (f'"type": {tp.TYPE!r}' if hasattr(tp, "TYPE")
+                                                else "") + "}"]
+    for i, (name, w, optional) in enumerate(plan):
+        if w is _identity:
+            value = "x"
+        elif w is list:
+            value = "list(x)"
+        else:
+            env[f"w{i}"] = w
+            value = f"w{i}(x)"
+        lines.append(f"    x = v.{name}")
+        if optional:
+            lines.append(f"    if x is not None: out[{name!r}] = {value}")
+        else:
+            lines.append(f"    out[{name!r}] = {value}")
+    lines.append("    return out")
+    exec("\n".join(lines), env)  # noqa: S102 - source made here from field names only
+    return env["write"]  # type: ignore[return-value]
 
 
 # JSON value -> typed value (of the annotation the reader was built for); ValueError(what it
@@ -649,7 +665,52 @@ def _dataclass_reader(cls: type) -> Reader:
                 raise ValueError(f"malformed {what}: {name} must be {want}, got "
                                  f"{x!r:.80}") from None
         return cls(**values)
-    return read
+    return _compiled_reader(cls, checks, read)
+
+
+def _compiled_reader(cls: type, checks: list, slow: Reader) -> Reader:
+    """The dict-form reader of `cls` as one function made from its fields: every field read,
+    checked inline where its type is exact (str, int, bool, their `| None`, lists of them) and
+    passed positionally; anything it does not take as it is (a wrong type, a missing or
+    unknown field, a value a field's own reader refuses) goes to `slow`, the reader above,
+    which returns the same value or raises the error that names the problem."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    optional = {f.name for f in dataclasses.fields(cls) if f.default is None}
+    keys = frozenset(names) | ({"type"} if hasattr(cls, "TYPE") else set())
+    env: dict[str, object] = {"cls": cls, "slow": slow, "keys": keys, "ValueError": ValueError}
+    conds, args = [], []
+    for i, (name, exact, nullable, reader, _) in enumerate(checks):
+        x = f"x{i}"
+        tp = hints[name]
+        origin, targs = typing.get_origin(tp), typing.get_args(tp)
+        item = targs[0] if origin in (tuple, list) and targs and (
+            origin is list or len(targs) == 2 and targs[1] is Ellipsis) else None
+        if exact is not None:
+            t = f"type({x}) is {exact.__name__}"
+            conds.append(f"({x} is None or {t})" if nullable else t)
+            args.append(x)
+        elif item in (int, str, bool):
+            conds.append(f"type({x}) is list and all(type(t) is {item.__name__} for t in {x})")
+            args.append(f"{'tuple' if origin is tuple else 'list'}({x})")
+        else:
+            env[f"r{i}"] = reader
+            args.append(f"r{i}({x})")
+    lines = ["def read(d):",
+             "    if type(d) is not dict or not d.keys() <= keys:",
+             "        return slow(d)"]
+    for i, name in enumerate(names):
+        if name in optional:
+            lines.append(f"    x{i} = d.get({name!r})")
+        else:
+            lines += [f"    if {name!r} not in d:", "        return slow(d)",
+                      f"    x{i} = d[{name!r}]"]
+    if conds:
+        lines += [f"    if not ({' and '.join(conds)}):", "        return slow(d)"]
+    lines += ["    try:", f"        return cls({', '.join(args)})",
+              "    except ValueError:", "        return slow(d)"]
+    exec("\n".join(lines), env)  # noqa: S102 - source made here from field names only
+    return env["read"]  # type: ignore[return-value]
 
 
 def from_json(cls: type[T], value: JSON) -> T:
