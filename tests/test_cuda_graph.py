@@ -62,6 +62,9 @@ def test_a_batch_pads_up_to_the_smallest_bucket_and_big_batches_have_none():
 def test_padding_rows_decode_token_zero_into_the_sink_slot_of_row_zero():
     rows = padded_inputs([5, 7], [11, 12], [30, 2], [901, 77], 4)
     assert rows == [[11, 12, 0, 0], [30, 2, 0, 0], [901, 77, 0, 0], [5, 7, 0, 0]]
+    # a hybrid KV pool: each windowed group's new slots, padded with its sink slot 0
+    hybrid = padded_inputs([5, 7], [11, 12], [30, 2], [901, 77], 4, [[3, 9], [40, 41]])
+    assert hybrid == [*rows, [3, 9, 0, 0], [40, 41, 0, 0]]
     with pytest.raises(ValueError, match="does not fit"):
         padded_inputs([1, 2, 3], [0] * 3, [0] * 3, [1] * 3, 2)
 
@@ -161,8 +164,7 @@ def _stand_in_capture(gr: GraphRunner) -> None:
 
     gr.prepare_capture()
     for bs in gr.sizes:
-        batch = gr._batch(bs)
-        batch.attn_meta = gr.backend.prepare_for_graph(batch, bs)
+        batch = gr.capture_batch(bs)  # every KV group's view with its graph metadata
         gr.graphs[bs] = Replay(batch, bs)
 
 
@@ -249,6 +251,179 @@ def test_padded_replay_matches_eager_decode_and_big_batches_stay_eager(tiny_runn
     finally:
         runner.graph_runner = None
         restore()
+
+
+# -- a hybrid KV pool under graphs (CPU stand-in) --------------------------------------------------
+
+class _StandInRunner(GraphRunner):
+    """A platform's graph runner whose capture is the CPU stand-in."""
+
+    def capture(self) -> None:
+        _stand_in_capture(self)
+
+
+class _StandInPlatform:
+    def __init__(self, runner_cls=_StandInRunner, groups=True):
+        self.runner_cls, self.groups = runner_cls, groups
+
+    def graph_runner(self, runner, sizes, vocab_size):
+        if self.groups:
+            return self.runner_cls.for_runner(runner, sizes, vocab_size)
+        # a platform that builds its runner as before hybrid pools: group 0 only
+        return self.runner_cls(runner.model, runner.decode_backend, runner.kv_pool,
+                               runner.req_to_token, runner.device, sizes, vocab_size)
+
+
+HYBRID_PROMPTS = (43, 9, 3, 16, 17)  # the window is 8 tokens: 5x, 1x, under it, ...
+HYBRID_NEW = (20, 14, 12, 4, 15)  # five requests (eager), then 4, 3 (padded to 4), 2, 1
+
+
+def _hybrid_core(path):
+    """An in-process engine core over a hybrid pool (pages of 4, windowed groups a quarter of
+    the full one) whose decode backends are triton's (interpreted here), as on a GPU."""
+    from core.engine.worker import build_engine_core, make_plan
+    from core.plan.args import make_server_args
+    from plugins.attention.triton.backend import TritonAttention
+
+    args, plan, spec, registry = make_plan(make_server_args(
+        model_path=str(path), dtype="float32", max_total_tokens=512, page_size=4,
+        chunked_prefill_size=16, swa_full_tokens_ratio=0.25))
+    core_ = build_engine_core(args, plan, spec, registry)
+    assert any(n.startswith("hybrid KV pool (") for n in core_.info.notes), core_.info.notes
+    runner = core_.scheduler.runner
+    ctx = runner.decode_backend.ctx
+    runner.decode_backend = TritonAttention(ctx)
+    runner.group_backends = [(pre, TritonAttention(ctx)) for pre, _ in runner.group_backends]
+    return core_
+
+
+def _hybrid_generate(core_, check):
+    """Greedy generation of the HYBRID_* requests; every decode is logged by `check(rows,
+    logits)` (called after it) and the page accounting is checked after every step."""
+    sched = core_.scheduler
+    runner = sched.runner
+    inner = runner.decode
+
+    def decode(rows, *a, **kw):
+        check.before(rows)
+        logits = inner(rows, *a, **kw)
+        check.after(rows, logits)
+        return logits
+
+    runner.decode = decode
+    gen = torch.Generator().manual_seed(3)
+    for i, (n, new) in enumerate(zip(HYBRID_PROMPTS, HYBRID_NEW, strict=True)):
+        sched.add_request(f"r{i}", torch.randint(0, 256, (n,), generator=gen).tolist(),
+                          {"temperature": 0, "ignore_eos": True, "max_new_tokens": new})
+    out: dict[str, list[int]] = {}
+    while sched.has_work:
+        for r in sched.step():
+            out.setdefault(r.rid, []).extend(r.pending_ids)
+            r.pending_ids.clear()
+        sched.check_accounting()
+    sched.cache.evict(sched.allocator.total_pages)
+    sched.check_accounting()
+    st = sched.stats()
+    assert st["free_pages"] == st["total_pages"]
+    assert st["kv_group1_free_pages"] == st["kv_group1_total_pages"]
+    return out
+
+
+class _DecodeLog:
+    """Each decode's batch size, logits and every group's table after it; the pools' sink slot
+    0 is zeroed before each decode and whether a padded row wrote it in every group noted."""
+
+    def __init__(self, runner, sched):
+        self.runner, self.sched = runner, sched
+        self.pools = [runner.kv_pool, *runner.group_pools]
+        self.steps: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
+        self.sink_written: list[bool] = []
+        self.dummy_in_table: list[bool] = []
+        self.replayed: list[bool] = []
+
+    def before(self, rows):
+        for pool in self.pools:
+            for i in pool.layers:
+                pool.v_buffers[i][0].zero_()
+        gr = self.runner.graph_runner
+        self._replays = gr.replays if gr is not None else 0
+        # a windowed group's freed pages in a running request's page list (its table points at
+        # the dummy page there): pages were given back before this step
+        dummies = [a.dummy_page for a in self.sched.pages.group_allocators]
+        self.dummy_in_table.append(any(d in w for r in self.sched.q.running
+                                       for d, w in zip(dummies, r.wpages, strict=True)))
+
+    def after(self, rows, logits):
+        gr = self.runner.graph_runner
+        self.replayed.append(gr is not None and gr.replays > self._replays)
+        self.sink_written.append(all(bool(pool.v_buffers[i][0].abs().sum() > 0)
+                                     for pool in self.pools for i in pool.layers))
+        self.steps.append((len(rows), logits.clone(),
+                           [t.clone() for t in self.runner.req_to_token.tables]))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", pytest.param("gpt_oss", marks=pytest.mark.slow)])
+def test_hybrid_pool_replays_match_eager_decode(arch, tmp_path):
+    """A windowed model over a hybrid KV pool (Gemma 2: soft-caps, GPT-OSS: sinks; window 8,
+    prompts and generations past it, so windowed pages are given back between replays), triton
+    decode, greedy: with the stand-in graphs of buckets 1, 2, 4 (captured through
+    capture_graphs and the platform's runner) every decode step's logits equal the eager
+    hybrid decode's within fp32 rounding, the tokens are the same, every group's table is the
+    same after each step, padded rows (3 requests in a bucket of 4) write only each group's
+    sink slot 0, batches of 5 run eagerly, and the pages of every group add up after every
+    step."""
+    pytest.importorskip("triton")
+    from model_fixtures import write_tiny_model
+
+    path = write_tiny_model(arch, tmp_path / arch, head_dim=32)  # triton's smallest head
+    eager_core = _hybrid_core(path)
+    sched = eager_core.scheduler
+    eager = _DecodeLog(sched.runner, sched)
+    want = _hybrid_generate(eager_core, eager)
+
+    graph_core = _hybrid_core(path)
+    sched = graph_core.scheduler
+    runner = sched.runner
+    vocab = int(graph_core.info.vocab_size)
+    note = capture_graphs(runner, GraphDecision(True, (1, 2, 4), "test"), vocab,
+                          _StandInPlatform())
+    assert note.startswith("captured decode graphs"), note
+    gr = runner.graph_runner
+    assert gr.num_groups == runner.num_groups == 2 and gr.packed.shape[0] == 5
+    graphs = _DecodeLog(runner, sched)
+    got = _hybrid_generate(graph_core, graphs)
+
+    assert got == want
+    assert len(graphs.steps) == len(eager.steps)
+    for i, ((b, lg, tables), (b0, lg0, tables0)) in enumerate(zip(graphs.steps, eager.steps,
+                                                                    strict=True)):
+        assert b == b0, i
+        torch.testing.assert_close(lg, lg0, atol=1e-4, rtol=1e-4, msg=f"decode step {i}")
+        for g, (t, t0) in enumerate(zip(tables, tables0, strict=True)):
+            assert torch.equal(t, t0), (i, g)
+    sizes = [b for b, _, _ in graphs.steps]
+    assert graphs.replayed == [b <= 4 for b in sizes] and 5 in sizes and gr.replays > 0
+    # padded replays wrote the sink of every group; unpadded ones and eager steps wrote none
+    padded = [r and b not in (1, 2, 4) for r, b in zip(graphs.replayed, sizes, strict=True)]
+    assert 3 in sizes and graphs.sink_written == padded
+    assert not any(eager.sink_written)
+    # windowed pages were given back while graphs replayed
+    assert any(r and d for r, d in zip(graphs.replayed, graphs.dummy_in_table, strict=True))
+
+
+def test_a_platform_runner_without_the_pools_groups_leaves_decode_eager(tmp_path):
+    """A platform whose graph runner was built without a hybrid pool's groups (group 0's pool,
+    backend and table alone): capture_graphs gets the refusal and says so, and decode stays
+    eager (never a replay that would read group 0's table in every layer)."""
+    pytest.importorskip("triton")
+    from model_fixtures import write_tiny_model
+
+    core_ = _hybrid_core(write_tiny_model("gemma2", tmp_path / "g2", head_dim=32))
+    runner = core_.scheduler.runner
+    note = capture_graphs(runner, GraphDecision(True, (1, 2), "test"), 260,
+                          _StandInPlatform(groups=False))
+    assert "capture failed" in note and "KV pool of 2 group(s)" in note, note
+    assert runner.graph_runner is None
 
 
 # -- real capture on a GPU -------------------------------------------------------------------------
@@ -379,3 +554,98 @@ def test_lora_plans_replay_graphs_for_base_only_steps(tiny_runner, tmp_path):
             if isinstance(module, Linear):
                 module.epilogue = None
         reset_bindings(model)
+
+
+# -- a hybrid KV pool under real graphs ------------------------------------------------------------
+
+def _hybrid_gpu_run(path: str, prompts, news, **kw):
+    """Greedy generation on CUDA over a hybrid pool (windowed groups a quarter of the full
+    one); -> (token lists, stats, info). The accounting of every group is checked at the end."""
+    from core import Engine
+
+    with Engine(path, device="cuda", swa_full_tokens_ratio=0.25, **kw) as engine:
+        notes = engine.info.notes
+        assert any(n.startswith("hybrid KV pool (") for n in notes), notes
+        assert not any("hybrid KV pool off" in n for n in notes), notes
+        outs = engine.generate(input_ids=prompts, sampling_params=[
+            {"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in news])
+        stats = engine.stats()
+        engine.check_accounting()
+        info, plan = engine.info, engine.plan
+    assert plan.decode_attention == "triton"
+    assert 0 < stats["kv_group1_total_pages"] < stats["total_pages"]
+    return [o["output_ids"] for o in outs], stats, info
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "gpt_oss"])
+def test_hybrid_pool_graphs_equal_eager_and_hf_on_cuda(arch, tmp_path):
+    """Tiny windowed models (window 8, head dim 32 so that triton decodes), fp32, pages of 4:
+    five requests past the window (eager while five run, then buckets 4 with a padded row, 2,
+    1) give the same tokens with graphs over the hybrid pool as without graphs, and as
+    transformers' greedy generation on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from hf_compare import hf_greedy
+    from model_fixtures import tiny_hf_model, write_tiny_model
+
+    path = str(write_tiny_model(arch, tmp_path / arch, head_dim=32))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in HYBRID_PROMPTS]
+    kw = dict(dtype="float32", max_total_tokens=512, page_size=4, chunked_prefill_size=16)
+    with_graphs, stats, info = _hybrid_gpu_run(path, prompts, HYBRID_NEW, cuda_graph_max_bs=4,
+                                               **kw)
+    assert info.cuda_graph_batch_sizes == (1, 2, 4)
+    assert any(n.startswith("captured decode graphs") for n in info.notes)
+    assert 0 < stats["graph_replays"] < stats["forward_count"]["decode"]
+    without, stats_off, _ = _hybrid_gpu_run(path, prompts, HYBRID_NEW, disable_cuda_graph=True,
+                                            **kw)
+    assert stats_off["graph_replays"] == 0
+    assert with_graphs == without
+    hf = tiny_hf_model(arch, head_dim=32)
+    assert with_graphs == [hf_greedy(hf, p, n) for p, n in zip(prompts, HYBRID_NEW,
+                                                                 strict=True)]
+
+
+def _windowed_config(name: str, layers: int, window: int) -> dict:
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(__file__).parent / "fixtures" / "configs" / f"{name}.json")
+                     .read_text())
+    cfg.update(num_hidden_layers=layers, sliding_window=window)
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:layers]
+    if "sliding_window_size" in cfg:
+        cfg["sliding_window_size"] = window
+    return cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("name", "dtype"), [("gemma-2-9b", "bfloat16"),
+                                             ("gpt-oss-20b-bf16", "float32")])
+def test_hybrid_pool_graphs_at_real_shapes_on_cuda(name, dtype, tmp_path):
+    """Gemma-2-9B's and GPT-OSS-20B's layer shapes (head dims 256 and 64, soft-caps, sinks),
+    4 layers, a 128-token window, dummy weights, the platform's page size: prompts past the
+    window decoded past it again, with graphs over the hybrid pool and without. bf16 for Gemma
+    2 (a different batch shape can flip a near-tie, as in the bf16 test above), fp32 for
+    GPT-OSS (its random routers sit near ties in bf16): the first tokens and most of the rest
+    agree."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from model_fixtures import write_config_model
+
+    path = write_config_model(tmp_path / name, _windowed_config(name, 4, 128))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(300, 30000) for _ in range(n)] for n in (700, 300, 200, 150, 40)]
+    news = [160, 140, 120, 10, 130]
+    kw = dict(load_format="dummy", dtype=dtype, max_total_tokens=8192, context_length=4096,
+              chunked_prefill_size=512)  # windowed groups then a quarter of the full one
+    with_graphs, stats, info = _hybrid_gpu_run(path, prompts, news, cuda_graph_max_bs=4, **kw)
+    assert info.cuda_graph_batch_sizes == (1, 2, 4)
+    assert 0 < stats["graph_replays"] < stats["forward_count"]["decode"]
+    without, _, _ = _hybrid_gpu_run(path, prompts, news, disable_cuda_graph=True, **kw)
+    assert all(a[:3] == b[:3] for a, b in zip(with_graphs, without, strict=True))
+    same = sum(x == y for a, b in zip(with_graphs, without, strict=True)
+               for x, y in zip(a, b, strict=True))
+    assert same >= 0.8 * sum(news)

@@ -332,3 +332,26 @@ def test_the_hybrid_kv_bench_runs_and_fits_more_long_requests():
                          timeout=300, check=True).stdout
     last = out.strip().splitlines()[-1]
     assert last == "requests of 32768 tokens that fit in 4.0 GiB: hybrid 2, without windows 0", out
+
+
+# -- with decode graphs ----------------------------------------------------------------------------
+
+def test_decode_graphs_keep_the_hybrid_pool(model_spec):
+    """Graphs are captured over every KV group (tests/test_cuda_graph.py replays them against
+    eager decode), so a plan with graphs on (a GPU's default) keeps the hybrid layout."""
+    from core.engine.graphs import GraphDecision
+    from core.engine.worker import MemoryPlan, plan_hybrid_kv
+    from core.plan.args import make_server_args
+
+    spec = model_spec("gemma-2-9b")
+    layer = 2 * spec.num_kv_heads * spec.head_dim * 2  # K+V of one layer, bf16
+
+    def plan_at(per_token):
+        return MemoryPlan(2**30 // per_token // 16 * 16, per_token, 64, 2048,
+                          GraphDecision(True, (1, 2, 4, 8), "graphs on"), ())
+
+    mem = plan_hybrid_kv(make_server_args(), spec, plan_at(layer * spec.num_layers), plan_at,
+                         layer, 8192, 16)
+    assert mem.graphs.enabled and len(mem.kv_groups) == 2, mem.notes
+    assert not any("hybrid KV pool off" in n for n in mem.notes)
+    assert any(n.startswith("hybrid KV pool (") for n in mem.notes)

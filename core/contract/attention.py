@@ -78,6 +78,7 @@ class AttentionBackend(ABC):
         """Metadata for a decode batch of `bs` rows whose tensors are the graph's static buffers.
 
         Called once per captured batch size; every replay reuses the returned object, so it may
-        depend on `bs` but not on the values in the batch's tensors.
+        depend on `bs` but not on the values in the batch's tensors. Over a hybrid KV pool each
+        group's view has its own backend instance, so this is called on each with its view.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")

@@ -249,7 +249,7 @@ class ModelRunner:
 
         `input_ids` may be a device tensor (the previous step's sampled tokens, not yet seen by
         the host: the overlap scheduler). group_slots[g - 1][i]: request i's new slot in KV
-        group g (a hybrid pool; decode graphs are not captured over one)."""
+        group g (a hybrid pool; graph replays take them too)."""
         self.forward_count["decode"] += 1
         self._begin_step()  # graph replays write the pool too
         if len(group_slots) != len(self.group_pools):
@@ -261,7 +261,7 @@ class ModelRunner:
                 and (lora is None or self.lora is None or all(s == BASE_SLOT for s in lora)):
             if self.lora is not None:
                 self.lora.begin_step([1] * len(rows), None)  # no adapter in this step
-            return self.graph_runner.decode(rows, input_ids, positions, slots)
+            return self.graph_runner.decode(rows, input_ids, positions, slots, group_slots)
         seq = [p + 1 for p in positions]
         B = len(rows)
         on_device = isinstance(input_ids, torch.Tensor)

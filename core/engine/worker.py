@@ -251,10 +251,6 @@ def plan_hybrid_kv(args: ServerArgs, spec: ModelSpec, mem: MemoryPlan, plan_agai
     if args.disable_hybrid_kv:
         return dataclasses.replace(mem, notes=(*mem.notes, "hybrid KV pool off: "
                                                "--disable-hybrid-kv"))
-    if mem.graphs.enabled:
-        return dataclasses.replace(mem, notes=(*mem.notes, (
-            "hybrid KV pool off: decode graphs are captured and replay one page table (turn "
-            "graphs off, --disable-cuda-graph, to free sliding-window layers' pages)")))
     ratio = args.swa_full_tokens_ratio
     per_token = split_budget_bytes_per_token(groups, layer_bytes, ratio)
     mem = plan_again(math.ceil(per_token))

@@ -2,7 +2,8 @@
 core.contract.graphs.GraphRunner, which replays.
 
 Every bucket is captured, largest first, into one shared memory pool, on a side stream after two
-eager warm-up forwards (kernels compile and the allocator settles outside the capture).
+eager warm-up forwards (kernels compile and the allocator settles outside the capture). Over a
+hybrid KV pool one graph holds every group's attention (the base class builds the groups' views).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ class CudaGraphRunner(GraphRunner):
         stream = torch.cuda.Stream(self.device)
         with torch.inference_mode():
             for bs in reversed(self.sizes):
-                batch = self._batch(bs)
-                batch.attn_meta = self.backend.prepare_for_graph(batch, bs)
+                batch = self.capture_batch(bs)  # every KV group's view with its metadata
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):

@@ -96,8 +96,7 @@ class TorchCudaPlatform(BasePlatform):
     def graph_runner(self, runner: Any, sizes: Any, vocab_size: int) -> Any:
         from plugins.hardware.cuda_graphs import CudaGraphRunner
 
-        return CudaGraphRunner(runner.model, runner.decode_backend, runner.kv_pool,
-                               runner.req_to_token, runner.device, sizes, vocab_size)
+        return CudaGraphRunner.for_runner(runner, sizes, vocab_size)
 
     def overlap_schedule(self) -> tuple[bool, str]:
         return True, ("overlap schedule on: decode step N+1 is launched before the host reads "

@@ -25,8 +25,9 @@ The design, chosen as the simplest that leaves attention backends unchanged:
   the tokens of the extend in flight, whose K/V must all exist during that forward; the full
   group keeps all. Without chunked prefill a prompt's extend is the whole prompt, so windowed
   groups are never sized below one request's peak (worker.plan_hybrid_kv).
-- Decode graphs replay one page table: with graphs captured the pool stays single (a note
-  says so); --disable-hybrid-kv keeps one pool everywhere.
+- Decode graphs are captured over every group (core.contract.graphs.GraphRunner): each
+  group's new slots are a static input, its table is read where it lives, padded rows write
+  each group's sink slot 0. --disable-hybrid-kv keeps one pool everywhere.
 
 The split of a budget between groups follows SGLang's SWA pool: windowed groups get
 `ratio` x the full group's tokens (--swa-full-tokens-ratio), since a fixed split must choose
