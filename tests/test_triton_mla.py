@@ -234,7 +234,7 @@ def test_extend_batch_groups_requests_and_matches_the_reference(reqs, chunk, dty
         assert keys <= chunk if gr.blocks is not None else (gr.count == 1 and keys > chunk)
     extend_batch(q_n, q_r, groups, buf, w, layer, out, config=cfg)
     at = 0
-    for (p_, n), mine in zip(reqs, own, strict=True):
+    for (_, n), mine in zip(reqs, own, strict=True):
         want = mla_reference(q_n[at:at + n], q_r[at:at + n], buf[mine], w, layer,
                              absorbed=False)
         torch.testing.assert_close(out[at:at + n].float(), want, **_tol(dtype))
