@@ -30,7 +30,7 @@ BUCKETS = (1, 2, 4)
 # five requests (eager: above the largest bucket), then 4, 3 (padded to 4), 2, 1 as they end
 LORAS = ("a", None, "b", "c", "a")
 NEW = (14, 12, 9, 4, 11)
-RANKS = {"a": 8, "b": 16, "c": 4}  # --max-lora-rank 16
+RANKS = {"a": 8, "b": 16, "c": 4, "d": 8}  # --max-lora-rank 16
 # c: attention only, so one adapter leaves the MLP projections' slots zero
 C_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -102,9 +102,8 @@ def files(tmp_path_factory):
     cfg = tiny_config("llama", head_dim=32)
     adapters = {"a": _write_adapter(root / "a", cfg, "a", 1),
                 "b": _write_adapter(root / "b", cfg, "b", 2),
-                "c": _write_adapter(root / "c", cfg, "c", 3, C_TARGETS)}
-    RANKS["d"] = 8
-    adapters["d"] = _write_adapter(root / "d", cfg, "d", 4)
+                "c": _write_adapter(root / "c", cfg, "c", 3, C_TARGETS),
+                "d": _write_adapter(root / "d", cfg, "d", 4)}
     return str(model), adapters
 
 
