@@ -4,9 +4,10 @@
 
 Shapes: Llama-3.1-8B's projections (qkv: 4096 -> 4096 + 1024 + 1024, gate_up: 4096 -> 2 x 14336,
 down: 14336 -> 4096), 8 adapter slots of rank 16 (--max-lora-rank 16) on every one, at decode
-(1, 8, 32, 64 tokens: one per request, requests' adapters round-robin over the 8, so no two
-neighbours share one) and prefill (512 and 2048 tokens: 8 requests of equal length, one per
-adapter) sizes. What is timed is one projection's `apply` (the delta added into y; `prepare`
+(1, 8, 32, 64, 128, 256 tokens: one per request, requests' adapters round-robin over the 8, so
+no two neighbours share one; a graph-safe backend is given these steps as the decode graphs give
+them, device-only: core.contract.lora) and prefill (512 and 2048 tokens: 8 requests of equal
+length, one per adapter) sizes. What is timed is one projection's `apply` (the delta added into y; `prepare`
 once per step is left out: every projection of a step shares it), for:
 
 - every registered LoRA backend that runs on this device (`torch_native`, the reference;
@@ -43,7 +44,7 @@ HIDDEN, INTER, KV = 4096, 14336, 1024
 # projection -> (in features, output slices)
 PROJECTIONS = {"qkv": (HIDDEN, (HIDDEN, KV, KV)), "gate_up": (HIDDEN, (INTER, INTER)),
                "down": (INTER, (HIDDEN,))}
-DECODE = (1, 8, 32, 64)
+DECODE = (1, 8, 32, 64, 128, 256)  # decode graphs' buckets go to 256 on an H200
 PREFILL = (512, 2048)
 PEER = "per_adapter_loop"
 REFERENCE = "torch_native"
@@ -133,6 +134,8 @@ def impl_fn(name: str, case: tuple):
     if reasons:
         pytest.skip(f"{name} cannot run on this {target}: {'; '.join(reasons)}")
     backend = reg.load()(LoRAConfig(SLOTS, RANK, DTYPE, DEVICE))
+    if reg.caps.graph_safe and x.shape[0] in DECODE:  # what a decode graph replays
+        batch = LoRABatch.on_device(batch.seg_indptr, batch.seg_slots_t)
     meta = backend.prepare(batch)
     return lambda: backend.apply(x, y, weights, batch, meta)
 

@@ -18,10 +18,12 @@ N(0, 1/in), B ~ N(0, 0.02^2) (non-zero, so the delta is really computed), scalin
 - lora: --enable-lora --lora-paths (every adapter) --max-loras-per-batch --num-adapters
   --max-lora-rank --lora-rank --lora-backend (default auto: the resolver's choice; the report
   names the backend the plan chose);
-- base_eager (CUDA, graphs on, unless --skip-eager-base): the base with --disable-cuda-graph.
-  The engine captures no decode graphs holding adapter deltas (core/plan/resolver.py
-  _graph_capture): decode steps serving an adapter run eagerly and only steps of base requests
-  alone replay the graphs, so a gap to the base splits into graphs lost and the delta's cost.
+- base_eager (CUDA, graphs on, unless --skip-eager-base): the base with --disable-cuda-graph,
+  what the graphs give the base. With a graph-safe LoRA backend (triton) the decode graphs hold
+  the LoRA path (core/contract/graphs.py): steps serving adapters replay them like base steps,
+  so "decode steps from graphs" reads n/n on the LoRA engine too (steps above the largest
+  bucket aside) and a gap to the base is the delta's cost; with one that is not graph safe the
+  plan captures no graphs (its notes say so) and adapter requests run eagerly.
 
 Measured on each (greedy, ignore_eos, random-token prompts of --input-len, --output-len new
 tokens): batch 1 (--batch1-requests requests one after the other: decode tokens/s = 1 / median
@@ -331,8 +333,8 @@ def table(report: dict[str, Any], a: argparse.Namespace) -> str:
               "base engine's same case in this run."]
     if eager:
         s = report.get("summary") or {}
-        lines.append("adapter requests vs the base without graphs (the delta's cost apart from "
-                     "graphs lost): batch 1 "
+        lines.append("adapter requests vs the base without graphs (the graphs' gain against "
+                     "the delta's cost): batch 1 "
                      f"{_fmt(s.get('batch1_decode_tok_s_lora_lora_vs_base_eager'), 3)}, "
                      "concurrent "
                      f"{_fmt(s.get('concurrent_output_tok_s_lora_lora_vs_base_eager'), 3)}")

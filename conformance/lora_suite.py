@@ -34,6 +34,14 @@ together, and the sum of their row-parallel partial outputs must equal the unspl
 reference. The ranks' parts have shapes the unsplit cases do not (36 or 18 inputs, 18 rows):
 tails of tiles a kernel must mask. Under the Triton interpreter these run at fp32 only (fp16
 too with --conformance-full).
+
+Decode graphs (`test_lora_backend_graph_step`, backends whose LoRACaps declare graph_safe; the
+others are one skip each): device-only steps (LoRABatch.on_device: one token per row, slots on
+the device only, the host lists unreadable) of 12 rows and of 160 (over the 64 tokens a backend
+may serve token by token eagerly: decode buckets go to 256), base rows and padded rows (-1)
+between adapter rows, against the reference; then, as a replay would, the same batch object's
+slot row and one slot's buffers changed in place, and prepare + apply again must follow them.
+Under the Triton interpreter fp32 only (fp16 too with --conformance-full).
 """
 
 from __future__ import annotations
@@ -49,7 +57,8 @@ from conformance.suite_kit import Target, skip_param, suite_params
 from core.contract.lora import BASE_SLOT, LoRABackend, LoRABatch, LoRAConfig, LoRAWeights
 
 __all__ = ["pytest_generate_tests", "test_lora_backend_conformance",
-           "test_lora_backend_tensor_parallel", "reference_lora"]
+           "test_lora_backend_graph_step", "test_lora_backend_tensor_parallel",
+           "reference_lora"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
@@ -299,6 +308,53 @@ def check_tp_case(factory, tc: TPCase, size: int, dtype: torch.dtype, device: to
         f"are off the unsplit reference by {err:.3g} (tolerance {tol:.3g})")
 
 
+def _rows(n: int, slots: Sequence[int], padded: int) -> tuple[tuple[int, int], ...]:
+    """n decode rows cycling over `slots`, then `padded` padded rows (slot -1)."""
+    return tuple((1, slots[i % len(slots)]) for i in range(n)) + ((1, BASE_SLOT),) * padded
+
+
+GRAPH_CASES = (
+    # a small bucket: adapters of ranks 8, 16, 12 (max rank 16), base rows, 2 padded rows
+    Case("graph-bucket-12", 32, (32, 8, 8), 16, (8, 16, 12), _rows(10, (0, 1, -1, 2, 0), 2)),
+    # a bucket over 64 rows, a plain projection, one slot empty (rank 0)
+    Case("graph-bucket-160", 40, (24,), 16, (16, 0, 8), _rows(157, (2, -1, 0, 0, 1), 3)),
+)
+
+
+def check_graph_step(factory, case: Case, dtype: torch.dtype, device: torch.device,
+                     seed: int) -> None:
+    """A device-only step of `case` (every segment one token) against the reference; then the
+    slot row and slot 0's buffers changed in place (a replay after a slot load) and prepare +
+    apply again on the same batch object follow them (module doc)."""
+    assert all(n == 1 for n, _ in case.segments), "a graph step has one token per segment"
+    backend = factory(LoRAConfig(num_slots=len(case.ranks), max_rank=case.max_rank,
+                                 dtype=dtype, device=device))
+    x, y, weights, host = make_inputs(case, dtype, device, seed)
+    slots_t = host.seg_slots_t.clone()
+    batch = LoRABatch.on_device(host.seg_indptr.clone(), slots_t)
+    tol = TOL[dtype]
+    for round_ in range(2):
+        seg_slots = slots_t.tolist()
+        want = reference_lora(x, y, weights, [1] * len(seg_slots), seg_slots)
+        got = backend.apply(x, y.clone(), weights, batch, backend.prepare(batch))
+        scale = max(1.0, float(want.abs().max()))
+        err = float((got.float() - want).abs().max())
+        where = f"{case.id} {dtype}, {'first step' if round_ == 0 else 'after a slot reload'}"
+        assert err <= tol * scale, (f"{where}: max |got - reference| = {err:.3g} over "
+                                    f"tolerance {tol * scale:.3g}")
+        base = [t for t, s in enumerate(seg_slots) if s == BASE_SLOT]
+        assert torch.equal(got[base].float(), want[base]), f"{where}: base rows changed"
+        # between replays: rows change adapters, slot 0 gets another adapter in place
+        g = torch.Generator().manual_seed(seed + 7)
+        slots_t.copy_(slots_t.roll(1))
+        r = case.ranks[0]
+        for j in range(len(case.slices)):
+            weights.a[0, j * case.max_rank:j * case.max_rank + r].copy_(
+                torch.randn(r, case.in_features, generator=g).to(device, dtype) / r ** 0.5)
+        weights.b[0, :, :r].copy_(torch.randn(weights.b.shape[1], r, generator=g))
+        weights.scalings[0] = 1.5
+
+
 def _dtype_params(t: Target, case: Case) -> list[str]:
     """The declared compute dtypes the suite runs `case` at on t's device (none beyond its
     declared max rank)."""
@@ -346,11 +402,31 @@ def lora_tp_params(config: pytest.Config) -> list:
                         say_device=False)
 
 
+def lora_graph_params(config: pytest.Config) -> list:
+    def cases(t: Target) -> list:
+        if not t.reg.caps.graph_safe:
+            return [skip_param(f"{t.name}-{t.device_name}-graph",
+                               f"{t.name} declares graph_safe=False (LoRACaps): decode graphs "
+                               "are not captured with it, so its device-only steps are not "
+                               "checked", t.marks, width=5)]
+        interpreted = triton_interpreter(t.reg, t.device) and not t.full
+        return [pytest.param(t.name, t.device_name, case, dname, t.seed,
+                             id=f"{t.name}-{t.device_name}-{case.id}-{dname}", marks=t.marks)
+                for case in GRAPH_CASES for dname in _dtype_params(t, case)
+                if not (interpreted and dname != "float32")]
+
+    return suite_params(config, "lora", "conformance_lora", "LoRA backend", cases, width=5,
+                        say_device=False)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     name = metafunc.function.__name__
     if name == "test_lora_backend_conformance":
         metafunc.parametrize("lora_name,lora_device,lora_case,lora_dtype,lora_seed",
                              lora_params(metafunc.config))
+    elif name == "test_lora_backend_graph_step":
+        metafunc.parametrize("lora_name,lora_device,lora_graph_case,lora_dtype,lora_seed",
+                             lora_graph_params(metafunc.config))
     elif name == "test_lora_backend_tensor_parallel":
         metafunc.parametrize("lora_name,lora_device,lora_tp_case,lora_tp,lora_dtype,lora_seed",
                              lora_tp_params(metafunc.config))
@@ -362,6 +438,18 @@ def test_lora_backend_conformance(lora_name, lora_device, lora_case, lora_dtype,
 
     reg = get_registry().get("lora", lora_name)
     check_case(reg.load(), lora_case, DTYPES[lora_dtype], torch.device(lora_device), lora_seed)
+
+
+def test_lora_backend_graph_step(lora_name, lora_device, lora_graph_case, lora_dtype,
+                                 lora_seed):
+    """A graph-safe backend's device-only decode steps (slots on the device only, host lists
+    unreadable), before and after in-place changes of the slot row and a slot's buffers, equal
+    the fp32 reference (module doc)."""
+    from core.plan.registry import get_registry
+
+    reg = get_registry().get("lora", lora_name)
+    check_graph_step(reg.load(), lora_graph_case, DTYPES[lora_dtype], torch.device(lora_device),
+                     lora_seed)
 
 
 def test_lora_backend_tensor_parallel(lora_name, lora_device, lora_tp_case, lora_tp,

@@ -487,9 +487,11 @@ def test_bf16_graphs_mostly_agree_with_eager(gpu_model_dir):
 
 
 def test_lora_plans_replay_graphs_for_base_only_steps(tiny_runner, tmp_path):
-    """With LoRA on (a graph-safe backend keeps graphs), a decode step of base requests alone
-    replays the graph and matches eager; a step serving an adapter runs eagerly with its delta
-    (the graphs hold none), and a base step after it replays without that adapter's delta."""
+    """Graphs captured without the LoRA path (a graph runner built without the manager; what a
+    backend that is not graph safe gets, tests/test_lora_graphs.py): a decode step of base
+    requests alone replays the graph and matches eager; a step serving an adapter runs eagerly
+    with its delta (the graphs hold none), and a base step after it replays without that
+    adapter's delta."""
     from model_fixtures import write_config_adapter
 
     from core.contract.lora import BASE_SLOT, LoRAConfig

@@ -281,13 +281,15 @@ def test_refusals_name_the_reason(tmp_path):
     plan = _plan(cfg, enable_lora=True, device_profile="h100", lora_backend="torch_native")
     assert not plan.cuda_graph
     assert any("LoRA backend torch_native cannot be captured" in n for n in plan.notes)
-    # the GPU's default, triton, is graph safe: graphs stay on for base-only decode steps;
-    # on an AWQ base too (the quant methods it sits on)
+    # the GPU's default, triton, is graph safe: decode graphs stay on and hold the LoRA path
+    # (steps serving adapters replay them); on an AWQ base too (the quant methods it sits on)
     for name in ("llama-3.1-8b.json", "llama-3.1-8b-awq.json"):
         plan = _plan(Path(__file__).parent / "fixtures" / "configs" / name, enable_lora=True,
                      device_profile="h100")
         assert plan.lora_backend == "triton" and plan.cuda_graph, plan.notes
-        assert any("decode steps serving LoRA adapters run eagerly" in n for n in plan.notes)
+        assert any(n.startswith("decode graphs capture the LoRA path (LoRA backend triton")
+                   for n in plan.notes), plan.notes
+        assert not any("run eagerly" in n and "LoRA" in n for n in plan.notes), plan.notes
 
 
 # -- the prefix cache keyed by adapter ------------------------------------------------------------

@@ -23,9 +23,11 @@ from conformance import lora_suite as suite  # noqa: E402
 from conformance.lora_suite import *  # noqa: E402,F401,F403 - the suite, over every backend
 from conformance.lora_suite import (  # noqa: E402
     CASES,
+    GRAPH_CASES,
     TP_CASES,
     TP_SIZES,
     check_case,
+    check_graph_step,
     check_tp_case,
     make_inputs,
     reference_lora,
@@ -187,7 +189,7 @@ class _Poisoned:
 
     def __init__(self, batch):
         self.seg_indptr, self.seg_slots_t = batch.seg_indptr, batch.seg_slots_t
-        self.num_tokens = batch.num_tokens
+        self.num_tokens, self.device_only = batch.num_tokens, batch.device_only
 
     def __getattr__(self, name):
         raise AssertionError(f"read the host list {name} of a decode step")
@@ -217,3 +219,61 @@ def test_triton_decode_steps_read_only_device_tensors():
     x, y, weights, batch = make_inputs(long, torch.float32, device, 5)
     with pytest.raises(AssertionError, match="read the host list"):
         backend.prepare(_Poisoned(batch))
+
+
+# -- device-only steps (decode graphs) -------------------------------------------------------------
+
+
+def test_graph_cases_are_collected_and_a_backend_not_graph_safe_is_skipped():
+    unnamed = types.SimpleNamespace(getoption=lambda name, default=None: None)
+    params = suite.lora_graph_params(unnamed)
+    native = [p for p in params if p.id.startswith("torch_native-cpu")]
+    assert [p.id for p in native] == ["torch_native-cpu-graph"]
+    assert "declares graph_safe=False" in native[0].marks[-1].kwargs["reason"]
+    # one small bucket, one over the 64 tokens a backend may serve token by token eagerly
+    assert all(n == 1 for c in GRAPH_CASES for n, _ in c.segments)
+    assert min(len(c.segments) for c in GRAPH_CASES) < 64 < max(len(c.segments)
+                                                                for c in GRAPH_CASES)
+    if INTERPRETED:
+        assert {f"triton-cpu-{c.id}-float32" for c in GRAPH_CASES} <= {p.id for p in params}
+
+
+class _Eager(TorchNativeLoRA):
+    """torch_native over a device-only step's slots read back to the host (a sync: right
+    numbers, but it could not be captured)."""
+
+    def slots(self, batch):
+        return batch.seg_slots_t.tolist()
+
+    def prepare(self, batch):
+        from core.contract.lora import LoRABatch
+
+        slots = self.slots(batch)
+        return super().prepare(LoRABatch([1] * len(slots), slots,
+                                         [self.config.max_rank] * self.config.num_slots,
+                                         batch.seg_indptr, batch.seg_slots_t))
+
+
+class _BakesSlots(_Eager):
+    """Reads the slot row once and keeps it (as a capture would bake host values in)."""
+
+    kept = None
+
+    def slots(self, batch):
+        if self.kept is None:
+            self.kept = batch.seg_slots_t.tolist()
+        return self.kept
+
+
+class _ReadsHostSlots(TorchNativeLoRA):
+    """Serves a device-only step from its host lists."""
+
+
+@pytest.mark.parametrize("bad,match", [(_BakesSlots, "after a slot reload"),
+                                       (_ReadsHostSlots, "not on the host")])
+def test_backends_wrong_on_device_only_steps_fail_the_graph_case(bad, match):
+    cpu = torch.device("cpu")
+    for case in GRAPH_CASES:  # the arithmetic the check expects, from the device tensors
+        check_graph_step(_Eager, case, torch.float32, cpu, 0)
+    with pytest.raises((AssertionError, RuntimeError), match=match):
+        check_graph_step(bad, GRAPH_CASES[0], torch.float32, cpu, 0)

@@ -636,11 +636,13 @@ class LoRACaps(_Frozen):
 
     devices / capability / cpu_isa: where its kernels run. dtypes: the compute dtypes of the
     activations and adapter buffers it takes. max_rank: the largest adapter rank its kernels
-    take (--max-lora-rank above it is refused). graph_safe: its per-step preparation and its
-    products never sync with the host, so decode graphs may capture them. quant_methods: the
-    quant methods (QuantCaps names) of base projections it sits on: the delta is added to
-    whatever the base computes; the resolver refuses it on any other (name only those whose
-    outputs it was checked on).
+    take (--max-lora-rank above it is refused). graph_safe: it serves device-only steps
+    (core.contract.lora: one token per segment, slots only on the device, any bucket size) with
+    no host sync, so decode graphs capture its prepare and apply and replay them for every
+    step, adapters or not (the resolver turns graphs off for a backend that is not).
+    quant_methods: the quant methods (QuantCaps names) of base projections it sits on: the
+    delta is added to whatever the base computes; the resolver refuses it on any other (name
+    only those whose outputs it was checked on).
     tensor_parallel: it runs adapters sharded like their base layers (--tp-size > 1).
     """
 

@@ -14,6 +14,16 @@ tensors; padded rows write into slot 0 of every group (each group's pool keeps i
 The tables are persistent tensors written before each replay, so pages a windowed group gives
 back between replays (their entries pointed at its dummy page) are read as in eager decode.
 
+LoRA adapters (core.engine.lora) with a graph-safe backend (LoRACaps.graph_safe) are captured
+too: each row's adapter slot is one more static input row (-1: a base request, and every padded
+row), and inside the captured forward the manager opens a device-only step over it and a static
+seg_indptr (0..bs: one segment per token), so the backend's prepare and every projection's apply
+are recorded. Every decode step replays these graphs, base-only ones too (their rows' slot -1:
+the LoRA kernels still launch and skip every row). The adapters' stacked buffers are written in
+place by slot loads, so a replay reads the adapters resident then. With a backend that is not
+graph safe the graphs are captured with no step open (no delta) and only steps of base requests
+replay them; ModelRunner.decode runs the others eagerly.
+
 Capturing is the device's: a subclass implements `capture` (and `stage` where its copies want pinned memory), e.g.
 plugins/hardware/cuda_graphs.py for CUDA and ROCm. Which sizes are captured and whether capture
 happens at all is the engine's (core/engine/graphs.py).
@@ -29,9 +39,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from core.contract.forward_batch import ForwardBatch, ForwardMode
+from core.contract.lora import BASE_SLOT
 
 if TYPE_CHECKING:
     from core.contract.attention import AttentionBackend
+    from core.engine.lora import LoRAManager
     from core.engine.memory.kv_cache import KVPool
     from core.engine.memory.memory_pool import ReqToTokenPool
     from core.engine.model_runner import ModelRunner
@@ -60,9 +72,10 @@ class GraphRunner:
                  req_to_token: ReqToTokenPool, device: torch.device, sizes: Sequence[int],
                  vocab_size: int, group_pools: Sequence[KVPool] = (),
                  group_backends: Sequence[AttentionBackend] = (),
-                 layer_group: Sequence[int] | None = None):
+                 layer_group: Sequence[int] | None = None, lora: LoRAManager | None = None):
         """group_pools, group_backends (decode backends), layer_group: a hybrid KV pool's
-        windowed groups 1.. and each layer's group, as the ModelRunner holds them."""
+        windowed groups 1.. and each layer's group, as the ModelRunner holds them. lora: the
+        runner's LoRA manager (its deltas are captured when its backend is graph safe)."""
         self.model = model
         self.backend = backend
         self.kv_pool = kv_pool
@@ -82,9 +95,16 @@ class GraphRunner:
         self.sizes = list(sizes)
         self.max_bs = self.sizes[-1]
         n = self.max_bs
-        # [4 + extra groups, max_bs]: input ids, positions, slots, table rows, then each
-        # windowed group's slots; one host->device copy per step.
-        self.packed = torch.zeros(4 + len(self.group_pools), n, dtype=torch.long, device=device)
+        self.lora = lora
+        # the packed row of each request's LoRA slot, when the graphs hold the adapters' deltas
+        self.lora_row = 4 + len(self.group_pools) if lora is not None and lora.graph_safe \
+            else None
+        # [4 + extra groups (+ 1), max_bs]: input ids, positions, slots, table rows, then each
+        # windowed group's slots, then the LoRA slots; one host->device copy per step.
+        self.packed = torch.zeros(4 + len(self.group_pools) + (self.lora_row is not None), n,
+                                  dtype=torch.long, device=device)
+        # decode's LoRA segments: one per token (a bucket of bs reads [:bs + 1])
+        self.lora_indptr = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.ones = torch.ones(n, dtype=torch.int32, device=device)
         self.logits = torch.zeros(n, vocab_size, dtype=torch.float32, device=device)
@@ -96,15 +116,20 @@ class GraphRunner:
     def for_runner(cls, runner: ModelRunner, sizes: Sequence[int], vocab_size: int
                    ) -> GraphRunner:
         """The graph runner of `runner` (core.engine.model_runner.ModelRunner): its model, decode
-        backends, pools and tables, a hybrid pool's groups included."""
+        backends, pools and tables, a hybrid pool's groups included, and its LoRA manager."""
         return cls(runner.model, runner.decode_backend, runner.kv_pool, runner.req_to_token,
                    runner.device, sizes, vocab_size, group_pools=runner.group_pools,
                    group_backends=[decode for _, decode in runner.group_backends],
-                   layer_group=runner.layer_group)
+                   layer_group=runner.layer_group, lora=runner.lora)
 
     @property
     def num_groups(self) -> int:
         return 1 + len(self.group_pools)
+
+    @property
+    def captures_lora(self) -> bool:
+        """The graphs hold the LoRA path: steps serving adapters replay them too."""
+        return self.lora_row is not None
 
     def can_run(self, batch_size: int) -> bool:
         return pick_bucket(batch_size, self.sizes) is not None
@@ -140,8 +165,19 @@ class GraphRunner:
         # seq_lens (prefix_lens aliases them: decode backends do not read those) follow from positions
         # inside the graph, so a replay needs only the packed copy.
         self.seq_lens[:bs].copy_(batch.positions + 1)
-        hidden = self.model.forward(batch.input_ids, batch.positions, batch)  # [bs, H]
-        self.logits[:bs].copy_(self.model.compute_logits(hidden))  # [bs, V] fp32
+        lora = self.lora
+        if lora is not None:
+            if self.lora_row is not None:  # prepare + every projection's apply are recorded
+                lora.begin_graph_step(self.lora_indptr[:bs + 1],
+                                      self.packed[self.lora_row, :bs].to(torch.int32))
+            else:  # graphs of base steps: no delta recorded, whatever the last step was
+                lora.end_step()
+        try:
+            hidden = self.model.forward(batch.input_ids, batch.positions, batch)  # [bs, H]
+            self.logits[:bs].copy_(self.model.compute_logits(hidden))  # [bs, V] fp32
+        finally:
+            if lora is not None:
+                lora.end_step()
 
     def capture(self) -> None:
         """Capture every bucket into self.graphs (each value has `replay()`)."""
@@ -157,6 +193,8 @@ class GraphRunner:
         for backend in (self.backend, *self.group_backends):
             backend.init_graph_state(self.max_bs, self.req_to_token.max_context)
         self.packed.zero_()
+        if self.lora_row is not None:
+            self.packed[self.lora_row].fill_(BASE_SLOT)
 
     def stage(self, host: torch.Tensor) -> torch.Tensor:
         """The host copy of the packed inputs as the device's copy wants it (CUDA: pinned, so
@@ -165,9 +203,11 @@ class GraphRunner:
 
     def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
                positions: Sequence[int], slots: Sequence[int],
-               group_slots: Sequence[Sequence[int]] = ()) -> torch.Tensor:
+               group_slots: Sequence[Sequence[int]] = (),
+               lora: Sequence[int] | None = None) -> torch.Tensor:
         """Same contract as ModelRunner.decode -> logits [B, V] (a view, valid until the next
-        decode). group_slots[g - 1][i]: request i's new slot in windowed group g."""
+        decode). group_slots[g - 1][i]: request i's new slot in windowed group g. lora: each
+        request's LoRA slot (None: the base for all); adapters only where captures_lora."""
         B = len(rows)
         bs = pick_bucket(B, self.sizes)
         if bs is None:
@@ -176,10 +216,17 @@ class GraphRunner:
         if len(group_slots) != len(self.group_pools):
             raise ValueError(f"{len(group_slots)} groups' slots for graphs over "
                              f"{self.num_groups} KV groups")
+        if self.lora_row is not None:
+            lora = [BASE_SLOT] * B if lora is None else lora
+        elif lora is not None and any(s != BASE_SLOT for s in lora):
+            raise ValueError("these decode graphs hold no LoRA deltas (captured without a "
+                             "graph-safe LoRA backend); run adapter steps eagerly")
+        else:
+            lora = None
         on_device = isinstance(input_ids, torch.Tensor)  # overlap: last step's tokens
         host = torch.tensor(padded_inputs(rows, [0] * B if on_device else input_ids, positions,
-                                          slots, bs, group_slots),
-                            dtype=torch.long)  # [4 + extra groups, bs]
+                                          slots, bs, group_slots, lora),
+                            dtype=torch.long)  # [4 + extra groups (+ 1), bs]
         self.packed[:, :bs].copy_(self.stage(host), non_blocking=True)
         if on_device:
             self.packed[0, :B].copy_(input_ids)
@@ -194,13 +241,16 @@ class GraphRunner:
 
 
 def padded_inputs(rows: Sequence[int], input_ids: Sequence[int], positions: Sequence[int],
-                  slots: Sequence[int], bs: int, group_slots: Sequence[Sequence[int]] = ()
-                  ) -> list[list[int]]:
-    """The [4 + len(group_slots), bs] rows GraphRunner copies in: real entries, then padding
-    (token 0, position 0, slot 0 = the sink, table row 0; slot 0 in every windowed group too).
-    Exposed for tests."""
+                  slots: Sequence[int], bs: int, group_slots: Sequence[Sequence[int]] = (),
+                  lora: Sequence[int] | None = None) -> list[list[int]]:
+    """The [4 + len(group_slots) (+ 1 with `lora`), bs] rows GraphRunner copies in: real
+    entries, then padding (token 0, position 0, slot 0 = the sink, table row 0; slot 0 in every
+    windowed group too; LoRA slot -1, the base: no delta). Exposed for tests."""
     pad = bs - len(rows)
     if pad < 0:
         raise ValueError(f"batch of {len(rows)} does not fit a bucket of {bs}")
-    return [[*input_ids, *[0] * pad], [*positions, *[0] * pad], [*slots, *[0] * pad],
-            [*rows, *[0] * pad], *([*gs, *[0] * pad] for gs in group_slots)]
+    out = [[*input_ids, *[0] * pad], [*positions, *[0] * pad], [*slots, *[0] * pad],
+           [*rows, *[0] * pad], *([*gs, *[0] * pad] for gs in group_slots)]
+    if lora is not None:
+        out.append([*lora, *[BASE_SLOT] * pad])
+    return out

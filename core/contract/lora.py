@@ -35,13 +35,24 @@ them; a backend that only reads the shapes it is given needs nothing more.
 
 A backend must not assume segments are sorted by slot, that every slot appears, or that
 segments are non-empty (a zero-length segment has no tokens).
+
+Decode graphs (LoRACaps.graph_safe): a graph-safe backend's `prepare` and `apply` are captured
+once per decode bucket and replayed with other adapters in the rows. Such a step's batch is
+`device_only` (LoRABatch.on_device): one token per segment (seg_lens all 1; up to the largest
+captured bucket, 256 tokens or more), each row's slot only in `seg_slots_t` (-1 for base
+requests and for the bucket's padded rows), `seg_indptr` = 0, 1, ..., T. Its host lists
+`seg_slots` and `ranks` hold no values (reading them raises): the values change from replay to
+replay, the host never sees them. The backend reads only the token count and the device tensors,
+launches grids sized by the token count, syncs nothing and allocates only what the step needs
+afresh (a graph's pool keeps it). The stacked buffers are fixed tensors the engine writes in
+place when it loads a slot, so a replay reads the adapters resident then.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import torch
 
@@ -69,10 +80,21 @@ class LoRABatch:
     """
 
     seg_lens: list[int]
-    seg_slots: list[int]
+    seg_slots: Sequence[int]
     ranks: Sequence[int]
     seg_indptr: torch.Tensor
     seg_slots_t: torch.Tensor
+    # a decode graph's step: slots on the device only, host lists unreadable (module doc)
+    device_only: bool = False
+
+    @classmethod
+    def on_device(cls, seg_indptr: torch.Tensor, seg_slots_t: torch.Tensor) -> LoRABatch:
+        """A decode graph's step of T = len(seg_slots_t) tokens, one segment each: seg_indptr
+        [T + 1] int32 = 0..T, seg_slots_t [T] int32 each row's slot (module doc)."""
+        T = seg_slots_t.shape[0]
+        return cls(seg_lens=[1] * T, seg_slots=OnDeviceOnly("seg_slots"),
+                   ranks=OnDeviceOnly("ranks"), seg_indptr=seg_indptr, seg_slots_t=seg_slots_t,
+                   device_only=True)
 
     @property
     def seg_starts(self) -> list[int]:
@@ -85,6 +107,27 @@ class LoRABatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.seg_lens)
+
+
+class OnDeviceOnly(Sequence[int]):
+    """A device-only step's host list: its values live on the device and change between graph
+    replays, so any read raises (a backend that would bake them into a graph fails loudly)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def _refuse(self) -> NoReturn:
+        raise RuntimeError(f"LoRABatch.{self.name} of a decode graph's step is not on the host "
+                           f"(device_only: read seg_slots_t / seg_indptr; core.contract.lora)")
+
+    def __len__(self) -> int:
+        self._refuse()
+
+    def __getitem__(self, i: Any) -> NoReturn:
+        self._refuse()
+
+    def __repr__(self) -> str:
+        return f"OnDeviceOnly({self.name!r})"
 
 
 @dataclass

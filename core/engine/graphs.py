@@ -113,7 +113,13 @@ def capture_graphs(runner: ModelRunner, decision: GraphDecision, vocab_size: int
         log.warning("%s", note)
         return note
     runner.graph_runner = gr
-    note = (f"captured decode graphs for batch sizes {list(decision.sizes)} in "
+    lora = ""
+    if runner.lora is not None:
+        lora = (" with the LoRA path (each row's adapter slot a graph input: steps serving "
+                "adapters replay them)" if gr.captures_lora else
+                " without LoRA deltas (the LoRA backend is not graph safe: steps serving "
+                "adapters run eagerly)")
+    note = (f"captured decode graphs for batch sizes {list(decision.sizes)}{lora} in "
             f"{time.perf_counter() - t:.1f} s; {decision.note}")
     log.info("%s", note)
     return note

@@ -7,6 +7,12 @@ Per step the model runner tells the manager which slot each request's tokens use
 (`begin_step`); every projection's epilogue then reads that step's batch (the linears' bound
 callables take x only, so the step reaches them through the manager they were given).
 
+Decode graphs (a graph-safe backend, `graph_safe`): the graph runner opens a device-only step
+(`begin_graph_step`) over its static slot row inside the captured forward, so the backend's
+prepare and every projection's apply are recorded and replayed with whatever slots the row
+holds then. The stacked buffers are allocated once and only ever written in place (`_fill`
+copies into a slot's rows, scalings included): a replay reads the adapters resident at the time.
+
 PEFT's files: adapter_config.json (r, lora_alpha, use_rslora, target_modules, ...) and
 adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r]; scaling lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
@@ -205,8 +211,10 @@ class LoRAManager:
 
     def __init__(self, model: torch.nn.Module, backend: LoRABackend, num_slots: int,
                  max_rank: int, target_modules: set[str], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, graph_safe: bool = False):
+        """graph_safe: the backend's LoRACaps.graph_safe (decode graphs capture its steps)."""
         self.backend, self.num_slots, self.max_rank = backend, num_slots, max_rank
+        self.graph_safe = graph_safe
         self.dtype, self.device = dtype, device
         self.targets: dict[str, tuple[Linear, str | None]] = model.lora_targets()
         self.allowed = set(target_modules)
@@ -350,6 +358,20 @@ class LoRAManager:
             seg_indptr=torch.tensor(indptr, dtype=torch.int32).to(self.device),
             seg_slots_t=torch.tensor(seg_slots, dtype=torch.int32).to(self.device))
         self.meta = self.backend.prepare(self.batch)
+
+    def begin_graph_step(self, seg_indptr: torch.Tensor, seg_slots_t: torch.Tensor) -> None:
+        """A decode graph's step (inside the captured forward): one token per row, row i's slot
+        seg_slots_t[i] on the device only (-1: base or padding), seg_indptr = 0..T; the backend
+        prepares from those tensors alone (core.contract.lora, device-only steps)."""
+        if not self.graph_safe:
+            raise RuntimeError("decode graphs hold adapter deltas only with a graph-safe LoRA "
+                               "backend (LoRACaps.graph_safe)")
+        self.batch = LoRABatch.on_device(seg_indptr, seg_slots_t)
+        self.meta = self.backend.prepare(self.batch)
+
+    def end_step(self) -> None:
+        """No step open: the projections add nothing until the next begin_step."""
+        self.batch, self.meta = None, None
 
     def stats(self) -> dict[str, int]:
         return {"lora_adapters": len(self.adapters),

@@ -255,13 +255,18 @@ class ModelRunner:
         if len(group_slots) != len(self.group_pools):
             raise ValueError(f"{len(group_slots)} groups' slots for a pool of "
                              f"{self.num_groups} KV groups")
-        # the graphs hold no adapter deltas (captured with no adapter in the step): steps of
-        # base requests alone replay them, steps serving an adapter run eagerly
-        if self.graph_runner is not None and self.graph_runner.can_run(len(rows)) \
-                and (lora is None or self.lora is None or all(s == BASE_SLOT for s in lora)):
+        # Graphs captured with a graph-safe LoRA backend hold the adapters' deltas (each row's
+        # slot is a graph input): every step replays them. Graphs without (no LoRA, or a backend
+        # that is not graph safe) serve steps of base requests alone; adapter steps run eagerly.
+        gr = self.graph_runner
+        if gr is not None and gr.can_run(len(rows)) and (
+                gr.captures_lora or lora is None or self.lora is None
+                or all(s == BASE_SLOT for s in lora)):
+            if gr.captures_lora:
+                return gr.decode(rows, input_ids, positions, slots, group_slots, lora=lora)
             if self.lora is not None:
-                self.lora.begin_step([1] * len(rows), None)  # no adapter in this step
-            return self.graph_runner.decode(rows, input_ids, positions, slots, group_slots)
+                self.lora.end_step()  # what the graphs were captured with: no delta
+            return gr.decode(rows, input_ids, positions, slots, group_slots)
         seq = [p + 1 for p in positions]
         B = len(rows)
         on_device = isinstance(input_ids, torch.Tensor)

@@ -301,7 +301,7 @@ def build_lora(args: ServerArgs, plan: Plan, loaded: LoadedModel, registry: Regi
         raise TypeError(f"LoRA backend {plan.lora_backend!r} from {reg.origin.describe()} does "
                         "not implement prepare / apply (core.contract.lora.LoRABackend)")
     manager = LoRAManager(loaded.model, backend, plan.lora_slots, max_rank, targets,
-                          loaded.dtype, device)
+                          loaded.dtype, device, graph_safe=reg.caps.graph_safe)
     for s in specs:
         manager.load(s.name, s.path)
     return manager, [f"LoRA: {plan.lora_backend}, {plan.lora_slots} slot(s), rank up to "

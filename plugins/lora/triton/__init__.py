@@ -17,10 +17,11 @@ CAPS = LoRACaps(
     capability={"cuda": CapabilityRange(min=80)},  # tl.dot on bf16 needs Ampere
     dtypes={"float16", "bfloat16", "float32"},
     max_rank=64,  # what its conformance run covers (8 to 64)
-    # Steps of up to DECODE_TOKENS tokens (decode) are served token by token from a
-    # slot-per-token table the backend derives on the device from the batch's device tensors
-    # (searchsorted over seg_indptr): no host list is read, no sync, and the launch grids depend
-    # on the token count alone. Longer steps (prefill) use host-built segment blocks.
+    # Steps of up to DECODE_TOKENS tokens (decode) and device-only steps of any size (a decode
+    # graph's bucket) are served token by token from a slot-per-token table the backend derives
+    # on the device from the batch's device tensors (searchsorted over seg_indptr): no host list
+    # is read, no sync, and the launch grids depend on the token count alone. Longer eager steps
+    # (prefill) use host-built segment blocks.
     graph_safe=True,
     # the delta is added to whatever the base computed: the CUDA quant methods' outputs
     quant_methods={"unquantized", "fp8", "w8a8_int8", "awq", "gptq"},

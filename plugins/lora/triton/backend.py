@@ -2,11 +2,12 @@
 slot), then per projection one shrink launch (x @ A^T, all output slices at once) and one expand
 launch (scaled @ B^T added into each slice of y). See kernels.py for the arithmetic.
 
-Decode-sized steps (at most DECODE_TOKENS tokens) get one block per token, its slot looked up on
-the device from the batch's seg_indptr / seg_slots_t (searchsorted): nothing read from host lists
-but the token count, no sync, grids sized by the token count alone, so a decode graph can capture
-prepare and apply. Longer steps get BLOCK_M-token blocks of each adapter segment, built on the
-host from the segment lists (prefill is not captured).
+Decode-sized steps (at most DECODE_TOKENS tokens) and a decode graph's device-only steps (any
+bucket size: LoRABatch.device_only) get one block per token, its slot looked up on the device
+from the batch's seg_indptr / seg_slots_t (searchsorted): nothing read from host lists but the
+token count, no sync, grids sized by the token count alone, so a decode graph captures prepare
+and apply. Longer steps get BLOCK_M-token blocks of each adapter segment, built on the host from
+the segment lists (prefill is not captured).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class TritonLoRA:
         if T == 0:
             return None
         device = batch.seg_indptr.device
-        if T <= DECODE_TOKENS:
+        if T <= DECODE_TOKENS or batch.device_only:
             t = torch.arange(T, dtype=torch.int32, device=device)
             # the segment of token t: the first whose end is past t (empty ones never are)
             seg = torch.searchsorted(batch.seg_indptr[1:].contiguous(), t, right=True)
