@@ -76,7 +76,7 @@ def test_oracle_needs_its_recording(oracle, monkeypatch, tmp_path):
 
 def test_arguments(bench):
     a = bench.parse_args([])
-    assert a.device == "cuda" and a.dtype == "bfloat16" and a.cfg["hidden_size"] == 4096
+    assert a.device == "cuda" and a.dtype == "float32" and a.cfg["hidden_size"] == 4096
     assert a.cases == list(bench.CASES) and a.num_prompts == bench.DEFAULT_PROMPTS["cuda"]
     assert (a.input_len, a.output_len, a.draft_tokens, a.draft_quantization) == \
         (256, 256, 4, "fp8")
