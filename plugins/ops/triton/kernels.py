@@ -239,31 +239,27 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return out, total
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+def _gated(x: torch.Tensor, kernel: str, **consts: object) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up, [T, I] through kernel `kernel` of _kernels()."""
     T, two_i = x.shape
     n = two_i // 2
     out = torch.empty(T, n, dtype=x.dtype, device=x.device)
     if T:
         k = _kernels()
         block = min(1024, k.triton.next_power_of_2(n))
-        k.silu_mul[(T, k.triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
-                                                 BLOCK=block, num_warps=4)
+        getattr(k, kernel)[(T, k.triton.cdiv(n, block))](
+            x, out, x.stride(0), out.stride(0), n, **consts, BLOCK=block, num_warps=4)
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    return _gated(x, "silu_mul")
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor:
     """[T, 2I] (gate | up) -> gelu(gate) * up, [T, I]; approximate "tanh" or "none" (erf)."""
-    T, two_i = x.shape
-    n = two_i // 2
-    out = torch.empty(T, n, dtype=x.dtype, device=x.device)
-    if T:
-        k = _kernels()
-        block = min(1024, k.triton.next_power_of_2(n))
-        k.gelu_mul[(T, k.triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n,
-                                                 TANH=approximate == "tanh", BLOCK=block,
-                                                 num_warps=4)
-    return out
+    return _gated(x, "gelu_mul", TANH=approximate == "tanh")
 
 
 def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int, num_k: int,
