@@ -232,3 +232,23 @@ def test_flag_needs_chunked_prefill():
     make_server_args(decode_itl_target_ms=0, chunked_prefill_size=-1)  # off: no conflict
     args = make_server_args(decode_itl_target_ms=30)
     assert args.decode_itl_target_ms == 30
+
+
+def test_server_figures_metrics_and_replicas_carry_the_budget():
+    from core.frontend import router
+    from core.frontend.serving import _figures
+    from core.server.metrics import ServerMetrics
+
+    stats = {"running": 1, "prefill_budget_target_ms": 50.0, "prefill_budget_tokens": 1408,
+             "prefill_capped_steps": 7, "prefill_budget_extend_tok_s": 45000.0,
+             "prefill_budget_decode_ms": 14.2}
+    f = _figures(stats)
+    assert (f["prefill_budget_tokens"], f["prefill_capped_steps"]) == (1408, 7)
+    text = ServerMetrics().render(f, True)
+    assert "core_prefill_budget_tokens 1408\n" in text
+    assert "core_prefill_capped_steps_total 7\n" in text
+    assert "# TYPE core_prefill_capped_steps_total counter" in text
+    total = router.merge_stats([stats, {**stats, "prefill_budget_tokens": 1344}])
+    assert total["prefill_capped_steps"] == 14  # counts add up
+    assert total["prefill_budget_target_ms"] == 50.0  # the same everywhere: kept
+    assert "prefill_budget_tokens" not in total  # differs per replica: in `replicas` only
