@@ -458,8 +458,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--server-extra-args", default="", help="more `core serve` flags, quoted")
     p.add_argument("--offline-variants", nargs="+", default=None, metavar="NAME=JSON",
                    help="run the offline mode again per variant with these core.Engine flags "
-                   "over --engine-extra (e.g. budget-off='{\"decode_itl_target_ms\": 0}'); "
-                   "results under offline_variants")
+                   "over --engine-extra (e.g. budget-on='{\"decode_itl_target_ms\": 50}': "
+                   "the offline Engine leaves the prefill budget off); results under "
+                   "offline_variants")
     g.add_argument("--online-variants", nargs="+", default=None, metavar="NAME=FLAGS",
                    help="run the online mode once per variant, its flags appended to "
                    "--server-extra-args (e.g. off='--decode-itl-target-ms 0' "

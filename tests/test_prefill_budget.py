@@ -210,8 +210,9 @@ def test_rank0_budget_message_pins_the_cap(tiny):
 def test_engine_notes_say_the_budget(tiny):
     assert any("prefill budget: while requests decode" in n and "8 ms" in n
                for n in make_core(tiny, decode_itl_target_ms=TARGET_MS).info.notes)
-    default = make_core(tiny)
-    assert default.scheduler.budget.target_s == pytest.approx(0.05)
+    default = make_core(tiny)  # the offline Engine's default: off
+    assert not default.scheduler.budget.on
+    assert any("prefill budget off" in n for n in default.info.notes)
     assert any("prefill budget off: chunked prefill is off" in n
                for n in make_core(tiny, chunked_prefill_size=-1).info.notes)
 
@@ -224,6 +225,17 @@ def test_engine_notes_say_the_budget(tiny):
 def test_flag_validation(value, match):
     with pytest.raises(ValueError, match=match):
         make_server_args(decode_itl_target_ms=value)
+
+
+def test_core_serve_defaults_to_50_ms_the_engine_to_off():
+    from core.plan.args import SERVE_ITL_TARGET_MS, serving_defaults
+
+    assert make_server_args().decode_itl_target_ms is None  # the engine: off
+    assert serving_defaults(make_server_args()).decode_itl_target_ms == SERVE_ITL_TARGET_MS == 50
+    given = make_server_args(decode_itl_target_ms=0)
+    assert serving_defaults(given).decode_itl_target_ms == 0  # a user's setting stands
+    no_chunks = make_server_args(chunked_prefill_size=-1)
+    assert serving_defaults(no_chunks).decode_itl_target_ms is None
 
 
 def test_flag_needs_chunked_prefill():

@@ -369,7 +369,6 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
     from core.engine.memory.radix_cache import make_prefix_cache
     from core.engine.sampling import Sampler
     from core.engine.scheduler import Scheduler, SchedulerConfig
-    from core.engine.scheduler.budget import DEFAULT_TARGET_MS
 
     page = plan.page_size
     allocator = PageAllocator((mem.kv_tokens + page) // page, page)
@@ -399,8 +398,7 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
         spec_draft_tokens=plan.spec_draft_tokens,
         spec_governor=args.speculative_governor == "on",
         spec_disable_batch=args.speculative_disable_by_batch_size,
-        decode_itl_target_ms=DEFAULT_TARGET_MS if args.decode_itl_target_ms is None
-        else args.decode_itl_target_ms)
+        decode_itl_target_ms=args.decode_itl_target_ms)
     tok, cfg = loaded.tokenizer, loaded.hf_config
     eos = set(tok.eos_token_ids) if tok is not None else set()
     cfg_eos = getattr(cfg, "eos_token_id", None)

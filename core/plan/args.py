@@ -22,6 +22,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "random", "lof", "priority")
 EVICTION_POLICIES = ("lru", "lfu")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 DISABLE_FUSED_OPS_ENV = "CORE_DISABLE_FUSED_OPS"  # =1: --layer-ops torch unless the flag is given
+SERVE_ITL_TARGET_MS = 50.0  # --decode-itl-target-ms under `core serve` (README: the prefill budget)
 
 
 def _f(default: T, group: str, help: str, **kw: object) -> T:
@@ -81,7 +82,8 @@ class ServerArgs:
         "prompt tokens the measured extend rate fits into this many ms after the decode step "
         "(at least 256 tokens and the decode step's time; at most --chunked-prefill-size), so "
         "long prompts arriving do not stall streaming; a time-sized, adaptive form of vLLM's "
-        "--max-num-batched-tokens; 0: off, full chunks (default 50; needs chunked prefill)")
+        "--max-num-batched-tokens; 0: off, full chunks (default: 50 under `core serve`, off in "
+        "the offline Engine; needs chunked prefill)")
     schedule_policy: str = _f("fcfs", "scheduling", "waiting-queue order",
                               choices=SCHEDULE_POLICIES)
     enable_priority_scheduling: bool = _f(False, "scheduling", "honour request priority")
@@ -394,6 +396,16 @@ def validate(args: ServerArgs) -> None:
     if args.revision is not None:
         raise ValueError(f"--revision {args.revision}: models load from a local path here, so "
                          "there is no revision to choose; drop the flag")
+
+
+def serving_defaults(args: ServerArgs) -> ServerArgs:
+    """`core serve`'s defaults where they differ from the offline Engine's: the prefill budget
+    is on (streams want a bounded inter-token latency; an offline batch wants throughput, as
+    vLLM's server and its LLM class default --max-num-batched-tokens differently)."""
+    chunking = args.chunked_prefill_size is None or args.chunked_prefill_size > 0
+    if args.decode_itl_target_ms is None and chunking:
+        return args.replace(decode_itl_target_ms=SERVE_ITL_TARGET_MS)
+    return args
 
 
 def _validate_itl_target(args: ServerArgs) -> None:

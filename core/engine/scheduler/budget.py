@@ -4,7 +4,7 @@ A step decodes the running batch (t_d seconds), then extends waiting prompts: ev
 request's next token waits for both, so one chunk of --chunked-prefill-size tokens (16,384 on
 an H200) stalls all of them for its whole forward. While the batch decodes, the extend is cut
 to the tokens the measured extend rate fits, after the decode step, into the target inter-token
-latency T (--decode-itl-target-ms):
+latency T (--decode-itl-target-ms; `core serve` 50 ms, the offline Engine off):
 
     budget = clamp((T - t_d) / s,  lo = max(floor, t_d / s),  hi = chunk)
 
@@ -16,8 +16,8 @@ latency T (--decode-itl-target-ms):
 - t_d / s: prefill gets at least as much of a step as decode does, so where decoding alone takes
   more than T / 2 (a very large batch, a slow device) steps grow to 2 t_d rather than starve
   admission;
-- chunk: the cap without running decodes (offline bursts keep full chunks) and until an extend
-  was measured.
+- chunk: the cap without running decodes (a burst's first step keeps full chunks) and until
+  an extend was measured.
 The budget is rounded down to GRAIN tokens. Under tensor parallelism the ranks' clocks differ,
 so rank 0's budget is broadcast each turn (core.messages.PrefillBudget) and every rank cuts the
 same step.
@@ -31,7 +31,6 @@ from collections.abc import Callable
 FLOOR_TOKENS = 256
 GRAIN = 64
 DECAY = 0.8  # weight of the history in each decayed sum (a step's own: 0.2)
-DEFAULT_TARGET_MS = 50.0  # --decode-itl-target-ms left open (README, "Scheduling under load")
 
 
 class PrefillBudget:
@@ -130,8 +129,9 @@ class PrefillBudget:
             return ("prefill budget off: chunked prefill is off (--chunked-prefill-size -1), "
                     "so a step's extend takes whole prompts")
         if not self.on:
-            return ("prefill budget off (--decode-itl-target-ms 0): while requests decode, a "
-                    f"step still extends up to the chunk ({self.chunk} tokens)")
+            return ("prefill budget off (--decode-itl-target-ms 0, the offline Engine's "
+                    "default; `core serve` defaults to 50): while requests decode, a step still "
+                    f"extends up to the chunk ({self.chunk} tokens)")
         return (f"prefill budget: while requests decode, a step extends what the measured "
                 f"extend rate fits into {self.target_s * 1e3:g} ms after the decode step "
                 f"(--decode-itl-target-ms), at least {min(self.floor, self.chunk)} tokens and "
