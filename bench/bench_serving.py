@@ -3,6 +3,10 @@
     python bench/bench_serving.py --out serving.json                  # GPU: Llama-3.1-8B shapes
     python bench/bench_serving.py --scenario cpu                      # tiny model, ~1 minute
     python bench/bench_serving.py --modes online,shared-prefix ...    # a subset of the modes
+    python bench/bench_serving.py --modes offline,online --skip-hf --online-num-prompts 600 \
+        --request-rate inf --max-concurrency 256 \
+        --online-variants off='--decode-itl-target-ms 0' on='--decode-itl-target-ms 50'
+                                                       # saturation: the prefill budget off vs on
 
 Random-token prompts, fixed input/output lengths, ignore_eos, greedy. The model is a config with
 --load-format dummy and a word-level tokenizer covering the whole vocabulary (every id decodes to
@@ -18,6 +22,10 @@ text, as with a real tokenizer, so every generated token is streamed). Modes (--
   --request-rate (Poisson arrivals; inf = all at once) under --max-concurrency, streamed (SSE)
   through /v1/completions with token-id prompts; SGLang bench_serving's metrics (completed /
   failed, duration, request and token throughputs, TTFT / TPOT / ITL / E2E mean, median, p99);
+  with --online-variants NAME=FLAGS ..., once per variant (its `core serve` flags appended to
+  --server-extra-args, a fresh server each), so settings compare in one run (the prefill
+  budget: off='--decode-itl-target-ms 0' on='--decode-itl-target-ms 50'), each beside offline
+  (and --offline-variants NAME=JSON ...: the offline mode again with these core.Engine flags);
 - shared-prefix: --shared-prefix-num-requests prompts = one shared prefix + distinct suffixes,
   through core.Engine with the radix cache on and with disable_radix_cache=True; each run first
   sends two warm-up requests with the prefix (other suffixes) one after the other, then submits the
@@ -288,6 +296,7 @@ def bench_engine(model_dir: str, a: argparse.Namespace, *, graphs: bool = True,
         res["graph_replays"] = stats.get("graph_replays")
         res["decode_forwards"] = stats["forward_count"]["decode"]
         res["retractions"] = stats.get("retractions")
+        res["prefill_capped_steps"] = stats.get("prefill_capped_steps")
     return res
 
 
@@ -447,6 +456,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--max-concurrency", type=int, default=None, help="0: no cap")
     g.add_argument("--online-warmup", type=int, default=2, help="warm-up requests (not timed)")
     g.add_argument("--server-extra-args", default="", help="more `core serve` flags, quoted")
+    p.add_argument("--offline-variants", nargs="+", default=None, metavar="NAME=JSON",
+                   help="run the offline mode again per variant with these core.Engine flags "
+                   "over --engine-extra (e.g. budget-on='{\"decode_itl_target_ms\": 50}': "
+                   "the offline Engine leaves the prefill budget off); results under "
+                   "offline_variants")
+    g.add_argument("--online-variants", nargs="+", default=None, metavar="NAME=FLAGS",
+                   help="run the online mode once per variant, its flags appended to "
+                   "--server-extra-args (e.g. off='--decode-itl-target-ms 0' "
+                   "on='--decode-itl-target-ms 50'); results under online_variants")
     g.add_argument("--server-startup-timeout", type=float, default=900.0)
     g = p.add_argument_group("shared-prefix (radix cache on vs off)")
     g.add_argument("--shared-prefix-len", type=int, default=None)
@@ -468,6 +486,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.online_output_len = a.output_len
     if a.max_concurrency == 0:
         a.max_concurrency = None
+    variants = {}
+    for v in a.online_variants or ():
+        name, sep, flags = v.partition("=")
+        if not sep or not name or name in variants:
+            p.error(f"--online-variants: {v!r} is not NAME=FLAGS with a new NAME")
+        variants[name] = flags
+    a.online_variants = variants
+    offline_variants = {}
+    for v in a.offline_variants or ():
+        name, sep, flags = v.partition("=")
+        try:
+            flags = json.loads(flags) if sep else None
+        except ValueError:
+            flags = None
+        if not name or not isinstance(flags, dict) or name in offline_variants:
+            p.error(f"--offline-variants: {v!r} is not NAME=JSON (an object) with a new NAME")
+        offline_variants[name] = flags
+    a.offline_variants = offline_variants
     if a.shared_prefix_suffix_len < 1:
         p.error("--shared-prefix-suffix-len must be >= 1")
     if not gpu:
@@ -549,15 +585,28 @@ def main(argv: list[str] | None = None) -> int:
             if off and "matmul_TFLOPs" in report:
                 report["offline_floor"] = floor_report(a, report, off, elem)
             save()
+        for name, flags in a.offline_variants.items() if "offline" in modes else ():
+            report.setdefault("offline_variants", {})[name] = stage(
+                f"offline[{name}]", bench_engine, model_dir, a, offline=True,
+                engine_flags=flags)
+            save()
         if "shared-prefix" in modes:
             off = stage("engine_no_radix", bench_engine, model_dir, a, radix=False,
                         shared_prefix=True)
             report["shared_prefix"] = shared_prefix_report(
                 a, report["engine_graphs"].pop("shared_prefix", report["engine_graphs"]), off)
             save()
-        if "online" in modes:
+        if "online" in modes and not a.online_variants:
             log = Path(a.out).with_suffix(".server.log") if a.out else Path(tmp) / "server.log"
             report["online"] = stage("online", run_online, model_dir, a, log)
+            save()
+        for name, flags in a.online_variants.items() if "online" in modes else ():
+            log = (Path(a.out).with_suffix(f".{name}.server.log") if a.out
+                   else Path(tmp) / f"server.{name}.log")
+            va = argparse.Namespace(**{**vars(a), "server_extra_args":
+                                       f"{a.server_extra_args or ''} {flags}".strip()})
+            report.setdefault("online_variants", {})[name] = stage(
+                f"online[{name}]", run_online, model_dir, va, log)
             save()
         if modes & {"batch1", "offline"} and not a.skip_hf:
             # before the eager run: the peer matters more if time runs out

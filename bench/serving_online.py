@@ -6,7 +6,9 @@ benchmark fails. `run_load` sends requests at a Poisson rate (inf: all at once) 
 concurrency cap, streaming (SSE) through /v1/completions with token-id prompts, and measures what
 SGLang's bench_serving measures: per request TTFT, inter-token latencies (gaps between streamed
 chunks), end-to-end latency, and the token counts the server's usage reports;
-`summarize_online` turns those into throughputs and mean / median / p99.
+`summarize_online` turns those into throughputs and mean / median / p99. After the load,
+`engine_stats` reads the scheduler's figures that explain a run (`/get_server_info`): the prefill
+budget's cap, capped extends and measurements, forwards per kind, retractions.
 """
 
 from __future__ import annotations
@@ -238,6 +240,26 @@ async def run_load(base_url: str, api_key: str | None, prompts: list[list[int]],
     return list(results), duration
 
 
+ENGINE_STATS = ("prefill_budget_target_ms", "prefill_budget_tokens", "prefill_capped_steps",
+                "prefill_budget_extend_tok_s", "prefill_budget_decode_ms", "retractions",
+                "steps", "prefill_tokens", "decode_tokens", "forward_count")
+
+
+def engine_stats(base_url: str, api_key: str | None) -> dict[str, Any]:
+    """The scheduler's figures of ENGINE_STATS from /get_server_info ({"error": ...} if it
+    cannot be read: the load's results stand without them)."""
+    req = urllib.request.Request(base_url + "/get_server_info",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key
+                                 else {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            stats = json.loads(resp.read())["stats"]
+    except (OSError, ValueError, KeyError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    eng = stats.get("engine") or stats
+    return {k: eng[k] for k in ENGINE_STATS if k in eng}
+
+
 def summarize_online(results: list[RequestResult], duration: float, per_request: bool = False
                      ) -> dict[str, Any]:
     """SGLang bench_serving's metrics over the completed requests."""
@@ -288,6 +310,7 @@ def bench_online(model_flags: list[str], prompts: list[list[int]], output_len: i
                                    f"{srv.log_tail()}")
         results, duration = asyncio.run(run_load(srv.url, srv.api_key, prompts, output_len,
                                                  request_rate, max_concurrency))
+        res["engine_stats"] = engine_stats(srv.url, srv.api_key)
     res.update(summarize_online(results, duration, per_request))
     res["server_exit_code"] = srv.exit_code
     return res

@@ -51,6 +51,19 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         s.update({f"online_{k}": on[k] for k in (
             "completed", "failed", "request_throughput", "output_tok_s", "ttft_median_ms",
             "ttft_p99_ms", "tpot_median_ms", "itl_median_ms", "itl_p99_ms")})
+    off_tok_s = (eg.get("offline") or {}).get("output_tok_s")
+    for name, v in (report.get("offline_variants") or {}).items():
+        if "offline" in v:
+            s[f"offline[{name}]_output_tok_s"] = v["offline"]["output_tok_s"]
+            s[f"offline[{name}]_vs_offline"] = ratio(v["offline"]["output_tok_s"], off_tok_s)
+    for name, v in (report.get("online_variants") or {}).items():
+        if "completed" not in v:
+            continue
+        s[f"online[{name}]"] = {
+            **{k: v[k] for k in ("completed", "failed", "output_tok_s", "ttft_p99_ms",
+                                 "itl_median_ms", "itl_p99_ms")},
+            "vs_offline": ratio(v["output_tok_s"], off_tok_s) if off_tok_s else None,
+            "prefill_capped_steps": (v.get("engine_stats") or {}).get("prefill_capped_steps")}
     sp = report.get("shared_prefix") or {}
     if sp:
         s["shared_prefix_radix_vs_no_radix"] = sp.get("ratio")
@@ -120,6 +133,33 @@ def summary_table(report: dict[str, Any]) -> str:
                      f"{_num(on['output_tok_s'])}"))
         for k in ("ttft", "tpot", "itl", "e2e"):
             rows.append(("online", f"{k.upper()} ms mean/p50/p99", _three(on, k)))
+    for name, v in (report.get("offline_variants") or {}).items():
+        if "error" in v:
+            rows.append((f"offline[{name}]", "FAILED", _error_line(v["error"])))
+        elif "offline" in v:
+            o = v["offline"]
+            vs = s.get(f"offline[{name}]_vs_offline")
+            rows.append((f"offline[{name}]", f"{o['requests']} req out tok/s | capped steps",
+                         f"{_num(o['output_tok_s'])}" + (f"  ({_num(vs, 3)} of offline)" if vs
+                                                         else "")
+                         + f" | {v.get('prefill_capped_steps', '-')}"))
+    for name, v in (report.get("online_variants") or {}).items():
+        if "error" in v:
+            rows.append((f"online[{name}]", "FAILED", _error_line(v["error"])))
+            continue
+        vs = (s.get(f"online[{name}]") or {}).get("vs_offline")
+        es = v.get("engine_stats") or {}
+        rows.append((f"online[{name}]", f"{v['num_prompts']} req {v['input_len']}/"
+                     f"{v['output_len']} @ {v['request_rate']}/s, conc {v['max_concurrency']}"
+                     " out tok/s",
+                     f"{_num(v['output_tok_s'])}" + (f"  ({_num(vs, 3)} of offline)" if vs
+                                                      else "")))
+        for k in ("ttft", "itl"):
+            rows.append((f"online[{name}]", f"{k.upper()} ms mean/p50/p99", _three(v, k)))
+        rows.append((f"online[{name}]", "budget target ms | last cap | capped steps",
+                     f"{es.get('prefill_budget_target_ms', '-')} | "
+                     f"{es.get('prefill_budget_tokens', '-')} | "
+                     f"{es.get('prefill_capped_steps', '-')}"))
     sp = report.get("shared_prefix") or {}
     if sp:
         w = sp["workload"]

@@ -14,7 +14,8 @@ trusts it.
 The sampling parameters a request carries (`SamplingParams`, SGLang's names, validated where
 they are built) are defined here too: the boundary's vocabulary imports no torch.
 
-client -> worker: AddRequest, Abort, Rpc, Shutdown (rank 0 -> ranks also: GrammarReady)
+client -> worker: AddRequest, Abort, Rpc, Shutdown (rank 0 -> ranks also: GrammarReady,
+                  PrefillBudget)
 worker -> client: Ready (once, with EngineInfo), Fatal, StepOutput (once per step), Reply,
                   Heartbeat (every second, from a thread of the worker)
 """
@@ -260,6 +261,16 @@ class GrammarReady:
     ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class PrefillBudget:
+    """Rank 0 to the other tensor-parallel ranks (inside a turn's broadcast): the prefill
+    budget its clock measured (core.engine.scheduler.budget; None: none), which every rank's
+    steps use from this turn on, so all cut the same extends."""
+
+    TYPE: ClassVar[str] = "prefill_budget"
+    tokens: int | None = None
+
+
 # -- worker -> client ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -380,11 +391,11 @@ class Heartbeat:
     step_s: float
 
 
-Message = (AddRequest | Abort | Rpc | Shutdown | GrammarReady | Ready | Fatal | StepOutput | Reply
-           | Heartbeat)
+Message = (AddRequest | Abort | Rpc | Shutdown | GrammarReady | PrefillBudget | Ready | Fatal
+           | StepOutput | Reply | Heartbeat)
 MESSAGES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (AddRequest, Abort, Rpc, Shutdown, GrammarReady, Ready, Fatal, StepOutput,
-                        Reply, Heartbeat)}
+    m.TYPE: m for m in (AddRequest, Abort, Rpc, Shutdown, GrammarReady, PrefillBudget, Ready,
+                        Fatal, StepOutput, Reply, Heartbeat)}
 # how errors name a value of each class (messages: "<type> message")
 _WHAT = {EngineInfo: "engine info", TokenLogprob: "logprob", Finish: "finish reason",
          OutputItem: "output item", SamplingParams: "sampling params", Constraint: "constraint"}

@@ -76,3 +76,49 @@ def test_shared_prefix_hits_the_cache_only_with_radix_on(report):
     assert all(r["cached_tokens"] == 0 for r in off["per_request"])
     assert on["engine_prefill_tokens"] < off["engine_prefill_tokens"]
     assert sp["ratio"] is not None and sp["ratio"] > 0
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serving_for_tests",
+                                                  REPO / "bench" / "bench_serving.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # puts bench/ on sys.path (its siblings import from there)
+    return mod
+
+
+def test_variants_parse_and_report_beside_offline():
+    bs = _bench_module()
+    a = bs.parse_args(["--scenario", "cpu", "--online-variants", "off=--decode-itl-target-ms 0",
+                       "on=--decode-itl-target-ms 50", "--offline-variants",
+                       'budget-off={"decode_itl_target_ms": 0}'])
+    assert a.online_variants == {"off": "--decode-itl-target-ms 0",
+                                 "on": "--decode-itl-target-ms 50"}
+    assert a.offline_variants == {"budget-off": {"decode_itl_target_ms": 0}}
+    for bad in (["--online-variants", "noequals"], ["--online-variants", "a=x", "a=y"],
+                ["--offline-variants", "x=notjson"], ["--offline-variants", "x=[1]"]):
+        with pytest.raises(SystemExit):
+            bs.parse_args(["--scenario", "cpu", *bad])
+    from serving_report import summarize, summary_table
+
+    online = {"num_prompts": 600, "input_len": 1024, "output_len": 256, "request_rate": "inf",
+              "max_concurrency": 256, "completed": 600, "failed": 0, "output_tok_s": 5700.0,
+              "ttft_p99_ms": 6000.0, "itl_median_ms": 40.0, "itl_p99_ms": 90.0,
+              "engine_stats": {"prefill_budget_target_ms": 50.0, "prefill_budget_tokens": 1408,
+                               "prefill_capped_steps": 321}}
+    offline = {"output_tok_s": 6000.0, "requests": 1000, "input_len": 1024, "output_len": 256,
+               "request_throughput": 23.4, "input_tok_s": 24000.0, "wall_s": 42.7}
+    report = {"engine_graphs": {"offline": offline},
+              "offline_variants": {"budget-off": {"offline": {"output_tok_s": 5900.0,
+                                                              "requests": 1000},
+                                                  "prefill_capped_steps": 0}},
+              "online_variants": {"on": online, "off": {"error": "RuntimeError: boom"}},
+              "device": "H200", "args": {"scenario": "gpu"}, "stage_wall_s": {}}
+    report["summary"] = s = summarize(report)
+    assert s["online[on]"]["vs_offline"] == 0.95
+    assert s["online[on]"]["prefill_capped_steps"] == 321
+    assert s["offline[budget-off]_vs_offline"] == pytest.approx(0.983)
+    table = summary_table(report)
+    assert "online[on]" in table and "50.0 | 1408 | 321" in table
+    assert "online[off]" in table and "FAILED" in table

@@ -35,6 +35,7 @@ MESSAGES = [
             ipc.TokenLogprob(-2.0, ((9, -0.1),), rank=7), ipc.TokenLogprob(-0.1, (), 1))))),
     ipc.Reply(7, True, {"running": 1}), ipc.Reply(8, False, error="AssertionError: x"),
     ipc.Heartbeat({"running": 2}, 0.25), ipc.Heartbeat(None, 0.0),
+    ipc.PrefillBudget(512), ipc.PrefillBudget(),
 ]
 
 

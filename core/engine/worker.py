@@ -31,6 +31,7 @@ from core.messages import (
     Heartbeat,
     Message,
     OutputItem,
+    PrefillBudget,
     Ready,
     Reply,
     Rpc,
@@ -396,7 +397,8 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
         jump_forward=args.enable_jump_forward and plan.grammar_backend is not None,
         spec_draft_tokens=plan.spec_draft_tokens,
         spec_governor=args.speculative_governor == "on",
-        spec_disable_batch=args.speculative_disable_by_batch_size)
+        spec_disable_batch=args.speculative_disable_by_batch_size,
+        decode_itl_target_ms=args.decode_itl_target_ms)
     tok, cfg = loaded.tokenizer, loaded.hf_config
     eos = set(tok.eos_token_ids) if tok is not None else set()
     cfg_eos = getattr(cfg, "eos_token_id", None)
@@ -433,6 +435,7 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
                           lora=runner.lora)
     if scheduler.spec is not None:
         scheduler.spec.draft = draft  # its pool's accounting and stats
+    notes.append(scheduler.budget.note())
     return scheduler, eos, tuple(notes)
 
 
@@ -837,6 +840,8 @@ def _apply(core: EngineCore, msg: Message, send: Callable[[Message], None] | Non
         sched.abort(msg.rid)
     elif isinstance(msg, GrammarReady):
         sched.grammar_done(list(msg.ids))
+    elif isinstance(msg, PrefillBudget):
+        sched.budget.shared = msg.tokens
     elif isinstance(msg, Rpc):
         try:
             reply = Reply(msg.id, True, _rpc(core, msg.op, msg.args))
@@ -861,8 +866,12 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S,
     sched = core.scheduler
     parent = os.getppid()
     lock = threading.Lock()  # the heartbeat thread sends on the same pipe
+    budget = getattr(sched, "budget", None)  # (a test's stand-in scheduler has none)
     if ranks is not None:  # rank 0 says when compiles are done, so all ranks agree
         sched.grammar_by_message = True
+        if budget is not None:  # and which prefill budget the steps take (its clock's)
+            budget.by_message = True
+    shared = None  # the prefill budget the ranks were last told (rank 0's clock decides it)
 
     def send(msg: Message) -> None:
         with lock:
@@ -886,6 +895,11 @@ def serve(core: EngineCore, chan: Channel, heartbeat_s: float = HEARTBEAT_S,
                 done = sched.grammar_ready()
                 if done:
                     msgs.append(GrammarReady(tuple(done)))
+                if budget is not None and budget.on:
+                    cap = budget.computed()
+                    if cap != shared:
+                        msgs.append(PrefillBudget(cap))
+                        shared = cap
             orphaned = not sched.has_work and not msgs and os.getppid() != parent
             if orphaned:  # the client died without a shutdown: the ranks stop too
                 msgs.append(Shutdown())
@@ -915,6 +929,8 @@ def follow(core: EngineCore, ranks: Ranks) -> None:
     moves on alike)."""
     sched = core.scheduler
     sched.grammar_by_message = True
+    sched.budget.by_message = True  # rank 0's PrefillBudget messages
+    sched.budget.measures = False
     grammar = getattr(sched, "grammar", None)
     try:
         while True:

@@ -62,7 +62,9 @@ MIN_CHUNK_TOKENS = 16  # prefix_aware's block: at least this, at least one KV pa
 RECORD_CAPACITY = 1 << 16  # blocks remembered per replica (1M tokens at 16 per block)
 BALANCE_THRESHOLD = 8  # prefix_aware: more extra requests than this on the best match: balance
 # scheduler figures that do not add up over replicas: in the total only where all agree
-_NOT_SUMMED = frozenset({"page_size", "new_token_ratio"})
+_NOT_SUMMED = frozenset({"page_size", "new_token_ratio", "prefill_budget_target_ms",
+                         "prefill_budget_tokens", "prefill_budget_extend_tok_s",
+                         "prefill_budget_decode_ms"})
 _PER_REPLICA = frozenset({"dp_rank", "alive", "stale"})
 
 

@@ -314,7 +314,10 @@ def _figures(s: JSONObject) -> JSONObject:
             # speculative decoding (core.engine.scheduler.spec): drafts, tokens, accepted
             **{k: v for k, v in s.items() if k.startswith("spec_")},
             # a hybrid KV pool's windowed groups (core.engine.memory.kv_groups): their pages
-            **{k: v for k, v in s.items() if k.startswith("kv_group")}}
+            **{k: v for k, v in s.items() if k.startswith("kv_group")},
+            # the prefill budget while decoding (core.engine.scheduler.budget)
+            **{k: v for k, v in s.items() if k.startswith("prefill_budget")
+               or k == "prefill_capped_steps"}}
 
 
 def start_async_engine(args: ServerArgs) -> AsyncEngine:

@@ -22,6 +22,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "random", "lof", "priority")
 EVICTION_POLICIES = ("lru", "lfu")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_aware")
 DISABLE_FUSED_OPS_ENV = "CORE_DISABLE_FUSED_OPS"  # =1: --layer-ops torch unless the flag is given
+SERVE_ITL_TARGET_MS = 50.0  # --decode-itl-target-ms under `core serve` (README: the prefill budget)
 
 
 def _f(default: T, group: str, help: str, **kw: object) -> T:
@@ -76,6 +77,13 @@ class ServerArgs:
     chunked_prefill_size: int | None = _f(None, "scheduling", "prefill chunk in tokens "
                                           "(-1 disables)")
     max_prefill_tokens: int = _f(16384, "scheduling", "most prompt tokens in one prefill batch")
+    decode_itl_target_ms: float | None = _f(
+        None, "scheduling", "prefill budget: while requests decode, each step extends only the "
+        "prompt tokens the measured extend rate fits into this many ms after the decode step "
+        "(at least 256 tokens and the decode step's time; at most --chunked-prefill-size), so "
+        "long prompts arriving do not stall streaming; a time-sized, adaptive form of vLLM's "
+        "--max-num-batched-tokens; 0: off, full chunks (default: 50 under `core serve`, off in "
+        "the offline Engine; needs chunked prefill)")
     schedule_policy: str = _f("fcfs", "scheduling", "waiting-queue order",
                               choices=SCHEDULE_POLICIES)
     enable_priority_scheduling: bool = _f(False, "scheduling", "honour request priority")
@@ -367,6 +375,7 @@ def validate(args: ServerArgs) -> None:
                          f"{args.grammar_compile_timeout}")
     if args.chunked_prefill_size is not None and args.chunked_prefill_size == 0:
         raise ValueError("--chunked-prefill-size must be positive or -1 (disabled)")
+    _validate_itl_target(args)
     if args.api_key is not None and not args.api_key.strip():
         # an empty key must not read as "authentication off"
         raise ValueError("--api-key is empty; give a key, or leave the flag out to serve "
@@ -387,6 +396,29 @@ def validate(args: ServerArgs) -> None:
     if args.revision is not None:
         raise ValueError(f"--revision {args.revision}: models load from a local path here, so "
                          "there is no revision to choose; drop the flag")
+
+
+def serving_defaults(args: ServerArgs) -> ServerArgs:
+    """`core serve`'s defaults where they differ from the offline Engine's: the prefill budget
+    is on (streams want a bounded inter-token latency; an offline batch wants throughput, as
+    vLLM's server and its LLM class default --max-num-batched-tokens differently)."""
+    chunking = args.chunked_prefill_size is None or args.chunked_prefill_size > 0
+    if args.decode_itl_target_ms is None and chunking:
+        return args.replace(decode_itl_target_ms=SERVE_ITL_TARGET_MS)
+    return args
+
+
+def _validate_itl_target(args: ServerArgs) -> None:
+    """--decode-itl-target-ms: a time in ms, 0 for off; it cuts chunks, so it needs them."""
+    t = args.decode_itl_target_ms
+    if t is None:
+        return
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 60_000:
+        raise ValueError(f"--decode-itl-target-ms must be a number of milliseconds in "
+                         f"[0, 60000] (0 turns the prefill budget off), got {t!r}")
+    if t > 0 and args.chunked_prefill_size is not None and args.chunked_prefill_size < 0:
+        raise ValueError(f"--decode-itl-target-ms {t:g} cuts prefill chunks, but chunked "
+                         "prefill is off (--chunked-prefill-size -1); drop one of the two")
 
 
 def _validate_speculative(args: ServerArgs) -> None:

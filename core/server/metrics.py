@@ -133,7 +133,9 @@ class ServerMetrics:
         else:
             ranks = [({}, stats)]
         gauges += (("grammar_compiles_running", "grammar compiles running in compile processes"),
-                   ("grammar_compiles_queued", "grammar compiles waiting for a compile process"))
+                   ("grammar_compiles_queued", "grammar compiles waiting for a compile process"),
+                   ("prefill_budget_tokens", "prompt tokens the latest step beside running "
+                    "decodes could extend (the prefill budget, --decode-itl-target-ms)"))
         for key, help in gauges:
             samples = [(lab, v) for lab, r in ranks
                        if isinstance(v := r.get(key), (int, float)) and not isinstance(v, bool)]
@@ -145,6 +147,12 @@ class ServerMetrics:
             metric("grammar_compiles_total", "counter", "grammar compiles by outcome (ok, "
                    "refused by the library, timeout, crashed, cancelled with their requests, "
                    "failed in the backend)", samples)
+        samples = [(lab, r["prefill_capped_steps"]) for lab, r in ranks
+                   if "prefill_capped_steps" in r]
+        if samples:
+            metric("prefill_capped_steps_total", "counter", "extends beside running decodes "
+                   "that the prefill budget cut short (prompt tokens left for later steps)",
+                   samples)
         for key, help in SPEC_COUNTERS:  # speculative decoding, when it is on
             samples = [(lab, r[f"spec_{key}"]) for lab, r in ranks if f"spec_{key}" in r]
             if samples:

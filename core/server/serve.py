@@ -264,8 +264,10 @@ def serve_main(args: ServerArgs) -> int:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from core.frontend.serving import start_async_engine
+    from core.plan.args import serving_defaults
     from core.server.auth import resolve_api_key
 
+    args = serving_defaults(args)
     if args.node_rank > 0:  # another node's ranks of node 0's engine: no HTTP here
         from core.frontend.client import serve_node
 

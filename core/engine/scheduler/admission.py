@@ -124,12 +124,16 @@ class Admission:
 
     # -- the extend batch ------------------------------------------------------------------------
 
-    def admit(self) -> list[tuple[Req, int]]:
-        """Pick this step's extend batch: (request, number of new tokens to compute)."""
+    def admit(self, cap: int | None = None) -> list[tuple[Req, int]]:
+        """Pick this step's extend batch: (request, number of new tokens to compute). cap: the
+        prefill budget while requests decode (core.engine.scheduler.budget), which cuts the
+        chunk to fewer tokens; the queue's order is the same."""
         q, cfg = self.q, self.cfg
         chunk = cfg.chunked_prefill_size
         rem_input = cfg.max_prefill_tokens
         rem_chunk = chunk if chunk else float("inf")
+        if cap is not None:
+            rem_chunk = min(rem_chunk, cap)
         items: list[tuple[Req, int]] = []
         for r in list(q.jumped):  # jump-forward: the forced tokens (and the sampled one)
             n = len(r.all_ids) - r.kv_len

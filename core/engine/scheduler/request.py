@@ -73,6 +73,9 @@ class SchedulerConfig:
     spec_draft_tokens: int = 0  # speculative decoding: most drafts per request and step
     spec_governor: bool = False  # drafts cut per request and step where they do not pay
     spec_disable_batch: int | None = None  # no drafts in a step with more running requests
+    # the prefill budget (core.engine.scheduler.budget): target ms of a step while requests
+    # decode; None or 0: off (the chunk, always)
+    decode_itl_target_ms: float | None = None
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 One `step()`: decode every running request (one forward), then admit waiting requests into an
 extend forward (prefill, possibly over a cached prefix, possibly one chunk of a long prompt).
+While requests decode, that extend is cut to the prefill budget (`PrefillBudget`: the tokens
+the measured extend rate fits into --decode-itl-target-ms after the decode step), so a burst of
+long prompts delays the running requests' next tokens by a bounded amount.
 Admission keeps a reserve of KV for the running requests' future tokens (SGLang's new-token
 ratio, scaled by --schedule-conservativeness). If decode still runs out of pages, running requests
 are retracted: their KV goes to the prefix cache (or is freed), and they wait to be recomputed
@@ -15,9 +18,10 @@ its KV), whose last position samples its next token, and rejoins the batch.
 
 The scheduler composes managers that own their state: `Queues` (where each request is),
 `Pages` (rows, pages, the prefix cache), `Admission` (the extend batch, retraction, the
-new-token ratio), `Compiles` (requests waiting for their grammar), `Overlap` (the in-flight
-decode step), `Speculation` (drafts and their verification, when a proposer is given). It
-keeps the step itself, sampling and stop conditions.
+new-token ratio), `PrefillBudget` (the extend's cap while decoding), `Compiles` (requests
+waiting for their grammar), `Overlap` (the in-flight decode step), `Speculation` (drafts and
+their verification, when a proposer is given). It keeps the step itself, sampling and stop
+conditions.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from core.engine.sampling import (
     token_logprobs,
 )
 from core.engine.scheduler.admission import Admission
+from core.engine.scheduler.budget import PrefillBudget
 from core.engine.scheduler.compiles import Compiles
 from core.engine.scheduler.governor import Governor
 from core.engine.scheduler.overlap import InflightDecode, Overlap
@@ -99,6 +104,7 @@ class Scheduler:
                                     governor=Governor(cfg.spec_governor, cfg.spec_disable_batch))
         self.admission = Admission(cfg, self.q, self.pages, self.counters,
                                    on_retract=self.spec.forget if self.spec else None)
+        self.budget = PrefillBudget(cfg.decode_itl_target_ms, cfg.chunked_prefill_size)
         self.compiles = Compiles(grammar, self.q, self.counters)
         self.overlap = Overlap(cfg, self.q, sampler, runner, self.counters,
                                forward=self._forward_decode, accept=self._accept,
@@ -364,7 +370,11 @@ class Scheduler:
             self.overlap.launch([r.output_ids[-1] for r in q.running])
             return []
         batch = q.running
+        clock = self.budget.clock
+        tb = clock()  # the budget's clock: the whole decode part of the step (proposing too)
         if self.spec is not None and self._speculate(batch):
+            if self.budget.measuring:
+                self.budget.decode_timed(clock() - tb)
             q.running = q.decoding(batch)
             return list(batch)
         # Grammar masks: where the forward runs on the host (no overlap schedule: a CPU) they
@@ -374,9 +384,11 @@ class Scheduler:
             [r.state for r in batch], self.vocab_size)
         t0 = time.perf_counter()
         logits = self._forward_decode([r.output_ids[-1] for r in batch])
-        self._sample(batch, logits, masks)
+        self._sample(batch, logits, masks)  # the tokens on the host: the step is over
         if self.spec is not None:  # a plain step's cost, beside the verify steps' (governor)
             self.spec.governor.step_timed(len(batch), time.perf_counter() - t0)
+        if self.budget.measuring:
+            self.budget.decode_timed(clock() - tb)
         q.running = q.decoding(batch)
         return list(batch)
 
@@ -392,10 +404,14 @@ class Scheduler:
 
     def _extend_step(self) -> list[Req]:
         self.admission.preempt_for_priority()
-        items = self.admission.admit()
+        q, pg, budget = self.q, self.pages, self.budget
+        decoding = bool(q.running)
+        cap = budget.cap(decoding)
+        items = self.admission.admit(cap)
         if not items:
             return []
-        q, pg = self.q, self.pages
+        clock = budget.clock
+        t0 = clock()
         rows, prefix, tokens, slots, ready = [], [], [], [], []
         gslots: list[list[list[int]]] = [[] for _ in pg.windows]
         for i, (r, n) in enumerate(items):
@@ -419,13 +435,25 @@ class Scheduler:
         for r, n in items:
             r.kv_len += n
             pg.trim(r)
-        self.counters["prefill_tokens"] += sum(n for _, n in items)
+        n_tokens = sum(n for _, n in items)
+        self.counters["prefill_tokens"] += n_tokens
         done = [items[i][0] for i in ready]
         if q.chunked is not None and q.chunked.kv_len == q.chunked.fill_len:
             q.chunked = None
         if done:
-            self._sample(done, logits)
+            self._sample(done, logits)  # the tokens on the host: the forward is over
             q.running += q.decoding(done)
+        # timed when sampling waited for the device anyway, or while decodes wait for this
+        # extend (then the device is waited for here, or the next decode would pay for it)
+        if budget.measuring and (done or decoding or budget.seconds_per_token is None):
+            if not done:
+                self.runner.platform.synchronize(self.runner.device)
+            budget.extend_timed(n_tokens, clock() - t0)
+        if cap is not None:
+            budget.last = cap
+            if n_tokens >= cap and cap < self.cfg.chunked_prefill_size and (
+                    q.chunked is not None or q.waiting):
+                budget.capped_steps += 1
         return done
 
     def _prompt_logprobs(self, r: Req, start: int, hidden: torch.Tensor) -> None:
@@ -567,6 +595,9 @@ class Scheduler:
                 "evictable_pages": cache.evictable_pages,  # reusable: the server counts
                 # them as free in its kv_pages_used (as SGLang does)
                 "new_token_ratio": round(self.admission.new_token_ratio, 4),
+                # the prefill budget while decoding: target, latest cap, capped extends, and
+                # the measurements it comes from (core.engine.scheduler.budget)
+                **self.budget.stats(),
                 # grammar masks: seconds filled, seconds the step waited on them, count
                 **self.sampler.mask_stats,
                 # grammar compiles: queued, running, outcomes (core.engine.grammar_compiler)
