@@ -253,6 +253,7 @@ def test_mixed_adapter_batches_replay_graphs_equal_to_eager(files, eager_run):
         [b for b, lora in zip(base, LORAS, strict=True) if not lora]
 
 
+@pytest.mark.slow  # ~55 s on 2 vCPUs; the mixed-batch replay test above stays in CI's set
 def test_a_slot_reloaded_between_replays_is_read_by_the_next_replay(files):
     """One device slot: a serves three requests (padded into the bucket of 4) through graph
     replays; a is unloaded and d loaded, then b and d are served in turn, each copied into the
