@@ -45,13 +45,11 @@ engine), then a markdown table. --device cuda without CUDA prints "skipped" and 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import signal
 import sys
 import tempfile
 import time
-import traceback
 import types
 from pathlib import Path
 from typing import Any
@@ -69,6 +67,7 @@ from bench_serving import TINY, make_model_dir, prompts  # noqa: E402
 from model_fixtures import write_config_adapter  # noqa: E402
 from serving_online import latency_stats  # noqa: E402
 from serving_report import jsonable, ratio  # noqa: E402
+from stages import Stages, new_report  # noqa: E402
 
 DEFAULT_CONFIG = REPO / "tests" / "fixtures" / "configs" / "llama-3.1-8b.json"
 TARGETS = {"batch1": 0.85, "concurrent": 0.8}  # issue 36: adapter runs against the base's
@@ -396,31 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         print("skipped: --device cuda needs CUDA (try --device cpu)")
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: engines stop too
-    report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
-        "args": {k: v for k, v in vars(a).items() if k != "cfg"}}
-    stages: dict[str, float] = {}
-    report["stage_wall_s"] = stages
-    errors: list[str] = []
-
-    def save() -> None:  # after every engine, so a run cut short keeps what it measured
-        if a.out:
-            Path(a.out).write_text(json.dumps(jsonable(report), indent=2, default=str))
+    report = new_report(a, gpu)
+    run = Stages(report, a.out, gpu)  # saved after every engine; a broken one loses no other
+    save, errors, stages = run.save, run.failed, report["stage_wall_s"]
 
     def stage(name: str, *args: Any, **kw: Any) -> None:
-        t = time.perf_counter()
-        try:
-            report[name] = bench_engine(*args, **kw)
-        except Exception as exc:  # noqa: BLE001 - one broken engine must not lose the others
-            traceback.print_exc()
-            errors.append(name)
-            report[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-        finally:
-            stages[name] = round(time.perf_counter() - t, 1)
-            gc.collect()
-            if gpu:
-                torch.cuda.empty_cache()  # the next engine sizes its KV cache from free memory
+        report[name] = run(name, bench_engine, *args, **kw)
         save()
 
     t0 = time.perf_counter()

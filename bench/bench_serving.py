@@ -44,7 +44,6 @@ printed and written to --out (after every stage), then a summary table.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import shlex
@@ -52,7 +51,6 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +65,7 @@ for _p in (str(BENCH_DIR), str(REPO)):  # bench this checkout, whatever else is 
 from cli_lists import choice_list  # noqa: E402
 from serving_online import bench_online, latency_stats  # noqa: E402
 from serving_report import jsonable, ratio, summarize, summary_table  # noqa: E402
+from stages import Stages, new_report  # noqa: E402
 
 from conformance.model_configs import LLAMA_31_8B, llama_config  # noqa: E402
 
@@ -525,32 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     # `timeout` and schedulers stop us with SIGTERM: unwind, so the server and engines stop too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     modes = set(a.modes)
-    report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
-        "args": {k: v for k, v in vars(a).items() if k != "cfg"}}
-    stages: dict[str, float] = {}
-    report["stage_wall_s"] = stages
-    failed: list[str] = []
-
-    def save() -> None:  # after every stage, so a run cut short keeps what it measured
-        if a.out:
-            Path(a.out).write_text(json.dumps(jsonable(report), indent=2, default=str))
-
-    def stage(name: str, fn: Any, *args: Any, **kw: Any) -> dict[str, Any]:
-        """Run one stage; a failure is reported (and fails the exit code), the rest still run."""
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kw)
-        except Exception as exc:  # noqa: BLE001 - one broken mode must not lose the others
-            traceback.print_exc()
-            failed.append(name)
-            return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-        finally:
-            stages[name] = round(time.perf_counter() - t, 1)
-            gc.collect()
-            if gpu:
-                torch.cuda.empty_cache()  # an engine sizes its KV cache from free memory
+    report = new_report(a, gpu)
+    # a failing stage is reported (and fails the exit code), the rest still run
+    stage = Stages(report, a.out, gpu)
+    save, failed, stages = stage.save, stage.failed, report["stage_wall_s"]
 
     elem = torch.tensor([], dtype=getattr(torch, a.dtype)).element_size()
     moe = bool(a.cfg.get("num_experts") or a.cfg.get("num_local_experts")

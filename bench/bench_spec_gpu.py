@@ -49,14 +49,12 @@ that they and this process do not fight over a small machine's cores.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import signal
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +69,7 @@ import spec_oracle  # noqa: E402
 from bench_serving import TINY, make_model_dir, prompts  # noqa: E402
 from cli_lists import choice_list  # noqa: E402
 from serving_report import jsonable  # noqa: E402
+from stages import Stages, new_report  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -477,36 +476,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cases = [CASES[n] for n in CASES if n in a.cases]  # the table's order
     work = workload(a)
-    report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "args": {k: v for k, v in vars(a).items() if k != "cfg"},
-        "model": {k: a.cfg.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers",
-                                            "vocab_size")},
-        "loadavg_1m": round(os.getloadavg()[0], 2), "runs": {}, "stage_wall_s": {}}
-    failed: list[str] = []
-
-    def save() -> None:  # after every stage, so a run cut short keeps what it measured
-        if a.out:
-            Path(a.out).write_text(json.dumps(public(report), indent=2, default=str))
+    report = new_report(a, a.device == "cuda")
+    report.update(command=" ".join([Path(sys.executable).name, *sys.argv]),
+                  model={k: a.cfg.get(k) for k in ("architectures", "hidden_size",
+                                                   "num_hidden_layers", "vocab_size")},
+                  loadavg_1m=round(os.getloadavg()[0], 2), runs={})
+    run = Stages(report, a.out, a.device == "cuda", public)
+    failed = run.failed
 
     def stage(name: str, fn: Any, *args: Any, **kw: Any) -> dict[str, Any] | None:
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kw)
-        except Exception as exc:  # noqa: BLE001 - one broken engine must not lose the others
-            traceback.print_exc()
-            failed.append(name)
-            report["runs"][name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        """fn's result, or None when it raised (its error then in report["runs"])."""
+        res = run(name, fn, *args, **kw)
+        if name in failed:
+            report["runs"][name] = res
+            run.save()
             return None
-        finally:
-            report["stage_wall_s"][name] = round(time.perf_counter() - t, 1)
-            gc.collect()
-            if a.device == "cuda":
-                torch.cuda.empty_cache()  # an engine sizes its KV cache from free memory
-            save()
+        return res
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_spec_gpu_") as tmp:
