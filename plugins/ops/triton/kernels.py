@@ -57,33 +57,24 @@ def _kernels() -> Any:
         tl.store(out_ptr + row * stride_o + cols, out, mask=m)
 
     @triton.jit
-    def silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    def act_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, ACT: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        # act(gate) * up; ACT: 0 silu, 1 gelu (tanh form), 2 gelu (erf form)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < n_cols
         g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
         u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=m, other=0.0)
         gf = g.to(tl.float32)
-        s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounded like torch's, then the product
-        out = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-        tl.store(out_ptr + row * stride_o + cols, out, mask=m)
-
-    @triton.jit
-    def gelu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, TANH: tl.constexpr,
-                        BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = cols < n_cols
-        g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
-        u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=m, other=0.0)
-        gf = g.to(tl.float32)
-        if TANH:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(y) = 1 - 2 / (1 + e^2y)
+        if ACT == 0:
+            a = gf / (1.0 + tl.exp(-gf))
+        elif ACT == 1:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), tanh(y) = 1 - 2 / (1 + e^2y)
             y = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
-            t = 1.0 - 2.0 / (1.0 + tl.exp(2.0 * y))
-            a = 0.5 * gf * (1.0 + t)
+            a = 0.5 * gf * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
         else:  # 0.5 x (1 + erf(x / sqrt(2)))
             a = 0.5 * gf * (1.0 + tl.math.erf(gf * 0.7071067811865476))
-        out = (a.to(g.dtype).to(tl.float32) * u.to(tl.float32)).to(g.dtype)  # as torch rounds
+        # the activation rounded like torch's, then the product
+        out = (a.to(g.dtype).to(tl.float32) * u.to(tl.float32)).to(g.dtype)
         tl.store(out_ptr + row * stride_o + cols, out, mask=m)
 
     @triton.jit
@@ -198,8 +189,7 @@ def _kernels() -> Any:
     k = K()
     k.triton = triton
     k.rms_norm = rms_norm_kernel
-    k.silu_mul = silu_mul_kernel
-    k.gelu_mul = gelu_mul_kernel
+    k.act_mul = act_mul_kernel
     k.rotary = rotary_kernel
     k.qk_norm_rotary = qk_norm_rotary_kernel
     k.rotary_mla = rotary_mla_kernel
@@ -239,27 +229,27 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return out, total
 
 
-def _gated(x: torch.Tensor, kernel: str, **consts: object) -> torch.Tensor:
-    """[T, 2I] (gate | up) -> act(gate) * up, [T, I] through kernel `kernel` of _kernels()."""
+def _gated(x: torch.Tensor, act: int) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> act(gate) * up, [T, I]; act_mul_kernel's ACT."""
     T, two_i = x.shape
     n = two_i // 2
     out = torch.empty(T, n, dtype=x.dtype, device=x.device)
     if T:
         k = _kernels()
         block = min(1024, k.triton.next_power_of_2(n))
-        getattr(k, kernel)[(T, k.triton.cdiv(n, block))](
-            x, out, x.stride(0), out.stride(0), n, **consts, BLOCK=block, num_warps=4)
+        k.act_mul[(T, k.triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, ACT=act,
+                                                BLOCK=block, num_warps=4)
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
-    return _gated(x, "silu_mul")
+    return _gated(x, 0)
 
 
 def gelu_and_mul(x: torch.Tensor, approximate: str) -> torch.Tensor:
     """[T, 2I] (gate | up) -> gelu(gate) * up, [T, I]; approximate "tanh" or "none" (erf)."""
-    return _gated(x, "gelu_mul", TANH=approximate == "tanh")
+    return _gated(x, 1 if approximate == "tanh" else 2)
 
 
 def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q: int, num_k: int,
