@@ -82,8 +82,8 @@ class ServerArgs:
         "prompt tokens the measured extend rate fits into this many ms after the decode step "
         "(at least 256 tokens and the decode step's time; at most --chunked-prefill-size), so "
         "long prompts arriving do not stall streaming; a time-sized, adaptive form of vLLM's "
-        "--max-num-batched-tokens; 0: off, full chunks (default: 50 under `core serve`, off in "
-        "the offline Engine; needs chunked prefill)")
+        "--max-num-batched-tokens; 0: off, full chunks (default: 50 under `core serve` on an "
+        "accelerator, off on a CPU and in the offline Engine; needs chunked prefill)")
     schedule_policy: str = _f("fcfs", "scheduling", "waiting-queue order",
                               choices=SCHEDULE_POLICIES)
     enable_priority_scheduling: bool = _f(False, "scheduling", "honour request priority")
@@ -398,12 +398,15 @@ def validate(args: ServerArgs) -> None:
                          "there is no revision to choose; drop the flag")
 
 
-def serving_defaults(args: ServerArgs) -> ServerArgs:
+def serving_defaults(args: ServerArgs, device_type: str | None = None) -> ServerArgs:
     """`core serve`'s defaults where they differ from the offline Engine's: the prefill budget
     is on (streams want a bounded inter-token latency; an offline batch wants throughput, as
-    vLLM's server and its LLM class default --max-num-batched-tokens differently)."""
+    vLLM's server and its LLM class default --max-num-batched-tokens differently), on
+    accelerators: on a CPU (device_type "cpu") a decode step alone takes tens of ms, so the
+    budget would only hold prompts at its floor while others decode (not measured there yet:
+    it stays off unless asked for)."""
     chunking = args.chunked_prefill_size is None or args.chunked_prefill_size > 0
-    if args.decode_itl_target_ms is None and chunking:
+    if args.decode_itl_target_ms is None and chunking and device_type != "cpu":
         return args.replace(decode_itl_target_ms=SERVE_ITL_TARGET_MS)
     return args
 

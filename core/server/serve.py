@@ -258,6 +258,18 @@ async def run_server(engine: EngineLike, args: ServerArgs) -> int:
     return rc
 
 
+def _device_type(args: ServerArgs) -> str | None:
+    """The device type `core serve` will plan for (None when it cannot tell yet: the engine
+    then reports the problem itself)."""
+    from core.plan.devices import select_device
+    from core.plan.registry import get_registry
+
+    try:
+        return select_device(get_registry(), args.device, args.device_profile).device_type
+    except Exception:  # noqa: BLE001 - a bad --device is the engine's error to report
+        return None
+
+
 def serve_main(args: ServerArgs) -> int:
     """Entry point of `core serve` (called by core.cli with the resolved ServerArgs)."""
     if not logging.getLogger().handlers:
@@ -267,7 +279,7 @@ def serve_main(args: ServerArgs) -> int:
     from core.plan.args import serving_defaults
     from core.server.auth import resolve_api_key
 
-    args = serving_defaults(args)
+    args = serving_defaults(args, _device_type(args))
     if args.node_rank > 0:  # another node's ranks of node 0's engine: no HTTP here
         from core.frontend.client import serve_node
 

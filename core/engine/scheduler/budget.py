@@ -4,7 +4,8 @@ A step decodes the running batch (t_d seconds), then extends waiting prompts: ev
 request's next token waits for both, so one chunk of --chunked-prefill-size tokens (16,384 on
 an H200) stalls all of them for its whole forward. While the batch decodes, the extend is cut
 to the tokens the measured extend rate fits, after the decode step, into the target inter-token
-latency T (--decode-itl-target-ms; `core serve` 50 ms, the offline Engine off):
+latency T (--decode-itl-target-ms; `core serve` 50 ms on an accelerator, off on a CPU and in the
+offline Engine):
 
     budget = clamp((T - t_d) / s,  lo = max(floor, t_d / s),  hi = chunk)
 
@@ -130,8 +131,9 @@ class PrefillBudget:
                     "so a step's extend takes whole prompts")
         if not self.on:
             return ("prefill budget off (--decode-itl-target-ms 0, the offline Engine's "
-                    "default; `core serve` defaults to 50): while requests decode, a step still "
-                    f"extends up to the chunk ({self.chunk} tokens)")
+                    "default, and `core serve`'s on a CPU; 50 on an accelerator): while "
+                    f"requests decode, a step still extends up to the chunk ({self.chunk} "
+                    "tokens)")
         return (f"prefill budget: while requests decode, a step extends what the measured "
                 f"extend rate fits into {self.target_s * 1e3:g} ms after the decode step "
                 f"(--decode-itl-target-ms), at least {min(self.floor, self.chunk)} tokens and "
