@@ -289,6 +289,8 @@ class EngineInfo:
     cuda_graph_batch_sizes: tuple[int, ...]
     device: str
     pid: int
+    # start-up of the engine process, phase by phase: (what was done, seconds)
+    startup_phases: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

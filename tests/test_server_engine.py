@@ -178,6 +178,12 @@ def test_info_routes_show_the_plan(served):
     assert any(c["chosen"] and c["slot"] == "decode_attention" for c in info["candidates"])
     assert "Candidates" in info["plan_table"] and info["server_args"]["api_key"] == "<redacted>"
     assert info["stats"]["kv_pages_total"] > 0 and info["engine_alive"] is True
+    # the engine's start-up phase by phase (issue 37 item 5), and its notes
+    phases = info["model"]["startup_phases_s"]
+    assert "scheduler ready" in phases and any(k.startswith("weights loaded") for k in phases)
+    assert all(isinstance(v, float) and v >= 0 for v in phases.values())
+    assert any(n.startswith("start-up of the engine process: ") for n in
+               info["model"]["engine_notes"])
     status, _, raw = http_request(srv.url, "GET", "/get_model_info", None, auth, timeout=60)
     assert status == 200 and json.loads(raw)["architecture"] == "LlamaForCausalLM"
     # /health_generate runs engine work: behind the key (issue 16), 401 without it

@@ -633,9 +633,11 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
     progress(line): called as each phase ends (what it did and its seconds; `core serve`
     prints them, STARTUP_PROGRESS_ENV)."""
     t_phase = [time.monotonic()]
+    phases: list[tuple[str, float]] = []  # (what, seconds): EngineInfo.startup_phases
 
     def done(what: str) -> None:
         now = time.monotonic()
+        phases.append((what, round(now - t_phase[0], 3)))
         if progress is not None:
             progress(f"{what} ({now - t_phase[0]:.1f} s)")
         t_phase[0] = now
@@ -717,16 +719,20 @@ def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: R
                                                    platform, loaded, max_context, device,
                                                    registry, draft_runner)
     done("scheduler ready")
+    startup = ("start-up of the engine process: "
+               + "; ".join(f"{what} {sec:.1f} s" for what, sec in phases)
+               + f"; {sum(sec for _, sec in phases):.1f} s in all (the decode graphs' capture "
+               "is part of the model runner's; its note gives its own time)")
     info = EngineInfo(
         max_context=max_context, pool_tokens=scheduler.allocator.total_pages * plan.page_size,
         page_size=plan.page_size, max_running_requests=mem.max_running,
         vocab_size=int(cfg.vocab_size), eos_token_ids=tuple(sorted(eos)),
         chunked_prefill_size=mem.chunked_prefill_size, kv_bytes_per_token=per_token,
         notes=(*loaded.notes, *notes, *runner.notes, *mem.notes, graph_note, *sched_notes,
-               *((threads_note,) if threads_note else ())),
+               *((threads_note,) if threads_note else ()), startup),
         cuda_graph_batch_sizes=tuple(sorted(runner.graph_runner.graphs))
         if runner.graph_runner is not None else (),
-        device=str(device), pid=os.getpid())
+        device=str(device), pid=os.getpid(), startup_phases=tuple(phases))
     return EngineCore(scheduler, info, loaded)
 
 

@@ -157,6 +157,9 @@ class AsyncEngine:
                 "max_running_requests": self.info.max_running_requests,
                 "eos_token_ids": list(self.info.eos_token_ids),
                 "device": self.info.device,
+                # what the engine found at start-up, and its start-up phase by phase
+                "engine_notes": list(self.info.notes),
+                "startup_phases_s": {what: sec for what, sec in self.info.startup_phases},
                 **({"dp_size": args.dp_size, "load_balance_method": args.load_balance_method}
                    if args.dp_size > 1 else {})}
 
