@@ -390,6 +390,12 @@ def test_hybrid_pool_replays_match_eager_decode(arch, tmp_path):
     assert note.startswith("captured decode graphs"), note
     gr = runner.graph_runner
     assert gr.num_groups == runner.num_groups == 2 and gr.packed.shape[0] == 5
+    # the windowed group's decode splits are sized for its window, the full group's for the
+    # whole context (any count is correct; a larger one only launches more programs)
+    window = runner.group_windows[0]
+    assert window is not None and gr.group_windows == [window]
+    assert runner.group_backends[0][1]._graph_context == window + 1
+    assert runner.decode_backend._graph_context == runner.req_to_token.max_context
     graphs = _DecodeLog(runner, sched)
     got = _hybrid_generate(graph_core, graphs)
 

@@ -72,7 +72,8 @@ class GraphRunner:
                  req_to_token: ReqToTokenPool, device: torch.device, sizes: Sequence[int],
                  vocab_size: int, group_pools: Sequence[KVPool] = (),
                  group_backends: Sequence[AttentionBackend] = (),
-                 layer_group: Sequence[int] | None = None, lora: LoRAManager | None = None):
+                 layer_group: Sequence[int] | None = None, lora: LoRAManager | None = None,
+                 group_windows: Sequence[int | None] = ()):
         """group_pools, group_backends (decode backends), layer_group: a hybrid KV pool's
         windowed groups 1.. and each layer's group, as the ModelRunner holds them. lora: the
         runner's LoRA manager (its deltas are captured when its backend is graph safe)."""
@@ -83,6 +84,8 @@ class GraphRunner:
         self.group_pools = list(group_pools)
         self.group_backends = list(group_backends)
         self.layer_group = tuple(layer_group) if layer_group is not None else None
+        # each windowed group's window: its decode never reads more keys than that
+        self.group_windows = list(group_windows) or [None] * len(self.group_pools)
         # a runner built without a hybrid pool's groups would read group 0's table in every
         # layer: refused (capture_graphs then leaves decode eager and says why)
         if len(self.group_backends) != len(self.group_pools) or (
@@ -120,7 +123,8 @@ class GraphRunner:
         return cls(runner.model, runner.decode_backend, runner.kv_pool, runner.req_to_token,
                    runner.device, sizes, vocab_size, group_pools=runner.group_pools,
                    group_backends=[decode for _, decode in runner.group_backends],
-                   layer_group=runner.layer_group, lora=runner.lora)
+                   layer_group=runner.layer_group, lora=runner.lora,
+                   group_windows=getattr(runner, "group_windows", ()))
 
     @property
     def num_groups(self) -> int:
@@ -190,8 +194,12 @@ class GraphRunner:
         for m in self.model.modules():
             if hasattr(m, "cover_all_positions"):
                 m.cover_all_positions()
-        for backend in (self.backend, *self.group_backends):
-            backend.init_graph_state(self.max_bs, self.req_to_token.max_context)
+        full = self.req_to_token.max_context
+        # a windowed group's splits are sized for its window (a few hundred or thousand keys),
+        # not for the whole context: any split count is correct, extra ones only cost launches
+        for backend, window in zip((self.backend, *self.group_backends),
+                                   (None, *self.group_windows), strict=True):
+            backend.init_graph_state(self.max_bs, min(full, window + 1) if window else full)
         self.packed.zero_()
         if self.lora_row is not None:
             self.packed[self.lora_row].fill_(BASE_SLOT)

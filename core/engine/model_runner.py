@@ -58,16 +58,21 @@ class ModelRunner:
                  device: torch.device | str, platform: Platform | None = None,
                  group_pools: Sequence[KVPool] = (),
                  group_backends: Sequence[tuple[AttentionBackend, AttentionBackend]] = (),
-                 layer_group: Sequence[int] | None = None):
+                 layer_group: Sequence[int] | None = None,
+                 group_windows: Sequence[int | None] = ()):
+        """group_windows[g - 1]: the sliding window of group g's layers (decode graphs size
+        that group's KV splits for it, not for the whole context)."""
         self.model = model
         self.kv_pool = kv_pool
         self.group_pools = list(group_pools)
         self.group_backends = list(group_backends)
+        self.group_windows = list(group_windows) or [None] * len(self.group_pools)
         self.layer_group = tuple(layer_group) if layer_group is not None else None
         if len(self.group_backends) != len(self.group_pools) or (
-                bool(self.group_pools) != (self.layer_group is not None)):
-            raise ValueError("a hybrid KV pool needs one backend pair per extra group and the "
-                             "layers' groups")
+                bool(self.group_pools) != (self.layer_group is not None)) or (
+                len(self.group_windows) != len(self.group_pools)):
+            raise ValueError("a hybrid KV pool needs one backend pair (and at most one window) "
+                             "per extra group and the layers' groups")
         self.req_to_token = req_to_token
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend

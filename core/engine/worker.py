@@ -343,7 +343,9 @@ def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Plat
                          group_backends=[make_backends(registry, plan.prefill_attention,
                                                        plan.decode_attention, ctx)
                                          for _ in group_pools],
-                         layer_group=layer_group)
+                         layer_group=layer_group,
+                         group_windows=[g.window for g in mem.kv_groups[1:]]
+                         if group_pools else ())
     if plan.lora_backend is not None:
         runner.lora, lora_notes = build_lora(args or ServerArgs(), plan, loaded, registry,
                                              device)
