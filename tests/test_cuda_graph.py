@@ -165,6 +165,7 @@ def _stand_in_capture(gr: GraphRunner) -> None:
     gr.prepare_capture()
     for bs in gr.sizes:
         batch = gr.capture_batch(bs)  # every KV group's view with its graph metadata
+        gr._forward(batch, bs)  # the capture's own forward (CUDA warms up and records one)
         gr.graphs[bs] = Replay(batch, bs)
 
 

@@ -21,7 +21,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton kernel is imported
 
-from core.contract.graphs import GraphRunner, padded_inputs  # noqa: E402
+from test_cuda_graph import _StandInPlatform  # noqa: E402 - the CPU stand-in for CUDA graphs
+
+from core.contract.graphs import padded_inputs  # noqa: E402
 from core.contract.lora import BASE_SLOT, LoRABatch  # noqa: E402
 from core.engine.graphs import GraphDecision, capture_graphs  # noqa: E402
 
@@ -33,35 +35,6 @@ NEW = (8, 7, 5, 2, 6)  # distinct: the batch shrinks 5, 4, 3, 2, 1
 RANKS = {"a": 8, "b": 16, "c": 4, "d": 8}  # --max-lora-rank 16
 # c: attention only, so one adapter leaves the MLP projections' slots zero
 C_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-# -- the stand-in graphs ---------------------------------------------------------------------------
-
-def _stand_in_capture(gr: GraphRunner) -> None:
-    """What capture records, replayed by rerunning it on the same static buffers."""
-
-    class Replay:
-        def __init__(self, batch, bs):
-            self.batch, self.bs = batch, bs
-
-        def replay(self):
-            gr._forward(self.batch, self.bs)
-
-    gr.prepare_capture()
-    for bs in gr.sizes:
-        batch = gr.capture_batch(bs)
-        gr._forward(batch, bs)  # the capture's own forward (CUDA warms up and records one)
-        gr.graphs[bs] = Replay(batch, bs)
-
-
-class _StandInRunner(GraphRunner):
-    def capture(self) -> None:
-        _stand_in_capture(self)
-
-
-class _StandInPlatform:
-    def graph_runner(self, runner, sizes, vocab_size):
-        return _StandInRunner.for_runner(runner, sizes, vocab_size)
 
 
 # -- fixtures --------------------------------------------------------------------------------------
