@@ -234,9 +234,6 @@ def test_core_serve_defaults_to_50_ms_on_accelerators_the_engine_and_cpus_to_off
     assert serving_defaults(make_server_args()).decode_itl_target_ms == SERVE_ITL_TARGET_MS == 50
     assert serving_defaults(make_server_args(), "cuda").decode_itl_target_ms == 50
     assert serving_defaults(make_server_args(), "cpu").decode_itl_target_ms is None  # CPU: off
-    from core.server.serve import _device_type
-    assert _device_type(make_server_args(device="cpu")) == "cpu"
-    assert _device_type(make_server_args(device="no-such-device")) is None
     given = make_server_args(decode_itl_target_ms=0)
     assert serving_defaults(given).decode_itl_target_ms == 0  # a user's setting stands
     no_chunks = make_server_args(chunked_prefill_size=-1)

@@ -178,6 +178,8 @@ def test_info_routes_show_the_plan(served):
     assert any(c["chosen"] and c["slot"] == "decode_attention" for c in info["candidates"])
     assert "Candidates" in info["plan_table"] and info["server_args"]["api_key"] == "<redacted>"
     assert info["stats"]["kv_pages_total"] > 0 and info["engine_alive"] is True
+    # `core serve`'s prefill budget: 50 ms on an accelerator, off on this CPU
+    assert info["stats"]["prefill_budget_target_ms"] == 0
     # the engine's start-up phase by phase (issue 37 item 5), and its notes
     phases = info["model"]["startup_phases_s"]
     assert "scheduler ready" in phases and any(k.startswith("weights loaded") for k in phases)

@@ -18,7 +18,7 @@ from core.frontend.client import EngineClient, EngineError, StartedWorker
 from core.frontend.delta import Delta
 from core.frontend.router import ReplicaSet
 from core.messages import EngineInfo, SamplingParams, expand_n, to_json
-from core.plan.args import ServerArgs, apply_environment, make_server_args
+from core.plan.args import ServerArgs, apply_environment, make_server_args, serving_defaults
 
 if TYPE_CHECKING:
     from core.contract.json_types import JSONObject
@@ -52,10 +52,12 @@ class Engine:
 
     Engine(model_path=None, **server_args) takes ServerArgs fields as keywords (or
     server_args=ServerArgs(...)); with no model path it serves the embedded SmolLM2.
+    serving=True: `core serve`'s defaults where they differ (core.plan.args.serving_defaults),
+    for the device the plan chose.
     """
 
     def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None,
-                 **kwargs: object):
+                 serving: bool = False, **kwargs: object):
         from core.engine.worker import make_plan
         from core.plan.resolver import explain
 
@@ -70,6 +72,8 @@ class Engine:
         started = [StartedWorker() for _ in range(args.dp_size)]
         try:
             self.args, self.plan, self.spec, _ = make_plan(args)
+            if serving:  # `core serve`'s defaults, for the device the plan chose
+                self.args = serving_defaults(self.args, self.plan.device.device_type)
             log.info("%s", explain(self.plan))
             self.tokenizer = _load_tokenizer(self.args)
         except BaseException:

@@ -328,5 +328,5 @@ def start_async_engine(args: ServerArgs) -> AsyncEngine:
     started together behind core.frontend.router.ReplicaSet), wrap it for the server."""
     from core.frontend.offline import Engine
 
-    engine = Engine(server_args=args)
+    engine = Engine(server_args=args, serving=True)
     return AsyncEngine(engine, served_name(args, engine.args.model_path))

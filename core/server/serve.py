@@ -258,28 +258,14 @@ async def run_server(engine: EngineLike, args: ServerArgs) -> int:
     return rc
 
 
-def _device_type(args: ServerArgs) -> str | None:
-    """The device type `core serve` will plan for (None when it cannot tell yet: the engine
-    then reports the problem itself)."""
-    from core.plan.devices import select_device
-    from core.plan.registry import get_registry
-
-    try:
-        return select_device(get_registry(), args.device, args.device_profile).device_type
-    except Exception:  # noqa: BLE001 - a bad --device is the engine's error to report
-        return None
-
-
 def serve_main(args: ServerArgs) -> int:
     """Entry point of `core serve` (called by core.cli with the resolved ServerArgs)."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from core.frontend.serving import start_async_engine
-    from core.plan.args import serving_defaults
     from core.server.auth import resolve_api_key
 
-    args = serving_defaults(args, _device_type(args))
     if args.node_rank > 0:  # another node's ranks of node 0's engine: no HTTP here
         from core.frontend.client import serve_node
 
@@ -305,6 +291,8 @@ def serve_main(args: ServerArgs) -> int:
         return 2
     try:
         print(engine.describe_plan(), flush=True)
+        # the serving defaults the engine applied for its device (core.plan.args), shown as set
+        args = args.replace(decode_itl_target_ms=engine.engine.args.decode_itl_target_ms)
         return asyncio.run(run_server(engine, args))
     finally:
         engine.close()
