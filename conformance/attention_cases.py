@@ -167,6 +167,25 @@ def conformance_cases(caps: AttentionCaps, full: bool = False,
             if features:
                 cases.append(case(mid, dim, page, dtype, _seqs=vseqs, _news=vnews,
                                   tag="verify", **features))
+    if caps.verify_rows and "decode" in caps.phases:
+        # the verify-shaped requests as decode rows: every row's K/V is new (poisoned until
+        # stored), so a row that attends before the others' K/V are stored reads NaN
+        vseqs = tuple(p + n for p, n in _VERIFY_EXTEND)
+        vnews = tuple(n for _, n in _VERIFY_EXTEND)
+        mid = next((sh for sh in shapes if sh[0] == 4), shapes[0])
+        for i, page in enumerate(pages):
+            cases.append(AttentionCase("verify_rows", mid[1], mid[0], dims[i % len(dims)], page,
+                                       dtypes[i % len(dtypes)], dtypes[i % len(dtypes)],
+                                       vseqs, vnews))
+        features = {"sliding_window": 6} if caps.sliding_window else {}
+        if caps.logit_softcap:
+            features["logit_softcap"] = 5.0
+        if caps.sinks:
+            features["sinks"] = True
+        if features:
+            cases.append(AttentionCase("verify_rows", shapes[-1][1], shapes[-1][0], dims[0],
+                                       pages[0], dtypes[-1], dtypes[-1], vseqs, vnews,
+                                       **features))
     return cases
 
 
@@ -211,6 +230,9 @@ def not_covered(caps: AttentionCaps,
     for phase, mode in (("decode", "decode"), ("prefill", "extend")):
         if phase not in caps.phases:
             out.append((mode, f"{phase} phase not declared"))
+    if not caps.verify_rows:
+        out.append(("verify_rows", "decode rows of one request (speculative verify steps in "
+                                   "decode graphs) not declared"))
     if not caps.sliding_window:
         out.append(("window", "sliding window not declared"))
     if not caps.logit_softcap:

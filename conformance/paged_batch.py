@@ -47,9 +47,11 @@ def attention_kind(num_kv_heads: int, group: int) -> str:
 
 @dataclass(frozen=True)
 class AttentionCase:
-    """One conformance case. In decode, every request has one new token (extend_lens all 1)."""
+    """One conformance case. In decode, every request has one new token (extend_lens all 1).
+    In "verify_rows" each request's new tokens reach the backend as decode rows of that request,
+    one per token at its own position (a speculative verify step, AttentionCaps.verify_rows)."""
 
-    mode: str  # "decode" | "extend"
+    mode: str  # "decode" | "extend" | "verify_rows"
     num_kv_heads: int
     group: int  # query heads per KV head (1 = MHA)
     head_dim: int
@@ -65,8 +67,8 @@ class AttentionCase:
     tag: str = ""  # what the case is about, for its id
 
     def __post_init__(self) -> None:
-        if self.mode not in ("decode", "extend"):
-            raise ValueError(f"mode must be decode or extend, not {self.mode!r}")
+        if self.mode not in ("decode", "extend", "verify_rows"):
+            raise ValueError(f"mode must be decode, extend or verify_rows, not {self.mode!r}")
         if len(self.seq_lens) != len(self.extend_lens) or not self.seq_lens:
             raise ValueError("seq_lens and extend_lens must be non-empty and of equal length")
         if any(n < 1 or n > s for s, n in zip(self.seq_lens, self.extend_lens, strict=True)):
@@ -188,20 +190,25 @@ def build_inputs(case: AttentionCase, device: torch.device | str, seed: int) -> 
     ext_t = torch.tensor(case.extend_lens, dtype=torch.int32)
     positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix, case.seq_lens,
                                                                strict=True)])
+    if case.mode == "verify_rows":  # one decode row per new token, at its own position
+        seqs, prefixes, news = (positions + 1).tolist(), positions.tolist(), [1] * T
+        rows = rows.repeat_interleave(ext_t)
+    else:
+        seqs, prefixes, news = list(case.seq_lens), list(prefix), list(case.extend_lens)
     batch = ForwardBatch(
-        mode=ForwardMode.DECODE if case.mode == "decode" else ForwardMode.EXTEND,
+        mode=ForwardMode.EXTEND if case.mode == "extend" else ForwardMode.DECODE,
         input_ids=torch.zeros(T, dtype=torch.int64, device=device),
         positions=positions.to(device),
-        seq_lens=seq_t.to(device),
-        prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=device),
-        extend_lens=ext_t.to(device),
+        seq_lens=torch.tensor(seqs, dtype=torch.int32, device=device),
+        prefix_lens=torch.tensor(prefixes, dtype=torch.int32, device=device),
+        extend_lens=torch.tensor(news, dtype=torch.int32, device=device),
         out_cache_loc=out_loc,
         req_pool_indices=rows.to(device),
         req_to_token=req_to_token.to(device),
         kv_pool=pool,
-        seq_lens_cpu=list(case.seq_lens),
-        prefix_lens_cpu=list(prefix),
-        extend_lens_cpu=list(case.extend_lens),
+        seq_lens_cpu=seqs,
+        prefix_lens_cpu=prefixes,
+        extend_lens_cpu=news,
     )
     ctx = BackendContext(num_heads=H, num_kv_heads=Hkv, head_dim=D, num_layers=num_layers,
                          dtype=dtype, kv_dtype=kv_dtype, device=device, page_size=ps,

@@ -45,10 +45,52 @@ def test_suite_covers_every_builtin_backend_on_cpu(request):
                    and importlib.util.find_spec("triton") is not None)
     for name in BUILTIN if interpreted else ("torch_native", "flex_attention"):
         cases = [p.case for p in params if p.backend.name == name]
-        assert {c.mode for c in cases} == {"decode", "extend"}, name
+        verify = {"verify_rows"} if get_registry().get("attention", name).caps.verify_rows \
+            else set()
+        assert {c.mode for c in cases} == {"decode", "extend"} | verify, name
         assert {c.group for c in cases} == {1, 4, 8}, name
         assert {64, 128} <= {c.head_dim for c in cases}, name
         assert {c.page_size for c in cases} == {1, 16, 64}, name
     if interpreted:
         triton_dtypes = {p.case.dtype for p in params if p.backend.name == "triton"}
         assert triton_dtypes == {"float16", "float32"}
+
+
+def test_verify_rows_cases_fail_a_decode_whose_rows_attend_before_all_are_stored():
+    """A planted fault: a decode that stores and attends row by row, last row first (as
+    parallel programs of a fused store-and-attend kernel may run), reads a later draft's
+    poisoned K/V slot and fails the verify_rows cases; in order it would pass."""
+    import dataclasses
+
+    from conformance.attention_cases import conformance_cases
+    from conformance.attention_check import check_case
+    from core.plan.registry import Registration
+    from plugins._kit.torch_attention import TorchNativeAttention
+
+    def one_row_at_a_time(order):
+        class RowByRow(TorchNativeAttention):
+            def forward(self, q, k, v, layer, batch):
+                outs = {}
+                for i in order(q.shape[0]):
+                    one = slice(i, i + 1)
+                    sub = dataclasses.replace(
+                        batch, input_ids=batch.input_ids[one], positions=batch.positions[one],
+                        seq_lens=batch.seq_lens[one], prefix_lens=batch.prefix_lens[one],
+                        extend_lens=batch.extend_lens[one], out_cache_loc=batch.out_cache_loc[one],
+                        req_pool_indices=batch.req_pool_indices[one],
+                        seq_lens_cpu=batch.seq_lens_cpu[one],
+                        prefix_lens_cpu=batch.prefix_lens_cpu[one],
+                        extend_lens_cpu=batch.extend_lens_cpu[one])
+                    sub.attn_meta = self.prepare(sub)
+                    outs[i] = super().forward(q[one], k[one], v[one], layer, sub)
+                return torch.cat([outs[i] for i in range(q.shape[0])])
+        return RowByRow
+
+    reg = get_registry().get("attention", "torch_native")
+    case = next(c for c in conformance_cases(reg.caps) if c.mode == "verify_rows")
+    in_order = dataclasses.replace(reg, factory=one_row_at_a_time(range))
+    check_case(in_order, case, torch.device("cpu"))
+    backwards = dataclasses.replace(reg, factory=one_row_at_a_time(
+        lambda n: reversed(range(n))))
+    with pytest.raises(AssertionError, match="non-finite output"):
+        check_case(backwards, case, torch.device("cpu"))

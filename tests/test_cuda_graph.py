@@ -254,6 +254,52 @@ def test_padded_replay_matches_eager_decode_and_big_batches_stay_eager(tiny_runn
         restore()
 
 
+def test_verify_steps_replay_the_graphs_as_decode_rows_and_match_the_extend(tiny_runner):
+    """A speculative verify step (each request's last token and its drafts) with verify_graphs:
+    one replay whose rows are the verified tokens at their own positions (triton's decode,
+    interpreted) gives the extend's logits at every position and the same table; a step with
+    more rows than the largest bucket runs as the extend."""
+    runner, vocab = tiny_runner
+    rows, lens = [1, 4, 7], [6, 11, 3]
+    slots = _prefill(runner, rows, lens, seed=5)  # room for 4 more tokens each
+    tokens = [[5, 17, 3, 99], [42, 8, 1], [60, 2, 33]]
+    new = [slots[r][n:n + len(t)] for r, n, t in zip(rows, lens, tokens, strict=True)]
+    pool, table = runner.kv_pool, runner.req_to_token.req_to_token
+    saved = ([k.clone() for k in pool.k_buffers], [v.clone() for v in pool.v_buffers],
+             table.clone())
+
+    def restore():
+        for dst, src in zip(pool.k_buffers + pool.v_buffers, saved[0] + saved[1], strict=True):
+            dst.copy_(src)
+        table.copy_(saved[2])
+
+    def verify(n):  # the first n requests
+        return runner.verify(rows[:n], lens[:n], tokens[:n], new[:n]).clone()
+
+    extend2, table2 = verify(2), table.clone()
+    restore()
+    extend3 = verify(3)
+    restore()
+    gr = GraphRunner(runner.model, runner.decode_backend, pool, runner.req_to_token,
+                     torch.device("cpu"), [2, 8], vocab)
+    _stand_in_capture(gr)
+    runner.graph_runner, runner.verify_graphs = gr, True
+    before = dict(runner.forward_count)
+    try:
+        rows2 = verify(2)  # 7 rows: bucket 8
+        assert gr.replays == 1 and rows2.shape == (7, vocab)
+        torch.testing.assert_close(rows2, extend2, atol=1e-4, rtol=1e-4)
+        assert torch.equal(table, table2)
+        restore()
+        torch.testing.assert_close(verify(3), extend3)  # 10 rows: the extend
+        assert gr.replays == 1
+        assert runner.forward_count["verify_graph"] - before.get("verify_graph", 0) == 1
+        assert runner.forward_count["decode"] == before["decode"]
+    finally:
+        runner.graph_runner, runner.verify_graphs = None, False
+        restore()
+
+
 # -- a hybrid KV pool under graphs (CPU stand-in) --------------------------------------------------
 
 class _StandInRunner(GraphRunner):

@@ -70,6 +70,29 @@ def test_ngram_propose_honours_each_request_bound():
 # -- flags and the plan --------------------------------------------------------------------------
 
 
+def test_verify_steps_replay_decode_graphs_where_the_decode_backend_declares_rows(model_spec):
+    """On a GPU profile with graphs, verify steps run as decode rows in the graphs (triton
+    declares verify_rows); a decode backend without graphs, or --disable-cuda-graph, keeps the
+    eager extend, and the plan says which and why."""
+    from core.plan.devices import PROFILES
+    from core.plan.registry import build_registry
+    from core.plan.resolver import resolve
+
+    spec, test_registry = model_spec("llama-3.1-8b"), build_registry()
+    on = resolve(spec, PROFILES["h200"], make_server_args(speculative_algorithm="ngram"),
+                 test_registry)
+    assert on.decode_attention == "triton" and on.spec_verify_graphs
+    assert any("verify steps replay the decode graphs as decode rows" in n for n in on.notes)
+    for extra, why in (({"attention_backend": "torch_native"}, "no decode graphs"),
+                       ({"disable_cuda_graph": True}, "no decode graphs")):
+        off = resolve(spec, PROFILES["h200"], make_server_args(
+            speculative_algorithm="ngram", **extra), test_registry)
+        assert not off.spec_verify_graphs
+        assert any("verify steps run eagerly" in n and why in n for n in off.notes), off.notes
+    cpu = make_plan(make_server_args(speculative_algorithm="ngram"))[1]
+    assert not cpu.spec_verify_graphs and not make_plan(make_server_args())[1].spec_verify_graphs
+
+
 def test_flags_sglang_names_case_insensitive_and_vllm_config():
     a = make_server_args(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3,
                          speculative_ngram_min_match_window_size=2,

@@ -217,6 +217,10 @@ class AttentionCaps(_Frozen):
     sinks: bool = False
     phases: frozenset[str] = frozenset(PHASES)
     cuda_graph: bool = False
+    # Its decode forward takes several rows of one request at consecutive positions (each row's
+    # seq_len its own position + 1, all rows' K/V stored before any row attends): a speculative
+    # verify step then runs as decode rows, inside the decode graphs (core.engine.model_runner).
+    verify_rows: bool = False
     deterministic: bool = False
     requires: tuple[str, ...] = ()  # python packages imported by the factory
     programs: tuple[str, ...] = ()  # executables on PATH, e.g. ("cc",) to build its kernels
@@ -234,7 +238,7 @@ class AttentionCaps(_Frozen):
         caps = ",".join(f"{d}:{r.describe()}" for d, r in sorted(self.capability.items()))
         heads = "any" if self.head_sizes is None else "|".join(map(str, sorted(self.head_sizes)))
         flags = [n for n in ("sliding_window", "logit_softcap", "sinks", "cuda_graph",
-                             "deterministic") if getattr(self, n)]
+                             "verify_rows", "deterministic") if getattr(self, n)]
         return (f"devices={','.join(sorted(self.devices))}{' (' + caps + ')' if caps else ''} "
                 f"kinds={','.join(sorted(self.attention_kinds))} "
                 f"dtypes={','.join(sorted(self.dtypes))} kv={','.join(sorted(self.kv_cache_dtypes))} "

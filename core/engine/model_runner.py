@@ -89,6 +89,9 @@ class ModelRunner:
         # LoRA adapters (core.engine.lora), when the plan serves them: the slot each request's
         # tokens use is given per step (`lora`: one slot per row, -1 the base model)
         self.lora: LoRAManager | None = None
+        # speculative verify steps replay the decode graphs as decode rows (Plan.
+        # spec_verify_graphs: the decode backend declares AttentionCaps.verify_rows)
+        self.verify_graphs = False
 
     def _tensor(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return self.platform.to_device(torch.tensor(values, dtype=dtype), self.device)
@@ -214,6 +217,23 @@ class ModelRunner:
         drafts] over its cached prefix (K/V written to `slots`, the rejected ones' too: the
         scheduler frees their pages) -> logits at every new position [sum(len(t)), V]."""
         self.forward_count["verify"] = self.forward_count.get("verify", 0) + 1
+        if self.verify_graphs and self.graph_runner is not None:
+            # Each verified token as a decode row of its request at its own position: the
+            # decode backend stores every row's K/V before any row attends (verify_rows), so
+            # row j sees the last token and drafts 0..j-1, as the extend would.
+            n = [len(t) for t in tokens]
+            expand = [i for i, k in enumerate(n) for _ in range(k)]
+            self._begin_step()
+            logits = self._replay(
+                [rows[i] for i in expand], [t for toks in tokens for t in toks],
+                [p + j for p, k in zip(prefix_lens, n, strict=True) for j in range(k)],
+                [s for sl in slots for s in sl],
+                [[s for per in g for s in per] for g in group_slots],
+                None if lora is None else [lora[i] for i in expand])
+            if logits is not None:
+                self.forward_count["verify_graph"] = self.forward_count.get(
+                    "verify_graph", 0) + 1
+                return logits
         batch, _ = self._extend_batch(rows, prefix_lens, tokens, slots, group_slots)
         return self._run(batch, self.prefill_backend, None, lora=lora)
 
@@ -246,6 +266,26 @@ class ModelRunner:
         self.forward_count = before
         return done
 
+    def _replay(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
+                positions: Sequence[int], slots: Sequence[int],
+                group_slots: Sequence[Sequence[int]], lora: Sequence[int] | None
+                ) -> torch.Tensor | None:
+        """The decode rows replayed in a captured graph -> logits [B, V], or None when no
+        graph takes them (no graphs, too many rows, or adapters the graphs do not hold)."""
+        # Graphs captured with a graph-safe LoRA backend hold the adapters' deltas (each row's
+        # slot is a graph input): every step replays them. Graphs without (no LoRA, or a backend
+        # that is not graph safe) serve steps of base requests alone; adapter steps run eagerly.
+        gr = self.graph_runner
+        if gr is None or not gr.can_run(len(rows)) or not (
+                gr.captures_lora or lora is None or self.lora is None
+                or all(s == BASE_SLOT for s in lora)):
+            return None
+        if gr.captures_lora:
+            return gr.decode(rows, input_ids, positions, slots, group_slots, lora=lora)
+        if self.lora is not None:
+            self.lora.end_step()  # what the graphs were captured with: no delta
+        return gr.decode(rows, input_ids, positions, slots, group_slots)
+
     def decode(self, rows: Sequence[int], input_ids: Sequence[int] | torch.Tensor,
                positions: Sequence[int], slots: Sequence[int],
                group_slots: Sequence[Sequence[int]] = (),
@@ -260,18 +300,9 @@ class ModelRunner:
         if len(group_slots) != len(self.group_pools):
             raise ValueError(f"{len(group_slots)} groups' slots for a pool of "
                              f"{self.num_groups} KV groups")
-        # Graphs captured with a graph-safe LoRA backend hold the adapters' deltas (each row's
-        # slot is a graph input): every step replays them. Graphs without (no LoRA, or a backend
-        # that is not graph safe) serve steps of base requests alone; adapter steps run eagerly.
-        gr = self.graph_runner
-        if gr is not None and gr.can_run(len(rows)) and (
-                gr.captures_lora or lora is None or self.lora is None
-                or all(s == BASE_SLOT for s in lora)):
-            if gr.captures_lora:
-                return gr.decode(rows, input_ids, positions, slots, group_slots, lora=lora)
-            if self.lora is not None:
-                self.lora.end_step()  # what the graphs were captured with: no delta
-            return gr.decode(rows, input_ids, positions, slots, group_slots)
+        logits = self._replay(rows, input_ids, positions, slots, group_slots, lora)
+        if logits is not None:
+            return logits
         seq = [p + 1 for p in positions]
         B = len(rows)
         on_device = isinstance(input_ids, torch.Tensor)

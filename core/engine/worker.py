@@ -351,6 +351,7 @@ def build_runner(plan: Plan, spec: ModelSpec, registry: Registry, platform: Plat
                                              device)
         runner.notes += lora_notes
     graph_note = capture_graphs(runner, mem.graphs, int(loaded.hf_config.vocab_size), platform)
+    runner.verify_graphs = plan.spec_verify_graphs
     # Compile the prefill kernels' common variants now (where the platform says it pays):
     # seconds at startup instead of in the first requests.
     runner.warmup(platform.warmup_shapes())

@@ -57,6 +57,9 @@ class Plan:
     # a draft-model proposer's draft (--speculative-draft-model-path): its own plan (dtype,
     # quant method, attention backends, model impl), resolved like the target's; None otherwise
     spec_draft: Plan | None = None
+    # verify steps replay the decode graphs as decode rows (decode graphs on, and the decode
+    # attention declares AttentionCaps.verify_rows); False: they run eagerly as extends
+    spec_verify_graphs: bool = False
     # the reasoning parser (core.contract.reasoning); None: off (--reasoning-parser none, or
     # auto found none of its markers in the template). Chosen with the tool-call parser
     # (core.plan.reasoning.resolve_reasoning_parser).

@@ -354,8 +354,6 @@ def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
     else:
         notes.append(f"speculative decoding: {chosen}, up to {n} draft tokens per request and "
                      "step")
-    notes.append("speculative verify steps run eagerly (one extend-like forward over the last "
-                 "token and its drafts); decode graphs serve the steps without drafts")
     gov = ("on: each request's drafts cut per step to what its acceptance and the measured cost "
            "of a drafted token say pays" if args.speculative_governor == "on" else
            "off: every request asks for the full number each step (--speculative-governor on "
@@ -682,6 +680,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     assert quant is not None and prefill is not None and decode is not None and ops is not None
 
     cuda_graph = _graph_capture(device, args, registry, decode, moe, ops, notes, lora)
+    verify_graphs = spec_name is not None and _verify_graphs(registry, decode, cuda_graph, notes)
     chosen = {"quant_method": quant, "prefill_attention": prefill, "decode_attention": decode,
               "moe_runner": moe, "layer_ops": ops, "model": model_impl,
               "grammar_backend": grammar, "spec_proposer": spec_name, "lora_backend": lora}
@@ -692,7 +691,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
                 cuda_graph=cuda_graph, model_impl=model_impl, notes=tuple(notes),
                 candidates=candidates, layer_ops=ops, quant_format=scheme.format,
                 grammar_backend=grammar, spec_proposer=spec_name, spec_draft_tokens=spec_n,
-                spec_draft=spec_draft,
+                spec_draft=spec_draft, spec_verify_graphs=verify_graphs,
                 lora_backend=lora, lora_slots=args.max_loras_per_batch if lora else 0,
                 lora_max_rank=args.max_lora_rank if lora else None,
                 lora_target_modules=lora_targets)
@@ -783,6 +782,22 @@ def _graph_capture(device: DeviceInfo, args: ServerArgs, registry: Registry, dec
                      f"graph input; steps of base requests alone replay the same graphs and pay "
                      f"the LoRA kernels' launches (every row skipped)")
     return True
+
+
+def _verify_graphs(registry: Registry, decode: str, cuda_graph: bool, notes: list[str]) -> bool:
+    """Whether speculative verify steps replay the decode graphs, as decode rows (one row per
+    verified token: the request's last token and each draft), with a note either way."""
+    if cuda_graph and registry.get("attention", decode).caps.verify_rows:
+        notes.append(f"speculative verify steps replay the decode graphs as decode rows (one "
+                     f"per verified token; decode attention {decode} declares verify_rows) "
+                     f"while the rows fit the largest captured batch; larger ones run eagerly "
+                     f"as one extend")
+        return True
+    why = ("no decode graphs" if not cuda_graph else
+           f"decode attention {decode} does not declare verify_rows")
+    notes.append(f"speculative verify steps run eagerly (one extend over each request's last "
+                 f"token and its drafts; {why}); decode graphs serve the steps without drafts")
+    return False
 
 
 # ---------------------------------------------------------------------------------- explaining

@@ -23,6 +23,7 @@ CAPS = AttentionCaps(
     phases={"prefill", "decode"},
     # Like SGLang's torch_native: per-request Python loops cannot be captured in a CUDA graph.
     cuda_graph=False,
+    verify_rows=True,  # every row's K/V is stored before any row attends
     deterministic=True,
     priority={"cpu": 10, "cuda": 1, "rocm": 1, "xpu": 1, "npu": 1},
     description="pure PyTorch SDPA over the paged KV cache (reference backend)",

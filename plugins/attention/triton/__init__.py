@@ -30,6 +30,7 @@ CAPS = AttentionCaps(
     # device, nothing syncs with the host. (Extend sizes its grid from host lengths; it is
     # never captured.)
     cuda_graph=True,
+    verify_rows=True,  # every row's K/V is stored before any row attends
     # Run-to-run deterministic in one process (no atomics), but the extend tiling may be
     # autotuned per process (CORE_TRITON_AUTOTUNE=1) and the decode split count follows the batch
     # shape and longest context: not batch-invariant.
