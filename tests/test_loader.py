@@ -24,7 +24,6 @@ from core.engine.loader import (
     find_weights,
     load_model,
     load_tokenizer,
-    shared_gguf_reader,
 )
 from core.plan.args import make_server_args
 from core.plan.registry import build_registry
@@ -218,18 +217,13 @@ def smollm(registry):
     assert gguf_path == os.path.join(spec.submodule_search_locations[0],
                                      "SmolLM2-135M-Instruct.Q4_1.gguf")
     loaded = load_model(make_server_args(), cpu_plan("llama"), registry)
-    # The reference: transformers' own GGUF conversion into its own Llama, in fp32.
-    from transformers import AutoConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    # The reference: transformers' own GGUF conversion into its own Llama, in fp32 (every
+    # tensor but lm_head, which is tied to the embedding: hf_gguf_model checks both).
+    from hf_reference import hf_gguf_model
+    from transformers import LlamaForCausalLM
 
-    directory, name = os.path.split(gguf_path)
-    with shared_gguf_reader(gguf_path):  # one parse of the file for both calls
-        config = AutoConfig.from_pretrained(directory, gguf_file=name)
-        hf = LlamaForCausalLM(config).float().eval()
-        tensors = load_gguf_checkpoint(gguf_path, return_tensors=True,
-                                       model_to_load=hf)["tensors"]
-    missing, unexpected = hf.load_state_dict(tensors, strict=False)
-    assert missing == ["lm_head.weight"] and not unexpected  # tied to the embedding
+    hf = hf_gguf_model(gguf_path)
+    assert isinstance(hf, LlamaForCausalLM)
     assert hf.lm_head.weight is hf.model.embed_tokens.weight
     return loaded, hf
 
