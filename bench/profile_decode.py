@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant-config", default=None, choices=sorted(QUANT_CONFIGS),
                    help="give the dummy checkpoint this quantization_config (awq, gptq, "
                    "fp8-block)")
+    p.add_argument("--lora", type=int, default=0, metavar="N",
+                   help="serve N random rank-16 PEFT adapters on every projection (LoRA on, "
+                   "its default backend), the requests spread over them")
     a = p.parse_args(argv)
     global SHAPES
     SHAPES = a.shapes
@@ -101,12 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     bs_max = max(sizes)
     pool = max(65536, 2 * bs_max * (a.prompt_len + 3 * a.steps))
+    lora: dict = {}
+    if a.lora:
+        import tempfile
+
+        from bench_lora_serving import write_adapters
+
+        adapters = write_adapters(cfg, Path(tempfile.mkdtemp(prefix="profile_lora_")), a.lora,
+                                  16, 32.0, torch.bfloat16)
+        lora = {"enable_lora": True, "max_loras_per_batch": a.lora,
+                "lora_paths": [f"{k}={v}" for k, v in adapters.items()]}
     args = make_server_args(model_path=model_dir, load_format="dummy", dtype="bfloat16",
                             device="cuda", max_total_tokens=pool,
                             cuda_graph_max_bs=a.graph_max_bs or None,
                             disable_cuda_graph=a.graph_max_bs == 0,
                             max_running_requests=max(bs_max, 1),
-                            **({"quantization": a.quantization} if a.quantization else {}))
+                            **({"quantization": a.quantization} if a.quantization else {}),
+                            **lora)
     args, plan, spec, registry = make_plan(args)
     core = build_engine_core(args, plan, spec, registry)
     sched = core.scheduler
@@ -126,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.randint(1000, cfg["vocab_size"], (a.prompt_len,), generator=gen)
             sched.add_request(f"r{n}", ids.tolist(),
                               {"temperature": 0, "max_new_tokens": a.steps * 3,
-                               "ignore_eos": True})
+                               "ignore_eos": True},
+                              lora=f"lora{n % a.lora}" if a.lora else None)
             n += 1
         torch.cuda.synchronize()
         profile_prefill = a.profile_prefill and bs == max(sizes)

@@ -528,15 +528,57 @@ def test_greedy_with_graphs_equals_without_on_cuda(gpu_model_dir):
 
 
 @pytest.mark.gpu
-def test_bf16_graphs_mostly_agree_with_eager(gpu_model_dir):
-    """bf16: a different batch shape (padding) can flip a near-tie late in a sequence."""
-    with_graphs, stats, _ = _gpu_run(gpu_model_dir, "bfloat16")
-    without, _, _ = _gpu_run(gpu_model_dir, "bfloat16", disable_cuda_graph=True)
-    assert stats["graph_replays"] > 0
-    assert all(a[:3] == b[:3] for a, b in zip(with_graphs, without, strict=True))
-    same = sum(x == y for a, b in zip(with_graphs, without, strict=True)
-               for x, y in zip(a, b, strict=True))
-    assert same >= 0.8 * sum(len(a) for a in with_graphs)
+def test_bf16_graph_replays_match_eager_decode_logits(gpu_model_dir):
+    """bf16: greedy tokens of a random-weight model may flip at a near-tie between graph and
+    eager runs (the padded batch and the graphs' fixed KV split count round differently), so
+    the comparison is teacher-forced: the same decode inputs, step by step, from the same KV
+    state, eager and replayed; logits agree to bf16 rounding and the argmax wherever the top
+    two are apart by more than that."""
+    from core.engine.worker import build_engine_core, make_plan
+    from core.plan.args import make_server_args
+
+    args, plan, spec, registry = make_plan(make_server_args(
+        model_path=gpu_model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
+        max_total_tokens=16384, cuda_graph_max_bs=8))
+    runner = build_engine_core(args, plan, spec, registry).scheduler.runner
+    gr = runner.graph_runner
+    assert gr is not None and gr.sizes == [1, 2, 4, 8]
+    rng = random.Random(1)
+    rows, lens = [0, 1, 2], [7, 130, 33]  # bucket 4: one padded row
+    base, slots = 64, []
+    for n in lens:
+        slots.append(list(range(base, base + n + 8)))
+        base += n + 8
+    runner.extend(rows, [0] * 3, [[rng.randrange(300, 30000) for _ in range(n)] for n in lens],
+                  [sl[:n] for sl, n in zip(slots, lens, strict=True)], [])
+    pool, table = runner.kv_pool, runner.req_to_token.req_to_token
+    saved = [b.clone() for b in (*pool.k_buffers, *pool.v_buffers, table)]
+    inputs = [[rng.randrange(300, 30000) for _ in rows] for _ in range(6)]
+
+    def decode_all():
+        out = []
+        for step, ids in enumerate(inputs):
+            pos = [n + step for n in lens]
+            out.append(runner.decode(rows, ids, pos, [sl[p] for sl, p in zip(slots, pos,
+                                                                                strict=True)])
+                       .float().clone())
+        for dst, src in zip((*pool.k_buffers, *pool.v_buffers, table), saved, strict=True):
+            dst.copy_(src)
+        return out
+
+    runner.graph_runner = None
+    eager = decode_all()
+    runner.graph_runner = gr
+    replays = gr.replays
+    graphs = decode_all()
+    assert gr.replays == replays + len(inputs)
+    for step, (g, e) in enumerate(zip(graphs, eager, strict=True)):
+        scale = e.abs().max().item()
+        torch.testing.assert_close(g, e, atol=0.02 * scale, rtol=0.02,
+                                   msg=lambda m, s=step: f"decode step {s}: {m}")
+        top2 = e.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.04 * scale
+        assert torch.equal(g.argmax(-1)[clear], e.argmax(-1)[clear]), step
 
 
 def test_lora_plans_replay_graphs_for_base_only_steps(tiny_runner, tmp_path):
