@@ -91,6 +91,11 @@ CASES = (
     # segments not a multiple of any tile, a slot twice, an empty one, base tokens between
     Case("prefill-long", 48, (32, 16, 16), 32, (8, 32, 16),
          ((70, 1), (5, -1), (40, 0), (0, 2), (33, 2), (17, 1))),
+    # a wide input (hidden sizes are thousands: backends may cut the shrink's K, and 600 is no
+    # multiple of a power-of-two split), at decode and at prefill sizes
+    Case("wide-in-decode", 600, (24, 8, 8), 16, (16, 8),
+         tuple((1, s) for s in (0, 1, -1, 1, 0))),
+    Case("wide-in-prefill", 600, (40,), 16, (8, 16), ((70, 1), (3, -1), (9, 0))),
 )
 
 

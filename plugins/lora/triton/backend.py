@@ -21,6 +21,11 @@ from core.contract.lora import BASE_SLOT, LoRABatch, LoRAConfig, LoRAWeights
 from plugins.lora.triton.kernels import expand_kernel, shrink_kernel
 
 DECODE_TOKENS = 64  # steps up to this many tokens: one block per token, built on the device
+# The shrink's K is cut into splits of at least this many (a multiple of its BLOCK_K), at most
+# MAX_SPLITS of them: at batch 1 one program per (block, column tile) looped over all of K and
+# took ~36 us for 128 KB of A (H100, Llama-8B shapes, session 24's profile).
+MIN_SPLIT_K = 256
+MAX_SPLITS = 32
 BLOCK_M_DECODE = 16  # tl.dot's smallest tile; one row of it is a token
 BLOCK_M_PREFILL = 32
 
@@ -32,11 +37,20 @@ class _Meta:
     start: torch.Tensor  # [blocks] int32: first token of each block
     length: torch.Tensor  # [blocks] int32: its tokens (<= block_m)
     slot: torch.Tensor  # [blocks] int32: its adapter slot (-1: skipped)
-    xa: dict[int, torch.Tensor] = field(default_factory=dict)  # shrink outputs by width
+    # shrink outputs by (width, splits): [splits, tokens, width] fp32
+    xa: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
     def blocks(self) -> int:
         return self.start.shape[0]
+
+
+def split_k(K: int, block_k: int) -> tuple[int, int]:
+    """(K per split, splits) of the shrink: splits of at least MIN_SPLIT_K, a multiple of
+    block_k, at most MAX_SPLITS of them (fixed by K: a decode graph captures the grid)."""
+    per = max(MIN_SPLIT_K, triton.cdiv(K, MAX_SPLITS))
+    per = triton.cdiv(per, block_k) * block_k
+    return per, triton.cdiv(K, per)
 
 
 class TritonLoRA:
@@ -84,22 +98,24 @@ class TritonLoRA:
         w0, w1, w2 = (*slices, 0, 0)[:3]
         NR = len(slices) * R
         K = x.shape[1]
-        xa = meta.xa.get(NR)
-        if xa is None:  # one per width, reused by every projection of the step
-            xa = meta.xa[NR] = torch.empty(meta.num_tokens, NR, dtype=torch.float32,
-                                           device=x.device)
+        bk = max(16, min(64, triton.next_power_of_2(K)))
+        per_split, splits = split_k(K, bk)
+        xa = meta.xa.get((NR, splits))
+        if xa is None:  # one per width and split count, reused by the step's projections
+            xa = meta.xa[NR, splits] = torch.empty(splits, meta.num_tokens, NR,
+                                                   dtype=torch.float32, device=x.device)
         precision = "ieee" if x.dtype == torch.float32 else None
         bn = max(16, min(64, triton.next_power_of_2(NR)))
-        bk = max(16, min(64, triton.next_power_of_2(K)))
-        shrink_kernel[(meta.blocks, triton.cdiv(NR, bn))](
-            x, weights.a, xa, meta.start, meta.length, meta.slot, K, NR,
-            x.stride(0), weights.a.stride(0), weights.a.stride(1), xa.stride(0),
+        shrink_kernel[(meta.blocks, triton.cdiv(NR, bn), splits)](
+            x, weights.a, xa, meta.start, meta.length, meta.slot, K, NR, per_split,
+            x.stride(0), weights.a.stride(0), weights.a.stride(1), xa.stride(0), xa.stride(1),
             BLOCK_M=meta.block_m, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
         widest = max(slices)
         bn = max(16, min(64, triton.next_power_of_2(widest)))
         br = max(16, triton.next_power_of_2(R))
         expand_kernel[(meta.blocks, len(slices), triton.cdiv(widest, bn))](
             xa, weights.b, y, weights.scalings, w0, w1, w2, meta.start,
-            meta.length, meta.slot, R, xa.stride(0), weights.b.stride(0), weights.b.stride(1),
+            meta.length, meta.slot, R, splits, xa.stride(0), xa.stride(1),
+            weights.b.stride(0), weights.b.stride(1),
             y.stride(0), BLOCK_M=meta.block_m, BLOCK_N=bn, BLOCK_R=br, PRECISION=precision)
         return y

@@ -5,9 +5,12 @@ adapter slot slot[i] (length at most BLOCK_M; slot -1: nothing to do, every acce
 Prefill steps get one block per BLOCK_M tokens of each adapter segment; decode steps one block
 per token (length 1), built on the device (backend.py).
 
-- shrink_kernel: xa[t, j*R + r] = sum_k x[t, k] * A[slot, j*R + r, k] for every row j*R + r of
-  A (all slices' ranks at once: one GEMM [M, K] x [K, n_slices * R]), fp32 into xa;
-- expand_kernel: y[t, off_j + n] += scale[slot] * sum_r xa[t, j*R + r] * B[slot, off_j + n, r],
+- shrink_kernel: xa[s, t, j*R + r] = sum_k x[t, k] * A[slot, j*R + r, k] over split s's range
+  of k (grid axis 2: K cut into splits of K_PER_SPLIT, so a decode token's product of a few
+  hundred KB of A runs on as many programs, not one loop over all of K), for every row j*R + r
+  of A (all slices' ranks at once: one GEMM [M, K] x [K, n_slices * R]), fp32 into xa;
+- expand_kernel: y[t, off_j + n] += scale[slot] * sum_r (sum_s xa[s, t, j*R + r]) *
+  B[slot, off_j + n, r] (the splits summed in a fixed order: deterministic, no atomics),
   grid axis 1 the output slice j (at most 3, their widths W0, W1, W2 as scalars), axis 2 column
   tiles of the slice: every element of y is read and written by exactly one program (no atomics;
   tokens of base-only segments are never touched).
@@ -22,12 +25,13 @@ import triton.language as tl
 
 
 @triton.jit
-def shrink_kernel(x_ptr, a_ptr, xa_ptr, blk_start, blk_len, blk_slot, K, NR,
-                  stride_xt, stride_as, stride_ar, stride_xat,
+def shrink_kernel(x_ptr, a_ptr, xa_ptr, blk_start, blk_len, blk_slot, K, NR, K_PER_SPLIT,
+                  stride_xt, stride_as, stride_ar, stride_xas, stride_xat,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   PRECISION: tl.constexpr):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     slot = tl.load(blk_slot + pid_b)
     start = tl.load(blk_start + pid_b).to(tl.int64)
     n_rows = tl.where(slot >= 0, tl.load(blk_len + pid_b), 0)
@@ -40,19 +44,20 @@ def shrink_kernel(x_ptr, a_ptr, xa_ptr, blk_start, blk_len, blk_slot, K, NR,
     x_rows = x_ptr + (start + rm)[:, None] * stride_xt
     a_rows = a_ptr + slot64 * stride_as + rn[None, :].to(tl.int64) * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_s * K_PER_SPLIT  # a multiple of BLOCK_K
+    for k0 in range(k_lo, tl.minimum(K, k_lo + K_PER_SPLIT), BLOCK_K):
         kk = k0 + rk
         mask_k = kk < K
         xt = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         at = tl.load(a_rows + kk[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(xt, at, acc, input_precision=PRECISION)  # [BM, BK] x [BK, BN]
-    tl.store(xa_ptr + (start + rm)[:, None] * stride_xat + rn[None, :], acc,
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(xa_ptr + pid_s.to(tl.int64) * stride_xas + (start + rm)[:, None] * stride_xat
+             + rn[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def expand_kernel(xa_ptr, b_ptr, y_ptr, scale_ptr, W0, W1, W2, blk_start, blk_len, blk_slot, R,
-                  stride_xat, stride_bs, stride_bo, stride_yt,
+                  SPLITS, stride_xas, stride_xat, stride_bs, stride_bo, stride_yt,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   PRECISION: tl.constexpr):
     pid_b = tl.program_id(0)
@@ -71,8 +76,11 @@ def expand_kernel(xa_ptr, b_ptr, y_ptr, scale_ptr, W0, W1, W2, blk_start, blk_le
     mask_m = rm < n_rows
     mask_n = rn < width
     mask_r = rr < R
-    xa = tl.load(xa_ptr + (start + rm)[:, None] * stride_xat + (j * R + rr)[None, :],
-                 mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    xa_ptrs = xa_ptr + (start + rm)[:, None] * stride_xat + (j * R + rr)[None, :]
+    mask_xa = mask_m[:, None] & mask_r[None, :]
+    xa = tl.load(xa_ptrs, mask=mask_xa, other=0.0)
+    for s in range(1, SPLITS):  # the shrink's K splits, in order
+        xa += tl.load(xa_ptrs + s * stride_xas, mask=mask_xa, other=0.0)
     bt = tl.load(b_ptr + slot64 * stride_bs + (off + rn)[None, :].to(tl.int64) * stride_bo
                  + rr[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0)
     delta = tl.dot(xa.to(bt.dtype), bt, input_precision=PRECISION)  # [BM, BR] x [BR, BN]
