@@ -97,8 +97,9 @@ class ReplicaLoras:
                timeout: float = 120.0) -> JSON:
         """EngineClient.update_lora over every replica: load (op "load_lora", from folder
         `path`) or unload ("unload_lora") adapter `name`. ValueError with the reason when
-        refused (no replica changed), naming the replica that refused; EngineError when a
-        replica's engine is gone. Returns replica 0's answer (the first that answered)."""
+        refused, naming the replica that refused (no replica keeps a change, unless stepping
+        back failed too: the module docstring); EngineError when a replica's engine is gone
+        or did not answer within `timeout` s. Returns the lowest replica's answer."""
         if op not in (LOAD, UNLOAD):
             raise ValueError(f"unknown LoRA operation {op!r} (load_lora, unload_lora)")
         with self._update:
