@@ -182,7 +182,7 @@ def fake_set(monkeypatch):
 
     def make(n=2, method="round_robin"):
         args = ServerArgs(dp_size=n, load_balance_method=method)
-        return router.ReplicaSet(args, SimpleNamespace(page_size=1), None)
+        return router.ReplicaSet(args, SimpleNamespace(page_size=1, lora_backend=None), None)
 
     return make
 

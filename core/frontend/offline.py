@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,13 @@ class Engine:
         else:
             self.client = EngineClient(self.args, self.plan, self.tokenizer, started=started[0])
         self.info: EngineInfo = self.client.info  # what the worker built (its pid: replica 0's)
+        # the LoRA adapters of one worker, name -> folder (a ReplicaSet keeps its replicas')
+        self._loras: dict[str, str] | None = None
+        if self.plan.lora_backend is not None and not isinstance(self.client, ReplicaSet):
+            from core.plan.lora import adapter_specs
+
+            self._loras = {s.name: s.path for s in adapter_specs(self.args)}
+        self._lora_update = threading.Lock()  # an update and its record, one at a time
         for note in self.info.notes:  # KV sizing, graph capture: found at startup
             log.info("engine: %s", note)
 
@@ -230,20 +238,29 @@ class Engine:
     def flush_cache(self) -> None:
         self.client.flush_cache()
 
+    def lora_adapters(self) -> dict[str, str] | None:
+        """The LoRA adapters requests may name (name -> folder); None with LoRA off."""
+        if isinstance(self.client, ReplicaSet):  # those every replica holds
+            return self.client.lora_adapters()
+        return None if self._loras is None else dict(self._loras)
+
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> JSONObject:
         """Load a PEFT adapter folder as `lora_name` while serving (SGLang's and vLLM's name);
-        ValueError naming the problem (nothing changed) when it cannot be served."""
-        return self._update_lora("load_lora", lora_name, lora_path)
+        ValueError naming the problem (nothing changed) when it cannot be served. With
+        --dp-size > 1 every replica loads it (core.frontend.router.ReplicaSet.update_lora)."""
+        with self._lora_update:
+            got = self.client.update_lora("load_lora", lora_name, lora_path)
+            if self._loras is not None:
+                self._loras[lora_name] = lora_path
+        return got
 
     def unload_lora_adapter(self, lora_name: str) -> JSONObject:
         """Forget adapter `lora_name`; ValueError when it is not loaded or requests use it."""
-        return self._update_lora("unload_lora", lora_name)
-
-    def _update_lora(self, op: str, name: str, path: str | None = None) -> JSONObject:
-        if isinstance(self.client, ReplicaSet):
-            raise ValueError("loading LoRA adapters at run time is not supported with "
-                             "--dp-size > 1 yet: name them at start (--lora-paths)")
-        return self.client.update_lora(op, name, path)
+        with self._lora_update:
+            got = self.client.update_lora("unload_lora", lora_name)
+            if self._loras is not None:
+                self._loras.pop(lora_name, None)
+        return got
 
     def health(self) -> bool:
         return self.client.health()

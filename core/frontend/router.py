@@ -3,11 +3,11 @@
 `ReplicaSet` owns N `core.frontend.client.EngineClient`s made from the same args and plan, each with its
 own worker process (started together, so start-up takes about as long as for one; replica i is
 given `replica=i`, which offsets its device index). It speaks the EngineClient interface that
-`core.frontend.offline.Engine` and the server use (prepare, submit, submit_prepared, stream, abort, the
-asyncio pair, rpc, stats, health), so everything above it is written once. Every request goes
-to one replica; the router remembers which, so that abort and stream reach it, and counts each
-replica's load: its requests from submit to the delta that ends them (finished, aborted, or an
-error).
+`core.frontend.offline.Engine` and the server use (prepare, submit, submit_prepared, stream,
+abort, the asyncio pair, rpc, stats, health, update_lora), so everything above it is written
+once. Every request goes to one replica; the router remembers which, so that abort and stream
+reach it, and counts each replica's load: its requests from submit to the delta that ends them
+(finished, aborted, or an error).
 
 Routing (`--load-balance-method`). Loads are the router's counts; a dead replica is never
 picked; ties go to the lowest index.
@@ -25,6 +25,12 @@ picked; ties go to the lowest index.
   least-loaded one too, so that one hot prefix cannot pile every request onto one replica.
   The record is approximate: it does not see the engine's own evictions, and is cleared by
   flush_cache.
+
+LoRA adapters (`--enable-lora`). Every replica holds the same ones: those named at start, and
+those loaded at run time through `update_lora`, which loads or unloads on every replica and
+steps back when one refuses (core.frontend.replica_loras says how). A request naming an
+adapter is routed only while every replica holds it; one naming an adapter that is unknown,
+half loaded or being unloaded is refused here as a worker refuses it (404, "not loaded").
 
 Failure. Any replica's death is the engine's failure: `failure()` names the replica and why,
 `health()` turns False, and the server exits with its "engine died" status as it does for one
@@ -49,7 +55,8 @@ from typing import TYPE_CHECKING, Protocol
 from core import messages as ipc
 from core.frontend.client import EngineClient, EngineError, RequestStreams, StartedWorker
 from core.frontend.delta import Delta
-from core.messages import SamplingParams
+from core.frontend.replica_loras import ReplicaLoras, not_loaded
+from core.messages import Finish, SamplingParams
 from core.plan.args import ServerArgs
 from core.plan.plan import Plan
 
@@ -267,6 +274,13 @@ class ReplicaSet(RequestStreams):
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="core-replicas")
         self._closed = False
+        self.loras: ReplicaLoras | None = None  # with LoRA on: the replicas' adapters
+        if plan.lora_backend is not None:
+            from core.plan.lora import adapter_specs
+
+            self.loras = ReplicaLoras(self.replicas, self._pool,
+                                      {s.name: s.path for s in adapter_specs(args)})
+        self._lora_of: dict[str, str] = {}  # rid -> its adapter, while it runs
 
     # -- liveness ----------------------------------------------------------------------------
 
@@ -341,7 +355,8 @@ class ReplicaSet(RequestStreams):
     def submit_prepared(self, ids: list[int], p: SamplingParams, *, rid: str | None = None,
                         priority: int | None = None, sink: Callable[[Delta], None] | None = None,
                         index: int = 0, lora: str | None = None) -> str:
-        """`submit` for what `prepare` returned (every replica holds the same adapters)."""
+        """`submit` for what `prepare` returned (every replica holds the same adapters; a
+        request naming one that requests may not name now ends at once, refused 404)."""
         rid = rid or uuid.uuid4().hex
         q: queue.Queue | None = None
         if sink is None:
@@ -356,12 +371,21 @@ class ReplicaSet(RequestStreams):
                      for load, c in zip(self._loads, self.replicas, strict=True)]
             if all(load is None for load in loads):
                 raise EngineError(f"engine is not running: {self.failure() or 'closed'}")
-            i = self.policy.pick(ids, loads)
-            self._owner[rid] = i
-            self._loads[i] += 1
-            self.routed[i] += 1
             if q is not None:
                 self._sync_queues[rid] = q
+            refused = (lora is not None and self.loras is not None
+                       and not self.loras.acquire(lora))
+            if not refused:
+                i = self.policy.pick(ids, loads)
+                self._owner[rid] = i
+                self._loads[i] += 1
+                self.routed[i] += 1
+                if lora is not None and self.loras is not None:
+                    self._lora_of[rid] = lora
+        if refused:  # as the worker's admission refuses it, never reaching one
+            sink(Delta(rid, index, "", (), Finish("abort", message=not_loaded(lora),
+                                                  status_code=404), prompt_tokens=len(ids)))
+            return rid
         user_sink = sink
 
         def routed_sink(delta: Delta) -> None:  # on replica i's reader thread
@@ -384,6 +408,9 @@ class ReplicaSet(RequestStreams):
             i = self._owner.pop(rid, None)
             if i is not None:
                 self._loads[i] -= 1
+            lora = self._lora_of.pop(rid, None)
+            if lora is not None and self.loras is not None:
+                self.loras.release(lora)
 
     def _take_queue(self, rid: str) -> queue.Queue | None:
         with self._lock:
@@ -439,6 +466,23 @@ class ReplicaSet(RequestStreams):
             except EngineError as e:
                 raise EngineError(f"data-parallel replica {i}: {e}") from e
         return results
+
+    def lora_adapters(self) -> dict[str, str] | None:
+        """The LoRA adapters requests may name (name -> folder): those every replica holds,
+        less one being unloaded; None with LoRA off."""
+        return None if self.loras is None else self.loras.names()
+
+    def update_lora(self, op: str, name: str, path: str | None = None,
+                    timeout: float = 120.0) -> JSON:
+        """EngineClient.update_lora on every replica, which end up agreeing: load (op
+        "load_lora", from folder `path`) or unload ("unload_lora") adapter `name`.
+        ValueError with the reason, naming the replica, when one refuses (no replica keeps
+        the change); EngineError when a replica's engine is gone. One update at a time."""
+        if self._closed:
+            raise EngineError("engine is not running: closed")
+        if self.loras is None:
+            raise ValueError("LoRA is off in this engine (--enable-lora)")
+        return self.loras.update(op, name, path, timeout)
 
     def check_accounting(self) -> None:
         """Every replica asserts its KV page accounting (EngineError naming one that fails)."""

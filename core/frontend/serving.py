@@ -88,12 +88,6 @@ class AsyncEngine:
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-send")
         self._rpc = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="core-rpc")
         self._closed = False
-        # LoRA adapters by name -> their folder (core.plan.lora; empty with LoRA off)
-        self.loras: dict[str, str] = {}
-        if self.plan is not None and self.plan.lora_backend is not None:
-            from core.plan.lora import adapter_specs
-
-            self.loras = {s.name: s.path for s in adapter_specs(engine.args)}
 
     # -- facts ----------------------------------------------------------------------------------
 
@@ -116,21 +110,23 @@ class AsyncEngine:
         return text
 
     def lora_adapters(self) -> dict[str, str] | None:
-        """The LoRA adapters requests may name (name -> folder); None with LoRA off."""
+        """The LoRA adapters requests may name (name -> folder); None with LoRA off. The
+        engine's record (with --dp-size > 1, the router's: those every replica holds)."""
         if self.plan is None or self.plan.lora_backend is None:
             return None
-        return dict(self.loras)
+        return self.engine.lora_adapters()
 
     async def update_lora(self, op: str, name: str, path: str | None = None) -> JSONObject:
         """Load ("load", from folder `path`) or unload ("unload") LoRA adapter `name` in the
-        engine, between its steps; Refused 400 (404: not loaded) naming the reason, 503 when
-        the engine is gone. The adapters requests may name follow."""
+        engine, between its steps (with --dp-size > 1, in every replica); Refused 400 (404:
+        not loaded) naming the reason, 503 when the engine is gone. The adapters requests may
+        name follow (lora_adapters)."""
         from core.frontend.offline import EngineError
 
         call = (self.engine.load_lora_adapter if op == "load" else
                 lambda n, _p: self.engine.unload_lora_adapter(n))
         try:
-            got = await asyncio.wrap_future(self._rpc.submit(call, name, path))
+            return await asyncio.wrap_future(self._rpc.submit(call, name, path))
         except EngineError as e:
             raise Refused(503, f"the engine is not running: {e}", code="engine_unavailable",
                           retry_after=5) from None
@@ -139,11 +135,6 @@ class AsyncEngine:
             raise Refused(status, str(e), param="lora_name",
                           code="model_not_found" if status == 404 else "invalid_value"
                           ) from None
-        if op == "load":
-            self.loras[name] = path or ""
-        else:
-            self.loras.pop(name, None)
-        return got
 
     def model_info(self) -> JSONObject:
         args = self.engine.args
