@@ -104,8 +104,8 @@ DEFAULT_PROMPTS = {"cuda": {"b1": 4, "b16": 32, "draft": 4, "c64": 64},
                    "cpu": {"b1": 2, "b16": 16, "draft": 2, "c64": 64}}
 META = ("spec_verify_ct", "spec_draft_tokens", "spec_accepted_tokens", "spec_note")
 COUNTERS = ("spec_verify_steps", "spec_num_drafts", "spec_num_draft_tokens",
-            "spec_num_accepted_tokens", "spec_governor_cut", "decode_tokens", "retractions",
-            "spec_draft_forwards")
+            "spec_num_accepted_tokens", "spec_governor_cut", "spec_graph_cut", "decode_tokens",
+            "retractions", "spec_draft_forwards")
 
 
 # -- the oracle's registration (this process and the engine workers it spawns) ---------------------

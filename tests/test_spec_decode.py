@@ -591,3 +591,28 @@ def test_conformance_suite_fails_wrong_proposers():
         suite.check_short(_Fragile, 0)
     with pytest.raises(AssertionError, match="Proposer"):
         suite.check_protocol(object, 0)
+
+
+def test_drafts_are_levelled_down_so_the_verify_rows_fit_the_largest_graph():
+    """Where verify steps replay the decode graphs, a step's drafts are cut (the largest
+    first) so that requests + drafts fit the largest bucket; nothing is cut where they fit,
+    where verify steps do not replay graphs, or where the batch alone is past the graphs."""
+    from types import SimpleNamespace
+
+    from core.engine.scheduler.spec import Speculation
+
+    def fit(ks, max_bs=16, verify_graphs=True, graphs=True):
+        runner = SimpleNamespace(verify_graphs=verify_graphs, graph_runner=SimpleNamespace(
+            max_bs=max_bs) if graphs else None)
+        spec = SimpleNamespace(runner=runner, counters={"spec_graph_cut": 0})
+        out = Speculation.fit_graphs(spec, list(ks))
+        return out, spec.counters["spec_graph_cut"]
+
+    assert fit([4, 4, 4]) == ([4, 4, 4], 0)  # 15 rows fit 16
+    assert fit([4, 4, 4, 4]) == ([3, 3, 3, 3], 4)  # 20 -> 16 rows
+    assert fit([4, 0, 4, 1, 4], max_bs=12) == ([2, 0, 2, 1, 2], 6)  # 7 drafts for 5 requests
+    out, cut = fit([4] * 64, max_bs=160)  # session 24's c64 on an H100: 320 rows
+    assert 64 + sum(out) == 160 and max(out) - min(out) <= 1 and cut == 256 - 96
+    assert fit([4] * 20, max_bs=16) == ([4] * 20, 0)  # the batch itself is past the graphs
+    assert fit([4] * 4, verify_graphs=False) == ([4] * 4, 0)
+    assert fit([4] * 4, graphs=False) == ([4] * 4, 0)

@@ -789,8 +789,9 @@ def _verify_graphs(registry: Registry, decode: str, cuda_graph: bool, notes: lis
     verified token: the request's last token and each draft), with a note either way."""
     if cuda_graph and registry.get("attention", decode).caps.verify_rows:
         notes.append(f"speculative verify steps replay the decode graphs as decode rows (one "
-                     f"per verified token; decode attention {decode} declares verify_rows) "
-                     f"while the rows fit the largest captured batch; larger ones run eagerly "
+                     f"per verified token; decode attention {decode} declares verify_rows); "
+                     f"a step's drafts are cut so that its rows fit the largest captured "
+                     f"batch (spec_graph_cut), and a batch past the graphs verifies eagerly "
                      f"as one extend")
         return True
     why = ("no decode graphs" if not cuda_graph else
