@@ -186,7 +186,6 @@ def build_inputs(case: AttentionCase, device: torch.device | str, seed: int) -> 
             buf.copy_(quantize(real, kv_dtype, scale))
         before.append(tuple(b.clone() for b in pool.get_kv_buffer(layer_id)))
 
-    seq_t = torch.tensor(case.seq_lens, dtype=torch.int32)
     ext_t = torch.tensor(case.extend_lens, dtype=torch.int32)
     positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix, case.seq_lens,
                                                                strict=True)])

@@ -64,7 +64,6 @@ def test_verify_rows_cases_fail_a_decode_whose_rows_attend_before_all_are_stored
 
     from conformance.attention_cases import conformance_cases
     from conformance.attention_check import check_case
-    from core.plan.registry import Registration
     from plugins._kit.torch_attention import TorchNativeAttention
 
     def one_row_at_a_time(order):

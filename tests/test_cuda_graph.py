@@ -211,18 +211,24 @@ def _prefill(runner, rows, lens, seed=0):
     return slots
 
 
+def _kv_snapshot(runner):
+    """A function that puts the runner's KV pool and request table back as they are now."""
+    pool, table = runner.kv_pool, runner.req_to_token.req_to_token
+    saved = [b.clone() for b in (*pool.k_buffers, *pool.v_buffers, table)]
+
+    def restore():
+        for dst, src in zip((*pool.k_buffers, *pool.v_buffers, table), saved, strict=True):
+            dst.copy_(src)
+
+    return restore
+
+
 def test_padded_replay_matches_eager_decode_and_big_batches_stay_eager(tiny_runner):
     runner, vocab = tiny_runner
     rows, lens = [0, 2, 3, 5, 6], [5, 9, 3, 12, 7]
     slots = _prefill(runner, rows, lens)
     pool, table = runner.kv_pool, runner.req_to_token.req_to_token
-    saved = ([k.clone() for k in pool.k_buffers], [v.clone() for v in pool.v_buffers],
-             table.clone())
-
-    def restore():
-        for dst, src in zip(pool.k_buffers + pool.v_buffers, saved[0] + saved[1], strict=True):
-            dst.copy_(src)
-        table.copy_(saved[2])
+    restore = _kv_snapshot(runner)
 
     def step(n):  # decode the first n requests once (input token 1 each)
         return runner.decode(rows[:n], [1] * n, lens[:n], [slots[r][lens[i]]
@@ -265,13 +271,7 @@ def test_verify_steps_replay_the_graphs_as_decode_rows_and_match_the_extend(tiny
     tokens = [[5, 17, 3, 99], [42, 8, 1], [60, 2, 33]]
     new = [slots[r][n:n + len(t)] for r, n, t in zip(rows, lens, tokens, strict=True)]
     pool, table = runner.kv_pool, runner.req_to_token.req_to_token
-    saved = ([k.clone() for k in pool.k_buffers], [v.clone() for v in pool.v_buffers],
-             table.clone())
-
-    def restore():
-        for dst, src in zip(pool.k_buffers + pool.v_buffers, saved[0] + saved[1], strict=True):
-            dst.copy_(src)
-        table.copy_(saved[2])
+    restore = _kv_snapshot(runner)
 
     def verify(n):  # the first n requests
         return runner.verify(rows[:n], lens[:n], tokens[:n], new[:n]).clone()
@@ -551,8 +551,7 @@ def test_bf16_graph_replays_match_eager_decode_logits(gpu_model_dir):
         base += n + 8
     runner.extend(rows, [0] * 3, [[rng.randrange(300, 30000) for _ in range(n)] for n in lens],
                   [sl[:n] for sl, n in zip(slots, lens, strict=True)], [])
-    pool, table = runner.kv_pool, runner.req_to_token.req_to_token
-    saved = [b.clone() for b in (*pool.k_buffers, *pool.v_buffers, table)]
+    restore = _kv_snapshot(runner)
     inputs = [[rng.randrange(300, 30000) for _ in rows] for _ in range(6)]
 
     def decode_all():
@@ -562,8 +561,7 @@ def test_bf16_graph_replays_match_eager_decode_logits(gpu_model_dir):
             out.append(runner.decode(rows, ids, pos, [sl[p] for sl, p in zip(slots, pos,
                                                                                 strict=True)])
                        .float().clone())
-        for dst, src in zip((*pool.k_buffers, *pool.v_buffers, table), saved, strict=True):
-            dst.copy_(src)
+        restore()
         return out
 
     runner.graph_runner = None
@@ -611,15 +609,7 @@ def test_lora_plans_replay_graphs_for_base_only_steps(tiny_runner, tmp_path):
     runner.lora = lora
     try:
         slots = _prefill(runner, rows, lens, seed=1)
-        pool, table = runner.kv_pool, runner.req_to_token.req_to_token
-        saved = ([k.clone() for k in pool.k_buffers], [v.clone() for v in pool.v_buffers],
-                 table.clone())
-
-        def restore():
-            for dst, src in zip(pool.k_buffers + pool.v_buffers, saved[0] + saved[1],
-                                strict=True):
-                dst.copy_(src)
-            table.copy_(saved[2])
+        restore = _kv_snapshot(runner)
 
         def step(which):
             return runner.decode(rows, [1] * 3, lens, [slots[r][lens[i]]
@@ -632,7 +622,7 @@ def test_lora_plans_replay_graphs_for_base_only_steps(tiny_runner, tmp_path):
         restore()
         assert not torch.allclose(tuned_eager[0], base_eager[0], atol=1e-3)
         torch.testing.assert_close(tuned_eager[1:], base_eager[1:])
-        gr = GraphRunner(model, runner.decode_backend, pool, runner.req_to_token, cpu,
+        gr = GraphRunner(model, runner.decode_backend, runner.kv_pool, runner.req_to_token, cpu,
                          [1, 2, 4], vocab)
         _stand_in_capture(gr)
         runner.graph_runner = gr
