@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant-config", default=None, choices=sorted(QUANT_CONFIGS),
                    help="give the dummy checkpoint this quantization_config (awq, gptq, "
                    "fp8-block)")
+    p.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="speculation on (ngram), and per batch size the cost of a verify "
+                   "step with K drafts a request against a plain step (bench/verify_cost.py)")
     p.add_argument("--lora", type=int, default=0, metavar="N",
                    help="serve N random rank-16 PEFT adapters on every projection (LoRA on, "
                    "its default backend), the requests spread over them")
@@ -120,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                             disable_cuda_graph=a.graph_max_bs == 0,
                             max_running_requests=max(bs_max, 1),
                             **({"quantization": a.quantization} if a.quantization else {}),
-                            **lora)
+                            **lora,
+                            **({"speculative_algorithm": "ngram", "speculative_governor": "off",
+                                "speculative_num_draft_tokens": a.verify} if a.verify else {}))
     args, plan, spec, registry = make_plan(args)
     core = build_engine_core(args, plan, spec, registry)
     sched = core.scheduler
@@ -164,7 +169,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== prefill of batch {bs} ({bs} x {a.prompt_len} tokens, {prefill_steps} "
                   f"steps, {prefill_s:.2f} s wall, {entry['prefill_kernel_s']:.2f} s of kernels)")
             print(top)
-        for overlap in (False, True):  # the scheduler's overlap off, then on (the GPU default)
+        if a.verify:  # speculation's steps: plain and verify, whole steps (overlap is off)
+            from verify_cost import verify_vs_plain
+
+            entry["verify"] = verify_vs_plain(sched, a.verify, a.steps, torch.cuda.synchronize)
+            print(f"== batch {bs}, {a.verify} drafts: {json.dumps(entry['verify'])}")
+        # the scheduler's overlap off, then on (the GPU default; speculation keeps it off)
+        for overlap in (False,) if a.verify else (False, True):
             sched.cfg.overlap = overlap
             step_ms = []
             for _ in range(a.steps):

@@ -130,3 +130,34 @@ def test_cpu_mode_oracle_forces_acceptance_and_keeps_outputs(tmp_path):
         assert f["tok_s_off"] > 0 and f["tok_s_spec"] > 0 and f["ratio"] > 0
     assert report["runs"]["oracle"]["spec_proposer"] == "bench_oracle"
     assert report["runs"]["off"]["spec_proposer"] is None
+
+
+def test_verify_cost_times_plain_and_verify_steps_of_the_running_batch(tmp_path):
+    """bench/verify_cost.py (profile_decode.py --verify K): on a tiny Llama with speculation on,
+    `steps` plain steps (no drafts) then `steps` verify steps (K random drafts a request), each
+    kind counted by the runner's forwards, the random drafts left as the proposer found them."""
+    from model_fixtures import write_tiny_llama
+
+    from core.engine.worker import build_engine_core, make_plan
+    from core.plan.args import make_server_args
+
+    verify_cost = _load("verify_cost")
+    args, plan, spec, registry = make_plan(make_server_args(
+        model_path=str(write_tiny_llama(tmp_path)), dtype="float32", max_total_tokens=2048,
+        speculative_algorithm="ngram", speculative_num_draft_tokens=3,
+        speculative_governor="off"))
+    sched = build_engine_core(args, plan, spec, registry).scheduler
+    for i in range(2):
+        sched.add_request(f"r{i}", list(range(10 + i, 30 + i)),
+                          {"temperature": 0, "ignore_eos": True, "max_new_tokens": 40})
+    while len(sched.running) < 2:
+        sched.step()
+    propose = sched.spec.proposer.propose
+    got = verify_cost.verify_vs_plain(sched, 3, 4)
+    assert sched.spec.proposer.propose == propose
+    assert got["plain_forwards"] == {"decode": 4}
+    assert got["verify_forwards"] == {"verify": 4}  # no graphs on the CPU: the extend
+    assert got["plain_step_ms"] > 0 and got["verify_step_ms"] > 0
+    assert got["best_case_spec_vs_off"] == pytest.approx(4 / got["verify_vs_plain"])
+    assert sched.counters["spec_num_draft_tokens"] == 4 * 2 * 3
+    sched.check_accounting()
