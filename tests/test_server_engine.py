@@ -184,6 +184,11 @@ def test_info_routes_show_the_plan(served):
     phases = info["model"]["startup_phases_s"]
     assert "scheduler ready" in phases and any(k.startswith("weights loaded") for k in phases)
     assert all(isinstance(v, float) and v >= 0 for v in phases.values())
+    client_phases = info["model"]["client_startup_phases_s"]  # the server process's side
+    assert list(client_phases) == ["engine process(es) spawned", "plan resolved",
+                                   "tokenizer loaded",
+                                   "engine ready (waited for after the tokenizer)"]
+    assert all(isinstance(v, float) and v >= 0 for v in client_phases.values())
     assert any(n.startswith("start-up of the engine process: ") for n in
                info["model"]["engine_notes"])
     status, _, raw = http_request(srv.url, "GET", "/get_model_info", None, auth, timeout=60)

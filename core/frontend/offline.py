@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING
 
@@ -70,22 +71,32 @@ class Engine:
             args = apply_environment(server_args if model_path is None else
                                      server_args.replace(model_path=model_path))
         # the workers import torch while this process resolves the plan
+        t0 = time.perf_counter()
         started = [StartedWorker() for _ in range(args.dp_size)]
+        t1 = time.perf_counter()
         try:
             self.args, self.plan, self.spec, _ = make_plan(args)
             if serving:  # `core serve`'s defaults, for the device the plan chose
                 self.args = serving_defaults(self.args, self.plan.device.device_type)
             log.info("%s", explain(self.plan))
+            t2 = time.perf_counter()
             self.tokenizer = _load_tokenizer(self.args)
         except BaseException:
             for worker in started:
                 worker.cancel()
             raise
+        t3 = time.perf_counter()
         self.client: EngineClient | ReplicaSet
         if args.dp_size > 1:  # data parallelism: one worker per replica, a router in front
             self.client = ReplicaSet(self.args, self.plan, self.tokenizer, started=started)
         else:
             self.client = EngineClient(self.args, self.plan, self.tokenizer, started=started[0])
+        # this process's start-up, phase by phase (the engine process's own: info's); the
+        # wait covers the worker's phases that did not overlap the plan and tokenizer
+        self.startup_phases: tuple[tuple[str, float], ...] = (
+            ("engine process(es) spawned", t1 - t0), ("plan resolved", t2 - t1),
+            ("tokenizer loaded", t3 - t2),
+            ("engine ready (waited for after the tokenizer)", time.perf_counter() - t3))
         self.info: EngineInfo = self.client.info  # what the worker built (its pid: replica 0's)
         # the LoRA adapters of one worker, name -> folder (a ReplicaSet keeps its replicas')
         self._loras: dict[str, str] | None = None

@@ -151,6 +151,8 @@ class AsyncEngine:
                 # what the engine found at start-up, and its start-up phase by phase
                 "engine_notes": list(self.info.notes),
                 "startup_phases_s": {what: sec for what, sec in self.info.startup_phases},
+                "client_startup_phases_s": {
+                    what: sec for what, sec in getattr(self.engine, "startup_phases", ())},
                 **({"dp_size": args.dp_size, "load_balance_method": args.load_balance_method}
                    if args.dp_size > 1 else {})}
 
