@@ -15,10 +15,12 @@ the GPU run there).
 
 Cases: mixed adapters of ranks 8 to 64 in one batch (segments out of slot order, a slot used
 by two segments), empty segments, base-only tokens (slot -1) left untouched, a step with only
-base tokens, an empty step (T = 0), a prefill-sized step (165 tokens), fused outputs
-(q/k/v-like and gate/up-like slices of unequal widths) and a plain projection, decode-like
-batches (one token per segment), a --max-lora-rank that is not a power of two and a segment
-on an empty slot, ranks above a backend's declared max_rank skipped.
+base tokens, an empty step (T = 0), a single token, a prefill-sized step (165 tokens), fused
+outputs (q/k/v-like and gate/up-like slices of unequal widths) and a plain projection,
+decode-like batches (one token per segment), a decode-sized step with one adapter's 34 tokens
+interleaved with other adapters' and base tokens (a backend may group tokens by adapter), a
+--max-lora-rank that is not a power of two and a segment on an empty slot, ranks above a
+backend's declared max_rank skipped.
 Tolerances: fp32 1e-4, half precision 2e-2 (relative to the output's scale). The inputs x and
 the buffers must be left as they were.
 
@@ -37,10 +39,11 @@ too with --conformance-full).
 
 Decode graphs (`test_lora_backend_graph_step`, backends whose LoRACaps declare graph_safe; the
 others are one skip each): device-only steps (LoRABatch.on_device: one token per row, slots on
-the device only, the host lists unreadable) of 12 rows and of 160 (over the 64 tokens a backend
-may serve token by token eagerly: decode buckets go to 256), base rows and padded rows (-1)
-between adapter rows, against the reference; then, as a replay would, the same batch object's
-slot row and one slot's buffers changed in place, and prepare + apply again must follow them.
+the device only, the host lists unreadable) of 12, 72 and 160 rows (over the 64 tokens a backend
+may serve token by token eagerly: decode buckets go to 256) and of 8 base or padded rows only,
+base rows and padded rows (-1) between adapter rows, against the reference; then, as a replay
+would, the same batch object's slot row and one slot's buffers changed in place, and prepare +
+apply again must follow them.
 Under the Triton interpreter fp32 only (fp16 too with --conformance-full).
 """
 
@@ -96,6 +99,16 @@ CASES = (
     Case("wide-in-decode", 600, (24, 8, 8), 16, (16, 8),
          tuple((1, s) for s in (0, 1, -1, 1, 0))),
     Case("wide-in-prefill", 600, (40,), 16, (8, 16), ((70, 1), (3, -1), (9, 0))),
+    # a decode-sized step (56 tokens) a backend may group by adapter: slot 1's 34 tokens (more
+    # than a tile of 16 or 32 rows) interleaved with three other slots' (one empty) and base
+    # tokens, in runs of 1 to 4 tokens
+    Case("decode-grouped", 32, (24, 8, 8), 16, (16, 8, 12, 0),
+         ((1, 1), (1, 0), (2, 1), (1, -1), (1, 1), (1, 2), (3, 1), (1, 0), (1, -1), (1, 1),
+          (1, 3), (2, 1), (1, 2), (1, 1), (1, 0), (1, 1), (2, -1), (1, 1), (1, 1), (1, 2),
+          (4, 1), (1, 0), (1, 1), (1, -1), (1, 1), (1, 0), (2, 1), (1, 2), (1, 1), (1, 1),
+          (1, -1), (1, 0), (3, 1), (1, 3), (1, 1), (1, 2), (1, 1), (1, -1), (1, 0), (3, 1),
+          (1, -1), (2, 1))),
+    Case("single-token", 32, (16, 8, 8), 8, (8, 8), ((1, 1),)),
 )
 
 
@@ -323,6 +336,11 @@ GRAPH_CASES = (
     Case("graph-bucket-12", 32, (32, 8, 8), 16, (8, 16, 12), _rows(10, (0, 1, -1, 2, 0), 2)),
     # a bucket over 64 rows, a plain projection, one slot empty (rank 0)
     Case("graph-bucket-160", 40, (24,), 16, (16, 0, 8), _rows(157, (2, -1, 0, 0, 1), 3)),
+    # 17 rows of each of 4 slots interleaved (one past a tile of 16 each: the most tiles a
+    # grouping backend needs for 68 rows), 4 padded rows
+    Case("graph-bucket-72", 32, (16, 8, 8), 8, (8, 4, 8, 2), _rows(68, (3, 0, 2, 1), 4)),
+    # every row base or padding
+    Case("graph-all-base", 32, (24,), 8, (8, 8), _rows(5, (-1,), 3)),
 )
 
 

@@ -207,14 +207,14 @@ def test_triton_decode_steps_read_only_device_tensors():
 
     assert CAPS.graph_safe
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    case = next(c for c in CASES if c.id == "decode-like")
-    assert sum(n for n, _ in case.segments) <= DECODE_TOKENS
-    backend = TritonLoRA(LoRAConfig(len(case.ranks), case.max_rank, torch.float32, device))
-    x, y, weights, batch = make_inputs(case, torch.float32, device, 5)
-    want = reference_lora(x, y, weights, batch.seg_lens, batch.seg_slots)
-    poisoned = _Poisoned(batch)
-    got = backend.apply(x, y, weights, poisoned, backend.prepare(poisoned))
-    torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
+    for case in (c for c in CASES if c.id in ("decode-like", "decode-grouped")):
+        assert sum(n for n, _ in case.segments) <= DECODE_TOKENS
+        backend = TritonLoRA(LoRAConfig(len(case.ranks), case.max_rank, torch.float32, device))
+        x, y, weights, batch = make_inputs(case, torch.float32, device, 5)
+        want = reference_lora(x, y, weights, batch.seg_lens, batch.seg_slots)
+        poisoned = _Poisoned(batch)
+        got = backend.apply(x, y, weights, poisoned, backend.prepare(poisoned))
+        torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
     long = next(c for c in CASES if c.id == "prefill-long")
     x, y, weights, batch = make_inputs(long, torch.float32, device, 5)
     with pytest.raises(AssertionError, match="read the host list"):

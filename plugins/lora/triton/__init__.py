@@ -18,10 +18,10 @@ CAPS = LoRACaps(
     dtypes={"float16", "bfloat16", "float32"},
     max_rank=64,  # what its conformance run covers (8 to 64)
     # Steps of up to DECODE_TOKENS tokens (decode) and device-only steps of any size (a decode
-    # graph's bucket) are served token by token from a slot-per-token table the backend derives
-    # on the device from the batch's device tensors (searchsorted over seg_indptr): no host list
-    # is read, no sync, and the launch grids depend on the token count alone. Longer eager steps
-    # (prefill) use host-built segment blocks.
+    # graph's bucket) are served from a block table the backend derives on the device from the
+    # batch's device tensors (each token's slot by searchsorted over seg_indptr, the tokens
+    # grouped by slot): no host list is read, no sync, and the launch grids depend on the token
+    # and slot counts alone. Longer eager steps (prefill) use host-built segment blocks.
     graph_safe=True,
     # the delta is added to whatever the base computed: the CUDA quant methods' outputs
     quant_methods={"unquantized", "fp8", "w8a8_int8", "awq", "gptq"},
@@ -29,7 +29,7 @@ CAPS = LoRACaps(
     requires=("triton",),
     priority={"cuda": 20},
     description="Triton segmented shrink (x @ A^T) and expand (scaled @ B^T into each output "
-                "slice); decode steps token by token from a device-side slot table",
+                "slice); decode steps grouped by adapter on the device",
 )
 
 

@@ -3,11 +3,14 @@ slot), then per projection one shrink launch (x @ A^T, all output slices at once
 launch (scaled @ B^T added into each slice of y). See kernels.py for the arithmetic.
 
 Decode-sized steps (at most DECODE_TOKENS tokens) and a decode graph's device-only steps (any
-bucket size: LoRABatch.device_only) get one block per token, its slot looked up on the device
-from the batch's seg_indptr / seg_slots_t (searchsorted): nothing read from host lists but the
-token count, no sync, grids sized by the token count alone, so a decode graph captures prepare
-and apply. Longer steps get BLOCK_M-token blocks of each adapter segment, built on the host from
-the segment lists (prefill is not captured).
+bucket size: LoRABatch.device_only) have their tokens grouped by slot on the device: each
+token's slot looked up from the batch's seg_indptr / seg_slots_t (searchsorted), the tokens
+sorted by it, and blocks of up to BLOCK_M_DECODE sorted tokens of one slot (blocks.py), so a
+block reads its adapter's A and B once for all its tokens (one block per token read them once a
+token: 64 times at 64 requests, however few adapters). Nothing read from host lists but the
+token count, no sync, a table of max_blocks(T, slots) blocks (unused ones return at once), so
+a decode graph captures prepare and apply. Longer steps get BLOCK_M_PREFILL-token blocks of each
+adapter segment, built on the host from the segment lists (prefill is not captured).
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ import torch
 import triton
 
 from core.contract.lora import BASE_SLOT, LoRABatch, LoRAConfig, LoRAWeights
+from plugins.lora.triton.blocks import group_by_slot
 from plugins.lora.triton.kernels import expand_kernel, shrink_kernel
 
-DECODE_TOKENS = 64  # steps up to this many tokens: one block per token, built on the device
+DECODE_TOKENS = 64  # steps up to this many tokens: grouped by slot on the device (blocks.py)
 # The shrink's K is cut into splits of at least this many (a multiple of its BLOCK_K), at most
 # MAX_SPLITS of them: at batch 1 one program per (block, column tile) looped over all of K and
 # took ~36 us for 128 KB of A (H100, Llama-8B shapes, session 24's profile).
 MIN_SPLIT_K = 256
 MAX_SPLITS = 32
-BLOCK_M_DECODE = 16  # tl.dot's smallest tile; one row of it is a token
+# tl.dot's smallest tile: decode batches spread over adapters have a few tokens per slot
+# (64 requests over 8 adapters: 8), so larger blocks would mostly be masked rows
+BLOCK_M_DECODE = 16
 BLOCK_M_PREFILL = 32
 
 
@@ -34,10 +40,12 @@ BLOCK_M_PREFILL = 32
 class _Meta:
     num_tokens: int
     block_m: int
-    start: torch.Tensor  # [blocks] int32: first token of each block
-    length: torch.Tensor  # [blocks] int32: its tokens (<= block_m)
+    start: torch.Tensor  # [blocks] int32: first row of each block
+    length: torch.Tensor  # [blocks] int32: its rows (<= block_m; 0: skipped)
     slot: torch.Tensor  # [blocks] int32: its adapter slot (-1: skipped)
-    # shrink outputs by (width, splits): [splits, tokens, width] fp32
+    # [T] int32: row -> token (decode: tokens sorted by slot); None: row t is token t (prefill)
+    perm: torch.Tensor | None = None
+    # shrink outputs by (width, splits): [splits, rows, width] fp32
     xa: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -68,8 +76,9 @@ class TritonLoRA:
             t = torch.arange(T, dtype=torch.int32, device=device)
             # the segment of token t: the first whose end is past t (empty ones never are)
             seg = torch.searchsorted(batch.seg_indptr[1:].contiguous(), t, right=True)
-            slot = batch.seg_slots_t.index_select(0, seg).to(torch.int32)
-            return _Meta(T, BLOCK_M_DECODE, t, torch.ones_like(t), slot)
+            table = group_by_slot(batch.seg_slots_t.index_select(0, seg), self.config.num_slots,
+                                  BLOCK_M_DECODE)
+            return _Meta(T, BLOCK_M_DECODE, table.start, table.length, table.slot, table.perm)
         starts, lens, slots = [], [], []
         for start, n, s in zip(batch.seg_starts, batch.seg_lens, batch.seg_slots, strict=True):
             if s == BASE_SLOT or n == 0 or batch.ranks[s] == 0:
@@ -106,16 +115,19 @@ class TritonLoRA:
                                                    dtype=torch.float32, device=x.device)
         precision = "ieee" if x.dtype == torch.float32 else None
         bn = max(16, min(64, triton.next_power_of_2(NR)))
+        gather = meta.perm is not None
+        perm = meta.perm if gather else meta.start  # without GATHER never read
         shrink_kernel[(meta.blocks, triton.cdiv(NR, bn), splits)](
-            x, weights.a, xa, meta.start, meta.length, meta.slot, K, NR, per_split,
+            x, weights.a, xa, meta.start, meta.length, meta.slot, perm, K, NR, per_split,
             x.stride(0), weights.a.stride(0), weights.a.stride(1), xa.stride(0), xa.stride(1),
-            BLOCK_M=meta.block_m, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
+            BLOCK_M=meta.block_m, BLOCK_N=bn, BLOCK_K=bk, GATHER=gather, PRECISION=precision)
         widest = max(slices)
         bn = max(16, min(64, triton.next_power_of_2(widest)))
         br = max(16, triton.next_power_of_2(R))
         expand_kernel[(meta.blocks, len(slices), triton.cdiv(widest, bn))](
             xa, weights.b, y, weights.scalings, w0, w1, w2, meta.start,
-            meta.length, meta.slot, R, splits, xa.stride(0), xa.stride(1),
+            meta.length, meta.slot, perm, R, splits, xa.stride(0), xa.stride(1),
             weights.b.stride(0), weights.b.stride(1),
-            y.stride(0), BLOCK_M=meta.block_m, BLOCK_N=bn, BLOCK_R=br, PRECISION=precision)
+            y.stride(0), BLOCK_M=meta.block_m, BLOCK_N=bn, BLOCK_R=br, GATHER=gather,
+            PRECISION=precision)
         return y
