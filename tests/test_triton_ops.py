@@ -193,3 +193,38 @@ def test_gemv_rows_and_splits(m, split_tiles):
     _close(gemv.gemv(x, w, b, cfg), torch.nn.functional.linear(x, w, b), torch.float32)
     if cfg["SPLIT_K"] > 1:
         assert not LockTable.get(DEVICE, 1).any()
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's check (fp32 on the CPU)")
+def test_tiny_gemma_on_the_triton_ops_matches_the_torch_ops(tmp_path, monkeypatch):
+    """A whole Gemma 2 layer stack on the triton layer ops (its fused norm + add + norm once a
+    layer among them) against the torch ops: fp32 under the interpreter, dummy weights with
+    norms of distinct weights."""
+    import dataclasses
+
+    from model_fixtures import cpu_plan, prefill_logits, tiny_config, write_config_model
+
+    from core.engine.loader import load_model
+    from core.plan.args import make_server_args
+    from core.plan.registry import build_registry
+
+    calls = []
+
+    def norm_add_norm(*args, **kw):
+        calls.append(args[0].shape)
+        return fused(*args, **kw)
+
+    fused = triton_ops.norm_add_norm
+    monkeypatch.setattr(triton_ops, "norm_add_norm", norm_add_norm)
+    path = write_config_model(tmp_path, tiny_config("gemma2").to_dict())
+    registry, logits = build_registry(), {}
+    for name in ("torch", "triton"):
+        plan = dataclasses.replace(cpu_plan("gemma2"), layer_ops=name)
+        model = load_model(make_server_args(model_path=str(path), load_format="dummy"), plan,
+                           registry).model
+        g = torch.Generator().manual_seed(0)
+        for norm in model.norms():  # dummy norms are all ones: swapped weights would pass
+            norm.weight.uniform_(0.5, 1.5, generator=g)
+        logits[name] = prefill_logits(model, model.config, list(range(3, 20)))
+    assert len(calls) == model.config.num_hidden_layers and calls[0] == (17, 64)
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
