@@ -14,10 +14,10 @@ the layers then run the reference; an op it declares but returns None for on eve
 suite tries, in a dtype it declares, is a failure (the caps promise what the plugin does not
 do). Per op: odd sizes, a strided view where the model passes one, empty batches, outputs of
 the right shape, dtype and device, inputs left unchanged, and (store_kv) exactly the addressed
-slots written. The norms (rms_norm, add_rms_norm, qk_norm_rotary) also get an all-zero row and
-rows of small norm (1e-3, 1e-4: mean(x^2) at or below eps), where eps must sit inside the
-square root, rsqrt(mean(x^2) + eps), as the reference has it: outside it (x / (rms + eps)) or
-missing, those rows come out wrong or not finite.
+slots written. The norms (rms_norm, add_rms_norm, qk_norm_rotary, both of norm_add_norm) also
+get an all-zero row and rows of small norm (1e-3, 1e-4: mean(x^2) at or below eps), where eps
+must sit inside the square root, rsqrt(mean(x^2) + eps), as the reference has it: outside it
+(x / (rms + eps)) or missing, those rows come out wrong or not finite.
 """
 
 from __future__ import annotations
@@ -127,6 +127,32 @@ def _check(op: str, ops, ref, dtype: torch.dtype, device: torch.device,
                 _close(total, rtotal, dtype, f"add_rms_norm sum n={n}")
                 _close(out, rout, dtype, f"add_rms_norm norm n={n}")
             assert torch.equal(x, x0) and torch.equal(res, res0), f"{op} changed its inputs"
+    elif op == "norm_add_norm":
+        ran = False
+        # Gemma-2-9B's hidden size (3584: not a power of two), small and odd ones, a batch
+        for n, t in ((96, 7), (576, 3), (3584, 2), (37, 4), (64, 0)):
+            w1 = (torch.rand(n, generator=g) + 0.5).to(dtype=dtype, device=device)
+            w2 = (torch.rand(n, generator=g) + 0.5).to(dtype=dtype, device=device)
+            f = fn(w1, w2, 1e-6)
+            if f is None:
+                continue  # not fused for these weights: the layers compose it
+            ran = True
+            # the residual stream larger than the attention output, as in a model
+            h, res = rnd(t, n, scale=3.0), rnd(t, n, scale=8.0)
+            # the first rows' h zero (norm1(0) = 0): the sum is the residual's zero and small
+            # rows (norm2's eps); the next rows' h zero and small (norm1's eps)
+            k = min(t, len(SMALL_ROWS))
+            h[:k] = 0
+            _small_rows(res)
+            _small_rows(h[k:])
+            h0, res0 = h.clone(), res.clone()
+            (out, total), (rout, rtotal) = f(h, res), ref.norm_add_norm(w1, w2, 1e-6)(h, res)
+            _close(total, rtotal, dtype, f"norm_add_norm sum n={n} t={t}")
+            _close(out, rout, dtype, f"norm_add_norm norm n={n} t={t}")
+            assert torch.equal(h, h0) and torch.equal(res, res0), f"{op} changed its inputs"
+        if not ran:
+            _not_provided(op, dtype, declared, "the layers compose it from rms_norm and "
+                                               "add_rms_norm")
     elif op == "silu_and_mul":
         f = fn()
         if f is None:

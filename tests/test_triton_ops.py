@@ -60,6 +60,28 @@ def test_add_rms_norm_returns_the_norm_and_the_sum(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_add_norm_is_the_two_norm_kernels_in_one(dtype):
+    """Gemma's post-norm, residual add and next norm in one kernel: the numbers of rms_norm then
+    add_rms_norm (exact under the interpreter; on a GPU the compiler may contract fp32's
+    product and sum into one FMA), through RMSNorm.bound_add_norm."""
+    torch.manual_seed(4)
+    ops = TritonLayerOps(dtype, DEVICE)
+    n1, n2 = (RMSNorm(200, 1e-6, dtype, DEVICE, ops) for _ in range(2))
+    for n in (n1, n2):
+        n.weight.data.uniform_(0.5, 1.5)
+    f = n1.bound_add_norm(n2)
+    assert f.func is triton_ops.norm_add_norm
+    h = torch.randn(5, 200, dtype=dtype, device=DEVICE) * 3
+    r = torch.randn(5, 200, dtype=dtype, device=DEVICE) * 8
+    want = triton_ops.add_rms_norm(triton_ops.rms_norm(h, n1.weight, 1e-6), r, n2.weight, 1e-6)
+    for got, w in zip(f(h, r), want, strict=True):
+        if ON_GPU:
+            _close(got, w, dtype)
+        else:
+            assert torch.equal(got, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [64, 1000, 2304])
 def test_silu_and_mul_matches_gated_act(dtype, inter):
     torch.manual_seed(2)
@@ -92,6 +114,7 @@ def test_empty_batches_launch_nothing():
     x = torch.empty(0, 64, device=DEVICE)
     assert triton_ops.rms_norm(x, norm.weight, 1e-5).shape == (0, 64)
     assert triton_ops.add_rms_norm(x, x, norm.weight, 1e-5)[0].shape == (0, 64)
+    assert triton_ops.norm_add_norm(x, x, norm.weight, norm.weight, 1e-5)[1].shape == (0, 64)
     assert triton_ops.silu_and_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
 
 
@@ -170,3 +193,38 @@ def test_gemv_rows_and_splits(m, split_tiles):
     _close(gemv.gemv(x, w, b, cfg), torch.nn.functional.linear(x, w, b), torch.float32)
     if cfg["SPLIT_K"] > 1:
         assert not LockTable.get(DEVICE, 1).any()
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's check (fp32 on the CPU)")
+def test_tiny_gemma_on_the_triton_ops_matches_the_torch_ops(tmp_path, monkeypatch):
+    """A whole Gemma 2 layer stack on the triton layer ops (its fused norm + add + norm once a
+    layer among them) against the torch ops: fp32 under the interpreter, dummy weights with
+    norms of distinct weights."""
+    import dataclasses
+
+    from model_fixtures import cpu_plan, prefill_logits, tiny_config, write_config_model
+
+    from core.engine.loader import load_model
+    from core.plan.args import make_server_args
+    from core.plan.registry import build_registry
+
+    calls = []
+
+    def norm_add_norm(*args, **kw):
+        calls.append(args[0].shape)
+        return fused(*args, **kw)
+
+    fused = triton_ops.norm_add_norm
+    monkeypatch.setattr(triton_ops, "norm_add_norm", norm_add_norm)
+    path = write_config_model(tmp_path, tiny_config("gemma2").to_dict())
+    registry, logits = build_registry(), {}
+    for name in ("torch", "triton"):
+        plan = dataclasses.replace(cpu_plan("gemma2"), layer_ops=name)
+        model = load_model(make_server_args(model_path=str(path), load_format="dummy"), plan,
+                           registry).model
+        g = torch.Generator().manual_seed(0)
+        for norm in model.norms():  # dummy norms are all ones: swapped weights would pass
+            norm.weight.uniform_(0.5, 1.5, generator=g)
+        logits[name] = prefill_logits(model, model.config, list(range(3, 20)))
+    assert len(calls) == model.config.num_hidden_layers and calls[0] == (17, 64)
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)

@@ -14,6 +14,12 @@ weight); `tests/test_layer_ops.py` holds each registered plugin to it.
 
     rms_norm(weight, eps)       -> f(x [.., N]) -> y                 RMSNorm over the last dim
     add_rms_norm(weight, eps)   -> f(x, residual [T, N]) -> (norm(x + residual), x + residual)
+    norm_add_norm(weight1, weight2, eps)
+                                -> f(h, residual [T, N]) -> (norm2(s), s), s = residual + norm1(h)
+                                   RMSNorm with weight1 on h, the residual add, RMSNorm with
+                                   weight2 on the sum (Gemma's post-norm, its residual add and
+                                   the next pre-norm); rounded as rms_norm then add_rms_norm
+                                   round them: norm1(h) and s in h's dtype
     silu_and_mul()              -> f(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]   [T, I]
     gelu_and_mul(approximate)   -> f(x [T, 2I]) -> gelu(x[:, :I]) * x[:, I:]   [T, I]
                                    GeGLU (Gemma): torch's gelu with `approximate` "tanh" or
@@ -54,7 +60,7 @@ if TYPE_CHECKING:  # the planner imports the contract and no torch
 
     # the callables the ops return (module docstring)
     TensorFn = Callable[[Tensor], Tensor]  # rms_norm, silu_and_mul, linear: f(x) -> y
-    AddNormFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # add_rms_norm
+    AddNormFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # add_rms_norm, norm_add_norm
     # rotary_qk, qk_norm_rotary: f(qkv, cos, sin, num_q, num_k) -> (q, k)
     QKFn = Callable[[Tensor, Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
     StoreKVFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], bool]  # store_kv
@@ -62,12 +68,12 @@ if TYPE_CHECKING:  # the planner imports the contract and no torch
     MLARopeFn = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary",
-       "linear", "rotary_mla", "gelu_and_mul")
+       "linear", "rotary_mla", "gelu_and_mul", "norm_add_norm")
 # Ops added after the first layer-ops API: a plugin may lack the method altogether; then the
 # layers compose them from the plugin's other ops (qk_norm_rotary: rms_norm, then the reference
-# rotary) or use the reference (linear: F.linear; rotary_mla, gelu_and_mul: the reference's
-# torch ops).
-OPTIONAL_OPS = ("qk_norm_rotary", "linear", "rotary_mla", "gelu_and_mul")
+# rotary; norm_add_norm: rms_norm, then add_rms_norm) or use the reference (linear: F.linear;
+# rotary_mla, gelu_and_mul: the reference's torch ops).
+OPTIONAL_OPS = ("qk_norm_rotary", "linear", "rotary_mla", "gelu_and_mul", "norm_add_norm")
 
 
 @runtime_checkable
@@ -83,7 +89,8 @@ class LayerOps(Protocol):
     def store_kv(self) -> StoreKVFn | None: ...
 
     # optional (OPTIONAL_OPS): qk_norm_rotary(head_dim, q_weight, k_weight, eps),
-    # linear(weight, bias), rotary_mla(rope_dim, interleaved), gelu_and_mul(approximate)
+    # linear(weight, bias), rotary_mla(rope_dim, interleaved), gelu_and_mul(approximate),
+    # norm_add_norm(weight1, weight2, eps)
 
 
 class CompleteLayerOps(Protocol):
@@ -94,6 +101,8 @@ class CompleteLayerOps(Protocol):
     def rms_norm(self, weight: Tensor, eps: float) -> TensorFn: ...
 
     def add_rms_norm(self, weight: Tensor, eps: float) -> AddNormFn: ...
+
+    def norm_add_norm(self, weight1: Tensor, weight2: Tensor, eps: float) -> AddNormFn: ...
 
     def silu_and_mul(self) -> TensorFn: ...
 
@@ -144,6 +153,16 @@ class WithReference:
 
     def add_rms_norm(self, weight: Tensor, eps: float) -> AddNormFn:
         return self._pick("add_rms_norm", weight, eps)
+
+    def norm_add_norm(self, weight1: Tensor, weight2: Tensor, eps: float) -> AddNormFn:
+        from core.layers.ops_ref import compose_norm_add_norm
+
+        fn = getattr(self.ops, "norm_add_norm", None)
+        got = fn(weight1, weight2, eps) if fn is not None else None
+        if got is not None:
+            return got
+        # not fused by the plugin: its two norms where it has them (else the reference's)
+        return compose_norm_add_norm(self.rms_norm(weight1, eps), self.add_rms_norm(weight2, eps))
 
     def silu_and_mul(self) -> TensorFn:
         return self._pick("silu_and_mul")

@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it (and, Gemma's sandwich, with
+the norm before that add)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from core.layers.ops_ref import TorchLayerOps, rms_norm
+from core.layers.ops_ref import TorchLayerOps, compose_norm_add_norm, rms_norm
 
 if TYPE_CHECKING:
     from core.contract.layer_ops import CompleteLayerOps
@@ -18,7 +19,8 @@ class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 like HF Llama, cast back before the weight.
 
     The computation is the layer ops' (core.contract.layer_ops, given at build time; the PyTorch reference
-    when none are given): `bound()` / `bound_add()` ask them once for the callables."""
+    when none are given): `bound()` / `bound_add()` / `bound_add_norm()` ask them once for the
+    callables."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None, ops: CompleteLayerOps | None = None):
@@ -41,6 +43,17 @@ class RMSNorm(nn.Module):
         """(x, residual) -> (norm(x + residual), x + residual) as a plain callable (one kernel
         where the layer ops fuse it)."""
         return self.ops.add_rms_norm(self.weight, self.eps)
+
+    def bound_add_norm(self, then: RMSNorm) -> Callable[[torch.Tensor, torch.Tensor],
+                                                        tuple[torch.Tensor, torch.Tensor]]:
+        """(h, residual) -> (then(residual + norm(h)), residual + norm(h)) as a plain callable:
+        this norm, the residual add and the next norm `then` (Gemma's post-attention norm and
+        pre-MLP norm), one kernel where the layer ops fuse them; the same numbers as
+        `bound()` followed by `then.bound_add()`."""
+        fused = getattr(self.ops, "norm_add_norm", None)  # optional: ops written before it
+        if fused is None or then.eps != self.eps:  # the fused op takes one eps
+            return compose_norm_add_norm(self.bound(), then.bound_add())
+        return fused(self.weight, then.weight, self.eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

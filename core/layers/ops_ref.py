@@ -27,6 +27,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm: Callable
     return norm(total), total
 
 
+def norm_add_norm(h: torch.Tensor, residual: torch.Tensor, norm1: Callable, add_norm2: Callable
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm2(residual + norm1(h)), residual + norm1(h)): norm1(h) rounded to h's dtype before
+    the add, as the two ops run one after the other round it."""
+    return add_norm2(norm1(h), residual)
+
+
+def compose_norm_add_norm(norm1: Callable, add_norm2: Callable) -> Callable:
+    """norm_add_norm over the given callables (any plugin's rms_norm and add_rms_norm)."""
+    return partial(norm_add_norm, norm1=norm1, add_norm2=add_norm2)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -103,6 +115,10 @@ class TorchLayerOps:
 
     def add_rms_norm(self, weight: torch.Tensor, eps: float) -> Callable:
         return partial(add_rms_norm, norm=self.rms_norm(weight, eps))
+
+    def norm_add_norm(self, weight1: torch.Tensor, weight2: torch.Tensor, eps: float
+                      ) -> Callable:
+        return compose_norm_add_norm(self.rms_norm(weight1, eps), self.add_rms_norm(weight2, eps))
 
     def silu_and_mul(self) -> Callable:
         return silu_and_mul

@@ -87,7 +87,8 @@ def gemma_activation(config: PretrainedConfig) -> str:
 
 class GemmaDecoderLayer(nn.Module):
     """Input norm -> attention -> post-attention norm -> residual add -> pre-MLP norm -> MLP ->
-    post-MLP norm; the residual add is fused into the next norm as in Llama's layer."""
+    post-MLP norm; the residual add is fused into the next norm as in Llama's layer, and the
+    post-attention norm, its add and the pre-MLP norm run as one op (RMSNorm.bound_add_norm)."""
 
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, layer_id: int, kind: str,
                  qk_norm: bool):
@@ -116,16 +117,17 @@ class GemmaDecoderLayer(nn.Module):
         rotate = a.rotate_fn(self.ops)
         self._hot = (
             self.input_layernorm.bound(), self.input_layernorm.bound_add(), a.qkv_proj.bound(),
-            a.o_proj.bound(), self.post_attention_layernorm.bound(),
-            self.pre_feedforward_layernorm.bound_add(), *self.mlp.bound_parts(),
+            a.o_proj.bound(),
+            self.post_attention_layernorm.bound_add_norm(self.pre_feedforward_layernorm),
+            *self.mlp.bound_parts(),
             self.post_feedforward_layernorm.bound(), rotate, a.attn.params, a.num_heads,
             a.num_kv_heads, a.head_dim)
         return self._hot
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        (norm_in, add_norm_in, qkv_proj, o_proj, norm_post_attn, add_norm_pre_mlp, gate_up,
-         down, act, norm_post_mlp, rotate, params, H, Hkv, D) = self._hot or self._bind()
+        (norm_in, add_norm_in, qkv_proj, o_proj, norm_add_norm_mlp, gate_up, down, act,
+         norm_post_mlp, rotate, params, H, Hkv, D) = self._hot or self._bind()
         if residual is None:
             residual, x = h, norm_in(h)
         else:
@@ -134,8 +136,9 @@ class GemmaDecoderLayer(nn.Module):
         v = qkv[:, (H + Hkv) * D:]
         q, k = rotate(qkv, cos, sin, H, Hkv)
         view = batch.for_layer(params.layer_id)  # its KV group's (a hybrid pool)
-        h = norm_post_attn(o_proj(view.attn_backend.forward(q, k, v, params, view)))
-        x, residual = add_norm_pre_mlp(h, residual)
+        # post-attention norm, residual add, pre-MLP norm
+        x, residual = norm_add_norm_mlp(o_proj(view.attn_backend.forward(q, k, v, params, view)),
+                                        residual)
         return norm_post_mlp(down(act(gate_up(x)))), residual
 
 

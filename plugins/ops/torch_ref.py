@@ -9,7 +9,7 @@ CAPS = LayerOpsCaps(
     devices={"*"},  # plain PyTorch: any target's torch device
     dtypes={"float32", "float16", "bfloat16"},
     ops={"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv", "qk_norm_rotary",
-         "linear", "gelu_and_mul"},
+         "linear", "gelu_and_mul", "norm_add_norm"},
     cuda_graph=True,
     priority={d: 10 for d in DEVICE_TYPES},
     description="PyTorch ops (the reference every layer-ops plugin is checked against)",

@@ -59,6 +59,14 @@ class TritonLayerOps:
             return None
         return partial(kernels.add_rms_norm, weight=weight, eps=eps)
 
+    def norm_add_norm(self, weight1: torch.Tensor, weight2: torch.Tensor, eps: float
+                      ) -> Callable | None:
+        # both weights in the compute dtype (else: the layers compose rms_norm, add_rms_norm)
+        if (self.dtype not in _DTYPES or weight1.dtype != self.dtype
+                or weight2.dtype != self.dtype or weight1.shape != weight2.shape):
+            return None
+        return partial(kernels.norm_add_norm, weight1=weight1, weight2=weight2, eps=eps)
+
     def silu_and_mul(self) -> Callable | None:
         return kernels.silu_and_mul if self.dtype in _DTYPES else None
 
