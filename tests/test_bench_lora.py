@@ -25,7 +25,9 @@ def test_per_adapter_loop_matches_the_reference(case):
     token_slots = torch.repeat_interleave(batch.seg_slots_t.long(),
                                           torch.tensor(batch.seg_lens, dtype=torch.long))
     got = per_adapter_loop(x, y.clone(), w, token_slots)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # fp32 sums in another order: about the rounding of the largest values (600-wide inputs)
+    scale = want.abs().amax().item() if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=max(1e-5, 2e-6 * scale))
 
 
 def test_cases_and_bytes():
