@@ -101,6 +101,7 @@ def test_ideal_tokens_per_verify_step(bench):
 OUT_LEN = 16
 
 
+@pytest.mark.slow  # ~17-34 s: two engines; the oracle's own logic stays in CI's set (above)
 def test_cpu_mode_oracle_forces_acceptance_and_keeps_outputs(tmp_path):
     """Two tiny engines (off, oracle): b1 and b16 greedy outputs identical to speculation off,
     every draft accepted, k + 1 tokens per verify step (but for a request's last steps)."""
