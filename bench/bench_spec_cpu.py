@@ -129,6 +129,8 @@ def worker_ours(job: dict[str, Any], alg: str) -> dict[str, Any]:
         kw["quantization"] = job["quantization"]
     if alg != "off":
         kw.update(speculative_algorithm=alg, speculative_num_draft_tokens=job["draft_tokens"])
+        if job.get("governor"):
+            kw["speculative_governor"] = job["governor"]
         if alg == "standalone":
             kw["speculative_draft_model_path"] = job["model_path"]
     t = time.perf_counter()
@@ -436,6 +438,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="llama.cpp: num_pred_tokens of LlamaPromptLookupDecoding to run "
                         "(comma-separated; the best is compared)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--governor", choices=("on", "off"), default=None,
+                   help="ours: --speculative-governor (default: the engine's)")
     p.add_argument("--dtype", default=None, help="ours' compute dtype (default: the plan's)")
     p.add_argument("--quantization", default=None, help="ours' quant method (default: the plan's)")
     p.add_argument("--llama-extra-bufts", choices=("default", "off"), default="off",
@@ -484,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         a.model_path = default_model_path()
     os.environ["OMP_NUM_THREADS"] = os.environ["NUMBA_NUM_THREADS"] = str(a.threads)
     job = {"model_path": a.model_path, "threads": a.threads, "dtype": a.dtype,
-           "quantization": a.quantization, "max_new_tokens": a.max_new_tokens,
+           "quantization": a.quantization, "governor": a.governor,
+           "max_new_tokens": a.max_new_tokens,
            "draft_tokens": a.draft_tokens, "llama_pred_tokens": a.llama_pred_tokens,
            "llama_extra_bufts": a.llama_extra_bufts,
            **render(a.model_path, select(SETS, a.sets, a.quick))}
@@ -561,7 +566,7 @@ def finish(report: dict[str, Any], out: str | None, failed: list[str]) -> int:
     print(f"\n{report['date']}: {m['model_name']}, ISA {' '.join(m['isa']) or '-'}; "
           f"{w['threads']} thread(s); load {m['loadavg_1m']} -> {report['loadavg_1m_end']}; "
           f"max_new_tokens {w['max_new_tokens']}, draft tokens {w['draft_tokens']}, "
-          "EOS honoured\n")
+          f"governor {w.get('governor') or 'default'}, EOS honoured\n")
     print(report["table"] + "\n\n" + report["detail"] + "\n")
     for line in report["targets"] + notes:
         print(f"- {line}")

@@ -254,7 +254,8 @@ def test_speculative_verify_over_the_hybrid_pool(gemma3_path):
     hf = tiny_hf_model("gemma3")
     prompt = _prompt(12, 30) * 4  # repeats: the ngram proposer finds drafts
     core_ = _core(gemma3_path, max_total_tokens=512, page_size=4, chunked_prefill_size=16,
-                  speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+                  speculative_algorithm="ngram", speculative_num_draft_tokens=4,
+                  speculative_governor="off")  # every step drafts: no timing-driven cuts
     sched = core_.scheduler
     sched.add_request("s", prompt, {**GREEDY, "max_new_tokens": 40})
     out = _run(sched)["s"]

@@ -271,6 +271,26 @@ def test_speculation_on_an_avx2_cpu_is_told_it_may_lose(model_spec):
     assert not any("without AVX-512 VNNI" in n for n in plan_for(spec, "x86-cpu", registry).notes)
 
 
+def test_speculation_governor_defaults_on_for_a_cpu_and_off_elsewhere(model_spec):
+    """--speculative-governor left open: on for a CPU (RESULTS: it never lost there), off on
+    an accelerator; either value asked for is honoured, and the plan says which and why."""
+    from core.plan.registry import build_registry
+
+    spec, registry = model_spec("llama-3.1-8b"), build_registry()
+    for profile, default in (("x86-cpu", True), ("xeon-amx", True), ("h200", False)):
+        plan = plan_for(spec, profile, registry, speculative_algorithm="ngram")
+        assert plan.spec_governor is default, profile
+        note = next(n for n in plan.notes if n.startswith("speculation governor"))
+        assert note.startswith(f"speculation governor {'on' if default else 'off'}")
+        assert "left open" in note
+        for asked in ("on", "off"):
+            p = plan_for(spec, profile, registry, speculative_algorithm="ngram",
+                         speculative_governor=asked)
+            assert p.spec_governor is (asked == "on"), (profile, asked)
+            assert not any("left open" in n for n in p.notes if n.startswith("speculation gov"))
+    assert plan_for(spec, "x86-cpu", registry).spec_governor is False  # no speculation
+
+
 def test_cpu_auto_dtype_is_float32_without_amx(model_spec, plain_registry):
     plan = plan_for(model_spec("llama-3.1-8b"), "x86-cpu", plain_registry)
     assert plan.dtype == "float32"

@@ -174,6 +174,8 @@ def tiny(tmp_path_factory):
 def make_core(tiny, **kw):
     path, loaded = tiny
     kw.setdefault("max_total_tokens", 2048)
+    if kw.get("speculative_algorithm"):  # counted drafts: no timing-driven cuts unless asked
+        kw.setdefault("speculative_governor", "off")
     args, plan, spec, registry = make_plan(make_server_args(model_path=path, dtype="float32",
                                                             **kw))
     return build_engine_core(args, plan, spec, registry, loaded)

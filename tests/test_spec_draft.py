@@ -53,6 +53,7 @@ def make_core(models, draft: str | None = "self", **kw):
     if draft is not None:
         kw.update(speculative_algorithm="standalone",
                   speculative_draft_model_path=models[draft])
+        kw.setdefault("speculative_governor", "off")  # counted drafts: no timing-driven cuts
     args, plan, spec, registry = make_plan(make_server_args(
         model_path=models["target"], dtype="float32", **kw))
     return build_engine_core(args, plan, spec, registry, models["loaded"])

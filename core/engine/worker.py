@@ -399,7 +399,7 @@ def build_scheduler(args: ServerArgs, plan: Plan, runner: ModelRunner,
         overlap=overlap,
         jump_forward=args.enable_jump_forward and plan.grammar_backend is not None,
         spec_draft_tokens=plan.spec_draft_tokens,
-        spec_governor=args.speculative_governor == "on",
+        spec_governor=plan.spec_governor,
         spec_disable_batch=args.speculative_disable_by_batch_size,
         decode_itl_target_ms=args.decode_itl_target_ms)
     tok, cfg = loaded.tokenizer, loaded.hf_config

@@ -160,9 +160,10 @@ class ServerArgs:
         "local path)")
     speculative_governor: str | None = _f(
         None, "speculative", "on: each request's drafts per step cut to what its acceptance so "
-        "far and the measured cost of a drafted token say pays, none where nothing does; off "
-        "(the default until benchmarks show on never loses): always "
-        "--speculative-num-draft-tokens",
+        "far and the measured cost of a drafted token say pays, none where nothing does "
+        "(seeded sampled requests keep theirs, so their seeds repeat); off: always "
+        "--speculative-num-draft-tokens. Default: on for a CPU device, off on an accelerator "
+        "(not yet benchmarked there)",
         choices=("on", "off"))
     speculative_disable_by_batch_size: int | None = _f(
         None, "speculative", "no drafts in a step with more running requests than this (vLLM's "

@@ -60,6 +60,9 @@ class Plan:
     # verify steps replay the decode graphs as decode rows (decode graphs on, and the decode
     # attention declares AttentionCaps.verify_rows); False: they run eagerly as extends
     spec_verify_graphs: bool = False
+    # the speculation governor (core.engine.scheduler.governor): --speculative-governor, or
+    # where that is left open, on for a CPU device and off elsewhere (the resolver's note)
+    spec_governor: bool = False
     # the reasoning parser (core.contract.reasoning); None: off (--reasoning-parser none, or
     # auto found none of its markers in the template). Chosen with the tool-call parser
     # (core.plan.reasoning.resolve_reasoning_parser).

@@ -354,10 +354,16 @@ def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
     else:
         notes.append(f"speculative decoding: {chosen}, up to {n} draft tokens per request and "
                      "step")
+    governor = spec_governor_on(args, device)
     gov = ("on: each request's drafts cut per step to what its acceptance and the measured cost "
-           "of a drafted token say pays" if args.speculative_governor == "on" else
+           "of a drafted token say pays" if governor else
            "off: every request asks for the full number each step (--speculative-governor on "
            "cuts drafts that do not pay)")
+    if args.speculative_governor is None:
+        gov += (" (--speculative-governor left open: on for a CPU, where it never lost to full "
+                "drafts in bench/bench_spec_cpu.py and held open-ended prompts at 0.97-0.98x of "
+                "speculation off against 0.65-0.79x; off on an accelerator until a benchmark "
+                "there shows the same)")
     if args.speculative_disable_by_batch_size is not None:
         gov += (f"; no drafts in a step with more than {args.speculative_disable_by_batch_size} "
                 "running requests")
@@ -376,6 +382,14 @@ def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
         notes.append(f"requests with a grammar constraint decode without speculation: {chosen} "
                      "cannot check drafts against a grammar (counted as spec_skipped_grammar)")
     return chosen, n
+
+
+def spec_governor_on(args: ServerArgs, device: DeviceInfo) -> bool:
+    """Whether the speculation governor runs: --speculative-governor, else on for a CPU only
+    (bench/RESULTS.md, "The speculation governor on the CPU")."""
+    if args.speculative_governor is not None:
+        return args.speculative_governor == "on"
+    return device.device_type == "cpu"
 
 
 def draft_server_args(args: ServerArgs, dtype: str, page_size: int) -> ServerArgs:
@@ -692,6 +706,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
                 candidates=candidates, layer_ops=ops, quant_format=scheme.format,
                 grammar_backend=grammar, spec_proposer=spec_name, spec_draft_tokens=spec_n,
                 spec_draft=spec_draft, spec_verify_graphs=verify_graphs,
+                spec_governor=spec_name is not None and spec_governor_on(args, device),
                 lora_backend=lora, lora_slots=args.max_loras_per_batch if lora else 0,
                 lora_max_rank=args.max_lora_rank if lora else None,
                 lora_target_modules=lora_targets)
@@ -842,6 +857,7 @@ def explain(plan: Plan) -> str:
             ("model impl", plan.model_impl or "- (none registered)"),
             ("grammar backend", plan.grammar_backend or "- (structured output off)")]
     rows.append(("speculative", f"{plan.spec_proposer}, {plan.spec_draft_tokens} draft tokens"
+                 f", governor {'on' if plan.spec_governor else 'off'}"
                  if plan.spec_proposer else "- (off)"))
     if plan.spec_draft is not None:
         d = plan.spec_draft
