@@ -58,6 +58,8 @@ class CpuCAttention(PoolDecodeAttention):
     label = "cpu_c attention"
     variant = "portable"
     native_bf16_q = True  # q fp32 or bf16 in, out in q's dtype
+    # compute dtypes whose short extends run as decode rows (see SHORT_EXTEND)
+    rows_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
@@ -86,7 +88,7 @@ class CpuCAttention(PoolDecodeAttention):
         if meta.decode:
             meta.slots = meta.slots.contiguous()
             meta.seq_lens_t = torch.as_tensor(meta.seq_lens, dtype=torch.int64)
-        elif (self.ctx.dtype == torch.bfloat16 and meta.extend_lens
+        elif (self.ctx.dtype in self.rows_dtypes and meta.extend_lens
               and 0 < max(meta.extend_lens) <= SHORT_EXTEND):
             # token j of request b: a decode row over b's first prefix + j + 1 tokens
             owner = [b for b, n in enumerate(meta.extend_lens) for _ in range(n)]
