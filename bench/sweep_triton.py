@@ -3,9 +3,10 @@ tuning-table entries (plugins/attention/triton/tuning.py) they imply.
 
     python bench/sweep_triton.py                      # writes sweep_triton.json, ~2-4 minutes
     python bench/sweep_triton.py --out x.json --quick # fewer candidates
+    python bench/sweep_triton.py --shape gemma2 --skip extend   # head dim 256 (the d256 entries)
 
 Shapes are bench_attention.py's (32 query heads, 8 KV heads, head dim 128, bf16, pages of 16
-scattered over the pool): decode B in 1/32/64/256 x context 512/4k/32k, extend (one request)
+scattered over the pool; `--shape gemma2`: Gemma 2's 16 query heads, 8 KV heads, head dim 256): decode B in 1/32/64/256 x context 512/4k/32k, extend (one request)
 prefix 0/4k/8k x new 128/4k. Per shape it times, with the L2 flushed before every call and CUDA
 events (ceilings.gpu_seconds):
 
@@ -37,6 +38,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import torch  # noqa: E402
 
+SHAPES = {"llama": (32, 8, 128), "gemma2": (16, 8, 256)}  # query heads, KV heads, head dim
 DECODE_SHAPES = [(b, c) for b in (1, 32, 64, 256) for c in (512, 4096, 32768)]
 EXTEND_SHAPES = [(p, n) for p in (0, 4096, 8192) for n in (128, 4096)]
 # (block_n, num_warps, num_stages)
@@ -307,13 +309,14 @@ def report(res: dict) -> str:
               "new=4096 >= 0.40 of matmul and >= 2x torch_native (see the tables above)."]
     if pol:
         lines += ["", "Suggested tuning.py entries (arch/width of this GPU):",
-                  f"DECODE[({res['arch']!r}, 'd128')] = ({pol['tile'][0]}, {pol['tile'][1]}, "
+                  f"DECODE[({res['arch']!r}, {res['width']!r})] = ({pol['tile'][0]}, "
+                  f"{pol['tile'][1]}, "
                   f"{pol['tile'][2]}, {pol['waves']}, {pol['min_split']})"
                   f"  # gmean loss {pol['gmean_loss']}, worst {pol['worst_loss']}"]
     rank = res.get("extend_ranking") or []
     if rank:
         tiles = ", ".join(f"({', '.join(map(str, t['tile']))})" for t in rank[:4])
-        lines.append(f"EXTEND[({res['arch']!r}, 'd128')] = ({tiles})  # gmean loss "
+        lines.append(f"EXTEND[({res['arch']!r}, {res['width']!r})] = ({tiles})  # gmean loss "
                      + ", ".join(str(t["gmean_loss"]) for t in rank[:4]))
     return "\n".join(lines)
 
@@ -323,6 +326,8 @@ def main() -> None:
     ap.add_argument("--out", default="sweep_triton.json")
     ap.add_argument("--quick", action="store_true", help="fewer candidate tilings")
     ap.add_argument("--skip", choices=("decode", "extend"), action="append", default=[])
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="llama",
+                    help="query heads, KV heads, head dim: llama 32/8/128, gemma2 16/8/256")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET"):
         sys.exit("unset TRITON_INTERPRET: the sweep times compiled kernels on a GPU")
@@ -332,16 +337,19 @@ def main() -> None:
     import triton
     from ceilings import gpu_seconds, measure
 
-    from plugins.attention.triton.common import arch_key, sm_count
+    from plugins.attention.triton.common import arch_key, sm_count, width_key
     from plugins.attention.triton.decode import _head_blocking
 
+    ba.H, ba.HKV, ba.D = SHAPES[args.shape]  # bench_attention reads them when it builds a step
     t0 = time.perf_counter()
     device = torch.device("cuda")
     ceil = measure(device, ba.DTYPE)
     _log(t0, f"ceilings: copy {ceil.copy_bytes_per_s / 1e9:.0f} GB/s, matmul "
              f"{ceil.matmul_flop_per_s / 1e12:.0f} TFLOP/s")
     res = dict(ceilings=ceil.as_info(), torch=torch.__version__, triton=triton.__version__,
-               arch=arch_key(device), sm_count=sm_count(device), decode=[], extend=[])
+               arch=arch_key(device), width=width_key(ba.D, ba.D, ba.DTYPE),
+               shape=dict(zip(("heads", "kv_heads", "head_dim"), SHAPES[args.shape])),
+               sm_count=sm_count(device), decode=[], extend=[])
     if "decode" not in args.skip:
         tiles = QUICK_DECODE_TILES if args.quick else DECODE_TILES
         res["decode"] = sweep_decode(ba, device, ceil, gpu_seconds, tiles, t0)

@@ -224,6 +224,22 @@ def test_split_count_follows_context_and_graph_buckets_are_fixed():
     assert backend.prepare_for_graph(batch, batch.batch_size).num_splits == graph
 
 
+def test_width_keys_cover_every_head_dim_class_and_every_table_has_them():
+    """16-bit head dims up to 64 / 128 / 256 and everything fp32 or wider each have their
+    tables' key, and every arch has an entry for each (d256 starts as the wide one)."""
+    import torch
+
+    from plugins.attention.triton import tuning
+    from plugins.attention.triton.common import width_key
+
+    bf, fp = torch.bfloat16, torch.float32
+    assert [width_key(d, d, bf) for d in (64, 128, 256, 512)] == ["d64", "d128", "d256", "wide"]
+    assert width_key(192, 128, torch.float16) == "d256" and width_key(64, 64, fp) == "wide"
+    for arch in ("sm90", "sm80", "rocm"):
+        for width in ("d64", "d128", "d256", "wide"):
+            assert (arch, width) in tuning.DECODE and (arch, width) in tuning.EXTEND
+
+
 def test_extend_tables_build_configs_and_register_caps_reach_the_launch():
     """Every extend table entry is a well-formed ExtendConfig; a maxnreg cap is passed to the
     launch (and to the autotuner's triton.Config) only when the entry sets one."""

@@ -73,9 +73,9 @@ def arch_key(device: torch.device) -> str:
 def width_key(head_dim: int, v_dim: int, dtype: torch.dtype) -> str:
     """The tuning tables' width key: register/shared-memory footprint class of one tile."""
     d = max(head_dim, v_dim)
-    if dtype == torch.float32 or d > 128:
+    if dtype == torch.float32 or d > 256:
         return "wide"
-    return "d64" if d <= 64 else "d128"
+    return "d64" if d <= 64 else "d128" if d <= 128 else "d256"
 
 
 def decode_config(head_dim: int, v_dim: int, dtype: torch.dtype,

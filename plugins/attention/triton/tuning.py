@@ -4,8 +4,10 @@ bench/sweep_triton.py times candidate tilings on a GPU and prints replacement en
 tables. Keys are (arch, width):
 
 - arch: "sm90" (Hopper and newer CUDA), "sm80" (Ampere / Ada), "rocm";
-- width: "d64" (16-bit compute, head dim <= 64), "d128" (16-bit, head dim <= 128),
-  "wide" (fp32 compute, or head dim > 128: larger register and shared-memory tiles).
+- width: "d64" (16-bit compute, head dim <= 64), "d128" (16-bit, head dim <= 128), "d256"
+  (16-bit, head dim <= 256: Gemma's 256), "wide" (fp32 compute, or head dim > 256: larger
+  register and shared-memory tiles). The d256 entries start as the wide ones
+  (`bench/sweep_triton.py --shape gemma2` sweeps them).
 
 Decode entries: (block_n, num_warps, num_stages, waves, min_split_tokens). The split count is
 chosen so that B x KV heads x splits programs fill every SM `waves` times over, each split covering
@@ -55,6 +57,11 @@ EXTEND: dict[tuple[str, str], tuple[tuple[int | bool, ...], ...]] = {
     ("rocm", "d128"): ((64, 64, 4, 1), (64, 32, 4, 1), (32, 32, 4, 1)),
     ("rocm", "wide"): ((32, 32, 4, 1),),
 }
+
+# d256 (16-bit, head dim 129..256) starts as the wide entries until swept
+for _arch in ("sm90", "sm80", "rocm"):
+    DECODE.setdefault((_arch, "d256"), DECODE[_arch, "wide"])
+    EXTEND.setdefault((_arch, "d256"), EXTEND[_arch, "wide"])
 
 # Short extensions that leave SMs idle with the first EXTEND tiling (common.small_extend_config);
 # keys missing here use block_m 64 with the first tiling's block_n.
