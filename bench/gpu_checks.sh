@@ -15,11 +15,18 @@
 #   offline-fp8 bench/profile_decode.py at batch 256 (1,024-token prompts), bf16 and fp8
 #   parallel-1gpu  bench/bench_parallel.py at TP=1 and DP=1 / 2 on one GPU (issue 18's fallback
 #               when no multi-GPU machine is lent: the NCCL path, two replicas sharing the GPU)
+#   lora        the GPU LoRA tests, bench/bench_lora_serving.py (issue 36's targets), then
+#               profile_decode.py --lora 8 at batch 1 and 64
+#   spec        profile_decode.py --verify 4 (a verify step's cost against a plain one, bf16),
+#               then bench/bench_spec_gpu.py (the oracle's forced acceptance, the c64 governor)
+#   gemma       profile_decode.py on Gemma-2-9B at batch 1, then sweep_triton.py --shape gemma2
+#               (the d256 decode tiling, tuning.py's ("sm90", "d256") entry)
+#   cold-start  bench/cold_start.py (Llama-3.1-8B dummy: empty kernel caches, then a restart)
 #
 # Wheels the image lacks (gguf, compressed-tensors, xgrammar, ...) are installed from ./.whl
 # when it exists (carry it with the device tool), then the checkout with its entry points.
 set -u
-STAGES="suites quant-diag batch1 peers serve offline-fp8 parallel-1gpu"
+STAGES="suites quant-diag batch1 peers serve offline-fp8 parallel-1gpu lora spec gemma cold-start"
 for s in ${*:-}; do  # refuse an unknown stage before any device time goes
     case " $STAGES " in *" $s "*) ;; *) echo "unknown stage $s (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -80,6 +87,26 @@ for stage in "${@:-suites quant-diag batch1}"; do
     parallel-1gpu)
         run parallel_1gpu 540 python3 bench/bench_parallel.py --tp-sizes 1 --dp-sizes 1,2 \
             --num-prompts 200 --out "$R/parallel_1gpu.json" ;;
+    lora)
+        run lora_gpu 150 "${PYTEST[@]}" -m gpu tests/test_lora_conformance.py \
+            tests/test_lora_triton_blocks.py tests/test_lora_graphs.py tests/test_lora.py \
+            --conformance-device cuda
+        run lora_serving 300 python3 bench/bench_lora_serving.py --skip-eager-base \
+            --out "$R/lora_serving.json"
+        run prof_lora 120 python3 bench/profile_decode.py --lora 8 --batch-sizes 1,64 \
+            --steps 16 --graph-max-bs 64 --rows 25 --out "$R/prof_lora.json" ;;
+    spec)
+        run prof_verify 180 python3 bench/profile_decode.py --verify 4 --batch-sizes 1,16,64 \
+            --steps 32 --graph-max-bs 256 --rows 15 --out "$R/prof_verify.json"
+        run spec_gpu 400 python3 bench/bench_spec_gpu.py --out "$R/spec_gpu.json" ;;
+    gemma)
+        run prof_gemma 150 python3 bench/profile_decode.py \
+            --config tests/fixtures/configs/gemma-2-9b.json --batch-sizes 1 --steps 16 --rows 20 \
+            --out "$R/prof_gemma.json"
+        run sweep_d256 240 python3 bench/sweep_triton.py --shape gemma2 --skip extend --quick \
+            --out "$R/sweep_d256.json" ;;
+    cold-start)
+        run cold_start 150 python3 bench/cold_start.py --out "$R/cold_start.json" ;;
     esac
   done
 done
