@@ -37,18 +37,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from serve_methods import _call  # noqa: E402  (one JSON request; a non-200 raises)
 from serving_online import ServerProcess  # noqa: E402
-
-from conformance.server_kit import http_request  # noqa: E402
-
-
-def _call(srv: ServerProcess, method: str, path: str, body: dict | None = None,
-          timeout: float = 120.0) -> dict:
-    status, _, data = http_request(srv.url, method, path, body,
-                                   {"Authorization": f"Bearer {srv.api_key}"}, timeout=timeout)
-    if status != 200:
-        raise RuntimeError(f"{method} {path}: HTTP {status}: {data[:500]!r}")
-    return json.loads(data)
 
 
 def one_run(flags: list[str], caches: Path, log: Path, timeout: float) -> dict[str, Any]:
