@@ -348,7 +348,7 @@ def main() -> None:
              f"{ceil.matmul_flop_per_s / 1e12:.0f} TFLOP/s")
     res = dict(ceilings=ceil.as_info(), torch=torch.__version__, triton=triton.__version__,
                arch=arch_key(device), width=width_key(ba.D, ba.D, ba.DTYPE),
-               shape=dict(zip(("heads", "kv_heads", "head_dim"), SHAPES[args.shape])),
+               shape=dict(zip(("heads", "kv_heads", "head_dim"), SHAPES[args.shape], strict=True)),
                sm_count=sm_count(device), decode=[], extend=[])
     if "decode" not in args.skip:
         tiles = QUICK_DECODE_TILES if args.quick else DECODE_TILES
