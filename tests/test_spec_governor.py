@@ -120,24 +120,31 @@ def test_disable_by_batch_size_keeps_outputs_and_drafts_only_small_steps(tiny, p
 def test_seeded_sampled_requests_keep_their_drafts_and_repeat_under_the_governor(tiny):  # noqa: F811
     """The governor's cuts follow measured step times, so they differ from run to run; a
     seeded request at temperature > 0 is exempt (its drafts decide what its generator draws)
-    and gives the same tokens when sent again, while a greedy request's drafts are cut."""
+    and gives the same tokens when sent again, while a greedy request's drafts are cut.
+    --speculative-disable-by-batch-size still holds for seeded requests."""
     import random
 
     from test_spec_decode import _prompts
 
     sched = make_core(tiny, speculative_algorithm="ngram", speculative_governor="on").scheduler
+    gov = sched.spec.governor
     rng = random.Random(0)
-    sched.spec.governor.budgets = lambda rids, caps: [rng.randint(0, c) for c in caps]
+    gov.cost.draft_price = lambda n: rng.uniform(0.0, 1.0)  # step timings as noise would give
     seeded = {"max_new_tokens": 16, "temperature": 0.8, "top_k": 20, "ignore_eos": True,
               "seed": 7}
     outs = [drive(sched, [(f"{run}{i}", p, seeded) for i, p in enumerate(_prompts()[:3])])
             for run in "ab"]
-    assert sched.stats()["spec_num_draft_tokens"] > 0
+    s = sched.stats()
+    assert s["spec_num_draft_tokens"] > 0 and s["spec_governor_cut"] == 0
     assert [v for _, v in sorted(outs[0].items())] == [v for _, v in sorted(outs[1].items())]
 
-    sched.spec.governor.budgets = lambda rids, caps: [0] * len(caps)  # cut every draft
-    before = sched.stats()["spec_num_draft_tokens"]
+    gov.cost.draft_price = lambda n: 100.0  # no draft pays: greedy requests get none but probes
     drive(sched, [(f"g{i}", p, {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True})
                   for i, p in enumerate(_prompts()[:3])])
-    assert sched.stats()["spec_num_draft_tokens"] == before
+    assert sched.stats()["spec_governor_cut"] > 0
     sched.check_accounting()
+
+    small = make_core(tiny, speculative_algorithm="ngram", speculative_governor="on",
+                      speculative_disable_by_batch_size=1).scheduler
+    drive(small, [(f"d{i}", p, seeded) for i, p in enumerate(_prompts()[:3])])
+    assert small.stats()["spec_num_draft_tokens"] < s["spec_num_draft_tokens"] / 2

@@ -84,15 +84,20 @@ class Governor:
         acc, drafted = self.seen.get(rid, (0.0, 0.0))
         return (acc + PRIOR * PRIOR_DRAFTS) / (drafted + PRIOR_DRAFTS)
 
-    def budgets(self, rids: list[str], caps: list[int]) -> list[int]:
-        """The drafts each request gets this step, at most its cap."""
+    def budgets(self, rids: list[str], caps: list[int],
+                exempt: list[bool] | None = None) -> list[int]:
+        """The drafts each request gets this step, at most its cap. An `exempt` request keeps
+        its cap whatever its acceptance and the step cost say (disable_batch still applies)."""
         if self.disable_batch is not None and len(rids) > self.disable_batch:
             return [0] * len(rids)
         if not self.on:
             return list(caps)
         price = self.cost.draft_price(len(rids))
         out = []
-        for rid, cap in zip(rids, caps, strict=True):
+        for rid, cap, fixed in zip(rids, caps, exempt or [False] * len(rids), strict=True):
+            if fixed:
+                out.append(cap)
+                continue
             a, best, best_k = self.acceptance(rid), 0.0, 0
             for k in range(1, cap + 1):
                 gain = expected_accepted(a, k) - k * price

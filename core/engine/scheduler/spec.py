@@ -85,12 +85,11 @@ class Speculation:
     def propose(self, batch: list[Req]) -> list[list[int]] | None:
         """Drafts per request of the batch, or None when none has any."""
         caps = [self.budget(r) for r in batch]
-        ks = self.governor.budgets([r.rid for r in batch], caps) if any(caps) else caps
-        # A seeded sampled request keeps its full drafts: the drafts it gets decide what its
-        # generator draws, and the governor's cuts follow measured step times, so a seed would
-        # not repeat its tokens under them.
-        ks = [c if r.state.generator is not None else k
-              for r, c, k in zip(batch, caps, ks, strict=True)]
+        # A seeded sampled request is exempt from the governor's cuts: the drafts it gets
+        # decide what its generator draws, and the cuts follow measured step times, so a seed
+        # would not repeat its tokens under them.
+        seeded = [r.state.generator is not None for r in batch]
+        ks = self.governor.budgets([r.rid for r in batch], caps, seeded) if any(caps) else caps
         self.counters["spec_governor_cut"] += sum(c > 0 and k == 0
                                                   for c, k in zip(caps, ks, strict=True))
         ks = self.fit_graphs(ks)
