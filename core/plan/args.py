@@ -161,7 +161,7 @@ class ServerArgs:
     speculative_governor: str | None = _f(
         None, "speculative", "on: each request's drafts per step cut to what its acceptance so "
         "far and the measured cost of a drafted token say pays, none where nothing does "
-        "(seeded sampled requests keep theirs, so their seeds repeat); off: always "
+        "(seeded sampled requests are exempt, so their seeds repeat); off: always "
         "--speculative-num-draft-tokens. Default: on for a CPU device, off on an accelerator "
         "(not yet benchmarked there)",
         choices=("on", "off"))
