@@ -117,7 +117,7 @@ def test_disable_by_batch_size_keeps_outputs_and_drafts_only_small_steps(tiny, p
         tiny, speculative_algorithm="ngram", speculative_disable_by_batch_size=1))
 
 
-def test_seeded_sampled_requests_keep_their_drafts_and_repeat_under_the_governor(tiny):  # noqa: F811
+def test_seeded_sampled_requests_are_exempt_and_repeat_under_the_governor(tiny):  # noqa: F811
     """The governor's cuts follow measured step times, so they differ from run to run; a
     seeded request at temperature > 0 is exempt (its drafts decide what its generator draws)
     and gives the same tokens when sent again, while a greedy request's drafts are cut.
@@ -147,4 +147,4 @@ def test_seeded_sampled_requests_keep_their_drafts_and_repeat_under_the_governor
     small = make_core(tiny, speculative_algorithm="ngram", speculative_governor="on",
                       speculative_disable_by_batch_size=1).scheduler
     drive(small, [(f"d{i}", p, seeded) for i, p in enumerate(_prompts()[:3])])
-    assert small.stats()["spec_num_draft_tokens"] < s["spec_num_draft_tokens"] / 2
+    assert small.stats()["spec_num_draft_tokens"] == 0  # three running in every step
