@@ -5,9 +5,9 @@ against torch_native's gather + dense prefill, one layer on the CPU.
 
 One request, SmolLM2's attention shape (9 query / 3 KV heads of 64), --dtype bf16 (default) or
 fp32 (the rows path forced on for either, whatever the build ships), pages of 16, prefixes
-512 / 4k / 16k and 2 / 5 / 16 new tokens. Per row: the median wall time of the backend's forward with the rows path
-(plugins.attention.cpu_c.backend.SHORT_EXTEND = 16) and with it off (0: the prefill path), and
-their ratio. The peer is the same backend's other path in the same
+512 / 4k / 16k and 2 / 5 / 16 new tokens. Per row: the median wall time of the backend's
+forward with the rows path (plugins.attention.cpu_c.backend.SHORT_EXTEND = 16) and with it off
+(0: the prefill path), and their ratio. The peer is the same backend's other path in the same
 run: the question is what exact agreement with decode costs.
 """
 

@@ -6,8 +6,9 @@ tuning-table entries (plugins/attention/triton/tuning.py) they imply.
     python bench/sweep_triton.py --shape gemma2 --skip extend   # head dim 256 (the d256 entries)
 
 Shapes are bench_attention.py's (32 query heads, 8 KV heads, head dim 128, bf16, pages of 16
-scattered over the pool; `--shape gemma2`: Gemma 2's 16 query heads, 8 KV heads, head dim 256): decode B in 1/32/64/256 x context 512/4k/32k, extend (one request)
-prefix 0/4k/8k x new 128/4k. Per shape it times, with the L2 flushed before every call and CUDA
+scattered over the pool; `--shape gemma2`: Gemma 2's 16 query heads, 8 KV heads, head dim
+256): decode B in 1/32/64/256 x context 512/4k/32k, extend (one request) prefix 0/4k/8k x new
+128/4k. Per shape it times, with the L2 flushed before every call and CUDA
 events (ceilings.gpu_seconds):
 
 - the kernels alone for each candidate tiling (decode: block_n, warps, stages, and every split
