@@ -77,6 +77,9 @@ def one_run(flags: list[str], caches: Path, log: Path, timeout: float) -> dict[s
         sum(list(client.values())[1:]) - sum(res["engine_phases_s"].values()), 3)
     res["total_to_first_token_s"] = round(res["spawn_to_ready_s"]
                                           + res["ready_to_first_token_s"], 3)
+    # Triton writes one directory per compiled kernel variant: how many a fresh machine built
+    triton = caches / "triton"
+    res["triton_cache_entries"] = sum(1 for _ in triton.iterdir()) if triton.is_dir() else 0
     res["graph_notes"] = [n for n in model.get("engine_notes", ())
                           if "graph" in n.lower() and not n.startswith("start-up of")]
     res["plan"] = {k: info.get("plan", {}).get(k) for k in
@@ -106,6 +109,8 @@ def table(runs: list[dict[str, Any]]) -> str:
         row(f"    engine: {k}", lambda r, k=k: r.get("engine_phases_s", {}).get(k))
     row("ready to the first token (s)", lambda r: r.get("ready_to_first_token_s"))
     row("**spawn to the first token (s)**", lambda r: r.get("total_to_first_token_s"))
+    rows.append(("Triton kernel cache entries after the run",
+                 [str(r.get("triton_cache_entries", "-")) for r in runs]))
     lines = ["| phase | " + " | ".join(heads) + " |", "|---|" + "---|" * len(runs)]
     lines += [f"| {label} | " + " | ".join(vals) + " |" for label, vals in rows]
     return "\n".join(lines)

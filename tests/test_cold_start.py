@@ -30,6 +30,7 @@ def test_cold_start_reports_each_phase_and_fills_fresh_caches(tmp_path, capsys):
         assert run["before_the_phases_s"] >= 0 and run["engine_before_its_phases_s"] >= 0
         assert run["total_to_first_token_s"] == pytest.approx(
             run["spawn_to_ready_s"] + run["ready_to_first_token_s"], abs=2e-3)
+    assert [r["triton_cache_entries"] for r in report["runs"]] == [0, 0]  # the CPU plan
     # the first server compiled the C kernels into the fresh cache the runs were given
     assert any((Path(report["caches"]) / "kernels").iterdir())
     assert "spawn to the first token" in capsys.readouterr().out

@@ -63,6 +63,13 @@ def test_middling_acceptance_gets_fewer_drafts_as_they_cost_more():
     assert free.budgets(["r"], [6]) == [6]  # no cost measured yet: drafts are free
 
 
+def test_exempt_requests_keep_their_caps_but_not_past_disable_by_batch_size():
+    gov = Governor(disable_batch=2)
+    gov.cost.draft_price = lambda n: 100.0  # no draft pays
+    assert gov.budgets(["a", "b"], [4, 4], [True, False]) == [4, 0]
+    assert gov.budgets(["a", "b", "c"], [4, 4, 4], [True, True, True]) == [0, 0, 0]
+
+
 def test_off_passes_the_caps_and_disable_by_batch_size_stops_big_steps():
     off = Governor(on=False)
     off.observe("r", 4, 0)
