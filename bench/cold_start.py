@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
@@ -43,13 +44,10 @@ from serving_online import ServerProcess  # noqa: E402
 
 def one_run(flags: list[str], caches: Path, log: Path, timeout: float) -> dict[str, Any]:
     """One fresh `core serve` with the kernel caches under `caches`: its figures."""
-    saved = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "CORE_KERNEL_CACHE")}
-    os.environ["TRITON_CACHE_DIR"] = str(caches / "triton")
-    os.environ["CORE_KERNEL_CACHE"] = str(caches / "kernels")
     res: dict[str, Any] = {}
-    try:
-        srv = ServerProcess(flags, log, timeout)
-        with srv:
+    env = {"TRITON_CACHE_DIR": str(caches / "triton"), "CORE_KERNEL_CACHE": str(caches / "kernels")}
+    try:  # the server copies this process's environment when it starts
+        with mock.patch.dict(os.environ, env), ServerProcess(flags, log, timeout) as srv:
             res["spawn_to_ready_s"] = round(srv.startup_s, 3)
             t = time.perf_counter()
             out = _call(srv, "POST", "/generate",
@@ -61,12 +59,6 @@ def one_run(flags: list[str], caches: Path, log: Path, timeout: float) -> dict[s
     except Exception as exc:  # noqa: BLE001 - reported per run
         res["error"] = f"{type(exc).__name__}: {exc}"
         return res
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     model = info.get("model", info)
     client = model.get("client_startup_phases_s") or {}
     res["client_phases_s"] = client

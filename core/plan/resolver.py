@@ -322,12 +322,13 @@ def spec_named(registry: Registry, name: str) -> str | None:
 
 
 def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: list[Slot],
-               grammar: str | None, notes: list[str]) -> tuple[str | None, int]:
-    """The speculative proposer --speculative-algorithm names (None: speculation off) and the
-    drafts per step; an unknown name, one not built yet, or one that does not fit is refused."""
+               grammar: str | None, notes: list[str]) -> tuple[str | None, int, bool]:
+    """The speculative proposer --speculative-algorithm names (None: speculation off), the
+    drafts per step and whether the governor runs; an unknown name, one not built yet, or one
+    that does not fit is refused."""
     raw = args.speculative_algorithm
     if raw is None:
-        return None, 0
+        return None, 0, False
     name = spec_named(registry, raw)
     regs = registry.kind("spec")
     if name is None:
@@ -381,7 +382,7 @@ def _spec_slot(device: DeviceInfo, args: ServerArgs, registry: Registry, slots: 
     if grammar is not None and not caps.grammars:
         notes.append(f"requests with a grammar constraint decode without speculation: {chosen} "
                      "cannot check drafts against a grammar (counted as spec_skipped_grammar)")
-    return chosen, n
+    return chosen, n, governor
 
 
 def spec_governor_on(args: ServerArgs, device: DeviceInfo) -> bool:
@@ -669,9 +670,10 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
     except ResolveError as exc:
         errors.append(exc)
 
-    spec_name, spec_n, spec_draft = None, 0, None
+    spec_name, spec_n, spec_governor, spec_draft = None, 0, False, None
     try:
-        spec_name, spec_n = _spec_slot(device, args, registry, slots, grammar, notes)
+        spec_name, spec_n, spec_governor = _spec_slot(device, args, registry, slots, grammar,
+                                                      notes)
         if spec_name is not None and registry.get("spec", spec_name).caps.needs_draft_weights:
             spec_draft = _draft_plan(spec, device, args, registry, dtype, page, spec_n, notes)
     except ResolveError as exc:
@@ -706,7 +708,7 @@ def resolve(spec: ModelSpec, device: DeviceInfo, args: ServerArgs, registry: Reg
                 candidates=candidates, layer_ops=ops, quant_format=scheme.format,
                 grammar_backend=grammar, spec_proposer=spec_name, spec_draft_tokens=spec_n,
                 spec_draft=spec_draft, spec_verify_graphs=verify_graphs,
-                spec_governor=spec_name is not None and spec_governor_on(args, device),
+                spec_governor=spec_governor,
                 lora_backend=lora, lora_slots=args.max_loras_per_batch if lora else 0,
                 lora_max_rank=args.max_lora_rank if lora else None,
                 lora_target_modules=lora_targets)
