@@ -76,7 +76,10 @@ def test_kernel_products_match_their_arithmetic(variant, type_name, act_bits):
     kern = Kernels(variant, act_bits)
     # against the fp32 product: only the activations' rounding apart
     dense_tol = 2e-2 if act_bits == 8 else 1e-4
-    shapes = [(1, 40, 512), (5, 33, 320), (6, 9, 96), (9, 4, 32)]
+    # 576 (the default model's width) = 18 blocks of 32: 4-block steps and a remainder of 2;
+    # 1,024: whole 16-block rounds
+    shapes = [(1, 40, 512), (5, 33, 320), (6, 9, 96), (9, 4, 32), (5, 22, 576), (2, 7, 576),
+              (7, 13, 1024), (3, 6, 576)]
     if type_name.endswith("_K"):
         shapes = [(1, 40, 512), (3, 17, 768), (9, 5, 256)]
     gen = torch.Generator().manual_seed(1)
@@ -108,13 +111,18 @@ def test_kernel_products_match_their_arithmetic(variant, type_name, act_bits):
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(variant, type_name, act_bits):
     """Every row of an M-row product is bit for bit its 1-row product (the multi-row kernels
     keep each row's arithmetic), so a decode step's tokens do not depend on what they are
-    batched with; M 2..9 crosses the 4-row groups and their remainders."""
+    batched with; M 2..13 crosses the tile shapes and their remainders."""
     kern = Kernels(variant, act_bits)
-    k = 256 if type_name.endswith("_K") else 96
+    # 576 (the default model's width): 16-block rounds and a remainder of 2 blocks
+    for k in (256, 768) if type_name.endswith("_K") else (96, 576):
+        _rows_alone(kern, type_name, k)
+
+
+def _rows_alone(kern, type_name, k):
     p = formats.from_ggml(type_name, random_blocks(type_name, 21, k, seed=3), k)
     gen = torch.Generator().manual_seed(2)
     bias = torch.randn(21, generator=gen)
-    for m in range(2, 10):
+    for m in range(2, 14):
         x = torch.randn(m, k, generator=gen)
         got = kern.linear(x, p, bias)
         for i in range(m):
