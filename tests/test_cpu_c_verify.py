@@ -1,7 +1,9 @@
-"""In bf16, cpu_c runs short extends (a speculative verify step: each request's last token and its
-drafts) as decode rows through its C decode kernel (plugins/_kit/pool_attention.py): every new
-token's output must then be bit for bit what a decode step of that token gives, which is what
-keeps greedy answers identical with speculation on (the verify step rounds as decode does).
+"""cpu_c runs short extends (a speculative verify step: each request's last token and its drafts) as
+decode rows through its C decode kernel (plugins/_kit/pool_attention.py), a request's rows one
+work item (ca_decode_rows): every new token's output must then be bit for bit what a decode step
+of that token gives, which is what keeps greedy answers identical with speculation on (the
+verify step rounds as decode does), in bf16 and fp32, for the AVX-512 loops (head dim 64) and
+the portable ones (32), across the kernel's 64-key chunks (prefix 130).
 The attention conformance suite's `verify` cases check the values against the fp32 reference."""
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from core.contract.attention import AttentionLayerParams
 from core.contract.forward_batch import ForwardBatch, ForwardMode
 from core.plan.registry import get_registry
 
-PREFIX, NEW = (12, 0, 40, 7), (5, 3, 8, 1)
+PREFIX, NEW = (12, 0, 130, 7), (5, 3, 8, 1)
 
 
 def _backend(ctx):
@@ -42,9 +44,12 @@ def _decode_one(backend, inputs, layer: AttentionLayerParams, q, k, v, b: int, j
     return backend.forward(q[t:t + 1], k[t:t + 1], v[t:t + 1], layer, one)
 
 
-@pytest.mark.parametrize("features", [{}, {"sliding_window": 6, "logit_softcap": 5.0}])
-def test_verify_rows_equal_decode_steps_bit_for_bit(features):
-    case = AttentionCase("extend", 2, 4, 64, 16, "bfloat16", "bfloat16",
+@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("features", [{}, {"sliding_window": 6, "logit_softcap": 5.0},
+                                      {"sliding_window": 70}])
+def test_verify_rows_equal_decode_steps_bit_for_bit(features, dtype, head_dim):
+    case = AttentionCase("extend", 2, 4, head_dim, 16, dtype, dtype,
                          tuple(p + n for p, n in zip(PREFIX, NEW, strict=True)), NEW,
                          **features)
     inputs = build_inputs(case, "cpu", seed=3)
@@ -63,7 +68,7 @@ def test_verify_rows_equal_decode_steps_bit_for_bit(features):
 
 @pytest.mark.parametrize(("dtype", "prefix", "new"), [
     ("bfloat16", (0, 6), (20, 3)),  # a request adds 20 > SHORT_EXTEND tokens
-    ("float32", PREFIX, NEW),  # fp32 keeps the (faster) prefill path
+    ("float32", (4,), (17,)),
 ])
 def test_other_extends_keep_the_prefill_path(dtype, prefix, new):
     case = AttentionCase("extend", 2, 4, 64, 16, dtype, dtype,

@@ -7,7 +7,13 @@
  * AVX-512 builds take explicit vector loops for head dims 64 and 128 (scores16 / values16: a
  * key row loaded once for its G query heads, each head's V accumulators in registers over the
  * whole range; 3x the auto-vectorized loops at batch 1 and 16 on a 2-core AVX-512 VM); other
- * builds and head dims keep the portable loops. Both sum in a fixed order. */
+ * builds and head dims keep the portable loops. Every sum has a fixed order (the dot products
+ * and softmax sums in 16 lanes, then the lanes pairwise: sum16 / dot16; V key after key).
+ * ca_decode_rows runs several query rows of one request as one item (a speculative verify
+ * step's tokens, row r over the request's first seq_lens[r] slots): a K row is loaded once for
+ * all of them and V summed CHUNK keys at a time for each, so the item reads the request's cache
+ * about once. Each row's arithmetic is ca_decode's for that row alone, operation for operation,
+ * so a verify row gives the bits a decode step gives (tests/test_cpu_c_verify.py). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,6 +26,7 @@
 #endif
 
 #define AHEAD 4
+#define CHUNK 64 /* keys whose V rows each row of a multi-row item sums before the next */
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -84,6 +91,90 @@ static inline __attribute__((always_inline)) void values16(
 }
 #endif
 
+#if defined(__AVX512F__)
+/* The scores of key k (the item's j-th) for every row that sees it and every query head:
+ * sc[(r * Gp + i) * nmax + k - lo[r]] = q_ri . K_k (fp32, a fixed lane order), maxima in mx.
+ * NC = D / 16 vectors a row, a constant at each call site. */
+static inline __attribute__((always_inline)) void score_key(
+    const float *qs, const void *kb, int bf, const int64_t *sk, int64_t j, int64_t n, int64_t ks,
+    int64_t g, int64_t k, const int64_t *lo, const int64_t *L, int64_t R, int64_t Gp,
+    int64_t nmax, int NC, float cap, float *sc, float *mx) {
+    const size_t esz = bf ? 2 : 4;
+    if (j + AHEAD < n)
+        __builtin_prefetch((const char *)kb + (sk[j + AHEAD] * ks + g * NC * 16) * esz);
+    const int64_t row = sk[j] * ks + g * NC * 16;
+    const void *kr = bf ? (const void *)((const uint16_t *)kb + row)
+                        : (const void *)((const float *)kb + row);
+    __m512 kv[8];
+    for (int c = 0; c < NC; c++) kv[c] = ld16f(kr, bf, 16 * c);
+    for (int64_t r = 0; r < R; r++) {
+        if (k < lo[r] || k >= L[r]) continue;
+        for (int64_t i = 0; i < Gp; i++) {
+            const float *qi = qs + (r * Gp + i) * NC * 16;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qi), kv[0]);
+            for (int c = 1; c < NC; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), kv[c], a);
+            float v = _mm512_reduce_add_ps(a);
+            if (cap > 0.0f) v = cap * tanhf(v / cap);
+            sc[(r * Gp + i) * nmax + k - lo[r]] = v;
+            if (v > mx[r * Gp + i]) mx[r * Gp + i] = v;
+        }
+    }
+}
+
+/* ai += sum over the item's keys j0..j1-1 of p[j] * V_j, key after key, the accumulators in
+ * registers (NC = Dv / 16, a constant at each call site); `ahead`: prefetch V rows up to c1 */
+static inline __attribute__((always_inline)) void value_run(
+    const float *p, const void *vb, int bf, const int64_t *sk, int64_t j0, int64_t j1,
+    int64_t c1, int ahead, int64_t vs, int64_t g, int NC, float *ai) {
+    const size_t esz = bf ? 2 : 4;
+    __m512 a[8];
+    for (int c = 0; c < NC; c++) a[c] = _mm512_loadu_ps(ai + 16 * c);
+    for (int64_t j = j0; j < j1; j++) {
+        if (ahead && j + AHEAD < c1)
+            __builtin_prefetch((const char *)vb + (sk[j + AHEAD] * vs + g * NC * 16) * esz);
+        const int64_t row = sk[j] * vs + g * NC * 16;
+        const void *vr = bf ? (const void *)((const uint16_t *)vb + row)
+                            : (const void *)((const float *)vb + row);
+        const __m512 w = _mm512_set1_ps(p[j]);
+        for (int c = 0; c < NC; c++) a[c] = _mm512_fmadd_ps(w, ld16f(vr, bf, 16 * c), a[c]);
+    }
+    for (int c = 0; c < NC; c++) _mm512_storeu_ps(ai + 16 * c, a[c]);
+}
+#endif
+
+/* sum of x[0..n) in 16 lanes (lane = index mod 16) then the lanes pairwise: the same order for
+ * any alignment and in every build */
+static inline float sum16(const float *x, int64_t n) {
+    float l[16] = {0};
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 a = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(x + j));
+    if (j < n)  /* the lanes past n add +0: the portable loop's sums */
+        a = _mm512_add_ps(a, _mm512_maskz_loadu_ps((__mmask16)((1u << (n - j)) - 1u), x + j));
+    _mm512_storeu_ps(l, a);
+#else
+    for (; j + 16 <= n; j += 16)
+        for (int t = 0; t < 16; t++) l[t] += x[j + t];
+    for (int t = 0; j + t < n; t++) l[t] += x[j + t];
+#endif
+    for (int w = 8; w > 0; w /= 2)
+        for (int t = 0; t < w; t++) l[t] += l[t + w];
+    return l[0];
+}
+
+/* qi . k over D elements in sum16's order (the portable loops' dot product) */
+static inline float dot16(const float *qi, const float *k, int64_t D) {
+    float l[16] = {0};
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16)
+        for (int t = 0; t < 16; t++) l[t] += qi[d + t] * k[d + t];
+    for (int t = 0; d + t < D; t++) l[t] += qi[d + t] * k[d + t];
+    for (int w = 8; w > 0; w /= 2)
+        for (int t = 0; t < w; t++) l[t] += l[t + w];
+    return l[0];
+}
+
 /* Row j of head g among n cached rows (slots sl[0..n)) of a cache whose slots are `rs` elements
  * apart, each holding its heads' W-wide rows one after another, as fp32: the
  * cache itself for fp32, else the bf16 row widened once into buf (for all G query heads); the
@@ -99,6 +190,23 @@ static inline const float *cache_row(const void *base, int bf, size_t esz, const
 #pragma omp simd
     for (int64_t d = 0; d < W; d++) buf[d] = bf2f(r[d]);
     return buf;
+}
+
+/* The portable loops' scores: sc[i * n + j] = qs_i . K_j (dot16), the row maxima in mx (their
+ * own function: inlined, they slowed the vector loops of ca_decode 10-20%) */
+static __attribute__((noinline)) void scores_portable(
+    const float *qs, const void *kb, int bf, const int64_t *sl, int64_t n, int64_t ks, int64_t g,
+    int64_t Gp, int64_t D, float cap, float *sc, float *mx, float *krow) {
+    const size_t esz = bf ? 2 : 4;
+    for (int64_t j = 0; j < n; j++) {
+        const float *k = cache_row(kb, bf, esz, sl, j, n, ks, g, D, krow);
+        for (int64_t i = 0; i < Gp; i++) {
+            float a = dot16(qs + i * D, k, D);
+            if (cap > 0.0f) a = cap * tanhf(a / cap);
+            sc[i * n + j] = a;
+            if (a > mx[i]) mx[i] = a;
+        }
+    }
 }
 
 /* q [B, H, D] fp32 (q_bf 0) or bf16 (1); kb [S, Hkv, D], vb [S, Hkv, Dv] with slots ks and vs
@@ -152,32 +260,13 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
 #else
         const int vec = 0;
 #endif
-        if (!vec) {  /* the portable loops */
-            for (int64_t j = 0; j < n; j++) {
-                const float *k = cache_row(kb, bf, esz, sl + lo, j, n, ks, g, D, krow);
-                for (int64_t i = 0; i < Gp; i++) {
-                    float a = 0.0f;
-                    const float *qi = qs + i * D;
-                    /* simd reduction: the compiler's vector order, the same on every call */
-#pragma omp simd reduction(+ : a)
-                    for (int64_t d = 0; d < D; d++) a += qi[d] * k[d];
-                    if (cap > 0.0f) a = cap * tanhf(a / cap);
-                    sc[i * n + j] = a;
-                    if (a > mxp[i]) mxp[i] = a;
-                }
-            }
-        }
+        if (!vec) scores_portable(qs, kb, bf, sl + lo, n, ks, g, Gp, D, cap, sc, mxp, krow);
         for (int64_t i = 0; i < Gp; i++) {
             const float m = mxp[i];
-            float *si = sc + i * n, dsum = 0.0f;
-            /* vectorized exp and a fixed vector sum order */
-#pragma omp simd reduction(+ : dsum)
-            for (int64_t j = 0; j < n; j++) {
-                const float e = exp_neg(si[j] - m);
-                si[j] = e;
-                dsum += e;
-            }
-            denp[i] = dsum;
+            float *si = sc + i * n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) si[j] = exp_neg(si[j] - m);
+            denp[i] = sum16(si, n);
         }
         memset(acc, 0, sizeof(float) * (size_t)(Gp * Dv));
 #if defined(__AVX512F__)
@@ -204,6 +293,162 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
         free(sc);
     }
     return failed ? -2 : 0;
+}
+
+/* One item of ca_decode_rows: query rows b0..b0+R-1 (sharing the slots sl; row r attends to keys
+ * lo[r]..L[r]-1), KV head g, query heads h0..h0+Gp-1; each row's arithmetic is ca_decode's.
+ * Returns 0, or -2 when out of memory. */
+static int decode_item(const void *q, int q_bf, const void *kb, const void *vb, int bf,
+                       const int64_t *sl, const int64_t *seq_lens, int64_t b0, int64_t R,
+                       int64_t H, int64_t D, int64_t Dv, int64_t ks, int64_t vs, float scale,
+                       int64_t window, float cap, void *out, int out_bf, int64_t g, int64_t h0,
+                       int64_t Gp) {
+    const size_t esz = bf ? 2 : 4;
+    int64_t lo[16], L[16], kmin = INT64_MAX, kmax = 0, nmax = 1;
+    for (int64_t r = 0; r < R; r++) {
+        L[r] = seq_lens[b0 + r];
+        lo[r] = window > 0 && L[r] > window ? L[r] - window : 0;
+        if (lo[r] < kmin) kmin = lo[r];
+        if (L[r] > kmax) kmax = L[r];
+        if (L[r] - lo[r] > nmax) nmax = L[r] - lo[r];
+    }
+    if (kmin > kmax) kmin = kmax;
+    const int64_t RG = R * Gp, wmax = D > Dv ? D : Dv;
+    /* sc [R][Gp][nmax] scores then weights; qs [R][Gp][D]; acc [R][Gp][Dv]; mx, den [R][Gp] */
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(RG * (nmax + D + Dv + 2) + wmax));
+    if (!sc) return -2;
+    float *qs = sc + RG * nmax, *acc = qs + RG * D, *mx = acc + RG * Dv, *den = mx + RG;
+    float *krow = den + RG;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < Gp; i++)
+            for (int64_t d = 0; d < D; d++)
+                qs[(r * Gp + i) * D + d] = ld(q, q_bf, ((b0 + r) * H + h0 + i) * D + d) * scale;
+    for (int64_t x = 0; x < RG; x++) mx[x] = -INFINITY;
+    const int64_t n = kmax - kmin;  /* the item's keys: kmin.. */
+    const int64_t *sk = sl + kmin;
+#if defined(__AVX512F__)
+    const int vec = (D == 64 || D == 128) && Dv == D;
+#else
+    const int vec = 0;
+#endif
+    /* scores: each key row loaded once for every row and head that sees it */
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t k = kmin + j;
+#if defined(__AVX512F__)
+        if (vec) {
+            if (D == 64) score_key(qs, kb, bf, sk, j, n, ks, g, k, lo, L, R, Gp, nmax, 4, cap, sc, mx);
+            else score_key(qs, kb, bf, sk, j, n, ks, g, k, lo, L, R, Gp, nmax, 8, cap, sc, mx);
+            continue;
+        }
+#endif
+        const float *kr = cache_row(kb, bf, esz, sk, j, n, ks, g, D, krow);
+        for (int64_t r = 0; r < R; r++) {
+            if (k < lo[r] || k >= L[r]) continue;
+            for (int64_t i = 0; i < Gp; i++) {
+                float v = dot16(qs + (r * Gp + i) * D, kr, D);
+                if (cap > 0.0f) v = cap * tanhf(v / cap);
+                sc[(r * Gp + i) * nmax + k - lo[r]] = v;
+                if (v > mx[r * Gp + i]) mx[r * Gp + i] = v;
+            }
+        }
+    }
+    /* softmax numerators and their sums, per row and head */
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < Gp; i++) {
+            float *si = sc + (r * Gp + i) * nmax;
+            const float m = mx[r * Gp + i];
+            const int64_t nr = L[r] - lo[r];
+#pragma omp simd
+            for (int64_t j = 0; j < nr; j++) si[j] = exp_neg(si[j] - m);
+            den[r * Gp + i] = sum16(si, nr);
+        }
+    /* the weighted V sums, CHUNK keys at a time for every row and head (key after key) */
+    memset(acc, 0, sizeof(float) * (size_t)(RG * Dv));
+    for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        const int64_t c1 = c0 + CHUNK < n ? c0 + CHUNK : n;
+        int first = 1;  /* the first row and head to read the chunk prefetch ahead */
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t j0 = lo[r] - kmin > c0 ? lo[r] - kmin : c0;
+            const int64_t j1 = L[r] - kmin < c1 ? L[r] - kmin : c1;
+            if (j0 >= j1) continue;
+            for (int64_t i = 0; i < Gp; i++) {
+                const float *pi = sc + (r * Gp + i) * nmax + (kmin - lo[r]);
+                float *ai = acc + (r * Gp + i) * Dv;
+#if defined(__AVX512F__)
+                if (vec) {
+                    if (D == 64) value_run(pi, vb, bf, sk, j0, j1, n, first, vs, g, 4, ai);
+                    else value_run(pi, vb, bf, sk, j0, j1, n, first, vs, g, 8, ai);
+                    first = 0;
+                    continue;
+                }
+#endif
+                for (int64_t j = j0; j < j1; j++) {
+                    const float *v = cache_row(vb, bf, esz, sk, j, first ? n : 0, vs, g, Dv,
+                                               krow);
+                    const float p = pi[j];
+#pragma omp simd
+                    for (int64_t d = 0; d < Dv; d++) ai[d] += p * v[d];
+                }
+                first = 0;
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < Gp; i++) {
+            const float dn = den[r * Gp + i], rc = dn > 0.0f ? 1.0f / dn : 0.0f;
+            const float *ai = acc + (r * Gp + i) * Dv;
+            for (int64_t d = 0; d < Dv; d++)
+                st(out, out_bf, ((b0 + r) * H + h0 + i) * Dv + d, ai[d] * rc);
+        }
+    free(sc);
+    return 0;
+}
+
+/* The decode of groups of query rows: group t is rows first[t]..first[t + 1] - 1 (at most 16),
+ * which share the slots of row first[t]. Items are (group, KV head), or parts of a KV head's
+ * query heads when there are fewer items than threads (P parts: the largest divisor of G up to
+ * the threads per item, each part re-reading the rows; a head's arithmetic does not depend on
+ * the split, so the result does not either). */
+static int decode_groups(const void *q, int q_bf, const void *kb, const void *vb, int bf,
+                         const int64_t *slots, int64_t ss, const int64_t *seq_lens,
+                         const int64_t *first, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                         int64_t Dv, int64_t ks, int64_t vs, float scale, int64_t window,
+                         float cap, void *out, int out_bf, int nthreads) {
+    const int64_t G = H / Hkv;
+    int64_t work = 0;
+    for (int64_t t = 0; t < T; t++) {
+        if (first[t + 1] - first[t] > 16 || first[t + 1] < first[t]) return -1;
+        work += seq_lens[first[t + 1] - 1];
+    }
+    int64_t P = 1;
+    if (T * Hkv < nthreads)
+        for (int64_t p = (nthreads + T * Hkv - 1) / (T * Hkv); p > 1; p--)
+            if (G % p == 0) { P = p; break; }
+    const int64_t Gp = G / P;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (work * H * D >= 32768)
+    for (int64_t it = 0; it < T * Hkv * P; it++) {
+        const int64_t t = it / (Hkv * P), g = (it / P) % Hkv;
+        const int64_t b0 = first[t];
+        if (decode_item(q, q_bf, kb, vb, bf, slots + b0 * ss, seq_lens, b0, first[t + 1] - b0,
+                        H, D, Dv, ks, vs, scale, window, cap, out, out_bf, g,
+                        g * G + (it % P) * Gp, Gp))
+            failed = 1;
+    }
+    return failed ? -2 : 0;
+}
+
+/* ca_decode for T groups of rows of one request each (a verify step's tokens): first [T + 1]
+ * row offsets, at most 16 rows a group; a group's rows share the slots of its first row and
+ * row b attends to its first seq_lens[b] slots. Every row gives the bits ca_decode gives it
+ * alone. Returns 0, -1 on a bad group, or -2 when out of memory. */
+int ca_decode_rows(const void *q, int q_bf, const void *kb, const void *vb, int bf,
+                   const int64_t *slots, int64_t ss, const int64_t *seq_lens,
+                   const int64_t *first, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                   int64_t Dv, int64_t ks, int64_t vs, float scale, int64_t window, float cap,
+                   void *out, int out_bf, int nthreads) {
+    return decode_groups(q, q_bf, kb, vb, bf, slots, ss, seq_lens, first, T, H, Hkv, D, Dv, ks,
+                         vs, scale, window, cap, out, out_bf, nthreads);
 }
 
 /* ---- MLA decode (plugins/attention/cpu_c/mla.py) -------------------------------------------

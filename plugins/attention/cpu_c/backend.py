@@ -26,20 +26,21 @@ def library(variant: str) -> ctypes.CDLL:
     lib.ca_decode.argtypes = [p, i32, p, p, i32, p, i64, p, i64, i64, i64, i64, i64, i64, i64,
                               f, i64, f, p, i32, i32]
     lib.ca_decode.restype = i32
+    lib.ca_decode_rows.argtypes = [p, i32, p, p, i32, p, i64, p, p, i64, i64, i64, i64, i64, i64,
+                                   i64, f, i64, f, p, i32, i32]
+    lib.ca_decode_rows.restype = i32
     lib.ca_mla_decode.argtypes = [p, p, i32, i64, p, i64, p, i64, i64, i64, i64, f, p, i32]
     lib.ca_mla_decode.restype = i32
     return lib
 
 
-# In bf16, an extend whose requests add at most this many tokens each (speculative verify: the
-# last token and up to 15 drafts) runs as decode rows through the C kernel
-# (plugins/_kit/pool_attention.py), so a verify step rounds exactly as decode steps do: a tiny
-# Llama in bf16 with ngram speculation on an AVX2 CPU gave greedy answers identical to
-# speculation off on 6 of 6 prompts at 4 and 8 drafts (5 of 6 through the prefill path). It
-# costs attention time: each row re-reads its request's cached rows. One thread, bf16, one
-# request, prefixes 512 / 4k / 16k (AVX2; bench/bench_cpu_verify_rows.py): 0.8x torch_native's
-# gather + dense prefill at 2 rows, 1.3-2.0x at 5 and 2.9-4.6x at 16. In fp32 the prefill path
-# stays (greedy answers already agree there).
+# An extend whose requests add at most this many tokens each (speculative verify: the last
+# token and up to 15 drafts) runs as decode rows through the C kernel
+# (plugins/_kit/pool_attention.py), each request's rows one work item (ca_decode_rows: the
+# request's cache read about once for all its rows), so a verify step rounds exactly as decode
+# steps do: greedy answers with speculation on are those with it off, whatever the quant method
+# (with int8 activations, `gguf_*_q8`, the prefill path's rounding changed greedy answers on 8
+# of 16 bench prompts; bench/RESULTS.md).
 SHORT_EXTEND = 16
 
 
@@ -50,6 +51,7 @@ class CpuCMeta(TorchNativeMeta):
 
     seq_lens_t: torch.Tensor | None = None  # [B] int64
     rows: CpuCMeta | None = None
+    first: torch.Tensor | None = None  # decode rows: [requests + 1] row offsets (int64)
 
 
 class CpuCAttention(PoolDecodeAttention):
@@ -59,11 +61,12 @@ class CpuCAttention(PoolDecodeAttention):
     variant = "portable"
     native_bf16_q = True  # q fp32 or bf16 in, out in q's dtype
     # compute dtypes whose short extends run as decode rows (see SHORT_EXTEND)
-    rows_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+    rows_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
-        self.fn = library(self.variant).ca_decode
+        lib = library(self.variant)
+        self.fn, self.fn_rows = lib.ca_decode, lib.ca_decode_rows
         self.threads = torch.get_num_threads()
 
     def decode(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -73,12 +76,16 @@ class CpuCAttention(PoolDecodeAttention):
         q_bf = int(q.dtype == torch.bfloat16)
         out = torch.empty(B, H * Dv, dtype=q.dtype)
         slots, lens = meta.slots, meta.seq_lens_t
-        rc = self.fn(q.data_ptr(), q_bf, k_buf.data_ptr(), v_buf.data_ptr(),
-                     int(k_buf.dtype == torch.bfloat16), slots.data_ptr(), slots.stride(0),
-                     lens.data_ptr(), B, H, Hkv, D, Dv, k_buf.stride(0), v_buf.stride(0),
-                     layer.scaling,
-                     layer.sliding_window or 0, layer.logit_softcap or 0.0, out.data_ptr(),
-                     q_bf, self.threads)
+        head = (q.data_ptr(), q_bf, k_buf.data_ptr(), v_buf.data_ptr(),
+                int(k_buf.dtype == torch.bfloat16), slots.data_ptr(), slots.stride(0),
+                lens.data_ptr())
+        tail = (H, Hkv, D, Dv, k_buf.stride(0), v_buf.stride(0), layer.scaling,
+                layer.sliding_window or 0, layer.logit_softcap or 0.0, out.data_ptr(), q_bf,
+                self.threads)
+        if meta.first is None:
+            rc = self.fn(*head, B, *tail)
+        else:
+            rc = self.fn_rows(*head, meta.first.data_ptr(), meta.first.numel() - 1, *tail)
         if rc != 0:
             raise MemoryError("cpu_c decode attention: out of memory")
         return out
@@ -95,9 +102,13 @@ class CpuCAttention(PoolDecodeAttention):
             lens = [p + j + 1 for p, n in zip(meta.prefix_lens, meta.extend_lens, strict=True)
                     for j in range(n)]
             slots = meta.slots[torch.as_tensor(owner, dtype=torch.long)].contiguous()
+            first = [0]
+            for n in meta.extend_lens:
+                first.append(first[-1] + n)
             meta.rows = CpuCMeta(True, slots, lens, [n - 1 for n in lens], [1] * len(lens),
                                  list(range(len(lens))),
-                                 seq_lens_t=torch.as_tensor(lens, dtype=torch.int64))
+                                 seq_lens_t=torch.as_tensor(lens, dtype=torch.int64),
+                                 first=torch.as_tensor(first, dtype=torch.int64))
         return meta
 
 
