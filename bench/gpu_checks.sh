@@ -22,11 +22,16 @@
 #   gemma       profile_decode.py on Gemma-2-9B at batch 1, then sweep_triton.py --shape gemma2
 #               (the d256 decode tiling, tuning.py's ("sm90", "d256") entry)
 #   cold-start  bench/cold_start.py (Llama-3.1-8B dummy: empty kernel caches, then a restart)
+#   amx         the host CPU, not the GPU (issue 38; the H200 host has AMX): its flags, the AMX
+#               tests, a random-weight copy of the default model built from .whl/meta.gguf
+#               (bench/gguf_like.py; needs the gguf wheel in .whl), batch-1 decode steps at 4 and
+#               16 threads, then bench_cpu_peers.py (ours, and llama.cpp when a llama_cpp_python
+#               wheel built for this CPU is in .whl) at 16 threads, one rep
 #
 # Wheels the image lacks (gguf, compressed-tensors, xgrammar, ...) are installed from ./.whl
 # when it exists (carry it with the device tool), then the checkout with its entry points.
 set -u
-STAGES="suites quant-diag batch1 peers serve offline-fp8 parallel-1gpu lora spec gemma cold-start"
+STAGES="suites quant-diag batch1 peers serve offline-fp8 parallel-1gpu lora spec gemma cold-start amx"
 for s in ${*:-}; do  # refuse an unknown stage before any device time goes
     case " $STAGES " in *" $s "*) ;; *) echo "unknown stage $s (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -107,6 +112,17 @@ for stage in "${@:-suites quant-diag batch1}"; do
             --out "$R/sweep_d256.json" ;;
     cold-start)
         run cold_start 150 python3 bench/cold_start.py --out "$R/cold_start.json" ;;
+    amx)
+        { lscpu; grep -o -w 'amx_[a-z0-9]*\|avx512_[a-z0-9]*' /proc/cpuinfo | sort -u; } \
+            >"$R/amx_cpu.txt" 2>&1
+        run amx_tests 150 "${PYTEST[@]}" tests/test_gguf_amx.py tests/test_cpu_amx_attention.py
+        run amx_model 60 python3 bench/gguf_like.py build .whl/meta.gguf /tmp/smol.gguf
+        run amx_steps 120 python3 bench/cpu_decode_steps.py --model-path /tmp/smol.gguf \
+            --threads 4,16 --steps 64
+        peers=ours
+        python3 -c "import llama_cpp" 2>/dev/null && peers=ours,llama.cpp
+        run amx_peers 240 python3 bench/bench_cpu_peers.py --model-path /tmp/smol.gguf \
+            --peers "$peers" --threads 16 --reps 1 --out "$R/amx_peers.json" ;;
     esac
   done
 done
