@@ -27,6 +27,7 @@ from core.contract.capabilities import KINDS
 from core.contract.hookspecs import PLUGIN_API_VERSION
 from core.contract.json_types import JSON
 from core.plan.args import add_cli_args, from_namespace, load_yaml_config
+from core.plan.hf_imports import keep_torchvision_out
 from core.plan.matrix import jsonable
 from core.plan.registry import PluginError, Registry, get_registry
 
@@ -396,6 +397,7 @@ COMMANDS = {"backends": _cmd_backends, "resolve": _cmd_resolve, "matrix": _cmd_m
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `core` console script; returns the exit code."""
+    keep_torchvision_out()  # before anything imports transformers (core.plan.hf_imports)
     parser = _build_parser()
     try:
         ns = parser.parse_args(argv)

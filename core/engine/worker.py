@@ -42,6 +42,7 @@ from core.messages import (
     encode,
 )
 from core.plan.args import ServerArgs, make_server_args
+from core.plan.hf_imports import keep_torchvision_out
 from core.plan.plan import Plan
 
 if TYPE_CHECKING:  # torch and the engine's modules are imported where a phase needs them
@@ -992,6 +993,7 @@ def worker_main(conn: Connection, args_json: str, plan_json: str, rank_json: str
     `slot`: its place among this node's engine processes (share_threads)."""
     # Ctrl-C reaches the whole process group: the client decides when the worker stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_torchvision_out()  # core.plan.hf_imports: before transformers
     chan = Channel(conn)
     ranks = None
     try:
@@ -1032,6 +1034,7 @@ def rank_main(rank_json: str) -> None:
     from it, build this rank's engine core, and follow rank 0's loop. A failure ends the
     process with the reason on stderr; rank 0 sees its collectives fail and reports it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_torchvision_out()  # core.plan.hf_imports: before transformers
     from core.engine.distributed import RankSpec
 
     spec = RankSpec.from_json(rank_json)
@@ -1056,6 +1059,7 @@ def worker_prestarted(conn: Connection) -> None:
     is not imported: a GGUF model with its cache entry (core.plan.gguf_cache) builds without it, and
     a model that needs it imports it while loading."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keep_torchvision_out()  # core.plan.hf_imports: before transformers
     import torch  # noqa: F401
 
     import core.engine.loader  # noqa: F401
