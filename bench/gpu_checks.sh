@@ -93,10 +93,10 @@ for stage in "${@:-suites quant-diag batch1}"; do
         run parallel_1gpu 540 python3 bench/bench_parallel.py --tp-sizes 1 --dp-sizes 1,2 \
             --num-prompts 200 --out "$R/parallel_1gpu.json" ;;
     lora)
-        run lora_gpu 150 "${PYTEST[@]}" -m gpu tests/test_lora_conformance.py \
+        run lora_gpu 240 "${PYTEST[@]}" -m gpu tests/test_lora_conformance.py \
             tests/test_lora_triton_blocks.py tests/test_lora_graphs.py tests/test_lora.py \
             --conformance-device cuda
-        run lora_serving 300 python3 bench/bench_lora_serving.py --skip-eager-base \
+        run lora_serving 200 python3 bench/bench_lora_serving.py --skip-eager-base \
             --out "$R/lora_serving.json"
         run prof_lora 120 python3 bench/profile_decode.py --lora 8 --batch-sizes 1,64 \
             --steps 16 --graph-max-bs 64 --rows 25 --out "$R/prof_lora.json" ;;
