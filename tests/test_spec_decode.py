@@ -6,7 +6,9 @@ the counters, and the proposers' conformance suite over every registered propose
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -618,3 +620,41 @@ def test_drafts_are_levelled_down_so_the_verify_rows_fit_the_largest_graph():
     assert fit([4] * 20, max_bs=16) == ([4] * 20, 0)  # the batch itself is past the graphs
     assert fit([4] * 4, verify_graphs=False) == ([4] * 4, 0)
     assert fit([4] * 4, graphs=False) == ([4] * 4, 0)
+
+
+def _q8_method() -> str:
+    """The int8-activation GGUF method this CPU runs best (llama.cpp's arithmetic)."""
+    from plugins._kit.cbuild import ISA_FEATURES
+    from plugins.hardware.cpu import ISA_FLAGS, read_cpuinfo
+
+    info = read_cpuinfo() or {}
+    flags = set((info.get("flags") or info.get("Features") or "").split()) & set(ISA_FLAGS)
+    for variant, method in (("avx512_vnni", "gguf_avx512_q8"), ("avx2", "gguf_avx2_q8")):
+        if ISA_FEATURES[variant] <= flags:
+            return method
+    return "gguf_c_q8"
+
+
+def test_default_model_greedy_identical_with_int8_activations():
+    """With int8 activations a verify step must round exactly as decode steps do: through the
+    prefill path its fp32 attention differed by ~1e-7, which int8 activation codes turned into
+    flipped near-ties (these two bench prompts differed from speculation off at tokens 21 and
+    45 before cpu_c ran verify rows as decode rows in fp32)."""
+    import core
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from spec_prompts import INPUT_GROUNDED
+
+    prompts = [p["messages"] for p in INPUT_GROUNDED
+               if p["name"] in ("quote_solar", "code_docstring")]
+    kw = {"quantization": _q8_method(), "max_total_tokens": 4096}
+    params = {"max_new_tokens": 80, "temperature": 0}
+    with core.Engine(**kw) as off:
+        tok = off.tokenizer
+        ids = [tok.encode(tok.apply_chat_template(m), add_special_tokens=False) for m in prompts]
+        want = off.generate(input_ids=ids, sampling_params=params)
+    with core.Engine(**kw, speculative_algorithm="ngram", speculative_governor="off") as on:
+        got = on.generate(input_ids=ids, sampling_params=params)
+        assert on.stats()["spec_num_accepted_tokens"] > 0
+    for w, g in zip(want, got, strict=True):
+        assert g["output_ids"] == w["output_ids"]
