@@ -112,7 +112,8 @@ static inline __attribute__((always_inline)) void score_key(
         for (int64_t i = 0; i < Gp; i++) {
             const float *qi = qs + (r * Gp + i) * NC * 16;
             __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qi), kv[0]);
-            for (int c = 1; c < NC; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), kv[c], a);
+            for (int c = 1; c < NC; c++)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * c), kv[c], a);
             float v = _mm512_reduce_add_ps(a);
             if (cap > 0.0f) v = cap * tanhf(v / cap);
             sc[(r * Gp + i) * nmax + k - lo[r]] = v;
@@ -122,15 +123,16 @@ static inline __attribute__((always_inline)) void score_key(
 }
 
 /* ai += sum over the item's keys j0..j1-1 of p[j] * V_j, key after key, the accumulators in
- * registers (NC = Dv / 16, a constant at each call site); `ahead`: prefetch V rows up to c1 */
+ * registers (NC = Dv / 16, a constant at each call site); `ahead`: prefetch the V row AHEAD
+ * keys on, up to key `end` */
 static inline __attribute__((always_inline)) void value_run(
     const float *p, const void *vb, int bf, const int64_t *sk, int64_t j0, int64_t j1,
-    int64_t c1, int ahead, int64_t vs, int64_t g, int NC, float *ai) {
+    int64_t end, int ahead, int64_t vs, int64_t g, int NC, float *ai) {
     const size_t esz = bf ? 2 : 4;
     __m512 a[8];
     for (int c = 0; c < NC; c++) a[c] = _mm512_loadu_ps(ai + 16 * c);
     for (int64_t j = j0; j < j1; j++) {
-        if (ahead && j + AHEAD < c1)
+        if (ahead && j + AHEAD < end)
             __builtin_prefetch((const char *)vb + (sk[j + AHEAD] * vs + g * NC * 16) * esz);
         const int64_t row = sk[j] * vs + g * NC * 16;
         const void *vr = bf ? (const void *)((const uint16_t *)vb + row)
@@ -336,8 +338,10 @@ static int decode_item(const void *q, int q_bf, const void *kb, const void *vb, 
         const int64_t k = kmin + j;
 #if defined(__AVX512F__)
         if (vec) {
-            if (D == 64) score_key(qs, kb, bf, sk, j, n, ks, g, k, lo, L, R, Gp, nmax, 4, cap, sc, mx);
-            else score_key(qs, kb, bf, sk, j, n, ks, g, k, lo, L, R, Gp, nmax, 8, cap, sc, mx);
+            if (D == 64)
+                score_key(qs, kb, bf, sk, j, n, ks, g, k, lo, L, R, Gp, nmax, 4, cap, sc, mx);
+            else
+                score_key(qs, kb, bf, sk, j, n, ks, g, k, lo, L, R, Gp, nmax, 8, cap, sc, mx);
             continue;
         }
 #endif
@@ -418,7 +422,7 @@ static int decode_groups(const void *q, int q_bf, const void *kb, const void *vb
     int64_t work = 0;
     for (int64_t t = 0; t < T; t++) {
         if (first[t + 1] - first[t] > 16 || first[t + 1] < first[t]) return -1;
-        work += seq_lens[first[t + 1] - 1];
+        if (first[t + 1] > first[t]) work += seq_lens[first[t + 1] - 1];
     }
     int64_t P = 1;
     if (T * Hkv < nthreads)

@@ -86,6 +86,8 @@ class CpuCAttention(PoolDecodeAttention):
             rc = self.fn(*head, B, *tail)
         else:
             rc = self.fn_rows(*head, meta.first.data_ptr(), meta.first.numel() - 1, *tail)
+        if rc == -1:
+            raise ValueError(f"cpu_c decode rows: a request adds more than {SHORT_EXTEND} tokens")
         if rc != 0:
             raise MemoryError("cpu_c decode attention: out of memory")
         return out
