@@ -211,6 +211,17 @@ static __attribute__((noinline)) void scores_portable(
     }
 }
 
+/* With fewer work items than threads (batch 1, MLA's single latent head), each item's `heads`
+ * query heads are split in P parts, P the largest divisor of `heads` up to the threads per item,
+ * every part re-reading the item's rows. A head's arithmetic does not depend on the split, so
+ * the result does not either. Returns P (1 with enough items). */
+static int64_t head_parts(int64_t items, int64_t heads, int nthreads) {
+    if (items >= nthreads) return 1;
+    for (int64_t p = (nthreads + items - 1) / items; p > 1; p--)
+        if (heads % p == 0) return p;
+    return 1;
+}
+
 /* q [B, H, D] fp32 (q_bf 0) or bf16 (1); kb [S, Hkv, D], vb [S, Hkv, Dv] with slots ks and vs
  * elements apart (Hkv * D and Hkv * Dv for separate K and V caches; MLA's latent cache is one
  * head whose V is the first Dv values of its K row, ks = vs = the row width); slots [B, ss] int64;
@@ -224,15 +235,7 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
     const int64_t G = H / Hkv;
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += seq_lens[b];
-    /* Fewer (request, KV head) items than threads (batch 1, MLA's single latent head): each
-     * item's query heads are split in P parts, the largest divisor of G up to the threads per
-     * item, every part re-reading the item's rows. A head's arithmetic does not depend on the
-     * split, so the result does not either. */
-    int64_t P = 1;
-    if (B * Hkv < nthreads)
-        for (int64_t p = (nthreads + B * Hkv - 1) / (B * Hkv); p > 1; p--)
-            if (G % p == 0) { P = p; break; }
-    const int64_t Gp = G / P;
+    const int64_t P = head_parts(B * Hkv, G, nthreads), Gp = G / P;
     int failed = 0;
     const size_t esz = bf ? 2 : 4;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (work * H * D >= 32768)
@@ -408,27 +411,23 @@ static int decode_item(const void *q, int q_bf, const void *kb, const void *vb, 
     return 0;
 }
 
-/* The decode of groups of query rows: group t is rows first[t]..first[t + 1] - 1 (at most 16),
- * which share the slots of row first[t]. Items are (group, KV head), or parts of a KV head's
- * query heads when there are fewer items than threads (P parts: the largest divisor of G up to
- * the threads per item, each part re-reading the rows; a head's arithmetic does not depend on
- * the split, so the result does not either). */
-static int decode_groups(const void *q, int q_bf, const void *kb, const void *vb, int bf,
-                         const int64_t *slots, int64_t ss, const int64_t *seq_lens,
-                         const int64_t *first, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                         int64_t Dv, int64_t ks, int64_t vs, float scale, int64_t window,
-                         float cap, void *out, int out_bf, int nthreads) {
+/* ca_decode for T groups of rows of one request each (a verify step's tokens): first [T + 1]
+ * row offsets, at most 16 rows a group; a group's rows share the slots of its first row and
+ * row b attends to its first seq_lens[b] slots. Items are (group, KV head), or parts of a KV
+ * head's query heads (head_parts). Every row gives the bits ca_decode gives it alone. Returns 0,
+ * -1 on a bad group, or -2 when out of memory. */
+int ca_decode_rows(const void *q, int q_bf, const void *kb, const void *vb, int bf,
+                   const int64_t *slots, int64_t ss, const int64_t *seq_lens,
+                   const int64_t *first, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                   int64_t Dv, int64_t ks, int64_t vs, float scale, int64_t window, float cap,
+                   void *out, int out_bf, int nthreads) {
     const int64_t G = H / Hkv;
     int64_t work = 0;
     for (int64_t t = 0; t < T; t++) {
         if (first[t + 1] - first[t] > 16 || first[t + 1] < first[t]) return -1;
         if (first[t + 1] > first[t]) work += seq_lens[first[t + 1] - 1];
     }
-    int64_t P = 1;
-    if (T * Hkv < nthreads)
-        for (int64_t p = (nthreads + T * Hkv - 1) / (T * Hkv); p > 1; p--)
-            if (G % p == 0) { P = p; break; }
-    const int64_t Gp = G / P;
+    const int64_t P = head_parts(T * Hkv, G, nthreads), Gp = G / P;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (work * H * D >= 32768)
     for (int64_t it = 0; it < T * Hkv * P; it++) {
@@ -440,19 +439,6 @@ static int decode_groups(const void *q, int q_bf, const void *kb, const void *vb
             failed = 1;
     }
     return failed ? -2 : 0;
-}
-
-/* ca_decode for T groups of rows of one request each (a verify step's tokens): first [T + 1]
- * row offsets, at most 16 rows a group; a group's rows share the slots of its first row and
- * row b attends to its first seq_lens[b] slots. Every row gives the bits ca_decode gives it
- * alone. Returns 0, -1 on a bad group, or -2 when out of memory. */
-int ca_decode_rows(const void *q, int q_bf, const void *kb, const void *vb, int bf,
-                   const int64_t *slots, int64_t ss, const int64_t *seq_lens,
-                   const int64_t *first, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                   int64_t Dv, int64_t ks, int64_t vs, float scale, int64_t window, float cap,
-                   void *out, int out_bf, int nthreads) {
-    return decode_groups(q, q_bf, kb, vb, bf, slots, ss, seq_lens, first, T, H, Hkv, D, Dv, ks,
-                         vs, scale, window, cap, out, out_bf, nthreads);
 }
 
 /* ---- MLA decode (plugins/attention/cpu_c/mla.py) -------------------------------------------
@@ -565,12 +551,7 @@ int ca_mla_decode(const float *q, const void *cache, int bf, int64_t rs, const i
                   int64_t ss, const int64_t *seq_lens, int64_t B, int64_t H, int64_t W,
                   int64_t R, float scale, float *out, int nthreads) {
     const int64_t Wp = (W + VL - 1) / VL * VL, Rp = (R + VL - 1) / VL * VL;
-    /* as ca_decode: with fewer requests than threads, each one's heads in P parts */
-    int64_t P = 1;
-    if (B < nthreads)
-        for (int64_t p = (nthreads + B - 1) / B; p > 1; p--)
-            if (H % p == 0) { P = p; break; }
-    const int64_t G = H / P;
+    const int64_t P = head_parts(B, H, nthreads), G = H / P;  /* as ca_decode */
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += seq_lens[b];
     int failed = 0;
