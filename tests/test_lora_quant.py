@@ -294,12 +294,12 @@ def test_default_gguf_model_from_its_blocks_with_adapters_matches_hf_peft(tmp_pa
 
 
 def _gguf_variants() -> list:
+    from test_gguf_quant import cpu_features
+
     from plugins._kit.cbuild import ISA_FEATURES
-    from plugins.hardware.cpu import ISA_FLAGS, read_cpuinfo
     from plugins.quant.gguf import VARIANTS
 
-    info = read_cpuinfo() or {}
-    have = set((info.get("flags") or info.get("Features") or "").split()) & set(ISA_FLAGS)
+    have = cpu_features()
     out = []
     for name, (_, isa, _, _) in VARIANTS.items():
         lacking = sorted(ISA_FEATURES[isa] - have)

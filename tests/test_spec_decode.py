@@ -624,11 +624,11 @@ def test_drafts_are_levelled_down_so_the_verify_rows_fit_the_largest_graph():
 
 def _q8_method() -> str:
     """The int8-activation GGUF method this CPU runs best (llama.cpp's arithmetic)."""
-    from plugins._kit.cbuild import ISA_FEATURES
-    from plugins.hardware.cpu import ISA_FLAGS, read_cpuinfo
+    from test_gguf_quant import cpu_features
 
-    info = read_cpuinfo() or {}
-    flags = set((info.get("flags") or info.get("Features") or "").split()) & set(ISA_FLAGS)
+    from plugins._kit.cbuild import ISA_FEATURES
+
+    flags = cpu_features()
     for variant, method in (("avx512_vnni", "gguf_avx512_q8"), ("avx2", "gguf_avx2_q8")):
         if ISA_FEATURES[variant] <= flags:
             return method
