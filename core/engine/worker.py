@@ -1052,23 +1052,44 @@ def rank_main(rank_json: str) -> None:
     ranks.leave()
 
 
-def worker_prestarted(conn: Connection) -> None:
-    """Entry of a worker spawned before the parent has resolved its plan (core.frontend.client.
-    start_worker): import what building the engine needs (torch: seconds) while the parent
-    resolves, then read the args and plan (one JSON message) and run worker_main. transformers
-    is not imported: a GGUF model with its cache entry (core.plan.gguf_cache) builds without it, and
-    a model that needs it imports it while loading."""
+def worker_prestarted(conn: Connection, warm_path: str | None = None) -> None:
+    """Entry of a worker spawned before the parent has resolved its plan
+    (core.frontend.prestart.StartedWorker): import what building the engine needs (torch:
+    seconds) and read the spec of the model at `warm_path` (None: the default model) while the
+    parent resolves, then read the args and plan (one JSON message) and run worker_main.
+    Reading the spec imports what reading that model needs: nothing more for a GGUF file with
+    its cache entry (core.plan.gguf_cache), transformers' config classes for an HF config, which
+    the worker reads again once the plan comes (plan_from_parent, the loader)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_torchvision_out()  # core.plan.hf_imports: before transformers
     import torch  # noqa: F401
 
     import core.engine.loader  # noqa: F401
+    _warm_up(warm_path)
     try:
         message = json.loads(conn.recv_bytes().decode())
     except (EOFError, OSError):
         return  # the parent gave up before sending a plan (its resolution failed)
     worker_main(conn, message["args"], message["plan"], message.get("rank"),
                 message.get("device_index", 0), message.get("slot", 0))
+
+
+def _warm_up(model_path: str | None) -> None:
+    """What plan_from_parent will do, done early for its imports: the plugin registry and the
+    model's spec. A failure here is dropped: the same calls run again after the plan comes,
+    and report it there (or the parent's resolution fails first and no plan comes)."""
+    from core.plan.model_spec import load_model_spec
+    from core.plan.registry import get_registry
+
+    try:
+        get_registry()
+        if model_path is None:
+            from core.plan.default_model import default_model_path
+
+            model_path = default_model_path()
+        load_model_spec(model_path)
+    except Exception:  # noqa: BLE001, S110 - reported where it is done for real (above)
+        pass
 
 
 def args_to_json(args: ServerArgs) -> str:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from core import messages as ipc
 from core.frontend.delta import Delta
+from core.frontend.prestart import StartedWorker
 from core.frontend.request_checks import RequestChecks
 from core.messages import SPEC_FIELDS, Channel, ChannelClosed, SamplingParams
 from core.plan.args import ServerArgs
@@ -62,29 +63,6 @@ class _ReqState:
     emitted: int = 0  # characters of raw_text already sent
     stop_floor: int = 0  # stop strings ending at or before this character do not count
     output_ids: list[int] = field(default_factory=list)
-
-
-class StartedWorker:
-    """A worker process spawned ahead of its plan (core.engine.worker.worker_prestarted): it imports
-    torch while the parent resolves; `EngineClient(..., started=it)` sends it the plan.
-    `cancel()` when the plan never comes (the worker then exits)."""
-
-    def __init__(self) -> None:
-        from core.engine.worker import worker_prestarted
-
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=worker_prestarted, args=(child,),
-                                   name="core-engine-worker", daemon=True)
-        self.process.start()
-        child.close()
-
-    def cancel(self) -> None:
-        self.conn.close()
-        self.process.join(timeout=15)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=5)
 
 
 def device_index(args: ServerArgs, device: DeviceInfo, replica: int, local_rank: int = 0) -> int:

@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING
 
-from core.frontend.client import EngineClient, EngineError, StartedWorker
+from core.frontend.client import EngineClient, EngineError
 from core.frontend.delta import Delta
+from core.frontend.prestart import StartedWorker
 from core.frontend.router import ReplicaSet
 from core.messages import EngineInfo, SamplingParams, expand_n, to_json
 from core.plan.args import ServerArgs, apply_environment, make_server_args, serving_defaults
@@ -55,24 +56,38 @@ class Engine:
     Engine(model_path=None, **server_args) takes ServerArgs fields as keywords (or
     server_args=ServerArgs(...)); with no model path it serves the embedded SmolLM2.
     serving=True: `core serve`'s defaults where they differ (core.plan.args.serving_defaults),
-    for the device the plan chose.
+    for the device the plan chose. started: worker processes the caller spawned already
+    (core.frontend.prestart.StartedWorker, one per replica), so their imports began earlier;
+    the engine owns them from here (and stops them if it fails to start).
     """
 
     def __init__(self, model_path: str | None = None, *, server_args: ServerArgs | None = None,
-                 serving: bool = False, **kwargs: object):
+                 serving: bool = False, started: list[StartedWorker] | None = None,
+                 **kwargs: object):
         from core.engine.worker import make_plan
         from core.plan.resolver import explain
 
-        if server_args is None:
-            args = make_server_args(model_path=model_path, **kwargs)
-        else:
-            if kwargs:
-                raise ValueError("pass either server_args or keyword arguments, not both")
-            args = apply_environment(server_args if model_path is None else
-                                     server_args.replace(model_path=model_path))
-        # the workers import torch while this process resolves the plan
+        try:
+            if server_args is None:
+                args = make_server_args(model_path=model_path, **kwargs)
+            else:
+                if kwargs:
+                    raise ValueError("pass either server_args or keyword arguments, not both")
+                args = apply_environment(server_args if model_path is None else
+                                         server_args.replace(model_path=model_path))
+        except BaseException:
+            for worker in started or ():
+                worker.cancel()
+            raise
+        # the workers import torch while this process resolves the plan (`started`: spawned
+        # by the caller, earlier still; one per replica, else they are stopped and replaced)
         t0 = time.perf_counter()
-        started = [StartedWorker() for _ in range(args.dp_size)]
+        if started is not None and len(started) != args.dp_size:
+            for worker in started:
+                worker.cancel()
+            started = None
+        if started is None:
+            started = [StartedWorker(args.model_path) for _ in range(args.dp_size)]
         t1 = time.perf_counter()
         try:
             self.args, self.plan, self.spec, _ = make_plan(args)

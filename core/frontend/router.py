@@ -53,8 +53,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from core import messages as ipc
-from core.frontend.client import EngineClient, EngineError, RequestStreams, StartedWorker
+from core.frontend.client import EngineClient, EngineError, RequestStreams
 from core.frontend.delta import Delta
+from core.frontend.prestart import StartedWorker
 from core.frontend.replica_loras import ReplicaLoras, not_loaded
 from core.messages import Finish, SamplingParams
 from core.plan.args import ServerArgs
@@ -259,7 +260,7 @@ class ReplicaSet(RequestStreams):
                  started: Sequence[StartedWorker] | None = None, start_timeout: float = 900.0,
                  policy: Policy | None = None):
         """`args.dp_size` replicas of (`args`, `plan`); `started`: one prestarted worker per
-        replica (core.frontend.client.StartedWorker), all handed over (cancelled if start-up fails)."""
+        replica (core.frontend.prestart.StartedWorker), all handed over (cancelled if start-up fails)."""
         n = args.dp_size
         if started is not None and len(started) != n:
             raise ValueError(f"{len(started)} started workers for {n} replicas")

@@ -33,6 +33,7 @@ from core.plan.args import ServerArgs
 if TYPE_CHECKING:
     from core.contract.json_types import JSONObject
     from core.frontend.offline import Engine
+    from core.frontend.prestart import StartedWorker
 
 HEARTBEAT_STALE_S = 10.0  # no heartbeat for this long (sent every second): the worker is wedged
 STATS_RPC_TIMEOUT_S = 1.0  # longer than this, a step is running: use the heartbeat's figures
@@ -316,10 +317,12 @@ def _figures(s: JSONObject) -> JSONObject:
                or k == "prefill_capped_steps"}}
 
 
-def start_async_engine(args: ServerArgs) -> AsyncEngine:
+def start_async_engine(args: ServerArgs, started: list[StartedWorker] | None = None
+                       ) -> AsyncEngine:
     """Resolve the plan, load the model in the worker process (with --dp-size N, N workers
-    started together behind core.frontend.router.ReplicaSet), wrap it for the server."""
+    started together behind core.frontend.router.ReplicaSet), wrap it for the server.
+    `started`: the workers, spawned already (core.frontend.prestart)."""
     from core.frontend.offline import Engine
 
-    engine = Engine(server_args=args, serving=True)
+    engine = Engine(server_args=args, serving=True, started=started)
     return AsyncEngine(engine, served_name(args, engine.args.model_path))

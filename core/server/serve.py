@@ -263,7 +263,6 @@ def serve_main(args: ServerArgs) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from core.frontend.serving import start_async_engine
     from core.server.auth import resolve_api_key
 
     if args.node_rank > 0:  # another node's ranks of node 0's engine: no HTTP here
@@ -276,8 +275,15 @@ def serve_main(args: ServerArgs) -> int:
     except ValueError as e:
         print(f"core serve: error: {e}", file=sys.stderr)
         return 2
+    # The engine's workers first, before this process imports torch (core.frontend.serving
+    # does): their imports then overlap this process's imports and the plan's resolution.
+    from core.frontend.prestart import StartedWorker
+
+    started = [StartedWorker(args.model_path) for _ in range(args.dp_size)]
     try:
-        engine = start_async_engine(args)
+        from core.frontend.serving import start_async_engine
+
+        engine = start_async_engine(args, started=started)
     except Exception as e:  # a clear one-line reason; the engine already said what it knew
         from core.plan.plan import ResolveError
 
