@@ -6,8 +6,9 @@
 
 Each run starts `core serve` in a fresh process (bench/serving_online.ServerProcess), waits for
 /health to answer 200 (`ready`), sends one greedy /generate request of one token and reads
-/get_server_info. The first run gets empty kernel caches (TRITON_CACHE_DIR and
-CORE_KERNEL_CACHE pointed at new directories): a new machine's start. The runs after it reuse
+/get_server_info. The first run gets empty caches (TRITON_CACHE_DIR, CORE_KERNEL_CACHE and
+CORE_GGUF_CACHE, which also holds the config.json records, pointed at new directories): a new
+machine's start. The runs after it reuse
 what the first one compiled: a restart. Per run it prints:
 
 - wall seconds from the spawn to `ready`, and from `ready` to the first token's answer;
@@ -45,7 +46,8 @@ from serving_online import ServerProcess  # noqa: E402
 def one_run(flags: list[str], caches: Path, log: Path, timeout: float) -> dict[str, Any]:
     """One fresh `core serve` with the kernel caches under `caches`: its figures."""
     res: dict[str, Any] = {}
-    env = {"TRITON_CACHE_DIR": str(caches / "triton"), "CORE_KERNEL_CACHE": str(caches / "kernels")}
+    env = {"TRITON_CACHE_DIR": str(caches / "triton"), "CORE_KERNEL_CACHE": str(caches / "kernels"),
+           "CORE_GGUF_CACHE": str(caches / "models")}
     try:  # the server copies this process's environment when it starts
         with mock.patch.dict(os.environ, env), ServerProcess(flags, log, timeout) as srv:
             res["spawn_to_ready_s"] = round(srv.startup_s, 3)

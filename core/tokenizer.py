@@ -116,14 +116,15 @@ class Tokenizer:
             eos |= _eos_from_json(os.path.join(path, name))
         template = _read_template(chat_template) if chat_template else None
         try:
-            if gguf_file:
-                from core.plan.gguf_cache import entry
+            # read off transformers' tokenizer once, then run on the `tokenizers` package (not
+            # with remote code, whose classes can change while the files do not)
+            from core.plan.gguf_cache import entry
 
-                gguf = os.path.join(path, gguf_file)
-                if entry(gguf) is not None:  # converted once: runs on the `tokenizers` package
-                    fast = _fast_from_gguf(path, gguf_file, eos, template)
-                    if fast is not None:
-                        return _gguf_end_ids(fast, gguf)
+            key = os.path.join(path, gguf_file) if gguf_file else path
+            if not trust_remote_code and entry(key) is not None:
+                fast = _fast_cached(path, gguf_file, eos, template)
+                if fast is not None:
+                    return _gguf_end_ids(fast, key) if gguf_file else fast
             hf = _hf_tokenizer(path, gguf_file, trust_remote_code)
         except Exception as exc:  # transformers raises many kinds; one clear message here
             raise ValueError(f"cannot load a tokenizer from {path!r}"
@@ -260,38 +261,43 @@ def tokenizer_record(hf: PreTrainedTokenizerBase) -> TokenizerRecord:
             "added_ids": sorted(int(i) for i in added)}
 
 
-def _fast_from_gguf(path: str, gguf_file: str, eos: set[int],
-                    template: str | None) -> Tokenizer | None:
-    """The GGUF file's tokenizer on the `tokenizers` package (its record and tokenizer.json
-    in the cache entry, made from transformers' tokenizer once); None where the record says
-    the backend alone would not give what transformers gives."""
+def _fast_cached(path: str, gguf_file: str | None, eos: set[int],
+                 template: str | None) -> Tokenizer | None:
+    """The tokenizer of the GGUF file (or, gguf_file None, of the HF directory `path`) on the
+    `tokenizers` package: its record and tokenizer.json in the cache entry of the file (of the
+    directory), made from transformers' tokenizer once; None where the record says the backend
+    alone would not give what transformers gives."""
     from tokenizers import Tokenizer as Backend
 
     from core.plan.gguf_cache import cached
 
-    gguf = os.path.join(path, gguf_file)
+    key = os.path.join(path, gguf_file) if gguf_file else path
     made: list[PreTrainedTokenizerBase] = []  # transformers' tokenizer, where this call built it
 
-    def build() -> tuple[TokenizerRecord, Backend]:
+    def build() -> tuple[TokenizerRecord, Backend | None]:
         hf = _hf_tokenizer(path, gguf_file)
         made.append(hf)
-        return tokenizer_record(hf), Backend.from_str(hf.backend_tokenizer.to_str())
+        record = tokenizer_record(hf)  # a slow tokenizer (no backend) is not usable
+        return record, Backend.from_str(hf.backend_tokenizer.to_str()) \
+            if record["usable"] else None
 
-    def save(obj: tuple[TokenizerRecord, Backend], where: str) -> None:
+    def save(obj: tuple[TokenizerRecord, Backend | None], where: str) -> None:
         record, backend = obj
-        with open(os.path.join(where, "tokenizer.json"), "w", encoding="utf-8") as fh:
-            fh.write(backend.to_str())
+        if backend is not None:
+            with open(os.path.join(where, "tokenizer.json"), "w", encoding="utf-8") as fh:
+                fh.write(backend.to_str())
         with open(os.path.join(where, "record.json"), "w", encoding="utf-8") as fh:
             json.dump(record, fh)  # written last: its presence says the part is whole
 
-    def load(where: str) -> tuple[TokenizerRecord, Backend]:
+    def load(where: str) -> tuple[TokenizerRecord, Backend | None]:
         with open(os.path.join(where, "record.json"), encoding="utf-8") as fh:
             record = json.load(fh)
-        return record, Backend.from_file(os.path.join(where, "tokenizer.json"))
+        return record, Backend.from_file(os.path.join(where, "tokenizer.json")) \
+            if record.get("usable") else None
 
-    record, backend = cached(gguf, f"tokenizer-fast-v{TOKENIZER_RECORD_VERSION}",
+    record, backend = cached(key, f"tokenizer-fast-v{TOKENIZER_RECORD_VERSION}",
                              "record.json", build, load, save)
-    if not record.get("usable"):
+    if backend is None or not record.get("usable"):
         return None
     return Tokenizer._from_record(backend, record, lambda: _hf_tokenizer(path, gguf_file),
                                   made[0] if made else None, eos, template)

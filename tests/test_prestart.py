@@ -47,20 +47,30 @@ def test_core_serve_spawns_its_workers_before_it_imports_torch():
     assert lines[-2:] == [f"False {LLAMA}", "spawned"]
 
 
-def test_a_prestarted_worker_reads_the_model_spec_before_the_plan_comes():
-    # the parent end closed: the worker warms up, finds no plan and returns
-    lines = _run(f"""
-        import multiprocessing, sys
+def test_a_prestarted_worker_reads_the_model_config_before_the_plan_comes(tmp_path):
+    # the parent end closed: the worker warms up, finds no plan and returns. The first time it
+    # builds the spec and the config through transformers and caches them by config.json; a
+    # restart reads both from the cache and imports no transformers at all
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(LLAMA.read_text())
+    cache = tmp_path / "cache"
+    code = f"""
+        import multiprocessing, os, sys
+        os.environ["CORE_GGUF_CACHE"] = {str(cache)!r}
         from core.engine.worker import worker_prestarted
         parent, child = multiprocessing.Pipe()
         parent.close()
-        worker_prestarted(child, {str(LLAMA)!r})
+        worker_prestarted(child, {str(model)!r})
         import core.plan.registry as r
-        print("transformers.models.llama.configuration_llama" in sys.modules,
-              r._cached is not None)
-    """)
-    assert lines[-1] == "True True"
-
+        print("transformers" in sys.modules, r._cached is not None)
+        print(sorted(p.name.split("-")[0] for e in os.listdir({str(cache)!r})
+                     for p in __import__("pathlib").Path({str(cache)!r}, e).iterdir()))
+    """
+    first = _run(code)
+    assert first[-2] == "True True"
+    assert first[-1] == "['config', 'spec']"
+    assert _run(code)[-2:] == ["False True", first[-1]]  # the restart
 
 def test_a_warm_up_that_fails_is_silent_and_the_worker_still_waits_for_its_plan():
     # a model path that does not exist: the failure is the plan's to report, not the warm-up's

@@ -165,19 +165,38 @@ def load_config(source: WeightSource, trust_remote_code: bool = False) -> HFConf
             if getattr(config, "model_type", None) in ("gemma2", "gemma3_text"):
                 _fill_gguf_gemma(config, os.path.join(source.directory, source.gguf_file))
             return config
-        from transformers import AutoConfig
+        config_json = os.path.join(source.directory, "config.json")
+        if trust_remote_code or not os.path.isfile(config_json):
+            return _hf_dir_config(source.directory, trust_remote_code)
+        # the attributes of transformers' config, cached by config.json (core.plan.gguf_cache):
+        # a restart reads them without importing transformers. Not with remote code, whose
+        # classes can change while config.json does not.
+        from core.plan.gguf_cache import cached_json
 
-        try:
-            return AutoConfig.from_pretrained(source.directory,
-                                              trust_remote_code=trust_remote_code)
-        except ValueError:
-            config = None if trust_remote_code else _config_by_architecture(source.directory)
-            if config is None:
-                raise
-            return config
+        record = cached_json(config_json, f"config-attrs-v{CONFIG_RECORD_VERSION}",
+                             lambda: config_record(_hf_dir_config(source.directory)))
+        if not record.get("usable"):
+            return _hf_dir_config(source.directory)
+        config = ConfigView(record)
+        config._name_or_path = source.directory
+        return config
     except Exception as exc:  # one clear message for every way a config can be unreadable
         raise ValueError(f"cannot read the model config in {source.directory}"
                          f"{f' ({source.gguf_file})' if source.gguf_file else ''}: {exc}") from exc
+
+
+def _hf_dir_config(directory: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """transformers' config of a model directory (AutoConfig), or, for a model type it does not
+    know, of the architecture the config names (_config_by_architecture)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except ValueError:
+        config = None if trust_remote_code else _config_by_architecture(directory)
+        if config is None:
+            raise
+        return config
 
 
 def _fill_gguf_gemma(config: HFConfig, path: str) -> None:
@@ -236,11 +255,14 @@ def _gguf_hf_config(source: WeightSource, saved: bool = False) -> PretrainedConf
     return config
 
 
-CONFIG_RECORD_VERSION = 1  # of config_record's layout: a change misses the old entries
+CONFIG_RECORD_VERSION = 2  # of config_record's layout: a change misses the old entries
 _INT_KEYS = "__int_keys__"  # a dict with int keys (id2label), which JSON would make strings
+_TORCH_DTYPE = "__torch_dtype__"  # a torch dtype (an HF config's `dtype`), by its name
 
 
 def _encode(value: object) -> object:
+    if isinstance(value, torch.dtype):
+        return {_TORCH_DTYPE: str(value).removeprefix("torch.")}
     if isinstance(value, dict):
         if value and all(type(k) is int for k in value):
             return {_INT_KEYS: [[k, _encode(v)] for k, v in value.items()]}
@@ -255,6 +277,11 @@ def _decode(value: object) -> Any:
     if isinstance(value, dict):
         if set(value) == {_INT_KEYS}:
             return {int(k): _decode(v) for k, v in value[_INT_KEYS]}
+        if set(value) == {_TORCH_DTYPE}:
+            dtype = getattr(torch, str(value[_TORCH_DTYPE]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"not a torch dtype: {value[_TORCH_DTYPE]!r}")
+            return dtype
         return {k: _decode(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_decode(v) for v in value]

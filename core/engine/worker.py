@@ -1075,9 +1075,12 @@ def worker_prestarted(conn: Connection, warm_path: str | None = None) -> None:
 
 
 def _warm_up(model_path: str | None) -> None:
-    """What plan_from_parent will do, done early for its imports: the plugin registry and the
-    model's spec. A failure here is dropped: the same calls run again after the plan comes,
-    and report it there (or the parent's resolution fails first and no plan comes)."""
+    """What the worker does first once the plan comes, done early: the plugin registry, the
+    model's spec (plan_from_parent) and its config (the loader), each reading its cache entry
+    (core.plan.gguf_cache) or building and saving it, with the imports that takes. A failure
+    here is dropped: the same calls run again after the plan comes and report it there (or the
+    parent's resolution fails first and no plan comes)."""
+    from core.engine.loader import find_weights, load_config
     from core.plan.model_spec import load_model_spec
     from core.plan.registry import get_registry
 
@@ -1088,6 +1091,9 @@ def _warm_up(model_path: str | None) -> None:
 
             model_path = default_model_path()
         load_model_spec(model_path)
+        # the config is read from the directory (or the .gguf file) whatever the load format
+        load_config(find_weights(model_path, "auto" if model_path.endswith(".gguf")
+                                 else "dummy"))
     except Exception:  # noqa: BLE001, S110 - reported where it is done for real (above)
         pass
 

@@ -14,6 +14,12 @@ second or more of every start, in the client and in the worker): the model spec
 off transformers' tokenizer (core.tokenizer), each one JSON file written by `cached_json`
 from the objects transformers built. The key names the transformers version from its
 distribution's metadata, so finding the entry imports nothing.
+
+A model directory's config.json gets an entry of its own the same way (its path, size,
+modification time and the transformers version): the model spec and the config's attributes
+derived from it; and the directory one (keyed by the names, sizes and modification times of
+its files but the weights): its tokenizer. So a restart of an HF checkpoint reads its config
+and tokenizer without transformers too.
 """
 
 from __future__ import annotations
@@ -41,14 +47,29 @@ def _root() -> Path | None:
 
 
 def entry(gguf_path: str) -> Path | None:
-    """The cache directory of this file (None when caching is off)."""
+    """The cache directory of this file (a .gguf or a config .json) or model directory (keyed
+    by every file in it but the weights: its tokenizer's files among them); None when caching
+    is off."""
     root = _root()
     if root is None:
         return None
-    st = os.stat(gguf_path)
-    key = f"{os.path.realpath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|{_transformers_version()}"
-    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    real = os.path.realpath(gguf_path)
+    if os.path.isdir(real):
+        files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(real)
+                       if e.is_file() and not e.name.endswith(WEIGHT_SUFFIXES))
+        key = f"{real}|{files}|{_transformers_version()}"
+        name = os.path.basename(real) + "-dir"
+    else:
+        st = os.stat(gguf_path)
+        key = f"{real}|{st.st_size}|{st.st_mtime_ns}|{_transformers_version()}"
+        name = os.path.basename(gguf_path).removesuffix(".gguf")
+        if name == "config.json":  # named by its folder, the model's name
+            name = os.path.basename(os.path.dirname(real)) + "-config"
     return root / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+# files a directory's entry leaves out of its key: weights, which no cached part reads
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
 def _transformers_version() -> str:

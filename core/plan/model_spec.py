@@ -462,7 +462,7 @@ def load_model_spec(path: str) -> ModelSpec:
     if os.path.isdir(path):
         config_json = os.path.join(path, "config.json")
         if os.path.isfile(config_json):
-            return spec_from_config(_read_json(config_json), source=config_json)
+            return _config_spec(config_json)
         ggufs = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
         if len(ggufs) == 1:
             return load_model_spec(os.path.join(path, ggufs[0]))
@@ -473,7 +473,7 @@ def load_model_spec(path: str) -> ModelSpec:
     if path.endswith(".gguf"):
         return _gguf_spec(path)
     if path.endswith(".json"):
-        return spec_from_config(_read_json(path), source=path)
+        return _config_spec(path)
     raise ValueError(f"{path}: expected a model directory, a config .json file or a .gguf file")
 
 
@@ -492,6 +492,21 @@ def spec_from_dict(d: dict[str, Any]) -> ModelSpec:
         moe["moe_layers"] = tuple(moe.get("moe_layers") or ())
         d["moe"] = MoESpec(**moe)
     return ModelSpec(**d)
+
+
+def _config_spec(path: str) -> ModelSpec:
+    """The spec of a config.json: derived through transformers' config class once, then read
+    from the file's cache entry (core.plan.gguf_cache: keyed by the file's path, size and
+    modification time, transformers' version and this module's code), so a restart does not
+    import transformers to read it. A config that fails is not cached: its error repeats."""
+    from core.plan.gguf_cache import cached_json, source_digest
+
+    def build() -> dict[str, Any]:
+        return spec_to_dict(spec_from_config(_read_json(path), source=path))
+
+    spec = spec_from_dict(cached_json(path, f"spec-{source_digest('core.plan.model_spec')}",
+                                      build))
+    return spec if spec.source == path else dataclasses.replace(spec, source=path)
 
 
 def _gguf_spec(path: str) -> ModelSpec:
