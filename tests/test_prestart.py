@@ -4,6 +4,7 @@ start-up). Each case runs in a fresh interpreter: this one has torch imported al
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -33,8 +34,8 @@ def test_core_serve_spawns_its_workers_before_it_imports_torch():
             pass
 
         class Probe:
-            def __init__(self, warm_path=None):
-                print("torch" in sys.modules, warm_path)
+            def __init__(self, args=None):
+                print("torch" in sys.modules, args.model_path)
                 raise Seen()
 
         prestart.StartedWorker = Probe
@@ -47,21 +48,24 @@ def test_core_serve_spawns_its_workers_before_it_imports_torch():
     assert lines[-2:] == [f"False {LLAMA}", "spawned"]
 
 
-def test_a_prestarted_worker_reads_the_model_config_before_the_plan_comes(tmp_path):
+def test_a_prestarted_worker_reads_the_model_before_the_plan_comes(tmp_path):
     # the parent end closed: the worker warms up, finds no plan and returns. The first time it
-    # builds the spec and the config through transformers and caches them by config.json; a
-    # restart reads both from the cache and imports no transformers at all
+    # builds the spec, the config and the tokenizer through transformers and caches them; a
+    # restart reads them from the cache and imports no transformers at all
+    from model_fixtures import write_config_model
+
     model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(LLAMA.read_text())
+    write_config_model(model, json.loads(LLAMA.read_text()))
     cache = tmp_path / "cache"
     code = f"""
         import multiprocessing, os, sys
         os.environ["CORE_GGUF_CACHE"] = {str(cache)!r}
-        from core.engine.worker import worker_prestarted
+        from core.engine.worker import args_to_json, worker_prestarted
+        from core.plan.args import make_server_args
         parent, child = multiprocessing.Pipe()
         parent.close()
-        worker_prestarted(child, {str(model)!r})
+        args = make_server_args(model_path={str(model)!r}, load_format="dummy")
+        worker_prestarted(child, args_to_json(args))
         import core.plan.registry as r
         print("transformers" in sys.modules, r._cached is not None)
         print(sorted(p.name.split("-")[0] for e in os.listdir({str(cache)!r})
@@ -69,7 +73,7 @@ def test_a_prestarted_worker_reads_the_model_config_before_the_plan_comes(tmp_pa
     """
     first = _run(code)
     assert first[-2] == "True True"
-    assert first[-1] == "['config', 'spec']"
+    assert first[-1] == "['config', 'spec', 'tokenizer']"
     assert _run(code)[-2:] == ["False True", first[-1]]  # the restart
 
 def test_a_warm_up_that_fails_is_silent_and_the_worker_still_waits_for_its_plan():
@@ -79,7 +83,9 @@ def test_a_warm_up_that_fails_is_silent_and_the_worker_still_waits_for_its_plan(
         from core.engine.worker import worker_prestarted
         parent, child = multiprocessing.Pipe()
         parent.close()
-        worker_prestarted(child, "/nonexistent/model")
+        from core.engine.worker import args_to_json
+        from core.plan.args import make_server_args
+        worker_prestarted(child, args_to_json(make_server_args(model_path="/nonexistent/m")))
         print("returned")
     """)
     assert lines[-1] == "returned"

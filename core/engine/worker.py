@@ -1052,20 +1052,19 @@ def rank_main(rank_json: str) -> None:
     ranks.leave()
 
 
-def worker_prestarted(conn: Connection, warm_path: str | None = None) -> None:
+def worker_prestarted(conn: Connection, warm_args: str | None = None) -> None:
     """Entry of a worker spawned before the parent has resolved its plan
     (core.frontend.prestart.StartedWorker): import what building the engine needs (torch:
-    seconds) and read the spec of the model at `warm_path` (None: the default model) while the
-    parent resolves, then read the args and plan (one JSON message) and run worker_main.
-    Reading the spec imports what reading that model needs: nothing more for a GGUF file with
-    its cache entry (core.plan.gguf_cache), transformers' config classes for an HF config, which
-    the worker reads again once the plan comes (plan_from_parent, the loader)."""
+    seconds) and read the model's spec, config and tokenizer as `warm_args` (the parent's
+    ServerArgs as JSON, before its plan) name them, while the parent resolves; then read the
+    args and plan (one JSON message) and run worker_main."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_torchvision_out()  # core.plan.hf_imports: before transformers
     import torch  # noqa: F401
 
     import core.engine.loader  # noqa: F401
-    _warm_up(warm_path)
+    if warm_args is not None:
+        _warm_up(warm_args)
     try:
         message = json.loads(conn.recv_bytes().decode())
     except (EOFError, OSError):
@@ -1074,26 +1073,30 @@ def worker_prestarted(conn: Connection, warm_path: str | None = None) -> None:
                 message.get("device_index", 0), message.get("slot", 0))
 
 
-def _warm_up(model_path: str | None) -> None:
-    """What the worker does first once the plan comes, done early: the plugin registry, the
-    model's spec (plan_from_parent) and its config (the loader), each reading its cache entry
-    (core.plan.gguf_cache) or building and saving it, with the imports that takes. A failure
-    here is dropped: the same calls run again after the plan comes and report it there (or the
-    parent's resolution fails first and no plan comes)."""
-    from core.engine.loader import find_weights, load_config
+def _warm_up(args_json: str) -> None:
+    """What the worker reads first once the plan comes, read early: the plugin registry, the
+    model's spec (plan_from_parent), its config and its tokenizer (the loader), each from its
+    cache entry (core.plan.gguf_cache) or built and saved there, with the imports that takes.
+    Not with --trust-remote-code (those bypass the caches: nothing to gain, and no checkpoint
+    code runs before the plan does). A failure here is dropped: the same calls run again after
+    the plan comes and report it there (or the parent's resolution fails first and no plan
+    comes)."""
+    from core.engine.loader import find_weights, load_config, load_tokenizer
     from core.plan.model_spec import load_model_spec
     from core.plan.registry import get_registry
 
     try:
         get_registry()
-        if model_path is None:
+        args = make_server_args(**json.loads(args_json))
+        if args.trust_remote_code:
+            return
+        if args.model_path is None:
             from core.plan.default_model import default_model_path
 
-            model_path = default_model_path()
-        load_model_spec(model_path)
-        # the config is read from the directory (or the .gguf file) whatever the load format
-        load_config(find_weights(model_path, "auto" if model_path.endswith(".gguf")
-                                 else "dummy"))
+            args = args.replace(model_path=default_model_path())
+        load_model_spec(args.model_path)
+        load_config(find_weights(args.model_path, args.load_format))
+        load_tokenizer(args)
     except Exception:  # noqa: BLE001, S110 - reported where it is done for real (above)
         pass
 

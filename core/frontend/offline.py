@@ -87,7 +87,7 @@ class Engine:
                 worker.cancel()
             started = None
         if started is None:
-            started = [StartedWorker(args.model_path) for _ in range(args.dp_size)]
+            started = [StartedWorker(args) for _ in range(args.dp_size)]
         t1 = time.perf_counter()
         try:
             self.args, self.plan, self.spec, _ = make_plan(args)

@@ -10,22 +10,27 @@ spawn the worker before it imports torch itself.
 from __future__ import annotations
 
 import multiprocessing as mp
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from core.plan.args import ServerArgs
 
 
 class StartedWorker:
     """A worker process spawned ahead of its plan (core.engine.worker.worker_prestarted): it imports
     torch while the parent resolves; `EngineClient(..., started=it)` sends it the plan.
-    `warm_path`: the model path the plan will be for (None: the default model); the worker
-    reads that model's spec while it waits, which imports what reading it needs (transformers'
-    config classes for an HF config) before the plan comes. `cancel()` when the plan never
-    comes (the worker then exits)."""
+    `args`: the ServerArgs the plan will be resolved from; the worker reads the model's spec,
+    config and tokenizer they name while it waits (their imports, their cache entries), so
+    that work is done before the plan comes. `cancel()` when the plan never comes (the worker
+    then exits)."""
 
-    def __init__(self, warm_path: str | None = None) -> None:
-        from core.engine.worker import worker_prestarted  # light: torch is imported in the child
+    def __init__(self, args: ServerArgs | None = None) -> None:
+        from core.engine.worker import args_to_json, worker_prestarted  # light: no torch here
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=worker_prestarted, args=(child, warm_path),
+        warm = args_to_json(args) if args is not None else None
+        self.process = ctx.Process(target=worker_prestarted, args=(child, warm),
                                    name="core-engine-worker", daemon=True)
         self.process.start()
         child.close()

@@ -279,7 +279,7 @@ def serve_main(args: ServerArgs) -> int:
     # does): their imports then overlap this process's imports and the plan's resolution.
     from core.frontend.prestart import StartedWorker
 
-    started = [StartedWorker(args.model_path) for _ in range(args.dp_size)]
+    started = [StartedWorker(args) for _ in range(args.dp_size)]
     try:
         from core.frontend.serving import start_async_engine
 
