@@ -183,6 +183,10 @@ def test_info_routes_show_the_plan(served):
     # the engine's start-up phase by phase (issue 37 item 5), and its notes
     phases = info["model"]["startup_phases_s"]
     assert "scheduler ready" in phases and any(k.startswith("weights loaded") for k in phases)
+    # the worker was spawned ahead of the plan: its imports and its wait are phases too
+    assert list(phases)[:3] == ["imports (torch, the engine's modules)",
+                                "model read ahead of the plan (spec, config, tokenizer)",
+                                "waited for the plan"]
     assert all(isinstance(v, float) and v >= 0 for v in phases.values())
     client_phases = info["model"]["client_startup_phases_s"]  # the server process's side
     assert list(client_phases) == ["engine process(es) spawned", "plan resolved",

@@ -46,7 +46,7 @@ from core.plan.hf_imports import keep_torchvision_out
 from core.plan.plan import Plan
 
 if TYPE_CHECKING:  # torch and the engine's modules are imported where a phase needs them
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
     from multiprocessing.connection import Connection
 
     import torch
@@ -628,16 +628,22 @@ def local_heads(spec: ModelSpec, tp: TPGroup) -> tuple[int, int]:
 def build_engine_core(args: ServerArgs, plan: Plan, spec: ModelSpec, registry: Registry,
                       loaded: LoadedModel | None = None, ranks: Ranks | None = None,
                       device_index: int = 0, progress: Callable[[str], None] | None = None,
-                      slot: int = 0) -> EngineCore:
+                      slot: int = 0, phases_before: Sequence[tuple[str, float]] = ()
+                      ) -> EngineCore:
     """Load (unless given), then the four phases: memory, KV, runner, scheduler. `ranks`:
     this worker's tensor-parallel place (its device index, its slice of the model, a KV pool
     for its heads, sized the same on every rank); `device_index`: the device of a worker
     without ranks (a data-parallel replica's); `slot`: its place among this node's engine
     processes, where they share a device's cores (a rank's is in its RankSpec).
     progress(line): called as each phase ends (what it did and its seconds; `core serve`
-    prints them, STARTUP_PROGRESS_ENV)."""
+    prints them, STARTUP_PROGRESS_ENV). phases_before: the process's phases before this call
+    (a prestarted worker's imports, its read-ahead, its wait for the plan), reported first."""
     t_phase = [time.monotonic()]
-    phases: list[tuple[str, float]] = []  # (what, seconds): EngineInfo.startup_phases
+    # (what, seconds): EngineInfo.startup_phases
+    phases: list[tuple[str, float]] = [(what, round(sec, 3)) for what, sec in phases_before]
+    if progress is not None:
+        for what, sec in phases:
+            progress(f"{what} ({sec:.1f} s)")
 
     def done(what: str) -> None:
         now = time.monotonic()
@@ -985,12 +991,14 @@ def _progress_printer(args: ServerArgs) -> Callable[[str], None] | None:
 
 
 def worker_main(conn: Connection, args_json: str, plan_json: str, rank_json: str | None = None,
-                device_index: int = 0, slot: int = 0) -> None:
+                device_index: int = 0, slot: int = 0,
+                phases_before: Sequence[tuple[str, float]] = ()) -> None:
     """Entry of the spawned worker process (rank 0 of its engine): the parent's args (model
     path filled in) and its resolved plan, both JSON; `rank_json` (core.engine.distributed.RankSpec)
     when the engine spans tensor-parallel ranks, which rank 0 then joins and sends the args
     and plan; `device_index`: the device it runs on otherwise (a data-parallel replica's);
-    `slot`: its place among this node's engine processes (share_threads)."""
+    `slot`: its place among this node's engine processes (share_threads); `phases_before`:
+    build_engine_core's."""
     # Ctrl-C reaches the whole process group: the client decides when the worker stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_torchvision_out()  # core.plan.hf_imports: before transformers
@@ -1005,7 +1013,7 @@ def worker_main(conn: Connection, args_json: str, plan_json: str, rank_json: str
             ranks, _ = join_ranks(RankSpec.from_json(rank_json), payload)
         core = build_engine_core(args, plan, spec, registry, ranks=ranks,
                                  device_index=device_index, progress=_progress_printer(args),
-                                 slot=slot)
+                                 slot=slot, phases_before=phases_before)
     except Exception as exc:  # noqa: BLE001 - reported to the client, which raises it
         try:
             chan.send(Fatal(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -1058,19 +1066,25 @@ def worker_prestarted(conn: Connection, warm_args: str | None = None) -> None:
     seconds) and read the model's spec, config and tokenizer as `warm_args` (the parent's
     ServerArgs as JSON, before its plan) name them, while the parent resolves; then read the
     args and plan (one JSON message) and run worker_main."""
+    t0 = time.monotonic()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_torchvision_out()  # core.plan.hf_imports: before transformers
     import torch  # noqa: F401
 
     import core.engine.loader  # noqa: F401
+    t1 = time.monotonic()
     if warm_args is not None:
         _warm_up(warm_args)
+    t2 = time.monotonic()
     try:
         message = json.loads(conn.recv_bytes().decode())
     except (EOFError, OSError):
         return  # the parent gave up before sending a plan (its resolution failed)
+    phases = [("imports (torch, the engine's modules)", t1 - t0),
+              ("model read ahead of the plan (spec, config, tokenizer)", t2 - t1),
+              ("waited for the plan", time.monotonic() - t2)]
     worker_main(conn, message["args"], message["plan"], message.get("rank"),
-                message.get("device_index", 0), message.get("slot", 0))
+                message.get("device_index", 0), message.get("slot", 0), phases)
 
 
 def _warm_up(args_json: str) -> None:
