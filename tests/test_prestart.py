@@ -69,7 +69,8 @@ def test_a_prestarted_worker_reads_the_model_before_the_plan_comes(tmp_path):
         import core.plan.registry as r
         print("transformers" in sys.modules, r._cached is not None)
         print(sorted(p.name.split("-")[0] for e in os.listdir({str(cache)!r})
-                     for p in __import__("pathlib").Path({str(cache)!r}, e).iterdir()))
+                     for p in __import__("pathlib").Path({str(cache)!r}, e).iterdir()
+                     if not p.name.startswith(".")))  # lock files
     """
     first = _run(code)
     assert first[-2] == "True True"

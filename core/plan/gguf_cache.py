@@ -24,13 +24,15 @@ and tokenizer without transformers too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -97,17 +99,21 @@ def cached(gguf_path: str, part: str, marker: str, build: Callable[[], T],
            load: Callable[[str], T], save: Callable[[T, str], None] | None = None) -> T:
     """`load(dir)` of the cached `part` ("config" / "tokenizer"), or `build()` saved there
     (by `save(obj, dir)`, else obj.save_pretrained(dir): without `save`, T is a transformers
-    object). `marker` is the file whose presence says the part was saved whole."""
+    object). `marker` is the file whose presence says the part was saved whole. Processes that
+    miss the same part at once (the server and its engine worker, on a new machine) build it
+    once: the first holds the part's lock while it builds, the others wait for it (at most
+    LOCK_WAIT_S, then build their own) and read what it saved."""
     where = entry(gguf_path)
-    if where is not None:
+    if where is None:
+        return build()
+    with _part_lock(where, part):
         target = where / part
         if (target / marker).is_file():
             try:
                 return load(str(target))
             except Exception:  # an entry another version broke: rebuild it below
                 shutil.rmtree(target, ignore_errors=True)
-    obj = build()
-    if where is not None:
+        obj = build()
         try:
             where.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=where, prefix=f".{part}-"))
@@ -124,6 +130,47 @@ def cached(gguf_path: str, part: str, marker: str, build: Callable[[], T],
         except OSError:
             pass  # a read-only home: no cache, still loads
     return obj
+
+
+LOCK_WAIT_S = 300.0  # the longest a process waits for another's build of a part
+
+
+@contextlib.contextmanager
+def _part_lock(where: Path, part: str) -> Iterator[None]:
+    """An exclusive lock on `part` of the entry `where` (a lock file beside it; released when
+    the holder exits, however it exits). Where no lock can be taken (no fcntl, a read-only
+    cache) or the wait runs past LOCK_WAIT_S, the caller goes on without it: a racing build
+    is only duplicated work, its result replaced atomically."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        fh = open(where / f".{part}.lock", "a+b")  # noqa: SIM115 - held across the yield
+    except OSError:
+        yield
+        return
+    with fh:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        held = False
+        while True:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+            except OSError:
+                break
+        try:
+            yield
+        finally:
+            if held:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def cached_json(gguf_path: str, part: str, build: Callable[[], JSON]) -> JSON:
