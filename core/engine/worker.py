@@ -1108,9 +1108,14 @@ def _warm_up(args_json: str) -> None:
             from core.plan.default_model import default_model_path
 
             args = args.replace(model_path=default_model_path())
-        load_model_spec(args.model_path)
+        # In this order: on a new machine the server builds the spec first (its plan), so this
+        # process builds the config and the tokenizer meanwhile (each part is built by one
+        # process, the other waits for it: core.plan.gguf_cache), and then reads the spec.
+        # Spec first, it would wait for the server's build and only then start its own
+        # transformers import for the config: the two imports in a row, not side by side.
         load_config(find_weights(args.model_path, args.load_format))
         load_tokenizer(args)
+        load_model_spec(args.model_path)
     except Exception:  # noqa: BLE001, S110 - reported where it is done for real (above)
         pass
 
