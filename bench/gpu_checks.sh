@@ -126,8 +126,11 @@ for stage in "${@:-suites quant-diag batch1}"; do
             --threads 4,16 --steps 64
         peers=ours
         python3 -c "import llama_cpp" 2>/dev/null && peers=ours,llama.cpp
+        # llama.cpp's AMX path (its extra buffer types) dies on this model: SIGSEGV on session
+        # 18's AMX VM, SIGILL (-4) on the H100 host in session 28; off, it runs its VNNI kernels
         run amx_peers 240 python3 bench/bench_cpu_peers.py --model-path /tmp/smol.gguf \
-            --peers "$peers" --threads 16 --reps 1 --out "$R/amx_peers.json" ;;
+            --peers "$peers" --threads 16 --reps 1 --llama-extra-bufts off \
+            --out "$R/amx_peers.json" ;;
     esac
   done
 done
