@@ -100,3 +100,37 @@ def test_a_model_directory_reads_back_the_same_tokenizer_and_config(cache, tmp_p
     for name in names:  # every attribute of transformers' config, read back equal
         assert getattr(view, name) == getattr(hf, name), name
     assert view.to_dict() == hf.to_dict()
+
+
+FIXTURE_CONFIGS = sorted(p for p in (ROOT / "tests" / "fixtures" / "configs").glob("*.json")
+                         if p.name != "foo-unknown.json")  # a type transformers does not know
+
+
+@pytest.mark.parametrize("config", FIXTURE_CONFIGS, ids=lambda p: p.stem)
+def test_every_fixture_configs_view_reads_as_transformers_config(cache, tmp_path, config):
+    # the model code reads a restart's config through the view: every public attribute
+    # transformers' config has (properties and class attributes too) must read back equal
+    import shutil
+
+    from core.engine.loader import ConfigView, find_weights, load_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(config, model / "config.json")
+    source = find_weights(str(model), "dummy")
+    hf = load_config(source)
+    view = load_config(source)
+    assert isinstance(view, ConfigView)  # each fixture's record is usable
+    checked = 0
+    for name in dir(hf):
+        if name.startswith("_"):
+            continue
+        try:
+            value = getattr(hf, name)
+        except Exception:  # noqa: BLE001, S112 - a property transformers itself refuses
+            continue
+        if callable(value):
+            continue
+        assert getattr(view, name) == value, name
+        checked += 1
+    assert checked > 20
