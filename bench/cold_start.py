@@ -8,8 +8,8 @@ Each run starts `core serve` in a fresh process (bench/serving_online.ServerProc
 /health to answer 200 (`ready`), sends one greedy /generate request of one token and reads
 /get_server_info. The first run gets empty caches (TRITON_CACHE_DIR, CORE_KERNEL_CACHE and
 CORE_GGUF_CACHE, which also holds the config.json records, pointed at new directories): a new
-machine's start. The runs after it reuse
-what the first one compiled: a restart. Per run it prints:
+machine's start. The runs after it reuse what the first one compiled: a restart. Per run it
+prints:
 
 - wall seconds from the spawn to `ready`, and from `ready` to the first token's answer;
 - the server process's phases (`client_startup_phases_s`: engine processes spawned, plan,
