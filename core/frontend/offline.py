@@ -67,6 +67,9 @@ class Engine:
         from core.engine.worker import make_plan
         from core.plan.resolver import explain
 
+        # the workers import torch while this process resolves the plan (`started`: spawned
+        # by the caller, earlier still; one per replica, else they are stopped and replaced);
+        # whatever fails before the client takes them stops them
         try:
             if server_args is None:
                 args = make_server_args(model_path=model_path, **kwargs)
@@ -75,21 +78,14 @@ class Engine:
                     raise ValueError("pass either server_args or keyword arguments, not both")
                 args = apply_environment(server_args if model_path is None else
                                          server_args.replace(model_path=model_path))
-        except BaseException:
-            for worker in started or ():
-                worker.cancel()
-            raise
-        # the workers import torch while this process resolves the plan (`started`: spawned
-        # by the caller, earlier still; one per replica, else they are stopped and replaced)
-        t0 = time.perf_counter()
-        if started is not None and len(started) != args.dp_size:
-            for worker in started:
-                worker.cancel()
-            started = None
-        if started is None:
-            started = [StartedWorker(args) for _ in range(args.dp_size)]
-        t1 = time.perf_counter()
-        try:
+            t0 = time.perf_counter()
+            if started is not None and len(started) != args.dp_size:
+                for worker in started:
+                    worker.cancel()
+                started = None
+            if started is None:
+                started = [StartedWorker(args) for _ in range(args.dp_size)]
+            t1 = time.perf_counter()
             self.args, self.plan, self.spec, _ = make_plan(args)
             if serving:  # `core serve`'s defaults, for the device the plan chose
                 self.args = serving_defaults(self.args, self.plan.device.device_type)
@@ -97,7 +93,7 @@ class Engine:
             t2 = time.perf_counter()
             self.tokenizer = _load_tokenizer(self.args)
         except BaseException:
-            for worker in started:
+            for worker in started or ():
                 worker.cancel()
             raise
         t3 = time.perf_counter()
