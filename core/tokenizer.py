@@ -118,13 +118,13 @@ class Tokenizer:
         try:
             # read off transformers' tokenizer once, then run on the `tokenizers` package (not
             # with remote code, whose classes can change while the files do not)
-            from core.plan.gguf_cache import entry
+            from core.plan.gguf_cache import enabled
 
-            key = os.path.join(path, gguf_file) if gguf_file else path
-            if not trust_remote_code and entry(key) is not None:
+            if not trust_remote_code and enabled():
                 fast = _fast_cached(path, gguf_file, eos, template)
                 if fast is not None:
-                    return _gguf_end_ids(fast, key) if gguf_file else fast
+                    return _gguf_end_ids(fast, os.path.join(path, gguf_file)) if gguf_file \
+                        else fast
             hf = _hf_tokenizer(path, gguf_file, trust_remote_code)
         except Exception as exc:  # transformers raises many kinds; one clear message here
             raise ValueError(f"cannot load a tokenizer from {path!r}"

@@ -240,7 +240,7 @@ def _gguf_hf_config(source: WeightSource, saved: bool = False) -> PretrainedConf
     differ, e.g. in transformers_version), so a ConfigView is the same on every start."""
     from transformers import AutoConfig
 
-    from core.plan.gguf_cache import cached, entry
+    from core.plan.gguf_cache import cached, enabled
 
     gguf = os.path.join(source.directory, source.gguf_file)
     converted: list[bool] = []
@@ -250,7 +250,7 @@ def _gguf_hf_config(source: WeightSource, saved: bool = False) -> PretrainedConf
         return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
 
     config = cached(gguf, "config", "config.json", convert, AutoConfig.from_pretrained)
-    if saved and converted and entry(gguf) is not None:
+    if saved and converted and enabled():
         config = cached(gguf, "config", "config.json", convert, AutoConfig.from_pretrained)
     return config
 

@@ -48,6 +48,12 @@ def _root() -> Path | None:
     return Path(value) if value else Path.home() / ".cache" / "core-serve" / "gguf"
 
 
+def enabled() -> bool:
+    """Whether the cache is on (CORE_GGUF_CACHE is not `off`): what `entry(...) is not None`
+    says, without stat-ing, scanning or hashing anything."""
+    return _root() is not None
+
+
 def entry(gguf_path: str) -> Path | None:
     """The cache directory of this file (a .gguf or a config .json) or model directory (keyed
     by every file in it but the weights: its tokenizer's files among them); None when caching
