@@ -173,10 +173,15 @@ def load_config(source: WeightSource, trust_remote_code: bool = False) -> HFConf
         # classes can change while config.json does not.
         from core.plan.gguf_cache import cached_json
 
-        record = cached_json(config_json, f"config-attrs-v{CONFIG_RECORD_VERSION}",
-                             lambda: config_record(_hf_dir_config(source.directory)))
-        if not record.get("usable"):
-            return _hf_dir_config(source.directory)
+        built: list[PretrainedConfig] = []  # transformers' config, where this call built it
+
+        def build() -> dict[str, object]:
+            built.append(_hf_dir_config(source.directory))
+            return config_record(built[0])
+
+        record = cached_json(config_json, f"config-attrs-v{CONFIG_RECORD_VERSION}", build)
+        if not record.get("usable"):  # transformers' object itself (built once at most)
+            return built[0] if built else _hf_dir_config(source.directory)
         config = ConfigView(record)
         config._name_or_path = source.directory
         return config
