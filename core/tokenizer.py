@@ -120,12 +120,13 @@ class Tokenizer:
             # with remote code, whose classes can change while the files do not)
             from core.plan.gguf_cache import enabled
 
+            built: list[PreTrainedTokenizerBase] = []  # where the cache's build made one
             if not trust_remote_code and enabled():
-                fast = _fast_cached(path, gguf_file, eos, template)
+                fast = _fast_cached(path, gguf_file, eos, template, built)
                 if fast is not None:
                     return _gguf_end_ids(fast, os.path.join(path, gguf_file)) if gguf_file \
                         else fast
-            hf = _hf_tokenizer(path, gguf_file, trust_remote_code)
+            hf = built[0] if built else _hf_tokenizer(path, gguf_file, trust_remote_code)
         except Exception as exc:  # transformers raises many kinds; one clear message here
             raise ValueError(f"cannot load a tokenizer from {path!r}"
                              f"{f' ({gguf_file})' if gguf_file else ''}: {exc}") from exc
@@ -261,18 +262,18 @@ def tokenizer_record(hf: PreTrainedTokenizerBase) -> TokenizerRecord:
             "added_ids": sorted(int(i) for i in added)}
 
 
-def _fast_cached(path: str, gguf_file: str | None, eos: set[int],
-                 template: str | None) -> Tokenizer | None:
+def _fast_cached(path: str, gguf_file: str | None, eos: set[int], template: str | None,
+                 made: list[PreTrainedTokenizerBase]) -> Tokenizer | None:
     """The tokenizer of the GGUF file (or, gguf_file None, of the HF directory `path`) on the
     `tokenizers` package: its record and tokenizer.json in the cache entry of the file (of the
     directory), made from transformers' tokenizer once; None where the record says the backend
-    alone would not give what transformers gives."""
+    alone would not give what transformers gives. `made` receives transformers' tokenizer
+    where this call built it (the caller then uses it rather than building another)."""
     from tokenizers import Tokenizer as Backend
 
     from core.plan.gguf_cache import cached
 
     key = os.path.join(path, gguf_file) if gguf_file else path
-    made: list[PreTrainedTokenizerBase] = []  # transformers' tokenizer, where this call built it
 
     def build() -> tuple[TokenizerRecord, Backend | None]:
         hf = _hf_tokenizer(path, gguf_file)
