@@ -27,6 +27,7 @@ is a bound (Llama-3.1-8B dummy on the H200 at most 15 s to the first token).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -77,11 +78,34 @@ def one_run(flags: list[str], caches: Path, log: Path, timeout: float) -> dict[s
     # Triton writes one directory per compiled kernel variant: how many a fresh machine built
     triton = caches / "triton"
     res["triton_cache_entries"] = sum(1 for _ in triton.iterdir()) if triton.is_dir() else 0
+    res["triton_kernels"] = triton_kernels(triton)
     res["graph_notes"] = [n for n in model.get("engine_notes", ())
                           if "graph" in n.lower() and not n.startswith("start-up of")]
     res["plan"] = {k: info.get("plan", {}).get(k) for k in
                    ("quant_method", "decode_attention", "moe_runner", "layer_ops", "cuda_graph")}
     return res
+
+
+def triton_kernels(cache: Path) -> list[dict[str, Any]]:
+    """Each compiled variant in a Triton cache: its kernel name, launch options and the TTIR
+    signature line, whose attributes (divisibility, constants folded in) say which
+    specialization of the same source it is."""
+    out: list[dict[str, Any]] = []
+    for d in sorted(cache.iterdir()) if cache.is_dir() else ():
+        for meta in d.glob("*.json"):
+            if meta.name.startswith("__grp__"):
+                continue
+            try:
+                m = json.loads(meta.read_text())
+            except (OSError, ValueError):
+                continue
+            sig = ""
+            for ttir in d.glob("*.ttir"):
+                sig = next((ln.strip() for ln in ttir.read_text().splitlines()
+                            if "tt.func public" in ln), "")
+            out.append({"name": m.get("name"), "num_warps": m.get("num_warps"),
+                        "num_stages": m.get("num_stages"), "ttir_signature": sig[:600]})
+    return out
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -163,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nrun {i}: {r['error']}")
         for note in r.get("graph_notes", ()):
             print(f"\nrun {i} engine note: {note}")
+    if runs and runs[0].get("triton_kernels"):
+        counts = collections.Counter(k["name"] for k in runs[0]["triton_kernels"])
+        print("\nrun 0 Triton kernels compiled (variants of one source differ in their "
+              "specialization; the JSON has each TTIR signature): "
+              + ", ".join(f"{n} x{c}" for n, c in counts.most_common()))
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=2))
         print(f"\nwritten to {a.out}")
