@@ -4,6 +4,8 @@ diagnostic for A/B comparisons of two checkouts on a noisy VM, not a benchmark).
     python bench/cpu_decode_steps.py                      # this checkout
     python bench/cpu_decode_steps.py --repo /tmp/base     # another checkout (git worktree)
     python bench/cpu_decode_steps.py --model-path F.gguf --threads 1,4,16   # a thread sweep
+    python bench/cpu_decode_steps.py --quantization gguf_avx512,gguf_avx512_q8 --rounds 3
+                                                          # methods A/B, interleaved rounds
 
 Builds the engine core in this process (no worker, no server), prefills a 128-token prompt
 and runs --steps greedy decode steps, EOS ignored; prints steps per second over the whole
@@ -28,26 +30,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default=None,
                    help="comma-separated torch thread counts: one engine and one measurement "
                         "each (kernels read the count when they are built)")
+    p.add_argument("--quantization", default=None,
+                   help="comma-separated quant methods (e.g. gguf_avx512,gguf_avx512_q8): one "
+                        "engine each, measured in turn for --rounds rounds")
+    p.add_argument("--rounds", type=int, default=1)
     a = p.parse_args(argv)
     sys.path.insert(0, a.repo)
     from core.engine.loader import load_model
     from core.engine.worker import build_engine_core, make_plan
     from core.plan.args import make_server_args
 
+    methods = a.quantization.split(",") if a.quantization else [None]
     for threads in (a.threads.split(",") if a.threads else [None]):
         if threads is not None:
             import torch
             torch.set_num_threads(int(threads))
-        measure(a, load_model, build_engine_core, make_plan, make_server_args, threads)
+        # every method's engine built first, then measured in turn: rounds interleave them
+        cores = {m: build(a, m, load_model, build_engine_core, make_plan, make_server_args)
+                 for m in methods}
+        for _ in range(a.rounds):
+            for m, core in cores.items():
+                measure(a, core, threads, m)
     return 0
 
 
-def measure(a, load_model, build_engine_core, make_plan, make_server_args, threads) -> None:
+def build(a, method, load_model, build_engine_core, make_plan, make_server_args):
     extra = {"model_path": a.model_path} if a.model_path else {}
+    if method:
+        extra["quantization"] = method
     args = make_server_args(device="cpu", max_total_tokens=4096, dtype=a.dtype,
                             disable_overlap_schedule=True, **extra)
     args, plan, spec, registry = make_plan(args)
-    core = build_engine_core(args, plan, spec, registry, load_model(args, plan, registry))
+    return build_engine_core(args, plan, spec, registry, load_model(args, plan, registry))
+
+
+def measure(a, core, threads, method) -> None:
     sched = core.scheduler
     prompt = list(range(100, 228))
 
@@ -62,7 +79,7 @@ def measure(a, load_model, build_engine_core, make_plan, make_server_args, threa
 
     run(8, "warm-up")
     dt, steps = run(a.steps, "measured")
-    print(f"{a.repo} threads={threads or 'default'}: {steps} steps in {dt:.2f} s: "
+    print(f"{a.repo} threads={threads or 'default'} {method or 'default method'}: {steps} steps in {dt:.2f} s: "
           f"{steps / dt:.1f} steps/s, {1000 * dt / steps:.2f} ms a step", flush=True)
 
 
