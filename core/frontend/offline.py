@@ -65,6 +65,7 @@ class Engine:
                  serving: bool = False, started: list[StartedWorker] | None = None,
                  **kwargs: object):
         from core.engine.worker import make_plan
+        from core.plan.prebuild import start_prebuilds
         from core.plan.resolver import explain
 
         # the workers import torch while this process resolves the plan (`started`: spawned
@@ -86,7 +87,9 @@ class Engine:
             if started is None:
                 started = [StartedWorker(args) for _ in range(args.dp_size)]
             t1 = time.perf_counter()
-            self.args, self.plan, self.spec, _ = make_plan(args)
+            self.args, self.plan, self.spec, registry = make_plan(args)
+            # C kernels compile beside the tokenizer and the worker's read-ahead
+            start_prebuilds(self.plan, registry)
             if serving:  # `core serve`'s defaults, for the device the plan chose
                 self.args = serving_defaults(self.args, self.plan.device.device_type)
             log.info("%s", explain(self.plan))

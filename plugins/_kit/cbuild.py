@@ -5,7 +5,9 @@ plugins/attention/cpu_c): the library is compiled with the machine's C compiler 
 into a cache directory
 ($CORE_KERNEL_CACHE, else ~/.cache/core-serve/kernels) under a name that hashes the source,
 the flags and the compiler's version, so a changed source or compiler rebuilds and a second
-process reuses the file. Libraries link OpenMP (-fopenmp): torch's own libgomp is already
+process reuses the file; builders of one file wait on its lock, so it is compiled once
+(`compiled`), and a plan's libraries may be compiled ahead of use (`prebuild`, called by the
+factories' `prebuild()` hooks: core/plan/prebuild.py). Libraries link OpenMP (-fopenmp): torch's own libgomp is already
 loaded, so they share its thread pool. ctypes releases the GIL during a call.
 
 Instruction-set variants are the same source compiled with different flags (`ISA_FLAGS`); a
@@ -16,6 +18,7 @@ LayerOpsCaps `cpu_isa`), so the resolver, not the kernel, picks by what the CPU 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -65,11 +68,11 @@ def _version(cc: str) -> str:
         return ""
 
 
-@functools.cache
-def build(source: Path, variant: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The loaded library of `source` for one ISA variant (compiled if the cache lacks it);
-    RuntimeError with the compiler's message when it cannot be built. `extra`: more flags
-    (macros such as -DAMX_EMULATE), part of the cache key like the rest."""
+def compiled(source: Path, variant: str, extra: tuple[str, ...] = ()) -> Path:
+    """The path of `source`'s library for one ISA variant, compiled first if the cache lacks
+    it; RuntimeError with the compiler's message when it cannot be built. One compile per
+    file across threads and processes: the compile holds an exclusive lock on the file's
+    `.lock` beside it, and a caller that waited on the lock finds the library made."""
     cc = c_compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc / clang)")
@@ -79,15 +82,40 @@ def build(source: Path, variant: str, extra: tuple[str, ...] = ()) -> ctypes.CDL
                          + _version(cc).encode()).hexdigest()[:16]
     tag = "_".join([variant, *(f[2:].split("=")[0].lower() for f in extra if f[:2] == "-D")])
     out = cache_dir() / f"{source.stem}_{tag}_{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(f"building {source.name} ({variant}) failed: "
-                               f"{proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)  # atomic: concurrent builders leave one good file
-    return ctypes.CDLL(str(out))
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another builder of this file: wait for its result
+        try:
+            if not out.exists():
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+                os.close(fd)
+                proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"],
+                                      capture_output=True, text=True)
+                if proc.returncode != 0:
+                    os.unlink(tmp)
+                    raise RuntimeError(f"building {source.name} ({variant}) failed: "
+                                       f"{proc.stderr.strip()[-2000:]}")
+                os.replace(tmp, out)  # atomic: a reader never sees half a library
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out
+
+
+@functools.cache
+def build(source: Path, variant: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The loaded library of `source` for one ISA variant (compiled if the cache lacks it);
+    RuntimeError with the compiler's message when it cannot be built. `extra`: more flags
+    (macros such as -DAMX_EMULATE), part of the cache key like the rest."""
+    return ctypes.CDLL(str(compiled(source, variant, extra)))
+
+
+def prebuild(source: Path, variant: str, extra: tuple[str, ...] = ()) -> bool:
+    """Compile ahead of use (core.plan.prebuild): True when the library is in the cache
+    afterwards. A failure is not raised here; build() reports it when the engine asks."""
+    try:
+        compiled(source, variant, extra)
+    except (OSError, RuntimeError):
+        return False
+    return True

@@ -32,7 +32,7 @@ import torch
 
 from core.contract.attention import AttentionLayerParams, BackendContext
 from core.contract.forward_batch import ForwardBatch
-from plugins._kit.cbuild import build
+from plugins._kit.cbuild import build, prebuild
 from plugins.attention.cpu_c.backend import CpuCAttentionAvx512, CpuCMeta
 
 SOURCE = Path(__file__).with_name("attn_amx.c")
@@ -115,6 +115,16 @@ class CpuAmxAttention(CpuCAttentionAvx512):
 
     label = "cpu_amx attention"
     build_kind = "amx"
+
+    @classmethod
+    def prebuild(cls) -> None:
+        """core.plan.prebuild's hook: attn.c (decode) and attn_amx.c (extend) compiled into
+        the cache for this backend's builds."""
+        super().prebuild()
+        if cls.build_kind == "amx":
+            prebuild(SOURCE, "amx")
+        else:
+            prebuild(SOURCE, "portable", ("-DAMX_EMULATE",))
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)

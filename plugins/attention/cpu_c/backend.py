@@ -12,7 +12,7 @@ import torch
 
 from core.contract.attention import AttentionLayerParams, BackendContext
 from core.contract.forward_batch import ForwardBatch
-from plugins._kit.cbuild import build
+from plugins._kit.cbuild import build, prebuild
 from plugins._kit.pool_attention import PoolDecodeAttention
 from plugins._kit.torch_attention import TorchNativeMeta
 
@@ -62,6 +62,11 @@ class CpuCAttention(PoolDecodeAttention):
     native_bf16_q = True  # q fp32 or bf16 in, out in q's dtype
     # compute dtypes whose short extends run as decode rows (see SHORT_EXTEND)
     rows_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
+
+    @classmethod
+    def prebuild(cls) -> None:
+        """core.plan.prebuild's hook: attn.c compiled for this variant into the cache."""
+        prebuild(SOURCE, cls.variant)
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)

@@ -14,13 +14,19 @@ import torch
 from core.contract.attention import BackendContext
 from core.contract.forward_batch import ForwardBatch
 from core.contract.mla import MLALayerParams, MLAWeights
+from plugins._kit.cbuild import prebuild
 from plugins._kit.mla_torch import TorchMLA
-from plugins.attention.cpu_c.backend import library
+from plugins.attention.cpu_c.backend import SOURCE, library
 
 
 class CpuCMLA(TorchMLA):
     label = "cpu_c_mla attention"
     variant = "portable"
+
+    @classmethod
+    def prebuild(cls) -> None:
+        """core.plan.prebuild's hook: attn.c compiled for this variant into the cache."""
+        prebuild(SOURCE, cls.variant)
 
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from core.layers import ops_ref
-from plugins._kit.cbuild import build
+from plugins._kit.cbuild import build, prebuild
 
 SOURCE = Path(__file__).with_name("ops.c")
 _BF = {torch.float32: 0, torch.bfloat16: 1}
@@ -49,6 +49,11 @@ class CpuLayerOps:
 
     name = "cpu_c"
     variant = "portable"
+
+    @classmethod
+    def prebuild(cls) -> None:
+        """core.plan.prebuild's hook: ops.c compiled for this variant into the cache."""
+        prebuild(SOURCE, cls.variant)
 
     def __init__(self, dtype: Any = None, device: Any = None):
         self.dtype, self.device = dtype, device

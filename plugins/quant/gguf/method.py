@@ -105,6 +105,17 @@ class GGUFLinearMethod(QuantMethod):
     act_bits = 16
     amx_tiles = False  # gguf_amx: products of AMX_INT_MIN_ROWS+ rows on AMX tiles
 
+    @classmethod
+    def prebuild(cls) -> None:
+        """core.plan.prebuild's hook: this variant's kernel libraries compiled into the cache
+        (what __init__ below loads)."""
+        from plugins._kit.cbuild import prebuild
+        from plugins.quant.gguf.kernels import AMX_SOURCE, SOURCE
+
+        prebuild(SOURCE, cls.variant)
+        if cls.amx_tiles:
+            prebuild(AMX_SOURCE, "amx")
+
     def __init__(self, scheme: QuantScheme | None = None):
         super().__init__(scheme)
         # builds / loads the library now, not mid-request
