@@ -1058,6 +1058,13 @@ def rank_main(rank_json: str) -> None:
         traceback.print_exc()
         sys.exit(1)
     ranks.leave()
+    # Done: skip the interpreter's teardown. Even after leaving the group, the distributed
+    # backend's native threads have at times aborted a loaded box's rank there ("terminate
+    # called without an active exception": a clean rank then exits 134, and node 1's
+    # `core serve` reports a failure).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def worker_prestarted(conn: Connection, warm_args: str | None = None) -> None:
