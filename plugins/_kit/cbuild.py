@@ -7,8 +7,9 @@ into a cache directory
 the flags and the compiler's version, so a changed source or compiler rebuilds and a second
 process reuses the file; builders of one file wait on its lock, so it is compiled once
 (`compiled`), and a plan's libraries may be compiled ahead of use (`prebuild`, called by the
-factories' `prebuild()` hooks: core/plan/prebuild.py). Libraries link OpenMP (-fopenmp): torch's own libgomp is already
-loaded, so they share its thread pool. ctypes releases the GIL during a call.
+factories' `prebuild()` hooks: core/plan/prebuild.py). Libraries link OpenMP (-fopenmp):
+torch's own libgomp is already loaded, so they share its thread pool. ctypes releases the GIL
+during a call.
 
 Instruction-set variants are the same source compiled with different flags (`ISA_FLAGS`); a
 plugin registers one entry per variant with the CPU features it needs (QuantCaps /
