@@ -87,21 +87,31 @@ def compiled(source: Path, variant: str, extra: tuple[str, ...] = ()) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another builder of this file: wait for its result
+        try:  # another builder of this file: wait for its result
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks: build anyway (os.replace stays atomic)
+            pass
         try:
             if not out.exists():
-                fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-                os.close(fd)
-                proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"],
-                                      capture_output=True, text=True)
-                if proc.returncode != 0:
-                    os.unlink(tmp)
-                    raise RuntimeError(f"building {source.name} ({variant}) failed: "
-                                       f"{proc.stderr.strip()[-2000:]}")
-                os.replace(tmp, out)  # atomic: a reader never sees half a library
+                _compile(cc, flags, source, variant, out)
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            except OSError:
+                pass
     return out
+
+
+def _compile(cc: str, flags: tuple[str, ...], source: Path, variant: str, out: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building {source.name} ({variant}) failed: "
+                           f"{proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)  # atomic: a reader never sees half a library
 
 
 @functools.cache
