@@ -21,7 +21,15 @@
 #               then bench/bench_spec_gpu.py (the oracle's forced acceptance, the c64 governor)
 #   gemma       profile_decode.py on Gemma-2-9B at batch 1, then sweep_triton.py --shape gemma2
 #               (the d256 decode tiling, tuning.py's ("sm90", "d256") entry)
+#   gemma-suites  the GPU tests of the Gemma / GPT-OSS / mxfp4 / Triton attention and ops paths,
+#               then the attention and mxfp4 quant conformance suites on cuda (issue 35's "the
+#               suites pass on the GPU"; 90 and 50 s were too short in session 29)
+#   gpt-oss     bench_serving.py on GPT-OSS-20B (dummy MXFP4 experts): batch 1, offline 1,000 x
+#               1,024/256, online through `core serve` (issue 35's targets)
 #   cold-start  bench/cold_start.py (Llama-3.1-8B dummy: empty kernel caches, then a restart)
+#   amx-profile the host CPU: py-spy over 16-thread batch-1 decode (needs the py-spy wheel in .whl;
+#               -r 100, since -r 250 fell behind there), then ours on the VNNI kernels
+#               (--quantization gguf_avx512) for issue 38's "pp512 >= 2x our VNNI path"
 #   amx         the host CPU, not the GPU (issue 38; the H200 host has AMX): its flags, the AMX
 #               tests, a random-weight copy of the default model built from .whl/meta.gguf
 #               (bench/gguf_like.py; needs the gguf wheel in .whl), batch-1 decode steps at 4 and
@@ -31,7 +39,7 @@
 # Wheels the image lacks (gguf, compressed-tensors, xgrammar, ...) are installed from ./.whl
 # when it exists (carry it with the device tool), then the checkout with its entry points.
 set -u
-STAGES="suites quant-diag batch1 peers serve offline-fp8 parallel-1gpu lora spec gemma cold-start amx"
+STAGES="suites quant-diag batch1 peers serve offline-fp8 parallel-1gpu lora spec gemma gemma-suites gpt-oss cold-start amx amx-profile"
 for s in ${*:-}; do  # refuse an unknown stage before any device time goes
     case " $STAGES " in *" $s "*) ;; *) echo "unknown stage $s (stages: $STAGES)" >&2; exit 2 ;; esac
 done
@@ -110,6 +118,17 @@ for stage in "${@:-suites quant-diag batch1}"; do
             --out "$R/prof_gemma.json"
         run sweep_d256 240 python3 bench/sweep_triton.py --shape gemma2 --skip extend --quick \
             --out "$R/sweep_d256.json" ;;
+    gemma-suites)
+        run gemma_suites 400 "${PYTEST[@]}" -m gpu tests/test_gpt_oss.py tests/test_mxfp4.py \
+            tests/test_triton_attention.py tests/test_gemma.py tests/test_triton_ops.py
+        run gemma_conformance 300 "${PYTEST[@]}" -m "" conformance/attention_suite.py \
+            conformance/quant_suite.py --conformance-backend triton --conformance-quant mxfp4 \
+            --conformance-device cuda ;;
+    gpt-oss)
+        run gpt_oss 500 python3 bench/bench_serving.py \
+            --config tests/fixtures/configs/gpt-oss-20b.json --modes batch1,offline,online \
+            --num-prompts 1000 --input-len 1024 --output-len 256 --online-num-prompts 32 \
+            --online-output-len 128 --skip-hf --skip-eager --out "$R/gpt_oss.json" ;;
     cold-start)
         run cold_start 150 python3 bench/cold_start.py --out "$R/cold_start.json" ;;
     amx)
@@ -131,6 +150,19 @@ for stage in "${@:-suites quant-diag batch1}"; do
         run amx_peers 240 python3 bench/bench_cpu_peers.py --model-path /tmp/smol.gguf \
             --peers "$peers" --threads 16 --reps 1 --llama-extra-bufts off \
             --out "$R/amx_peers.json" ;;
+    amx-profile)
+        if [ ! -f .whl/meta.gguf ] || ! ls .whl/py_spy-*.whl >/dev/null 2>&1; then
+            echo "amx-profile: needs .whl/meta.gguf and the py-spy wheel in .whl" \
+                | tee -a "$R/times.txt"
+            continue
+        fi
+        run amx_model 60 python3 bench/gguf_like.py build .whl/meta.gguf /tmp/smol.gguf
+        run amx_spy16 120 /tmp/site/bin/py-spy record --native -r 100 --format raw \
+            -o "$R/amx_spy16.txt" -- python3 bench/cpu_decode_steps.py \
+            --model-path /tmp/smol.gguf --threads 16 --steps 600
+        run amx_vnni 200 python3 bench/bench_cpu_peers.py --model-path /tmp/smol.gguf \
+            --peers ours --quantization gguf_avx512 --threads 16 --reps 1 \
+            --out "$R/amx_vnni.json" ;;
     esac
   done
 done
