@@ -31,12 +31,12 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 from core.contract.json_types import JSON
+from core.file_lock import exclusive
 
 T = TypeVar("T")
 
@@ -143,40 +143,11 @@ LOCK_WAIT_S = 300.0  # the longest a process waits for another's build of a part
 
 @contextlib.contextmanager
 def _part_lock(where: Path, part: str) -> Iterator[None]:
-    """An exclusive lock on `part` of the entry `where` (a lock file beside it; released when
-    the holder exits, however it exits). Where no lock can be taken (no fcntl, a read-only
-    cache) or the wait runs past LOCK_WAIT_S, the caller goes on without it: a racing build
-    is only duplicated work, its result replaced atomically."""
-    try:
-        import fcntl
-    except ImportError:  # not a POSIX system
+    """An exclusive lock on `part` of the entry `where` (core.file_lock: a lock file beside
+    it; waited for at most LOCK_WAIT_S, and where none can be taken the caller goes on without
+    it: a racing build is only duplicated work, its result replaced atomically)."""
+    with exclusive(where / f".{part}.lock", LOCK_WAIT_S):
         yield
-        return
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-        fh = open(where / f".{part}.lock", "a+b")  # noqa: SIM115 - held across the yield
-    except OSError:
-        yield
-        return
-    with fh:
-        deadline = time.monotonic() + LOCK_WAIT_S
-        held = False
-        while True:
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    break
-                time.sleep(0.05)
-            except OSError:
-                break
-        try:
-            yield
-        finally:
-            if held:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def cached_json(gguf_path: str, part: str, build: Callable[[], JSON]) -> JSON:

@@ -19,7 +19,6 @@ LayerOpsCaps `cpu_isa`), so the resolver, not the kernel, picks by what the CPU 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import hashlib
 import os
@@ -28,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from core.contract.capabilities import c_compiler
+from core.file_lock import exclusive
 
 # variant -> compiler flags; the sources pick their loops by the macros these define
 ISA_FLAGS = {
@@ -48,6 +48,8 @@ ISA_FEATURES = {
     "amx": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx2",
                       "fma", "f16c", "amx_tile", "amx_bf16", "amx_int8"}),
 }
+# the longest a process waits for another's compile of the same library before compiling it too
+BUILD_WAIT_S = 600.0
 BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -73,7 +75,8 @@ def compiled(source: Path, variant: str, extra: tuple[str, ...] = ()) -> Path:
     """The path of `source`'s library for one ISA variant, compiled first if the cache lacks
     it; RuntimeError with the compiler's message when it cannot be built. One compile per
     file across threads and processes: the compile holds an exclusive lock on the file's
-    `.lock` beside it, and a caller that waited on the lock finds the library made."""
+    `.lock` beside it (core.file_lock), and a caller that waited on the lock (at most
+    BUILD_WAIT_S) finds the library made."""
     cc = c_compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc / clang)")
@@ -85,20 +88,11 @@ def compiled(source: Path, variant: str, extra: tuple[str, ...] = ()) -> Path:
     out = cache_dir() / f"{source.stem}_{tag}_{key}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".lock"), "a") as lock:
-        try:  # another builder of this file: wait for its result
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError:  # a filesystem without locks: build anyway (os.replace stays atomic)
-            pass
-        try:
-            if not out.exists():
-                _compile(cc, flags, source, variant, out)
-        finally:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-            except OSError:
-                pass
+    # another builder of this file: wait for its result (core.file_lock; without a lock both
+    # build, and os.replace keeps the file whole)
+    with exclusive(out.with_suffix(".lock"), BUILD_WAIT_S):
+        if not out.exists():
+            _compile(cc, flags, source, variant, out)
     return out
 
 
