@@ -224,6 +224,7 @@ class AttentionCaps(_Frozen):
     deterministic: bool = False
     requires: tuple[str, ...] = ()  # python packages imported by the factory
     programs: tuple[str, ...] = ()  # executables on PATH, e.g. ("cc",) to build its kernels
+    # (with "cc", the factory may offer prebuild(): core/plan/prebuild.py compiles ahead)
     priority: Mapping[str, int] = field(default_factory=dict)  # per device target
     description: str = ""
     # Conditional needs: device features a KV-cache dtype needs beyond the backend's own range,
@@ -344,6 +345,7 @@ class QuantCaps(_Frozen):
     needs_features: frozenset[str] = frozenset()  # device features, e.g. {"fp8"}
     requires: tuple[str, ...] = ()
     programs: tuple[str, ...] = ()  # executables on PATH, e.g. ("cc",) to build its kernels
+    # (with "cc", the factory may offer prebuild(): core/plan/prebuild.py compiles ahead)
     priority: Mapping[str, int] = field(default_factory=dict)
     description: str = ""
     # Its weights load split over tensor-parallel ranks: the core hands a rank's loader the
@@ -453,6 +455,7 @@ class LayerOpsCaps(_Frozen):
     cuda_graph: bool = False
     requires: tuple[str, ...] = ()
     programs: tuple[str, ...] = ()  # executables on PATH, e.g. ("cc",) to build its kernels
+    # (with "cc", the factory may offer prebuild(): core/plan/prebuild.py compiles ahead)
     priority: Mapping[str, int] = field(default_factory=dict)
     description: str = ""
 
