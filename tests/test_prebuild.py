@@ -132,7 +132,7 @@ def test_a_filesystem_without_locks_still_builds(counting_cc, monkeypatch):
     def no_locks(*_):
         raise OSError(37, "No locks available")
 
-    from core import file_lock
+    from core.contract import file_lock
 
     monkeypatch.setattr(file_lock.fcntl, "flock", no_locks)
     assert cbuild.compiled(OPS_C, "portable").is_file()

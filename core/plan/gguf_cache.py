@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+from core.contract.file_lock import exclusive
 from core.contract.json_types import JSON
-from core.file_lock import exclusive
 
 T = TypeVar("T")
 
@@ -143,9 +143,9 @@ LOCK_WAIT_S = 300.0  # the longest a process waits for another's build of a part
 
 @contextlib.contextmanager
 def _part_lock(where: Path, part: str) -> Iterator[None]:
-    """An exclusive lock on `part` of the entry `where` (core.file_lock: a lock file beside
-    it; waited for at most LOCK_WAIT_S, and where none can be taken the caller goes on without
-    it: a racing build is only duplicated work, its result replaced atomically)."""
+    """An exclusive lock on `part` of the entry `where` (core.contract.file_lock: a lock file
+    beside it; waited for at most LOCK_WAIT_S, and where none can be taken the caller goes on
+    without it: a racing build is only duplicated work, its result replaced atomically)."""
     with exclusive(where / f".{part}.lock", LOCK_WAIT_S):
         yield
 

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from core.contract.capabilities import c_compiler
-from core.file_lock import exclusive
+from core.contract.file_lock import exclusive
 
 # variant -> compiler flags; the sources pick their loops by the macros these define
 ISA_FLAGS = {
@@ -75,8 +75,8 @@ def compiled(source: Path, variant: str, extra: tuple[str, ...] = ()) -> Path:
     """The path of `source`'s library for one ISA variant, compiled first if the cache lacks
     it; RuntimeError with the compiler's message when it cannot be built. One compile per
     file across threads and processes: the compile holds an exclusive lock on the file's
-    `.lock` beside it (core.file_lock), and a caller that waited on the lock (at most
-    BUILD_WAIT_S) finds the library made."""
+    `.lock` beside it (core.contract.file_lock), and a caller that waited on the lock (at
+    most BUILD_WAIT_S) finds the library made."""
     cc = c_compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc / clang)")
@@ -88,8 +88,8 @@ def compiled(source: Path, variant: str, extra: tuple[str, ...] = ()) -> Path:
     out = cache_dir() / f"{source.stem}_{tag}_{key}.so"
     if out.exists():
         return out
-    # another builder of this file: wait for its result (core.file_lock; without a lock both
-    # build, and os.replace keeps the file whole)
+    # another builder of this file: wait for its result (core.contract.file_lock; without a
+    # lock both build, and os.replace keeps the file whole)
     with exclusive(out.with_suffix(".lock"), BUILD_WAIT_S):
         if not out.exists():
             _compile(cc, flags, source, variant, out)

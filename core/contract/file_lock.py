@@ -1,5 +1,6 @@
 """An exclusive lock on a file beside what several processes may build at once (a cache part,
-a compiled library), so one builds it and the others wait and read the result.
+a compiled library), so one builds it and the others wait and read the result. In the
+contract because plugins use it too (plugins/_kit/cbuild.py, for kernels they compile).
 
 The lock is `flock` on a lock file (released when the holder exits, however it exits). Where no
 lock can be taken (not a POSIX system, a read-only directory, a filesystem without locks) or the
