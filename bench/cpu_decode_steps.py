@@ -6,6 +6,7 @@ diagnostic for A/B comparisons of two checkouts on a noisy VM, not a benchmark).
     python bench/cpu_decode_steps.py --model-path F.gguf --threads 1,4,16   # a thread sweep
     python bench/cpu_decode_steps.py --quantization gguf_avx512,gguf_avx512_q8 --rounds 3
                                                           # methods A/B, interleaved rounds
+    python bench/cpu_decode_steps.py --graphs on,off --rounds 3   # CPU decode graphs A/B
 
 Builds the engine core in this process (no worker, no server), prefills a 128-token prompt
 and runs --steps greedy decode steps, EOS ignored; prints steps per second over the whole
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default=None,
                    help="comma-separated quant methods (e.g. gguf_avx512,gguf_avx512_q8): one "
                         "engine each, measured in turn for --rounds rounds")
+    p.add_argument("--graphs", default="on",
+                   help="comma-separated on/off: decode graphs (off = --disable-cuda-graph), "
+                        "one engine each, measured in turn like --quantization")
     p.add_argument("--rounds", type=int, default=1)
     a = p.parse_args(argv)
     sys.path.insert(0, a.repo)
@@ -40,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     from core.engine.worker import build_engine_core, make_plan
     from core.plan.args import make_server_args
 
-    methods = a.quantization.split(",") if a.quantization else [None]
+    methods = [(m, g) for m in (a.quantization.split(",") if a.quantization else [None])
+               for g in a.graphs.split(",")]
     for threads in (a.threads.split(",") if a.threads else [None]):
         if threads is not None:
             import torch
@@ -54,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def build(a, method, load_model, build_engine_core, make_plan, make_server_args):
+def build(a, method_graphs, load_model, build_engine_core, make_plan, make_server_args):
+    method, graphs = method_graphs
     extra = {"model_path": a.model_path} if a.model_path else {}
+    if graphs not in ("on", "off"):
+        raise SystemExit(f"--graphs takes on / off, not {graphs!r}")
+    extra["disable_cuda_graph"] = graphs == "off"
     if method:
         extra["quantization"] = method
     args = make_server_args(device="cpu", max_total_tokens=4096, dtype=a.dtype,
@@ -64,7 +73,8 @@ def build(a, method, load_model, build_engine_core, make_plan, make_server_args)
     return build_engine_core(args, plan, spec, registry, load_model(args, plan, registry))
 
 
-def measure(a, core, threads, method) -> None:
+def measure(a, core, threads, method_graphs) -> None:
+    method, graphs = method_graphs
     sched = core.scheduler
     prompt = list(range(100, 228))
 
@@ -79,7 +89,7 @@ def measure(a, core, threads, method) -> None:
 
     run(8, "warm-up")
     dt, steps = run(a.steps, "measured")
-    print(f"{a.repo} threads={threads or 'default'} {method or 'default method'}: {steps} steps in {dt:.2f} s: "
+    print(f"{a.repo} threads={threads or 'default'} {method or 'default method'} graphs {graphs}: {steps} steps in {dt:.2f} s: "
           f"{steps / dt:.1f} steps/s, {1000 * dt / steps:.2f} ms a step", flush=True)
 
 

@@ -9,11 +9,13 @@ AVX-512 BF16 or AMX CPU); elsewhere bf16 weights stay plain and `F.linear` runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from core.contract.capabilities import c_compiler
 from core.contract.platform import BasePlatform, GraphSupport, MemoryDefaults, ModelGeometry
 from core.layers.linear import repack_dense_weights
 from plugins.hardware.cpu import host_free_bytes
@@ -22,6 +24,9 @@ MAX_RUNNING = 64
 KV_CAP_TOKENS = 32768  # host RAM is not the KV cache's to fill by default
 CHUNK = 2048
 FRACTION = 0.5
+# decode graphs (plugins/hardware/cpu_graphs.py) for batches up to this: they remove the Python
+# around the C calls, which matters while a step's arithmetic is small (bench/RESULTS.md)
+GRAPH_MAX_BS = 8
 
 
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -54,8 +59,9 @@ def pack_model(model: Any) -> int:
 
 class CpuPlatform(BasePlatform):
     """The Platform of the host CPU: host memory, CPU defaults, KV buffers from calloc, oneDNN
-    weight packing. Nothing to copy, wait for, capture or overlap; the device is the host
-    ("cpu") and gloo its backend: BasePlatform's defaults."""
+    weight packing, decode graphs of recorded C calls (cpu_graphs.py). Nothing to copy, wait
+    for or overlap; the device is the host ("cpu") and gloo its backend: BasePlatform's
+    defaults."""
 
     def memory(self, index: int = 0) -> tuple[int, int]:
         return host_free_bytes(), int(self.info.memory_bytes)
@@ -64,10 +70,11 @@ class CpuPlatform(BasePlatform):
         # host memory is shared with every other process: the KV pool is what a model needs
         # (KV_CAP_TOKENS), within FRACTION of the memory available when the engine starts
         # (core.engine.memory.memory_pool.kv_pool_tokens), fewer tokens when that is short
-        return MemoryDefaults(CHUNK, FRACTION, MAX_RUNNING, KV_CAP_TOKENS, 0,
+        return MemoryDefaults(CHUNK, FRACTION, MAX_RUNNING, KV_CAP_TOKENS, GRAPH_MAX_BS,
                               f"CPU defaults: chunked prefill {CHUNK}, {MAX_RUNNING} running "
                               f"requests, KV pool {KV_CAP_TOKENS} tokens within {FRACTION} of "
-                              "the host memory available (fewer when that is short)")
+                              "the host memory available (fewer when that is short), decode "
+                              f"graphs up to batch {GRAPH_MAX_BS}")
 
     def zeros(self, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # calloc (through numpy): the OS maps zero pages as they are first touched, so a large
@@ -84,7 +91,15 @@ class CpuPlatform(BasePlatform):
         return tensor, None  # already there
 
     def graphs(self) -> GraphSupport:
-        return GraphSupport(False, "device type cpu has no decode graphs")
+        if c_compiler() is None:
+            return GraphSupport(False, "CPU decode graphs replay through a compiled trampoline "
+                                       "and no C compiler was found (cc, or $CC)")
+        return GraphSupport(True)
+
+    def graph_runner(self, runner: Any, sizes: Sequence[int], vocab_size: int) -> Any:
+        from plugins.hardware.cpu_graphs import CpuGraphRunner
+
+        return CpuGraphRunner.for_runner(runner, sizes, vocab_size)
 
     def post_load(self, model: Any) -> list[str]:
         dense = sum(1 for p in model.parameters()

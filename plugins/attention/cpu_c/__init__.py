@@ -45,7 +45,7 @@ def core_register_attention_backends(register):
         dtypes={"float32", "bfloat16"}, kv_cache_dtypes={"float32", "bfloat16"},
         head_sizes=None, page_sizes=PageSizes.any(),
         attention_kinds={"MHA", "GQA", "MQA"}, sliding_window=True, logit_softcap=True,
-        sinks=False, phases={"prefill", "decode"}, cuda_graph=False,
+        sinks=False, phases={"prefill", "decode"}, cuda_graph=True,  # decode is cpu_c's
         # fixed work items, each a fixed summation order. Below cpu_c_avx512 (40), so opt-in
         # (--attention-backend cpu_amx): on a 16-core Xeon with AMX (session 22) its tiles are
         # right (`bench/bench_cpu_amx_attention.py --check`, the tile tests) but slower than
@@ -62,7 +62,9 @@ def core_register_attention_backends(register):
             dtypes={"float32", "bfloat16"}, kv_cache_dtypes={"float32", "bfloat16"},
             head_sizes=None, page_sizes=PageSizes.any(),
             attention_kinds={"MHA", "GQA", "MQA"}, sliding_window=True, logit_softcap=True,
-            sinks=False, phases={"prefill", "decode"}, cuda_graph=False,
+            # decode graphs: on the CPU (plugins/hardware/cpu_graphs.py), its decode reads the
+            # static table through ca_decode_tab, a NativeFn
+            sinks=False, phases={"prefill", "decode"}, cuda_graph=True,
             # one work item per (request, KV head), a fixed summation order
             deterministic=True, programs=("cc",), priority={"cpu": prio},
             description=f"C decode straight from the paged KV pool ({variant} build); prefill "

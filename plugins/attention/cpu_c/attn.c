@@ -228,13 +228,43 @@ static int64_t head_parts(int64_t items, int64_t heads, int nthreads) {
  * seq_lens [B]; window > 0 keeps the last `window` keys; cap > 0 soft-caps scores;
  * out [B, H, Dv] fp32 (out_bf 0) or bf16 (1, rounded to nearest even as torch does).
  * Returns 0, or -2 when out of memory. */
+static int decode_all(const void *q, int q_bf, const void *kb, const void *vb, int bf,
+                      const int64_t *slots, const int32_t *table, const int64_t *rows,
+                      int64_t ss, const int64_t *seq_lens, const int32_t *lens32, int64_t B,
+                      int64_t H, int64_t Hkv, int64_t D, int64_t Dv, int64_t ks, int64_t vs,
+                      float scale, int64_t window, float cap, void *out, int out_bf,
+                      int nthreads);
+
 int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
               const int64_t *slots, int64_t ss, const int64_t *seq_lens, int64_t B, int64_t H,
               int64_t Hkv, int64_t D, int64_t Dv, int64_t ks, int64_t vs, float scale,
               int64_t window, float cap, void *out, int out_bf, int nthreads) {
+    return decode_all(q, q_bf, kb, vb, bf, slots, NULL, NULL, ss, seq_lens, NULL, B, H, Hkv, D,
+                      Dv, ks, vs, scale, window, cap, out, out_bf, nthreads);
+}
+
+/* ca_decode reading what a decode graph holds (static buffers, no per-step gather): request b's
+ * slots are row rows[b] of the pool's int32 table [*, ts], its length seq_lens[b] (int32).
+ * Each work item copies the slots it reads into its scratch as int64; the arithmetic is
+ * ca_decode's, so a graph's step rounds as an eager one does. */
+int ca_decode_tab(const void *q, int q_bf, const void *kb, const void *vb, int bf,
+                  const int32_t *table, int64_t ts, const int64_t *rows, const int32_t *seq_lens,
+                  int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t Dv, int64_t ks,
+                  int64_t vs, float scale, int64_t window, float cap, void *out, int out_bf,
+                  int nthreads) {
+    return decode_all(q, q_bf, kb, vb, bf, NULL, table, rows, ts, NULL, seq_lens, B, H, Hkv, D,
+                      Dv, ks, vs, scale, window, cap, out, out_bf, nthreads);
+}
+
+static int decode_all(const void *q, int q_bf, const void *kb, const void *vb, int bf,
+                      const int64_t *slots, const int32_t *table, const int64_t *rows,
+                      int64_t ss, const int64_t *seq_lens, const int32_t *lens32, int64_t B,
+                      int64_t H, int64_t Hkv, int64_t D, int64_t Dv, int64_t ks, int64_t vs,
+                      float scale, int64_t window, float cap, void *out, int out_bf,
+                      int nthreads) {
     const int64_t G = H / Hkv;
     int64_t work = 0;
-    for (int64_t b = 0; b < B; b++) work += seq_lens[b];
+    for (int64_t b = 0; b < B; b++) work += seq_lens ? seq_lens[b] : lens32[b];
     const int64_t P = head_parts(B * Hkv, G, nthreads), Gp = G / P;
     int failed = 0;
     const size_t esz = bf ? 2 : 4;
@@ -242,15 +272,23 @@ int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
     for (int64_t it = 0; it < B * Hkv * P; it++) {
         const int64_t b = it / (Hkv * P), g = (it / P) % Hkv;
         const int64_t h0 = g * G + (it % P) * Gp;  /* the item's first query head */
-        const int64_t L = seq_lens[b];
+        const int64_t L = seq_lens ? seq_lens[b] : lens32[b];
         const int64_t lo = window > 0 && L > window ? L - window : 0;
         const int64_t n = L - lo;
-        const int64_t *sl = slots + b * ss;
         const int64_t wmax = D > Dv ? D : Dv;
-        float *sc = (float *)malloc(sizeof(float) *
-                                    (size_t)(Gp * (n > 0 ? n : 1) + Gp * D + Gp * Dv + wmax));
+        /* scratch: scores, scaled queries, accumulators, a widened row, then (from a table)
+         * the item's slots as int64, 8-byte aligned */
+        const size_t nf = (size_t)(Gp * (n > 0 ? n : 1) + Gp * D + Gp * Dv + wmax + 1) & ~(size_t)1;
+        float *sc = (float *)malloc(sizeof(float) * nf + (table ? sizeof(int64_t) * (size_t)L : 0));
         if (!sc) { failed = 1; continue; }
         float *qs = sc + Gp * (n > 0 ? n : 1), *acc = qs + Gp * D, *krow = acc + Gp * Dv;
+        const int64_t *sl = slots ? slots + b * ss : NULL;
+        if (table) {
+            int64_t *own = (int64_t *)(sc + nf);
+            const int32_t *tr = table + rows[b] * ss;
+            for (int64_t j = lo; j < L; j++) own[j] = tr[j];
+            sl = own;
+        }
         for (int64_t i = 0; i < Gp; i++)
             for (int64_t d = 0; d < D; d++)
                 qs[i * D + d] = ld(q, q_bf, (b * H + h0 + i) * D + d) * scale;

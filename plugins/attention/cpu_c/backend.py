@@ -7,11 +7,13 @@ import ctypes
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from core.contract.attention import AttentionLayerParams, BackendContext
 from core.contract.forward_batch import ForwardBatch
+from core.contract.native import NativeFn
 from plugins._kit.cbuild import build, prebuild
 from plugins._kit.pool_attention import PoolDecodeAttention
 from plugins._kit.torch_attention import TorchNativeMeta
@@ -20,18 +22,22 @@ SOURCE = Path(__file__).with_name("attn.c")
 
 
 @functools.cache
-def library(variant: str) -> ctypes.CDLL:
+def library(variant: str) -> SimpleNamespace:
+    """attn.c's entry points for one ISA build, each a NativeFn (core.contract.native: a CPU
+    decode graph records their calls)."""
     lib = build(SOURCE, variant)
     p, i64, i32, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.ca_decode.argtypes = [p, i32, p, p, i32, p, i64, p, i64, i64, i64, i64, i64, i64, i64,
-                              f, i64, f, p, i32, i32]
-    lib.ca_decode.restype = i32
-    lib.ca_decode_rows.argtypes = [p, i32, p, p, i32, p, i64, p, p, i64, i64, i64, i64, i64, i64,
-                                   i64, f, i64, f, p, i32, i32]
-    lib.ca_decode_rows.restype = i32
-    lib.ca_mla_decode.argtypes = [p, p, i32, i64, p, i64, p, i64, i64, i64, i64, f, p, i32]
-    lib.ca_mla_decode.restype = i32
-    return lib
+    return SimpleNamespace(
+        ca_decode=NativeFn(lib.ca_decode, [p, i32, p, p, i32, p, i64, p, i64, i64, i64, i64, i64,
+                                           i64, i64, f, i64, f, p, i32, i32]),
+        ca_decode_rows=NativeFn(lib.ca_decode_rows, [p, i32, p, p, i32, p, i64, p, p, i64, i64,
+                                                     i64, i64, i64, i64, i64, f, i64, f, p, i32,
+                                                     i32]),
+        ca_decode_tab=NativeFn(lib.ca_decode_tab, [p, i32, p, p, i32, p, i64, p, p, i64, i64,
+                                                   i64, i64, i64, i64, i64, f, i64, f, p, i32,
+                                                   i32]),
+        ca_mla_decode=NativeFn(lib.ca_mla_decode, [p, p, i32, i64, p, i64, p, i64, i64, i64,
+                                                   i64, f, p, i32]))
 
 
 # An extend whose requests add at most this many tokens each (speculative verify: the last
@@ -52,6 +58,11 @@ class CpuCMeta(TorchNativeMeta):
     seq_lens_t: torch.Tensor | None = None  # [B] int64
     rows: CpuCMeta | None = None
     first: torch.Tensor | None = None  # decode rows: [requests + 1] row offsets (int64)
+    # a decode graph's (prepare_for_graph): the static table [*, C] int32, each request's row
+    # in it [B] int64 and its length [B] int32, read by ca_decode_tab at every replay
+    table: torch.Tensor | None = None
+    table_rows: torch.Tensor | None = None
+    lens32: torch.Tensor | None = None
 
 
 class CpuCAttention(PoolDecodeAttention):
@@ -71,7 +82,7 @@ class CpuCAttention(PoolDecodeAttention):
     def __init__(self, ctx: BackendContext):
         super().__init__(ctx)
         lib = library(self.variant)
-        self.fn, self.fn_rows = lib.ca_decode, lib.ca_decode_rows
+        self.fn, self.fn_rows, self.fn_tab = lib.ca_decode, lib.ca_decode_rows, lib.ca_decode_tab
         self.threads = torch.get_num_threads()
 
     def decode(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -80,13 +91,21 @@ class CpuCAttention(PoolDecodeAttention):
         Hkv, Dv = k_buf.shape[1], v_buf.shape[-1]
         q_bf = int(q.dtype == torch.bfloat16)
         out = torch.empty(B, H * Dv, dtype=q.dtype)
+        tail = (H, Hkv, D, Dv, k_buf.stride(0), v_buf.stride(0), layer.scaling,
+                layer.sliding_window or 0, layer.logit_softcap or 0.0, out.data_ptr(), q_bf,
+                self.threads)
+        if meta.table is not None:  # a decode graph's static metadata
+            t = meta.table
+            rc = self.fn_tab(q.data_ptr(), q_bf, k_buf.data_ptr(), v_buf.data_ptr(),
+                             int(k_buf.dtype == torch.bfloat16), t.data_ptr(), t.stride(0),
+                             meta.table_rows.data_ptr(), meta.lens32.data_ptr(), B, *tail)
+            if rc != 0:
+                raise MemoryError("cpu_c decode attention: out of memory")
+            return out
         slots, lens = meta.slots, meta.seq_lens_t
         head = (q.data_ptr(), q_bf, k_buf.data_ptr(), v_buf.data_ptr(),
                 int(k_buf.dtype == torch.bfloat16), slots.data_ptr(), slots.stride(0),
                 lens.data_ptr())
-        tail = (H, Hkv, D, Dv, k_buf.stride(0), v_buf.stride(0), layer.scaling,
-                layer.sliding_window or 0, layer.logit_softcap or 0.0, out.data_ptr(), q_bf,
-                self.threads)
         if meta.first is None:
             rc = self.fn(*head, B, *tail)
         else:
@@ -96,6 +115,18 @@ class CpuCAttention(PoolDecodeAttention):
         if rc != 0:
             raise MemoryError("cpu_c decode attention: out of memory")
         return out
+
+    def prepare_for_graph(self, batch: ForwardBatch, bs: int) -> CpuCMeta:
+        """A decode graph's metadata: the kernel reads the batch's static table, rows and
+        lengths (int32, written before each replay) through ca_decode_tab; no Python list of
+        lengths, no per-step gather."""
+        table, rows, lens = batch.req_to_token, batch.req_pool_indices, batch.seq_lens
+        if (table.dtype != torch.int32 or table.stride(1) != 1 or rows.dtype != torch.int64
+                or lens.dtype != torch.int32 or not rows.is_contiguous()
+                or not lens.is_contiguous()):
+            raise ValueError(f"{self.label} graphs read an int32 table and lengths and int64 "
+                             f"rows, got {table.dtype}, {lens.dtype}, {rows.dtype}")
+        return CpuCMeta(True, None, [], [], [], [], table=table, table_rows=rows, lens32=lens)
 
     def prepare(self, batch: ForwardBatch) -> CpuCMeta:
         meta = CpuCMeta(**vars(super().prepare(batch)))

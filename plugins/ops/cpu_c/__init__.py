@@ -24,5 +24,6 @@ def core_register_layer_ops(register):
         register(name, LayerOpsCaps(
             devices={"cpu"}, cpu_isa=ISA_FEATURES[variant], dtypes={"float32", "bfloat16"},
             ops={"rms_norm", "add_rms_norm", "silu_and_mul", "rotary_qk", "store_kv"},
-            programs=("cc",), priority={"cpu": prio},
+            # decode graphs on the CPU: every call is a NativeFn (core.contract.native)
+            programs=("cc",), priority={"cpu": prio}, cuda_graph=True,
             description=f"C element-wise ops, {variant} build (one call per op)"), factory)

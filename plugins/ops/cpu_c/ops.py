@@ -12,10 +12,12 @@ import ctypes
 import functools
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from core.contract.native import NativeFn
 from core.layers import ops_ref
 from plugins._kit.cbuild import build, prebuild
 
@@ -25,18 +27,18 @@ _REFERENCE = ops_ref.TorchLayerOps()  # what an op falls back to for inputs it d
 
 
 @functools.cache
-def library(variant: str) -> ctypes.CDLL:
+def library(variant: str) -> SimpleNamespace:
+    """ops.c's entry points for one ISA build, each a NativeFn (core.contract.native: a CPU
+    decode graph records their calls); all return nothing."""
     lib = build(SOURCE, variant)
     p, i64, i32, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.co_rms_norm.argtypes = [p, i64, p, p, i64, i64, f, i32, i32]
-    lib.co_add_rms_norm.argtypes = [p, p, p, p, p, i64, i64, f, i32, i32]
-    lib.co_silu_mul.argtypes = [p, p, i64, i64, i32, i32]
-    lib.co_rotary.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64, i32, i32]
-    lib.co_store_kv.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64, i32, i32]
-    for fn in (lib.co_rms_norm, lib.co_add_rms_norm, lib.co_silu_mul, lib.co_rotary,
-               lib.co_store_kv):
-        fn.restype = None
-    return lib
+    sigs = {"co_rms_norm": [p, i64, p, p, i64, i64, f, i32, i32],
+            "co_add_rms_norm": [p, p, p, p, p, i64, i64, f, i32, i32],
+            "co_silu_mul": [p, p, i64, i64, i32, i32],
+            "co_rotary": [p, i64, p, p, p, p, i64, i64, i64, i64, i32, i32],
+            "co_store_kv": [p, i64, p, i64, p, p, p, i64, i64, i64, i32, i32]}
+    return SimpleNamespace(**{name: NativeFn(getattr(lib, name), args, restype=None)
+                              for name, args in sigs.items()})
 
 
 def _rows(x: torch.Tensor) -> bool:

@@ -619,9 +619,12 @@ int gq_linear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *co
 
 /* out[r, K] = the dequantized rows rows[r] of W (rows NULL: rows 0..n_rows-1); fp32 or bf16 */
 int gq_dequant(const uint8_t *codes, int bits, int bs, const void *sc, const void *mn, int f32,
-               int64_t K, const int64_t *rows, int64_t n_rows, void *out, int out_bf16,
-               int nthreads) {
+               int64_t K, int64_t N, const int64_t *rows, int64_t n_rows, void *out,
+               int out_bf16, int nthreads) {
     if (K % bs || (bits == 4 && bs != 32)) return -1;
+    if (rows)  /* the rows asked for (token ids, at an embedding lookup) are checked here */
+        for (int64_t r = 0; r < n_rows; r++)
+            if (rows[r] < 0 || rows[r] >= N) return -3;
     int64_t nb = K / bs, row_bytes = bits == 4 ? K / 2 : K;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (n_rows > 8)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from core.contract.native import NativeFn
 from plugins._kit.cbuild import build
 from plugins.quant.gguf.formats import Packed
 
@@ -20,11 +21,11 @@ def library(variant: str) -> ctypes.CDLL:
     """kernels.c built for `variant`, with its functions' signatures declared."""
     lib = build(SOURCE, variant)
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.gq_linear.argtypes = [p, i32, i64, i64, p, i32, i32, p, p, i32, p, p, i32, i64, i32,
-                              i32]
-    lib.gq_linear.restype = i32
-    lib.gq_dequant.argtypes = [p, i32, i32, p, p, i32, i64, p, i64, p, i32, i32]
-    lib.gq_dequant.restype = i32
+    # NativeFn (core.contract.native): a CPU decode graph records these calls
+    lib.linear = NativeFn(lib.gq_linear, [p, i32, i64, i64, p, i32, i32, p, p, i32, p, p, i32,
+                                          i64, i32, i32])
+    lib.dequant = NativeFn(lib.gq_dequant, [p, i32, i32, p, p, i32, i64, i64, p, i64, p, i32,
+                                            i32])
     lib.gq_variant.restype = ctypes.c_char_p
     if lib.gq_variant().decode() != variant:
         raise RuntimeError(f"the {variant} build of kernels.c reports {lib.gq_variant().decode()}")
@@ -75,7 +76,7 @@ class Kernels:
         """x -> linear(x, w, bias) with the weight's arguments bound once (the decode hot
         path: ~3 us of Python per call instead of ~10)."""
         n, k = w.shape
-        fn = self.lib.gq_linear
+        fn = self.lib.linear
         wargs = (w.codes.data_ptr(), w.bits, w.bs, w.scales.data_ptr(), w.mins.data_ptr(),
                  int(w.scales.dtype == torch.float32),
                  bias.data_ptr() if bias is not None else None)
@@ -99,16 +100,18 @@ class Kernels:
         """The matrix (or its rows `rows`, int64) dense in fp32 / bf16."""
         n, k = w.shape
         idx = None
-        if rows is not None:
-            idx = rows.reshape(-1).to(torch.int64).contiguous()
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-                raise IndexError(f"row index out of range for {n} rows")
+        if rows is not None:  # range-checked by the kernel (no host read: graphs record this)
+            idx = rows.reshape(-1)
+            if idx.dtype != torch.int64 or not idx.is_contiguous():
+                idx = idx.to(torch.int64).contiguous()
         count = n if idx is None else idx.numel()
         out = torch.empty(count, k, dtype=dtype)
-        rc = self.lib.gq_dequant(w.codes.data_ptr(), w.bits, w.bs, w.scales.data_ptr(),
-                                 w.mins.data_ptr(), int(w.scales.dtype == torch.float32), k,
-                                 idx.data_ptr() if idx is not None else None, count,
-                                 out.data_ptr(), _DT[dtype], torch.get_num_threads())
+        rc = self.lib.dequant(w.codes.data_ptr(), w.bits, w.bs, w.scales.data_ptr(),
+                              w.mins.data_ptr(), int(w.scales.dtype == torch.float32), k, n,
+                              idx.data_ptr() if idx is not None else None, count,
+                              out.data_ptr(), _DT[dtype], torch.get_num_threads())
+        if rc == -3:
+            raise IndexError(f"row index out of range for {n} rows")
         if rc != 0:
             raise RuntimeError(f"gq_dequant failed ({rc})")
         return out if rows is None else out.reshape(*rows.shape, k)
@@ -123,12 +126,12 @@ def amx_library() -> ctypes.CDLL:
     (RuntimeError when the compiler cannot build it or the kernel refuses the state)."""
     lib = build(AMX_SOURCE, "amx")
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.gq_amx_linear.argtypes = [p, i64, i64, p, i32, i32, p, p, i32, p, p, i32, i64, i32]
-    lib.gq_amx_linear.restype = i32
-    lib.gq_amx_q_linear.argtypes = [p, i32, i64, i64, p, i32, p, p, i32, p, p, i32, i64, i32]
+    lib.linear = NativeFn(lib.gq_amx_linear, [p, i64, i64, p, i32, i32, p, p, i32, p, p, i32,
+                                              i64, i32])
+    lib.q_linear = NativeFn(lib.gq_amx_q_linear, [p, i32, i64, i64, p, i32, p, p, i32, p, p,
+                                                  i32, i64, i32])
     lib.gq_amx_q_pack.argtypes = [p, i32, p, p, i32, i64, i64, p, p, p]
     lib.gq_amx_q_pack.restype = i32
-    lib.gq_amx_q_linear.restype = i32
     lib.gq_amx_variant.restype = ctypes.c_char_p
     if lib.gq_amx_init() != 0:
         raise RuntimeError("the kernel did not grant this process the AMX tile state "
@@ -160,7 +163,7 @@ class AmxKernels:
         if k % 32 or (w.bits == 4 and w.bs != 32) or w.bs not in (16, 32):
             raise ValueError(f"AMX kernel takes K a multiple of 32 and blocks of 16 / 32, "
                              f"not K={k} with {w.bits}-bit blocks of {w.bs}")
-        fn = self.lib.gq_amx_linear
+        fn = self.lib.linear
         wargs = self._wargs(w, bias)
         threads = torch.get_num_threads()
         keep = (w, bias)
@@ -217,7 +220,7 @@ class AmxKernels:
         if not self.takes_int(w):
             raise ValueError(f"the AMX int8 kernel takes blocks of 32 and K a multiple of 32, "
                              f"not K={k} with blocks of {w.bs}")
-        fn = self.lib.gq_amx_q_linear
+        fn = self.lib.q_linear
         tiles, sc, mn = self.int_tiles(w)
         wargs = (tiles.data_ptr(), w.bits, sc.data_ptr(), mn.data_ptr(),
                  int(sc.dtype == torch.float32), bias.data_ptr() if bias is not None else None)
