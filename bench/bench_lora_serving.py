@@ -18,7 +18,7 @@ N(0, 1/in), B ~ N(0, 0.02^2) (non-zero, so the delta is really computed), scalin
 - lora: --enable-lora --lora-paths (every adapter) --max-loras-per-batch --num-adapters
   --max-lora-rank --lora-rank --lora-backend (default auto: the resolver's choice; the report
   names the backend the plan chose);
-- base_eager (CUDA, graphs on, unless --skip-eager-base): the base with --disable-cuda-graph,
+- base_eager (graphs on, unless --skip-eager-base): the base with --disable-cuda-graph,
   what the graphs give the base. With a graph-safe LoRA backend (triton) the decode graphs hold
   the LoRA path (core/contract/graphs.py): steps serving adapters replay them like base steps,
   so "decode steps from graphs" reads n/n on the LoRA engine too (steps above the largest
@@ -384,7 +384,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.config is None and gpu:
         a.config = str(DEFAULT_CONFIG)
     a.cfg = json.loads(Path(a.config).read_text()) if a.config else dict(TINY)
-    a.eager_base = gpu and not a.disable_cuda_graph and not a.skip_eager_base
+    a.eager_base = not a.disable_cuda_graph and not a.skip_eager_base  # CPUs have graphs too
     return a
 
 
