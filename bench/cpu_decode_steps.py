@@ -7,10 +7,11 @@ diagnostic for A/B comparisons of two checkouts on a noisy VM, not a benchmark).
     python bench/cpu_decode_steps.py --quantization gguf_avx512,gguf_avx512_q8 --rounds 3
                                                           # methods A/B, interleaved rounds
     python bench/cpu_decode_steps.py --graphs on,off --rounds 3   # CPU decode graphs A/B
+    python bench/cpu_decode_steps.py --graphs on,off --batch 1,4,16  # decode batches of N
 
-Builds the engine core in this process (no worker, no server), prefills a 128-token prompt
-and runs --steps greedy decode steps, EOS ignored; prints steps per second over the whole
-loop (the one prefill included). Run two checkouts interleaved, several times, and compare
+Builds the engine core in this process (no worker, no server), prefills --batch 128-token
+prompts and runs --steps greedy decode steps of them, EOS ignored; prints steps per second
+over the whole loop (the prefill included) and output tokens per second. Run two checkouts interleaved, several times, and compare
 only those runs with each other.
 """
 
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated on/off: decode graphs (off = --disable-cuda-graph), "
                         "one engine each, measured in turn like --quantization")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--batch", default="1",
+                   help="comma-separated decode batch sizes: N requests at once (each its own "
+                        "128-token prompt), measured in turn within each round")
     a = p.parse_args(argv)
     sys.path.insert(0, a.repo)
     from core.engine.loader import load_model
@@ -54,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         cores = {m: build(a, m, load_model, build_engine_core, make_plan, make_server_args)
                  for m in methods}
         for _ in range(a.rounds):
-            for m, core in cores.items():
-                measure(a, core, threads, m)
+            for batch in (int(b) for b in a.batch.split(",")):
+                for m, core in cores.items():
+                    measure(a, core, threads, m, batch)
     return 0
 
 
@@ -73,14 +78,14 @@ def build(a, method_graphs, load_model, build_engine_core, make_plan, make_serve
     return build_engine_core(args, plan, spec, registry, load_model(args, plan, registry))
 
 
-def measure(a, core, threads, method_graphs) -> None:
+def measure(a, core, threads, method_graphs, batch: int = 1) -> None:
     method, graphs = method_graphs
     sched = core.scheduler
-    prompt = list(range(100, 228))
 
     def run(n: int, rid: str) -> tuple[float, int]:
-        sched.add_request(rid, prompt, {"max_new_tokens": n, "temperature": 0,
-                                        "ignore_eos": True})
+        for i in range(batch):  # distinct prompts: no prefix shared through the radix cache
+            sched.add_request(f"{rid}-{i}", list(range(100 + 200 * i, 228 + 200 * i)),
+                              {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
         t, steps = time.perf_counter(), 0
         while sched.has_work:
             sched.step()
@@ -89,8 +94,9 @@ def measure(a, core, threads, method_graphs) -> None:
 
     run(8, "warm-up")
     dt, steps = run(a.steps, "measured")
-    print(f"{a.repo} threads={threads or 'default'} {method or 'default method'} graphs {graphs}: {steps} steps in {dt:.2f} s: "
-          f"{steps / dt:.1f} steps/s, {1000 * dt / steps:.2f} ms a step", flush=True)
+    print(f"{a.repo} threads={threads or 'default'} {method or 'default method'} graphs "
+          f"{graphs} batch {batch}: {steps} steps in {dt:.2f} s: {steps / dt:.1f} steps/s, "
+          f"{1000 * dt / steps:.2f} ms a step, {batch * a.steps / dt:.1f} tokens/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def test_cpu_keeps_its_own_defaults(llama8b):
 
     d = CpuPlatform(cpu.probe()).memory_defaults(512 * GiB, llama8b)
     assert (d.chunked_prefill_size, d.mem_fraction_static, d.max_running_requests,
-            d.kv_cap_tokens, d.graph_max_bs) == (2048, 0.5, 64, 32768, 0)
+            d.kv_cap_tokens, d.graph_max_bs) == (2048, 0.5, 64, 32768, 8)
     assert "CPU defaults" in d.note
 
 

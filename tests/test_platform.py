@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.contract.capabilities import DeviceInfo, HardwareCaps
+from core.contract.capabilities import DeviceInfo, HardwareCaps, c_compiler
 from core.contract.hookspecs import hookimpl
 from core.contract.platform import (
     BasePlatform,
@@ -106,7 +106,9 @@ def test_every_built_in_target_registers_a_whole_platform(target, profile):
     assert isinstance(platform, BasePlatform) and not isinstance(platform, GenericPlatform)
     assert type(platform) is registry.get("hardware", target).platform  # resolved at register
     assert isinstance(platform.graphs(), GraphSupport)
-    assert platform.graphs().available == (target in ("cuda", "rocm"))
+    # CPUs replay graphs of recorded C calls through a compiled trampoline (cpu_graphs.py)
+    want = target in ("cuda", "rocm") or (target == "cpu" and c_compiler() is not None)
+    assert platform.graphs().available == want
     if not platform.graphs().available:
         assert platform.graphs().reason  # off, and says why
     # graph ability has one source: the profile (and select_device) say what the Platform says
@@ -179,9 +181,12 @@ def test_a_target_without_a_platform_runs_generic_and_says_so():
 
 
 def test_graph_capture_comes_from_the_platform_not_the_profile(monkeypatch):
+    from plugins.hardware.cpu_runtime import CpuPlatform
     from plugins.hardware.gpu import TorchCudaPlatform
 
     assert PROFILES["h100"].graph_capture is True
+    assert select_device(build_registry(), "cpu").graph_capture is (c_compiler() is not None)
+    monkeypatch.setattr(CpuPlatform, "graphs", lambda self: GraphSupport(False, "no cc"))
     assert select_device(build_registry(), "cpu").graph_capture is False
     monkeypatch.setattr(TorchCudaPlatform, "graphs", lambda self: GraphSupport(False, "no"))
     assert select_device(build_registry(), profile="h100").graph_capture is False

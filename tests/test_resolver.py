@@ -334,10 +334,11 @@ def test_graph_capture_off_by_flag_by_moe_runner_and_on_cpu(model_spec, test_reg
                    moe_runner_backend="torch_native")
     assert moe.cuda_graph is False
     assert any("MoE runner torch_native cannot be captured" in n for n in moe.notes)
+    # the CPU platform captures (graphs of C calls), but only when every decode-step plugin
+    # declares it: this registry's CPU attention does not
     cpu = plan_for(model_spec("llama-3.1-8b"), "x86-cpu", test_registry)
     assert cpu.cuda_graph is False
-    assert "graph capture off: the cpu platform captures no decode graphs (its Platform.graphs())" \
-        in cpu.notes
+    assert any(n.startswith("graph capture off: decode attention ") for n in cpu.notes), cpu.notes
 
 
 # ------------------------------------------------------------------------------ page size

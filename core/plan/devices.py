@@ -41,7 +41,9 @@ def _cpu(name: str, vendor: str, memory: int, features: tuple[str, ...], **extra
          ) -> DeviceInfo:
     return DeviceInfo(target="cpu", device_type="cpu", name=name, vendor=vendor, count=1,
                       arch="x86_64", memory_bytes=memory, features=features, dist_backend="gloo",
-                      graph_capture=False, simulated=True, extra=extra)
+                      # the CPU Platform captures graphs of C calls where a C compiler is
+                      # (select_device re-derives it from the Platform on this machine)
+                      graph_capture=True, simulated=True, extra=extra)
 
 
 # Memory is what the device reports as total, not the marketing figure. The H200 (sold as 141 GB)

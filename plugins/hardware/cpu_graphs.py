@@ -243,8 +243,10 @@ class CpuGraphRunner(GraphRunner):
         graph.replay()
         replayed = self.logits[:bs].clone()
         self._forward(batch, bs)
-        if not torch.equal(replayed, self.logits[:bs]):
-            diff = (replayed - self.logits[:bs]).abs().max().item()
+        eager = self.logits[:bs]
+        same = (replayed == eager) | (replayed.isnan() & eager.isnan())
+        if not bool(same.all()):
+            diff = (replayed - eager).abs().nan_to_num(float("inf")).max().item()
             raise GraphUnsafe(f"the replay of batch size {bs} differs from the eager forward "
                               f"(max |diff| {diff:.3g}): some work of the forward was not "
                               f"recorded (a native call made without NativeFn, or per-step "
