@@ -92,6 +92,7 @@ def workload(a: argparse.Namespace) -> dict[str, Any]:
     order = [lens[(5 * i) % n] for i in range(n)] if math.gcd(5, n) == 1 else lens  # mixed
     return {**s, "dtype": a.dtype, "threads": a.threads, "reps": a.reps, "seed": a.seed,
             "llama_extra_bufts": a.llama_extra_bufts, "quantization": a.quantization,
+            "disable_cuda_graph": a.disable_cuda_graph,
             "n_ctx": N_CTX, "model_path": a.model_path, "hf_concurrent": a.hf_concurrent,
             "warm_prompt": ids(TG_PROMPT), "tg_prompt": ids(TG_PROMPT),
             "pp_prompts": {str(n_): ids(n_) for n_ in s["pp_lens"]},
@@ -176,6 +177,8 @@ def worker_ours(job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(job["threads"])  # this process; the engine worker reads OMP_NUM_THREADS
     t = time.perf_counter()
     quant = {"quantization": job["quantization"]} if job.get("quantization") else {}
+    if job.get("disable_cuda_graph"):
+        quant["disable_cuda_graph"] = True
     engine = core.Engine(job["model_path"], dtype=job["dtype"], device="cpu",
                          max_total_tokens=job["n_ctx"], **quant)
     res: dict[str, Any] = {"import_s": imported, "load_s": time.perf_counter() - t}
@@ -186,8 +189,10 @@ def worker_ours(job: dict[str, Any]) -> dict[str, Any]:
                        "decode_attention": plan.decode_attention, "layer_ops": plan.layer_ops,
                        "kv_cache_dtype": plan.kv_cache_dtype, "notes": list(plan.notes),
                        "engine_notes": list(engine.info.notes)}
+        graphs = list(engine.info.cuda_graph_batch_sizes)
         res["path"] = (f"quant {plan.quant_method} (weights {plan.quant_format}, compute "
-                       f"{plan.dtype}), {plan.decode_attention} attention")
+                       f"{plan.dtype}), {plan.decode_attention} attention, decode graphs "
+                       f"{'up to batch ' + str(graphs[-1]) if graphs else 'off'}")
 
         def stream(ids: list[int], n: int) -> tuple[float, float, int]:
             """(s to the first token, s from the first to the last, tokens after the first)."""
@@ -424,6 +429,8 @@ def serve_concurrent(job: dict[str, Any], log: Path, timeout: float) -> dict[str
              "--max-total-tokens", str(job["n_ctx"])]
     if job.get("quantization"):
         flags += ["--quantization", job["quantization"]]
+    if job.get("disable_cuda_graph"):
+        flags.append("--disable-cuda-graph")
     prompts, new = job["concurrent_prompts"], job["concurrent_new"]
     with ServerProcess(flags, log, timeout) as srv:
         warm, _ = asyncio.run(run_load(srv.url, srv.api_key, job["serve_warm_prompts"], 4,
@@ -580,6 +587,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default=None,
                    help="ours' quant method (default: the resolver's choice), e.g. gguf_avx512 "
                         "for the VNNI path on a CPU with AMX")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="ours without decode graphs (CPU graphs of C calls are on by default)")
     p.add_argument("--hf-concurrent", action=argparse.BooleanOptionalAction, default=True,
                    help="HF's padded batched generate for the concurrent row")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per peer")

@@ -11,13 +11,15 @@ diagnostic for A/B comparisons of two checkouts on a noisy VM, not a benchmark).
 
 Builds the engine core in this process (no worker, no server), prefills --batch 128-token
 prompts and runs --steps greedy decode steps of them, EOS ignored; prints steps per second
-over the whole loop (the prefill included) and output tokens per second. Run two checkouts interleaved, several times, and compare
+over the whole loop (the prefill included), and the median decode step with its output tokens
+per second. Run two checkouts interleaved, several times, and compare
 only those runs with each other.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -82,22 +84,27 @@ def measure(a, core, threads, method_graphs, batch: int = 1) -> None:
     method, graphs = method_graphs
     sched = core.scheduler
 
-    def run(n: int, rid: str) -> tuple[float, int]:
+    def run(n: int, rid: str) -> tuple[float, int, list[float]]:
         for i in range(batch):  # distinct prompts: no prefix shared through the radix cache
             sched.add_request(f"{rid}-{i}", list(range(100 + 200 * i, 228 + 200 * i)),
                               {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
-        t, steps = time.perf_counter(), 0
+        t, times = time.perf_counter(), []
         while sched.has_work:
+            s = time.perf_counter()
             sched.step()
-            steps += 1
-        return time.perf_counter() - t, steps
+            times.append(time.perf_counter() - s)
+        return time.perf_counter() - t, len(times), times
 
     run(8, "warm-up")
-    dt, steps = run(a.steps, "measured")
+    dt, steps, times = run(a.steps, "measured")
+    # decode steps only: the prefill (one chunk of up to 2048 tokens a step) and the last step
+    # left out; the median, robust to a noisy neighbour
+    prefill = -(-batch * 128 // 2048)
+    med = statistics.median(times[prefill:-1])
     print(f"{a.repo} threads={threads or 'default'} {method or 'default method'} graphs "
           f"{graphs} batch {batch}: {steps} steps in {dt:.2f} s: {steps / dt:.1f} steps/s, "
-          f"{1000 * dt / steps:.2f} ms a step, {batch * a.steps / dt:.1f} tokens/s", flush=True)
-
+          f"{1000 * dt / steps:.2f} ms a step; decode median {1000 * med:.2f} ms a step, "
+          f"{batch / med:.1f} tokens/s", flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

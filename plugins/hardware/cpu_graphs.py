@@ -141,19 +141,31 @@ class _Capture(TorchDispatchMode):
             raise GraphUnsafe(f"{func} is a collective: a CPU graph replay would not wait "
                               f"on it")
         out = func(*args, **kwargs)
-        leaves = tree_leaves(out)
-        if any(not isinstance(o, torch.Tensor) and o is not None for o in leaves):
-            raise GraphUnsafe(f"{func} reads a value back on the host, which a replay would "
-                              f"not read again")
-        outs = [o for o in leaves if isinstance(o, torch.Tensor)]
+        if isinstance(out, torch.Tensor):  # the common case, without a tree walk
+            outs = [out]
+        else:
+            leaves = tree_leaves(out)
+            if any(not isinstance(o, torch.Tensor) and o is not None for o in leaves):
+                raise GraphUnsafe(f"{func} reads a value back on the host, which a replay "
+                                  f"would not read again")
+            outs = [o for o in leaves if isinstance(o, torch.Tensor)]
         self.keep.append((args, kwargs, outs))
         if func in ALLOC:
             return out
-        if func.is_view and {o.untyped_storage().data_ptr() for o in outs} <= _storages(
-                (args, kwargs)):
+        if func.is_view and self._aliases(outs, args, kwargs):
             return out  # memory of its inputs: nothing to redo
         self.steps.append(("t", func, args, kwargs, outs))
         return out
+
+    @staticmethod
+    def _aliases(outs: list[torch.Tensor], args: tuple, kwargs: dict) -> bool:
+        """Whether every output lies in an input's memory (a view op that made a copy, as
+        reshape may, does not)."""
+        mine = {o.untyped_storage().data_ptr() for o in outs}
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is not None and mine == {first.untyped_storage().data_ptr()}:
+            return True
+        return mine <= _storages((args, kwargs))
 
 
 def _thunk(func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> Callable[[], None]:
@@ -223,9 +235,10 @@ class CpuGraphRunner(GraphRunner):
     def capture(self) -> None:
         self.prepare_capture()
         with torch.inference_mode():
-            for bs in self.sizes:
+            for i, bs in enumerate(self.sizes):
                 batch = self.capture_batch(bs)
-                self._forward(batch, bs)  # warm-up: bindings and lazy builds outside the record
+                if i == 0:  # warm-up: the layers' bindings and lazy builds outside the record
+                    self._forward(batch, bs)
                 cap = _Capture()
                 with cap, recording(cap):
                     self._forward(batch, bs)
