@@ -14,7 +14,9 @@ What is recorded (core.contract.native has the plugin's side of the contract):
   on the same tensors, its outputs copied into the captured ones where it made new ones;
 - refused (the capture fails, decode stays eager, the note says why): an op that reads a value
   back on the host (`.item()`, a Python number out), and collectives (a replay would not wait
-  on them).
+  on them; tensor parallelism on CPUs therefore decodes eagerly). Reads that bypass torch's
+  dispatcher (`.tolist()`, `.numpy()`) are not seen here; the check below catches them when
+  they change what the forward computes.
 
 After each bucket's capture the graph is checked: replayed on other inputs and compared with an
 eager forward on the same inputs, bit for bit. A native call made around NativeFn (not
