@@ -157,7 +157,8 @@ def test_verify_cost_times_plain_and_verify_steps_of_the_running_batch(tmp_path)
     got = verify_cost.verify_vs_plain(sched, 3, 4)
     assert sched.spec.proposer.propose == propose
     assert got["plain_forwards"] == {"decode": 4}
-    assert got["verify_forwards"] == {"verify": 4}  # no graphs on the CPU: the extend
+    # CPU graphs: each verify step replays them as decode rows (cpu_c declares verify_rows)
+    assert got["verify_forwards"] == {"verify": 4, "verify_graph": 4}
     assert got["plain_step_ms"] > 0 and got["verify_step_ms"] > 0
     assert got["best_case_spec_vs_off"] == pytest.approx(4 / got["verify_vs_plain"])
     assert sched.counters["spec_num_draft_tokens"] == 4 * 2 * 3

@@ -91,8 +91,11 @@ def test_verify_steps_replay_decode_graphs_where_the_decode_backend_declares_row
             speculative_algorithm="ngram", **extra), test_registry)
         assert not off.spec_verify_graphs
         assert any("verify steps run eagerly" in n and why in n for n in off.notes), off.notes
+    # the CPU: cpu_c declares verify_rows and the CPU platform captures (graphs of C calls)
     cpu = make_plan(make_server_args(speculative_algorithm="ngram"))[1]
-    assert not cpu.spec_verify_graphs and not make_plan(make_server_args())[1].spec_verify_graphs
+    assert cpu.spec_verify_graphs == cpu.cuda_graph
+    assert cpu.spec_verify_graphs == cpu.decode_attention.startswith("cpu_c"), cpu.notes
+    assert not make_plan(make_server_args())[1].spec_verify_graphs  # no speculation
 
 
 def test_flags_sglang_names_case_insensitive_and_vllm_config():

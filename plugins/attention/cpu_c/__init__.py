@@ -65,6 +65,7 @@ def core_register_attention_backends(register):
             # decode graphs: on the CPU (plugins/hardware/cpu_graphs.py), its decode reads the
             # static table through ca_decode_tab, a NativeFn
             sinks=False, phases={"prefill", "decode"}, cuda_graph=True,
+            verify_rows=True,  # every row's K/V is stored before any row attends
             # one work item per (request, KV head), a fixed summation order
             deterministic=True, programs=("cc",), priority={"cpu": prio},
             description=f"C decode straight from the paged KV pool ({variant} build); prefill "
