@@ -1,8 +1,8 @@
 """CPU decode graphs (plugins/hardware/cpu_graphs.py, core/contract/native.py): recorded C calls
 replay with the arguments they were given, whatever their types; an engine's greedy answers are
-the same with graphs on and off; a forward whose work a graph would miss (a C call made around
-NativeFn) or cannot replay (a value read back on the host) is refused at capture, with the
-reason in the engine's notes, and decode stays eager."""
+the same with graphs on and off; collectives replay and are waited on; a forward whose work a
+graph would miss (a C call made around NativeFn) or cannot replay (a value read back on the
+host) is refused at capture, with the reason in the engine's notes, and decode stays eager."""
 
 from __future__ import annotations
 
@@ -102,6 +102,30 @@ def test_native_fn_refuses_types_a_replay_cannot_pass():
         NativeFn(libc.strlen, [ctypes.c_char])
     with pytest.raises(TypeError, match="returns int or nothing"):
         NativeFn(libc.strlen, [ctypes.c_void_p], restype=ctypes.c_size_t)
+
+
+def test_a_collective_is_replayed_and_waited_on(tmp_path):
+    """Tensor parallelism's all-reduce (gloo, here a group of one) is recorded like an op and
+    replayed in its place; the replay waits on its Work as dist.all_reduce does."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        x = torch.ones(4)
+
+        def forward():
+            x.mul_(2)
+            dist.all_reduce(x)
+            x.add_(1)
+
+        graph = _record(forward)
+        assert graph.torch_ops == 3 and x.tolist() == [3.0] * 4
+        x.fill_(5)
+        graph.replay()
+        assert x.tolist() == [11.0] * 4
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_host_read_is_refused_at_capture():

@@ -153,8 +153,11 @@ def test_tp2_greedy_equals_tp1_and_transformers(arch, ep, tmp_path):
                     "max_new_tokens": 60, "temperature": 0, "constraint": {
                         "kind": "regex", "value": "[a-z]{3,9}( [a-z]{2,8}){1,4}\\."}})
             if tp == 2:
-                assert any("tensor parallel: rank 0 of 2 (gloo)" in n
-                           for n in eng.client.info.notes)
+                notes = eng.client.info.notes
+                assert any("tensor parallel: rank 0 of 2 (gloo)" in n for n in notes)
+                # CPU decode graphs replay the all-reduce (plugins/hardware/cpu_graphs.py)
+                captured = any(n.startswith("captured decode graphs") for n in notes)
+                assert captured == eng.plan.cuda_graph, notes
     assert got[2] == got[1]
     assert got[2] == want
     assert sampled.get(2) == sampled.get(1)

@@ -12,11 +12,13 @@ What is recorded (core.contract.native has the plugin's side of the contract):
   (the graph keeps every tensor the capture made alive, so the addresses the C calls were given
   stay valid, and a view's memory is its base's); any other op is replayed by calling it again
   on the same tensors, its outputs copied into the captured ones where it made new ones;
+- collectives of torch.distributed (`c10d.*`: tensor parallelism's all-reduce over gloo) are
+  replayed like other ops, and the replay waits on the Work they return, as the eager call's
+  `all_reduce` does; every rank replays the same sequence, so the collectives pair up;
 - refused (the capture fails, decode stays eager, the note says why): an op that reads a value
-  back on the host (`.item()`, a Python number out), and collectives (a replay would not wait
-  on them; tensor parallelism on CPUs therefore decodes eagerly). Reads that bypass torch's
-  dispatcher (`.tolist()`, `.numpy()`) are not seen here; the check below catches them when
-  they change what the forward computes.
+  back on the host (`.item()`, a Python number out). Reads that bypass torch's dispatcher
+  (`.tolist()`, `.numpy()`) are not seen here; the check below catches them when they change
+  what the forward computes.
 
 After each bucket's capture the graph is checked: replayed on other inputs and compared with an
 eager forward on the same inputs, bit for bit. A native call made around NativeFn (not
@@ -49,7 +51,9 @@ _aten = torch.ops.aten
 ALLOC = frozenset({_aten.empty.memory_format, _aten.empty_like.default,
                    _aten.empty_strided.default, _aten.new_empty.default,
                    _aten.new_empty_strided.default})
-COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
+# collectives whose ops return a Work to wait on (the functional ones return tensors and are
+# waited on by an op of their own, replayed like any other)
+COLLECTIVES = frozenset({"c10d"})
 
 _C = {"p": "void *", "i": "int", "l": "int64_t", "f": "float", "d": "double"}
 _ARG = {"p": "(void *)a[{}]", "i": "(int)a[{}]", "l": "a[{}]", "f": "cg_f(a[{}])",
@@ -145,10 +149,12 @@ class _Capture(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace in COLLECTIVES:
-            raise GraphUnsafe(f"{func} is a collective: a CPU graph replay would not wait "
-                              f"on it")
         out = func(*args, **kwargs)
+        if func.namespace in COLLECTIVES:
+            outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
+            self.keep.append((args, kwargs, outs))
+            self.steps.append(("t", func, args, kwargs, outs))
+            return out
         if isinstance(out, torch.Tensor):  # the common case, without a tree walk
             outs = [out]
         else:
@@ -177,11 +183,17 @@ class _Capture(TorchDispatchMode):
 
 
 def _thunk(func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> Callable[[], None]:
+    collective = func.namespace in COLLECTIVES
+
     def run() -> None:
-        for o, r in zip(outs, (t for t in tree_leaves(func(*args, **kwargs))
-                               if isinstance(t, torch.Tensor)), strict=True):
+        leaves = tree_leaves(func(*args, **kwargs))
+        for o, r in zip(outs, (t for t in leaves if isinstance(t, torch.Tensor)), strict=True):
             if r.data_ptr() != o.data_ptr():  # a new tensor (an in-place op returns its own)
                 o.copy_(r)
+        if collective:  # what the eager call (dist.all_reduce, async_op=False) does next
+            for w in leaves:
+                if hasattr(w, "wait") and not isinstance(w, torch.Tensor):
+                    w.wait()
     return run
 
 
