@@ -176,11 +176,11 @@ def worker_ours(job: dict[str, Any]) -> dict[str, Any]:
     imported = time.perf_counter() - t
     torch.set_num_threads(job["threads"])  # this process; the engine worker reads OMP_NUM_THREADS
     t = time.perf_counter()
-    quant = {"quantization": job["quantization"]} if job.get("quantization") else {}
+    kw = {"quantization": job["quantization"]} if job.get("quantization") else {}
     if job.get("disable_cuda_graph"):
-        quant["disable_cuda_graph"] = True
+        kw["disable_cuda_graph"] = True
     engine = core.Engine(job["model_path"], dtype=job["dtype"], device="cpu",
-                         max_total_tokens=job["n_ctx"], **quant)
+                         max_total_tokens=job["n_ctx"], **kw)
     res: dict[str, Any] = {"import_s": imported, "load_s": time.perf_counter() - t}
     try:
         plan = engine.plan

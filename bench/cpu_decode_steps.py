@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+PROMPT = 128  # tokens in each request's prompt
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -86,7 +88,7 @@ def measure(a, core, threads, method_graphs, batch: int = 1) -> None:
 
     def run(n: int, rid: str) -> tuple[float, int, list[float]]:
         for i in range(batch):  # distinct prompts: no prefix shared through the radix cache
-            sched.add_request(f"{rid}-{i}", list(range(100 + 200 * i, 228 + 200 * i)),
+            sched.add_request(f"{rid}-{i}", list(range(100 + 200 * i, 100 + 200 * i + PROMPT)),
                               {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
         t, times = time.perf_counter(), []
         while sched.has_work:
@@ -99,7 +101,7 @@ def measure(a, core, threads, method_graphs, batch: int = 1) -> None:
     dt, steps, times = run(a.steps, "measured")
     # decode steps only: the prefill (one chunk of up to 2048 tokens a step) and the last step
     # left out; the median, robust to a noisy neighbour
-    prefill = -(-batch * 128 // 2048)
+    prefill = -(-batch * PROMPT // 2048)
     med = statistics.median(times[prefill:-1])
     print(f"{a.repo} threads={threads or 'default'} {method or 'default method'} graphs "
           f"{graphs} batch {batch}: {steps} steps in {dt:.2f} s: {steps / dt:.1f} steps/s, "

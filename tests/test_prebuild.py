@@ -127,7 +127,6 @@ def test_a_hook_that_raises_is_dropped(monkeypatch):
     prebuild._run(Reg())  # returns: the engine's own build reports failures
 
 
-
 def test_a_filesystem_without_locks_still_builds(counting_cc, monkeypatch):
     def no_locks(*_):
         raise OSError(37, "No locks available")

@@ -150,19 +150,16 @@ class _Capture(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace in COLLECTIVES:
-            outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
-            self.keep.append((args, kwargs, outs))
-            self.steps.append(("t", func, args, kwargs, outs))
-            return out
         if isinstance(out, torch.Tensor):  # the common case, without a tree walk
             outs = [out]
         else:
             leaves = tree_leaves(out)
-            if any(not isinstance(o, torch.Tensor) and o is not None for o in leaves):
+            outs = [o for o in leaves if isinstance(o, torch.Tensor)]
+            # a collective's Work is waited on at replay (_thunk); any other value is a host read
+            if func.namespace not in COLLECTIVES and len(outs) < sum(o is not None
+                                                                     for o in leaves):
                 raise GraphUnsafe(f"{func} reads a value back on the host, which a replay "
                                   f"would not read again")
-            outs = [o for o in leaves if isinstance(o, torch.Tensor)]
         self.keep.append((args, kwargs, outs))
         if func in ALLOC:
             return out

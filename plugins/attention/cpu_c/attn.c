@@ -222,12 +222,8 @@ static int64_t head_parts(int64_t items, int64_t heads, int nthreads) {
     return 1;
 }
 
-/* q [B, H, D] fp32 (q_bf 0) or bf16 (1); kb [S, Hkv, D], vb [S, Hkv, Dv] with slots ks and vs
- * elements apart (Hkv * D and Hkv * Dv for separate K and V caches; MLA's latent cache is one
- * head whose V is the first Dv values of its K row, ks = vs = the row width); slots [B, ss] int64;
- * seq_lens [B]; window > 0 keeps the last `window` keys; cap > 0 soft-caps scores;
- * out [B, H, Dv] fp32 (out_bf 0) or bf16 (1, rounded to nearest even as torch does).
- * Returns 0, or -2 when out of memory. */
+/* ca_decode's and ca_decode_tab's body: slots [B, ss] int64 with seq_lens int64, or a table
+ * [*, ss] int32 with rows and lens32 (the other pair NULL) */
 static int decode_all(const void *q, int q_bf, const void *kb, const void *vb, int bf,
                       const int64_t *slots, const int32_t *table, const int64_t *rows,
                       int64_t ss, const int64_t *seq_lens, const int32_t *lens32, int64_t B,
@@ -235,6 +231,12 @@ static int decode_all(const void *q, int q_bf, const void *kb, const void *vb, i
                       float scale, int64_t window, float cap, void *out, int out_bf,
                       int nthreads);
 
+/* q [B, H, D] fp32 (q_bf 0) or bf16 (1); kb [S, Hkv, D], vb [S, Hkv, Dv] with slots ks and vs
+ * elements apart (Hkv * D and Hkv * Dv for separate K and V caches; MLA's latent cache is one
+ * head whose V is the first Dv values of its K row, ks = vs = the row width); slots [B, ss] int64;
+ * seq_lens [B]; window > 0 keeps the last `window` keys; cap > 0 soft-caps scores;
+ * out [B, H, Dv] fp32 (out_bf 0) or bf16 (1, rounded to nearest even as torch does).
+ * Returns 0, or -2 when out of memory. */
 int ca_decode(const void *q, int q_bf, const void *kb, const void *vb, int bf,
               const int64_t *slots, int64_t ss, const int64_t *seq_lens, int64_t B, int64_t H,
               int64_t Hkv, int64_t D, int64_t Dv, int64_t ks, int64_t vs, float scale,

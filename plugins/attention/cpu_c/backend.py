@@ -27,15 +27,14 @@ def library(variant: str) -> SimpleNamespace:
     decode graph records their calls)."""
     lib = build(SOURCE, variant)
     p, i64, i32, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    # ca_decode_rows and ca_decode_tab: one more pointer than ca_decode (row offsets / rows)
+    two_arrays = [p, i32, p, p, i32, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, f, i64, f,
+                  p, i32, i32]
     return SimpleNamespace(
         ca_decode=NativeFn(lib.ca_decode, [p, i32, p, p, i32, p, i64, p, i64, i64, i64, i64, i64,
                                            i64, i64, f, i64, f, p, i32, i32]),
-        ca_decode_rows=NativeFn(lib.ca_decode_rows, [p, i32, p, p, i32, p, i64, p, p, i64, i64,
-                                                     i64, i64, i64, i64, i64, f, i64, f, p, i32,
-                                                     i32]),
-        ca_decode_tab=NativeFn(lib.ca_decode_tab, [p, i32, p, p, i32, p, i64, p, p, i64, i64,
-                                                   i64, i64, i64, i64, i64, f, i64, f, p, i32,
-                                                   i32]),
+        ca_decode_rows=NativeFn(lib.ca_decode_rows, two_arrays),
+        ca_decode_tab=NativeFn(lib.ca_decode_tab, two_arrays),
         ca_mla_decode=NativeFn(lib.ca_mla_decode, [p, p, i32, i64, p, i64, p, i64, i64, i64,
                                                    i64, f, p, i32]))
 
